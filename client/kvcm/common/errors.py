@@ -1,0 +1,70 @@
+"""The one exception hierarchy of kvcm's core, planning layer and shared vocabulary.
+
+Expected outcomes are values, not exceptions (``allocate_slots`` answers ``None`` when a
+request does not fit; ``reset_prefix_cache`` answers ``False`` while blocks are in use).
+Exceptions mean a caller broke the contract, and every one of them is raised *before* any
+state changes, so a rejected call leaves the pool exactly as it was.
+
+::
+
+    KVCMError
+    ├── InvalidArgumentError     a field of a call is out of its domain (names the field)
+    │   └── ConfigError          specs, configs or planning inputs are inconsistent
+    ├── NotFoundError            an id (request, pool, layer, rank) is unknown
+    ├── AlreadyExistsError       an id is taken
+    ├── FailedPreconditionError  the call is valid but not in the current state
+    └── ResourceExhaustedError   a hard capacity limit (not "does not fit this step")
+
+The service maps each class to one gRPC status code (INVALID_ARGUMENT, NOT_FOUND,
+ALREADY_EXISTS, FAILED_PRECONDITION, RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlreadyExistsError",
+    "ConfigError",
+    "FailedPreconditionError",
+    "InvalidArgumentError",
+    "KVCMError",
+    "NotFoundError",
+    "ResourceExhaustedError",
+]
+
+
+class KVCMError(Exception):
+    """Base class of every error kvcm raises on purpose."""
+
+
+class InvalidArgumentError(KVCMError, ValueError):
+    """Raised when an argument is outside its domain.
+
+    The message names the offending field (``num_new_tokens must be >= 0, got -1``).
+    """
+
+
+class ConfigError(InvalidArgumentError):
+    """Raised when KV-cache specs, a KV-cache config or planning inputs are inconsistent.
+
+    The message names the layer, group or field at fault.
+    """
+
+
+class NotFoundError(KVCMError, KeyError):
+    """Raised when an id (request, pool, layer, rank) is not known."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; a readable message matters more here.
+        return str(self.args[0]) if self.args else ""
+
+
+class AlreadyExistsError(KVCMError):
+    """Raised when creating something whose id is already taken."""
+
+
+class FailedPreconditionError(KVCMError):
+    """Raised when a valid call cannot run in the current state (a pool not yet planned)."""
+
+
+class ResourceExhaustedError(KVCMError):
+    """Raised when a hard capacity limit is hit (too many pools, requests or subscribers)."""

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Set up everything kvcm's tests need and run the whole suite: lint, format check, type check,
+# generated-code check, then pytest (unit, property, integration, and the differential tests
+# against vLLM 0.33.0, which this script builds in its own environment beside kvcm's).
+#
+#   bash scripts/test.sh            # everything
+#   bash scripts/test.sh -k hashing # extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+source scripts/setup-env.sh dev
+
+# The behaviour reference. It lives in its own virtual environment (its pins differ from ours);
+# the differential tests append its site-packages to the end of sys.path.
+if [ -z "${KVCM_VLLM_SITE:-}" ]; then
+  ref=""
+  for candidate in ../shared/tools/vllm-reference/setup.sh shared/tools/vllm-reference/setup.sh; do
+    if [ -f "$candidate" ]; then ref="$candidate"; break; fi
+  done
+  if [ -n "$ref" ]; then
+    echo "== building the vLLM 0.33.0 reference (first run ~2 min)" >&2
+    if site="$(bash "$ref")"; then
+      export KVCM_VLLM_SITE="$site"
+    else
+      echo "!! the vLLM reference did not build; the compat tests will skip and say why" >&2
+    fi
+  else
+    echo "!! no vllm-reference tool beside this checkout; the compat tests will skip" >&2
+  fi
+fi
+
+echo "== ruff" >&2
+ruff check .
+ruff format --check .
+echo "== mypy (strict)" >&2
+mypy server client
+if [ -x scripts/gen-proto.sh ]; then
+  echo "== generated protobuf code is up to date" >&2
+  bash scripts/gen-proto.sh --check
+fi
+echo "== pytest" >&2
+python -m pytest "$@"

@@ -1,0 +1,3 @@
+"""The kvcm server: allocation core, gRPC servicers and the HTTP side."""
+
+from __future__ import annotations
