@@ -1,0 +1,144 @@
+from kvcm.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PoolState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_STATE_UNSPECIFIED: _ClassVar[PoolState]
+    POOL_STATE_PENDING_WORKERS: _ClassVar[PoolState]
+    POOL_STATE_READY: _ClassVar[PoolState]
+POOL_STATE_UNSPECIFIED: PoolState
+POOL_STATE_PENDING_WORKERS: PoolState
+POOL_STATE_READY: PoolState
+
+class ExplicitLayout(_message.Message):
+    __slots__ = ("num_blocks", "kv_cache_groups")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    kv_cache_groups: _containers.RepeatedCompositeFieldContainer[_common_pb2.KVCacheGroupSpec]
+    def __init__(self, num_blocks: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheGroupSpec, _Mapping]]] = ...) -> None: ...
+
+class PoolConfig(_message.Message):
+    __slots__ = ("world_size", "explicit_layout", "num_blocks_override", "max_model_len", "scheduler_block_size", "hash_block_size", "max_in_flight_tokens", "enable_caching", "hash_algorithm", "hash_seed", "verify_block_hashes", "enable_kv_cache_events", "event_retention_num_events", "log_stats", "watermark")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPLICIT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_CACHING_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_RETENTION_NUM_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOG_STATS_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    explicit_layout: ExplicitLayout
+    num_blocks_override: int
+    max_model_len: int
+    scheduler_block_size: int
+    hash_block_size: int
+    max_in_flight_tokens: int
+    enable_caching: bool
+    hash_algorithm: _common_pb2.HashAlgorithm
+    hash_seed: str
+    verify_block_hashes: bool
+    enable_kv_cache_events: bool
+    event_retention_num_events: int
+    log_stats: bool
+    watermark: float
+    def __init__(self, world_size: _Optional[int] = ..., explicit_layout: _Optional[_Union[ExplicitLayout, _Mapping]] = ..., num_blocks_override: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algorithm: _Optional[_Union[_common_pb2.HashAlgorithm, str]] = ..., hash_seed: _Optional[str] = ..., verify_block_hashes: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., event_retention_num_events: _Optional[int] = ..., log_stats: _Optional[bool] = ..., watermark: _Optional[float] = ...) -> None: ...
+
+class CreatePoolRequest(_message.Message):
+    __slots__ = ("pool_id", "config")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    config: PoolConfig
+    def __init__(self, pool_id: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ...) -> None: ...
+
+class CreatePoolResponse(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolInfo
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ...) -> None: ...
+
+class ListPoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPoolsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolSummary]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolSummary, _Mapping]]] = ...) -> None: ...
+
+class DescribePoolRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class DescribePoolResponse(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolInfo
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ...) -> None: ...
+
+class DeletePoolRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class DeletePoolResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolSummary(_message.Message):
+    __slots__ = ("pool_id", "state", "num_blocks", "num_free_blocks", "num_requests")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    state: PoolState
+    num_blocks: int
+    num_free_blocks: int
+    num_requests: int
+    def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("pool_id", "state", "config", "kv_cache_config", "hashing", "registered_ranks", "num_free_blocks", "num_requests", "usage", "last_event_sequence")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    HASHING_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    state: PoolState
+    config: PoolConfig
+    kv_cache_config: _common_pb2.KVCacheConfig
+    hashing: _common_pb2.HashingParameters
+    registered_ranks: _containers.RepeatedScalarFieldContainer[int]
+    num_free_blocks: int
+    num_requests: int
+    usage: float
+    last_event_sequence: int
+    def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., kv_cache_config: _Optional[_Union[_common_pb2.KVCacheConfig, _Mapping]] = ..., hashing: _Optional[_Union[_common_pb2.HashingParameters, _Mapping]] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., last_event_sequence: _Optional[int] = ...) -> None: ...

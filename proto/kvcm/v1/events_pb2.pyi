@@ -1,0 +1,92 @@
+from kvcm.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEDIUM_UNSPECIFIED: _ClassVar[Medium]
+    MEDIUM_GPU: _ClassVar[Medium]
+    MEDIUM_CPU: _ClassVar[Medium]
+    MEDIUM_STORAGE: _ClassVar[Medium]
+MEDIUM_UNSPECIFIED: Medium
+MEDIUM_GPU: Medium
+MEDIUM_CPU: Medium
+MEDIUM_STORAGE: Medium
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "lora_name", "medium", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SPEC_KIND_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: bytes
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    lora_id: int
+    lora_name: str
+    medium: Medium
+    group_idx: int
+    kv_cache_spec_kind: _common_pb2.KVCacheSpecKind
+    kv_cache_spec_sliding_window: int
+    def __init__(self, block_hashes: _Optional[bytes] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., medium: _Optional[_Union[Medium, str]] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[_Union[_common_pb2.KVCacheSpecKind, str]] = ..., kv_cache_spec_sliding_window: _Optional[int] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium", "group_idx")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: bytes
+    medium: Medium
+    group_idx: int
+    def __init__(self, block_hashes: _Optional[bytes] = ..., medium: _Optional[_Union[Medium, str]] = ..., group_idx: _Optional[int] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared")
+    BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    block_stored: BlockStored
+    block_removed: BlockRemoved
+    all_blocks_cleared: AllBlocksCleared
+    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class SubscribeEventsRequest(_message.Message):
+    __slots__ = ("pool_id", "start_sequence", "max_events_per_message")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    MAX_EVENTS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    start_sequence: int
+    max_events_per_message: int
+    def __init__(self, pool_id: _Optional[str] = ..., start_sequence: _Optional[int] = ..., max_events_per_message: _Optional[int] = ...) -> None: ...
+
+class SubscribeEventsResponse(_message.Message):
+    __slots__ = ("first_sequence", "events", "timestamp_unix_seconds", "hash_length_bytes", "oldest_sequence")
+    FIRST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HASH_LENGTH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    first_sequence: int
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    timestamp_unix_seconds: float
+    hash_length_bytes: int
+    oldest_sequence: int
+    def __init__(self, first_sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., timestamp_unix_seconds: _Optional[float] = ..., hash_length_bytes: _Optional[int] = ..., oldest_sequence: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,437 @@
+from kvcm.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FreeMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FREE_MODE_UNSPECIFIED: _ClassVar[FreeMode]
+    FREE_MODE_FINISHED: _ClassVar[FreeMode]
+    FREE_MODE_PREEMPTED: _ClassVar[FreeMode]
+
+class StepOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_OP_KIND_UNSPECIFIED: _ClassVar[StepOpKind]
+    STEP_OP_KIND_ADD_REQUEST: _ClassVar[StepOpKind]
+    STEP_OP_KIND_APPEND_TOKENS: _ClassVar[StepOpKind]
+    STEP_OP_KIND_ALLOCATE: _ClassVar[StepOpKind]
+    STEP_OP_KIND_CACHE_BLOCKS: _ClassVar[StepOpKind]
+    STEP_OP_KIND_REMOVE_SKIPPED_BLOCKS: _ClassVar[StepOpKind]
+    STEP_OP_KIND_PREEMPT: _ClassVar[StepOpKind]
+    STEP_OP_KIND_FINISH: _ClassVar[StepOpKind]
+    STEP_OP_KIND_NEW_STEP_STARTS: _ClassVar[StepOpKind]
+FREE_MODE_UNSPECIFIED: FreeMode
+FREE_MODE_FINISHED: FreeMode
+FREE_MODE_PREEMPTED: FreeMode
+STEP_OP_KIND_UNSPECIFIED: StepOpKind
+STEP_OP_KIND_ADD_REQUEST: StepOpKind
+STEP_OP_KIND_APPEND_TOKENS: StepOpKind
+STEP_OP_KIND_ALLOCATE: StepOpKind
+STEP_OP_KIND_CACHE_BLOCKS: StepOpKind
+STEP_OP_KIND_REMOVE_SKIPPED_BLOCKS: StepOpKind
+STEP_OP_KIND_PREEMPT: StepOpKind
+STEP_OP_KIND_FINISH: StepOpKind
+STEP_OP_KIND_NEW_STEP_STARTS: StepOpKind
+
+class MultiModalFeature(_message.Message):
+    __slots__ = ("identifier", "offset_tokens", "length_tokens")
+    IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    identifier: str
+    offset_tokens: int
+    length_tokens: int
+    def __init__(self, identifier: _Optional[str] = ..., offset_tokens: _Optional[int] = ..., length_tokens: _Optional[int] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("request_key", "request_id", "prompt_token_ids", "block_hashes", "lora_id", "lora_name", "cache_salt", "mm_features", "skip_reading_prefix_cache")
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MM_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_READING_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    request_key: int
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: bytes
+    lora_id: int
+    lora_name: str
+    cache_salt: str
+    mm_features: _containers.RepeatedCompositeFieldContainer[MultiModalFeature]
+    skip_reading_prefix_cache: bool
+    def __init__(self, request_key: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., skip_reading_prefix_cache: _Optional[bool] = ...) -> None: ...
+
+class LookupOptions(_message.Message):
+    __slots__ = ("max_cache_hit_length",)
+    MAX_CACHE_HIT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    max_cache_hit_length: int
+    def __init__(self, max_cache_hit_length: _Optional[int] = ...) -> None: ...
+
+class SlotOptions(_message.Message):
+    __slots__ = ("num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "num_in_flight_tokens")
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXTERNAL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELAY_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FULL_SEQUENCE_MUST_FIT_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HAS_SCHEDULED_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_lookahead_tokens: int
+    num_external_computed_tokens: int
+    delay_cache_blocks: bool
+    num_encoder_tokens: int
+    full_sequence_must_fit: bool
+    reserved_blocks: int
+    has_scheduled_reqs: bool
+    num_in_flight_tokens: int
+    def __init__(self, num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., has_scheduled_reqs: _Optional[bool] = ..., num_in_flight_tokens: _Optional[int] = ...) -> None: ...
+
+class AddRequestRequest(_message.Message):
+    __slots__ = ("pool_id", "request")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request: NewRequest
+    def __init__(self, pool_id: _Optional[str] = ..., request: _Optional[_Union[NewRequest, _Mapping]] = ...) -> None: ...
+
+class AddRequestResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AppendTokensRequest(_message.Message):
+    __slots__ = ("pool_id", "request_key", "token_ids", "block_hashes")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request_key: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., request_key: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
+
+class AppendTokensResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("pool_id", "request_key", "mode")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request_key: int
+    mode: FreeMode
+    def __init__(self, pool_id: _Optional[str] = ..., request_key: _Optional[int] = ..., mode: _Optional[_Union[FreeMode, str]] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetComputedBlocksRequest(_message.Message):
+    __slots__ = ("pool_id", "request_key", "lookup")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request_key: int
+    lookup: LookupOptions
+    def __init__(self, pool_id: _Optional[str] = ..., request_key: _Optional[int] = ..., lookup: _Optional[_Union[LookupOptions, _Mapping]] = ...) -> None: ...
+
+class GetComputedBlocksResponse(_message.Message):
+    __slots__ = ("blocks", "num_computed_tokens")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _common_pb2.GroupedBlockIds
+    num_computed_tokens: int
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class ComputedBlocks(_message.Message):
+    __slots__ = ("num_new_computed_tokens", "blocks")
+    NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_new_computed_tokens: int
+    blocks: _common_pb2.GroupedBlockIds
+    def __init__(self, num_new_computed_tokens: _Optional[int] = ..., blocks: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ...) -> None: ...
+
+class AllocateSlotsRequest(_message.Message):
+    __slots__ = ("pool_id", "request_key", "num_new_tokens", "num_computed_tokens", "new_computed", "options")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request_key: int
+    num_new_tokens: int
+    num_computed_tokens: int
+    new_computed: ComputedBlocks
+    options: SlotOptions
+    def __init__(self, pool_id: _Optional[str] = ..., request_key: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., new_computed: _Optional[_Union[ComputedBlocks, _Mapping]] = ..., options: _Optional[_Union[SlotOptions, _Mapping]] = ...) -> None: ...
+
+class AllocateSlotsResponse(_message.Message):
+    __slots__ = ("status", "new_blocks")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    status: _common_pb2.ItemStatus
+    new_blocks: _common_pb2.GroupedBlockIds
+    def __init__(self, status: _Optional[_Union[_common_pb2.ItemStatus, str]] = ..., new_blocks: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ...) -> None: ...
+
+class CacheBlocksRequest(_message.Message):
+    __slots__ = ("pool_id", "request_key", "num_computed_tokens")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request_key: int
+    num_computed_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., request_key: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class CacheBlocksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoveSkippedBlocksRequest(_message.Message):
+    __slots__ = ("pool_id", "request_key", "total_computed_tokens")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request_key: int
+    total_computed_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., request_key: _Optional[int] = ..., total_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class RemoveSkippedBlocksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EvictBlocksRequest(_message.Message):
+    __slots__ = ("pool_id", "block_ids")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EvictBlocksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset",)
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    def __init__(self, reset: _Optional[bool] = ...) -> None: ...
+
+class GetBlocksRequest(_message.Message):
+    __slots__ = ("pool_id", "request_key")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request_key: int
+    def __init__(self, pool_id: _Optional[str] = ..., request_key: _Optional[int] = ...) -> None: ...
+
+class GetBlocksResponse(_message.Message):
+    __slots__ = ("blocks", "ref_cnts", "is_cached", "block_hashes")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REF_CNTS_FIELD_NUMBER: _ClassVar[int]
+    IS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    blocks: _common_pb2.GroupedBlockIds
+    ref_cnts: _containers.RepeatedScalarFieldContainer[int]
+    is_cached: _containers.RepeatedScalarFieldContainer[bool]
+    block_hashes: bytes
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., ref_cnts: _Optional[_Iterable[int]] = ..., is_cached: _Optional[_Iterable[bool]] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
+
+class GetBlockIdsRequest(_message.Message):
+    __slots__ = ("pool_id", "request_key")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request_key: int
+    def __init__(self, pool_id: _Optional[str] = ..., request_key: _Optional[int] = ...) -> None: ...
+
+class GetBlockIdsResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _common_pb2.GroupedBlockIds
+    def __init__(self, blocks: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ...) -> None: ...
+
+class GetNumCommonPrefixBlocksRequest(_message.Message):
+    __slots__ = ("pool_id", "running_request_key")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    running_request_key: int
+    def __init__(self, pool_id: _Optional[str] = ..., running_request_key: _Optional[int] = ...) -> None: ...
+
+class GetNumCommonPrefixBlocksResponse(_message.Message):
+    __slots__ = ("num_common_prefix_blocks",)
+    NUM_COMMON_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_common_prefix_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_common_prefix_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TakeNewBlockIdsRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class TakeNewBlockIdsResponse(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class NewStepStartsRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class NewStepStartsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class GetUsageResponse(_message.Message):
+    __slots__ = ("usage", "num_free_blocks", "num_blocks", "num_requests")
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_requests: int
+    def __init__(self, usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
+
+class PrefixCacheStats(_message.Message):
+    __slots__ = ("reset", "num_requests", "num_query_tokens", "num_hit_tokens", "num_preempted_requests", "num_preempted_query_tokens", "num_preempted_hit_tokens")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    num_requests: int
+    num_query_tokens: int
+    num_hit_tokens: int
+    num_preempted_requests: int
+    num_preempted_query_tokens: int
+    num_preempted_hit_tokens: int
+    def __init__(self, reset: _Optional[bool] = ..., num_requests: _Optional[int] = ..., num_query_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_preempted_requests: _Optional[int] = ..., num_preempted_query_tokens: _Optional[int] = ..., num_preempted_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class TakePrefixCacheStatsRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class TakePrefixCacheStatsResponse(_message.Message):
+    __slots__ = ("stats",)
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    stats: PrefixCacheStats
+    def __init__(self, stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+
+class StepAllocOptions(_message.Message):
+    __slots__ = ("alloc_index", "lookup", "options")
+    ALLOC_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    alloc_index: int
+    lookup: LookupOptions
+    options: SlotOptions
+    def __init__(self, alloc_index: _Optional[int] = ..., lookup: _Optional[_Union[LookupOptions, _Mapping]] = ..., options: _Optional[_Union[SlotOptions, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_NUM_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_SKIPPED_TOTAL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_ON_DOES_NOT_FIT_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    step_seq: int
+    ops: _containers.RepeatedScalarFieldContainer[StepOpKind]
+    request_keys: _containers.RepeatedScalarFieldContainer[int]
+    alloc_num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    alloc_num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    alloc_options: _containers.RepeatedCompositeFieldContainer[StepAllocOptions]
+    append_num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    append_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    append_num_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    append_block_hashes: bytes
+    cache_num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    remove_skipped_total_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    default_num_lookahead_tokens: int
+    token_budget: int
+    continue_on_does_not_fit: bool
+    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("num_ops_executed", "alloc_statuses", "alloc_num_block_ids", "alloc_block_ids", "lookup_num_computed_tokens", "lookup_num_new_tokens", "token_budget_left", "step_seq")
+    NUM_OPS_EXECUTED_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_STATUSES_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_LEFT_FIELD_NUMBER: _ClassVar[int]
+    STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
+    num_ops_executed: int
+    alloc_statuses: _containers.RepeatedScalarFieldContainer[_common_pb2.ItemStatus]
+    alloc_num_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    alloc_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    lookup_num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    lookup_num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_budget_left: int
+    step_seq: int
+    def __init__(self, num_ops_executed: _Optional[int] = ..., alloc_statuses: _Optional[_Iterable[_Union[_common_pb2.ItemStatus, str]]] = ..., alloc_num_block_ids: _Optional[_Iterable[int]] = ..., alloc_block_ids: _Optional[_Iterable[int]] = ..., lookup_num_computed_tokens: _Optional[_Iterable[int]] = ..., lookup_num_new_tokens: _Optional[_Iterable[int]] = ..., token_budget_left: _Optional[int] = ..., step_seq: _Optional[int] = ...) -> None: ...
+
+class StepRejection(_message.Message):
+    __slots__ = ("op_index", "field", "reason")
+    OP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    op_index: int
+    field: str
+    reason: str
+    def __init__(self, op_index: _Optional[int] = ..., field: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
