@@ -1,0 +1,794 @@
+"""Per-attention-type KV-cache managers: one block table per request for one KV-cache group.
+
+Each manager answers four questions for its attention type, with vLLM 0.33's answers:
+
+* which cached blocks a request may reuse (``find_longest_cache_hit``),
+* which computed tokens attention never reads again (``get_num_skipped_tokens``; their blocks
+  are freed by ``remove_skipped_blocks`` and replaced by the null block),
+* how many free blocks an allocation consumes (``get_num_blocks_to_allocate``, which counts
+  evictable hit blocks because touching them takes them off the free queue),
+* how blocks are allocated, cached and freed.
+
+In scope: full attention (also MLA and sink), sliding window, chunked local attention, Mamba
+without prefix caching, and cross attention. Eagle, DCP/PCP, Mamba "align" mode, partial
+(sub-block) hash hits and sparse retention are not implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvcm.common.errors import ConfigError
+from kvcm.common.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+if TYPE_CHECKING:
+    from kvcm.common.hashing import BlockHash
+    from kvcm.server.core.block import KVCacheBlock
+    from kvcm.server.core.block_pool import BlockPool
+    from kvcm.server.core.request import Request
+
+__all__ = [
+    "ChunkedLocalAttentionManager",
+    "CrossAttentionManager",
+    "FullAttentionManager",
+    "GroupHit",
+    "ManagerOptions",
+    "MambaManager",
+    "SingleTypeKVCacheManager",
+    "SlidingWindowManager",
+    "get_manager_for_kv_cache_spec",
+]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def hashes_at_block_size(
+    block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
+) -> Sequence[BlockHash]:
+    """View hashes computed every ``hash_block_size`` tokens at ``block_size`` granularity.
+
+    Hashes are chained over the whole prefix, so the hash at the last hash boundary inside a
+    larger block fingerprints that block's prefix.
+    """
+    if block_size == hash_block_size:
+        return block_hashes
+    scale = block_size // hash_block_size
+    return block_hashes[scale - 1 :: scale]
+
+
+class GroupHit(NamedTuple):
+    """A cache hit for the groups of one spec: hit blocks per group, and the hit length."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ManagerOptions:
+    """Construction settings shared by every manager of one coordinator.
+
+    Attributes:
+        enable_caching: Whether managers cache and look up full blocks.
+        scheduler_block_size: Token granularity of hits (lcm of the groups' block sizes).
+        max_model_len: Longest sequence, in tokens.
+        max_in_flight_tokens: Most tokens scheduled but not yet settled, for admission caps.
+        records_new_block_ids: Whether attention managers record new block ids for zeroing.
+    """
+
+    enable_caching: bool
+    scheduler_block_size: int
+    max_model_len: int
+    max_in_flight_tokens: int
+    records_new_block_ids: bool
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV-cache group, for one attention type.
+
+    Attributes:
+        kv_cache_spec: The group's spec.
+        block_size: Tokens per block.
+        block_pool: The shared block pool.
+        kv_cache_group_id: Index of the group in the KV-cache config.
+        enable_caching: Whether this group caches and looks up full blocks.
+        cache_hit_alignment_tokens: Granularity of cache hits (the scheduler block size).
+        req_to_blocks: Request id -> its block table (null blocks stand for skipped blocks).
+        num_cached_block: Request id -> how many leading blocks are already cached.
+    """
+
+    # NOTE: the null block's ref_cnt is not maintained; it is never freed or touched here.
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        options: ManagerOptions,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        """Create the manager of one group.
+
+        Args:
+            kv_cache_spec: The group's spec.
+            block_pool: The pool shared by all groups.
+            kv_cache_group_id: Index of the group.
+            options: Settings shared by all managers.
+            max_admission_blocks_per_request: Per-request cap used by the full-sequence
+                admission check for attention types that recycle blocks; ``None``: no cap.
+        """
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size: int = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.kv_cache_group_id = kv_cache_group_id
+        self.enable_caching = options.enable_caching
+        self.cache_hit_alignment_tokens = options.scheduler_block_size
+        self.max_admission_blocks_per_request = max_admission_blocks_per_request
+        # Only attention blocks are zeroed by workers; Mamba states are written before read.
+        self.records_new_block_ids = options.records_new_block_ids and isinstance(
+            kv_cache_spec, AttentionSpec
+        )
+        self.new_block_ids: list[int] = []
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self._null_block = block_pool.null_block
+
+    # ----------------------------------------------------------------- attention window
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens attention no longer reads once ``num_computed_tokens`` are computed.
+
+        Args:
+            num_computed_tokens: Tokens computed so far.
+
+        Returns:
+            The number of skipped tokens (0 for full attention).
+        """
+        return 0
+
+    @property
+    def skips_tokens(self) -> bool:
+        """Whether this attention type ever frees blocks before the request finishes."""
+        return False
+
+    # ----------------------------------------------------------------------- estimates
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Free blocks an allocation up to ``num_tokens`` slots would consume.
+
+        Args:
+            request_id: The request.
+            num_tokens: Token slots needed in total (including those already allocated).
+            new_computed_blocks: Cache-hit blocks about to be adopted.
+            total_computed_tokens: Local plus external computed tokens.
+            apply_admission_cap: Apply the per-request cap of recycling attention types
+                (full-sequence admission check only).
+
+        Returns:
+            New blocks to take from the free queue, plus hit blocks that are evictable.
+        """
+        num_required_blocks = _cdiv(num_tokens, self.block_size)
+        if apply_admission_cap and self.max_admission_blocks_per_request is not None:
+            num_required_blocks = min(num_required_blocks, self.max_admission_blocks_per_request)
+        req_blocks = self.req_to_blocks.get(request_id)
+        num_req_blocks = 0 if req_blocks is None else len(req_blocks)
+        if request_id in self.num_cached_block:
+            # A running request gets no new hits; draft tokens may have over-allocated.
+            return max(num_required_blocks - num_req_blocks, 0)
+
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_local_computed_blocks = len(new_computed_blocks) + num_req_blocks
+        num_new_blocks = max(
+            num_required_blocks - max(num_skipped_blocks, num_local_computed_blocks), 0
+        )
+        # Hit blocks before the window become null blocks and are never touched.
+        first_kept = max(0, num_skipped_blocks - num_req_blocks)
+        num_evictable = 0
+        for block in new_computed_blocks[first_kept:]:
+            if block.ref_cnt == 0 and not block.is_null:
+                num_evictable += 1
+        return num_new_blocks + num_evictable
+
+    # ---------------------------------------------------------------------- allocation
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_total_computed_tokens: int,
+    ) -> None:
+        """Adopt a new request's cache-hit blocks, touching them so they cannot be evicted.
+
+        Args:
+            request_id: The request (it holds no blocks yet).
+            new_computed_blocks: Its hit blocks (null blocks for skipped positions allowed).
+            num_total_computed_tokens: Local plus external computed tokens.
+        """
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_skipped_blocks = self.get_num_skipped_tokens(num_total_computed_tokens) // (
+            self.block_size
+        )
+        if num_skipped_blocks > 0:
+            new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
+        if self.enable_caching:
+            self.block_pool.touch(new_computed_blocks)
+        if num_skipped_blocks > 0:
+            req_blocks.extend([self._null_block] * num_skipped_blocks)
+        req_blocks.extend(new_computed_blocks)
+        # Hits (and the null padding) are cached already; cache_blocks starts after them.
+        self.num_cached_block[request_id] = len(req_blocks)
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Allocate blocks for tokens a KV connector computed, skipping those out of window.
+
+        Runs after every group adopted its hits, so it cannot evict another group's hits.
+
+        Args:
+            request_id: The request.
+            num_local_computed_tokens: Tokens computed locally (including cache hits).
+            num_external_computed_tokens: Tokens computed by the connector.
+        """
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_tokens = self.get_num_skipped_tokens(num_total)
+        if num_skipped_tokens > 0:
+            num_external_computed_tokens = min(
+                num_total - num_skipped_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens <= 0:
+            return
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new_blocks = max(0, _cdiv(num_total, self.block_size) - len(req_blocks))
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if self.records_new_block_ids:
+            self.new_block_ids.extend([block.block_id for block in new_blocks])
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Grow the request's table to at least ``num_tokens`` slots.
+
+        Args:
+            request_id: The request.
+            num_tokens: Token slots needed in total.
+
+        Returns:
+            The newly allocated blocks (possibly none).
+        """
+        req_blocks = self.req_to_blocks.get(request_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+        num_new_blocks = _cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new_blocks <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if self.records_new_block_ids:
+            self.new_block_ids.extend([block.block_id for block in new_blocks])
+        return new_blocks
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drain the ids of blocks allocated since the last call (for worker-side zeroing)."""
+        ids = self.new_block_ids
+        self.new_block_ids = []
+        return ids
+
+    # ------------------------------------------------------------------------- caching
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Cache the request's blocks that became full within its first ``num_tokens`` tokens.
+
+        Args:
+            request: The request (its ``block_hashes`` name the blocks).
+            num_tokens: Tokens to cache, including those cached already.
+        """
+        request_id = request.request_id
+        num_cached_blocks = self.num_cached_block.get(request_id, 0)
+        num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
+        num_full_blocks = min(num_tokens, num_hashed_tokens) // self.block_size
+        if num_cached_blocks >= num_full_blocks:
+            return
+        self.block_pool.cache_full_blocks(
+            request,
+            self.req_to_blocks[request_id],
+            num_cached_blocks,
+            num_full_blocks,
+            self.block_size,
+            self.kv_cache_group_id,
+            self._block_mask(num_cached_blocks, num_full_blocks),
+        )
+        self.num_cached_block[request_id] = num_full_blocks
+
+    def _block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+        """Which of the blocks ``[start_block, end_block)`` can ever serve a hit (None: all)."""
+        return None
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        alignment_tokens: int,
+    ) -> GroupHit:
+        """Longest prefix of at most ``max_length`` tokens cached for every listed group.
+
+        The manager acts for all groups of its spec; it reads only its spec and pool.
+
+        Args:
+            block_hashes: The request's hashes at the pool's hash block size.
+            max_length: Upper bound of the hit, in tokens.
+            kv_cache_group_ids: Groups that must all hit (they share this spec).
+            alignment_tokens: The hit length is a multiple of this.
+
+        Returns:
+            Hit blocks per group (null blocks where the window skips) and the hit length.
+        """
+        raise ConfigError(
+            f"{type(self).__name__} of group {self.kv_cache_group_id} does not support "
+            "prefix caching"
+        )
+
+    # ------------------------------------------------------------------------- release
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, tail first so tails are evicted before heads.
+
+        Args:
+            request_id: The request; unknown ids are ignored (aborted before allocation).
+        """
+        req_blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if not req_blocks:
+            return
+        start = 0
+        null_block = self._null_block
+        if req_blocks[0] is null_block:
+            # Skipped blocks are a leading run of nulls; they are not pool-owned.
+            while start < len(req_blocks) and req_blocks[start] is null_block:
+                start += 1
+        self.block_pool.free_blocks(req_blocks[: start - 1 if start else None : -1])
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free blocks attention no longer reads and put the null block in their place.
+
+        Args:
+            request_id: The request.
+            num_computed_tokens: Processed (committed) computed tokens.
+        """
+        num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        last_block = min(num_skipped_tokens // self.block_size, len(blocks))
+        null_block = self._null_block
+        freed: list[KVCacheBlock] = []
+        # Walk backwards and stop at the first null: everything before it was removed earlier.
+        for i in range(last_block - 1, -1, -1):
+            block = blocks[i]
+            if block is null_block:
+                break
+            freed.append(block)
+            blocks[i] = null_block
+        if freed:
+            self.block_pool.free_blocks(freed)
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> int:
+        """Leading blocks of ``request_id`` shared by every request this manager tracks.
+
+        Args:
+            request_id: A running request.
+
+        Returns:
+            The number of leading blocks whose ref_cnt equals the number of requests here;
+            0 for attention types whose tables start with null blocks.
+        """
+        return 0
+
+    def new_step_starts(self) -> None:
+        """Hook called at the start of every scheduler step."""
+        return
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full attention (also MLA and sink attention): every block is kept until the end."""
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        alignment_tokens: int,
+    ) -> GroupHit:
+        """Scan left to right; the first miss ends the hit (hashes are chained)."""
+        block_size = self.block_size
+        hashes = hashes_at_block_size(block_hashes, self.block_pool.hash_block_size, block_size)
+        max_num_blocks = min(max_length // block_size, len(hashes))
+        get_cached_block = self.block_pool.get_cached_block
+        group_ids = list(kv_cache_group_ids)
+        computed: tuple[list[KVCacheBlock], ...]
+        if len(group_ids) == 1:
+            hit: list[KVCacheBlock] = []
+            for i in range(max_num_blocks):
+                cached = get_cached_block(hashes[i], group_ids)
+                if not cached:
+                    break
+                hit.append(cached[0])
+            computed = (hit,)
+        else:
+            computed = tuple([] for _ in group_ids)
+            for i in range(max_num_blocks):
+                cached = get_cached_block(hashes[i], group_ids)
+                if not cached:
+                    break
+                for group_blocks, block in zip(computed, cached, strict=True):
+                    group_blocks.append(block)
+        hit_length = len(computed[0]) * block_size
+        hit_length -= hit_length % alignment_tokens
+        num_blocks = _cdiv(hit_length, block_size)
+        for group_blocks in computed:
+            del group_blocks[num_blocks:]
+        return GroupHit(computed, hit_length)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Cache full blocks, then the prompt's last hash boundary inside a block, if any."""
+        super().cache_blocks(request, num_tokens)
+        hash_block_size = self.block_pool.hash_block_size
+        if self.block_size != hash_block_size:
+            self._cache_partial_tail_block(request, num_tokens, hash_block_size)
+
+    def _cache_partial_tail_block(
+        self, request: Request, num_tokens: int, hash_block_size: int
+    ) -> None:
+        # A resend of the same prompt hits at most num_prompt_tokens - 1 tokens; when that
+        # boundary falls inside one of this group's (larger) blocks, vLLM registers the block
+        # under the boundary's hash as a secondary, partial entry.
+        boundary_tokens = (
+            min((request.num_prompt_tokens - 1) // hash_block_size, len(request.block_hashes))
+            * hash_block_size
+        )
+        if boundary_tokens == 0 or boundary_tokens > num_tokens:
+            return
+        if boundary_tokens % self.block_size == 0:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        block_idx = boundary_tokens // self.block_size
+        if block_idx >= len(blocks):
+            return
+        self.block_pool.cache_partial_block(
+            request, blocks[block_idx], boundary_tokens, self.kv_cache_group_id, self.block_size
+        )
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> int:
+        """Count leading blocks held by every request of this group."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return 0
+        num_requests = len(self.req_to_blocks)
+        num_common = 0
+        for block in blocks:
+            if block.ref_cnt != num_requests:
+                break
+            num_common += 1
+        return num_common
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding-window attention: only the last ``sliding_window - 1`` tokens stay readable."""
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        options: ManagerOptions,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        """Create the manager; see ``SingleTypeKVCacheManager``."""
+        super().__init__(
+            kv_cache_spec, block_pool, kv_cache_group_id, options, max_admission_blocks_per_request
+        )
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        self.sliding_window: int = kv_cache_spec.sliding_window
+        # Contiguous cached blocks that make a hit: the window before the next token.
+        self.contiguous_blocks_for_hit = _cdiv(self.sliding_window - 1, self.block_size)
+        self._mask_period = self._cache_mask_period()
+
+    def _cache_mask_period(self) -> int:
+        # Hits land on multiples of the alignment; only the last `contiguous_blocks_for_hit`
+        # blocks before each aligned boundary can serve one. 0: every block can.
+        alignment = self.cache_hit_alignment_tokens
+        if alignment % self.block_size != 0:
+            return 0
+        per_segment = alignment // self.block_size
+        if self.contiguous_blocks_for_hit >= per_segment:
+            return 0
+        return per_segment
+
+    @property
+    def skips_tokens(self) -> bool:
+        """Sliding windows free blocks as the window moves."""
+        return True
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens before the window of the next token: ``computed - window + 1``."""
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def _block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+        period = self._mask_period
+        if period == 0:
+            return None
+        first_kept = period - self.contiguous_blocks_for_hit
+        return [i % period >= first_kept for i in range(start_block, end_block)]
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        alignment_tokens: int,
+    ) -> GroupHit:
+        """Scan right to left for the last run of cached blocks that covers a window."""
+        block_size = self.block_size
+        pool = self.block_pool
+        hashes = hashes_at_block_size(block_hashes, pool.hash_block_size, block_size)
+        group_ids = list(kv_cache_group_ids)
+        need = self.contiguous_blocks_for_hit
+        max_num_blocks = min(max_length // block_size, len(hashes))
+        computed = tuple([pool.null_block] * max_num_blocks for _ in group_ids)
+        aligned = block_size == alignment_tokens
+        num_contiguous = 0
+        match_found = False
+        for i in range(max_num_blocks - 1, -1, -1):
+            cached = pool.get_cached_block(hashes[i], group_ids)
+            if not cached:
+                num_contiguous = 0
+                continue
+            # A run must end on an aligned boundary.
+            if num_contiguous == 0 and not aligned and ((i + 1) * block_size) % alignment_tokens:
+                continue
+            for group_blocks, block in zip(computed, cached, strict=True):
+                group_blocks[i] = block
+            num_contiguous += 1
+            if num_contiguous >= need:
+                for group_blocks in computed:
+                    del group_blocks[i + num_contiguous :]
+                match_found = True
+                break
+        if not match_found:
+            # A run reaching the first block is a hit even if shorter than the window.
+            for group_blocks in computed:
+                del group_blocks[num_contiguous:]
+            if not aligned:
+                while len(computed[0]) * block_size % alignment_tokens:
+                    for group_blocks in computed:
+                        group_blocks.pop()
+        return GroupHit(computed, len(computed[0]) * block_size)
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Chunked local attention: a token reads only the tokens of its own chunk."""
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        options: ManagerOptions,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        """Create the manager; see ``SingleTypeKVCacheManager``."""
+        super().__init__(
+            kv_cache_spec, block_pool, kv_cache_group_id, options, max_admission_blocks_per_request
+        )
+        assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
+        self.attention_chunk_size: int = kv_cache_spec.attention_chunk_size
+
+    @property
+    def skips_tokens(self) -> bool:
+        """Whole chunks behind the current one are freed."""
+        return True
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens of the chunks before the chunk of the next token."""
+        chunk = self.attention_chunk_size
+        return num_computed_tokens // chunk * chunk
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        alignment_tokens: int,
+    ) -> GroupHit:
+        """Blocks before the current chunk count as hits (null); scan the chunk's blocks."""
+        block_size = self.block_size
+        pool = self.block_pool
+        hashes = hashes_at_block_size(block_hashes, pool.hash_block_size, block_size)
+        group_ids = list(kv_cache_group_ids)
+        max_num_blocks = min(max_length // block_size, len(hashes))
+        chunk = self.attention_chunk_size
+        local_start_block = (max_length // chunk * chunk if max_length > 0 else 0) // block_size
+        computed = tuple([pool.null_block] * local_start_block for _ in group_ids)
+        for i in range(local_start_block, max_num_blocks):
+            cached = pool.get_cached_block(hashes[i], group_ids)
+            if not cached:
+                break
+            for group_blocks, block in zip(computed, cached, strict=True):
+                group_blocks.append(block)
+        return GroupHit(computed, len(computed[0]) * block_size)
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """Mamba state blocks without prefix caching: only the latest state is kept."""
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        options: ManagerOptions,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        """Create the manager; Mamba prefix caching ("align" mode) is not supported."""
+        super().__init__(
+            kv_cache_spec, block_pool, kv_cache_group_id, options, max_admission_blocks_per_request
+        )
+        assert isinstance(kv_cache_spec, MambaSpec)
+        if options.enable_caching:
+            raise ConfigError(
+                f"group {kv_cache_group_id}: Mamba prefix caching needs mamba_cache_mode "
+                "'align', which kvcm does not implement; disable enable_caching"
+            )
+        # Speculative decoding keeps extra state blocks after the running one.
+        self._num_speculative_tokens = kv_cache_spec.num_speculative_blocks * self.block_size
+
+    @property
+    def skips_tokens(self) -> bool:
+        """Every state but the last is freed."""
+        return True
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Only the state after the last computed token is needed."""
+        return num_computed_tokens - 1
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """As the base class, with room for the speculative state blocks."""
+        return super().get_num_blocks_to_allocate(
+            request_id,
+            num_tokens + self._num_speculative_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            apply_admission_cap,
+        )
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """As the base class, with room for the speculative state blocks."""
+        return super().allocate_new_blocks(request_id, num_tokens + self._num_speculative_tokens)
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Cross attention of encoder-decoder models: one static table for the encoder tokens."""
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_total_computed_tokens: int,
+    ) -> None:
+        """Encoder states are never shared; there is nothing to adopt."""
+        return
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Connectors do not load cross-attention KV."""
+        return
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Cross-attention blocks are never cached."""
+        return
+
+
+_MANAGER_FOR_SPEC: tuple[tuple[type[KVCacheSpec], type[SingleTypeKVCacheManager]], ...] = (
+    # Most specific first: MLA and sink specs are full attention specs.
+    (FullAttentionSpec, FullAttentionManager),
+    (SlidingWindowSpec, SlidingWindowManager),
+    (ChunkedLocalAttentionSpec, ChunkedLocalAttentionManager),
+    (MambaSpec, MambaManager),
+    (CrossAttentionSpec, CrossAttentionManager),
+)
+
+
+def manager_class_for_spec(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """The manager class for a spec.
+
+    Args:
+        kv_cache_spec: A group's spec.
+
+    Returns:
+        The manager class.
+
+    Raises:
+        ConfigError: kvcm has no manager for this spec type.
+    """
+    for spec_type, manager_type in _MANAGER_FOR_SPEC:
+        if isinstance(kv_cache_spec, spec_type):
+            return manager_type
+    raise ConfigError(f"no KV-cache manager for spec type {type(kv_cache_spec).__name__}")
+
+
+def _max_admission_blocks(kv_cache_spec: KVCacheSpec, options: ManagerOptions) -> int | None:
+    # Recycling types cap the full-sequence admission reservation at what they can hold at
+    # once: the window (or chunk) plus the tokens in flight.
+    if isinstance(kv_cache_spec, SlidingWindowSpec):
+        num_tokens = min(
+            kv_cache_spec.sliding_window - 1 + options.max_in_flight_tokens,
+            options.max_model_len,
+        )
+        # +1: the window need not start at a block boundary.
+        return _cdiv(num_tokens, kv_cache_spec.block_size) + 1
+    if isinstance(kv_cache_spec, ChunkedLocalAttentionSpec):
+        num_tokens = min(
+            kv_cache_spec.attention_chunk_size + options.max_in_flight_tokens,
+            options.max_model_len,
+        )
+        return _cdiv(num_tokens, kv_cache_spec.block_size)
+    return None
+
+
+def get_manager_for_kv_cache_spec(
+    kv_cache_spec: KVCacheSpec,
+    block_pool: BlockPool,
+    kv_cache_group_id: int,
+    options: ManagerOptions,
+) -> SingleTypeKVCacheManager:
+    """Build the manager of one KV-cache group.
+
+    Args:
+        kv_cache_spec: The group's spec.
+        block_pool: The shared pool.
+        kv_cache_group_id: Index of the group.
+        options: Settings shared by all managers.
+
+    Returns:
+        The manager.
+
+    Raises:
+        ConfigError: The spec type is unsupported or its settings are inconsistent.
+    """
+    manager_type = manager_class_for_spec(kv_cache_spec)
+    return manager_type(
+        kv_cache_spec,
+        block_pool,
+        kv_cache_group_id,
+        options,
+        _max_admission_blocks(kv_cache_spec, options),
+    )
