@@ -1,0 +1,516 @@
+"""Coordinators: drive the per-group managers of one pool together.
+
+Three shapes, chosen as vLLM 0.33 chooses them:
+
+* ``KVCacheCoordinatorNoPrefixCache``: caching disabled; any number of groups, zero included.
+* ``UnitaryKVCacheCoordinator``: one group with caching.
+* ``HybridKVCacheCoordinator``: several groups with caching. A cache hit must hold for every
+  group at one length, found by a fixed-point search (full attention first, since its
+  left-to-right scan gives the tightest first bound) with hits aligned to the scheduler block
+  size (the lcm of the groups' block sizes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvcm.common.errors import ConfigError
+from kvcm.common.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+)
+from kvcm.server.core.block_pool import BlockPool
+from kvcm.server.core.single_type_managers import (
+    CrossAttentionManager,
+    ManagerOptions,
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
+
+if TYPE_CHECKING:
+    from kvcm.common.config import KVCacheConfig
+    from kvcm.common.hashing import BlockHash
+    from kvcm.server.core.block import KVCacheBlock
+    from kvcm.server.core.request import Request
+
+__all__ = [
+    "CoordinatorConfig",
+    "HybridKVCacheCoordinator",
+    "KVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache",
+    "PrefixHit",
+    "UnitaryKVCacheCoordinator",
+    "get_kv_cache_coordinator",
+]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorConfig:
+    """Resolved settings of one pool's coordinator.
+
+    Attributes:
+        kv_cache_config: Groups (with scheduler-side specs) and the number of blocks.
+        max_model_len: Longest sequence, in tokens.
+        max_in_flight_tokens: Most tokens scheduled but not yet settled.
+        scheduler_block_size: Token granularity of scheduling and of hybrid hits.
+        hash_block_size: Tokens per request block hash.
+        enable_caching: Whether prefix caching is on.
+        enable_kv_cache_events: Whether the pool records KV events.
+        needs_kv_cache_zeroing: Whether workers zero newly allocated attention blocks.
+    """
+
+    kv_cache_config: KVCacheConfig
+    max_model_len: int
+    max_in_flight_tokens: int
+    scheduler_block_size: int
+    hash_block_size: int
+    enable_caching: bool
+    enable_kv_cache_events: bool
+    needs_kv_cache_zeroing: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The longest cache hit over all groups: blocks per group and the hit length in tokens."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+    num_tokens: int
+
+
+class KVCacheCoordinator:
+    """What every coordinator does: fan calls out to the per-group managers.
+
+    Attributes:
+        block_pool: The pool shared by all groups.
+        single_type_managers: One manager per group, in group order.
+        scheduler_block_size: Token granularity of hits.
+    """
+
+    def __init__(self, config: CoordinatorConfig, enable_caching: bool) -> None:
+        """Build the pool and the per-group managers.
+
+        Args:
+            config: Resolved settings.
+            enable_caching: Whether the managers cache blocks (False for no-prefix-cache).
+        """
+        kv_cache_config = config.kv_cache_config
+        self.scheduler_block_size = config.scheduler_block_size
+        self.hash_block_size = config.hash_block_size
+        self.block_pool = BlockPool(
+            num_gpu_blocks=kv_cache_config.num_blocks,
+            enable_caching=enable_caching,
+            hash_block_size=config.hash_block_size,
+            enable_kv_cache_events=config.enable_kv_cache_events,
+        )
+        options = ManagerOptions(
+            enable_caching=enable_caching,
+            scheduler_block_size=config.scheduler_block_size,
+            max_model_len=config.max_model_len,
+            max_in_flight_tokens=config.max_in_flight_tokens,
+            records_new_block_ids=config.needs_kv_cache_zeroing,
+        )
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            get_manager_for_kv_cache_spec(group.kv_cache_spec, self.block_pool, group_id, options)
+            for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
+        )
+        managers = self.single_type_managers
+        # Hoisted per-call branches: which managers can free early, which are cross attention.
+        self._skipping_managers = tuple(m for m in managers if m.skips_tokens)
+        self._is_cross = tuple(isinstance(m, CrossAttentionManager) for m in managers)
+        self._caching_managers = tuple(
+            m for m in managers if m.enable_caching and not isinstance(m, CrossAttentionManager)
+        )
+        self._empty_hit = PrefixHit(tuple([] for _ in managers), 0)
+
+    # ------------------------------------------------------------------------ estimates
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        *,
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Free blocks an allocation would consume over all groups.
+
+        Args:
+            request_id: The request.
+            num_tokens: Token slots needed in total (decoder side).
+            new_computed_blocks: Hit blocks per group about to be adopted.
+            num_encoder_tokens: Encoder tokens (cross-attention groups).
+            total_computed_tokens: Local plus external computed tokens.
+            apply_admission_cap: Apply the recycling types' per-request cap.
+
+        Returns:
+            The number of blocks.
+        """
+        total = 0
+        for manager, is_cross, group_blocks in zip(
+            self.single_type_managers, self._is_cross, new_computed_blocks, strict=True
+        ):
+            if is_cross:
+                # One static allocation sized by the encoder input.
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_encoder_tokens, (), 0, apply_admission_cap
+                )
+            else:
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_tokens, group_blocks, total_computed_tokens, apply_admission_cap
+                )
+        return total
+
+    # ----------------------------------------------------------------------- allocation
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Adopt a new request's hit blocks, then allocate blocks for external tokens.
+
+        Touching every group's hits before any external allocation keeps one group's new
+        blocks from evicting another group's hits. A running request adopts nothing.
+
+        Args:
+            request_id: The request.
+            new_computed_blocks: Hit blocks per group.
+            num_local_computed_tokens: Locally computed tokens, hits included.
+            num_external_computed_tokens: Tokens computed by a KV connector.
+        """
+        managers = self.single_type_managers
+        for manager in managers:
+            if request_id in manager.num_cached_block:
+                return
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        for manager, group_blocks in zip(managers, new_computed_blocks, strict=True):
+            manager.add_local_computed_blocks(request_id, group_blocks, num_total)
+        if num_external_computed_tokens > 0:
+            for manager in managers:
+                manager.allocate_external_computed_blocks(
+                    request_id, num_local_computed_tokens, num_external_computed_tokens
+                )
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Grow every group's table to ``num_tokens`` slots (encoder tokens for cross).
+
+        Args:
+            request_id: The request.
+            num_tokens: Token slots needed in total.
+            num_encoder_tokens: Encoder tokens, for cross-attention groups.
+
+        Returns:
+            The new blocks per group.
+        """
+        return tuple(
+            manager.allocate_new_blocks(request_id, num_encoder_tokens if is_cross else num_tokens)
+            for manager, is_cross in zip(self.single_type_managers, self._is_cross, strict=True)
+        )
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int) -> int:
+        """Prefix of the computed tokens that may be cached."""
+        return num_computed_tokens
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's blocks that became full.
+
+        Args:
+            request: The request.
+            num_computed_tokens: Tokens to cache, including those cached already.
+        """
+        num_tokens = self.get_num_cacheable_tokens(num_computed_tokens)
+        for manager in self._caching_managers:
+            manager.cache_blocks(request, num_tokens)
+
+    # -------------------------------------------------------------------------- release
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks in every group (unknown ids are ignored)."""
+        for manager in self.single_type_managers:
+            manager.free(request_id)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free blocks outside every group's attention window, replacing them by nulls."""
+        for manager in self._skipping_managers:
+            manager.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash, unless blocks are in use (then nothing changes)."""
+        return self.block_pool.reset_prefix_cache()
+
+    # ---------------------------------------------------------------------------- views
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        """The request's block table per group (empty lists where it holds none)."""
+        return tuple(
+            manager.req_to_blocks.get(request_id) or [] for manager in self.single_type_managers
+        )
+
+    def holds_blocks(self, request_id: str) -> bool:
+        """Whether any group tracks the request."""
+        return any(request_id in m.req_to_blocks for m in self.single_type_managers)
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        """Leading blocks of ``request_id`` shared by all requests, per group."""
+        return [m.get_num_common_prefix_blocks(request_id) for m in self.single_type_managers]
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drain new attention block ids of every group, in group order."""
+        ids: list[int] = []
+        for manager in self.single_type_managers:
+            if manager.new_block_ids:
+                ids.extend(manager.take_new_block_ids())
+        return ids
+
+    def new_step_starts(self) -> None:
+        """Tell every manager a scheduler step starts."""
+        for manager in self.single_type_managers:
+            manager.new_step_starts()
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> PrefixHit:
+        """The longest prefix cached in every group, at most ``max_cache_hit_length`` tokens.
+
+        Args:
+            block_hashes: The request's hashes.
+            max_cache_hit_length: Upper bound of the hit.
+
+        Returns:
+            Hit blocks per group and the hit length.
+        """
+        return self._empty_hit
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Coordinator without prefix caching; any number of groups, zero included."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        """Build the managers with caching off.
+
+        Args:
+            config: Resolved settings.
+        """
+        super().__init__(config, enable_caching=False)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> PrefixHit:
+        """Never a hit."""
+        return PrefixHit(tuple([] for _ in self.single_type_managers), 0)
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """Coordinator of a single cached group."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        """Build the single manager.
+
+        Args:
+            config: Resolved settings (exactly one group).
+
+        Raises:
+            ConfigError: The hash block size differs from the group's block size.
+        """
+        super().__init__(config, enable_caching=True)
+        manager = self.single_type_managers[0]
+        if config.hash_block_size != manager.block_size:
+            raise ConfigError(
+                f"hash_block_size ({config.hash_block_size}) must equal the block size "
+                f"({manager.block_size}) of the only KV-cache group"
+            )
+        self._manager = manager
+        self._group_ids = (0,)
+        self._block_size = manager.block_size
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> PrefixHit:
+        """The group's own longest hit."""
+        hit = self._manager.find_longest_cache_hit(
+            block_hashes, max_cache_hit_length, self._group_ids, self._block_size
+        )
+        return PrefixHit(hit.blocks, hit.num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class _SpecGroup:
+    """Groups sharing one spec, looked up together."""
+
+    spec: KVCacheSpec
+    group_ids: tuple[int, ...]
+    manager: SingleTypeKVCacheManager
+    is_full_attention: bool
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Coordinator of several cached groups of different attention types or block sizes."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        """Build the managers and the lookup order of the spec groups.
+
+        Args:
+            config: Resolved settings (two or more groups).
+
+        Raises:
+            ConfigError: Block sizes are not multiples of the hash block size, or a group's
+                attention type cannot take part in a hybrid prefix cache.
+        """
+        super().__init__(config, enable_caching=True)
+        for manager in self.single_type_managers:
+            if manager.block_size % config.hash_block_size:
+                raise ConfigError(
+                    f"group {manager.kv_cache_group_id}: block_size {manager.block_size} is "
+                    f"not a multiple of hash_block_size {config.hash_block_size}"
+                )
+            spec = manager.kv_cache_spec
+            if (
+                isinstance(spec, ChunkedLocalAttentionSpec)
+                and manager.block_size != config.scheduler_block_size
+            ):
+                raise ConfigError(
+                    f"group {manager.kv_cache_group_id}: chunked local attention needs every "
+                    "group to share its block size when prefix caching is on"
+                )
+        self._spec_groups = self._split_by_spec()
+        self._is_simple_hybrid = len(self._spec_groups) == 2 and (
+            self._spec_groups[0].is_full_attention
+        )
+        self._num_groups = len(self.single_type_managers)
+
+    def _split_by_spec(self) -> tuple[_SpecGroup, ...]:
+        # Groups with equal specs (and manager types) are looked up together. Specs may hold
+        # unhashable fields, so compare them pairwise.
+        members: list[tuple[SingleTypeKVCacheManager, list[int]]] = []
+        for manager in self.single_type_managers:
+            for first, group_ids in members:
+                if first.kv_cache_spec == manager.kv_cache_spec and type(first) is type(manager):
+                    group_ids.append(manager.kv_cache_group_id)
+                    break
+            else:
+                members.append((manager, [manager.kv_cache_group_id]))
+        groups = [
+            _SpecGroup(
+                first.kv_cache_spec,
+                tuple(group_ids),
+                first,
+                isinstance(first.kv_cache_spec, FullAttentionSpec),
+            )
+            for first, group_ids in members
+        ]
+        # Stable: full attention first, the rest in group order.
+        groups.sort(key=lambda group: not group.is_full_attention)
+        return tuple(groups)
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int) -> int:
+        """Only scheduler-block-aligned prefixes can ever be hit."""
+        return num_computed_tokens - num_computed_tokens % self.scheduler_block_size
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> PrefixHit:
+        """Fixed point: each spec group keeps or shortens the candidate length until stable.
+
+        Full attention is downward closed, so it is looked up once and later only trimmed.
+        """
+        hit_blocks: list[list[KVCacheBlock] | None] = [None] * self._num_groups
+        hit_lengths = [0] * self._num_groups
+        alignment = self.scheduler_block_size
+        hit_length = max_cache_hit_length
+        while True:
+            candidate = hit_length
+            for group in self._spec_groups:
+                first_id = group.group_ids[0]
+                if group.is_full_attention and hit_blocks[first_id] is not None:
+                    candidate = min(candidate, hit_lengths[first_id])
+                    continue
+                found = group.manager.find_longest_cache_hit(
+                    block_hashes, candidate, group.group_ids, alignment
+                )
+                candidate = found.num_tokens
+                for group_id, blocks in zip(group.group_ids, found.blocks, strict=True):
+                    hit_blocks[group_id] = blocks
+                    hit_lengths[group_id] = candidate
+            if candidate >= hit_length:
+                break
+            hit_length = candidate
+            if self._is_simple_hybrid:
+                break
+        for group in self._spec_groups:
+            if not group.is_full_attention:
+                continue
+            num_blocks = _cdiv(hit_length, group.manager.block_size)
+            for group_id in group.group_ids:
+                blocks = hit_blocks[group_id]
+                if blocks is not None:
+                    del blocks[num_blocks:]
+        return PrefixHit(
+            tuple(blocks if blocks is not None else [] for blocks in hit_blocks), hit_length
+        )
+
+
+def _check_specs(config: CoordinatorConfig) -> None:
+    groups = config.kv_cache_config.kv_cache_groups
+    for group_id, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        if config.scheduler_block_size % spec.block_size:
+            raise ConfigError(
+                f"scheduler_block_size ({config.scheduler_block_size}) must be a multiple of "
+                f"group {group_id}'s block_size ({spec.block_size})"
+            )
+        if config.enable_caching and isinstance(spec, CrossAttentionSpec):
+            raise ConfigError(
+                f"group {group_id}: cross attention cannot be prefix cached; "
+                "disable enable_caching for encoder-decoder models"
+            )
+        if config.enable_caching and isinstance(spec, MambaSpec):
+            raise ConfigError(
+                f"group {group_id}: Mamba prefix caching needs mamba_cache_mode 'align', "
+                "which kvcm does not implement; disable enable_caching"
+            )
+    if config.scheduler_block_size % config.hash_block_size:
+        raise ConfigError(
+            f"scheduler_block_size ({config.scheduler_block_size}) must be a multiple of "
+            f"hash_block_size ({config.hash_block_size})"
+        )
+
+
+def get_kv_cache_coordinator(config: CoordinatorConfig) -> KVCacheCoordinator:
+    """Pick and build the coordinator vLLM would pick for this config.
+
+    Args:
+        config: Resolved settings.
+
+    Returns:
+        The no-prefix-cache coordinator when caching is off, the unitary one for a single
+        group, the hybrid one otherwise.
+
+    Raises:
+        ConfigError: The config is inconsistent or uses an unsupported combination.
+    """
+    _check_specs(config)
+    if not config.enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(config)
+    num_groups = len(config.kv_cache_config.kv_cache_groups)
+    if num_groups == 0:
+        raise ConfigError("prefix caching needs at least one KV-cache group")
+    if num_groups == 1:
+        return UnitaryKVCacheCoordinator(config)
+    return HybridKVCacheCoordinator(config)
+
+
+def lcm_of_block_sizes(block_sizes: Sequence[int]) -> int:
+    """The lcm of the groups' block sizes (the scheduler block size of a hybrid model)."""
+    return math.lcm(*block_sizes) if block_sizes else 1
