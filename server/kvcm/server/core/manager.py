@@ -1,0 +1,776 @@
+"""KVCacheManager: the allocation core's entry point, with vLLM 0.33 V1 decisions.
+
+The scheduler-facing surface of one pool: look up prefix-cache hits, allocate slots for new
+tokens (or answer ``None`` when they do not fit), cache full blocks, free requests, and drain
+events and stats. Contract violations raise ``kvcm.common.errors`` classes before any state
+changes; "does not fit" is the value ``None``.
+
+``allocate_slots`` works on this layout of a request's tokens::
+
+    | comp | new_comp | ext_comp | new | lookahead |
+           |<------- to be allocated ------------>|
+           |<-- to be cached (up to num_tokens) ->|
+    |<-- prefix: may be freed when out of window ->|
+
+    comp      = request.num_computed_tokens
+    new_comp  = hit.num_computed_tokens (prefix-cache hits adopted now)
+    ext_comp  = options.num_external_computed_tokens (computed by a KV connector)
+    new       = num_new_tokens (draft tokens included; only verified tokens are cached)
+    lookahead = options.num_lookahead_tokens
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvcm.common.errors import ConfigError, InvalidArgumentError, NotFoundError
+from kvcm.common.events import BlockStored
+from kvcm.common.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from kvcm.server.core.coordinator import (
+    CoordinatorConfig,
+    KVCacheCoordinator,
+    get_kv_cache_coordinator,
+    lcm_of_block_sizes,
+)
+from kvcm.server.core.request import RequestStatus
+from kvcm.server.core.stats import PrefixCacheStats, PrefixCachingMetrics
+
+if TYPE_CHECKING:
+    from kvcm.common.config import KVCacheConfig
+    from kvcm.common.events import KVCacheEvent
+    from kvcm.server.core.block import KVCacheBlock
+    from kvcm.server.core.block_pool import BlockPool
+    from kvcm.server.core.request import Request
+
+__all__ = [
+    "DEFAULT_SLOT_OPTIONS",
+    "CacheHit",
+    "KVCacheBlocks",
+    "KVCacheManager",
+    "KVCacheManagerConfig",
+    "SlotOptions",
+]
+
+# Block size vLLM schedules with when a pool has no KV-cache group at all.
+_DEFAULT_BLOCK_SIZE = 16
+# Requests the recent-requests hit rate aggregates over (vLLM's CachingMetrics default).
+_MAX_RECENT_REQUESTS = 1000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVCacheManagerConfig:
+    """Settings of one pool's KV-cache manager.
+
+    Attributes:
+        kv_cache_config: Groups, specs and the number of blocks.
+        max_model_len: Longest sequence, in tokens.
+        scheduler_block_size: Scheduling granularity; ``None``: lcm of the groups' block sizes.
+        hash_block_size: Tokens per request block hash; ``None``: vLLM's default (the gcd of
+            the block sizes for a cached hybrid model, else the scheduler block size).
+        max_in_flight_tokens: Most tokens scheduled but not settled; ``None``: max_model_len.
+        enable_caching: Prefix caching on or off.
+        enable_kv_cache_events: Record BlockStored / BlockRemoved / AllBlocksCleared events.
+        log_stats: Collect prefix-cache stats (drained by ``make_prefix_cache_stats``).
+        watermark: Fraction of all blocks kept free when admitting waiting or preempted
+            requests while others are scheduled.
+    """
+
+    kv_cache_config: KVCacheConfig
+    max_model_len: int
+    scheduler_block_size: int | None = None
+    hash_block_size: int | None = None
+    max_in_flight_tokens: int | None = None
+    enable_caching: bool = True
+    enable_kv_cache_events: bool = False
+    log_stats: bool = True
+    watermark: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotOptions:
+    """The rarely used knobs of ``allocate_slots`` (vLLM's keyword arguments).
+
+    Attributes:
+        num_lookahead_tokens: Extra slots for speculative tokens (never cached).
+        num_external_computed_tokens: Tokens a KV connector computed, after the local hit.
+        delay_cache_blocks: Do not cache this step (blocks are filled by a later transfer).
+        num_encoder_tokens: Encoder tokens for cross-attention groups.
+        full_sequence_must_fit: Admit only if the whole sequence fits now (admission gate).
+        reserved_blocks: Free blocks to leave for other in-flight sequences.
+        has_scheduled_reqs: Whether other requests are scheduled this step (watermark gate).
+    """
+
+    num_lookahead_tokens: int = 0
+    num_external_computed_tokens: int = 0
+    delay_cache_blocks: bool = False
+    num_encoder_tokens: int = 0
+    full_sequence_must_fit: bool = False
+    reserved_blocks: int = 0
+    has_scheduled_reqs: bool = True
+
+
+DEFAULT_SLOT_OPTIONS = SlotOptions()
+
+
+class KVCacheBlocks:
+    """Blocks per KV-cache group: ``blocks[group][i]`` is the group's i-th block.
+
+    The manager hands out one preallocated empty instance whenever no group has blocks.
+    """
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        """Wrap per-group block sequences.
+
+        Args:
+            blocks: One sequence per group.
+        """
+        self.blocks = blocks
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(
+            tuple([*mine, *theirs] for mine, theirs in zip(self.blocks, other.blocks, strict=True))
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KVCacheBlocks):
+            return NotImplemented
+        return self.get_block_ids() == other.get_block_ids()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.get_block_ids()!r})"
+
+    def get_block_ids(self, group_ids: Sequence[int] | None = None) -> tuple[list[int], ...]:
+        """Block ids per group.
+
+        Args:
+            group_ids: Groups to include; ``None``: all.
+
+        Returns:
+            One list of block ids per selected group.
+        """
+        groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
+        return tuple([block.block_id for block in group] for group in groups)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of the blocks without a hash, for a single-group pool.
+
+        Raises:
+            InvalidArgumentError: The pool has more than one group.
+        """
+        if len(self.blocks) != 1:
+            raise InvalidArgumentError("get_unhashed_block_ids needs exactly one group")
+        return [block.block_id for block in self.blocks[0] if block.block_hash is None]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        """Ids of the non-null blocks without a hash, per group."""
+        return [
+            [b.block_id for b in group if b.block_hash is None and not b.is_null]
+            for group in self.blocks
+        ]
+
+    def new_empty(self) -> KVCacheBlocks:
+        """An instance with the same number of groups and no blocks."""
+        return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+class CacheHit(NamedTuple):
+    """What ``get_computed_blocks`` finds: hit blocks per group and the hit length."""
+
+    blocks: KVCacheBlocks
+    num_computed_tokens: int
+
+
+def _scheduler_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    # All layers of a uniform-type group need the same slots; any one speaks for the group.
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return next(iter(spec.kv_cache_specs.values()))
+    return spec
+
+
+def _spec_kind(spec: KVCacheSpec) -> str:
+    # Subclasses before their bases, so MLA and sink keep their own kind.
+    kinds: tuple[tuple[type[KVCacheSpec], str], ...] = (
+        (MLAAttentionSpec, "mla_attention"),
+        (SinkFullAttentionSpec, "sink_full_attention"),
+        (FullAttentionSpec, "full_attention"),
+        (ChunkedLocalAttentionSpec, "chunked_local_attention"),
+        (SlidingWindowSpec, "sliding_window"),
+        (MambaSpec, "mamba"),
+        (EncoderOnlyAttentionSpec, "encoder_only_attention"),
+        (CrossAttentionSpec, "cross_attention"),
+    )
+    for spec_type, kind in kinds:
+        if isinstance(spec, spec_type):
+            return kind
+    return "unknown"
+
+
+def _needs_kv_cache_zeroing(specs: Sequence[KVCacheSpec]) -> bool:
+    # Mamba states are read before they are fully written; mixed precisions can decode stale
+    # bytes of another group's block as NaN.
+    if any(isinstance(spec, MambaSpec) for spec in specs):
+        return True
+    dtypes = {spec.dtype for spec in specs if isinstance(spec, AttentionSpec)}
+    return len(dtypes) > 1
+
+
+def _resolve_block_sizes(
+    config: KVCacheManagerConfig, specs: Sequence[KVCacheSpec]
+) -> tuple[int, int]:
+    block_sizes = [spec.block_size for spec in specs]
+    scheduler_block_size = config.scheduler_block_size
+    if scheduler_block_size is None:
+        scheduler_block_size = (
+            lcm_of_block_sizes(block_sizes) if block_sizes else _DEFAULT_BLOCK_SIZE
+        )
+    hash_block_size = config.hash_block_size
+    if hash_block_size is None:
+        if (
+            len(specs) <= 1
+            or not config.enable_caching
+            or any(isinstance(spec, MambaSpec) for spec in specs)
+        ):
+            hash_block_size = scheduler_block_size
+        else:
+            hash_block_size = math.gcd(*block_sizes)
+    return scheduler_block_size, hash_block_size
+
+
+def _validate_config(config: KVCacheManagerConfig) -> None:
+    if type(config.max_model_len) is not int or config.max_model_len <= 0:
+        raise ConfigError(f"max_model_len must be a positive int, got {config.max_model_len!r}")
+    for field in ("scheduler_block_size", "hash_block_size", "max_in_flight_tokens"):
+        value = getattr(config, field)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise ConfigError(f"{field} must be a positive int or None, got {value!r}")
+    if not (0.0 <= config.watermark < 1.0):
+        raise ConfigError(f"watermark must be in [0, 1), got {config.watermark!r}")
+    if config.kv_cache_config.num_blocks < 1:
+        raise ConfigError(
+            f"kv_cache_config.num_blocks must be >= 1, got {config.kv_cache_config.num_blocks}"
+        )
+
+
+class KVCacheManager:
+    """One pool's KV-cache manager (vLLM's V1 ``KVCacheManager``).
+
+    Attributes:
+        max_model_len: Longest sequence, in tokens.
+        enable_caching: Whether prefix caching is on.
+        log_stats: Whether prefix-cache stats are collected.
+        scheduler_block_size: Scheduling granularity, in tokens.
+        hash_block_size: Tokens per request block hash (what the pool's hasher must use).
+        num_kv_cache_groups: Number of KV-cache groups.
+        coordinator: The coordinator of the per-group managers.
+        block_pool: The block pool.
+        empty_kv_cache_blocks: The shared empty result.
+    """
+
+    def __init__(self, config: KVCacheManagerConfig) -> None:
+        """Build the manager, its coordinator and its block pool.
+
+        Args:
+            config: The pool's settings.
+
+        Raises:
+            ConfigError: The settings are inconsistent or unsupported.
+        """
+        _validate_config(config)
+        groups = [
+            replace(group, kv_cache_spec=_scheduler_spec(group.kv_cache_spec))
+            for group in config.kv_cache_config.kv_cache_groups
+        ]
+        kv_cache_config = replace(config.kv_cache_config, kv_cache_groups=groups)
+        specs = [group.kv_cache_spec for group in groups]
+        self.scheduler_block_size, self.hash_block_size = _resolve_block_sizes(config, specs)
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = config.max_model_len
+        self.enable_caching = config.enable_caching
+        self.log_stats = config.log_stats
+        self.num_kv_cache_groups = len(groups)
+        self.coordinator: KVCacheCoordinator = get_kv_cache_coordinator(
+            CoordinatorConfig(
+                kv_cache_config=kv_cache_config,
+                max_model_len=config.max_model_len,
+                max_in_flight_tokens=config.max_in_flight_tokens or config.max_model_len,
+                scheduler_block_size=self.scheduler_block_size,
+                hash_block_size=self.hash_block_size,
+                enable_caching=config.enable_caching,
+                enable_kv_cache_events=config.enable_kv_cache_events,
+                needs_kv_cache_zeroing=_needs_kv_cache_zeroing(specs),
+            )
+        )
+        self.block_pool: BlockPool = self.coordinator.block_pool
+        self.watermark_blocks = int(config.watermark * kv_cache_config.num_blocks)
+        self._event_metadata = tuple(
+            (_spec_kind(spec), spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None)
+            for spec in specs
+        )
+        self.prefix_cache_stats: PrefixCacheStats | None = (
+            PrefixCacheStats() if config.log_stats else None
+        )
+        self.prefix_caching_metrics = PrefixCachingMetrics(max_recent_requests=_MAX_RECENT_REQUESTS)
+        # Requests holding a block table (allocated at least once, not freed since).
+        self._requests: set[str] = set()
+        # Immutable, shared "no blocks" result: callers must not mutate returned blocks.
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
+        self._empty_hit = CacheHit(self.empty_kv_cache_blocks, 0)
+
+    # --------------------------------------------------------------------------- state
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool's blocks in use, 0..1."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (cached free blocks included)."""
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit rate (hit tokens / queried tokens) over the most recent requests, 0..1.
+
+        Updated whenever stats are drained by ``make_prefix_cache_stats``.
+        """
+        return self.prefix_caching_metrics.hit_rate
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Drain the prefix-cache stats collected since the last call.
+
+        Returns:
+            The stats, or ``None`` when ``log_stats`` is off.
+        """
+        if self.prefix_cache_stats is None:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.prefix_caching_metrics.observe(stats)
+        return stats
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count one admitted request's lookup (vLLM records at admission, not at lookup).
+
+        Args:
+            request: The admitted request.
+            num_hits: Its local prefix-cache hit, in tokens.
+
+        Raises:
+            InvalidArgumentError: ``num_hits`` is negative or longer than the request.
+        """
+        if num_hits < 0 or num_hits > request.num_tokens:
+            raise InvalidArgumentError(
+                f"num_hits must be in [0, {request.num_tokens}], got {num_hits}"
+            )
+        stats = self.prefix_cache_stats
+        if stats is None or not self.enable_caching or request.skip_reading_prefix_cache:
+            return
+        stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    # ------------------------------------------------------------------------- lookups
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> CacheHit:
+        """Find the request's longest prefix-cache hit (full blocks only).
+
+        When every token hits, the last one must still be computed for its logits, so the
+        hit is capped at ``num_tokens - 1`` by default.
+
+        Args:
+            request: The request.
+            max_cache_hit_length: Upper bound of the hit; ``None``: ``num_tokens - 1``.
+
+        Returns:
+            The hit (the shared empty hit when caching is off or the request opts out).
+
+        Raises:
+            InvalidArgumentError: The bound is negative, the request is longer than
+                max_model_len, or it carries more block hashes than full blocks.
+        """
+        self._check_request(request)
+        if max_cache_hit_length is not None and max_cache_hit_length < 0:
+            raise InvalidArgumentError(
+                f"max_cache_hit_length must be >= 0, got {max_cache_hit_length}"
+            )
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self._empty_hit
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
+        return CacheHit(self._make_blocks(hit.blocks), hit.num_tokens)
+
+    def _check_request(self, request: Request) -> None:
+        num_tokens = request.num_tokens
+        if num_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"request {request.request_id!r} has {num_tokens} tokens, more than "
+                f"max_model_len {self.max_model_len}"
+            )
+        if len(request.block_hashes) > num_tokens // self.hash_block_size:
+            raise InvalidArgumentError(
+                f"request {request.request_id!r} has {len(request.block_hashes)} block_hashes "
+                f"but only {num_tokens // self.hash_block_size} full blocks of "
+                f"{self.hash_block_size} tokens"
+            )
+        if request.num_computed_tokens < 0 or request.num_in_flight_tokens < 0:
+            raise InvalidArgumentError(
+                f"request {request.request_id!r}: num_computed_tokens and "
+                "num_in_flight_tokens must be >= 0"
+            )
+
+    # ---------------------------------------------------------------------- allocation
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit: CacheHit | None = None,
+        options: SlotOptions = DEFAULT_SLOT_OPTIONS,
+    ) -> KVCacheBlocks | None:
+        """Give the request slots for ``num_new_tokens`` new tokens (see the module diagram).
+
+        Three stages: free blocks that left the attention window and check that the rest
+        fits; adopt the hit (and allocate blocks for external tokens); allocate blocks for
+        the tokens to compute, then cache the blocks that became full.
+
+        Args:
+            request: The request.
+            num_new_tokens: Tokens to compute this step (unverified draft tokens included).
+            hit: The hit from ``get_computed_blocks`` to adopt (new requests only).
+            options: The rarely used knobs.
+
+        Returns:
+            The newly allocated blocks per group, or ``None`` when they do not fit (the only
+            change then is that blocks out of the attention window were freed).
+
+        Raises:
+            InvalidArgumentError: A count is negative, the request would exceed max_model_len,
+                its hashes do not match its tokens, it has nothing to compute or adopt, or a
+                running request brings a hit.
+        """
+        new_computed, num_new_computed = self._check_allocation(
+            request, num_new_tokens, hit, options
+        )
+        request_id = request.request_id
+        coordinator = self.coordinator
+        num_external = options.num_external_computed_tokens
+        num_local_computed = request.num_computed_tokens + num_new_computed
+        total_computed = min(num_local_computed + num_external, self.max_model_len)
+        watermark_blocks = 0
+        if options.has_scheduled_reqs and (
+            request.status is RequestStatus.WAITING or request.status is RequestStatus.PREEMPTED
+        ):
+            watermark_blocks = self.watermark_blocks
+        if options.full_sequence_must_fit and not self._full_sequence_fits(
+            request, new_computed, total_computed, watermark_blocks, options.num_encoder_tokens
+        ):
+            return None
+
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = min(
+            num_tokens_main_model + options.num_lookahead_tokens, self.max_model_len
+        )
+        # Free out-of-window blocks first (even if the request then does not fit), so the
+        # allocation below evicts fewer cached blocks. In-flight steps still read below the
+        # optimistic boundary, so free on the processed-token basis.
+        coordinator.remove_skipped_blocks(
+            request_id, max(0, total_computed - request.num_in_flight_tokens)
+        )
+        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens_need_slot,
+            new_computed,
+            num_encoder_tokens=options.num_encoder_tokens,
+            total_computed_tokens=num_local_computed + num_external,
+        )
+        available_blocks = self.block_pool.get_num_free_blocks() - options.reserved_blocks
+        if num_blocks_to_allocate + watermark_blocks > available_blocks:
+            return None
+
+        if new_computed is not self.empty_kv_cache_blocks.blocks or num_external > 0:
+            # Adopt the hit before allocating, so new blocks cannot evict it.
+            coordinator.allocate_new_computed_blocks(
+                request_id, new_computed, num_local_computed, num_external
+            )
+        new_blocks = coordinator.allocate_new_blocks(
+            request_id, num_tokens_need_slot, options.num_encoder_tokens
+        )
+        self._requests.add(request_id)
+        if self.enable_caching and not options.delay_cache_blocks:
+            # Cache only finalized tokens: draft tokens beyond num_tokens may be rejected.
+            coordinator.cache_blocks(
+                request, min(total_computed + num_new_tokens, request.num_tokens)
+            )
+        return self._make_blocks(new_blocks)
+
+    def _check_allocation(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit: CacheHit | None,
+        options: SlotOptions,
+    ) -> tuple[tuple[Sequence[KVCacheBlock], ...], int]:
+        # Validates everything allocate_slots reads before it changes anything, and returns
+        # the hit blocks (the shared empty tuple when there are none) and the hit length.
+        self._check_request(request)
+        if options is not DEFAULT_SLOT_OPTIONS:
+            self._check_options(options)
+        if num_new_tokens < 0:
+            raise InvalidArgumentError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        new_computed: tuple[Sequence[KVCacheBlock], ...] = self.empty_kv_cache_blocks.blocks
+        num_new_computed = 0
+        if hit is not None:
+            num_new_computed = hit.num_computed_tokens
+            new_computed = self._check_hit(request, hit)
+        if (
+            num_new_tokens == 0
+            and num_new_computed == 0
+            and (options.num_external_computed_tokens == 0)
+        ):
+            raise InvalidArgumentError(
+                "num_new_tokens must be > 0 when there are no computed tokens to adopt"
+            )
+        if request.num_computed_tokens + num_new_computed + num_new_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"request {request.request_id!r}: num_computed_tokens "
+                f"({request.num_computed_tokens}) + hit ({num_new_computed}) + num_new_tokens "
+                f"({num_new_tokens}) exceeds max_model_len {self.max_model_len}"
+            )
+        return new_computed, num_new_computed
+
+    def _check_hit(self, request: Request, hit: CacheHit) -> tuple[Sequence[KVCacheBlock], ...]:
+        blocks = hit.blocks.blocks
+        if len(blocks) != self.num_kv_cache_groups:
+            raise InvalidArgumentError(
+                f"hit.blocks has {len(blocks)} groups, the pool has {self.num_kv_cache_groups}"
+            )
+        if not 0 <= hit.num_computed_tokens <= request.num_tokens:
+            raise InvalidArgumentError(
+                f"hit.num_computed_tokens must be in [0, {request.num_tokens}], "
+                f"got {hit.num_computed_tokens}"
+            )
+        if not any(blocks):
+            return self.empty_kv_cache_blocks.blocks
+        if request.request_id in self._requests:
+            raise InvalidArgumentError(
+                f"request {request.request_id!r} already holds blocks and cannot adopt a hit"
+            )
+        return blocks
+
+    @staticmethod
+    def _check_options(options: SlotOptions) -> None:
+        for field in (
+            "num_lookahead_tokens",
+            "num_external_computed_tokens",
+            "num_encoder_tokens",
+            "reserved_blocks",
+        ):
+            value = getattr(options, field)
+            if value < 0:
+                raise InvalidArgumentError(f"options.{field} must be >= 0, got {value}")
+
+    def _full_sequence_fits(
+        self,
+        request: Request,
+        new_computed: tuple[Sequence[KVCacheBlock], ...],
+        total_computed: int,
+        watermark_blocks: int,
+        num_encoder_tokens: int,
+    ) -> bool:
+        # Admission gate: would the whole sequence fit now, given the hit and the blocks that
+        # recycling attention types can reuse (their per-request admission cap)?
+        full_num_tokens = min(request.num_tokens, self.max_model_len)
+        num_blocks = self.coordinator.get_num_blocks_to_allocate(
+            request.request_id,
+            full_num_tokens,
+            new_computed,
+            num_encoder_tokens=num_encoder_tokens,
+            total_computed_tokens=total_computed,
+            apply_admission_cap=True,
+        )
+        return num_blocks + watermark_blocks <= self.block_pool.get_num_free_blocks()
+
+    def _make_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
+        # Share the empty result instead of building one per call.
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    # ------------------------------------------------------------------------- release
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (tails are evicted before heads).
+
+        A request that never got blocks (aborted while waiting) is accepted and ignored.
+
+        Args:
+            request: The request.
+        """
+        self.coordinator.free(request.request_id)
+        self._requests.discard(request.request_id)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free the blocks outside the attention window and put null blocks in their place.
+
+        Args:
+            request_id: A request holding blocks.
+            total_computed_tokens: Processed computed tokens, local and external.
+
+        Raises:
+            NotFoundError: The request holds no blocks.
+            InvalidArgumentError: ``total_computed_tokens`` is negative.
+        """
+        self._check_known(request_id)
+        if total_computed_tokens < 0:
+            raise InvalidArgumentError(
+                f"total_computed_tokens must be >= 0, got {total_computed_tokens}"
+            )
+        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the given blocks from the prefix cache (blocks in use stay allocated).
+
+        Args:
+            block_ids: Block ids, e.g. blocks a KV connector failed to load.
+
+        Raises:
+            InvalidArgumentError: An id is outside the pool (nothing is evicted).
+        """
+        ids = set(block_ids)
+        num_blocks = self.kv_cache_config.num_blocks
+        for block_id in ids:
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                raise InvalidArgumentError(
+                    f"block_ids must be ints in [0, {num_blocks}), got {block_id!r}"
+                )
+        self.block_pool.evict_blocks(ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (after a weight update, or for benchmarking).
+
+        Returns:
+            ``True`` on success; ``False`` (and no change) while any block is in use.
+        """
+        if not self.coordinator.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # --------------------------------------------------------------------------- views
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, the leading blocks of the request that every request holding blocks shares.
+
+        A block counts when its ref_cnt equals the number of requests holding blocks in that
+        group (seed 001's definition; vLLM 0.33 returns zeros). Sliding-window, chunked-local,
+        Mamba and cross-attention groups report 0: their tables start with null blocks or are
+        private.
+
+        Args:
+            running_request_id: Any request holding blocks.
+
+        Returns:
+            One count per group.
+
+        Raises:
+            NotFoundError: The request holds no blocks.
+        """
+        self._check_known(running_request_id)
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the pool's KV events, BlockStored ones annotated with their group's spec.
+
+        Returns:
+            The events since the last call, in order.
+        """
+        events = self.block_pool.take_events()
+        metadata = self._event_metadata
+        for index, event in enumerate(events):
+            if (
+                isinstance(event, BlockStored)
+                and event.group_idx is not None
+                and 0 <= event.group_idx < len(metadata)
+            ):
+                kind, sliding_window = metadata[event.group_idx]
+                events[index] = replace(
+                    event, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=sliding_window
+                )
+        return events
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's block tables (the live lists: do not mutate them).
+
+        Raises:
+            NotFoundError: The request holds no blocks.
+        """
+        self._check_known(request_id)
+        return self._make_blocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group.
+
+        Raises:
+            NotFoundError: The request holds no blocks.
+        """
+        return self.get_blocks(request_id).get_block_ids()
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's full blocks within its first ``num_computed_tokens`` tokens.
+
+        Args:
+            request: A request holding blocks.
+            num_computed_tokens: Tokens to cache, including those cached already.
+
+        Raises:
+            NotFoundError: The request holds no blocks.
+            InvalidArgumentError: ``num_computed_tokens`` is negative, or the request is
+                inconsistent (see ``get_computed_blocks``).
+        """
+        self._check_known(request.request_id)
+        self._check_request(request)
+        if num_computed_tokens < 0:
+            raise InvalidArgumentError(
+                f"num_computed_tokens must be >= 0, got {num_computed_tokens}"
+            )
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drain the ids of attention blocks allocated since the last call, for zeroing.
+
+        Only recorded when workers must zero new blocks (Mamba or mixed-precision pools).
+        """
+        return self.coordinator.take_new_block_ids()
+
+    def new_step_starts(self) -> None:
+        """Tell the managers a scheduler step starts."""
+        self.coordinator.new_step_starts()
+
+    def holds_blocks(self, request_id: str) -> bool:
+        """Whether the request holds a block table (allocated and not freed)."""
+        return request_id in self._requests
+
+    def _check_known(self, request_id: str) -> None:
+        if request_id not in self._requests:
+            raise NotFoundError(f"request {request_id!r} holds no blocks in this pool")
