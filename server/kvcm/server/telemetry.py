@@ -1,0 +1,170 @@
+"""RPC statistics kept on the server's hot path, read by the metrics collector at scrape time.
+
+``RpcStats`` is plain Python with no metrics library behind it: the gRPC layer calls
+:meth:`RpcStats.observe` once per finished RPC, and the HTTP side's collector turns a
+:meth:`RpcStats.snapshot` into Prometheus families only when ``/metrics`` is scraped. An
+observation costs one dict lookup per table, one bisection over the fixed bucket bounds and a
+few integer additions; it allocates only the first time a method or a (method, code) pair is
+seen, and both are bounded by the service's RPC list and the gRPC status codes.
+
+The server runs on one asyncio event loop and the collector runs on that same loop, so neither
+side takes a lock: an observation and a snapshot never interleave.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_LATENCY_BUCKETS_SECONDS",
+    "MethodLatency",
+    "RpcStats",
+    "RpcStatsSnapshot",
+]
+
+# Upper bounds in seconds. A scheduler step on loopback takes tens to hundreds of microseconds,
+# so the buckets start at 50 us; the top finite bucket still catches a slow worker registration.
+DEFAULT_LATENCY_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MethodLatency:
+    """The latency histogram of one RPC method, as Prometheus wants it.
+
+    Attributes:
+        method: the RPC method name (for example ``"Step"``).
+        upper_bounds: the finite bucket bounds in seconds, ascending; ``+Inf`` is implied.
+        cumulative_counts: observations at or below each bound, one entry per bound plus a
+            last one for ``+Inf`` (equal to ``count``).
+        count: the number of observations.
+        sum_seconds: the sum of the observed durations.
+    """
+
+    method: str
+    upper_bounds: tuple[float, ...]
+    cumulative_counts: tuple[int, ...]
+    count: int
+    sum_seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RpcStatsSnapshot:
+    """A consistent copy of everything :class:`RpcStats` has counted.
+
+    Attributes:
+        latencies: one histogram per method seen, sorted by method name.
+        requests: finished RPCs per ``(method, code)``, sorted by key.
+    """
+
+    latencies: tuple[MethodLatency, ...]
+    requests: tuple[tuple[str, str, int], ...]
+
+
+class _Histogram:
+    """Per-method bucket counts (not cumulative; the snapshot accumulates them)."""
+
+    __slots__ = ("bucket_counts", "count", "sum_seconds")
+
+    def __init__(self, num_buckets: int) -> None:
+        # One slot per finite bound plus one for +Inf.
+        self.bucket_counts = [0] * (num_buckets + 1)
+        self.count = 0
+        self.sum_seconds = 0.0
+
+
+class RpcStats:
+    """Counts finished RPCs and their latencies per method and status code.
+
+    Args:
+        buckets: the histogram's finite upper bounds in seconds, strictly ascending.
+
+    Raises:
+        ValueError: if ``buckets`` is empty, not strictly ascending, or holds a value that
+            is not a finite positive number.
+    """
+
+    __slots__ = ("_bounds", "_histograms", "_requests")
+
+    def __init__(self, buckets: Sequence[float] = DEFAULT_LATENCY_BUCKETS_SECONDS) -> None:
+        bounds = tuple(float(b) for b in buckets)
+        if not bounds:
+            raise ValueError("buckets: at least one bucket bound is required")
+        if any(not math.isfinite(b) or b <= 0.0 for b in bounds):
+            raise ValueError(f"buckets: bounds must be finite and positive, got {bounds}")
+        if any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise ValueError(f"buckets: bounds must be strictly ascending, got {bounds}")
+        self._bounds = bounds
+        self._histograms: dict[str, _Histogram] = {}
+        self._requests: dict[tuple[str, str], int] = {}
+
+    @property
+    def buckets(self) -> tuple[float, ...]:
+        """The finite bucket upper bounds in seconds."""
+        return self._bounds
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        """Record one finished RPC.
+
+        Args:
+            method: the RPC method name, without the service prefix (``"Step"``).
+            code: the gRPC status code name (``"OK"``, ``"NOT_FOUND"``, ...).
+            seconds: the wall-clock duration of the call; negative values count as zero.
+        """
+        histogram = self._histograms.get(method)
+        if histogram is None:
+            histogram = self._histograms[method] = _Histogram(len(self._bounds))
+        seconds = max(seconds, 0.0)
+        # bisect_left puts a value equal to a bound into that bound's bucket (Prometheus "le").
+        histogram.bucket_counts[bisect.bisect_left(self._bounds, seconds)] += 1
+        histogram.count += 1
+        histogram.sum_seconds += seconds
+        key = (method, code)
+        self._requests[key] = self._requests.get(key, 0) + 1
+
+    def snapshot(self) -> RpcStatsSnapshot:
+        """Copy the counters out, accumulating each histogram's buckets.
+
+        Returns:
+            The snapshot; later observations do not change it.
+        """
+        latencies = []
+        for method in sorted(self._histograms):
+            histogram = self._histograms[method]
+            cumulative = []
+            running = 0
+            for n in histogram.bucket_counts:
+                running += n
+                cumulative.append(running)
+            latencies.append(
+                MethodLatency(
+                    method=method,
+                    upper_bounds=self._bounds,
+                    cumulative_counts=tuple(cumulative),
+                    count=histogram.count,
+                    sum_seconds=histogram.sum_seconds,
+                )
+            )
+        requests = tuple((method, code, n) for (method, code), n in sorted(self._requests.items()))
+        return RpcStatsSnapshot(latencies=tuple(latencies), requests=requests)

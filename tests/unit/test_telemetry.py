@@ -1,0 +1,65 @@
+"""RpcStats: fixed buckets, per-method histograms, per-(method, code) counts, snapshots."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvcm.server.telemetry import DEFAULT_LATENCY_BUCKETS_SECONDS, RpcStats
+
+
+def test_observations_land_in_le_buckets_and_accumulate() -> None:
+    stats = RpcStats(buckets=(0.001, 0.01, 0.1))
+    stats.observe("Step", "OK", 0.0005)
+    stats.observe("Step", "OK", 0.001)  # equal to a bound: that bound's bucket
+    stats.observe("Step", "OK", 0.05)
+    stats.observe("Step", "INVALID_ARGUMENT", 3.0)  # above every bound: +Inf only
+    stats.observe("Lookup", "OK", 0.002)
+
+    snap = stats.snapshot()
+    assert [m.method for m in snap.latencies] == ["Lookup", "Step"]
+    step = snap.latencies[1]
+    assert step.upper_bounds == (0.001, 0.01, 0.1)
+    assert step.cumulative_counts == (2, 2, 3, 4)
+    assert step.count == 4
+    assert math.isclose(step.sum_seconds, 0.0005 + 0.001 + 0.05 + 3.0)
+    assert snap.latencies[0].cumulative_counts == (0, 1, 1, 1)
+    assert snap.requests == (
+        ("Lookup", "OK", 1),
+        ("Step", "INVALID_ARGUMENT", 1),
+        ("Step", "OK", 3),
+    )
+
+
+def test_snapshot_is_a_copy() -> None:
+    stats = RpcStats()
+    stats.observe("Free", "OK", 0.0001)
+    before = stats.snapshot()
+    stats.observe("Free", "OK", 0.0001)
+    assert before.latencies[0].count == 1
+    assert before.requests == (("Free", "OK", 1),)
+    assert stats.snapshot().requests == (("Free", "OK", 2),)
+
+
+def test_negative_durations_count_as_zero() -> None:
+    stats = RpcStats(buckets=(1.0,))
+    stats.observe("Step", "OK", -1.0)
+    latency = stats.snapshot().latencies[0]
+    assert latency.cumulative_counts == (1, 1)
+    assert latency.sum_seconds == 0.0
+
+
+def test_empty_stats_snapshot() -> None:
+    snap = RpcStats().snapshot()
+    assert snap.latencies == ()
+    assert snap.requests == ()
+    assert RpcStats().buckets == DEFAULT_LATENCY_BUCKETS_SECONDS
+
+
+@pytest.mark.parametrize(
+    "buckets", [(), (0.1, 0.1), (0.2, 0.1), (0.0, 1.0), (float("inf"),), (float("nan"),)]
+)
+def test_bad_buckets_are_rejected(buckets: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="buckets"):
+        RpcStats(buckets=buckets)
