@@ -1,0 +1,224 @@
+"""The HTTP side of the server: metrics, probes and a read-only JSON view of the pools.
+
+The app is served by uvicorn on the gRPC server's event loop. Every handler is ``async def`` on
+purpose: FastAPI runs plain ``def`` handlers in a thread pool, and a thread reading a pool while
+the loop mutates it could see half an RPC. On the loop, a handler runs between RPCs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from pydantic import BaseModel
+
+from kvcm.common.errors import NotFoundError
+from kvcm.server.http._collector import KVCMCollector, kvcm_version
+from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
+from kvcm.server.telemetry import RpcStats
+
+__all__ = [
+    "ErrorBody",
+    "ErrorDetail",
+    "GroupSummary",
+    "PoolList",
+    "PoolSummary",
+    "PrefixCacheSummary",
+    "Status",
+    "build_app",
+    "summarize",
+]
+
+
+class GroupSummary(BaseModel):
+    """One KV-cache group of a pool."""
+
+    group_id: int
+    kind: str
+    block_size: int
+    num_layers: int
+
+
+class PrefixCacheSummary(BaseModel):
+    """Prefix-cache counters since the pool was created, and the hit rates they give.
+
+    ``hit_rate`` is ``hits / queries`` over the pool's whole life (what PromQL computes from
+    ``kvcm_prefix_cache_hits_total / kvcm_prefix_cache_queries_total``); ``recent_hit_rate`` is
+    the same ratio over the most recent requests only. Both are 0 before any query.
+    """
+
+    requests: int
+    queries: int
+    hits: int
+    hit_rate: float
+    recent_hit_rate: float
+    preempted_requests: int
+    preempted_queries: int
+    preempted_hits: int
+
+
+class PoolSummary(BaseModel):
+    """A pool at one instant, as ``/v1/pools`` shows it."""
+
+    name: str
+    state: str
+    world_size: int
+    registered_workers: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    usage: float
+    num_requests: int
+    groups: list[GroupSummary]
+    prefix_cache: PrefixCacheSummary
+    evicted_blocks_total: int
+    events_emitted_total: int
+    allocations_not_fit_total: int
+
+
+class PoolList(BaseModel):
+    """Every pool, in the registry's order."""
+
+    pools: list[PoolSummary]
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: a gRPC-style code name and a message."""
+
+    code: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """The body of every error kvcm's HTTP side answers itself."""
+
+    error: ErrorDetail
+
+
+class Status(BaseModel):
+    """A probe's answer."""
+
+    status: str
+
+
+def summarize(snapshot: PoolSnapshotLike) -> PoolSummary:
+    """Turn a pool snapshot into its JSON summary.
+
+    Args:
+        snapshot: the pool's snapshot.
+
+    Returns:
+        The summary, with the lifetime hit rate computed from the counters.
+    """
+    hit_rate = snapshot.hits / snapshot.queries if snapshot.queries else 0.0
+    return PoolSummary(
+        name=snapshot.name,
+        state=str(snapshot.state),
+        world_size=snapshot.world_size,
+        registered_workers=snapshot.registered_workers,
+        num_blocks=snapshot.num_blocks,
+        num_free_blocks=snapshot.num_free_blocks,
+        num_cached_blocks=snapshot.num_cached_blocks,
+        usage=snapshot.usage,
+        num_requests=snapshot.num_requests,
+        groups=[
+            GroupSummary(
+                group_id=group_id, kind=str(kind), block_size=block_size, num_layers=num_layers
+            )
+            for group_id, kind, block_size, num_layers in snapshot.groups
+        ],
+        prefix_cache=PrefixCacheSummary(
+            requests=snapshot.requests,
+            queries=snapshot.queries,
+            hits=snapshot.hits,
+            hit_rate=hit_rate,
+            recent_hit_rate=snapshot.recent_hit_rate,
+            preempted_requests=snapshot.preempted_requests,
+            preempted_queries=snapshot.preempted_queries,
+            preempted_hits=snapshot.preempted_hits,
+        ),
+        evicted_blocks_total=snapshot.evicted_blocks_total,
+        events_emitted_total=snapshot.events_emitted_total,
+        allocations_not_fit_total=snapshot.allocations_not_fit_total,
+    )
+
+
+def build_app(
+    registry: PoolRegistryLike, rpc_stats: RpcStats, is_ready: Callable[[], bool]
+) -> FastAPI:
+    """Build the HTTP app over the server's pools and RPC statistics.
+
+    Routes: ``GET /metrics`` (Prometheus text, or OpenMetrics when the scraper asks for it),
+    ``GET /healthz`` (200 while the process serves HTTP), ``GET /readyz`` (200 once
+    ``is_ready()`` is true, 503 before), ``GET /v1/pools`` and ``GET /v1/pools/{pool}`` (JSON
+    summaries; 404 with an :class:`ErrorBody` for an unknown pool).
+
+    Each app gets its own ``CollectorRegistry``, so two servers in one process (tests) do not
+    share or clash over metrics.
+
+    Args:
+        registry: the server's pool registry.
+        rpc_stats: the statistics the gRPC side records.
+        is_ready: answers whether the gRPC side is serving.
+
+    Returns:
+        The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
+    """
+    prometheus_registry = CollectorRegistry(auto_describe=False)
+    prometheus_registry.register(KVCMCollector(registry, rpc_stats))
+
+    app = FastAPI(
+        title="kvcm",
+        version=kvcm_version(),
+        summary="Metrics, probes and pool summaries of a kvcm server.",
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.prometheus_registry = prometheus_registry
+
+    @app.get("/metrics", response_class=Response, tags=["operations"])
+    async def metrics(request: Request) -> Response:
+        """Prometheus exposition of every kvcm metric, read from the pools now."""
+        encode, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(content=encode(prometheus_registry), headers={"Content-Type": content_type})
+
+    @app.get("/healthz", tags=["operations"])
+    async def healthz() -> Status:
+        """Liveness: the process is up and its event loop answers."""
+        return Status(status="ok")
+
+    @app.get(
+        "/readyz",
+        tags=["operations"],
+        responses={503: {"model": Status, "description": "the gRPC side is not serving yet"}},
+    )
+    async def readyz() -> Response:
+        """Readiness: 200 once the gRPC side serves, 503 before (and while shutting down)."""
+        if is_ready():
+            return JSONResponse(Status(status="ready").model_dump())
+        return JSONResponse(Status(status="not ready").model_dump(), status_code=503)
+
+    @app.get("/v1/pools", tags=["pools"])
+    async def list_pools() -> PoolList:
+        """Every pool's summary."""
+        return PoolList(pools=[summarize(pool.snapshot()) for pool in registry.list()])
+
+    @app.get(
+        "/v1/pools/{pool}",
+        tags=["pools"],
+        response_model=PoolSummary,
+        responses={404: {"model": ErrorBody, "description": "no pool has this name"}},
+    )
+    async def get_pool(pool: str) -> Response | PoolSummary:
+        """One pool's summary."""
+        try:
+            found = registry.get(pool)
+        except NotFoundError as exc:
+            body = ErrorBody(error=ErrorDetail(code="NOT_FOUND", message=str(exc)))
+            return JSONResponse(body.model_dump(), status_code=404)
+        return summarize(found.snapshot())
+
+    return app

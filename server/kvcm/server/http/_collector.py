@@ -1,0 +1,322 @@
+"""The Prometheus collector: pool state and RPC statistics turned into metric families.
+
+Nothing here runs on the hot path. The gRPC side mutates pools and bumps :class:`RpcStats`
+counters in plain Python; this collector reads a snapshot of each pool and of the RPC stats only
+when ``/metrics`` is scraped. The scrape handler runs on the server's event loop, so a snapshot is
+never taken in the middle of an RPC's mutation.
+
+Every metric kvcm exports is declared once in :data:`METRICS`; the collector refuses to emit a
+family that is not declared there, and ``docs/metrics.md`` documents exactly this list.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
+from kvcm.server.telemetry import RpcStats, RpcStatsSnapshot
+
+__all__ = [
+    "METRICS",
+    "KVCMCollector",
+    "MetricSpec",
+    "kvcm_version",
+    "pool_families",
+    "rpc_families",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricSpec:
+    """One exported metric family.
+
+    Attributes:
+        name: the family name as it appears in the exposition, ``_total`` included for
+            counters (the histogram's series add ``_bucket``, ``_sum`` and ``_count``).
+        kind: ``"counter"``, ``"gauge"`` or ``"histogram"``.
+        labels: the label names, in order.
+        help: the HELP text.
+    """
+
+    name: str
+    kind: str
+    labels: tuple[str, ...]
+    help: str
+
+
+_POOL = ("pool",)
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        name="kvcm_prefix_cache_requests_total",
+        kind="counter",
+        labels=_POOL,
+        help="Requests that looked up the prefix cache (first scheduling, not preempted).",
+    ),
+    MetricSpec(
+        name="kvcm_prefix_cache_queries_total",
+        kind="counter",
+        labels=_POOL,
+        help="Prefix cache queries, in tokens looked up (requests not preempted before).",
+    ),
+    MetricSpec(
+        name="kvcm_prefix_cache_hits_total",
+        kind="counter",
+        labels=_POOL,
+        help="Prefix cache hits, in tokens found cached (requests not preempted before).",
+    ),
+    MetricSpec(
+        name="kvcm_prefix_cache_preempted_requests_total",
+        kind="counter",
+        labels=_POOL,
+        help="Previously preempted requests that looked up the prefix cache again.",
+    ),
+    MetricSpec(
+        name="kvcm_prefix_cache_preempted_queries_total",
+        kind="counter",
+        labels=_POOL,
+        help="Prefix cache queries of previously preempted requests, in tokens.",
+    ),
+    MetricSpec(
+        name="kvcm_prefix_cache_preempted_hits_total",
+        kind="counter",
+        labels=_POOL,
+        help="Prefix cache hits of previously preempted requests, in tokens.",
+    ),
+    MetricSpec(
+        name="kvcm_prefix_cache_recent_hit_rate",
+        kind="gauge",
+        labels=_POOL,
+        help="Prefix cache hit rate (hit tokens / queried tokens, 0..1) over the most recent "
+        "requests; 0 before any request.",
+    ),
+    MetricSpec(
+        name="kvcm_kv_cache_usage_ratio",
+        kind="gauge",
+        labels=_POOL,
+        help="Fraction of the pool's KV-cache blocks in use (0..1).",
+    ),
+    MetricSpec(
+        name="kvcm_blocks",
+        kind="gauge",
+        labels=_POOL,
+        help="KV-cache blocks in the pool (0 until every worker has registered).",
+    ),
+    MetricSpec(
+        name="kvcm_free_blocks",
+        kind="gauge",
+        labels=_POOL,
+        help="KV-cache blocks not held by any request (cached ones included).",
+    ),
+    MetricSpec(
+        name="kvcm_cached_blocks",
+        kind="gauge",
+        labels=_POOL,
+        help="KV-cache blocks that hold a prefix-cache entry.",
+    ),
+    MetricSpec(
+        name="kvcm_running_requests",
+        kind="gauge",
+        labels=_POOL,
+        help="Requests that currently hold blocks in the pool.",
+    ),
+    MetricSpec(
+        name="kvcm_evicted_blocks_total",
+        kind="counter",
+        labels=_POOL,
+        help="Cached blocks whose prefix-cache entry was evicted to make room.",
+    ),
+    MetricSpec(
+        name="kvcm_kv_events_emitted_total",
+        kind="counter",
+        labels=_POOL,
+        help="KV-cache events (block stored, block removed, all cleared) emitted.",
+    ),
+    MetricSpec(
+        name="kvcm_allocations_not_fit_total",
+        kind="counter",
+        labels=_POOL,
+        help="Slot allocations answered 'does not fit' for lack of free blocks.",
+    ),
+    MetricSpec(
+        name="kvcm_registered_workers",
+        kind="gauge",
+        labels=_POOL,
+        help="Worker ranks registered with the pool.",
+    ),
+    MetricSpec(
+        name="kvcm_pool_world_size",
+        kind="gauge",
+        labels=_POOL,
+        help="Worker ranks the pool expects (tensor x pipeline parallel size).",
+    ),
+    MetricSpec(
+        name="kvcm_pool_info",
+        kind="gauge",
+        labels=("pool", "state"),
+        help="Always 1; the pool's lifecycle state is in the state label.",
+    ),
+    MetricSpec(
+        name="kvcm_kv_cache_group_info",
+        kind="gauge",
+        labels=("pool", "group", "kind", "block_size", "num_layers"),
+        help="Always 1; one series per KV-cache group with its attention kind, block size in "
+        "tokens and layer count.",
+    ),
+    MetricSpec(
+        name="kvcm_rpc_duration_seconds",
+        kind="histogram",
+        labels=("method",),
+        help="Server-side duration of gRPC calls, by method.",
+    ),
+    MetricSpec(
+        name="kvcm_rpc_requests_total",
+        kind="counter",
+        labels=("method", "code"),
+        help="Finished gRPC calls, by method and status code.",
+    ),
+    MetricSpec(
+        name="kvcm_build_info",
+        kind="gauge",
+        labels=("version", "python_version"),
+        help="Always 1; the running kvcm version and Python version.",
+    ),
+)
+
+_SPEC_BY_NAME = {spec.name: spec for spec in METRICS}
+
+
+def kvcm_version() -> str:
+    """The installed kvcm version, or ``"unknown"`` when running from an uninstalled tree."""
+    try:
+        return metadata.version("kvcm")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _scalar_family(name: str) -> CounterMetricFamily | GaugeMetricFamily:
+    """An empty counter or gauge family for the declared metric ``name``."""
+    spec = _SPEC_BY_NAME[name]
+    if spec.kind == "counter":
+        # prometheus_client appends the _total suffix itself.
+        return CounterMetricFamily(name.removesuffix("_total"), spec.help, labels=spec.labels)
+    if spec.kind == "gauge":
+        return GaugeMetricFamily(name, spec.help, labels=spec.labels)
+    raise AssertionError(f"{name} is a {spec.kind}, not a counter or gauge")
+
+
+def _histogram_family(name: str) -> HistogramMetricFamily:
+    spec = _SPEC_BY_NAME[name]
+    return HistogramMetricFamily(name, spec.help, labels=spec.labels)
+
+
+# Each per-pool metric that is one number, and how to read it from a snapshot.
+_POOL_SCALARS: tuple[tuple[str, Callable[[PoolSnapshotLike], float]], ...] = (
+    ("kvcm_prefix_cache_requests_total", lambda s: s.requests),
+    ("kvcm_prefix_cache_queries_total", lambda s: s.queries),
+    ("kvcm_prefix_cache_hits_total", lambda s: s.hits),
+    ("kvcm_prefix_cache_preempted_requests_total", lambda s: s.preempted_requests),
+    ("kvcm_prefix_cache_preempted_queries_total", lambda s: s.preempted_queries),
+    ("kvcm_prefix_cache_preempted_hits_total", lambda s: s.preempted_hits),
+    ("kvcm_prefix_cache_recent_hit_rate", lambda s: s.recent_hit_rate),
+    ("kvcm_kv_cache_usage_ratio", lambda s: s.usage),
+    ("kvcm_blocks", lambda s: s.num_blocks),
+    ("kvcm_free_blocks", lambda s: s.num_free_blocks),
+    ("kvcm_cached_blocks", lambda s: s.num_cached_blocks),
+    ("kvcm_running_requests", lambda s: s.num_requests),
+    ("kvcm_evicted_blocks_total", lambda s: s.evicted_blocks_total),
+    ("kvcm_kv_events_emitted_total", lambda s: s.events_emitted_total),
+    ("kvcm_allocations_not_fit_total", lambda s: s.allocations_not_fit_total),
+    ("kvcm_registered_workers", lambda s: s.registered_workers),
+    ("kvcm_pool_world_size", lambda s: s.world_size),
+)
+
+
+def pool_families(snapshots: Iterable[PoolSnapshotLike]) -> list[Metric]:
+    """The per-pool metric families for ``snapshots``.
+
+    Args:
+        snapshots: one snapshot per pool.
+
+    Returns:
+        One family per per-pool metric of :data:`METRICS`, each with one series per pool
+        (the group info family has one per group).
+    """
+    scalars = [(_scalar_family(name), read) for name, read in _POOL_SCALARS]
+    pool_info = _scalar_family("kvcm_pool_info")
+    group_info = _scalar_family("kvcm_kv_cache_group_info")
+    for snapshot in snapshots:
+        pool = [snapshot.name]
+        for family, read in scalars:
+            family.add_metric(pool, read(snapshot))
+        pool_info.add_metric([snapshot.name, str(snapshot.state)], 1)
+        for group_id, kind, block_size, num_layers in snapshot.groups:
+            group_info.add_metric(
+                [snapshot.name, str(group_id), str(kind), str(block_size), str(num_layers)], 1
+            )
+    return [*(family for family, _ in scalars), pool_info, group_info]
+
+
+def rpc_families(stats: RpcStatsSnapshot) -> list[Metric]:
+    """The RPC latency histogram and the per-(method, code) call counter.
+
+    Args:
+        stats: a snapshot of the server's :class:`RpcStats`.
+
+    Returns:
+        ``[kvcm_rpc_duration_seconds, kvcm_rpc_requests_total]``.
+    """
+    duration = _histogram_family("kvcm_rpc_duration_seconds")
+    for latency in stats.latencies:
+        # repr is the shortest text that parses back to the same float (what le needs).
+        les = [repr(bound) for bound in latency.upper_bounds]
+        les.append("+Inf")
+        duration.add_metric(
+            [latency.method],
+            buckets=list(zip(les, latency.cumulative_counts, strict=True)),
+            sum_value=latency.sum_seconds,
+        )
+    calls = _scalar_family("kvcm_rpc_requests_total")
+    for method, code, count in stats.requests:
+        calls.add_metric([method, code], count)
+    return [duration, calls]
+
+
+class KVCMCollector:
+    """Reads pool snapshots and RPC statistics at scrape time.
+
+    Args:
+        registry: the server's pool registry.
+        rpc_stats: the server's RPC statistics.
+    """
+
+    def __init__(self, registry: PoolRegistryLike, rpc_stats: RpcStats) -> None:
+        self._registry = registry
+        self._rpc_stats = rpc_stats
+        self._build_labels = [kvcm_version(), platform.python_version()]
+
+    def describe(self) -> Iterator[Metric]:
+        """Empty families naming every metric, so the registry knows them without a scrape."""
+        for spec in METRICS:
+            if spec.kind == "histogram":
+                yield _histogram_family(spec.name)
+            else:
+                yield _scalar_family(spec.name)
+
+    def collect(self) -> Iterator[Metric]:
+        """Every family in :data:`METRICS`, read from the current state."""
+        yield from pool_families(pool.snapshot() for pool in self._registry.list())
+        yield from rpc_families(self._rpc_stats.snapshot())
+        build = _scalar_family("kvcm_build_info")
+        build.add_metric(self._build_labels, 1)
+        yield build
