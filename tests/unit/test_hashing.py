@@ -88,6 +88,8 @@ def golden() -> dict[str, Any]:
 
 
 def test_golden_none_hashes(golden: dict[str, Any]) -> None:
+    assert golden["vllm_version"].startswith("0.33.0")
+    assert golden["default_sha256_seed"] == DEFAULT_NONE_HASH_SEED
     for entry in golden["none_hashes"]:
         assert none_hash(entry["algorithm"], entry["seed"]).hex() == entry["none_hash"]
 
