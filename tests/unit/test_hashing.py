@@ -285,3 +285,30 @@ def test_prompt_embeds_digest_clips_past_the_prompt() -> None:
     assert embeds.row_nbytes == 4
     assert embeds.block_digest(2, 4) == embeds.block_digest(2, 3)
     assert embeds.block_digest(5, 7) == embeds.block_digest(3, 3)
+
+
+@pytest.mark.parametrize("algorithm", list(HashAlgorithm))
+def test_fast_triple_serialisation_equals_the_generic_hash_function(
+    algorithm: HashAlgorithm,
+) -> None:
+    from kvcm.common.hashing import _triple_hasher
+
+    generic = get_hash_fn(algorithm)
+    fast = _triple_hasher(algorithm, 3)
+    odd_tokens = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64, 2**70, -1, -(2**40)]
+    parents = [b"", b"p" * 16, b"q" * 32, b"r" * 300]
+    extras: list[Any] = [
+        None,
+        (("lora", "a", "/a"),),
+        (("mm", "\u00e9", -3), ("cache_salt", "")),
+        (None, 5, 2**40),
+        (("prompt_embeds", b"\x00" * 32),),
+    ]
+    for parent in parents:
+        for extra in extras:
+            for i in range(len(odd_tokens) - 2):
+                tokens = tuple(odd_tokens[i : i + 3])
+                assert fast(parent, tokens, extra) == generic((parent, tokens, extra))
+            # A run of another length than the block size.
+            tokens = tuple(odd_tokens)
+            assert fast(parent, tokens, extra) == generic((parent, tokens, extra))

@@ -683,13 +683,12 @@ class BlockHasher:
         if start and mm_features and mm_features[-1].end > start:
             # First item that ends after the first new block starts.
             mm_idx = bisect_left(mm_features, start + 1, key=_feature_end)
-        hash_fn = self._hash_fn
+        hash_triple = _triple_hasher(self.algorithm, block_size)
         plain = source.is_plain
         # Plain bytes in the loop: wrapping each digest in the NewType would cost a call.
         hashes: list[bytes] = []
         append = hashes.append
         for offset in range(0, num_new_blocks * block_size, block_size):
-            block_tokens = tokens[offset : offset + block_size]
             if plain:
                 extra: Any = None
             else:
@@ -698,17 +697,108 @@ class BlockHasher:
                 extra, mm_idx = _extra_keys(source, block_start, block_end + lookahead, mm_idx)
                 if lookahead:
                     mm_idx = _rewind_mm_idx(mm_features, mm_idx, block_end)
+            end = offset + block_size
             if lookahead:
                 # The hash covers the block's tokens and the lookahead tokens after it.
-                end = offset + block_size
                 if lookahead == 1:
                     extra = (extra, tokens[end])
                 else:
                     extra = (extra, *tokens[end : end + lookahead])
-            parent = hash_fn((parent, block_tokens, extra))
+            parent = hash_triple(parent, tokens[offset:end], extra)
             append(parent)
         return cast("list[BlockHash]", hashes)
 
 
 def _feature_end(feature: MultiModalFeature) -> int:
     return feature.offset + feature.length
+
+
+# --------------------------------------------------------------------------- fast serialisation
+#
+# Hashing a block serialises the triple (parent, tokens, extra_keys). For the pickle algorithms
+# the C pickler is already fast; the closures below only save a call layer. For the CBOR
+# algorithms cbor2's encoder costs ~150 ns per token id, so kvcm writes the triple's canonical
+# CBOR itself (a 3-array of a byte string, an array of unsigned ints, and the extra keys) and
+# leaves only the rare extra keys to cbor2. The bytes are identical to
+# cbor2.dumps(triple, canonical=True): canonical mode changes map order and float width,
+# neither of which occurs outside the extra keys.
+
+_TripleHasher: TypeAlias = Callable[[bytes, tuple[int, ...], Any], bytes]
+
+# NOTE: a pure memo of each token id's CBOR encoding, shared by all hashers (it holds no
+# semantic state). Ids below the cap are kept, so it stays under ~20 MB for any vocabulary.
+_CBOR_UINTS: dict[int, bytes] = {}
+_CBOR_UINTS_CAP: Final = 1 << 18
+
+
+def _cbor_head(major: int, value: int) -> bytes:
+    """A CBOR item head: major type and minimal-width argument."""
+    kind = major << 5
+    if value < 24:
+        return bytes((kind | value,))
+    if value < 1 << 8:
+        return bytes((kind | 24, value))
+    if value < 1 << 16:
+        return bytes((kind | 25,)) + value.to_bytes(2, "big")
+    if value < 1 << 32:
+        return bytes((kind | 26,)) + value.to_bytes(4, "big")
+    return bytes((kind | 27,)) + value.to_bytes(8, "big")
+
+
+def _cbor_token_ids(token_ids: tuple[int, ...]) -> bytes:
+    """The concatenated CBOR items of ``token_ids`` (without the array head)."""
+    try:
+        return b"".join(map(_CBOR_UINTS.__getitem__, token_ids))
+    except KeyError:
+        pass
+    parts = []
+    for token in token_ids:
+        encoded = _CBOR_UINTS.get(token)
+        if encoded is None:
+            # cbor2 itself for the first sighting: exact for any value, negative ones included.
+            encoded = cbor2.dumps(token, canonical=True)
+            if type(token) is int and 0 <= token < _CBOR_UINTS_CAP:
+                _CBOR_UINTS[token] = encoded
+        parts.append(encoded)
+    return b"".join(parts)
+
+
+def _triple_hasher(algorithm: HashAlgorithm, block_size: int) -> _TripleHasher:
+    """A function hashing ``(parent, tokens, extra)`` exactly as ``get_hash_fn(algorithm)``.
+
+    Built once per hashing call: the CBOR variant memoises the encoding of repeated extra keys
+    (a LoRA key is the same on every block) for that call only.
+    """
+    dumps = pickle.dumps
+    sha = hashlib.sha256
+    xxh = _xxhash.xxh3_128_digest
+    if algorithm is HashAlgorithm.SHA256:
+
+        def sha256_triple(parent: bytes, tokens: tuple[int, ...], extra: Any) -> bytes:
+            return sha(dumps((parent, tokens, extra), _PICKLE_PROTOCOL)).digest()
+
+        return sha256_triple
+    if algorithm is HashAlgorithm.XXHASH:
+
+        def xxhash_triple(parent: bytes, tokens: tuple[int, ...], extra: Any) -> bytes:
+            return xxh(dumps((parent, tokens, extra), _PICKLE_PROTOCOL))
+
+        return xxhash_triple
+
+    is_sha = algorithm is HashAlgorithm.SHA256_CBOR
+    heads = {n: b"\x83" + _cbor_head(2, n) for n in (16, 32)}  # 3-array, then the parent
+    array_head = _cbor_head(4, block_size)
+    tails: dict[Any, bytes] = {None: b"\xf6"}
+    join = b"".join
+
+    def cbor_triple(parent: bytes, tokens: tuple[int, ...], extra: Any) -> bytes:
+        size = len(parent)
+        head = heads.get(size) or b"\x83" + _cbor_head(2, size)
+        tail = tails.get(extra)
+        if tail is None:
+            tail = tails[extra] = cbor2.dumps(extra, canonical=True)
+        body = array_head if len(tokens) == block_size else _cbor_head(4, len(tokens))
+        data = join((head, parent, body, _cbor_token_ids(tokens), tail))
+        return sha(data).digest() if is_sha else xxh(data)
+
+    return cbor_triple
