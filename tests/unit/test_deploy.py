@@ -1,0 +1,388 @@
+"""deploy/ and the Dockerfile agree with the code: ports, probe paths, metric names, syntax.
+
+Every file under deploy/ is parsed. Prometheus files also go through promtool (``check rules``,
+``test rules``, ``check config``) where it is installed (``scripts/install-prometheus.sh``).
+There is no Docker engine or Kubernetes cluster here: the Dockerfile and the manifests are
+checked by reading them, not by building or applying them. That every metric they use appears in
+a real scrape is checked in tests/integration/test_http.py, against a running server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcm.server.http import METRICS, build_app
+from kvcm.server.telemetry import RpcStats
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+PROMETHEUS = DEPLOY / "prometheus"
+K8S = DEPLOY / "k8s"
+DASHBOARD = DEPLOY / "grafana" / "kvcm-dashboard.json"
+
+# The server's defaults (kvcm serve): loopback on these ports; containers bind 0.0.0.0.
+GRPC_PORT = 50051
+HTTP_PORT = 8080
+
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+METRIC_NAME = re.compile(r"\bkvcm_[a-z0-9_]+\b")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _yaml_documents(path: Path) -> list[Any]:
+    # Only the tests that read YAML skip without PyYAML; the Dockerfile and JSON checks run.
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (the dev extra pins it)")
+    return [doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc is not None]
+
+
+def _k8s_objects() -> dict[str, dict[str, Any]]:
+    """Every manifest under deploy/k8s except the kustomization, by kind."""
+    objects: dict[str, dict[str, Any]] = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in _yaml_documents(path):
+            assert doc["kind"] not in objects, f"two {doc['kind']} manifests"
+            objects[doc["kind"]] = doc
+    return objects
+
+
+def _exported_series_names() -> set[str]:
+    """Names a scrape can contain: every declared family, histograms with their suffixes."""
+    names = set()
+    for spec in METRICS:
+        names.add(spec.name)
+        if spec.kind == "histogram":
+            names.update(spec.name + suffix for suffix in HISTOGRAM_SUFFIXES)
+    return names
+
+
+def dashboard_exprs() -> list[str]:
+    """Every PromQL expression in the Grafana dashboard: panel targets and variable queries."""
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            exprs.append(variable["definition"])
+    return exprs
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    """Every rule in deploy/prometheus/alerts.yml."""
+    (doc,) = _yaml_documents(PROMETHEUS / "alerts.yml")
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def _dockerfile_instructions() -> Iterator[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    logical = ""
+    for line in (ROOT / "Dockerfile").read_text(encoding="utf-8").splitlines():
+        stripped = line.strip()
+        if not logical and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.endswith("\\"):
+            logical += stripped[:-1] + " "
+            continue
+        logical += stripped
+        instruction, _, arguments = logical.partition(" ")
+        yield instruction.upper(), arguments.strip()
+        logical = ""
+
+
+def _dockerfile() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for instruction, arguments in _dockerfile_instructions():
+        out.setdefault(instruction, []).append(arguments)
+    return out
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool is not installed (bash scripts/install-prometheus.sh installs it)")
+    return path
+
+
+# --------------------------------------------------------------------------- every file parses
+
+
+def test_every_deploy_file_parses() -> None:
+    files = sorted(p for p in DEPLOY.rglob("*") if p.is_file())
+    assert files
+    for path in files:
+        if path.suffix in {".yml", ".yaml"}:
+            assert _yaml_documents(path), path
+        elif path.suffix == ".json":
+            json.loads(path.read_text(encoding="utf-8"))
+        else:
+            pytest.fail(f"{path.relative_to(ROOT)}: no test reads this kind of file")
+
+
+# --------------------------------------------------------------------------- Prometheus
+
+
+def test_alert_rules_pass_promtool_check() -> None:
+    subprocess.run(
+        [_promtool(), "check", "rules", "alerts.yml"],
+        cwd=PROMETHEUS,
+        check=True,
+        capture_output=True,
+    )
+
+
+def test_alert_rules_pass_their_promtool_unit_tests() -> None:
+    result = subprocess.run(
+        [_promtool(), "test", "rules", "alerts_test.yml"],
+        cwd=PROMETHEUS,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_scrape_config_passes_promtool_check() -> None:
+    result = subprocess.run(
+        [_promtool(), "check", "config", "prometheus.yml"],
+        cwd=PROMETHEUS,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_scrape_config_scrapes_the_metrics_route_on_the_http_port() -> None:
+    (config,) = _yaml_documents(PROMETHEUS / "prometheus.yml")
+    assert config["rule_files"] == ["alerts.yml"]
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] == "kvcm"
+    assert job["metrics_path"] == "/metrics"
+    targets = [t for group in job["static_configs"] for t in group["targets"]]
+    assert targets
+    assert all(t.rsplit(":", 1)[1] == str(HTTP_PORT) for t in targets)
+
+
+def test_every_alert_has_a_severity_summary_and_description() -> None:
+    rules = alert_rules()
+    assert {rule["alert"] for rule in rules} >= {
+        "KvcmDown",
+        "KvcmKVCacheUsageHigh",
+        "KvcmPrefixCacheHitRateDropping",
+        "KvcmAllocationsNotFitRising",
+    }
+    for rule in rules:
+        assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
+        assert rule["annotations"]["summary"], rule["alert"]
+        assert rule["annotations"]["description"], rule["alert"]
+
+
+def test_the_down_alert_watches_the_scrape_job() -> None:
+    (config,) = _yaml_documents(PROMETHEUS / "prometheus.yml")
+    job = config["scrape_configs"][0]["job_name"]
+    (down,) = [rule for rule in alert_rules() if rule["alert"] == "KvcmDown"]
+    assert f'up{{job="{job}"}}' in down["expr"]
+
+
+@pytest.mark.parametrize(
+    ("source", "exprs"),
+    [
+        ("alerts.yml", lambda: [rule["expr"] for rule in alert_rules()]),
+        ("alerts_test.yml", lambda: [(PROMETHEUS / "alerts_test.yml").read_text("utf-8")]),
+        ("kvcm-dashboard.json", dashboard_exprs),
+    ],
+)
+def test_metric_names_used_in_deploy_are_declared(source: str, exprs: Any) -> None:
+    used = {name for expr in exprs() for name in METRIC_NAME.findall(expr)}
+    assert used, source
+    assert used <= _exported_series_names(), f"{source}: {sorted(used - _exported_series_names())}"
+
+
+# --------------------------------------------------------------------------- Grafana
+
+
+def test_dashboard_has_the_panels_operators_need() -> None:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    exprs = " ".join(dashboard_exprs())
+    for needed in (
+        "kvcm_prefix_cache_hits_total",
+        "kvcm_prefix_cache_queries_total",
+        "kvcm_kv_cache_usage_ratio",
+        "kvcm_free_blocks",
+        "kvcm_evicted_blocks_total",
+        "histogram_quantile(0.5,",
+        "histogram_quantile(0.99,",
+        'code!="OK"',
+    ):
+        assert needed in exprs, needed
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"], panel["title"]
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0, panel["title"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert variables == {"datasource", "instance", "pool"}
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    (kustomization,) = _yaml_documents(K8S / "kustomization.yaml")
+    manifests = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(kustomization["resources"]) == manifests
+
+
+def test_manifests_have_the_kinds_a_deployment_needs() -> None:
+    assert set(_k8s_objects()) == {"ConfigMap", "Deployment", "Service", "ServiceMonitor"}
+
+
+def _container() -> dict[str, Any]:
+    deployment = _k8s_objects()["Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_container_ports_are_the_server_ports() -> None:
+    ports = {p["name"]: p["containerPort"] for p in _container()["ports"]}
+    assert ports == {"grpc": GRPC_PORT, "http": HTTP_PORT}
+
+
+def test_probes_use_the_server_routes() -> None:
+    container = _container()
+    routes = {
+        route.path  # type: ignore[attr-defined]
+        for route in build_app(_NoPools(), RpcStats(), lambda: True).routes
+    }
+    probes = {
+        "livenessProbe": "/healthz",
+        "readinessProbe": "/readyz",
+        "startupProbe": "/healthz",
+    }
+    for probe, path in probes.items():
+        get = container[probe]["httpGet"]
+        assert get["path"] == path, probe
+        assert get["port"] == "http", probe
+        assert path in routes
+    assert "/metrics" in routes
+
+
+def test_deployment_is_single_replica_recreate_non_root_with_resources() -> None:
+    deployment = _k8s_objects()["Deployment"]
+    spec = deployment["spec"]
+    # Pools live in one process's memory: two replicas would split them.
+    assert spec["replicas"] == 1
+    assert spec["strategy"]["type"] == "Recreate"
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    container = _container()
+    assert container["resources"]["requests"]["cpu"]
+    assert container["resources"]["requests"]["memory"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_service_exposes_both_ports_to_the_pods() -> None:
+    objects = _k8s_objects()
+    service = objects["Service"]
+    pod_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
+    assert ports == {"grpc": (GRPC_PORT, "grpc"), "http": (HTTP_PORT, "http")}
+
+
+def test_service_monitor_scrapes_the_service_http_port() -> None:
+    objects = _k8s_objects()
+    monitor = objects["ServiceMonitor"]
+    service_labels = objects["Service"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service_labels.items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "http"
+    assert endpoint["path"] == "/metrics"
+
+
+def test_config_map_is_mounted_where_the_container_reads_it() -> None:
+    objects = _k8s_objects()
+    config_map = objects["ConfigMap"]
+    (file_name,) = config_map["data"]
+    config = tomllib.loads(config_map["data"][file_name])
+    server = config["server"]
+    assert server["grpc_address"] == f"0.0.0.0:{GRPC_PORT}"
+    assert server["http_address"] == f"0.0.0.0:{HTTP_PORT}"
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    (volume,) = pod["volumes"]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    (mount,) = _container()["volumeMounts"]
+    assert mount["name"] == volume["name"]
+    args = _container()["args"]
+    assert args[args.index("--config") + 1] == f"{mount['mountPath']}/{file_name}"
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+def test_dockerfile_runs_kvcm_serve_on_all_interfaces_and_the_default_ports() -> None:
+    docker = _dockerfile()
+    assert json.loads(docker["ENTRYPOINT"][-1]) == ["kvcm", "serve"]
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "kvcm" in pyproject["project"]["scripts"]
+    cmd = json.loads(docker["CMD"][-1])
+    options = dict(zip(cmd[::2], cmd[1::2], strict=True))
+    assert options == {
+        "--grpc-address": f"0.0.0.0:{GRPC_PORT}",
+        "--http-address": f"0.0.0.0:{HTTP_PORT}",
+    }
+    exposed = {int(port) for line in docker["EXPOSE"] for port in line.split()}
+    assert exposed == {GRPC_PORT, HTTP_PORT}
+
+
+def test_dockerfile_is_slim_non_root_with_a_healthcheck_on_healthz() -> None:
+    docker = _dockerfile()
+    assert all(base.split()[0] == "python:3.11-slim" for base in docker["FROM"])
+    (user,) = docker["USER"]
+    assert user.split(":")[0] not in {"0", "root"}
+    (healthcheck,) = docker["HEALTHCHECK"]
+    assert f"http://127.0.0.1:{HTTP_PORT}/healthz" in healthcheck
+
+
+def test_dockerfile_copies_only_what_the_context_keeps() -> None:
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    for arguments in _dockerfile()["COPY"]:
+        if arguments.startswith("--from="):
+            continue
+        *sources, _destination = shlex.split(arguments)
+        for source in sources:
+            assert (ROOT / source).exists(), source
+            assert source.rstrip("/") not in ignored, source
+
+
+class _NoPools:
+    """A registry without pools: enough to list the app's routes."""
+
+    def list(self) -> list[Any]:
+        return []
+
+    def get(self, name: str) -> Any:
+        raise AssertionError(name)
