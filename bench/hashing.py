@@ -152,17 +152,30 @@ def _vllm_runner(
     return run
 
 
-def _time(run: Callable[[], object], repeats: int) -> tuple[float, float]:
-    run()  # warm up caches and lazy imports
-    samples: list[float] = []
-    perf = time.perf_counter_ns
-    for _ in range(repeats):
-        start = perf()
-        run()
-        samples.append((perf() - start) / 1e6)
+def _stats(samples: list[float]) -> tuple[float, float]:
     samples.sort()
     p99 = samples[min(len(samples) - 1, round(0.99 * (len(samples) - 1)))]
     return statistics.median(samples), p99
+
+
+def _time(
+    kvcm_run: Callable[[], object], vllm_run: Callable[[], object] | None, repeats: int
+) -> tuple[tuple[float, float], tuple[float, float] | tuple[None, None]]:
+    """Median and p99 (ms) of each side, runs interleaved so machine drift hits both alike."""
+    runs = [kvcm_run] if vllm_run is None else [kvcm_run, vllm_run]
+    samples: list[list[float]] = [[] for _ in runs]
+    for run in runs:
+        run()  # warm up caches and lazy imports
+    perf = time.perf_counter_ns
+    for i in range(repeats):
+        order = range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))
+        for side in order:
+            run = runs[side]
+            start = perf()
+            run()
+            samples[side].append((perf() - start) / 1e6)
+    kvcm = _stats(samples[0])
+    return kvcm, (_stats(samples[1]) if vllm_run is not None else (None, None))
 
 
 def bench_hashing(
@@ -203,12 +216,12 @@ def bench_hashing(
             def kvcm_run(h: BlockHasher = hasher, r: _KvcmRequest = request) -> list[BlockHash]:
                 return h.hash_request_blocks(r)
 
-            kvcm = _time(kvcm_run, repeats)
-            vllm: tuple[float, float] | tuple[None, None] = (None, None)
+            vllm_run = None
             if ref is not None:
                 vllm_run = _vllm_runner(ref, algorithm, block_size, token_ids, workload, mm)
-                assert vllm_run() == kvcm_run(), "kvcm and vLLM disagree"
-                vllm = _time(vllm_run, repeats)
+                if vllm_run() != kvcm_run():
+                    raise RuntimeError(f"kvcm and vLLM disagree ({algorithm}, {workload})")
+            kvcm, vllm = _time(kvcm_run, vllm_run, repeats)
             rows.append(
                 HashBenchRow(algorithm.value, workload, num_blocks, block_size, *kvcm, *vllm)
             )
