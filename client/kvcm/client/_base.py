@@ -1,0 +1,415 @@
+"""What the sync and async clients share: channel settings, request building, answer decoding.
+
+Both clients turn a call into ``build_*`` (Python values to a ``kvcm.v1`` request) + one RPC +
+``decode_*`` (the answer to SDK values), so the two differ only in how they wait. Failures go
+through ``error_from_rpc`` (``_errors.py``) and are raised ``from`` the gRPC error.
+
+Retries: the channel's service config retries the calls ``service.proto`` declares idempotent
+(``RegisterWorker``, ``Get*``/``List*``/``Describe*``, ``SubscribeEvents``) on UNAVAILABLE. A
+``Step`` is idempotent only when it carries a ``step_seq``, which a service config cannot see,
+so the clients retry such Steps themselves with the same policy (``RETRY_POLICY``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvcm.client._convert import (
+    hashing_from_proto,
+    kv_cache_config_from_proto,
+    pool_config_from_proto,
+    pool_config_to_proto,
+)
+from kvcm.client._errors import ServiceError, StatusCode
+from kvcm.client._step import StepBuilder, slot_options_to_proto
+from kvcm.client._types import (
+    DEFAULT_SLOT_OPTIONS,
+    USE_CLIENT_DEFAULT,
+    CacheHit,
+    FreeMode,
+    ItemStatus,
+    KVCacheBlocks,
+    PoolConfig,
+    PoolInfo,
+    PoolState,
+    PoolSummary,
+    PrefixCacheStats,
+    RequestBlocks,
+    SlotOptions,
+    Usage,
+    UseClientDefault,
+)
+from kvcm.common.errors import InvalidArgumentError
+from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2
+
+__all__ = [
+    "RETRY_POLICY",
+    "ClientSettings",
+    "RetryPolicy",
+    "build_channel_options",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """How idempotent calls are retried on UNAVAILABLE (gRPC's retryPolicy fields).
+
+    Attributes:
+        max_attempts: Attempts in all, the first included (gRPC caps it at 5).
+        initial_backoff_s: Upper bound of the first randomized backoff, in seconds.
+        max_backoff_s: Upper bound of any backoff, in seconds.
+        backoff_multiplier: Growth of the bound after each attempt.
+    """
+
+    max_attempts: int = 4
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+    backoff_multiplier: float = 2.0
+
+    def backoff_s(self, attempt: int) -> float:
+        """Upper bound of the backoff before attempt ``attempt + 1`` (``attempt`` >= 1)."""
+        bound = self.initial_backoff_s * self.backoff_multiplier ** (attempt - 1)
+        return float(min(bound, self.max_backoff_s))
+
+
+RETRY_POLICY: Final = RetryPolicy()
+
+# The calls service.proto declares idempotent, by service.
+_IDEMPOTENT_METHODS: Final = {
+    "kvcm.v1.AdminService": ("ListPools", "DescribePool"),
+    "kvcm.v1.WorkerService": ("RegisterWorker",),
+    "kvcm.v1.SchedulerService": (
+        "GetComputedBlocks",
+        "GetBlocks",
+        "GetBlockIds",
+        "GetNumCommonPrefixBlocks",
+        "GetUsage",
+    ),
+    "kvcm.v1.EventService": ("SubscribeEvents",),
+}
+
+
+def _service_config(policy: RetryPolicy) -> str:
+    names = [
+        {"service": service, "method": method}
+        for service, methods in _IDEMPOTENT_METHODS.items()
+        for method in methods
+    ]
+    retry = {
+        "maxAttempts": policy.max_attempts,
+        "initialBackoff": f"{policy.initial_backoff_s}s",
+        "maxBackoff": f"{policy.max_backoff_s}s",
+        "backoffMultiplier": policy.backoff_multiplier,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": retry}]})
+
+
+# Steps carry whole prompts for new requests: allow large messages both ways.
+_MAX_MESSAGE_BYTES: Final = 256 * 1024 * 1024
+
+
+def build_channel_options(
+    extra: Sequence[tuple[str, Any]] = (), policy: RetryPolicy = RETRY_POLICY
+) -> list[tuple[str, Any]]:
+    """gRPC channel options: the service config with its retry policy, message limits, extras.
+
+    Args:
+        extra: More channel options; later entries win.
+        policy: The retry policy of idempotent calls.
+
+    Returns:
+        The options for ``grpc.insecure_channel`` / ``grpc.aio.insecure_channel``.
+    """
+    return [
+        ("grpc.service_config", _service_config(policy)),
+        ("grpc.enable_retries", 1),
+        ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+        *extra,
+    ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientSettings:
+    """Settings every client takes (validated once, shared by sync and async clients).
+
+    Attributes:
+        target: The server's address, ``host:port``.
+        timeout_s: Deadline of every unary call that does not give its own, in seconds.
+        retry_policy: Retries of idempotent calls on UNAVAILABLE.
+        channel_options: Extra gRPC channel options.
+    """
+
+    target: str
+    timeout_s: float
+    retry_policy: RetryPolicy = RETRY_POLICY
+    channel_options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, str) or not self.target:
+            raise InvalidArgumentError(f"target must be a non-empty str, got {self.target!r}")
+        check_timeout("timeout", self.timeout_s)
+
+    def deadline(self, timeout: float | UseClientDefault) -> float:
+        """The call's deadline in seconds from now: its own, or the client's."""
+        if timeout is USE_CLIENT_DEFAULT:
+            return self.timeout_s
+        check_timeout("timeout", timeout)
+        return float(timeout)  # type: ignore[arg-type]
+
+    def options(self) -> list[tuple[str, Any]]:
+        """The channel options to open the channel with."""
+        return build_channel_options(self.channel_options, self.retry_policy)
+
+
+def should_retry_step(
+    step: StepBuilder, error: ServiceError, attempt: int, policy: RetryPolicy, give_up_at: float
+) -> bool:
+    """Whether a failed Step attempt is worth another one.
+
+    Only an exactly-once Step (with a step_seq) may run again, only after a transport failure
+    (UNAVAILABLE), and only while attempts and the call's deadline allow a backoff.
+
+    Args:
+        step: The Step.
+        error: How the attempt failed.
+        attempt: Attempts made so far.
+        policy: The retry policy.
+        give_up_at: ``time.monotonic()`` value of the call's deadline.
+    """
+    return (
+        step.step_seq is not None
+        and error.code is StatusCode.UNAVAILABLE
+        and attempt < policy.max_attempts
+        and time.monotonic() + policy.backoff_s(attempt) < give_up_at
+    )
+
+
+def check_timeout(field: str, value: object) -> None:
+    """Reject a deadline that is not a positive number of seconds.
+
+    Raises:
+        InvalidArgumentError: It is not.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidArgumentError(f"{field} must be a positive number of seconds, got {value!r}")
+
+
+# ----------------------------------------------------------------------------- blocks
+def grouped_to_blocks(message: common_pb2.GroupedBlockIds) -> KVCacheBlocks:
+    """Decode a ``GroupedBlockIds`` into per-group id lists."""
+    ids = list(message.block_ids)
+    groups = []
+    pos = 0
+    for count in message.num_block_ids:
+        groups.append(ids[pos : pos + count])
+        pos += count
+    return KVCacheBlocks(tuple(groups))
+
+
+def blocks_to_grouped(blocks: KVCacheBlocks, message: common_pb2.GroupedBlockIds) -> None:
+    """Fill a ``GroupedBlockIds`` from per-group id lists."""
+    for group in blocks.block_ids:
+        message.block_ids.extend(group)
+        message.num_block_ids.append(len(group))
+
+
+# ------------------------------------------------------------------------------ admin
+_POOL_STATE: Final[dict[int, PoolState]] = {
+    admin_pb2.POOL_STATE_PENDING_WORKERS: PoolState.PENDING_WORKERS,
+    admin_pb2.POOL_STATE_READY: PoolState.READY,
+}
+
+
+def pool_state_from_proto(value: int) -> PoolState:
+    """Decode a ``PoolState`` (UNSPECIFIED reads as PENDING_WORKERS)."""
+    return _POOL_STATE.get(value, PoolState.PENDING_WORKERS)
+
+
+def build_create_pool(pool_id: str, config: PoolConfig) -> admin_pb2.CreatePoolRequest:
+    """``CreatePoolRequest`` for a pool id and config."""
+    if not isinstance(config, PoolConfig):
+        raise InvalidArgumentError(f"config must be a PoolConfig, got {config!r}")
+    return admin_pb2.CreatePoolRequest(pool_id=pool_id, config=pool_config_to_proto(config))
+
+
+def decode_pool_info(message: admin_pb2.PoolInfo) -> PoolInfo:
+    """Decode a ``PoolInfo``."""
+    kv_cache_config = (
+        kv_cache_config_from_proto(message.kv_cache_config)
+        if message.HasField("kv_cache_config")
+        else None
+    )
+    return PoolInfo(
+        pool_id=message.pool_id,
+        state=pool_state_from_proto(message.state),
+        config=pool_config_from_proto(message.config),
+        kv_cache_config=kv_cache_config,
+        hashing=hashing_from_proto(message.hashing),
+        registered_ranks=tuple(message.registered_ranks),
+        num_free_blocks=message.num_free_blocks,
+        num_requests=message.num_requests,
+        usage=message.usage,
+        last_event_sequence=message.last_event_sequence,
+    )
+
+
+def decode_pool_summaries(message: admin_pb2.ListPoolsResponse) -> list[PoolSummary]:
+    """Decode ``ListPools``' answer."""
+    return [
+        PoolSummary(
+            pool_id=pool.pool_id,
+            state=pool_state_from_proto(pool.state),
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_requests=pool.num_requests,
+        )
+        for pool in message.pools
+    ]
+
+
+# -------------------------------------------------------------------------- scheduler
+def build_add_request(
+    pool_id: str,
+    request_key: int,
+    prompt_token_ids: Sequence[int],
+    block_hashes: Sequence[bytes] | bytes,
+    *,
+    request_id: str,
+    lora_id: int | None,
+    lora_name: str | None,
+    cache_salt: str | None,
+    skip_reading_prefix_cache: bool,
+) -> scheduler_pb2.AddRequestRequest:
+    """``AddRequestRequest``: one new request with its prompt and the prompt's block hashes."""
+    request = scheduler_pb2.NewRequest(
+        request_key=request_key,
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        block_hashes=block_hashes if isinstance(block_hashes, bytes) else b"".join(block_hashes),
+        skip_reading_prefix_cache=skip_reading_prefix_cache,
+    )
+    if lora_id is not None:
+        request.lora_id = lora_id
+    if lora_name is not None:
+        request.lora_name = lora_name
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
+    return scheduler_pb2.AddRequestRequest(pool_id=pool_id, request=request)
+
+
+def build_append_tokens(
+    pool_id: str, request_key: int, token_ids: Sequence[int], block_hashes: Sequence[bytes] | bytes
+) -> scheduler_pb2.AppendTokensRequest:
+    """``AppendTokensRequest``: produced tokens and the hashes of the blocks they filled."""
+    return scheduler_pb2.AppendTokensRequest(
+        pool_id=pool_id,
+        request_key=request_key,
+        token_ids=token_ids,
+        block_hashes=block_hashes if isinstance(block_hashes, bytes) else b"".join(block_hashes),
+    )
+
+
+def build_free(pool_id: str, request_key: int, mode: FreeMode) -> scheduler_pb2.FreeRequest:
+    """``FreeRequest`` finishing or preempting a request."""
+    return scheduler_pb2.FreeRequest(pool_id=pool_id, request_key=request_key, mode=int(mode))  # type: ignore[arg-type]
+
+
+def build_get_computed_blocks(
+    pool_id: str, request_key: int, max_cache_hit_length: int | None
+) -> scheduler_pb2.GetComputedBlocksRequest:
+    """``GetComputedBlocksRequest`` with an optional cap of the hit."""
+    message = scheduler_pb2.GetComputedBlocksRequest(pool_id=pool_id, request_key=request_key)
+    message.lookup.SetInParent()
+    if max_cache_hit_length is not None:
+        message.lookup.max_cache_hit_length = max_cache_hit_length
+    return message
+
+
+def decode_cache_hit(message: scheduler_pb2.GetComputedBlocksResponse) -> CacheHit:
+    """Decode ``GetComputedBlocks``' answer."""
+    return CacheHit(grouped_to_blocks(message.blocks), message.num_computed_tokens)
+
+
+def build_allocate_slots(
+    pool_id: str,
+    request_key: int,
+    *,
+    num_new_tokens: int,
+    num_computed_tokens: int,
+    hit: CacheHit | None,
+    options: SlotOptions,
+) -> scheduler_pb2.AllocateSlotsRequest:
+    """``AllocateSlotsRequest``, with the hit to adopt and the non-default knobs."""
+    message = scheduler_pb2.AllocateSlotsRequest(
+        pool_id=pool_id,
+        request_key=request_key,
+        num_new_tokens=num_new_tokens,
+        num_computed_tokens=num_computed_tokens,
+    )
+    if hit is not None and (hit.num_computed_tokens or hit.blocks):
+        message.new_computed.num_new_computed_tokens = hit.num_computed_tokens
+        blocks_to_grouped(hit.blocks, message.new_computed.blocks)
+    if options is not DEFAULT_SLOT_OPTIONS:
+        slot_options_to_proto(options, message.options)
+    return message
+
+
+def decode_allocation(message: scheduler_pb2.AllocateSlotsResponse) -> KVCacheBlocks | None:
+    """Decode ``AllocateSlots``' answer: the new blocks, or ``None`` when they do not fit."""
+    if int(message.status) != ItemStatus.OK:
+        return None
+    return grouped_to_blocks(message.new_blocks)
+
+
+def decode_request_blocks(
+    message: scheduler_pb2.GetBlocksResponse, hash_length_bytes: int | None = None
+) -> RequestBlocks:
+    """Decode ``GetBlocks``' answer (hashes split by the number of cached blocks)."""
+    raw = message.block_hashes
+    num_cached = sum(1 for cached in message.is_cached if cached)
+    if hash_length_bytes is None:
+        hash_length_bytes = len(raw) // num_cached if num_cached else 0
+    hashes = tuple(
+        raw[i : i + hash_length_bytes]
+        for i in range(0, num_cached * hash_length_bytes, hash_length_bytes)
+    )
+    return RequestBlocks(
+        blocks=grouped_to_blocks(message.blocks),
+        ref_cnts=tuple(message.ref_cnts),
+        is_cached=tuple(message.is_cached),
+        block_hashes=hashes,
+    )
+
+
+def decode_usage(message: scheduler_pb2.GetUsageResponse) -> Usage:
+    """Decode ``GetUsage``' answer."""
+    return Usage(
+        usage=message.usage,
+        num_free_blocks=message.num_free_blocks,
+        num_blocks=message.num_blocks,
+        num_requests=message.num_requests,
+    )
+
+
+def decode_prefix_cache_stats(
+    message: scheduler_pb2.TakePrefixCacheStatsResponse,
+) -> PrefixCacheStats | None:
+    """Decode ``TakePrefixCacheStats``' answer (``None`` when the pool's log_stats is off)."""
+    if not message.HasField("stats"):
+        return None
+    stats = message.stats
+    return PrefixCacheStats(
+        reset=stats.reset,
+        requests=stats.num_requests,
+        queries=stats.num_query_tokens,
+        hits=stats.num_hit_tokens,
+        preempted_requests=stats.num_preempted_requests,
+        preempted_queries=stats.num_preempted_query_tokens,
+        preempted_hits=stats.num_preempted_hit_tokens,
+    )

@@ -1,0 +1,440 @@
+"""AsyncSchedulerClient: the asyncio SDK, with the same methods as ``SchedulerClient``.
+
+Each method builds the same request and decodes the same answer as its synchronous twin
+(``_base.py``); only the waiting differs. Create the client inside the event loop that uses it.
+
+::
+
+    async with AsyncSchedulerClient("127.0.0.1:50051") as client:
+        result = await client.step("engine-0", builder)
+        async for batch in client.subscribe_events("engine-0", start_sequence=1):
+            ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import grpc.aio
+
+from kvcm.client import _base
+from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
+from kvcm.client._convert import EventBatch, decode_event_batch
+from kvcm.client._errors import error_from_rpc
+from kvcm.client._step import StepBuilder, StepResult
+from kvcm.client._types import (
+    DEFAULT_SLOT_OPTIONS,
+    DEFAULT_TIMEOUT_S,
+    USE_CLIENT_DEFAULT,
+    CacheHit,
+    FreeMode,
+    HashingParameters,
+    KVCacheBlocks,
+    PoolConfig,
+    PoolInfo,
+    PoolSummary,
+    PrefixCacheStats,
+    RequestBlocks,
+    SlotOptions,
+    Usage,
+    UseClientDefault,
+)
+from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2, service_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvcm.common.hashing import BlockHasher
+
+__all__ = ["AsyncEventStream", "AsyncSchedulerClient"]
+
+Timeout = float | UseClientDefault
+
+
+class AsyncEventStream:
+    """An open ``SubscribeEvents`` stream: ``async for`` it; close to stop.
+
+    Attributes:
+        pool_id: The pool.
+    """
+
+    __slots__ = ("_call", "_closed", "_hash_length_bytes", "pool_id")
+
+    def __init__(self, pool_id: str, call: Any) -> None:
+        """Wrap a server-streaming call."""
+        self.pool_id = pool_id
+        self._call = call
+        self._hash_length_bytes = 0
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[EventBatch]:
+        try:
+            async for message in self._call:
+                if message.hash_length_bytes:
+                    self._hash_length_bytes = message.hash_length_bytes
+                yield decode_event_batch(message, self._hash_length_bytes)
+        except asyncio.CancelledError:
+            if self._closed:
+                return
+            raise
+        except grpc.RpcError as exc:
+            if self._closed:
+                return  # closed by us: the end of the stream, not an error
+            raise error_from_rpc(exc, "SubscribeEvents") from exc
+
+    def close(self) -> None:
+        """Cancel the stream (iteration then ends quietly)."""
+        self._closed = True
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncEventStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncSchedulerClient:
+    """Asyncio client of a kvcm server; see ``SchedulerClient`` for every method's contract.
+
+    Attributes:
+        target: The server's address.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retry_policy: RetryPolicy = RETRY_POLICY,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        """Open a channel to ``target`` (connecting lazily, on the first call).
+
+        Args:
+            target: ``host:port`` of the server.
+            timeout: Deadline of every call that does not give its own, in seconds.
+            retry_policy: Retries of idempotent calls on UNAVAILABLE.
+            channel_options: Extra gRPC channel options.
+
+        Raises:
+            InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
+        """
+        self._settings = ClientSettings(
+            target=target,
+            timeout_s=timeout,
+            retry_policy=retry_policy,
+            channel_options=tuple(channel_options),
+        )
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target, options=self._settings.options())
+        self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]
+
+    # -------------------------------------------------------------------------- plumbing
+    async def _unary(self, method: str, callable_: Any, request: Any, timeout: Timeout) -> Any:
+        try:
+            return await callable_(request, timeout=self._settings.deadline(timeout))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, method) from exc
+
+    async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncSchedulerClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncSchedulerClient(target={self.target!r})"
+
+    # ----------------------------------------------------------------------------- admin
+    async def create_pool(
+        self, pool_id: str, config: PoolConfig, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> PoolInfo:
+        """Create a pool (see ``SchedulerClient.create_pool``)."""
+        request = _base.build_create_pool(pool_id, config)
+        response = await self._unary("CreatePool", self._admin.CreatePool, request, timeout)
+        return _base.decode_pool_info(response.pool)
+
+    async def list_pools(self, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> list[PoolSummary]:
+        """Every pool, sorted by id."""
+        request = admin_pb2.ListPoolsRequest()
+        response = await self._unary("ListPools", self._admin.ListPools, request, timeout)
+        return _base.decode_pool_summaries(response)
+
+    async def describe_pool(
+        self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> PoolInfo:
+        """Everything about a pool, its hashing parameters included."""
+        request = admin_pb2.DescribePoolRequest(pool_id=pool_id)
+        response = await self._unary("DescribePool", self._admin.DescribePool, request, timeout)
+        return _base.decode_pool_info(response.pool)
+
+    async def delete_pool(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> None:
+        """Delete a pool and its requests."""
+        request = admin_pb2.DeletePoolRequest(pool_id=pool_id)
+        await self._unary("DeletePool", self._admin.DeletePool, request, timeout)
+
+    async def hashing(
+        self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> HashingParameters:
+        """The pool's hashing parameters."""
+        return (await self.describe_pool(pool_id, timeout=timeout)).hashing
+
+    async def block_hasher(
+        self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> BlockHasher:
+        """A ``BlockHasher`` whose hashes equal the pool's."""
+        return (await self.hashing(pool_id, timeout=timeout)).block_hasher()
+
+    # ------------------------------------------------------------------------------ step
+    async def step(
+        self, pool_id: str, step: StepBuilder, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> StepResult:
+        """Run a whole scheduler step in one round trip (see ``SchedulerClient.step``)."""
+        request = step.to_proto(pool_id)
+        total_s = self._settings.deadline(timeout)
+        policy = self._settings.retry_policy
+        stub = self._scheduler.Step
+        give_up_at = time.monotonic() + total_s
+        attempt = 1
+        while True:
+            try:
+                response = await stub(request, timeout=max(give_up_at - time.monotonic(), 1e-3))
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc, "Step")
+                if not _base.should_retry_step(step, error, attempt, policy, give_up_at):
+                    raise error from exc
+                await asyncio.sleep(random.uniform(0.0, policy.backoff_s(attempt)))
+                attempt += 1
+                continue
+            return StepResult(response, step.num_allocations, step.lookup_allocations)
+
+    # ------------------------------------------------------------------ request lifecycle
+    async def add_request(
+        self,
+        pool_id: str,
+        request_key: int,
+        prompt_token_ids: Sequence[int],
+        block_hashes: Sequence[bytes] | bytes = b"",
+        *,
+        request_id: str = "",
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        skip_reading_prefix_cache: bool = False,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> None:
+        """Start tracking a request under ``request_key``."""
+        request = _base.build_add_request(
+            pool_id,
+            request_key,
+            prompt_token_ids,
+            block_hashes,
+            request_id=request_id,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
+        )
+        await self._unary("AddRequest", self._scheduler.AddRequest, request, timeout)
+
+    async def append_tokens(
+        self,
+        pool_id: str,
+        request_key: int,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[bytes] | bytes = b"",
+        *,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> None:
+        """Append produced tokens and the hashes of the hash blocks they completed."""
+        request = _base.build_append_tokens(pool_id, request_key, token_ids, block_hashes)
+        await self._unary("AppendTokens", self._scheduler.AppendTokens, request, timeout)
+
+    async def free(
+        self,
+        pool_id: str,
+        request_key: int,
+        mode: FreeMode = FreeMode.FINISHED,
+        *,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> None:
+        """Free a request's blocks, finishing or preempting it."""
+        request = _base.build_free(pool_id, request_key, mode)
+        await self._unary("Free", self._scheduler.Free, request, timeout)
+
+    # -------------------------------------------------------------------- manager calls
+    async def get_computed_blocks(
+        self,
+        pool_id: str,
+        request_key: int,
+        max_cache_hit_length: int | None = None,
+        *,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> CacheHit:
+        """The request's longest prefix-cache hit."""
+        request = _base.build_get_computed_blocks(pool_id, request_key, max_cache_hit_length)
+        response = await self._unary(
+            "GetComputedBlocks", self._scheduler.GetComputedBlocks, request, timeout
+        )
+        return _base.decode_cache_hit(response)
+
+    async def allocate_slots(
+        self,
+        pool_id: str,
+        request_key: int,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        *,
+        hit: CacheHit | None = None,
+        options: SlotOptions = DEFAULT_SLOT_OPTIONS,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> KVCacheBlocks | None:
+        """``allocate_slots``: the newly allocated blocks, or ``None`` when they do not fit."""
+        request = _base.build_allocate_slots(
+            pool_id,
+            request_key,
+            num_new_tokens=num_new_tokens,
+            num_computed_tokens=num_computed_tokens,
+            hit=hit,
+            options=options,
+        )
+        response = await self._unary(
+            "AllocateSlots", self._scheduler.AllocateSlots, request, timeout
+        )
+        return _base.decode_allocation(response)
+
+    async def cache_blocks(
+        self,
+        pool_id: str,
+        request_key: int,
+        num_computed_tokens: int,
+        *,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> None:
+        """Cache the request's full blocks within its first ``num_computed_tokens`` tokens."""
+        request = scheduler_pb2.CacheBlocksRequest(
+            pool_id=pool_id, request_key=request_key, num_computed_tokens=num_computed_tokens
+        )
+        await self._unary("CacheBlocks", self._scheduler.CacheBlocks, request, timeout)
+
+    async def remove_skipped_blocks(
+        self,
+        pool_id: str,
+        request_key: int,
+        total_computed_tokens: int,
+        *,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> None:
+        """Free the request's blocks outside the attention window."""
+        request = scheduler_pb2.RemoveSkippedBlocksRequest(
+            pool_id=pool_id, request_key=request_key, total_computed_tokens=total_computed_tokens
+        )
+        await self._unary(
+            "RemoveSkippedBlocks", self._scheduler.RemoveSkippedBlocks, request, timeout
+        )
+
+    async def evict_blocks(
+        self, pool_id: str, block_ids: Iterable[int], *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> None:
+        """Drop blocks from the prefix cache."""
+        request = scheduler_pb2.EvictBlocksRequest(pool_id=pool_id, block_ids=list(block_ids))
+        await self._unary("EvictBlocks", self._scheduler.EvictBlocks, request, timeout)
+
+    async def reset_prefix_cache(
+        self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> bool:
+        """Forget every cached block; ``False`` (nothing changed) while blocks are in use."""
+        request = scheduler_pb2.ResetPrefixCacheRequest(pool_id=pool_id)
+        response = await self._unary(
+            "ResetPrefixCache", self._scheduler.ResetPrefixCache, request, timeout
+        )
+        return bool(response.reset)
+
+    async def get_blocks(
+        self, pool_id: str, request_key: int, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> RequestBlocks:
+        """The request's blocks with their reference counts and cache state."""
+        request = scheduler_pb2.GetBlocksRequest(pool_id=pool_id, request_key=request_key)
+        response = await self._unary("GetBlocks", self._scheduler.GetBlocks, request, timeout)
+        return _base.decode_request_blocks(response)
+
+    async def get_block_ids(
+        self, pool_id: str, request_key: int, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> tuple[list[int], ...]:
+        """The request's block ids per group."""
+        request = scheduler_pb2.GetBlockIdsRequest(pool_id=pool_id, request_key=request_key)
+        response = await self._unary("GetBlockIds", self._scheduler.GetBlockIds, request, timeout)
+        return _base.grouped_to_blocks(response.blocks).block_ids
+
+    async def get_num_common_prefix_blocks(
+        self, pool_id: str, running_request_key: int, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> list[int]:
+        """Per group, the leading blocks every running request shares."""
+        request = scheduler_pb2.GetNumCommonPrefixBlocksRequest(
+            pool_id=pool_id, running_request_key=running_request_key
+        )
+        response = await self._unary(
+            "GetNumCommonPrefixBlocks", self._scheduler.GetNumCommonPrefixBlocks, request, timeout
+        )
+        return list(response.num_common_prefix_blocks)
+
+    async def take_new_block_ids(
+        self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> list[int]:
+        """Drain the attention blocks allocated since the last take."""
+        request = scheduler_pb2.TakeNewBlockIdsRequest(pool_id=pool_id)
+        response = await self._unary(
+            "TakeNewBlockIds", self._scheduler.TakeNewBlockIds, request, timeout
+        )
+        return list(response.block_ids)
+
+    async def new_step_starts(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> None:
+        """Tell the pool's managers a scheduler step starts."""
+        request = scheduler_pb2.NewStepStartsRequest(pool_id=pool_id)
+        await self._unary("NewStepStarts", self._scheduler.NewStepStarts, request, timeout)
+
+    async def get_usage(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> Usage:
+        """The pool's usage and block counts."""
+        request = scheduler_pb2.GetUsageRequest(pool_id=pool_id)
+        response = await self._unary("GetUsage", self._scheduler.GetUsage, request, timeout)
+        return _base.decode_usage(response)
+
+    async def take_prefix_cache_stats(
+        self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> PrefixCacheStats | None:
+        """Drain the prefix-cache counters (``None`` when the pool's log_stats is off)."""
+        request = scheduler_pb2.TakePrefixCacheStatsRequest(pool_id=pool_id)
+        response = await self._unary(
+            "TakePrefixCacheStats", self._scheduler.TakePrefixCacheStats, request, timeout
+        )
+        return _base.decode_prefix_cache_stats(response)
+
+    # ----------------------------------------------------------------------------- events
+    def subscribe_events(
+        self,
+        pool_id: str,
+        *,
+        start_sequence: int | None = None,
+        max_events_per_message: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncEventStream:
+        """Open the pool's KV-event stream (see ``SchedulerClient.subscribe_events``)."""
+        if timeout is not None:
+            _base.check_timeout("timeout", timeout)
+        request = events_pb2.SubscribeEventsRequest(
+            pool_id=pool_id, max_events_per_message=max_events_per_message
+        )
+        if start_sequence is not None:
+            request.start_sequence = start_sequence
+        call = self._events.SubscribeEvents(request, timeout=timeout)
+        return AsyncEventStream(pool_id, call)

@@ -1,0 +1,182 @@
+"""WorkerClient: a GPU worker registers its rank and allocates its KV-cache tensors.
+
+Every rank of a pool calls ``register`` with its layers' specs and the memory it can give the
+KV cache. The call returns once every rank has registered, with the same unified
+``KVCacheConfig`` for all (groups, ``num_blocks`` = the minimum over ranks) and this rank's
+tensors; ``allocate`` then builds the torch tensors locally (``kvcm.client.tensors``).
+
+::
+
+    with WorkerClient("kvcm:50051") as worker:
+        registration = worker.register("engine-0", rank, world_size, layer_specs, free_bytes)
+        kv_caches = worker.allocate(registration, device="cuda:0")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
+from kvcm.client._convert import (
+    hashing_from_proto,
+    kv_cache_config_from_proto,
+    layer_specs_to_proto,
+)
+from kvcm.client._errors import error_from_rpc
+from kvcm.client._types import (
+    REGISTER_WORKER_TIMEOUT_S,
+    USE_CLIENT_DEFAULT,
+    HashingParameters,
+    UseClientDefault,
+)
+from kvcm.common.errors import InvalidArgumentError
+from kvcm.v1 import service_pb2_grpc, worker_pb2
+
+if TYPE_CHECKING:
+    from kvcm.common.config import KVCacheConfig
+    from kvcm.common.specs import KVCacheSpec
+
+__all__ = ["WorkerClient", "WorkerRegistration"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerRegistration:
+    """What a rank learns from registering.
+
+    Attributes:
+        pool_id: The pool.
+        rank: This worker's rank.
+        kv_cache_config: The unified config; ``kv_cache_tensors`` are this rank's.
+        hashing: How the pool hashes blocks (for KV connectors).
+        max_model_len: The pool's context length, in tokens.
+    """
+
+    pool_id: str
+    rank: int
+    kv_cache_config: KVCacheConfig
+    hashing: HashingParameters
+    max_model_len: int
+
+
+class WorkerClient:
+    """Synchronous client of a kvcm server's worker service.
+
+    Attributes:
+        target: The server's address.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = REGISTER_WORKER_TIMEOUT_S,
+        retry_policy: RetryPolicy = RETRY_POLICY,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        """Open a channel to ``target`` (connecting lazily, on the first call).
+
+        Args:
+            target: ``host:port`` of the server.
+            timeout: Deadline of ``register``, in seconds: how long to wait for the other
+                ranks (a registration survives the deadline: calling again is fine).
+            retry_policy: Retries of ``RegisterWorker`` (idempotent) on UNAVAILABLE.
+            channel_options: Extra gRPC channel options.
+
+        Raises:
+            InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
+        """
+        self._settings = ClientSettings(
+            target=target,
+            timeout_s=timeout,
+            retry_policy=retry_policy,
+            channel_options=tuple(channel_options),
+        )
+        self.target = target
+        self._channel = grpc.insecure_channel(target, options=self._settings.options())
+        self._worker = service_pb2_grpc.WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]
+
+    def register(
+        self,
+        pool_id: str,
+        rank: int,
+        world_size: int,
+        layer_specs: Mapping[str, KVCacheSpec],
+        available_memory_bytes: int,
+        *,
+        timeout: float | UseClientDefault = USE_CLIENT_DEFAULT,
+    ) -> WorkerRegistration:
+        """Register this rank and wait until every rank of the pool has.
+
+        Args:
+            pool_id: The pool (created by the launcher with ``world_size`` ranks).
+            rank: This worker's rank, in ``[0, world_size)``.
+            world_size: Ranks of the pool.
+            layer_specs: Every layer this rank holds KV cache for (vLLM's
+                ``get_kv_cache_spec()``), by layer name.
+            available_memory_bytes: Bytes this rank can give the KV cache.
+            timeout: How long to wait for the other ranks, in seconds.
+
+        Returns:
+            The unified config, this rank's tensors and the pool's hashing parameters.
+
+        Raises:
+            DeadlineExceededError: Not every rank registered in time (calling again is fine).
+            ServiceAlreadyExistsError: This rank registered before with other specs or memory.
+            ServiceInvalidArgumentError: Bad rank, world size or specs.
+            ServiceFailedPreconditionError: The specs disagree with the pool's layout or other
+                ranks.
+            ServiceResourceExhaustedError: The memory holds fewer than 2 blocks.
+        """
+        if not layer_specs:
+            raise InvalidArgumentError("layer_specs must not be empty")
+        request = worker_pb2.RegisterWorkerRequest(
+            pool_id=pool_id,
+            rank=rank,
+            world_size=world_size,
+            layer_specs=layer_specs_to_proto(layer_specs),
+            available_memory_bytes=available_memory_bytes,
+        )
+        try:
+            response = self._worker.RegisterWorker(
+                request, timeout=self._settings.deadline(timeout)
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "RegisterWorker") from exc
+        return WorkerRegistration(
+            pool_id=pool_id,
+            rank=rank,
+            kv_cache_config=kv_cache_config_from_proto(response.kv_cache_config),
+            hashing=hashing_from_proto(response.hashing),
+            max_model_len=response.max_model_len,
+        )
+
+    def allocate(self, registration: WorkerRegistration, *, device: Any = "cpu") -> Any:
+        """Allocate this rank's KV-cache tensors for a registration (imports torch).
+
+        Args:
+            registration: What ``register`` answered.
+            device: The torch device (``"cpu"``, ``"cuda:0"``, ...).
+
+        Returns:
+            What ``kvcm.client.tensors`` builds for the config: the tensors by layer name.
+        """
+        from kvcm.client import tensors
+
+        return tensors.allocate_kv_cache_tensors(registration.kv_cache_config, device=device)
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"WorkerClient(target={self.target!r})"
