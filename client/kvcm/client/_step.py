@@ -240,6 +240,8 @@ class StepBuilder:
         Returns:
             The allocation's index among this step's allocations (for ``StepResult``).
         """
+        if max_cache_hit_length is not None and not lookup:
+            raise InvalidArgumentError("max_cache_hit_length needs lookup=True")
         index = len(self._alloc_new_tokens)
         self._ops.append(_OP_ALLOCATE)
         self._keys.append(request_key)
@@ -252,8 +254,6 @@ class StepBuilder:
                 if max_cache_hit_length is not None:
                     entry.lookup.max_cache_hit_length = max_cache_hit_length
                 self._lookup_allocs.append(index)
-            elif max_cache_hit_length is not None:
-                raise InvalidArgumentError("max_cache_hit_length needs lookup=True")
             if options is not DEFAULT_SLOT_OPTIONS:
                 slot_options_to_proto(options, entry.options)
             self._alloc_options.append(entry)

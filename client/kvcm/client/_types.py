@@ -156,6 +156,11 @@ class CacheHit(NamedTuple):
     num_computed_tokens: int
 
 
+def _check_count(field: str, value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise InvalidArgumentError(f"{field} must be a non-negative int, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SlotOptions:
     """The rarely used knobs of ``allocate_slots`` (vLLM's keyword arguments of these names).
@@ -199,11 +204,6 @@ class SlotOptions:
 
 
 DEFAULT_SLOT_OPTIONS: Final = SlotOptions()
-
-
-def _check_count(field: str, value: object) -> None:
-    if type(value) is not int or value < 0:
-        raise InvalidArgumentError(f"{field} must be a non-negative int, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
