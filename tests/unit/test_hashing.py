@@ -312,3 +312,16 @@ def test_fast_triple_serialisation_equals_the_generic_hash_function(
             # A run of another length than the block size.
             tokens = tuple(odd_tokens)
             assert fast(parent, tokens, extra) == generic((parent, tokens, extra))
+
+
+def test_prompt_embeds_from_tensor_are_the_raw_row_bytes() -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.arange(12, dtype=torch.float32).reshape(6, 2).to(torch.bfloat16)
+    embeds = PromptEmbeds.from_tensor(tensor)
+    assert embeds.num_tokens == 6
+    assert embeds.row_nbytes == 4
+    import hashlib
+
+    rows = tensor.view(torch.int16)[2:4].flatten().tolist()
+    raw = b"".join(v.to_bytes(2, "little", signed=True) for v in rows)
+    assert embeds.block_digest(2, 4) == hashlib.sha256(raw).digest()

@@ -310,8 +310,12 @@ class PromptEmbeds:
         """Capture a ``[num_tokens, hidden_size]`` torch tensor (imports torch lazily)."""
         import torch
 
-        raw = tensor.detach().flatten().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-        return cls(raw, int(tensor.shape[0]))
+        flat = tensor.detach().flatten().cpu().contiguous().view(torch.uint8)
+        # Copied through torch.frombuffer: no numpy needed, and one C-level copy.
+        raw = bytearray(flat.numel())
+        if raw:
+            torch.frombuffer(raw, dtype=torch.uint8).copy_(flat)
+        return cls(bytes(raw), int(tensor.shape[0]))
 
     @property
     def row_nbytes(self) -> int:
@@ -635,7 +639,8 @@ class BlockHasher:
         """Hashes of every full block of ``token_ids``, from scratch (for SDK use).
 
         Args:
-            token_ids: Prompt (plus output) token ids.
+            token_ids: Prompt (plus output) token ids: non-negative ints, not re-validated here
+                (a per-token check would cost as much as hashing; ``Request`` validates them).
             lora_name: LoRA adapter name, if any.
             lora_path: LoRA adapter path (vLLM keys it too); ``None`` hashes the empty path.
             cache_salt: Per-tenant salt, if any.
