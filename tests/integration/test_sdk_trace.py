@@ -61,11 +61,15 @@ class InProcessStepExecutor:
         response = scheduler_pb2.StepResponse()
         keys = iter(message.request_keys)
         new_requests = iter(message.new_requests)
-        append_counts = iter(zip(message.append_num_tokens, message.append_num_block_hashes))
+        append_counts = iter(
+            zip(message.append_num_tokens, message.append_num_block_hashes, strict=True)
+        )
         append_tokens = iter(message.append_token_ids)
         append_hashes = message.append_block_hashes
         hash_cursor = 0
-        alloc_args = iter(zip(message.alloc_num_new_tokens, message.alloc_num_computed_tokens))
+        alloc_args = iter(
+            zip(message.alloc_num_new_tokens, message.alloc_num_computed_tokens, strict=True)
+        )
         alloc_options = {entry.alloc_index: entry for entry in message.alloc_options}
         cache_args = iter(message.cache_num_computed_tokens)
         skipped_args = iter(message.remove_skipped_total_computed_tokens)
