@@ -159,3 +159,21 @@ def test_kv_cache_blocks_behave_like_the_cores() -> None:
 def test_slot_options_reject_negative_counts(field: str) -> None:
     with pytest.raises(InvalidArgumentError, match=field):
         SlotOptions(**{field: -1})  # type: ignore[arg-type]
+
+
+def test_bulk_decode_records_the_same_ops_as_one_by_one() -> None:
+    one_by_one = StepBuilder()
+    bulk = StepBuilder()
+    hashes = [b"", b"\x07" * 32, b""]
+    for key, token, computed, block_hash in zip(
+        [4, 9, 2], [11, 12, 13], [40, 47, 5], hashes, strict=True
+    ):
+        one_by_one.append_tokens(key, [token], [block_hash] if block_hash else [])
+        one_by_one.allocate(key, 1, computed)
+    assert bulk.decode([4, 9, 2], [11, 12, 13], [40, 47, 5], hashes) == range(3)
+    assert bulk.to_proto("p") == one_by_one.to_proto("p")
+    plain = StepBuilder()
+    plain.decode([1], [2], [3])
+    assert list(plain.to_proto("p").append_num_block_hashes) == [0]
+    with pytest.raises(InvalidArgumentError, match="same length"):
+        plain.decode([1, 2], [3], [4, 5])
