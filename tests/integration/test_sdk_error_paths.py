@@ -1,0 +1,217 @@
+"""Failures through the real SDK: mapped exceptions (never grpc.RpcError), no state change,
+deadlines, retries and exactly-once Steps."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from kvcm.client import (
+    AsyncSchedulerClient,
+    DeadlineExceededError,
+    FreeMode,
+    PoolConfig,
+    SchedulerClient,
+    ServiceAlreadyExistsError,
+    ServiceError,
+    ServiceFailedPreconditionError,
+    ServiceInvalidArgumentError,
+    ServiceNotFoundError,
+    StatusCode,
+    StepBuilder,
+    UnavailableError,
+    WorkerClient,
+)
+from kvcm.common import errors
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.specs import FullAttentionSpec
+
+BLOCK_SIZE = 16
+
+
+def _spec() -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16
+    )
+
+
+def _config(num_blocks: int = 64) -> PoolConfig:
+    layout = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=(),
+        kv_cache_groups=(KVCacheGroupSpec(layer_names=("layer.0",), kv_cache_spec=_spec()),),
+    )
+    return PoolConfig(max_model_len=1024, explicit_layout=layout)
+
+
+@pytest.fixture
+def client(kvcm_address: str) -> Iterator[SchedulerClient]:
+    with SchedulerClient(kvcm_address, timeout=5.0) as client:
+        yield client
+
+
+@pytest.fixture
+def pool(client: SchedulerClient, request: pytest.FixtureRequest) -> Iterator[str]:
+    pool_id = f"errors-{request.node.name}".replace("[", "-").replace("]", "")[:100]
+    client.create_pool(pool_id, _config())
+    yield pool_id
+    client.delete_pool(pool_id)
+
+
+def _snapshot(client: SchedulerClient, pool_id: str, keys: list[int]) -> object:
+    usage = client.get_usage(pool_id)
+    return (
+        usage.num_free_blocks,
+        usage.num_requests,
+        [client.get_block_ids(pool_id, key) for key in keys],
+    )
+
+
+def _admitted(client: SchedulerClient, pool_id: str, key: int, num_tokens: int = 40) -> list[int]:
+    prompt = [key * 10_000 + i for i in range(num_tokens)]
+    client.add_request(pool_id, key, prompt, client.block_hasher(pool_id).hash_token_ids(prompt))
+    blocks = client.allocate_slots(pool_id, key, num_tokens, 0)
+    assert blocks is not None
+    return prompt
+
+
+def test_unknown_pool_is_not_found_and_the_core_class(client: SchedulerClient) -> None:
+    with pytest.raises(ServiceNotFoundError) as caught:
+        client.get_usage("no-such-pool")
+    error = caught.value
+    assert isinstance(error, errors.NotFoundError)
+    assert not isinstance(error, grpc.RpcError)
+    assert isinstance(error.__cause__, grpc.RpcError)
+    assert error.code is StatusCode.NOT_FOUND
+    assert error.method == "GetUsage"
+    assert "no-such-pool" in error.details
+
+
+def test_taken_ids_are_already_exists(client: SchedulerClient, pool: str) -> None:
+    with pytest.raises(ServiceAlreadyExistsError):
+        client.create_pool(pool, _config())
+    _admitted(client, pool, 1)
+    before = _snapshot(client, pool, [1])
+    with pytest.raises(errors.AlreadyExistsError):
+        client.add_request(pool, 1, [1, 2, 3])
+    assert _snapshot(client, pool, [1]) == before
+
+
+def test_bad_arguments_are_invalid_argument_and_change_nothing(
+    client: SchedulerClient, pool: str
+) -> None:
+    _admitted(client, pool, 1)
+    before = _snapshot(client, pool, [1])
+    with pytest.raises(ServiceInvalidArgumentError):
+        client.add_request(pool, 2, [])  # empty prompt
+    with pytest.raises(errors.InvalidArgumentError):
+        client.allocate_slots(pool, 1, 1, 41)  # beyond the request's 40 tokens
+    with pytest.raises(ServiceInvalidArgumentError):
+        client.append_tokens(pool, 1, [])  # no tokens
+    with pytest.raises(ServiceNotFoundError):
+        client.allocate_slots(pool, 99, 1, 0)  # unknown key
+    assert _snapshot(client, pool, [1]) == before
+
+
+def test_rejected_step_names_the_op_and_changes_nothing(client: SchedulerClient, pool: str) -> None:
+    _admitted(client, pool, 1)
+    before = _snapshot(client, pool, [1])
+    step = StepBuilder()
+    step.append_tokens(1, [7])
+    step.allocate(1, 1, 40)
+    step.add_request(2, list(range(20)))
+    step.allocate(2, 20, 0)
+    step.allocate(1, 1, 99)  # op 4: beyond the request's 41 tokens
+    with pytest.raises(ServiceInvalidArgumentError) as caught:
+        client.step(pool, step)
+    rejection = caught.value.rejection
+    assert rejection is not None
+    assert rejection.op_index == 4
+    assert "alloc_num_computed_tokens" in rejection.field
+    assert _snapshot(client, pool, [1]) == before
+    with pytest.raises(ServiceNotFoundError):
+        client.get_block_ids(pool, 2)  # the ADD_REQUEST did not run either
+
+
+def test_step_seq_makes_steps_exactly_once(client: SchedulerClient, pool: str) -> None:
+    _admitted(client, pool, 1)
+    step = StepBuilder(step_seq=1)
+    step.append_tokens(1, list(range(100, 124)))
+    step.allocate(1, 24, 40)
+    first = client.step(pool, step)
+    after_first = _snapshot(client, pool, [1])
+    again = client.step(pool, step)  # a retry after a lost reply: answered, not run again
+    assert again.blocks(0) == first.blocks(0)
+    assert _snapshot(client, pool, [1]) == after_first
+    with pytest.raises(ServiceFailedPreconditionError) as caught:
+        client.step(pool, StepBuilder(step_seq=5))
+    assert caught.value.code is StatusCode.FAILED_PRECONDITION
+
+
+def test_free_of_an_unknown_key_is_not_found(client: SchedulerClient, pool: str) -> None:
+    with pytest.raises(ServiceNotFoundError):
+        client.free(pool, 1234, FreeMode.PREEMPTED)
+
+
+def test_register_waits_until_its_deadline(client: SchedulerClient, kvcm_address: str) -> None:
+    client.create_pool("errors-two-ranks", PoolConfig(max_model_len=1024, world_size=2))
+    with WorkerClient(kvcm_address) as worker:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError) as caught:
+            worker.register("errors-two-ranks", 0, 2, {"layer.0": _spec()}, 1 << 24, timeout=0.5)
+        assert 0.4 < time.monotonic() - started < 5
+        assert isinstance(caught.value, TimeoutError)
+        assert caught.value.code is StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(ServiceFailedPreconditionError):
+        client.get_usage("errors-two-ranks")  # not READY: one rank is missing
+    client.delete_pool("errors-two-ranks")
+
+
+def test_no_server_is_unavailable_after_retries() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with SchedulerClient(f"127.0.0.1:{port}", timeout=3.0) as client:
+        started = time.monotonic()
+        with pytest.raises(UnavailableError) as caught:
+            client.list_pools()  # idempotent: retried by the channel first
+        assert time.monotonic() - started < 3
+        assert isinstance(caught.value, ConnectionError)
+        with pytest.raises(ServiceError) as caught_step:
+            client.step("p", StepBuilder(step_seq=1))  # retried by the SDK
+        assert caught_step.value.code in {StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED}
+
+
+def test_every_call_has_a_deadline(client: SchedulerClient, pool: str) -> None:
+    with pytest.raises(errors.InvalidArgumentError, match="timeout"):
+        client.get_usage(pool, timeout=0)
+    with pytest.raises(errors.InvalidArgumentError, match="timeout"):
+        SchedulerClient("127.0.0.1:1", timeout=-1.0)
+    # A deadline shorter than any round trip expires on the client.
+    with pytest.raises(DeadlineExceededError):
+        client.get_usage(pool, timeout=1e-6)
+
+
+def test_async_client_maps_the_same_exceptions(kvcm_address: str, pool: str) -> None:
+    async def scenario() -> None:
+        async with AsyncSchedulerClient(kvcm_address) as client:
+            with pytest.raises(ServiceNotFoundError):
+                await client.get_usage("no-such-pool")
+            with pytest.raises(ServiceAlreadyExistsError):
+                await client.create_pool(pool, _config())
+            step = StepBuilder()
+            step.allocate(77, 1, 0)
+            with pytest.raises(ServiceNotFoundError) as caught:
+                await client.step(pool, step)
+            assert caught.value.rejection is not None
+            assert caught.value.rejection.op_index == 0
+            with pytest.raises(DeadlineExceededError):
+                await client.get_usage(pool, timeout=1e-6)
+
+    asyncio.run(scenario())
