@@ -1,0 +1,258 @@
+"""A real Prometheus server scrapes a real kvcm server: the hit rate PromQL computes is kvcm's.
+
+Prometheus (Debian's ``prometheus`` package; ``scripts/install-prometheus.sh``) runs on a free
+loopback port, scrapes the kvcm server every second and loads deploy/prometheus/alerts.yml.
+The test drives a shared-prefix workload through the SDK, waits until Prometheus has scraped the
+final counters, and checks that ``hits_total / queries_total`` evaluated by Prometheus equals
+the hit rate the server reports in ``/v1/pools/{pool}``. It also evaluates every dashboard query
+and every alert rule on that server, so none of them is broken PromQL or reads a missing series.
+Skipped, with the reason, where the ``prometheus`` binary is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from _workload import create_pool, run_shared_prefix_workload
+
+from kvcm.client import SchedulerClient
+
+ROOT = Path(__file__).resolve().parents[2]
+ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "kvcm-dashboard.json"
+SCRAPE_INTERVAL_S = 1
+
+pytestmark = pytest.mark.slow
+
+
+def dashboard_exprs() -> list[str]:
+    """Every PromQL expression of the dashboard's panels."""
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    return [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` otherwise."""
+    give_up_at = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < give_up_at:
+        try:
+            last = check()
+        except httpx.HTTPError as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}; last answer: {last!r}")
+
+
+class PrometheusServer:
+    """A Prometheus server process and an HTTP client for its query API."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=5.0)
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """Evaluate an instant query; the result vector (fails on a query error)."""
+        response = self.http.get("/api/v1/query", params={"query": expr})
+        body = response.json()
+        assert body["status"] == "success", f"{expr!r}: {body}"
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    def query_range(self, expr: str, seconds: int) -> list[dict[str, Any]]:
+        """Evaluate a range query over the last ``seconds``, one step per scrape interval."""
+        end = time.time()
+        response = self.http.get(
+            "/api/v1/query_range",
+            params={"query": expr, "start": end - seconds, "end": end, "step": SCRAPE_INTERVAL_S},
+        )
+        body = response.json()
+        assert body["status"] == "success", f"{expr!r}: {body}"
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    def scalar(self, expr: str) -> float | None:
+        """The value of a one-series instant query, or None when it has no series."""
+        result = self.query(expr)
+        if not result:
+            return None
+        assert len(result) == 1, f"{expr!r}: {result}"
+        return float(result[0]["value"][1])
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, kvcm_http_address: str) -> Iterator[PrometheusServer]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip(
+            "the prometheus server binary is not installed "
+            "(bash scripts/install-prometheus.sh installs Debian's package)"
+        )
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        f"""
+global:
+  scrape_interval: {SCRAPE_INTERVAL_S}s
+  scrape_timeout: {SCRAPE_INTERVAL_S}s
+  evaluation_interval: {SCRAPE_INTERVAL_S}s
+rule_files:
+  - {ALERTS}
+scrape_configs:
+  - job_name: kvcm
+    metrics_path: /metrics
+    static_configs:
+      - targets: ["{kvcm_http_address}"]
+""",
+        encoding="utf-8",
+    )
+    port = _free_port()
+    log = (tmp_path / "prometheus.log").open("wb")
+    process = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    server = PrometheusServer(f"http://127.0.0.1:{port}")
+    try:
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                log.flush()
+                pytest.fail(
+                    "prometheus exited: " + (tmp_path / "prometheus.log").read_text("utf-8")
+                )
+            return server.http.get("/-/ready").status_code == 200
+
+        _wait_for("Prometheus to be ready", ready)
+        yield server
+    finally:
+        server.http.close()
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _target_up(prometheus: PrometheusServer) -> bool:
+    targets = prometheus.http.get("/api/v1/targets").json()["data"]["activeTargets"]
+    return any(t["labels"]["job"] == "kvcm" and t["health"] == "up" for t in targets)
+
+
+def test_prometheus_hit_rate_equals_the_servers_figure(
+    prometheus: PrometheusServer, kvcm_address: str, kvcm_http_address: str
+) -> None:
+    _wait_for("Prometheus to scrape kvcm successfully", lambda: _target_up(prometheus))
+    pool = "e2e-hit-rate"
+    with SchedulerClient(kvcm_address) as client:
+        create_pool(client, pool)
+        report = run_shared_prefix_workload(client, pool)
+    assert report.admitted > 0
+
+    with httpx.Client(base_url=f"http://{kvcm_http_address}", timeout=5.0) as http:
+        summary = http.get(f"/v1/pools/{pool}").json()
+    cache = summary["prefix_cache"]
+    assert cache["queries"] > 0
+    assert 0 < cache["hits"] < cache["queries"]
+
+    # The workload is over, so the counters are final: wait until Prometheus has scraped them.
+    selector = f'{{job="kvcm", pool="{pool}"}}'
+    _wait_for(
+        "Prometheus to scrape the final counters",
+        lambda: (
+            prometheus.scalar(f"kvcm_prefix_cache_queries_total{selector}") == cache["queries"]
+            and prometheus.scalar(f"kvcm_prefix_cache_hits_total{selector}") == cache["hits"]
+        ),
+    )
+    promql = prometheus.scalar(
+        f"kvcm_prefix_cache_hits_total{selector} / kvcm_prefix_cache_queries_total{selector}"
+    )
+    assert promql is not None
+    assert math.isclose(promql, cache["hit_rate"], rel_tol=1e-12)
+    # Fewer requests than the recent-requests window, none preempted, no reset: the server's
+    # recent hit rate covers the whole run and must agree too.
+    assert cache["requests"] < 1000
+    assert cache["preempted_requests"] == 0
+    assert math.isclose(promql, cache["recent_hit_rate"], rel_tol=1e-12)
+    gauge = prometheus.scalar(f"kvcm_prefix_cache_recent_hit_rate{selector}")
+    assert gauge is not None
+    assert math.isclose(gauge, cache["recent_hit_rate"], rel_tol=1e-12)
+
+    # Over a window that covers the whole run, rate() gives the same ratio: the ratio of two
+    # increases taken at the same instants is exact whatever the extrapolation.
+    windowed = prometheus.scalar(
+        f"sum(increase(kvcm_prefix_cache_hits_total{selector}[10m]))"
+        f" / sum(increase(kvcm_prefix_cache_queries_total{selector}[10m]))"
+    )
+    assert windowed is not None
+    assert math.isclose(windowed, cache["hit_rate"], rel_tol=1e-9)
+
+
+def test_dashboard_queries_and_alert_rules_evaluate_on_real_data(
+    prometheus: PrometheusServer, kvcm_address: str
+) -> None:
+    _wait_for("Prometheus to scrape kvcm successfully", lambda: _target_up(prometheus))
+    with SchedulerClient(kvcm_address) as client:
+        create_pool(client, "e2e-dashboard")
+        run_shared_prefix_workload(client, "e2e-dashboard")
+    # A few scrapes after the workload, so rate() over the dashboard's interval has two points.
+    _wait_for(
+        "the RPC histogram to reach Prometheus",
+        lambda: prometheus.query('kvcm_rpc_duration_seconds_count{method="AllocateSlots"}'),
+    )
+    time.sleep(3 * SCRAPE_INTERVAL_S)
+
+    substitutions = {
+        "$__rate_interval": "1m",
+        "$__range": "5m",
+        "$pool": ".*",
+        "$instance": ".*",
+    }
+    for template in dashboard_exprs():
+        expr = template
+        for variable, value in substitutions.items():
+            expr = expr.replace(variable, value)
+        result = prometheus.query_range(expr, seconds=30)
+        assert result, f"dashboard query returned no series: {expr}"
+
+    def rules_evaluated() -> list[dict[str, Any]]:
+        groups = prometheus.http.get("/api/v1/rules").json()["data"]["groups"]
+        rules = [rule for group in groups for rule in group["rules"]]
+        # A rule not evaluated yet reads Go's zero time, year 0001.
+        evaluated = all(not rule["lastEvaluation"].startswith("0001") for rule in rules)
+        return rules if rules and evaluated else []
+
+    rules = _wait_for("every alert rule to be evaluated", rules_evaluated)
+    for rule in rules:
+        assert rule["health"] == "ok", f"{rule['name']}: {rule.get('lastError')}"
+    # A healthy, lightly loaded server fires nothing (pending would do for the 'for' clauses).
+    firing = prometheus.http.get("/api/v1/alerts").json()["data"]["alerts"]
+    assert [a["labels"]["alertname"] for a in firing if a["state"] == "firing"] == []
