@@ -1,0 +1,604 @@
+"""KV-cache specs: what one layer needs per block, shared by workers, schedulers and the server.
+
+The types and field names follow vLLM 0.33's ``kv_cache_interface`` so that a spec means the
+same thing on both sides, with two deliberate differences: ``dtype`` is a wire-friendly
+:class:`~kvcm.common.dtypes.DType` instead of a ``torch.dtype``, and sizing takes explicit
+:class:`SizingLimits` instead of a whole engine config.
+
+Hierarchy::
+
+    KVCacheSpec
+    ├── AttentionSpec
+    │   ├── FullAttentionSpec ── MLAAttentionSpec, SinkFullAttentionSpec
+    │   ├── SlidingWindowSpec
+    │   ├── ChunkedLocalAttentionSpec
+    │   ├── CrossAttentionSpec
+    │   └── EncoderOnlyAttentionSpec
+    ├── MambaSpec
+    └── UniformTypeKVCacheSpecs   (several layers of one type sharing a block table)
+
+Every spec validates its fields on construction and raises
+:class:`~kvcm.common.errors.InvalidArgumentError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import ClassVar, Self
+
+from kvcm.common.dtypes import DType
+from kvcm.common.errors import ConfigError, InvalidArgumentError
+
+__all__ = [
+    "AttentionSpec",
+    "ChunkedLocalAttentionSpec",
+    "CrossAttentionSpec",
+    "EncoderOnlyAttentionSpec",
+    "FullAttentionSpec",
+    "KVCacheSpec",
+    "MLAAttentionSpec",
+    "MambaSpec",
+    "SinkFullAttentionSpec",
+    "SizingLimits",
+    "SlidingWindowSpec",
+    "UniformTypeKVCacheSpecs",
+]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def _check_int(owner: object, name: str, value: object, *, minimum: int) -> None:
+    if type(value) is not int or value < minimum:
+        bound = "positive" if minimum == 1 else f">= {minimum}"
+        raise InvalidArgumentError(
+            f"{type(owner).__name__}.{name} must be a {bound} int, got {value!r}"
+        )
+
+
+def _check_optional_int(owner: object, name: str, value: object, *, minimum: int = 1) -> None:
+    if value is not None:
+        _check_int(owner, name, value, minimum=minimum)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SizingLimits:
+    """The engine limits that bound how much KV cache one request can hold.
+
+    Attributes:
+        max_model_len: Longest sequence (prompt + output) a request may reach.
+        max_in_flight_tokens: Tokens scheduled but not yet settled (vLLM: concurrent batches
+            times ``max_num_batched_tokens``); sliding-window and chunked-local layers
+            reserve for them. ``None`` means ``max_model_len``.
+        max_num_encoder_input_tokens: Encoder length cross-attention layers cache.
+        mamba_cache_mode: ``"none"`` (kvcm's supported mode) or ``"align"``.
+    """
+
+    max_model_len: int
+    max_in_flight_tokens: int | None = None
+    max_num_encoder_input_tokens: int = 0
+    mamba_cache_mode: str = "none"
+
+    def __post_init__(self) -> None:
+        _check_int(self, "max_model_len", self.max_model_len, minimum=1)
+        _check_optional_int(self, "max_in_flight_tokens", self.max_in_flight_tokens)
+        _check_int(
+            self, "max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, minimum=0
+        )
+
+    @property
+    def in_flight_tokens(self) -> int:
+        """``max_in_flight_tokens`` with its default applied."""
+        if self.max_in_flight_tokens is None:
+            return self.max_model_len
+        return self.max_in_flight_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVCacheSpec:
+    """The KV-cache format of one layer.
+
+    Attributes:
+        block_size: Tokens per block.
+    """
+
+    kind: ClassVar[str] = "unknown"
+    """The spec kind vLLM reports in KV events (``kv_cache_spec_kind``)."""
+
+    block_size: int
+
+    def __post_init__(self) -> None:
+        _check_int(self, "block_size", self.block_size, minimum=1)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer."""
+        raise NotImplementedError
+
+    def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """Bytes one request can hold at most in this layer."""
+        raise NotImplementedError
+
+    def max_num_blocks_per_req(self, limits: SizingLimits, max_len: int) -> int:
+        """Block-table entries one request needs (the worker's block-table row length)."""
+        del limits
+        return _cdiv(max_len, self.block_size)
+
+    def copy_with_new_block_size(self, block_size: int) -> Self:
+        """The same spec with another block size."""
+        return replace(self, block_size=block_size)
+
+    def is_uniform_with(self, specs: Mapping[str, KVCacheSpec]) -> bool:
+        """Whether every spec in ``specs`` needs the same token slots as this one."""
+        base = self.uniform_base()
+        return all(isinstance(spec, base) for spec in specs.values())
+
+    @classmethod
+    def uniform_base(cls) -> type[KVCacheSpec]:
+        """The class whose instances may share one uniform-type group with this one."""
+        return cls
+
+    @classmethod
+    def merge(cls, specs: Sequence[Self]) -> Self:
+        """Merge the specs of the layers of one group into the group's spec.
+
+        Raises:
+            ConfigError: The layers' specs differ.
+        """
+        if not specs:
+            raise ConfigError("cannot merge an empty list of KV-cache specs")
+        first = specs[0]
+        if any(spec != first for spec in specs[1:]):
+            raise ConfigError("All layers in the same KV cache group must be the same.")
+        return first
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionSpec(KVCacheSpec):
+    """An attention layer: keys and values per token and KV head.
+
+    Attributes:
+        num_kv_heads: KV heads held by this rank.
+        head_size: Key head size.
+        dtype: Element type.
+        head_size_v: Value head size; ``None`` means ``head_size``.
+        page_size_padded: Page size in bytes after padding, if padded.
+    """
+
+    num_kv_heads: int
+    head_size: int
+    dtype: DType
+    head_size_v: int | None = None
+    page_size_padded: int | None = None
+
+    def __post_init__(self) -> None:
+        KVCacheSpec.__post_init__(self)
+        _check_int(self, "num_kv_heads", self.num_kv_heads, minimum=1)
+        _check_int(self, "head_size", self.head_size, minimum=1)
+        object.__setattr__(self, "dtype", DType.parse(self.dtype, f"{type(self).__name__}.dtype"))
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+        _check_int(self, "head_size_v", self.head_size_v, minimum=0)
+        _check_optional_int(self, "page_size_padded", self.page_size_padded)
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.page_size_padded ({self.page_size_padded}) is smaller "
+                f"than the page it pads ({self.real_page_size_bytes} bytes)"
+            )
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Bytes of one block before padding."""
+        head_size_v = self.head_size if self.head_size_v is None else self.head_size_v
+        return (
+            self.block_size
+            * self.num_kv_heads
+            * (self.head_size + head_size_v)
+            * self.dtype.itemsize
+        )
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block, padding included."""
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
+
+    def _attention_fields_equal(self, other: AttentionSpec) -> bool:
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(AttentionSpec))
+
+
+def _merge_window(values: set[int], what: str) -> int | None:
+    if len(values) > 1:
+        raise ConfigError(
+            f"All attention layers in the same KV cache group must have the same {what}."
+        )
+    return next(iter(values)) if values else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Full (causal) attention: a request keeps a block for every token.
+
+    When the hybrid allocator is disabled, sliding-window and chunked-local layers are
+    managed as full attention and their window is recorded here for the worker.
+
+    Attributes:
+        sliding_window: Recorded window of a promoted sliding-window layer, if any.
+        attention_chunk_size: Recorded chunk of a promoted chunked-local layer, if any.
+        non_causal: Whether the layer attends non-causally (prefix LM).
+    """
+
+    kind: ClassVar[str] = "full_attention"
+
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    non_causal: bool = False
+
+    def __post_init__(self) -> None:
+        AttentionSpec.__post_init__(self)
+        _check_optional_int(self, "sliding_window", self.sliding_window)
+        _check_optional_int(self, "attention_chunk_size", self.attention_chunk_size)
+
+    @classmethod
+    def uniform_base(cls) -> type[KVCacheSpec]:
+        """MLA and sink layers group with full attention."""
+        return FullAttentionSpec
+
+    def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """A block for every token up to ``max_model_len``."""
+        return _cdiv(limits.max_model_len, self.block_size) * self.page_size_bytes
+
+    @classmethod
+    def merge(cls, specs: Sequence[Self]) -> Self:
+        """Merge full-attention layers; recorded windows must agree.
+
+        Raises:
+            ConfigError: The layers differ in their attention fields or windows, or mix a
+                sliding window with chunked-local attention.
+        """
+        if not specs:
+            raise ConfigError("cannot merge an empty list of KV-cache specs")
+        if not all(isinstance(spec, FullAttentionSpec) for spec in specs):
+            raise ConfigError(
+                "All attention layers in the same KV cache group must be FullAttentionSpec."
+            )
+        if cls is not MLAAttentionSpec and any(isinstance(s, MLAAttentionSpec) for s in specs):
+            raise ConfigError("MLAAttentionSpec layers merge with MLAAttentionSpec.merge")
+        windows = {s.sliding_window for s in specs if s.sliding_window is not None}
+        chunks = {s.attention_chunk_size for s in specs if s.attention_chunk_size is not None}
+        merged = replace(
+            specs[0],
+            sliding_window=_merge_window(windows, "window size"),
+            attention_chunk_size=_merge_window(chunks, "window size"),
+            non_causal=any(s.non_causal for s in specs),
+        )
+        if not all(merged._attention_fields_equal(s) for s in specs):
+            raise ConfigError(
+                "All attention layers in the same KV cache group must have the same attention spec."
+            )
+        if merged.sliding_window is not None and merged.attention_chunk_size is not None:
+            raise ConfigError(
+                "Model with both sliding window layers and chunked local attention layers "
+                "is not supported."
+            )
+        return merged
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention: one latent vector per token, no separate values.
+
+    Attributes:
+        cache_dtype_str: The cache dtype string the backend was configured with.
+        alignment: Page-size alignment in bytes (pages are padded up to it), if any.
+    """
+
+    kind: ClassVar[str] = "mla_attention"
+
+    head_size_v: int | None = 0
+    cache_dtype_str: str | None = None
+    alignment: int | None = None
+
+    def __post_init__(self) -> None:
+        FullAttentionSpec.__post_init__(self)
+        _check_optional_int(self, "alignment", self.alignment)
+        if self.alignment is not None:
+            real = self.real_page_size_bytes
+            padded = _cdiv(real, self.alignment) * self.alignment
+            if padded != real:
+                object.__setattr__(self, "page_size_padded", padded)
+
+    @classmethod
+    def merge(cls, specs: Sequence[Self]) -> Self:
+        """Merge MLA layers; quantisation and attention fields must agree.
+
+        Raises:
+            ConfigError: The layers differ.
+        """
+        if not specs or not all(isinstance(spec, MLAAttentionSpec) for spec in specs):
+            raise ConfigError(
+                "All attention layers in the same KV cache group must be MLAAttentionSpec."
+            )
+        if len({spec.cache_dtype_str for spec in specs}) != 1:
+            raise ConfigError(
+                "All attention layers in the same KV cache group must use the same "
+                "quantization method."
+            )
+        return super().merge(specs)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SinkFullAttentionSpec(FullAttentionSpec):
+    """Full attention with attention-sink tokens.
+
+    Attributes:
+        sink_len: Number of sink tokens, if known.
+    """
+
+    kind: ClassVar[str] = "sink_full_attention"
+
+    sink_len: int | None = None
+
+    def __post_init__(self) -> None:
+        FullAttentionSpec.__post_init__(self)
+        _check_optional_int(self, "sink_len", self.sink_len, minimum=0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Sliding-window attention: a token reads the ``sliding_window`` tokens ending at it.
+
+    Attributes:
+        sliding_window: Window length in tokens.
+        extra_retained_tokens: Tokens kept below the window (multi-token speculative
+            re-prefill), counted when sizing.
+    """
+
+    kind: ClassVar[str] = "sliding_window"
+
+    sliding_window: int
+    extra_retained_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        AttentionSpec.__post_init__(self)
+        _check_int(self, "sliding_window", self.sliding_window, minimum=1)
+        _check_int(self, "extra_retained_tokens", self.extra_retained_tokens, minimum=0)
+
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int
+    ) -> int:
+        """Blocks a request holds at most: the window, the in-flight tokens, one partial."""
+        num_tokens = min(
+            self.sliding_window - 1 + self.extra_retained_tokens + max_in_flight_tokens,
+            max_model_len,
+        )
+        # +1: the window need not start at a block boundary.
+        return _cdiv(num_tokens, self.block_size) + 1
+
+    def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """The admission cap in bytes."""
+        blocks = self.max_admission_blocks_per_request(
+            limits.in_flight_tokens, limits.max_model_len
+        )
+        return blocks * self.page_size_bytes
+
+    def is_uniform_with(self, specs: Mapping[str, KVCacheSpec]) -> bool:
+        """Uniform only with sliding-window layers of the same window."""
+        return all(
+            isinstance(spec, SlidingWindowSpec) and spec.sliding_window == self.sliding_window
+            for spec in specs.values()
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Chunked local attention: a token reads only the tokens of its own chunk.
+
+    Attributes:
+        attention_chunk_size: Chunk length in tokens.
+    """
+
+    kind: ClassVar[str] = "chunked_local_attention"
+
+    attention_chunk_size: int
+
+    def __post_init__(self) -> None:
+        AttentionSpec.__post_init__(self)
+        _check_int(self, "attention_chunk_size", self.attention_chunk_size, minimum=1)
+
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int
+    ) -> int:
+        """Blocks a request holds at most: one chunk plus the in-flight tokens."""
+        num_tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
+        return _cdiv(num_tokens, self.block_size)
+
+    def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """The admission cap in bytes."""
+        blocks = self.max_admission_blocks_per_request(
+            limits.in_flight_tokens, limits.max_model_len
+        )
+        return blocks * self.page_size_bytes
+
+    def is_uniform_with(self, specs: Mapping[str, KVCacheSpec]) -> bool:
+        """Uniform only with chunked-local layers of the same chunk."""
+        return all(
+            isinstance(spec, ChunkedLocalAttentionSpec)
+            and spec.attention_chunk_size == self.attention_chunk_size
+            for spec in specs.values()
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Cross attention of an encoder-decoder model: caches the encoder's states."""
+
+    kind: ClassVar[str] = "cross_attention"
+
+    def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """Blocks for the longest encoder input."""
+        return _cdiv(limits.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EncoderOnlyAttentionSpec(AttentionSpec):
+    """Encoder-only attention: needs no KV cache across steps."""
+
+    kind: ClassVar[str] = "encoder_only_attention"
+
+    def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """Nothing is cached."""
+        del limits
+        return 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MambaSpec(KVCacheSpec):
+    """A Mamba (state-space) layer: fixed-size states per request, not per token.
+
+    Attributes:
+        shapes: Shape of each state tensor of one block.
+        dtypes: Element type of each state tensor.
+        page_size_padded: Page size in bytes after padding, if padded.
+        mamba_type: The Mamba variant (``"mamba2"``, ...).
+        mamba_cache_mode: ``"none"``: only the latest state is kept.
+        num_speculative_blocks: Extra blocks for speculative decoding.
+    """
+
+    kind: ClassVar[str] = "mamba"
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[DType, ...]
+    page_size_padded: int | None = None
+    mamba_type: str = "mamba2"
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        KVCacheSpec.__post_init__(self)
+        shapes = tuple(tuple(shape) for shape in self.shapes)
+        if not shapes:
+            raise InvalidArgumentError("MambaSpec.shapes must name at least one state")
+        for shape in shapes:
+            if not shape or any(type(d) is not int or d <= 0 for d in shape):
+                raise InvalidArgumentError(
+                    f"MambaSpec.shapes must hold positive int dimensions, got {shape!r}"
+                )
+        dtypes = tuple(DType.parse(d, "MambaSpec.dtypes") for d in self.dtypes)
+        if len(dtypes) != len(shapes):
+            raise InvalidArgumentError(
+                f"MambaSpec.dtypes has {len(dtypes)} entries for {len(shapes)} shapes"
+            )
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "dtypes", dtypes)
+        _check_int(self, "num_speculative_blocks", self.num_speculative_blocks, minimum=0)
+        _check_optional_int(self, "page_size_padded", self.page_size_padded)
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise InvalidArgumentError(
+                f"MambaSpec.page_size_padded ({self.page_size_padded}) is smaller than the "
+                f"page it pads ({self.real_page_size_bytes} bytes)"
+            )
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Bytes of one block's states before padding."""
+        return sum(
+            math.prod(shape) * dtype.itemsize
+            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block, padding included."""
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
+
+    def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """The latest state (two in align mode) plus the speculative blocks."""
+        live = 2 if limits.mamba_cache_mode == "align" else 1
+        return self.page_size_bytes * (live + self.num_speculative_blocks)
+
+    def max_num_blocks_per_req(self, limits: SizingLimits, max_len: int) -> int:
+        """Mamba rows hold the live states only (non-align mode)."""
+        if limits.mamba_cache_mode == "align":
+            return _cdiv(max_len, self.block_size) + self.num_speculative_blocks
+        return _cdiv(self.max_memory_usage_bytes(limits), self.page_size_bytes)
+
+    def is_uniform_with(self, specs: Mapping[str, KVCacheSpec]) -> bool:
+        """Uniform with Mamba layers of the same page size and speculative blocks."""
+        return all(
+            isinstance(spec, MambaSpec)
+            and spec.num_speculative_blocks == self.num_speculative_blocks
+            and spec.page_size_bytes == self.page_size_bytes
+            for spec in specs.values()
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """Layers of one attention type (same token slots) sharing one block table.
+
+    Their pages may differ in size; a block of the group is the sum of its layers' pages.
+
+    Attributes:
+        kv_cache_specs: Each layer's own spec, by layer name, in layer order.
+    """
+
+    kv_cache_specs: Mapping[str, KVCacheSpec]
+
+    def __post_init__(self) -> None:
+        KVCacheSpec.__post_init__(self)
+        if not self.kv_cache_specs:
+            raise InvalidArgumentError("UniformTypeKVCacheSpecs.kv_cache_specs is empty")
+        object.__setattr__(self, "kv_cache_specs", dict(self.kv_cache_specs))
+
+    def __hash__(self) -> int:
+        return hash((self.block_size, tuple(self.kv_cache_specs.items())))
+
+    @property
+    def first_spec(self) -> KVCacheSpec:
+        """The spec of the first layer (it speaks for the group's slot needs)."""
+        return next(iter(self.kv_cache_specs.values()))
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        """The kind of the layers."""
+        return self.first_spec.kind
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Sum of the layers' pages."""
+        return sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
+
+    def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """The most pages any layer needs, times the group's page size."""
+        max_pages = max(
+            _cdiv(spec.max_memory_usage_bytes(limits), spec.page_size_bytes)
+            for spec in self.kv_cache_specs.values()
+        )
+        return max_pages * self.page_size_bytes
+
+    @classmethod
+    def is_uniform_type(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> bool:
+        """Whether the layers share block size and token-slot needs."""
+        if not kv_cache_specs:
+            return False
+        if len({spec.block_size for spec in kv_cache_specs.values()}) > 1:
+            return False
+        first = next(iter(kv_cache_specs.values()))
+        return first.is_uniform_with(kv_cache_specs)
+
+    @classmethod
+    def from_specs(
+        cls, kv_cache_specs: Mapping[str, KVCacheSpec]
+    ) -> UniformTypeKVCacheSpecs | None:
+        """The uniform-type group of these layers, or ``None`` when they are not uniform."""
+        if not cls.is_uniform_type(kv_cache_specs):
+            return None
+        block_size = next(iter(kv_cache_specs.values())).block_size
+        return cls(block_size=block_size, kv_cache_specs=kv_cache_specs)
