@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -63,3 +65,16 @@ def test_empty_stats_snapshot() -> None:
 def test_bad_buckets_are_rejected(buckets: tuple[float, ...]) -> None:
     with pytest.raises(ValueError, match="buckets"):
         RpcStats(buckets=buckets)
+
+
+def test_telemetry_imports_no_metrics_library() -> None:
+    # The RPC path records into RpcStats; prometheus_client is only for the scrape side.
+    code = (
+        "import sys, kvcm.server.telemetry\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('prometheus_client', 'fastapi', 'starlette', 'grpc')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    assert out.strip() == "[]"
