@@ -6,11 +6,13 @@ pure translation; the server checks the values (the SDK does not duplicate its v
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 from kvcm.client._types import HashingParameters, PoolConfig
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcm.common.dtypes import DType
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.events import (
     MEDIUM_CPU,
@@ -21,12 +23,23 @@ from kvcm.common.events import (
     BlockStored,
 )
 from kvcm.common.hashing import HashAlgorithm, external_block_hash
+from kvcm.common.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 from kvcm.v1 import admin_pb2, common_pb2, events_pb2
 
 if TYPE_CHECKING:
-    from kvcm.common.config import KVCacheConfig
     from kvcm.common.events import KVCacheEvent
-    from kvcm.common.specs import KVCacheSpec
 
 __all__ = [
     "EventBatch",
@@ -89,45 +102,52 @@ def hash_algorithm_to_proto(algorithm: HashAlgorithm | str) -> common_pb2.HashAl
         ) from None
 
 
-def _dtype_to_proto(dtype: object) -> common_pb2.DataType:
-    name = str(getattr(dtype, "value", dtype))
+def _dtype_to_proto(dtype: DType) -> common_pb2.DataType:
     try:
-        return _DTYPE_TO_PROTO[name]
-    except KeyError:
+        return _DTYPE_TO_PROTO[DType(dtype).value]
+    except (KeyError, ValueError):
         raise InvalidArgumentError(f"dtype {dtype!r} has no wire form") from None
 
 
-def _dtype_from_proto(value: int) -> object:
-    from kvcm.common.dtypes import DType
-
-    return DType(_DTYPE_FROM_PROTO.get(value, "float16"))
+def _dtype_from_proto(value: int) -> DType:
+    name = _DTYPE_FROM_PROTO.get(value)  # type: ignore[call-overload]
+    if name is None:
+        raise InvalidArgumentError(f"data type {value} is not a known DataType")
+    return DType(name)
 
 
 # ------------------------------------------------------------------------------ specs
-def _attention_to_proto(spec: KVCacheSpec, message: common_pb2.AttentionSpec) -> None:
+def _attention_to_proto(spec: AttentionSpec, message: common_pb2.AttentionSpec) -> None:
     message.block_size = spec.block_size
-    message.num_kv_heads = spec.num_kv_heads  # type: ignore[attr-defined]
-    message.head_size = spec.head_size  # type: ignore[attr-defined]
-    head_size_v = spec.head_size_v  # type: ignore[attr-defined]
-    if head_size_v is not None and head_size_v != spec.head_size:  # type: ignore[attr-defined]
-        message.head_size_v = head_size_v
-    message.dtype = _dtype_to_proto(spec.dtype)  # type: ignore[attr-defined]
-    if spec.page_size_padded is not None:  # type: ignore[attr-defined]
-        message.page_size_padded_bytes = spec.page_size_padded  # type: ignore[attr-defined]
+    message.num_kv_heads = spec.num_kv_heads
+    message.head_size = spec.head_size
+    if spec.head_size_v is not None and spec.head_size_v != spec.head_size:
+        message.head_size_v = spec.head_size_v
+    message.dtype = _dtype_to_proto(spec.dtype)
+    if spec.page_size_padded is not None:
+        message.page_size_padded_bytes = spec.page_size_padded
 
 
-def _attention_kwargs(message: common_pb2.AttentionSpec) -> dict[str, object]:
-    kwargs: dict[str, object] = {
-        "block_size": message.block_size,
-        "num_kv_heads": message.num_kv_heads,
-        "head_size": message.head_size,
-        "dtype": _dtype_from_proto(message.dtype),
-    }
-    if message.HasField("head_size_v"):
-        kwargs["head_size_v"] = message.head_size_v
-    if message.HasField("page_size_padded_bytes"):
-        kwargs["page_size_padded"] = message.page_size_padded_bytes
-    return kwargs
+def _attention_fields(message: common_pb2.AttentionSpec) -> _AttentionFields:
+    return _AttentionFields(
+        block_size=message.block_size,
+        num_kv_heads=message.num_kv_heads,
+        head_size=message.head_size,
+        dtype=_dtype_from_proto(message.dtype),
+        head_size_v=message.head_size_v if message.HasField("head_size_v") else None,
+        page_size_padded=(
+            message.page_size_padded_bytes if message.HasField("page_size_padded_bytes") else None
+        ),
+    )
+
+
+class _AttentionFields(NamedTuple):
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: DType
+    head_size_v: int | None
+    page_size_padded: int | None
 
 
 def spec_to_proto(spec: KVCacheSpec) -> common_pb2.KVCacheSpec:
@@ -136,37 +156,35 @@ def spec_to_proto(spec: KVCacheSpec) -> common_pb2.KVCacheSpec:
     Raises:
         InvalidArgumentError: The spec type has no wire form.
     """
-    from kvcm.common import specs as s
-
     message = common_pb2.KVCacheSpec()
-    if isinstance(spec, s.UniformTypeKVCacheSpecs):
+    if isinstance(spec, UniformTypeKVCacheSpecs):
         message.uniform_type.block_size = spec.block_size
         message.uniform_type.kv_cache_specs.extend(layer_specs_to_proto(spec.kv_cache_specs))
-    elif isinstance(spec, s.MLAAttentionSpec):
+    elif isinstance(spec, MLAAttentionSpec):
         _attention_to_proto(spec, message.mla_attention.attention)
         if spec.cache_dtype_str is not None:
             message.mla_attention.cache_dtype_str = spec.cache_dtype_str
-    elif isinstance(spec, s.SinkFullAttentionSpec):
+    elif isinstance(spec, SinkFullAttentionSpec):
         _attention_to_proto(spec, message.sink_full_attention.attention)
         if spec.sink_len is not None:
             message.sink_full_attention.sink_len = spec.sink_len
-    elif isinstance(spec, s.FullAttentionSpec):
+    elif isinstance(spec, FullAttentionSpec):
         _attention_to_proto(spec, message.full_attention.attention)
         if spec.sliding_window is not None:
             message.full_attention.sliding_window = spec.sliding_window
         if spec.attention_chunk_size is not None:
             message.full_attention.attention_chunk_size = spec.attention_chunk_size
-    elif isinstance(spec, s.SlidingWindowSpec):
+    elif isinstance(spec, SlidingWindowSpec):
         _attention_to_proto(spec, message.sliding_window.attention)
         message.sliding_window.sliding_window = spec.sliding_window
-    elif isinstance(spec, s.ChunkedLocalAttentionSpec):
+    elif isinstance(spec, ChunkedLocalAttentionSpec):
         _attention_to_proto(spec, message.chunked_local_attention.attention)
         message.chunked_local_attention.attention_chunk_size = spec.attention_chunk_size
-    elif isinstance(spec, s.CrossAttentionSpec):
+    elif isinstance(spec, CrossAttentionSpec):
         _attention_to_proto(spec, message.cross_attention.attention)
-    elif isinstance(spec, s.EncoderOnlyAttentionSpec):
+    elif isinstance(spec, EncoderOnlyAttentionSpec):
         _attention_to_proto(spec, message.encoder_only_attention.attention)
-    elif isinstance(spec, s.MambaSpec):
+    elif isinstance(spec, MambaSpec):
         mamba = message.mamba
         mamba.block_size = spec.block_size
         for shape in spec.shapes:
@@ -174,11 +192,11 @@ def spec_to_proto(spec: KVCacheSpec) -> common_pb2.KVCacheSpec:
         mamba.dtypes.extend(_dtype_to_proto(dtype) for dtype in spec.dtypes)
         if spec.page_size_padded is not None:
             mamba.page_size_padded_bytes = spec.page_size_padded
-        mamba.mamba_type = str(spec.mamba_type)
+        mamba.mamba_type = spec.mamba_type
         mamba.mamba_cache_mode = spec.mamba_cache_mode
         mamba.num_speculative_blocks = spec.num_speculative_blocks
     else:
-        raise InvalidArgumentError(f"spec {spec!r} has no wire form")
+        raise InvalidArgumentError(f"spec {type(spec).__name__} has no wire form")
     return message
 
 
@@ -186,49 +204,55 @@ def spec_from_proto(message: common_pb2.KVCacheSpec) -> KVCacheSpec:
     """The ``kvcm.common.specs`` value of a wire spec.
 
     Raises:
-        InvalidArgumentError: No spec is set.
+        InvalidArgumentError: No spec is set, or a field is out of its domain.
     """
-    from kvcm.common import specs as s
-
     kind = message.WhichOneof("spec")
     if kind == "full_attention":
         full = message.full_attention
-        kwargs = _attention_kwargs(full.attention)
-        if full.HasField("sliding_window"):
-            kwargs["sliding_window"] = full.sliding_window
-        if full.HasField("attention_chunk_size"):
-            kwargs["attention_chunk_size"] = full.attention_chunk_size
-        return s.FullAttentionSpec(**kwargs)  # type: ignore[arg-type]
-    if kind == "mla_attention":
-        kwargs = _attention_kwargs(message.mla_attention.attention)
-        if message.mla_attention.HasField("cache_dtype_str"):
-            kwargs["cache_dtype_str"] = message.mla_attention.cache_dtype_str
-        return s.MLAAttentionSpec(**kwargs)  # type: ignore[arg-type]
-    if kind == "sink_full_attention":
-        kwargs = _attention_kwargs(message.sink_full_attention.attention)
-        if message.sink_full_attention.HasField("sink_len"):
-            kwargs["sink_len"] = message.sink_full_attention.sink_len
-        return s.SinkFullAttentionSpec(**kwargs)  # type: ignore[arg-type]
-    if kind == "sliding_window":
-        kwargs = _attention_kwargs(message.sliding_window.attention)
-        kwargs["sliding_window"] = message.sliding_window.sliding_window
-        return s.SlidingWindowSpec(**kwargs)  # type: ignore[arg-type]
-    if kind == "chunked_local_attention":
-        kwargs = _attention_kwargs(message.chunked_local_attention.attention)
-        kwargs["attention_chunk_size"] = message.chunked_local_attention.attention_chunk_size
-        return s.ChunkedLocalAttentionSpec(**kwargs)  # type: ignore[arg-type]
-    if kind == "cross_attention":
-        return s.CrossAttentionSpec(**_attention_kwargs(message.cross_attention.attention))  # type: ignore[arg-type]
-    if kind == "encoder_only_attention":
-        return s.EncoderOnlyAttentionSpec(
-            **_attention_kwargs(message.encoder_only_attention.attention)  # type: ignore[arg-type]
+        return FullAttentionSpec(
+            **_attention_fields(full.attention)._asdict(),
+            sliding_window=full.sliding_window if full.HasField("sliding_window") else None,
+            attention_chunk_size=(
+                full.attention_chunk_size if full.HasField("attention_chunk_size") else None
+            ),
         )
+    if kind == "mla_attention":
+        mla = message.mla_attention
+        fields = _attention_fields(mla.attention)._asdict()
+        if fields["head_size_v"] is None:
+            fields["head_size_v"] = 0  # MLA's default: one latent, no separate V
+        return MLAAttentionSpec(
+            **fields,
+            cache_dtype_str=mla.cache_dtype_str if mla.HasField("cache_dtype_str") else None,
+        )
+    if kind == "sink_full_attention":
+        sink = message.sink_full_attention
+        return SinkFullAttentionSpec(
+            **_attention_fields(sink.attention)._asdict(),
+            sink_len=sink.sink_len if sink.HasField("sink_len") else None,
+        )
+    if kind == "sliding_window":
+        window = message.sliding_window
+        return SlidingWindowSpec(
+            **_attention_fields(window.attention)._asdict(), sliding_window=window.sliding_window
+        )
+    if kind == "chunked_local_attention":
+        chunked = message.chunked_local_attention
+        return ChunkedLocalAttentionSpec(
+            **_attention_fields(chunked.attention)._asdict(),
+            attention_chunk_size=chunked.attention_chunk_size,
+        )
+    if kind == "cross_attention":
+        return CrossAttentionSpec(**_attention_fields(message.cross_attention.attention)._asdict())
+    if kind == "encoder_only_attention":
+        attention = message.encoder_only_attention.attention
+        return EncoderOnlyAttentionSpec(**_attention_fields(attention)._asdict())
     if kind == "mamba":
         mamba = message.mamba
-        return s.MambaSpec(
+        return MambaSpec(
             block_size=mamba.block_size,
             shapes=tuple(tuple(shape.dims) for shape in mamba.shapes),
-            dtypes=tuple(_dtype_from_proto(dtype) for dtype in mamba.dtypes),  # type: ignore[misc]
+            dtypes=tuple(_dtype_from_proto(dtype) for dtype in mamba.dtypes),
             page_size_padded=(
                 mamba.page_size_padded_bytes if mamba.HasField("page_size_padded_bytes") else None
             ),
@@ -238,7 +262,7 @@ def spec_from_proto(message: common_pb2.KVCacheSpec) -> KVCacheSpec:
         )
     if kind == "uniform_type":
         uniform = message.uniform_type
-        return s.UniformTypeKVCacheSpecs(
+        return UniformTypeKVCacheSpecs(
             block_size=uniform.block_size,
             kv_cache_specs={
                 layer.layer_name: spec_from_proto(layer.spec) for layer in uniform.kv_cache_specs
@@ -257,10 +281,10 @@ def layer_specs_to_proto(specs: Mapping[str, KVCacheSpec]) -> list[common_pb2.La
 
 # ----------------------------------------------------------------------------- config
 def kv_cache_config_to_proto(config: KVCacheConfig) -> common_pb2.KVCacheConfig:
-    """The wire form of a ``KVCacheConfig`` (tensors included)."""
+    """The wire form of a ``KVCacheConfig`` (each tensor's size and layers)."""
     message = common_pb2.KVCacheConfig(num_blocks=config.num_blocks)
     for tensor in config.kv_cache_tensors:
-        message.kv_cache_tensors.add(size_bytes=tensor.size, shared_by=list(tensor.shared_by))
+        message.kv_cache_tensors.add(size_bytes=tensor.size, shared_by=list(tensor.layers))
     for group in config.kv_cache_groups:
         message.kv_cache_groups.add(
             layer_names=list(group.layer_names), kv_cache_spec=spec_to_proto(group.kv_cache_spec)
@@ -268,23 +292,56 @@ def kv_cache_config_to_proto(config: KVCacheConfig) -> common_pb2.KVCacheConfig:
     return message
 
 
+def _layer_page_sizes(groups: Sequence[KVCacheGroupSpec]) -> dict[str, int]:
+    pages: dict[str, int] = {}
+    for group in groups:
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            layer_spec = (
+                spec.kv_cache_specs.get(name, spec)
+                if isinstance(spec, UniformTypeKVCacheSpecs)
+                else spec
+            )
+            pages[name] = layer_spec.page_size_bytes
+    return pages
+
+
+def _tensor_from_proto(
+    message: common_pb2.KVCacheTensor, num_blocks: int, pages: Mapping[str, int]
+) -> KVCacheTensor:
+    # The wire carries vLLM's (size, shared_by); the placement follows from it. A tensor of
+    # one layer's pages per layer (size = layers x pages) stacks the layers, layer-outermost;
+    # a tensor of one page-set (size = pages) is shared by layers of different groups, which
+    # overlay it (a block id belongs to one group at a time).
+    layers = tuple(message.shared_by)
+    page = pages.get(layers[0], 0) if layers else 0
+    region = page * num_blocks
+    stacked = len(layers) > 1 and message.size_bytes >= region * len(layers)
+    return KVCacheTensor(
+        size=message.size_bytes,
+        layers=layers,
+        layer_stride=region if stacked else 0,
+        block_stride=page,
+    )
+
+
 def kv_cache_config_from_proto(message: common_pb2.KVCacheConfig) -> KVCacheConfig:
     """The ``kvcm.common.config`` value of a wire ``KVCacheConfig``."""
-    from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
+    groups = tuple(
+        KVCacheGroupSpec(
+            layer_names=tuple(group.layer_names),
+            kv_cache_spec=spec_from_proto(group.kv_cache_spec),
+        )
+        for group in message.kv_cache_groups
+    )
+    pages = _layer_page_sizes(groups)
     return KVCacheConfig(
         num_blocks=message.num_blocks,
         kv_cache_tensors=tuple(
-            KVCacheTensor(size=tensor.size_bytes, shared_by=tuple(tensor.shared_by))
+            _tensor_from_proto(tensor, message.num_blocks, pages)
             for tensor in message.kv_cache_tensors
         ),
-        kv_cache_groups=tuple(
-            KVCacheGroupSpec(
-                layer_names=tuple(group.layer_names),
-                kv_cache_spec=spec_from_proto(group.kv_cache_spec),
-            )
-            for group in message.kv_cache_groups
-        ),
+        kv_cache_groups=groups,
     )
 
 
@@ -334,7 +391,10 @@ def pool_config_from_proto(message: admin_pb2.PoolConfig) -> PoolConfig:
     """The SDK's ``PoolConfig`` of a wire one (unset fields as ``None`` / defaults)."""
 
     def optional(field: str) -> int | None:
-        return getattr(message, field) if message.HasField(field) else None  # type: ignore[no-any-return]
+        if not message.HasField(field):
+            return None
+        value: int = getattr(message, field)
+        return value
 
     explicit_layout = None
     if message.HasField("explicit_layout"):

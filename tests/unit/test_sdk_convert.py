@@ -1,0 +1,205 @@
+"""The SDK's wire conversions: specs, configs, pool configs and events survive the round trip."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcm.client import PoolConfig
+from kvcm.client._convert import (
+    decode_event_batch,
+    hashing_from_proto,
+    kv_cache_config_from_proto,
+    kv_cache_config_to_proto,
+    layer_specs_to_proto,
+    pool_config_from_proto,
+    pool_config_to_proto,
+    spec_from_proto,
+    spec_to_proto,
+)
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcm.common.dtypes import DType
+from kvcm.common.errors import InvalidArgumentError
+from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcm.common.hashing import HashAlgorithm, external_block_hash
+from kvcm.common.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from kvcm.v1 import common_pb2, events_pb2
+
+ATTENTION = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": DType.BFLOAT16}
+
+SPECS: list[KVCacheSpec] = [
+    FullAttentionSpec(**ATTENTION),  # type: ignore[arg-type]
+    FullAttentionSpec(**ATTENTION, sliding_window=128, attention_chunk_size=256),  # type: ignore[arg-type]
+    FullAttentionSpec(**ATTENTION, head_size_v=32, page_size_padded=8192),  # type: ignore[arg-type]
+    MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=576,
+        dtype=DType.FLOAT8_E4M3FN,
+        cache_dtype_str="fp8_ds_mla",
+    ),
+    SinkFullAttentionSpec(**ATTENTION, sink_len=4),  # type: ignore[arg-type]
+    SlidingWindowSpec(**ATTENTION, sliding_window=64),  # type: ignore[arg-type]
+    ChunkedLocalAttentionSpec(**ATTENTION, attention_chunk_size=128),  # type: ignore[arg-type]
+    CrossAttentionSpec(**ATTENTION),  # type: ignore[arg-type]
+    EncoderOnlyAttentionSpec(**ATTENTION),  # type: ignore[arg-type]
+    MambaSpec(
+        block_size=32,
+        shapes=((4, 8), (2,)),
+        dtypes=(DType.FLOAT16, DType.FLOAT32),
+        num_speculative_blocks=1,
+    ),
+    UniformTypeKVCacheSpecs(
+        block_size=16,
+        kv_cache_specs={
+            "a": FullAttentionSpec(**ATTENTION),  # type: ignore[arg-type]
+            "b": FullAttentionSpec(
+                block_size=16, num_kv_heads=4, head_size=64, dtype=DType.BFLOAT16
+            ),
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: type(spec).__name__)
+def test_specs_round_trip(spec: KVCacheSpec) -> None:
+    assert spec_from_proto(spec_to_proto(spec)) == spec
+
+
+def test_layer_specs_are_sorted_and_unset_specs_rejected() -> None:
+    entries = layer_specs_to_proto({"b": SPECS[0], "a": SPECS[5]})
+    assert [entry.layer_name for entry in entries] == ["a", "b"]
+    with pytest.raises(InvalidArgumentError, match="no spec"):
+        spec_from_proto(common_pb2.KVCacheSpec())
+    with pytest.raises(InvalidArgumentError, match="wire form"):
+        spec_to_proto(FullAttentionSpec(**{**ATTENTION, "dtype": DType.FLOAT64}))  # type: ignore[arg-type]
+
+
+def test_kv_cache_config_round_trips_with_its_tensor_placement() -> None:
+    full = FullAttentionSpec(**ATTENTION)  # type: ignore[arg-type]
+    window = SlidingWindowSpec(**ATTENTION, sliding_window=64)  # type: ignore[arg-type]
+    page = full.page_size_bytes
+    num_blocks = 100
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=(
+            # Two layers of one group stacked, layer-outermost.
+            KVCacheTensor(
+                size=2 * page * num_blocks,
+                layers=("l0", "l1"),
+                layer_stride=page * num_blocks,
+                block_stride=page,
+            ),
+            # One layer of each group overlaying one allocation.
+            KVCacheTensor(
+                size=page * num_blocks, layers=("l2", "l3"), layer_stride=0, block_stride=page
+            ),
+        ),
+        kv_cache_groups=(
+            KVCacheGroupSpec(layer_names=("l0", "l1", "l2"), kv_cache_spec=full),
+            KVCacheGroupSpec(layer_names=("l3",), kv_cache_spec=window),
+        ),
+    )
+    assert kv_cache_config_from_proto(kv_cache_config_to_proto(config)) == config
+
+
+def test_pool_config_round_trips_with_defaults_left_unset() -> None:
+    layout = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=(),
+        kv_cache_groups=(KVCacheGroupSpec(layer_names=("l0",), kv_cache_spec=SPECS[0]),),
+    )
+    for config in (
+        PoolConfig(max_model_len=2048, world_size=4),
+        PoolConfig(
+            max_model_len=4096,
+            explicit_layout=layout,
+            scheduler_block_size=16,
+            hash_block_size=16,
+            max_in_flight_tokens=8192,
+            enable_caching=False,
+            hash_algorithm="xxhash_cbor",
+            hash_seed="secret",
+            verify_block_hashes=True,
+            enable_kv_cache_events=True,
+            event_retention_num_events=100,
+            log_stats=False,
+            watermark=0.01,
+        ),
+    ):
+        message = pool_config_to_proto(config)
+        assert pool_config_from_proto(message) == config
+    defaults = pool_config_to_proto(PoolConfig(max_model_len=2048, world_size=1))
+    assert not defaults.HasField("enable_caching")
+    assert not defaults.HasField("hash_seed")
+    with pytest.raises(InvalidArgumentError, match="hash_algorithm"):
+        pool_config_to_proto(PoolConfig(max_model_len=1, hash_algorithm="md5"))
+
+
+def test_hashing_parameters_build_the_pools_hasher() -> None:
+    message = common_pb2.HashingParameters(
+        algorithm=common_pb2.HASH_ALGORITHM_XXHASH,
+        seed="s",
+        hash_block_size=16,
+        hash_length_bytes=16,
+    )
+    hashing = hashing_from_proto(message)
+    assert hashing.algorithm is HashAlgorithm.XXHASH
+    assert "seed=<hidden>" in repr(hashing)  # an xxhash seed is a secret
+    hasher = hashing.block_hasher()
+    assert hasher.block_size == 16
+    assert len(hasher.hash_token_ids(list(range(32)))[0]) == 16
+
+
+def test_events_decode_with_vllm_int_hashes() -> None:
+    first, second, parent = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    message = events_pb2.SubscribeEventsResponse(
+        first_sequence=7,
+        hash_length_bytes=32,
+        oldest_sequence=1,
+        timestamp_unix_seconds=12.5,
+        events=[
+            events_pb2.KVEvent(
+                block_stored=events_pb2.BlockStored(
+                    block_hashes=first + second,
+                    parent_block_hash=parent,
+                    token_ids=list(range(32)),
+                    block_size=16,
+                    medium=events_pb2.MEDIUM_GPU,
+                    group_idx=0,
+                    kv_cache_spec_kind=common_pb2.KV_CACHE_SPEC_KIND_FULL_ATTENTION,
+                )
+            ),
+            events_pb2.KVEvent(
+                block_removed=events_pb2.BlockRemoved(
+                    block_hashes=first, medium=events_pb2.MEDIUM_GPU, group_idx=0
+                )
+            ),
+            events_pb2.KVEvent(all_blocks_cleared=events_pb2.AllBlocksCleared()),
+        ],
+    )
+    batch = decode_event_batch(message, 32)
+    assert batch.first_sequence == 7
+    assert batch.last_sequence == 9
+    assert batch.oldest_sequence == 1
+    stored, removed, cleared = batch.events
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == [external_block_hash(first), external_block_hash(second)]
+    assert stored.parent_block_hash == external_block_hash(parent)
+    assert stored.token_ids == list(range(32))
+    assert stored.medium == "GPU"
+    assert stored.kv_cache_spec_kind == "full_attention"
+    assert stored.lora_name is None
+    assert isinstance(removed, BlockRemoved)
+    assert removed.block_hashes == [external_block_hash(first)]
+    assert isinstance(cleared, AllBlocksCleared)
