@@ -283,9 +283,11 @@ class ReplayScheduler:
         return op_index
 
     def _hashes(self, live: _Live) -> list[BlockHash]:
-        if self._hasher is not None:
-            live.block_hashes.extend(self._hasher.hash_request_blocks(live))
-        return live.block_hashes
+        hasher = self._hasher
+        hashes = live.block_hashes
+        if hasher is not None and (len(hashes) + 1) * hasher.block_size <= live.num_tokens:
+            hashes.extend(hasher.hash_request_blocks(live))
+        return hashes
 
     def _mark_sent(self, live: _Live) -> None:
         live.num_tokens_sent = live.num_tokens

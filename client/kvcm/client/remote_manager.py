@@ -251,6 +251,9 @@ class RemoteKVCacheManager:
             return ()
         if not self._hash_requests:
             return tracked.request.block_hashes
+        hashes = tracked.block_hashes
+        if (len(hashes) + 1) * self._hash_block_size > tracked.request.num_tokens:
+            return hashes  # no block became full: skip the hasher (most decode steps)
         new_hashes = self.block_hasher.hash_request_blocks(tracked)
         if new_hashes:
             tracked.block_hashes.extend(new_hashes)
