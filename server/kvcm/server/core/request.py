@@ -77,6 +77,8 @@ class Request:
             ``all_token_ids``.
         lora_name: LoRA adapter name, part of the block hash (isolation between adapters).
         lora_id: LoRA adapter integer id, reported in KV events.
+        lora_path: LoRA adapter path, part of the block hash with the name (vLLM keys an
+            adapter by both, so re-pointed weights do not reuse old KV).
         cache_salt: Salt mixed into the first block hash (isolation between tenants).
         mm_features: Multi-modal inputs, part of the block hashes of the blocks they cover.
         prompt_embeds: Opaque per-prompt embedding payload when the prompt is given as
@@ -95,6 +97,7 @@ class Request:
         "cache_salt",
         "lora_id",
         "lora_name",
+        "lora_path",
         "mm_features",
         "num_computed_tokens",
         "num_in_flight_tokens",
@@ -116,6 +119,7 @@ class Request:
         block_hasher: BlockHasher | None = None,
         lora_name: str | None = None,
         lora_id: int | None = None,
+        lora_path: str | None = None,
         cache_salt: str | None = None,
         mm_features: Sequence[MultiModalFeature] = (),
         prompt_embeds: object | None = None,
@@ -132,6 +136,7 @@ class Request:
                 prefix caching for this request).
             lora_name: LoRA adapter name, if any.
             lora_id: LoRA adapter id, if any (events only).
+            lora_path: LoRA adapter path, if any (hashed with the name).
             cache_salt: Per-tenant salt, if any.
             mm_features: Multi-modal inputs, in prompt order.
             prompt_embeds: Prompt embeddings payload, if the prompt is given as embeddings.
@@ -149,6 +154,8 @@ class Request:
             raise InvalidArgumentError("prompt_token_ids must not be empty")
         if lora_name is not None and not isinstance(lora_name, str):
             raise InvalidArgumentError(f"lora_name must be a str or None, got {lora_name!r}")
+        if lora_path is not None and not isinstance(lora_path, str):
+            raise InvalidArgumentError(f"lora_path must be a str or None, got {lora_path!r}")
         if lora_id is not None and (type(lora_id) is not int or lora_id < 0):
             raise InvalidArgumentError(f"lora_id must be a non-negative int, got {lora_id!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -163,6 +170,7 @@ class Request:
         self.num_in_flight_tokens = 0
         self.lora_name = lora_name
         self.lora_id = lora_id
+        self.lora_path = lora_path
         self.cache_salt = cache_salt
         self.mm_features = list(mm_features)
         self.prompt_embeds = prompt_embeds

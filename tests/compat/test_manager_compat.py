@@ -1,0 +1,204 @@
+"""kvcm's KVCacheManager against vLLM 0.33.0's, live, on seeded scheduler-like workloads.
+
+Every scenario replays the same calls through both managers (``_workloads``): lookups, every
+``allocate_slots`` knob (hits, lookahead, draft tokens, external tokens, delayed caching,
+encoder tokens, the full-sequence gate, reserved blocks, the watermark), frees and
+preemptions, ``cache_blocks``, ``evict_blocks``, ``reset_prefix_cache``,
+``remove_skipped_blocks``, common-prefix counts, events, stats and the hit-rate metric, and
+after every step the whole pool state. The number of compared operations is printed in the
+terminal summary.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import pytest
+from _drivers import (
+    CHUNKED,
+    CROSS,
+    FULL,
+    MAMBA,
+    MLA,
+    SWA,
+    GroupDesc,
+    KvcmSide,
+    Layout,
+    VllmSide,
+)
+from _workloads import Knobs, Scenario, Tally, run_workload
+
+_BUSY = Knobs(
+    lora=True,
+    salts=True,
+    max_drafts=2,
+    max_lookahead=2,
+    external=0.15,
+    full_sequence_must_fit=0.3,
+    max_reserved_blocks=2,
+    evict=0.15,
+    reset=0.05,
+    drain_and_reset=0.03,
+    in_flight=0.3,
+    skip_reading=0.05,
+    max_hit_len=0.1,
+)
+_PLAIN = Knobs(evict=0.05, drain_and_reset=0.03, max_drafts=1)
+_NO_CACHE = Knobs(max_drafts=2, max_lookahead=2, full_sequence_must_fit=0.3, in_flight=0.3)
+
+
+def _g(kind: str, block_size: int, window: int = 0, **kw: Any) -> GroupDesc:
+    return GroupDesc(kind, block_size, window, **kw)
+
+
+SCENARIOS = [
+    Scenario("full", Layout((_g(FULL, 4),), num_blocks=48, max_model_len=128), _BUSY),
+    Scenario(
+        "full-pressure-watermark",
+        Layout((_g(FULL, 4),), num_blocks=20, max_model_len=64, watermark=0.1),
+        Knobs(max_running=8, token_budgets=(16, 48), max_prompt_len=40, evict=0.1, max_drafts=2),
+    ),
+    Scenario(
+        "full-xxhash-cbor-lora-salt",
+        Layout((_g(FULL, 8),), num_blocks=40, max_model_len=160, hash_algorithm="xxhash_cbor"),
+        Knobs(lora=True, salts=True, evict=0.1, reset=0.1, drain_and_reset=0.05),
+    ),
+    Scenario(
+        "mla-sha256-cbor",
+        Layout((_g(MLA, 4),), num_blocks=32, max_model_len=96, hash_algorithm="sha256_cbor"),
+        _PLAIN,
+    ),
+    Scenario("swa", Layout((_g(SWA, 4, 10),), num_blocks=40, max_model_len=128), _BUSY),
+    Scenario(
+        "swa-pressure",
+        Layout((_g(SWA, 4, 7),), num_blocks=16, max_model_len=96, hash_algorithm="xxhash"),
+        Knobs(max_running=8, token_budgets=(8, 32), in_flight=0.5, evict=0.1, max_drafts=2),
+    ),
+    Scenario(
+        "hybrid-full8-swa4",
+        Layout((_g(FULL, 8), _g(SWA, 4, 12)), num_blocks=80, max_model_len=160),
+        _BUSY,
+    ),
+    Scenario(
+        "hybrid-full-2swa-same-spec",
+        Layout((_g(FULL, 4), _g(SWA, 4, 8), _g(SWA, 4, 8)), num_blocks=72, max_model_len=128),
+        _BUSY,
+    ),
+    Scenario(
+        "hybrid-three-specs",
+        Layout((_g(FULL, 4), _g(SWA, 4, 6), _g(SWA, 8, 20)), num_blocks=90, max_model_len=160),
+        _BUSY,
+    ),
+    Scenario(
+        "hybrid-mixed-dtypes",
+        Layout((_g(FULL, 4), _g(SWA, 4, 8, dtype="bfloat16")), num_blocks=48, max_model_len=96),
+        _PLAIN,
+    ),
+    Scenario(
+        "chunked-local", Layout((_g(CHUNKED, 4, 16),), num_blocks=40, max_model_len=128), _BUSY
+    ),
+    Scenario(
+        "hybrid-full-chunked",
+        Layout((_g(FULL, 4), _g(CHUNKED, 4, 12)), num_blocks=64, max_model_len=128),
+        _BUSY,
+    ),
+    Scenario(
+        "no-cache-full",
+        Layout((_g(FULL, 4),), num_blocks=32, max_model_len=96, enable_caching=False),
+        _NO_CACHE,
+    ),
+    Scenario(
+        "no-cache-hybrid-swa",
+        Layout(
+            (_g(FULL, 8), _g(SWA, 4, 10)), num_blocks=48, max_model_len=96, enable_caching=False
+        ),
+        _NO_CACHE,
+    ),
+    Scenario(
+        "no-cache-mamba",
+        Layout(
+            (_g(FULL, 4), _g(MAMBA, 8, num_speculative_blocks=1)),
+            num_blocks=48,
+            max_model_len=96,
+            enable_caching=False,
+        ),
+        _NO_CACHE,
+    ),
+    Scenario(
+        "no-cache-cross-attention",
+        Layout((_g(FULL, 4), _g(CROSS, 4)), num_blocks=48, max_model_len=96, enable_caching=False),
+        Knobs(encoder_tokens=20, max_drafts=1, full_sequence_must_fit=0.3),
+    ),
+]
+
+SEEDS = (0, 1, 2)
+
+_TOTAL = Tally()
+
+
+class _Summary:
+    """Terminal-summary plugin: how much was compared against vLLM this session."""
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not _TOTAL.ops:
+            return
+        ops = ", ".join(f"{name} {n}" for name, n in sorted(_TOTAL.by_op.items()))
+        terminalreporter.write_sep("-", "kvcm KVCacheManager vs vLLM 0.33.0")
+        terminalreporter.write_line(
+            f"{_TOTAL.ops} manager operations compared ({ops}); {_TOTAL.snapshots} pool-state "
+            f"snapshots; {_TOTAL.hits} hits, {_TOTAL.not_fit} does-not-fit, "
+            f"{_TOTAL.preemptions} preemptions, {_TOTAL.events} events, {_TOTAL.resets} resets"
+        )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _summary(request: pytest.FixtureRequest) -> None:
+    manager = request.config.pluginmanager
+    if not manager.has_plugin("kvcm-manager-compat-summary"):
+        manager.register(_Summary(), "kvcm-manager-compat-summary")
+
+
+@pytest.fixture
+def vllm_env(vllm: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restore vLLM's process-global NONE_HASH after the test; events carry int hashes."""
+    del vllm
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    monkeypatch.setattr(kcu, "NONE_HASH", getattr(kcu, "NONE_HASH", None), raising=False)
+    monkeypatch.setattr(kcu, "_NONE_HASH_SEED", getattr(kcu, "_NONE_HASH_SEED", None))
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_manager_matches_vllm(vllm_env: None, scenario: Scenario, seed: int) -> None:
+    ref = VllmSide(scenario.layout)
+    ours = KvcmSide(scenario.layout)
+    assert ours.manager.scheduler_block_size == scenario.layout.scheduler_block_size
+    assert ours.manager.hash_block_size == scenario.layout.hash_block_size
+    tally = run_workload(scenario, seed, ref, ours)
+    _TOTAL.ops += tally.ops
+    _TOTAL.snapshots += tally.snapshots
+    _TOTAL.hits += tally.hits
+    _TOTAL.not_fit += tally.not_fit
+    _TOTAL.preemptions += tally.preemptions
+    _TOTAL.events += tally.events
+    _TOTAL.resets += tally.resets
+    for name, n in tally.by_op.items():
+        _TOTAL.by_op[name] = _TOTAL.by_op.get(name, 0) + n
+    assert tally.ops > 0
+
+
+def test_event_records_carry_vllm_fields(vllm_env: None) -> None:
+    """kvcm's event records have every field of vLLM's (so routers read them unchanged)."""
+    from dataclasses import fields
+
+    from kvcm.common import events
+
+    ref = VllmSide(Layout((_g(FULL, 4),), num_blocks=8, max_model_len=32))
+    theirs = ref.event_field_names()
+    ours: set[str] = set()
+    for cls in (events.BlockStored, events.BlockRemoved, events.AllBlocksCleared):
+        ours.update(f.name for f in fields(cls))
+    assert theirs <= ours
