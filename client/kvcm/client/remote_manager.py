@@ -84,6 +84,8 @@ class SchedulerRequest(Protocol):
     @property
     def lora_id(self) -> int | None: ...
     @property
+    def lora_path(self) -> str | None: ...
+    @property
     def cache_salt(self) -> str | None: ...
     @property
     def mm_features(self) -> Sequence[MultiModalFeature]: ...
@@ -118,6 +120,10 @@ class _Tracked:
     @property
     def lora_name(self) -> str | None:
         return self.request.lora_name
+
+    @property
+    def lora_path(self) -> str | None:
+        return self.request.lora_path
 
     @property
     def cache_salt(self) -> str | None:
