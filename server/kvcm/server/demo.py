@@ -138,7 +138,7 @@ def simulate(options: DemoOptions) -> DemoReport:
         manager.new_step_starts()
         budget = options.token_budget
         budget = _schedule_running(manager, running, waiting, budget, report)
-        _admit_waiting(manager, running, waiting, budget, report, options)
+        _admit_waiting(manager, running, waiting, budget, report, max_running=options.max_running)
         if not running and waiting:
             # Nothing runs and the head request does not fit an empty pool: it never will.
             # A real scheduler rejects it; looping would never end.
@@ -190,10 +190,11 @@ def _admit_waiting(
     waiting: deque[_Job],
     budget: int,
     report: DemoReport,
-    options: DemoOptions,
+    *,
+    max_running: int,
 ) -> None:
     """Admit waiting requests in order while the budget and the pool allow."""
-    while waiting and budget > 0 and len(running) < options.max_running:
+    while waiting and budget > 0 and len(running) < max_running:
         job = waiting[0]
         request = job.request
         hit = manager.get_computed_blocks(request)
