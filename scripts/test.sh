@@ -29,6 +29,10 @@ if [ -z "${KVCM_VLLM_SITE:-}" ]; then
   fi
 fi
 
+# Prometheus (server + promtool) for the end-to-end metrics test and the deploy/ checks.
+# Installs Debian's package where missing; fails soft (those tests then skip and say why).
+bash scripts/install-prometheus.sh
+
 echo "== ruff" >&2
 ruff check .
 ruff format --check .
