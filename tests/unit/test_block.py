@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvcm.common.errors import FailedPreconditionError
@@ -25,7 +27,8 @@ def test_block_defaults_slots_and_repr() -> None:
     block.block_hash = b"k"  # type: ignore[assignment]
     block.block_hash_num_tokens = 16
     block.reset_hash()
-    assert (block.block_hash, block.block_hash_num_tokens) == (None, None)
+    assert block.block_hash is None
+    assert block.block_hash_num_tokens is None
     _, queue = make(3)
     text = repr(queue.get_all_free_blocks()[1])
     assert "prev_free_block=0" in text
@@ -93,7 +96,7 @@ def test_append_prepend_batches_keep_order() -> None:
     assert queue.num_free_blocks == 7
     # Links agree in both directions.
     walk = queue.get_all_free_blocks()
-    for left, right in zip(walk, walk[1:], strict=False):
+    for left, right in itertools.pairwise(walk):
         assert left.next_free_block is right
         assert right.prev_free_block is left
     del blocks

@@ -87,7 +87,7 @@ def test_equal_events_hash_alike() -> None:
 
 def test_keyword_only_and_batch() -> None:
     with pytest.raises(TypeError):
-        BlockRemoved([1], MEDIUM_GPU)  # type: ignore[misc]
+        BlockRemoved([1], MEDIUM_GPU)  # type: ignore[call-arg]
     events: list[KVCacheEvent] = [stored(), AllBlocksCleared()]
     batch = KVEventBatch(ts=1.5, events=events)
     assert batch.data_parallel_rank is None
