@@ -345,6 +345,10 @@ class HashableRequest(Protocol):
         """LoRA adapter name, if any."""
 
     @property
+    def lora_path(self) -> str | None:
+        """LoRA adapter path, if any (vLLM keys an adapter by name and path)."""
+
+    @property
     def cache_salt(self) -> str | None:
         """Per-tenant salt, if any."""
 
@@ -379,7 +383,7 @@ class _KeySource:
     @classmethod
     def of(cls, request: HashableRequest) -> _KeySource:
         return cls(
-            _lora_key(request.lora_name, _request_lora_path(request)),
+            _lora_key(request.lora_name, request.lora_path),
             request.mm_features,
             request.cache_salt,
             _prompt_embeds(request.prompt_embeds),
@@ -401,13 +405,6 @@ def _prompt_embeds(value: object) -> PromptEmbeds | None:
     raise InvalidArgumentError(
         f"prompt_embeds must be a PromptEmbeds or None, got {type(value).__name__}"
     )
-
-
-def _request_lora_path(request: object) -> str | None:
-    # NOTE: kvcm's Request does not carry the adapter path yet; until it does, LoRA keys use
-    # the empty path (see _lora_key).
-    path = getattr(request, "lora_path", None)
-    return path if isinstance(path, str) else None
 
 
 # --------------------------------------------------------------------------- extra keys
