@@ -140,6 +140,7 @@ class _Live:
 
     # HashableRequest
     lora_name: str | None = None
+    lora_path: str | None = None
     cache_salt: str | None = None
     prompt_embeds: object | None = None
 
