@@ -7,12 +7,17 @@ import itertools
 import pytest
 
 from kvcm.common.errors import FailedPreconditionError
+from kvcm.common.hashing import BlockHashWithGroupId
 from kvcm.server.core.block import FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def make(n: int) -> tuple[list[KVCacheBlock], FreeKVCacheBlockQueue]:
     blocks = [KVCacheBlock(i) for i in range(n)]
     return blocks, FreeKVCacheBlockQueue(blocks)
+
+
+def hash_state(block: KVCacheBlock) -> tuple[object, object]:
+    return block.block_hash, block.block_hash_num_tokens
 
 
 def ids(blocks: list[KVCacheBlock]) -> list[int]:
@@ -24,11 +29,10 @@ def test_block_defaults_slots_and_repr() -> None:
     assert (block.block_id, block.ref_cnt, block.block_hash, block.is_null) == (7, 0, None, False)
     with pytest.raises(AttributeError):
         block.unknown = 1  # type: ignore[attr-defined]
-    block.block_hash = b"k"  # type: ignore[assignment]
+    block.block_hash = BlockHashWithGroupId(b"k")
     block.block_hash_num_tokens = 16
     block.reset_hash()
-    assert block.block_hash is None
-    assert block.block_hash_num_tokens is None
+    assert hash_state(block) == (None, None)
     _, queue = make(3)
     text = repr(queue.get_all_free_blocks()[1])
     assert "prev_free_block=0" in text
