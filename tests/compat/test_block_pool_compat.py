@@ -198,9 +198,8 @@ class _Harness:
         # The prompt's last hash boundary inside a larger block, as the full-attention
         # manager registers it; sometimes a random boundary or a forced replacement.
         request = live.request
-        boundary = min(
-            (request.num_prompt_tokens - 1) // HASH_BLOCK_SIZE, len(request.block_hashes)
-        )
+        num_hashes = len(request.block_hashes)
+        boundary = min((request.num_prompt_tokens - 1) // HASH_BLOCK_SIZE, num_hashes)
         if self.rng.random() < 0.3:
             boundary = self.rng.randint(0, num_hashes)
         num_tokens = boundary * HASH_BLOCK_SIZE
