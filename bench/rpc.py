@@ -135,6 +135,7 @@ class _Running:
     __slots__ = ("all_token_ids", "block_hashes", "key", "num_computed_tokens")
 
     lora_name = None
+    lora_path = None
     cache_salt = None
     prompt_embeds = None
     mm_features: tuple[MultiModalFeature, ...] = ()
