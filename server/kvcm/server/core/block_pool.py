@@ -63,6 +63,16 @@ def _group_suffix(group_id: int) -> bytes:
     return make_block_hash_with_group_id(BlockHash(b""), group_id)
 
 
+def _has_no_extra_keys(request: Request) -> bool:
+    # No block of the request carries extra keys (see kvcm.common.hashing's key rules).
+    return (
+        not request.lora_name
+        and not request.cache_salt
+        and not request.mm_features
+        and request.prompt_embeds is None
+    )
+
+
 class BlockPool:
     """All blocks of one pool: allocation, release, prefix caching and KV events.
 
@@ -652,19 +662,22 @@ class BlockPool:
             if num_cached_blocks == 0
             else external_block_hash(request.block_hashes[num_cached_blocks * scale - 1])
         )
-        extra_keys: list[tuple[Any, ...] | None] = []
         lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
-        mm_idx = 0
-        for i in range(num_cached_blocks, num_full_blocks):
-            if blocks[i].is_null or (
-                block_mask is not None and not block_mask[i - num_cached_blocks]
-            ):
-                continue
-            start = i * block_size
-            keys, mm_idx = self._extra_keys(request, start, start + block_size, mm_idx)
-            extra_keys.append(keys)
-            if lookahead is not None:
-                lookahead.append(self._lookahead_ids(request, start + block_size))
+        extra_keys: list[tuple[Any, ...] | None]
+        if lookahead is None and _has_no_extra_keys(request):
+            # Most requests: no LoRA, salt, multi-modal items or embeddings, so every stored
+            # block's keys are None; skip the per-block key generation.
+            extra_keys = [None] * len(stored)
+        else:
+            extra_keys = self._stored_extra_keys(
+                request,
+                blocks,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                block_mask,
+                lookahead,
+            )
         return BlockStored(
             block_hashes=[external_block_hash(h) for h in stored],
             parent_block_hash=parent,
@@ -680,6 +693,31 @@ class BlockPool:
             session_id=request.session_id,
             lookahead_token_ids=lookahead,
         )
+
+    def _stored_extra_keys(  # noqa: PLR0917 (mirrors cache_full_blocks)
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        block_mask: Sequence[bool] | None,
+        lookahead: list[list[int]] | None,
+    ) -> list[tuple[Any, ...] | None]:
+        # One entry per stored block (and its lookahead tokens, if on), skipping as caching did.
+        extra_keys: list[tuple[Any, ...] | None] = []
+        mm_idx = 0
+        for i in range(num_cached_blocks, num_full_blocks):
+            if blocks[i].is_null or (
+                block_mask is not None and not block_mask[i - num_cached_blocks]
+            ):
+                continue
+            start = i * block_size
+            keys, mm_idx = self._extra_keys(request, start, start + block_size, mm_idx)
+            extra_keys.append(keys)
+            if lookahead is not None:
+                lookahead.append(self._lookahead_ids(request, start + block_size))
+        return extra_keys
 
     def _partial_block_stored_event(
         self, request: Request, num_hash_blocks: int, kv_cache_group_id: int
