@@ -453,12 +453,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 continue
             num_blocks = _cdiv(hit_length, group.manager.block_size)
             for group_id in group.group_ids:
-                blocks = hit_blocks[group_id]
-                if blocks is not None:
-                    del blocks[num_blocks:]
-        return PrefixHit(
-            tuple(blocks if blocks is not None else [] for blocks in hit_blocks), hit_length
-        )
+                kept = hit_blocks[group_id]
+                if kept is not None:
+                    del kept[num_blocks:]
+        return PrefixHit(tuple(kept or [] for kept in hit_blocks), hit_length)
 
 
 def _check_specs(config: CoordinatorConfig) -> None:
