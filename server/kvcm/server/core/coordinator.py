@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcm.common.errors import ConfigError
+from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -235,6 +235,28 @@ class KVCacheCoordinator:
         num_tokens = self.get_num_cacheable_tokens(num_computed_tokens)
         for manager in self._caching_managers:
             manager.cache_blocks(request, num_tokens)
+
+    def check_cacheable(self, request: Request, num_computed_tokens: int) -> None:
+        """Raise unless every caching group holds the blocks ``cache_blocks`` would cache.
+
+        Args:
+            request: The request.
+            num_computed_tokens: Tokens to cache, including those cached already.
+
+        Raises:
+            InvalidArgumentError: A group holds fewer blocks than the tokens need.
+        """
+        num_tokens = self.get_num_cacheable_tokens(num_computed_tokens)
+        num_hashed_tokens = len(request.block_hashes) * self.hash_block_size
+        num_tokens = min(num_tokens, num_hashed_tokens)
+        for manager in self._caching_managers:
+            blocks = manager.req_to_blocks.get(request.request_id, ())
+            if num_tokens // manager.block_size > len(blocks):
+                raise InvalidArgumentError(
+                    f"request {request.request_id!r}: cannot cache {num_computed_tokens} "
+                    f"tokens, group {manager.kv_cache_group_id} holds only {len(blocks)} "
+                    f"blocks of {manager.block_size}"
+                )
 
     # -------------------------------------------------------------------------- release
     def free(self, request_id: str) -> None:

@@ -24,20 +24,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, overload
 
-from kvcm.common.errors import ConfigError, InvalidArgumentError, NotFoundError
+from kvcm.common.errors import (
+    ConfigError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from kvcm.common.events import BlockStored
 from kvcm.common.specs import (
     AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
-    MLAAttentionSpec,
-    SinkFullAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -158,16 +157,31 @@ class KVCacheBlocks:
     def __repr__(self) -> str:
         return f"KVCacheBlocks({self.get_block_ids()!r})"
 
-    def get_block_ids(self, group_ids: Sequence[int] | None = None) -> tuple[list[int], ...]:
-        """Block ids per group.
+    @overload
+    def get_block_ids(
+        self, allow_none: Literal[False] = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...]: ...
+
+    @overload
+    def get_block_ids(
+        self, allow_none: bool, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None: ...
+
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None:
+        """Block ids per group (vLLM's signature).
 
         Args:
+            allow_none: Answer ``None`` when every selected group is empty.
             group_ids: Groups to include; ``None``: all.
 
         Returns:
-            One list of block ids per selected group.
+            One list of block ids per selected group, or ``None`` (see ``allow_none``).
         """
         groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
+        if allow_none and not any(groups):
+            return None
         return tuple([block.block_id for block in group] for group in groups)
 
     def get_unhashed_block_ids(self) -> list[int]:
@@ -204,24 +218,6 @@ def _scheduler_spec(spec: KVCacheSpec) -> KVCacheSpec:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return next(iter(spec.kv_cache_specs.values()))
     return spec
-
-
-def _spec_kind(spec: KVCacheSpec) -> str:
-    # Subclasses before their bases, so MLA and sink keep their own kind.
-    kinds: tuple[tuple[type[KVCacheSpec], str], ...] = (
-        (MLAAttentionSpec, "mla_attention"),
-        (SinkFullAttentionSpec, "sink_full_attention"),
-        (FullAttentionSpec, "full_attention"),
-        (ChunkedLocalAttentionSpec, "chunked_local_attention"),
-        (SlidingWindowSpec, "sliding_window"),
-        (MambaSpec, "mamba"),
-        (EncoderOnlyAttentionSpec, "encoder_only_attention"),
-        (CrossAttentionSpec, "cross_attention"),
-    )
-    for spec_type, kind in kinds:
-        if isinstance(spec, spec_type):
-            return kind
-    return "unknown"
 
 
 def _needs_kv_cache_zeroing(specs: Sequence[KVCacheSpec]) -> bool:
@@ -323,7 +319,7 @@ class KVCacheManager:
         self.block_pool: BlockPool = self.coordinator.block_pool
         self.watermark_blocks = int(config.watermark * kv_cache_config.num_blocks)
         self._event_metadata = tuple(
-            (_spec_kind(spec), spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None)
+            (spec.kind, spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None)
             for spec in specs
         )
         self.prefix_cache_stats: PrefixCacheStats | None = (
@@ -578,6 +574,27 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"request {request.request_id!r} already holds blocks and cannot adopt a hit"
             )
+        if request.num_computed_tokens:
+            # Hits start at token 0: only a new (or preempted, hence reset) request adopts one.
+            raise InvalidArgumentError(
+                f"request {request.request_id!r} has num_computed_tokens "
+                f"{request.num_computed_tokens}; a hit is adopted only from token 0"
+            )
+        pool_blocks = self.block_pool.blocks
+        for group in blocks:
+            for block in group:
+                if block.is_null:
+                    continue
+                block_id = block.block_id
+                if not 0 < block_id < len(pool_blocks) or pool_blocks[block_id] is not block:
+                    raise InvalidArgumentError(f"hit block {block.block_id} is not this pool's")
+                if block.block_hash is None:
+                    # Evicted (and maybe reused) since the lookup: adopting it would share a
+                    # block that no longer holds this prefix.
+                    raise FailedPreconditionError(
+                        f"hit block {block.block_id} left the prefix cache after the lookup; "
+                        "look the request up again"
+                    )
         return blocks
 
     @staticmethod
@@ -754,6 +771,7 @@ class KVCacheManager:
                 f"num_computed_tokens must be >= 0, got {num_computed_tokens}"
             )
         if self.enable_caching:
+            self.coordinator.check_cacheable(request, num_computed_tokens)
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def take_new_block_ids(self) -> list[int]:

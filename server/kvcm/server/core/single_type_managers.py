@@ -507,6 +507,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         )
         assert isinstance(kv_cache_spec, SlidingWindowSpec)
         self.sliding_window: int = kv_cache_spec.sliding_window
+        # Tokens kept below the window (never read) for multi-token speculative re-prefill.
+        self.extra_retained_tokens: int = kv_cache_spec.extra_retained_tokens
         # Contiguous cached blocks that make a hit: the window before the next token.
         self.contiguous_blocks_for_hit = _cdiv(self.sliding_window - 1, self.block_size)
         self._mask_period = self._cache_mask_period()
@@ -528,8 +530,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return True
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Tokens before the window of the next token: ``computed - window + 1``."""
-        return max(0, num_computed_tokens - self.sliding_window + 1)
+        """Tokens before the window of the next token (and its extra retained tail)."""
+        return max(0, num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens)
 
     def _block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
         period = self._mask_period
@@ -747,20 +749,11 @@ def manager_class_for_spec(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCache
 
 def _max_admission_blocks(kv_cache_spec: KVCacheSpec, options: ManagerOptions) -> int | None:
     # Recycling types cap the full-sequence admission reservation at what they can hold at
-    # once: the window (or chunk) plus the tokens in flight.
-    if isinstance(kv_cache_spec, SlidingWindowSpec):
-        num_tokens = min(
-            kv_cache_spec.sliding_window - 1 + options.max_in_flight_tokens,
-            options.max_model_len,
+    # once (the spec's own bound, which also sizes the pool).
+    if isinstance(kv_cache_spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+        return kv_cache_spec.max_admission_blocks_per_request(
+            options.max_in_flight_tokens, options.max_model_len
         )
-        # +1: the window need not start at a block boundary.
-        return _cdiv(num_tokens, kv_cache_spec.block_size) + 1
-    if isinstance(kv_cache_spec, ChunkedLocalAttentionSpec):
-        num_tokens = min(
-            kv_cache_spec.attention_chunk_size + options.max_in_flight_tokens,
-            options.max_model_len,
-        )
-        return _cdiv(num_tokens, kv_cache_spec.block_size)
     return None
 
 
