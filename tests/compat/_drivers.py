@@ -36,6 +36,7 @@ class GroupDesc:
         window: Sliding window or attention chunk size (SWA, chunked local), sink length.
         dtype: Attention dtype name (mixed dtypes make workers zero new blocks).
         num_speculative_blocks: Mamba speculative state blocks.
+        extra_retained_tokens: Sliding-window tokens kept below the window.
     """
 
     kind: str
@@ -43,6 +44,7 @@ class GroupDesc:
     window: int = 0
     dtype: str = "float16"
     num_speculative_blocks: int = 0
+    extra_retained_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,9 @@ class VllmSide:
         if g.kind == SINK:
             return kci.SinkFullAttentionSpec(**attn, sink_len=g.window)
         if g.kind == SWA:
-            return kci.SlidingWindowSpec(**attn, sliding_window=g.window)
+            return kci.SlidingWindowSpec(
+                **attn, sliding_window=g.window, extra_retained_tokens=g.extra_retained_tokens
+            )
         if g.kind == CHUNKED:
             return kci.ChunkedLocalAttentionSpec(**attn, attention_chunk_size=g.window)
         if g.kind == CROSS:
@@ -458,7 +462,9 @@ class KvcmSide:
         if g.kind == SINK:
             return specs.SinkFullAttentionSpec(**attn, sink_len=g.window)
         if g.kind == SWA:
-            return specs.SlidingWindowSpec(**attn, sliding_window=g.window)
+            return specs.SlidingWindowSpec(
+                **attn, sliding_window=g.window, extra_retained_tokens=g.extra_retained_tokens
+            )
         if g.kind == CHUNKED:
             return specs.ChunkedLocalAttentionSpec(**attn, attention_chunk_size=g.window)
         if g.kind == CROSS:

@@ -76,6 +76,16 @@ SCENARIOS = [
         Knobs(max_running=8, token_budgets=(8, 32), in_flight=0.5, evict=0.1, max_drafts=2),
     ),
     Scenario(
+        "swa-extra-retained-in-flight-cap",
+        Layout(
+            (_g(SWA, 4, 9, extra_retained_tokens=3),),
+            num_blocks=24,
+            max_model_len=96,
+            max_in_flight_tokens=12,
+        ),
+        Knobs(full_sequence_must_fit=0.6, in_flight=0.4, max_drafts=2, max_lookahead=1),
+    ),
+    Scenario(
         "hybrid-full8-swa4",
         Layout((_g(FULL, 8), _g(SWA, 4, 12)), num_blocks=80, max_model_len=160),
         _BUSY,
