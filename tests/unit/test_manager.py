@@ -8,7 +8,12 @@ import pytest
 
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
-from kvcm.common.errors import ConfigError, InvalidArgumentError, NotFoundError
+from kvcm.common.errors import (
+    ConfigError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from kvcm.common.hashing import BlockHasher
 from kvcm.common.specs import (
     CrossAttentionSpec,
@@ -558,6 +563,85 @@ def test_bad_input_raises_before_any_change() -> None:
         manager.allocate_slots(other, 2, CacheHit(KVCacheBlocks(((), ())), 8))
     assert snapshot(manager, "0") == before
     assert not manager.holds_blocks("1")
+
+
+def test_stale_or_foreign_hits_are_rejected_before_any_change() -> None:
+    manager = make_manager(num_blocks=20)
+    first = make_request(manager, "0", range(10))
+    admit(manager, first)
+    manager.free(first)
+    late = make_request(manager, "1", range(10))
+    stale = manager.get_computed_blocks(late)
+    assert stale.num_computed_tokens == 8
+    admit(manager, make_request(manager, "2", range(10)))
+    resumed = make_request(manager, "3", range(10))
+    fresh = manager.get_computed_blocks(resumed)
+    resumed.num_computed_tokens = 4
+    other = make_manager(num_blocks=20)
+    admit(other, make_request(other, "x", range(10)))
+    foreign = other.get_computed_blocks(make_request(other, "y", range(10)))
+    manager.evict_blocks(stale.blocks.get_block_ids()[0])
+    before = snapshot(manager, "2")
+    with pytest.raises(FailedPreconditionError, match="left the prefix cache"):
+        manager.allocate_slots(late, 2, stale)
+    with pytest.raises(InvalidArgumentError, match="not this pool's"):
+        manager.allocate_slots(late, 2, foreign)
+    with pytest.raises(InvalidArgumentError, match="from token 0"):
+        manager.allocate_slots(resumed, 2, fresh)
+    assert snapshot(manager, "2") == before
+    assert not manager.holds_blocks("1")
+    assert not manager.holds_blocks("3")
+
+
+def test_cache_blocks_beyond_the_held_blocks_is_rejected() -> None:
+    manager = make_manager([full(), swa()], num_blocks=40)
+    req = make_request(manager, "0", range(20))
+    assert manager.allocate_slots(req, 8, manager.get_computed_blocks(req)) is not None
+    before = (free_queue(manager), manager.block_pool.cached_block_ids())
+    with pytest.raises(InvalidArgumentError, match="holds only 2 blocks"):
+        manager.cache_blocks(req, 16)
+    assert (free_queue(manager), manager.block_pool.cached_block_ids()) == before
+    manager.cache_blocks(req, 8)
+
+
+def test_block_ids_take_vllms_arguments() -> None:
+    manager = make_manager([full(), swa()], num_blocks=20)
+    assert manager.empty_kv_cache_blocks.get_block_ids(allow_none=True) is None
+    assert manager.empty_kv_cache_blocks.get_block_ids() == ([], [])
+    req = make_request(manager, "0", range(6))
+    blocks = manager.allocate_slots(req, 6)
+    assert blocks is not None
+    assert blocks.get_block_ids(True) == ([1, 2], [3, 4])
+    assert blocks.get_block_ids(group_ids=[1]) == ([3, 4],)
+
+
+def test_sliding_window_extra_retained_tokens_delay_frees() -> None:
+    spec = SlidingWindowSpec(
+        block_size=4,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=DType.FLOAT16,
+        sliding_window=4,
+        extra_retained_tokens=4,
+    )
+    manager = make_manager([spec], num_blocks=20)
+    req = make_request(manager, "0", range(16))
+    admit(manager, req)
+    # 16 computed: the window needs tokens 13..15, the extra tail 9..12: block 2 stays.
+    manager.remove_skipped_blocks("0", 16)
+    assert manager.get_block_ids("0") == ([0, 0, 3, 4],)
+
+
+def test_event_blocks_are_annotated_with_the_group_kind() -> None:
+    manager = make_manager([full(), swa()], num_blocks=20, events=True)
+    admit(manager, make_request(manager, "0", range(9)))
+    stored = [e for e in manager.take_events() if type(e).__name__ == "BlockStored"]
+    assert [
+        (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored
+    ] == [
+        (0, "full_attention", None),
+        (1, "sliding_window", 8),
+    ]
 
 
 def test_config_errors() -> None:

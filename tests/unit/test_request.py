@@ -47,6 +47,7 @@ def test_block_hashes_follow_full_blocks() -> None:
         ({"request_id": "r", "prompt_token_ids": [1, -2]}, r"prompt_token_ids\[1\]"),
         ({"request_id": "r", "prompt_token_ids": [True]}, r"prompt_token_ids\[0\]"),
         ({"request_id": "r", "prompt_token_ids": [1], "lora_id": -1}, "lora_id"),
+        ({"request_id": "r", "prompt_token_ids": [1], "lora_path": 3}, "lora_path"),
         ({"request_id": "r", "prompt_token_ids": [1], "status": 3}, "status"),
     ],
 )
@@ -69,3 +70,14 @@ def test_status_enum() -> None:
     assert str(RequestStatus.RUNNING) == "RUNNING"
     request = Request("r", [1], status=RequestStatus.FINISHED_STOPPED)
     assert request.is_finished
+
+
+def test_lora_path_is_hashed_with_the_name() -> None:
+    hasher = BlockHasher(4)
+    tokens = range(8)
+    a = Request("a", tokens, block_hasher=hasher, lora_name="x", lora_path="/w/1")
+    b = Request("b", tokens, block_hasher=hasher, lora_name="x", lora_path="/w/2")
+    c = Request("c", tokens, block_hasher=hasher, lora_name="x", lora_path="/w/1")
+    assert a.lora_path == "/w/1"
+    assert a.block_hashes != b.block_hashes
+    assert a.block_hashes == c.block_hashes
