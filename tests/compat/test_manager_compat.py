@@ -45,7 +45,14 @@ _BUSY = Knobs(
     max_hit_len=0.1,
 )
 _PLAIN = Knobs(evict=0.05, drain_and_reset=0.03, max_drafts=1)
-_NO_CACHE = Knobs(max_drafts=2, max_lookahead=2, full_sequence_must_fit=0.3, in_flight=0.3)
+_NO_CACHE = Knobs(
+    max_drafts=2,
+    max_lookahead=2,
+    full_sequence_must_fit=0.3,
+    in_flight=0.3,
+    external=0.2,
+    max_reserved_blocks=2,
+)
 
 
 def _g(kind: str, block_size: int, window: int = 0, **kw: Any) -> GroupDesc:
@@ -138,7 +145,7 @@ SCENARIOS = [
     Scenario(
         "no-cache-cross-attention",
         Layout((_g(FULL, 4), _g(CROSS, 4)), num_blocks=48, max_model_len=96, enable_caching=False),
-        Knobs(encoder_tokens=20, max_drafts=1, full_sequence_must_fit=0.3),
+        Knobs(encoder_tokens=20, max_drafts=1, full_sequence_must_fit=0.3, external=0.2),
     ),
 ]
 
