@@ -22,6 +22,8 @@ from typing import Any
 
 from _drivers import CROSS, Layout, RequestSpec, Snapshot, normalise_events
 
+from kvcm.common.errors import KVCMError
+
 
 @dataclass(frozen=True)
 class Knobs:
@@ -110,6 +112,20 @@ class Pair:
         if theirs is None:
             self.tally.not_fit += 1
         return theirs
+
+    def both_raise(self, op: str, *args: Any) -> None:
+        """Call ``op`` on both sides; both must reject it (their state is compared later)."""
+        raised = []
+        for side in (self.ref, self.ours):
+            try:
+                getattr(side, op)(*args)
+            except (ValueError, AssertionError, KVCMError):
+                raised.append(True)
+            else:
+                raised.append(False)
+        self._count(f"{op} (rejected)")
+        if raised != [True, True]:
+            raise MismatchError(f"{self.where}: {op}{args!r}: raised (vLLM, kvcm) = {raised}")
 
     def events(self) -> None:
         """Drain and compare the events (hashes in vLLM's external int form)."""
@@ -462,6 +478,9 @@ class Workload:
         if holders and rng.random() < k.remove_skipped:
             rid = rng.choice(holders)
             self.p.call("remove_skipped_blocks", rid, rng.randint(0, self.reqs[rid].num_computed))
+        if holders and rng.random() < 0.05:
+            # Nothing to compute and nothing to adopt: both managers refuse, unchanged.
+            self.p.both_raise("allocate_slots", rng.choice(holders), 0, False)
         if holders and rng.random() < k.common_prefix:
             self.p.call("num_common_prefix_blocks", rng.choice(holders))
         for rid in holders:
