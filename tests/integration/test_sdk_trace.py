@@ -278,7 +278,7 @@ def test_trace_through_step_equals_in_process_core(
     client: SchedulerClient, layout: str, hash_algorithm: str
 ) -> None:
     pool_id = f"trace-{layout}-{hash_algorithm}".replace("_", "-")
-    kv_cache_config = LAYOUTS[layout](num_blocks=600)
+    kv_cache_config = LAYOUTS[layout](num_blocks=400)
     client.create_pool(
         pool_id,
         PoolConfig(

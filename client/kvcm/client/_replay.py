@@ -221,6 +221,7 @@ class ReplayScheduler:
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
         self._to_finish: list[_Live] = []
+        self._carry: StepBuilder | None = None
         self._free_keys: list[int] = []
         self._next_key = 0
         self.stats = ReplayStats()
@@ -228,7 +229,9 @@ class ReplayScheduler:
     @property
     def done(self) -> bool:
         """Whether every request finished."""
-        return not (self._arrivals or self._waiting or self._running or self._to_finish)
+        return not (
+            self._arrivals or self._waiting or self._running or self._to_finish or self._carry
+        )
 
     def run(self, max_steps: int = 100_000) -> ReplayStats:
         """Run steps until the trace is done (or ``max_steps``)."""
@@ -243,14 +246,21 @@ class ReplayScheduler:
             trace = self._arrivals.popleft()
             key = self._free_keys.pop() if self._free_keys else self._take_key()
             self._waiting.append(_Live(trace, key))
-        builder = StepBuilder()
+        # A preemption that ended the last step's running loop rides on this step's Step.
+        builder, self._carry = self._carry or StepBuilder(), None
         for live in self._to_finish:
             builder.finish(live.key)
             self._free_keys.append(live.key)
         self._to_finish.clear()
         builder.new_step_starts()
-        budget = self._schedule_running(builder)
-        if budget > 0 and self._waiting and len(self._running) < self._max_running:
+        budget, preempted = self._schedule_running(builder)
+        # As vLLM: no admissions in a step that had to preempt.
+        if (
+            not preempted
+            and budget > 0
+            and self._waiting
+            and len(self._running) < self._max_running
+        ):
             self._schedule_waiting(budget)
         for live in list(self._running):
             self._sample(live)
@@ -294,10 +304,12 @@ class ReplayScheduler:
         live.num_tokens_sent = live.num_tokens
         live.num_hashes_sent = len(live.block_hashes)
 
-    def _schedule_running(self, builder: StepBuilder) -> int:
-        """Allocate for the running requests; returns the token budget left."""
+    def _schedule_running(self, builder: StepBuilder) -> tuple[int, bool]:
+        """Allocate for the running requests; returns the budget left and whether any request
+        was preempted."""
         budget = self._max_tokens
         pending = list(self._running)
+        preempted = False
         while True:
             planned: list[tuple[_Live, int, int | None]] = []  # (request, tokens, append op)
             for live in pending:
@@ -311,7 +323,7 @@ class ReplayScheduler:
             result = self._send(builder)
             failed = self._settle_running(planned, result)
             if failed is None:
-                return budget
+                return budget, preempted
             # The failed allocation and the ones after it did not take: give their budget back,
             # preempt the last running request, and retry the rest in one more Step.
             index_failed = next(i for i, (live, _, _) in enumerate(planned) if live is failed)
@@ -320,8 +332,10 @@ class ReplayScheduler:
             builder = StepBuilder()
             builder.preempt(victim.key)
             self._preempted(victim)
+            preempted = True
             if victim is failed:
-                return budget
+                self._carry = builder  # nothing left to allocate: send it with the next Step
+                return budget, preempted
             pending = [live for live, _, _ in planned[index_failed:] if live is not victim]
 
     def _settle_running(
