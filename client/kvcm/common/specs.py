@@ -64,6 +64,15 @@ def _check_optional_int(owner: object, name: str, value: object, *, minimum: int
         _check_int(owner, name, value, minimum=minimum)
 
 
+def _check_padding(owner: object, padded: int | None, real: int) -> None:
+    _check_optional_int(owner, "page_size_padded", padded)
+    if padded is not None and padded < real:
+        raise InvalidArgumentError(
+            f"{type(owner).__name__}.page_size_padded ({padded}) is smaller than the page it "
+            f"pads ({real} bytes)"
+        )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SizingLimits:
     """The engine limits that bound how much KV cache one request can hold.
@@ -182,12 +191,7 @@ class AttentionSpec(KVCacheSpec):
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
         _check_int(self, "head_size_v", self.head_size_v, minimum=0)
-        _check_optional_int(self, "page_size_padded", self.page_size_padded)
-        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
-            raise InvalidArgumentError(
-                f"{type(self).__name__}.page_size_padded ({self.page_size_padded}) is smaller "
-                f"than the page it pads ({self.real_page_size_bytes} bytes)"
-            )
+        _check_padding(self, self.page_size_padded, self.real_page_size_bytes)
 
     @property
     def real_page_size_bytes(self) -> int:
@@ -496,12 +500,7 @@ class MambaSpec(KVCacheSpec):
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", dtypes)
         _check_int(self, "num_speculative_blocks", self.num_speculative_blocks, minimum=0)
-        _check_optional_int(self, "page_size_padded", self.page_size_padded)
-        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
-            raise InvalidArgumentError(
-                f"MambaSpec.page_size_padded ({self.page_size_padded}) is smaller than the "
-                f"page it pads ({self.real_page_size_bytes} bytes)"
-            )
+        _check_padding(self, self.page_size_padded, self.real_page_size_bytes)
 
     @property
     def real_page_size_bytes(self) -> int:
