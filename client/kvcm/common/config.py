@@ -7,18 +7,146 @@ config handed to many ranks cannot be changed by one of them.
 
 from __future__ import annotations
 
+import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcm.common.errors import InvalidArgumentError
-from kvcm.common.specs import KVCacheSpec
+from kvcm.common.errors import ConfigError, InvalidArgumentError
+from kvcm.common.specs import AttentionSpec, KVCacheSpec, MambaSpec
 
-__all__ = ["KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor"]
+__all__ = [
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheLayout",
+    "KVCacheTensor",
+    "compute_layout_strides",
+    "page_shape",
+]
 
 
 def _check_nonnegative(owner: str, name: str, value: object) -> None:
     if type(value) is not int or value < 0:
         raise InvalidArgumentError(f"{owner}.{name} must be a non-negative int, got {value!r}")
+
+
+# Logical axes of a placed page set: layer, block, head, state (token), content bytes.
+_DIM_L, _DIM_B = 0, 1
+
+
+@enum.unique
+class KVCacheLayout(enum.Enum):
+    """The physical order of the logical ``[L, B, H, N, C]`` axes of a worker's KV cache.
+
+    Each value lists the logical axes from outermost to innermost in memory (vLLM 0.33's
+    ``KVCacheLayout``). ``LBNHC`` is vLLM's default preference.
+    """
+
+    LBHNC = (0, 1, 2, 3, 4)
+    LBNHC = (0, 1, 3, 2, 4)
+    LHBNC = (0, 2, 1, 3, 4)
+    BLHNC = (1, 0, 2, 3, 4)
+    BLNHC = (1, 0, 3, 2, 4)
+    BHLNC = (1, 2, 0, 3, 4)
+
+    @property
+    def stride_order(self) -> tuple[int, ...]:
+        """Logical axes, outermost first in memory."""
+        return self.value
+
+    @property
+    def is_layer_compact(self) -> bool:
+        """Whether the layer axis is outermost (each layer owns one region)."""
+        return self.stride_order[0] == _DIM_L
+
+    @property
+    def is_block_outermost(self) -> bool:
+        """Whether the block axis is outermost (a block holds every layer's page)."""
+        return self.stride_order[0] == _DIM_B
+
+    @property
+    def is_block_compact(self) -> bool:
+        """Whether each page is one contiguous run (layer and block axes outermost)."""
+        return set(self.stride_order[:2]) == {_DIM_L, _DIM_B}
+
+    @classmethod
+    def parse(cls, value: KVCacheLayout | str, field: str = "kv_cache_layout") -> KVCacheLayout:
+        """Accept a layout or its name (``"LBNHC"``).
+
+        Raises:
+            InvalidArgumentError: ``value`` names no layout; the message names ``field``.
+        """
+        if isinstance(value, KVCacheLayout):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        known = ", ".join(cls.__members__)
+        raise InvalidArgumentError(f"{field}: unknown KV-cache layout {value!r} (known: {known})")
+
+
+def page_shape(spec: KVCacheSpec) -> tuple[int, int, int]:
+    """``(H, N, C)`` of one page: heads, states (tokens) and content bytes per cell."""
+    if isinstance(spec, AttentionSpec):
+        head_size_v = spec.head_size if spec.head_size_v is None else spec.head_size_v
+        return (
+            spec.num_kv_heads,
+            spec.block_size,
+            (spec.head_size + head_size_v) * (spec.dtype.itemsize),
+        )
+    if isinstance(spec, MambaSpec):
+        return 1, 1, spec.real_page_size_bytes
+    raise ConfigError(f"{type(spec).__name__} has no per-layer page shape")
+
+
+def compute_layout_strides(
+    spec: KVCacheSpec,
+    num_blocks: int,
+    num_layers: int,
+    layout: KVCacheLayout,
+    block_stride: int | None = None,
+    layer_stride: int | None = None,
+) -> tuple[int, int, int, int, int]:
+    """Byte strides of the logical ``[L, B, H, N, C]`` axes of a set of same-spec layers.
+
+    Axes are laid out innermost first in ``layout``'s order; a padded page widens the stride
+    of the innermost page-grid axis (layer or block) to the padded size.
+
+    Args:
+        spec: The layers' (per-layer) spec.
+        num_blocks: Blocks in the pool.
+        num_layers: Layers placed together.
+        layout: The physical axis order.
+        block_stride: A fixed block stride (block-outermost layouts), or ``None``.
+        layer_stride: A fixed layer stride (a placed tensor's), or ``None``.
+
+    Returns:
+        ``(layer, block, head, state, content)`` strides in bytes.
+
+    Raises:
+        ConfigError: The layout cannot pad this spec's page (heads between the page-grid axes).
+    """
+    heads, states, content = page_shape(spec)
+    shape = (num_layers, num_blocks, heads, states, content)
+    order = layout.stride_order
+    padded = spec.page_size_padded if isinstance(spec, AttentionSpec | MambaSpec) else None
+    grid_end = max(order.index(_DIM_L), order.index(_DIM_B)) + 1
+    if padded is not None and math.prod(shape[d] for d in order[:grid_end]) != (
+        num_layers * num_blocks
+    ):
+        raise ConfigError(
+            f"kv_cache_layout {layout.name} cannot pad a page of {heads} heads "
+            f"({type(spec).__name__}.page_size_padded={padded})"
+        )
+    fixed = (layer_stride, block_stride, None, None, None)
+    strides = [0] * 5
+    current = 1
+    for position in range(4, -1, -1):
+        dim = order[position]
+        if padded is not None and position == grid_end - 1:
+            current = max(current, padded)
+        strides[dim] = fixed[dim] or current
+        current = strides[dim] * shape[dim]
+    return strides[0], strides[1], strides[2], strides[3], strides[4]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +208,16 @@ class KVCacheConfig:
         num_blocks: Blocks in the pool (the null block included).
         kv_cache_tensors: Backing allocations and their layers' placement.
         kv_cache_groups: Groups of layers sharing a block table, in group-id order.
+        kv_cache_layout: The physical axis order the tensors' strides were planned for.
     """
 
     num_blocks: int
     kv_cache_tensors: Sequence[KVCacheTensor]
     kv_cache_groups: Sequence[KVCacheGroupSpec]
+    kv_cache_layout: KVCacheLayout = KVCacheLayout.LBNHC
 
     def __post_init__(self) -> None:
         _check_nonnegative("KVCacheConfig", "num_blocks", self.num_blocks)
+        object.__setattr__(self, "kv_cache_layout", KVCacheLayout.parse(self.kv_cache_layout))
         object.__setattr__(self, "kv_cache_tensors", tuple(self.kv_cache_tensors))
         object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))

@@ -1,0 +1,923 @@
+"""KV-cache planning: from each rank's layer specs to one KVCacheConfig per rank.
+
+The decisions are vLLM 0.33's (``vllm/v1/core/kv_cache_planning.py``, non-DCP, non-HiSparse,
+Mamba "none" mode); the code is kvcm's. The flow, for ``world_size`` ranks::
+
+    rank specs ──merge──> model specs ──group──> global groups (layers sharing a block table)
+                                                     │ project onto each rank's layers
+                                                     v
+    per rank: bytes per block ── null block reserved ── fit check / auto-fit max_model_len
+                                                     │ num_blocks = memory // bytes per block
+                                                     v
+    every rank re-planned with the minimum block count ──> UnifiedPlan (RankPlan per rank)
+
+Grouping, in the order vLLM tries it:
+
+1. Hybrid manager disabled: sliding-window and chunked-local layers next to full attention
+   are promoted to full attention (``unify_hybrid_kv_cache_specs``).
+2. Every layer's spec merges into one: one group.
+3. Every layer needs the same token slots (``UniformTypeKVCacheSpecs``): one group whose
+   block is the sum of its layers' pages.
+4. Otherwise (hybrid): page sizes are unified (block size scaled up, or the page padded),
+   layers are bucketed by mergeable spec, and buckets are cut into groups of equal layer
+   count, layer ``i`` of a bucket going to group ``i % num_groups`` (strided), the last
+   group of a bucket padded.
+
+Everything here is pure and deterministic; bad input raises
+:class:`~kvcm.common.errors.ConfigError` naming the layer or field, and nothing half-built is
+returned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from kvcm.common.config import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheLayout,
+    KVCacheTensor,
+    compute_layout_strides,
+)
+from kvcm.common.errors import ConfigError, InvalidArgumentError
+from kvcm.common.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SizingLimits,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+__all__ = [
+    "GiB_BYTES",
+    "KVCacheCapacity",
+    "PlanningOptions",
+    "RankPlan",
+    "UnifiedPlan",
+    "check_enough_kv_cache_memory",
+    "compute_layout_strides",
+    "estimate_max_model_len",
+    "get_kv_cache_capacity",
+    "get_kv_cache_config_from_groups",
+    "get_kv_cache_groups",
+    "layer_spec",
+    "max_memory_usage_bytes",
+    "merge_rank_specs",
+    "plan_kv_cache",
+    "pool_bytes_per_block",
+    "project_groups_to_rank",
+    "resolve_kv_cache_block_sizes",
+    "scheduler_kv_cache_config",
+    "unify_hybrid_kv_cache_specs",
+    "unify_kv_cache_spec_page_size",
+]
+
+GiB_BYTES = 1 << 30
+"""Bytes in a GiB (the unit of vLLM's memory messages)."""
+
+_WINDOW_MISMATCH = "must have the same window size"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def _format_gib(num_bytes: int) -> str:
+    return f"{round(num_bytes / GiB_BYTES, 2)}"
+
+
+# ----------------------------------------------------------------------------- options
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanningOptions:
+    """The engine settings planning depends on.
+
+    Attributes:
+        max_model_len: Longest sequence (prompt + output) one request may reach. With
+            ``auto_fit_max_model_len`` it is the upper bound of the search.
+        max_in_flight_tokens: Tokens scheduled but not yet settled (vLLM's
+            ``max_in_flight_tokens``, at least ``max_num_batched_tokens``); sizes
+            sliding-window and chunked-local layers. ``None``: ``max_model_len``.
+        max_num_encoder_input_tokens: Encoder length cross-attention layers cache.
+        num_gpu_blocks_override: Plan exactly this many blocks per rank, whatever the memory.
+        enable_hybrid_manager: ``False`` promotes local-attention layers to full attention
+            (vLLM's ``--disable-hybrid-kv-cache-manager``).
+        auto_fit_max_model_len: Shrink ``max_model_len`` to what the memory of every rank
+            holds (vLLM's ``max_model_len=-1``).
+        kv_cache_layout: Physical axis order of the workers' KV cache.
+        enable_caching: Whether prefix caching is on (decides the hash block size).
+        prefix_match_unit: Hash block size override for hybrid models (vLLM's
+            ``prefix_match_unit``); ``None``: the gcd of the groups' block sizes.
+        device_name: How the capacity report names the device pool (``"GPU"``).
+    """
+
+    max_model_len: int
+    max_in_flight_tokens: int | None = None
+    max_num_encoder_input_tokens: int = 0
+    num_gpu_blocks_override: int | None = None
+    enable_hybrid_manager: bool = True
+    auto_fit_max_model_len: bool = False
+    kv_cache_layout: KVCacheLayout = KVCacheLayout.LBNHC
+    enable_caching: bool = True
+    prefix_match_unit: int | None = None
+    device_name: str = "GPU"
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len",):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"PlanningOptions.{name} must be a positive int, got {value!r}")
+        for name in ("max_in_flight_tokens", "num_gpu_blocks_override", "prefix_match_unit"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(
+                    f"PlanningOptions.{name} must be a positive int or None, got {value!r}"
+                )
+        encoder = self.max_num_encoder_input_tokens
+        if type(encoder) is not int or encoder < 0:
+            raise ConfigError(
+                "PlanningOptions.max_num_encoder_input_tokens must be a non-negative int, "
+                f"got {encoder!r}"
+            )
+        object.__setattr__(
+            self,
+            "kv_cache_layout",
+            KVCacheLayout.parse(self.kv_cache_layout, "PlanningOptions.kv_cache_layout"),
+        )
+
+    def limits(self, max_model_len: int | None = None) -> SizingLimits:
+        """The sizing limits at ``max_model_len`` (default: the configured one)."""
+        return SizingLimits(
+            max_model_len=self.max_model_len if max_model_len is None else max_model_len,
+            max_in_flight_tokens=self.max_in_flight_tokens,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+        )
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVCacheCapacity:
+    """How much the unified pool holds, as vLLM reports it at start-up.
+
+    Attributes:
+        num_tokens: Tokens the pool holds for requests of ``max_model_len`` tokens
+            (concurrency times ``max_model_len``, rounded down).
+        max_concurrency: Requests of ``max_model_len`` tokens that fit at once.
+        max_model_len: The request length the figures are for.
+        device_name: The pool's device name in the report.
+    """
+
+    num_tokens: int
+    max_concurrency: float
+    max_model_len: int
+    device_name: str = "GPU"
+
+    @property
+    def report(self) -> str:
+        """vLLM's start-up line: ``GPU KV cache size: N tokens, Maximum concurrency ...``."""
+        return (
+            f"{self.device_name} KV cache size: {self.num_tokens:,} tokens, "
+            f"Maximum concurrency for {self.max_model_len:,} tokens per request: "
+            f"{self.max_concurrency:.2f}x"
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankPlan:
+    """One rank's share of a unified plan.
+
+    Attributes:
+        rank: The rank, in registration order.
+        kv_cache_config: The rank's config: the unified block count, its own layers' tensors.
+        available_memory_bytes: The memory the rank offered.
+        num_blocks_fit: Blocks the rank's memory held before unification.
+    """
+
+    rank: int
+    kv_cache_config: KVCacheConfig
+    available_memory_bytes: int
+    num_blocks_fit: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnifiedPlan:
+    """The plan every rank and the scheduler of one engine share.
+
+    Attributes:
+        kv_cache_groups: The model's groups (all ranks' layers).
+        ranks: Each rank's plan, in rank order.
+        num_blocks: Blocks of the pool (the minimum over ranks; the null block included).
+        max_model_len: The context length planned for (after auto-fit).
+        scheduler_kv_cache_config: The scheduler's view (one representative spec per group).
+        scheduler_block_size: Token granularity of scheduling (lcm of group block sizes).
+        hash_block_size: Tokens per request block hash.
+        capacity: Tokens and concurrency the pool holds.
+    """
+
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+    ranks: tuple[RankPlan, ...]
+    num_blocks: int
+    max_model_len: int
+    scheduler_kv_cache_config: KVCacheConfig
+    scheduler_block_size: int
+    hash_block_size: int
+    capacity: KVCacheCapacity
+
+    def kv_cache_config(self, rank: int) -> KVCacheConfig:
+        """The config of ``rank``.
+
+        Raises:
+            InvalidArgumentError: No such rank.
+        """
+        if type(rank) is not int or not 0 <= rank < len(self.ranks):
+            raise InvalidArgumentError(f"rank must be in [0, {len(self.ranks)}), got {rank!r}")
+        return self.ranks[rank].kv_cache_config
+
+
+# ----------------------------------------------------------------------------- spec rules
+def _merges(specs: Sequence[KVCacheSpec]) -> bool:
+    """Whether ``specs`` merge into one spec (vLLM's ``is_kv_cache_spec_uniform``).
+
+    Layers of one full-attention kind with different recorded windows are an error, not a
+    "no": vLLM lets that one through as well.
+    """
+    if not specs:
+        return True
+    try:
+        type(specs[0]).merge(list(specs))
+    except ConfigError as exc:
+        if _WINDOW_MISMATCH in str(exc):
+            raise
+        return False
+    return True
+
+
+def _is_single_type(specs: Mapping[str, KVCacheSpec]) -> bool:
+    return _merges(list(specs.values())) or UniformTypeKVCacheSpecs.is_uniform_type(specs)
+
+
+def _promote_local_specs(specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """Sliding-window / chunked-local layers as full attention, when full attention is present.
+
+    Raises:
+            ConfigError: The promoted specs still do not form one type.
+    """
+    promoted = dict(specs)
+    if _is_single_type(promoted):
+        return promoted
+    values = list(specs.values())
+    has_full = any(isinstance(s, FullAttentionSpec) for s in values)
+    has_local = any(isinstance(s, SlidingWindowSpec | ChunkedLocalAttentionSpec) for s in values)
+    full_block_sizes = {s.block_size for s in values if isinstance(s, FullAttentionSpec)}
+    full_block_size = next(iter(full_block_sizes)) if len(full_block_sizes) == 1 else None
+    if has_full and has_local:
+        for name, spec in specs.items():
+            if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+                promoted[name] = _as_full_attention(spec, full_block_size or spec.block_size)
+    if not _is_single_type(promoted):
+        raise ConfigError("Failed to promote local KV cache specs to one unified type.")
+    return promoted
+
+
+def _as_full_attention(
+    spec: SlidingWindowSpec | ChunkedLocalAttentionSpec, block_size: int
+) -> FullAttentionSpec:
+    padded = spec.page_size_padded
+    if padded is not None:
+        # A padded page grows with the block size; padding never shrinks it below the data.
+        padded = max(padded, spec.real_page_size_bytes * block_size // spec.block_size)
+    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+    chunk = spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
+    return FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        head_size_v=spec.head_size_v,
+        dtype=spec.dtype,
+        page_size_padded=padded,
+        sliding_window=window,
+        attention_chunk_size=chunk,
+    )
+
+
+def unify_hybrid_kv_cache_specs(specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """The specs as the single-type manager sees them when the hybrid manager is disabled.
+
+    Sliding-window and chunked-local layers of a model that also has full attention become
+    :class:`FullAttentionSpec` (blocks for every token) recording their window or chunk, so
+    the worker still computes local attention. Specs of one type come back unchanged.
+
+    Args:
+        specs: Each layer's spec.
+
+    Returns:
+        A new mapping, in the same layer order.
+
+    Raises:
+        ConfigError: The layers cannot be brought to one type (e.g. sliding window next to
+            Mamba, or two different windows).
+    """
+    return _promote_local_specs(specs)
+
+
+def unify_kv_cache_spec_page_size(specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """Give every layer the largest page: a larger block size when it divides, else padding.
+
+    Raises:
+        ConfigError: A layer's page neither divides the largest nor can be padded (MLA).
+    """
+    page_sizes = {spec.page_size_bytes for spec in specs.values()}
+    if len(page_sizes) <= 1:
+        return dict(specs)
+    max_page = max(page_sizes)
+    unified: dict[str, KVCacheSpec] = {}
+    for name, spec in specs.items():
+        page = spec.page_size_bytes
+        if page == max_page:
+            unified[name] = spec
+        elif isinstance(spec, MambaSpec):
+            unified[name] = replace(spec, page_size_padded=max_page)
+        elif max_page % page == 0:
+            unified[name] = spec.copy_with_new_block_size(spec.block_size * (max_page // page))
+        elif isinstance(spec, AttentionSpec) and not isinstance(spec, MLAAttentionSpec):
+            unified[name] = replace(spec, page_size_padded=max_page)
+        else:
+            raise ConfigError(
+                f"Layer {name}: page size is not divisible by the maximum page size and "
+                "cannot be padded. Padding is only supported for non-MLA attention layers."
+            )
+    return unified
+
+
+def _uniform_type_group(spec: UniformTypeKVCacheSpecs) -> KVCacheGroupSpec:
+    return KVCacheGroupSpec(layer_names=tuple(spec.kv_cache_specs), kv_cache_spec=spec)
+
+
+def _merged_group(specs: Mapping[str, KVCacheSpec], names: Sequence[str]) -> KVCacheGroupSpec:
+    layer_specs = [specs[name] for name in names]
+    merged = type(layer_specs[0]).merge(layer_specs)
+    return KVCacheGroupSpec(layer_names=tuple(names), kv_cache_spec=merged)
+
+
+def _hybrid_groups(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """Groups of equal layer count for a model whose layers share one page size."""
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        by_spec.setdefault(spec, []).append(name)
+    # Buckets: specs that merge (e.g. full attention differing only in a recorded window)
+    # share a bucket, which keeps the number of groups down.
+    bucket_names: list[list[str]] = []
+    bucket_specs: list[list[KVCacheSpec]] = []
+    for spec, names in by_spec.items():
+        for b_names, b_specs in zip(bucket_names, bucket_specs, strict=True):
+            try:
+                type(b_specs[0]).merge([*b_specs, spec])
+            except ConfigError:
+                continue
+            b_names.extend(names)
+            b_specs.append(spec)
+            break
+        else:
+            bucket_names.append(list(names))
+            bucket_specs.append([spec])
+    sizes = [len(names) for names in bucket_names]
+    # The "1" of an n:1 pattern sets the group size, unless the buckets are nearly equal,
+    # where one group per bucket pads less (12 sliding + 13 full -> 13 + 13).
+    group_size = min(sizes)
+    if max(sizes) < min(sizes) * 1.5:
+        group_size = max(sizes)
+    grouped: list[list[str]] = []
+    for names in bucket_names:
+        num_groups = _cdiv(len(names), group_size)
+        # Strided, so pipeline stages holding consecutive layers pad the least.
+        grouped.extend(names[i::num_groups] for i in range(num_groups))
+    return [_merged_group(specs, names) for names in grouped]
+
+
+def _full_allocation_fallback(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec] | None:
+    """MLA next to sliding window, pages not unifiable: allocate the window layers fully."""
+    values = list(specs.values())
+    if any(isinstance(s, ChunkedLocalAttentionSpec) for s in values):
+        return None
+    has_mla = any(isinstance(s, MLAAttentionSpec) for s in values)
+    has_swa = any(isinstance(s, SlidingWindowSpec) for s in values)
+    if not (has_mla and has_swa):
+        return None
+    try:
+        promoted = _promote_local_specs(specs)
+    except ConfigError:
+        return None
+    uniform = UniformTypeKVCacheSpecs.from_specs(promoted)
+    return None if uniform is None else [_uniform_type_group(uniform)]
+
+
+def get_kv_cache_groups(
+    specs: Mapping[str, KVCacheSpec], options: PlanningOptions
+) -> tuple[KVCacheGroupSpec, ...]:
+    """Split the model's layers into groups that share one block table.
+
+    Args:
+        specs: Every layer's spec (all ranks' layers), in layer order.
+        options: Planning options (``enable_hybrid_manager``, ``kv_cache_layout``).
+
+    Returns:
+        The groups, in group-id order; empty for an attention-free model.
+
+    Raises:
+        ConfigError: The specs cannot be grouped (see the module docstring).
+    """
+    if not options.enable_hybrid_manager:
+        specs = unify_hybrid_kv_cache_specs(specs)
+    if not specs:
+        return ()
+    if _merges(list(specs.values())):
+        return (_merged_group(specs, list(specs)),)
+    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+    if uniform is not None:
+        return (_uniform_type_group(uniform),)
+    if options.kv_cache_layout.is_block_outermost and (
+        len({spec.page_size_bytes for spec in specs.values()}) > 1
+    ):
+        raise ConfigError(
+            f"kv_cache_layout {options.kv_cache_layout.name}: packing layers of different page "
+            "sizes into block-outermost groups is not implemented; use a layer-outermost "
+            "layout (LBNHC, LBHNC, LHBNC)"
+        )
+    try:
+        unified = unify_kv_cache_spec_page_size(specs)
+    except ConfigError:
+        fallback = _full_allocation_fallback(specs)
+        if fallback is None:
+            raise
+        return tuple(fallback)
+    return tuple(_hybrid_groups(unified))
+
+
+def merge_rank_specs(rank_specs: Sequence[Mapping[str, KVCacheSpec]]) -> dict[str, KVCacheSpec]:
+    """The model's specs: every rank's layers, the first rank's order first.
+
+    Raises:
+        ConfigError: A layer's spec differs between ranks (names the layer and the ranks).
+    """
+    merged: dict[str, KVCacheSpec] = {}
+    first_rank: dict[str, int] = {}
+    for rank, specs in enumerate(rank_specs):
+        for name, spec in specs.items():
+            if not isinstance(spec, KVCacheSpec):
+                raise ConfigError(
+                    f"rank {rank}: layer {name!r} has no KVCacheSpec (got {type(spec).__name__})"
+                )
+            known = merged.get(name)
+            if known is None:
+                merged[name] = spec
+                first_rank[name] = rank
+            elif known != spec:
+                raise ConfigError(
+                    f"The KV cache specs for layer {name!r} differ between rank "
+                    f"{first_rank[name]} and rank {rank}: {known!r} != {spec!r}"
+                )
+    return merged
+
+
+def project_groups_to_rank(
+    groups: Sequence[KVCacheGroupSpec], rank_specs: Mapping[str, KVCacheSpec]
+) -> tuple[KVCacheGroupSpec, ...]:
+    """The model's groups restricted to the layers one rank holds (pipeline stages)."""
+    projected: list[KVCacheGroupSpec] = []
+    for group in groups:
+        names = tuple(name for name in group.layer_names if name in rank_specs)
+        if len(names) == len(group.layer_names):
+            projected.append(group)
+            continue
+        spec = group.kv_cache_spec
+        if names and isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = UniformTypeKVCacheSpecs(
+                block_size=spec.block_size,
+                kv_cache_specs={name: spec.kv_cache_specs[name] for name in names},
+            )
+        projected.append(KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec))
+    return tuple(projected)
+
+
+# ----------------------------------------------------------------------------- placement
+def layer_spec(group: KVCacheGroupSpec, layer_name: str) -> KVCacheSpec:
+    """The spec of one layer of ``group`` (its own spec inside a uniform-type group)."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return spec.kv_cache_specs[layer_name]
+    return spec
+
+
+def pool_bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
+    """Bytes one block id takes in the backing allocation: the widest group's pages.
+
+    Groups overlay the same bytes (a block id belongs to one group at a time), so the
+    widest group sets the stride. 0 for no groups.
+    """
+    return max(
+        (
+            sum(layer_spec(group, name).page_size_bytes for name in group.layer_names)
+            for group in groups
+        ),
+        default=0,
+    )
+
+
+def _validate_layout(layout: KVCacheLayout, groups: Sequence[KVCacheGroupSpec]) -> None:
+    page_sizes = {
+        layer_spec(group, name).page_size_bytes for group in groups for name in group.layer_names
+    }
+    if len(page_sizes) <= 1:
+        return
+    if not layout.is_block_compact or (len(groups) > 1 and layout.is_layer_compact):
+        raise ConfigError(
+            f"KV cache layout {layout.name} cannot express this model's mixed page sizes "
+            f"({sorted(page_sizes)}); use a block-outermost layout (e.g. BLHNC)"
+        )
+
+
+def get_kv_cache_config_from_groups(
+    groups: Sequence[KVCacheGroupSpec], num_blocks: int, layout: KVCacheLayout
+) -> KVCacheConfig:
+    """Place ``groups`` in one backing allocation of ``num_blocks`` blocks.
+
+    Every group starts at byte 0 (groups overlay: a block id belongs to one group at a
+    time). Within a group, layers of equal spec form one :class:`KVCacheTensor`;
+    layer-outermost layouts give each layer a region of ``num_blocks`` pages,
+    block-outermost ones make block ``b`` the run of every layer's page.
+
+    Args:
+        groups: The rank's groups.
+        num_blocks: Blocks of the pool (the null block included).
+        layout: The physical axis order.
+
+    Returns:
+        The rank's config; an attention-free model gets 1 block (the null block) and no
+        tensors.
+
+    Raises:
+        ConfigError: ``num_blocks`` is not positive, or the layout cannot place the pages.
+    """
+    if not groups:
+        return KVCacheConfig(
+            num_blocks=1, kv_cache_tensors=(), kv_cache_groups=(), kv_cache_layout=layout
+        )
+    if type(num_blocks) is not int or num_blocks < 1:
+        raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    _validate_layout(layout, groups)
+    bytes_per_block = pool_bytes_per_block(groups)
+    size = bytes_per_block * num_blocks
+    fixed_block_stride = bytes_per_block if layout.is_block_outermost else None
+    tensors: list[KVCacheTensor] = []
+    for group in groups:
+        by_spec: dict[KVCacheSpec, list[str]] = {}
+        for name in group.layer_names:
+            by_spec.setdefault(layer_spec(group, name), []).append(name)
+        offset = 0
+        for spec, names in by_spec.items():
+            layer_stride, block_stride, *_ = compute_layout_strides(
+                spec, num_blocks, len(names), layout, fixed_block_stride
+            )
+            tensors.append(
+                KVCacheTensor(
+                    size=size,
+                    layers=tuple(names),
+                    layer_stride=layer_stride,
+                    block_stride=block_stride,
+                    offset=offset,
+                )
+            )
+            step = spec.page_size_bytes if layout.is_block_outermost else layer_stride
+            offset += len(names) * step
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tuple(tensors),
+        kv_cache_groups=tuple(groups),
+        kv_cache_layout=layout,
+    )
+
+
+# ----------------------------------------------------------------------------- sizing
+def _group_pages_per_request(group: KVCacheGroupSpec, limits: SizingLimits) -> int:
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return max(
+            _cdiv(s.max_memory_usage_bytes(limits), s.page_size_bytes)
+            for s in spec.kv_cache_specs.values()
+        )
+    return _cdiv(spec.max_memory_usage_bytes(limits), spec.page_size_bytes)
+
+
+def max_memory_usage_bytes(groups: Sequence[KVCacheGroupSpec], limits: SizingLimits) -> int:
+    """Bytes one request of ``limits.max_model_len`` tokens takes from the pool.
+
+    Every group draws its blocks from the one pool, so the request needs the sum of the
+    groups' blocks, each block ``pool_bytes_per_block`` bytes (padding layers included).
+    """
+    if not groups:
+        return 0
+    total_blocks = sum(_group_pages_per_request(group, limits) for group in groups)
+    return pool_bytes_per_block(groups) * total_blocks
+
+
+def estimate_max_model_len(
+    groups: Sequence[KVCacheGroupSpec],
+    available_memory: int,
+    options: PlanningOptions,
+    upper_bound: int | None = None,
+) -> int:
+    """The longest ``max_model_len`` whose request fits in ``available_memory`` (binary search).
+
+    Args:
+        groups: One rank's groups.
+        available_memory: Bytes for requests (the null block already taken off).
+        options: Planning options (in-flight and encoder tokens).
+        upper_bound: Largest length tried; ``None``: ``options.max_model_len``.
+
+    Returns:
+        The length, or 0 when not even one token fits.
+    """
+    high = options.max_model_len if upper_bound is None else upper_bound
+
+    def fits(model_len: int) -> bool:
+        return max_memory_usage_bytes(groups, options.limits(model_len)) <= available_memory
+
+    if not fits(1):
+        return 0
+    low, best = 1, 1
+    while low <= high:
+        mid = (low + high) // 2
+        if fits(mid):
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+def _check_enough_memory(
+    available_memory: int,
+    needed_memory: Callable[[], int],
+    max_model_len: int,
+    estimate: Callable[[int], int],
+) -> None:
+    if available_memory <= 0:
+        raise ConfigError(
+            "No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine (this flag also controls "
+            "CPU memory reservation on the CPU backend, despite its name). See "
+            "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+        )
+    needed = needed_memory()
+    if needed <= available_memory:
+        return
+    estimated = estimate(available_memory)
+    estimated_msg = (
+        f"Based on the available memory, the estimated maximum model length is {estimated}. "
+        if estimated > 0
+        else ""
+    )
+    raise ConfigError(
+        f"To serve at least one request with the model's max seq len ({max_model_len}), "
+        f"({_format_gib(needed)} GiB KV cache is needed, which is larger than the available "
+        f"KV cache memory ({_format_gib(available_memory)} GiB). {estimated_msg}"
+        "Try increasing `gpu_memory_utilization` (which also controls CPU memory on the CPU "
+        "backend) or decreasing `max_model_len` when initializing the engine. See "
+        "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+    )
+
+
+def check_enough_kv_cache_memory(
+    groups: Sequence[KVCacheGroupSpec],
+    available_memory: int,
+    options: PlanningOptions,
+    max_model_len: int | None = None,
+) -> None:
+    """Raise unless one request of ``max_model_len`` tokens fits next to the null block.
+
+    Args:
+        groups: One rank's groups.
+        available_memory: Bytes the rank offers (the null block is taken off here).
+        options: Planning options.
+        max_model_len: Length to check; ``None``: ``options.max_model_len``.
+
+    Raises:
+        ConfigError: vLLM's message: no memory left after the null block, or the KV cache
+            needed (GiB) with the estimated maximum model length.
+    """
+    if not groups:
+        return
+    model_len = options.max_model_len if max_model_len is None else max_model_len
+    usable = available_memory - pool_bytes_per_block(groups)
+    _check_enough_memory(
+        usable,
+        lambda: max_memory_usage_bytes(groups, options.limits(model_len)),
+        model_len,
+        lambda memory: estimate_max_model_len(groups, memory, options, model_len),
+    )
+
+
+# ----------------------------------------------------------------------------- scheduler view
+def scheduler_kv_cache_config(config: KVCacheConfig) -> KVCacheConfig:
+    """The scheduler's config: each uniform-type group speaks through its first layer's spec."""
+    groups = tuple(
+        KVCacheGroupSpec(
+            layer_names=group.layer_names, kv_cache_spec=group.kv_cache_spec.first_spec
+        )
+        if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+        else group
+        for group in config.kv_cache_groups
+    )
+    return replace(config, kv_cache_groups=groups)
+
+
+def resolve_kv_cache_block_sizes(
+    groups: Sequence[KVCacheGroupSpec], options: PlanningOptions
+) -> tuple[int, int]:
+    """``(scheduler_block_size, hash_block_size)`` for these groups.
+
+    One group: both are its block size. Several: the scheduler aligns to the lcm of the
+    block sizes; hashes are the gcd (or ``prefix_match_unit``) when prefix caching is on and
+    no Mamba group forbids finer hashing.
+
+    Raises:
+        ConfigError: ``prefix_match_unit`` does not divide every group's block size, or is
+            set for a single-group model with a different block size.
+    """
+    if not groups:
+        return 16, 16
+    block_sizes = [group.kv_cache_spec.block_size for group in groups]
+    requested = options.prefix_match_unit
+    if len(groups) == 1:
+        size = block_sizes[0]
+        if requested not in (None, size) and options.enable_caching:
+            raise ConfigError(
+                f"Invalid prefix_match_unit={requested}; with a single KV cache group, "
+                f"prefix-cache hits land on the block size ({size}). Unset it or set it to "
+                f"{size}."
+            )
+        return size, size
+    scheduler_block_size = math.lcm(*block_sizes)
+    if not options.enable_caching:
+        return scheduler_block_size, scheduler_block_size
+    if any(
+        isinstance(spec, MambaSpec)
+        for group in groups
+        for spec in _group_layer_specs(group.kv_cache_spec)
+    ):
+        return scheduler_block_size, scheduler_block_size
+    hash_block_size = requested if requested is not None else math.gcd(*block_sizes)
+    if any(size % hash_block_size for size in block_sizes):
+        raise ConfigError(
+            f"Invalid prefix_match_unit={hash_block_size}; prefix-cacheable KV cache group "
+            "block sizes must be divisible by prefix_match_unit. Got group block sizes="
+            f"{block_sizes}."
+        )
+    return scheduler_block_size, hash_block_size
+
+
+def _group_layer_specs(spec: KVCacheSpec) -> tuple[KVCacheSpec, ...]:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return tuple(spec.kv_cache_specs.values())
+    return (spec,)
+
+
+def get_kv_cache_capacity(
+    config: KVCacheConfig, limits: SizingLimits, device_name: str = "GPU"
+) -> KVCacheCapacity:
+    """Tokens and concurrency the pool holds for requests of ``limits.max_model_len``.
+
+    A request takes, from every group, the blocks its spec needs at that length; the
+    concurrency is the pool's blocks over their sum (vLLM counts the null block too).
+    """
+    blocks_per_request = sum(
+        _cdiv(g.kv_cache_spec.max_memory_usage_bytes(limits), g.kv_cache_spec.page_size_bytes)
+        for g in config.kv_cache_groups
+    )
+    concurrency = config.num_blocks / blocks_per_request if blocks_per_request else math.inf
+    num_tokens = int(concurrency * limits.max_model_len) if math.isfinite(concurrency) else 0
+    return KVCacheCapacity(
+        num_tokens=num_tokens,
+        max_concurrency=concurrency,
+        max_model_len=limits.max_model_len,
+        device_name=device_name,
+    )
+
+
+# ----------------------------------------------------------------------------- the whole plan
+def _validate_ranks(
+    rank_specs: Sequence[Mapping[str, KVCacheSpec]], available_memory: Sequence[int]
+) -> None:
+    if not rank_specs:
+        raise ConfigError("rank_specs must name at least one rank")
+    if len(available_memory) != len(rank_specs):
+        raise ConfigError(
+            f"available_memory has {len(available_memory)} entries for {len(rank_specs)} ranks"
+        )
+    for rank, memory in enumerate(available_memory):
+        if type(memory) is not int or memory < 0:
+            raise ConfigError(
+                f"available_memory[{rank}] must be a non-negative int of bytes, got {memory!r}"
+            )
+    for rank, specs in enumerate(rank_specs):
+        for name in specs:
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"rank {rank}: layer names must be non-empty strings")
+
+
+def _auto_fit_max_model_len(
+    rank_groups: Sequence[Sequence[KVCacheGroupSpec]],
+    usable_memory: Sequence[int],
+    options: PlanningOptions,
+) -> int:
+    """The longest ``max_model_len`` (up to the configured one) every rank holds."""
+    best = options.max_model_len
+    for groups, memory in zip(rank_groups, usable_memory, strict=True):
+        if groups:
+            best = min(best, estimate_max_model_len(groups, memory, options))
+    if best <= 0:
+        raise ConfigError(
+            "Cannot auto-fit max_model_len: not enough GPU memory available to serve even a "
+            "single token. Try increasing `gpu_memory_utilization`."
+        )
+    return best
+
+
+def plan_kv_cache(
+    rank_specs: Sequence[Mapping[str, KVCacheSpec]],
+    available_memory: Sequence[int],
+    options: PlanningOptions,
+) -> UnifiedPlan:
+    """Plan the KV cache of one engine: groups, the unified block count and every rank's config.
+
+    Args:
+        rank_specs: Each rank's layers and their specs (vLLM's ``get_kv_cache_spec()``).
+            Tensor-parallel ranks list the same layers; pipeline stages list their own.
+        available_memory: Bytes each rank gives the KV cache.
+        options: Planning options.
+
+    Returns:
+        The plan; every rank's ``num_blocks`` is the minimum over the ranks.
+
+    Raises:
+        ConfigError: Inconsistent specs (a layer differs between ranks), specs that cannot
+            be grouped, no memory left after the null block, or a model that cannot hold
+            one request of ``max_model_len`` tokens (vLLM's message).
+    """
+    _validate_ranks(rank_specs, available_memory)
+    merged = merge_rank_specs(rank_specs)
+    groups = get_kv_cache_groups(merged, options)
+    rank_groups = [project_groups_to_rank(groups, specs) for specs in rank_specs]
+    memory = list(available_memory)
+    override = options.num_gpu_blocks_override
+    if override is not None:
+        # The override decouples the pool from the profiled memory: plan, fit-check and
+        # auto-fit against the memory the override actually takes.
+        memory = [
+            override * pool_bytes_per_block(g) if g else m
+            for g, m in zip(rank_groups, memory, strict=True)
+        ]
+    # The null block is never handed out: checks plan against the usable blocks.
+    usable = [
+        m - pool_bytes_per_block(g) if g else m for g, m in zip(rank_groups, memory, strict=True)
+    ]
+    max_model_len = options.max_model_len
+    if options.auto_fit_max_model_len and any(rank_groups):
+        max_model_len = _auto_fit_max_model_len(rank_groups, usable, options)
+    for g, m in zip(rank_groups, usable, strict=True):
+        if g:
+            check_enough_kv_cache_memory(g, m + pool_bytes_per_block(g), options, max_model_len)
+    layout = options.kv_cache_layout
+    fitted = [
+        (m // pool_bytes_per_block(g) if g else 1) for g, m in zip(rank_groups, memory, strict=True)
+    ]
+    if override is not None:
+        fitted = [override if g else 1 for g in rank_groups]
+    num_blocks = min(fitted)
+    ranks = tuple(
+        RankPlan(
+            rank=rank,
+            kv_cache_config=get_kv_cache_config_from_groups(g, num_blocks, layout),
+            available_memory_bytes=available_memory[rank],
+            num_blocks_fit=fitted[rank],
+        )
+        for rank, g in enumerate(rank_groups)
+    )
+    scheduler_config = scheduler_kv_cache_config(ranks[0].kv_cache_config)
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(groups, options)
+    return UnifiedPlan(
+        kv_cache_groups=groups,
+        ranks=ranks,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        scheduler_kv_cache_config=scheduler_config,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        capacity=get_kv_cache_capacity(
+            ranks[0].kv_cache_config, options.limits(max_model_len), options.device_name
+        ),
+    )
