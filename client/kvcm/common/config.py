@@ -103,6 +103,7 @@ def compute_layout_strides(
     num_blocks: int,
     num_layers: int,
     layout: KVCacheLayout,
+    *,
     block_stride: int | None = None,
     layer_stride: int | None = None,
 ) -> tuple[int, int, int, int, int]:

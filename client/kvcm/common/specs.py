@@ -332,7 +332,8 @@ class MLAAttentionSpec(FullAttentionSpec):
                 "All attention layers in the same KV cache group must use the same "
                 "quantization method."
             )
-        return super().merge(specs)
+        # Two-argument super: slotted dataclasses are rebuilt, so the implicit form fails.
+        return super(MLAAttentionSpec, cls).merge(specs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -581,7 +581,7 @@ def get_kv_cache_config_from_groups(
         offset = 0
         for spec, names in by_spec.items():
             layer_stride, block_stride, *_ = compute_layout_strides(
-                spec, num_blocks, len(names), layout, fixed_block_stride
+                spec, num_blocks, len(names), layout, block_stride=fixed_block_stride
             )
             tensors.append(
                 KVCacheTensor(
