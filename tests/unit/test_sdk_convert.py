@@ -6,6 +6,7 @@ import pytest
 
 from kvcm.client import PoolConfig
 from kvcm.client._convert import (
+    _WIRE_HAS_PLACEMENT,
     decode_event_batch,
     hashing_from_proto,
     kv_cache_config_from_proto,
@@ -203,3 +204,23 @@ def test_events_decode_with_vllm_int_hashes() -> None:
     assert isinstance(removed, BlockRemoved)
     assert removed.block_hashes == [external_block_hash(first)]
     assert isinstance(cleared, AllBlocksCleared)
+
+
+@pytest.mark.skipif(
+    not _WIRE_HAS_PLACEMENT,
+    reason="common.proto KVCacheTensor carries no offset/layer/block strides yet: planned "
+    "configs with several tensors in one allocation cannot travel exactly",
+)
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_planned_configs_round_trip(layout: str) -> None:
+    from kvcm.common.config import KVCacheLayout
+    from kvcm.server.core.planning import get_kv_cache_config_from_groups
+
+    full = FullAttentionSpec(**ATTENTION)  # type: ignore[arg-type]
+    window = SlidingWindowSpec(**ATTENTION, sliding_window=64)  # type: ignore[arg-type]
+    groups = (
+        KVCacheGroupSpec(layer_names=("l0", "l2"), kv_cache_spec=full),
+        KVCacheGroupSpec(layer_names=("l1", "l3"), kv_cache_spec=window),
+    )
+    config = get_kv_cache_config_from_groups(groups, 128, KVCacheLayout[layout])
+    assert kv_cache_config_from_proto(kv_cache_config_to_proto(config)) == config

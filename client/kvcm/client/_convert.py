@@ -280,11 +280,27 @@ def layer_specs_to_proto(specs: Mapping[str, KVCacheSpec]) -> list[common_pb2.La
 
 
 # ----------------------------------------------------------------------------- config
+# The placement fields a KVCacheTensor needs beyond vLLM's (size, shared_by). kvcm.v1 as first
+# published lacks them; once common.proto carries them (uint64 offset_bytes, layer_stride_bytes,
+# block_stride_bytes) they travel, and until then a worker infers the placement (below).
+_PLACEMENT_FIELDS: Final = ("offset_bytes", "layer_stride_bytes", "block_stride_bytes")
+_WIRE_HAS_PLACEMENT: Final = all(
+    name in common_pb2.KVCacheTensor.DESCRIPTOR.fields_by_name for name in _PLACEMENT_FIELDS
+)
+
+
 def kv_cache_config_to_proto(config: KVCacheConfig) -> common_pb2.KVCacheConfig:
-    """The wire form of a ``KVCacheConfig`` (each tensor's size and layers)."""
+    """The wire form of a ``KVCacheConfig`` (each tensor's size, layers and placement)."""
     message = common_pb2.KVCacheConfig(num_blocks=config.num_blocks)
     for tensor in config.kv_cache_tensors:
-        message.kv_cache_tensors.add(size_bytes=tensor.size, shared_by=list(tensor.layers))
+        wire = message.kv_cache_tensors.add(size_bytes=tensor.size, shared_by=list(tensor.layers))
+        if _WIRE_HAS_PLACEMENT:
+            for name, value in zip(
+                _PLACEMENT_FIELDS,
+                (tensor.offset, tensor.layer_stride, tensor.block_stride),
+                strict=True,
+            ):
+                setattr(wire, name, value)
     for group in config.kv_cache_groups:
         message.kv_cache_groups.add(
             layer_names=list(group.layer_names), kv_cache_spec=spec_to_proto(group.kv_cache_spec)
@@ -309,11 +325,19 @@ def _layer_page_sizes(groups: Sequence[KVCacheGroupSpec]) -> dict[str, int]:
 def _tensor_from_proto(
     message: common_pb2.KVCacheTensor, num_blocks: int, pages: Mapping[str, int]
 ) -> KVCacheTensor:
-    # The wire carries vLLM's (size, shared_by); the placement follows from it. A tensor of
-    # one layer's pages per layer (size = layers x pages) stacks the layers, layer-outermost;
-    # a tensor of one page-set (size = pages) is shared by layers of different groups, which
-    # overlay it (a block id belongs to one group at a time).
     layers = tuple(message.shared_by)
+    if _WIRE_HAS_PLACEMENT:
+        offset, layer_stride, block_stride = (getattr(message, f) for f in _PLACEMENT_FIELDS)
+        return KVCacheTensor(
+            size=message.size_bytes,
+            layers=layers,
+            layer_stride=layer_stride,
+            block_stride=block_stride,
+            offset=offset,
+        )
+    # Only vLLM's (size, shared_by) travel: read them as vLLM's own layouts. A tensor of one
+    # region per layer (size = layers x region) stacks its layers, layer-outermost; a tensor of
+    # one region is shared by layers of different groups, which overlay it.
     page = pages.get(layers[0], 0) if layers else 0
     region = page * num_blocks
     stacked = len(layers) > 1 and message.size_bytes >= region * len(layers)

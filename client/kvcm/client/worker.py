@@ -37,6 +37,8 @@ from kvcm.common.errors import InvalidArgumentError
 from kvcm.v1 import service_pb2_grpc, worker_pb2
 
 if TYPE_CHECKING:
+    import torch
+
     from kvcm.common.config import KVCacheConfig
     from kvcm.common.specs import KVCacheSpec
 
@@ -154,7 +156,9 @@ class WorkerClient:
             max_model_len=response.max_model_len,
         )
 
-    def allocate(self, registration: WorkerRegistration, *, device: Any = "cpu") -> Any:
+    def allocate(
+        self, registration: WorkerRegistration, *, device: torch.device | str = "cpu"
+    ) -> dict[str, torch.Tensor]:
         """Allocate this rank's KV-cache tensors for a registration (imports torch).
 
         Args:
@@ -162,11 +166,12 @@ class WorkerClient:
             device: The torch device (``"cpu"``, ``"cuda:0"``, ...).
 
         Returns:
-            What ``kvcm.client.tensors`` builds for the config: the tensors by layer name.
+            ``{layer name: tensor}``: views of one zeroed backing buffer, placed as the config
+            says (``kvcm.client.tensors.allocate_kv_cache_tensors``).
         """
-        from kvcm.client import tensors
+        from kvcm.client.tensors import allocate_kv_cache_tensors
 
-        return tensors.allocate_kv_cache_tensors(registration.kv_cache_config, device=device)
+        return allocate_kv_cache_tensors(registration.kv_cache_config, device=device)
 
     def close(self) -> None:
         """Close the channel."""
