@@ -1,0 +1,341 @@
+"""Unit tests for kvcm.server.core.planning: grouping, sizing, fit checks, unification."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcm.common.config import KVCacheLayout
+from kvcm.common.errors import ConfigError, InvalidArgumentError
+from kvcm.common.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from kvcm.server.core import planning
+from kvcm.server.core.planning import PlanningOptions, plan_kv_cache
+
+GiB = 1 << 30
+
+
+def full(block_size: int = 16, heads: int = 2, head: int = 64, **kw: object) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=head, dtype="float16", **kw
+    )
+
+
+def swa(window: int = 128, block_size: int = 16, heads: int = 2, head: int = 64) -> KVCacheSpec:
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=heads,
+        head_size=head,
+        dtype="float16",
+        sliding_window=window,
+    )
+
+
+PAGE = 16 * 2 * 128 * 2  # block_size x heads x (k + v head sizes) x fp16 bytes = 8192
+
+
+def opts(**kw: object) -> PlanningOptions:
+    kw.setdefault("max_model_len", 1024)
+    return PlanningOptions(**kw)  # type: ignore[arg-type]
+
+
+def names(plan: planning.UnifiedPlan) -> list[tuple[str, ...]]:
+    return [g.layer_names for g in plan.kv_cache_groups]
+
+
+# ----------------------------------------------------------------------------- grouping
+def test_uniform_model_is_one_group_with_merged_spec() -> None:
+    specs = {f"l{i}": full() for i in range(4)}
+    plan = plan_kv_cache([specs], [GiB], opts())
+    assert names(plan) == [("l0", "l1", "l2", "l3")]
+    assert plan.kv_cache_groups[0].kv_cache_spec == full()
+    (tensor,) = plan.ranks[0].kv_cache_config.kv_cache_tensors
+    # Layer-outermost: each layer owns num_blocks pages.
+    assert tensor.block_stride == PAGE
+    assert tensor.layer_stride == PAGE * plan.num_blocks
+    assert plan.num_blocks == GiB // (4 * PAGE)
+
+
+def test_two_full_four_sliding_window_layers_make_three_strided_groups() -> None:
+    specs = {
+        "full.0": full(),
+        "sw.0": swa(),
+        "sw.1": swa(),
+        "full.1": full(),
+        "sw.2": swa(),
+        "sw.3": swa(),
+    }
+    plan = plan_kv_cache([specs], [GiB], opts())
+    assert names(plan) == [("full.0", "full.1"), ("sw.0", "sw.2"), ("sw.1", "sw.3")]
+    kinds = [type(g.kv_cache_spec) for g in plan.kv_cache_groups]
+    assert kinds == [FullAttentionSpec, SlidingWindowSpec, SlidingWindowSpec]
+    # Groups overlay the same bytes: a block is two layers' pages.
+    assert planning.pool_bytes_per_block(plan.kv_cache_groups) == 2 * PAGE
+    assert plan.num_blocks == GiB // (2 * PAGE)
+    offsets = {t.offset for t in plan.ranks[0].kv_cache_config.kv_cache_tensors}
+    assert offsets == {0}
+
+
+def test_uneven_bucket_pads_its_last_group() -> None:
+    specs = {"f0": full(), "f1": full(), "s0": swa(), "s1": swa(), "s2": swa()}
+    plan = plan_kv_cache([specs], [GiB], opts())
+    # 3 sliding layers in groups of 2: (s0, s2) and (s1, <padding>).
+    assert names(plan) == [("f0", "f1"), ("s0", "s2"), ("s1",)]
+    assert planning.pool_bytes_per_block(plan.kv_cache_groups) == 2 * PAGE
+
+
+def test_nearly_equal_buckets_use_the_larger_count() -> None:
+    specs = {f"s{i}": swa() for i in range(12)} | {f"f{i}": full() for i in range(13)}
+    groups = planning.get_kv_cache_groups(specs, opts())
+    assert [len(g.layer_names) for g in groups] == [12, 13]
+
+
+def test_page_sizes_unify_by_block_size_or_padding() -> None:
+    big = full(heads=4)  # page 2 x PAGE
+    specs = {"f": big, "s": swa()}
+    groups = planning.get_kv_cache_groups(specs, opts())
+    assert groups[1].kv_cache_spec.block_size == 32
+    assert groups[1].kv_cache_spec.page_size_bytes == big.page_size_bytes
+    odd = {"f": full(heads=3), "s": swa(heads=2)}  # 3:2 pages, no integer ratio
+    padded = planning.unify_kv_cache_spec_page_size(odd)
+    assert padded["s"].page_size_bytes == odd["f"].page_size_bytes
+    assert padded["s"].block_size == 16
+
+
+def test_mla_page_that_cannot_be_padded_is_rejected_naming_the_layer() -> None:
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype="float16")
+    specs: dict[str, KVCacheSpec] = {"mla": mla, "big": full(heads=7, head=64)}
+    with pytest.raises(ConfigError, match="Layer mla"):
+        planning.unify_kv_cache_spec_page_size(specs)
+
+
+def test_mixed_heads_of_one_type_form_a_uniform_type_group() -> None:
+    specs = {"a": full(heads=2), "b": full(heads=4)}
+    plan = plan_kv_cache([specs], [GiB], opts())
+    (group,) = plan.kv_cache_groups
+    assert isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+    assert group.kv_cache_spec.page_size_bytes == 3 * PAGE
+    tensors = plan.ranks[0].kv_cache_config.kv_cache_tensors
+    assert [t.layers for t in tensors] == [("a",), ("b",)]
+    assert tensors[1].offset == tensors[0].layer_stride  # layer-outermost regions follow
+    assert plan.scheduler_kv_cache_config.kv_cache_groups[0].kv_cache_spec == full(heads=2)
+
+
+def test_attention_free_model_has_no_groups_and_only_the_null_block() -> None:
+    plan = plan_kv_cache([{}], [0], opts())
+    assert plan.kv_cache_groups == ()
+    assert plan.num_blocks == 1
+    assert plan.ranks[0].kv_cache_config.kv_cache_tensors == ()
+
+
+# ----------------------------------------------------------------------------- hybrid off
+def test_unify_hybrid_promotes_local_layers_and_records_windows() -> None:
+    chunk = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype="float16", attention_chunk_size=256
+    )
+    promoted = planning.unify_hybrid_kv_cache_specs({"f": full(), "s": swa(window=64)})
+    assert promoted["s"] == full(sliding_window=64)
+    promoted = planning.unify_hybrid_kv_cache_specs({"f": full(), "c": chunk})
+    assert promoted["c"] == full(attention_chunk_size=256)
+    plan = plan_kv_cache(
+        [{"f": full(), "s": swa(window=64)}], [GiB], opts(enable_hybrid_manager=False)
+    )
+    assert names(plan) == [("f", "s")]
+
+
+def test_unify_hybrid_rejects_what_cannot_become_one_type() -> None:
+    with pytest.raises(ConfigError, match="same window size"):
+        planning.unify_hybrid_kv_cache_specs({"f": full(), "a": swa(64), "b": swa(128)})
+    mamba = MambaSpec(block_size=16, shapes=((4, 64),), dtypes=("float16",))
+    with pytest.raises(ConfigError, match="Failed to promote"):
+        planning.unify_hybrid_kv_cache_specs({"s": swa(), "m": mamba})
+    same = {"a": full(), "b": full()}
+    assert planning.unify_hybrid_kv_cache_specs(same) == same
+
+
+# ----------------------------------------------------------------------------- sizing
+def test_null_block_is_reserved_before_the_fit_check() -> None:
+    specs = {"l": full()}
+    need = 1024 // 16 * PAGE  # one max_model_len request
+    plan = plan_kv_cache([specs], [need + PAGE], opts())  # + the null block
+    assert plan.num_blocks == 65
+    with pytest.raises(ConfigError, match="estimated maximum model length is 1008"):
+        plan_kv_cache([specs], [need + PAGE - 1], opts())
+    with pytest.raises(ConfigError, match="No available memory for the cache blocks"):
+        plan_kv_cache([specs], [PAGE], opts())
+    with pytest.raises(ConfigError, match="No available memory"):
+        plan_kv_cache([specs], [0], opts())
+
+
+def test_fit_message_is_vllms() -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_kv_cache([{"l": full()}], [GiB // 4], opts(max_model_len=1 << 20))
+    message = str(info.value)
+    assert message.startswith(
+        "To serve at least one request with the model's max seq len (1048576), (0.5 GiB KV "
+        "cache is needed, which is larger than the available KV cache memory (0.25 GiB). "
+        "Based on the available memory, the estimated maximum model length is 524272. "
+    )
+
+
+def test_estimate_max_model_len_binary_search() -> None:
+    groups = planning.get_kv_cache_groups({"l": full()}, opts())
+    assert planning.estimate_max_model_len(groups, 10 * PAGE, opts()) == 160
+    assert planning.estimate_max_model_len(groups, PAGE - 1, opts()) == 0
+    assert planning.estimate_max_model_len(groups, GiB, opts(max_model_len=100)) == 100
+    window = planning.get_kv_cache_groups({"s": swa(window=32)}, opts())
+    # A window's blocks stop growing (window + in-flight tokens): any length fits.
+    capped = opts(max_model_len=9999, max_in_flight_tokens=64)
+    assert planning.estimate_max_model_len(window, 7 * PAGE, capped) == 9999
+    assert planning.estimate_max_model_len(window, 6 * PAGE, capped) == 80
+
+
+def test_override_sets_the_block_count_and_keeps_the_null_block_check() -> None:
+    plan = plan_kv_cache([{"l": full()}], [GiB], opts(num_gpu_blocks_override=100))
+    assert plan.num_blocks == 100
+    assert plan.ranks[0].kv_cache_config.kv_cache_tensors[0].size == 100 * PAGE
+    with pytest.raises(ConfigError, match="No available memory"):
+        plan_kv_cache([{"l": full()}], [GiB], opts(num_gpu_blocks_override=1))
+    with pytest.raises(ConfigError, match="To serve"):
+        plan_kv_cache([{"l": full()}], [GiB], opts(num_gpu_blocks_override=10))
+
+
+def test_auto_fit_shrinks_max_model_len_to_the_tightest_rank() -> None:
+    specs = {"l": full()}
+    memory = [GiB, 11 * PAGE]  # rank 1: 10 usable pages = 160 tokens
+    plan = plan_kv_cache([specs, specs], memory, opts(auto_fit_max_model_len=True))
+    assert plan.max_model_len == 160
+    assert plan.capacity.max_model_len == 160
+    with pytest.raises(ConfigError, match="Cannot auto-fit"):
+        plan_kv_cache([specs], [PAGE + 1], opts(auto_fit_max_model_len=True))
+
+
+# ----------------------------------------------------------------------------- ranks
+def test_every_rank_gets_the_minimum_block_count() -> None:
+    specs = {"l": full()}
+    memory = [300 * PAGE, 200 * PAGE + 5, 250 * PAGE]
+    plan = plan_kv_cache([specs] * 3, memory, opts(max_model_len=128))
+    assert plan.num_blocks == 200
+    assert [r.num_blocks_fit for r in plan.ranks] == [300, 200, 250]
+    for rank in plan.ranks:
+        assert rank.kv_cache_config.num_blocks == 200
+        assert rank.kv_cache_config.kv_cache_tensors[0].size == 200 * PAGE
+    assert plan.kv_cache_config(2) is plan.ranks[2].kv_cache_config
+    with pytest.raises(InvalidArgumentError):
+        plan.kv_cache_config(3)
+
+
+def test_pipeline_stages_get_their_own_layers_and_global_groups() -> None:
+    stage0 = {"f0": full(), "s0": swa(), "s1": swa()}
+    stage1 = {"f1": full(), "s2": swa(), "s3": swa()}
+    plan = plan_kv_cache([stage0, stage1], [GiB, GiB], opts())
+    assert names(plan) == [("f0", "f1"), ("s0", "s2"), ("s1", "s3")]
+    rank0 = plan.ranks[0].kv_cache_config
+    assert [g.layer_names for g in rank0.kv_cache_groups] == [("f0",), ("s0",), ("s1",)]
+    layers = {name for t in rank0.kv_cache_tensors for name in t.layers}
+    assert layers == {"f0", "s0", "s1"}
+
+
+def test_inconsistent_specs_between_ranks_name_the_layer() -> None:
+    with pytest.raises(ConfigError, match=r"'model\.layers\.3'.*rank 0 and rank 1"):
+        plan_kv_cache(
+            [{"model.layers.3": full()}, {"model.layers.3": full(heads=4)}],
+            [GiB, GiB],
+            opts(),
+        )
+
+
+@pytest.mark.parametrize(
+    ("specs", "memory", "match"),
+    [
+        ([], [], "at least one rank"),
+        ([{"l": full()}], [GiB, GiB], "2 entries for 1 ranks"),
+        ([{"l": full()}], [-1], r"available_memory\[0\]"),
+        ([{"l": full()}], [1.5], r"available_memory\[0\]"),
+        ([{"": full()}], [GiB], "layer names"),
+        ([{"l": "full"}], [GiB], "layer 'l' has no KVCacheSpec"),
+    ],
+)
+def test_bad_plan_input(specs: list[dict[str, object]], memory: list[object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        plan_kv_cache(specs, memory, opts())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_model_len", 0),
+        ("max_in_flight_tokens", -5),
+        ("num_gpu_blocks_override", 0),
+        ("prefix_match_unit", 0),
+        ("max_num_encoder_input_tokens", -1),
+        ("kv_cache_layout", "XYZ"),
+    ],
+)
+def test_bad_options_name_the_field(field: str, value: object) -> None:
+    kw: dict[str, object] = {"max_model_len": 16, field: value}
+    with pytest.raises(InvalidArgumentError, match=field):
+        PlanningOptions(**kw)  # type: ignore[arg-type]
+
+
+def test_zero_and_negative_spec_fields_are_rejected_by_name() -> None:
+    with pytest.raises(InvalidArgumentError, match="num_kv_heads"):
+        full(heads=0)
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float13")
+
+
+# ----------------------------------------------------------------------------- scheduler view
+def test_scheduler_and_hash_block_sizes() -> None:
+    one = planning.get_kv_cache_groups({"l": full(block_size=32)}, opts())
+    assert planning.resolve_kv_cache_block_sizes(one, opts()) == (32, 32)
+    with pytest.raises(ConfigError, match="prefix_match_unit=16"):
+        planning.resolve_kv_cache_block_sizes(one, opts(prefix_match_unit=16))
+    hybrid = planning.get_kv_cache_groups({"f": full(heads=4), "s": swa()}, opts())
+    assert [g.kv_cache_spec.block_size for g in hybrid] == [16, 32]
+    assert planning.resolve_kv_cache_block_sizes(hybrid, opts()) == (32, 16)
+    assert planning.resolve_kv_cache_block_sizes(hybrid, opts(enable_caching=False)) == (32, 32)
+    with pytest.raises(ConfigError, match="divisible"):
+        planning.resolve_kv_cache_block_sizes(hybrid, opts(prefix_match_unit=12))
+
+
+def test_capacity_report_uses_vllms_wording() -> None:
+    plan = plan_kv_cache([{"l": full()}], [1000 * PAGE], opts(max_model_len=1024))
+    # 1000 blocks / 64 blocks per request.
+    assert plan.capacity.max_concurrency == 1000 / 64
+    assert plan.capacity.num_tokens == 16000
+    assert plan.capacity.report == (
+        "GPU KV cache size: 16,000 tokens, Maximum concurrency for 1,024 tokens per request: 15.62x"
+    )
+
+
+# ----------------------------------------------------------------------------- layouts
+def test_block_outermost_layout_packs_every_layer_page_into_a_block() -> None:
+    specs = {"a": full(), "b": full()}
+    plan = plan_kv_cache([specs], [GiB], opts(kv_cache_layout=KVCacheLayout.BLHNC))
+    (tensor,) = plan.ranks[0].kv_cache_config.kv_cache_tensors
+    assert (tensor.layer_stride, tensor.block_stride) == (PAGE, 2 * PAGE)
+    assert plan.ranks[0].kv_cache_config.kv_cache_layout is KVCacheLayout.BLHNC
+
+
+def test_block_outermost_mixed_pages_are_not_implemented() -> None:
+    specs = {"f": full(heads=4), "s": swa()}
+    with pytest.raises(ConfigError, match="not implemented"):
+        planning.get_kv_cache_groups(specs, opts(kv_cache_layout="BLHNC"))  # type: ignore[arg-type]
+
+
+def test_layout_strides_follow_the_axis_order() -> None:
+    spec = full(heads=2, head=64)
+    content = 128 * 2
+    lbnhc = planning.compute_layout_strides(spec, 10, 3, KVCacheLayout.LBNHC)
+    assert lbnhc == (10 * PAGE, PAGE, content, 2 * content, 1)
+    lbhnc = planning.compute_layout_strides(spec, 10, 3, KVCacheLayout.LBHNC)
+    assert lbhnc == (10 * PAGE, PAGE, 16 * content, content, 1)
+    blhnc = planning.compute_layout_strides(spec, 10, 3, KVCacheLayout.BLHNC, block_stride=3 * PAGE)
+    assert blhnc == (PAGE, 3 * PAGE, 16 * content, content, 1)
