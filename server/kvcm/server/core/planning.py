@@ -261,29 +261,6 @@ def _is_single_type(specs: Mapping[str, KVCacheSpec]) -> bool:
     return _merges(list(specs.values())) or UniformTypeKVCacheSpecs.is_uniform_type(specs)
 
 
-def _promote_local_specs(specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
-    """Sliding-window / chunked-local layers as full attention, when full attention is present.
-
-    Raises:
-            ConfigError: The promoted specs still do not form one type.
-    """
-    promoted = dict(specs)
-    if _is_single_type(promoted):
-        return promoted
-    values = list(specs.values())
-    has_full = any(isinstance(s, FullAttentionSpec) for s in values)
-    has_local = any(isinstance(s, SlidingWindowSpec | ChunkedLocalAttentionSpec) for s in values)
-    full_block_sizes = {s.block_size for s in values if isinstance(s, FullAttentionSpec)}
-    full_block_size = next(iter(full_block_sizes)) if len(full_block_sizes) == 1 else None
-    if has_full and has_local:
-        for name, spec in specs.items():
-            if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
-                promoted[name] = _as_full_attention(spec, full_block_size or spec.block_size)
-    if not _is_single_type(promoted):
-        raise ConfigError("Failed to promote local KV cache specs to one unified type.")
-    return promoted
-
-
 def _as_full_attention(
     spec: SlidingWindowSpec | ChunkedLocalAttentionSpec, block_size: int
 ) -> FullAttentionSpec:
@@ -322,7 +299,21 @@ def unify_hybrid_kv_cache_specs(specs: Mapping[str, KVCacheSpec]) -> dict[str, K
         ConfigError: The layers cannot be brought to one type (e.g. sliding window next to
             Mamba, or two different windows).
     """
-    return _promote_local_specs(specs)
+    promoted = dict(specs)
+    if _is_single_type(promoted):
+        return promoted
+    values = list(specs.values())
+    has_full = any(isinstance(s, FullAttentionSpec) for s in values)
+    has_local = any(isinstance(s, SlidingWindowSpec | ChunkedLocalAttentionSpec) for s in values)
+    full_block_sizes = {s.block_size for s in values if isinstance(s, FullAttentionSpec)}
+    full_block_size = next(iter(full_block_sizes)) if len(full_block_sizes) == 1 else None
+    if has_full and has_local:
+        for name, spec in specs.items():
+            if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+                promoted[name] = _as_full_attention(spec, full_block_size or spec.block_size)
+    if not _is_single_type(promoted):
+        raise ConfigError("Failed to promote local KV cache specs to one unified type.")
+    return promoted
 
 
 def unify_kv_cache_spec_page_size(specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
@@ -409,7 +400,7 @@ def _full_allocation_fallback(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheG
     if not (has_mla and has_swa):
         return None
     try:
-        promoted = _promote_local_specs(specs)
+        promoted = unify_hybrid_kv_cache_specs(specs)
     except ConfigError:
         return None
     uniform = UniformTypeKVCacheSpecs.from_specs(promoted)
