@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from kvcm.client._types import HashingParameters, PoolConfig
-from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheLayout, KVCacheTensor
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.events import (
@@ -291,7 +291,9 @@ _WIRE_HAS_PLACEMENT: Final = all(
 
 def kv_cache_config_to_proto(config: KVCacheConfig) -> common_pb2.KVCacheConfig:
     """The wire form of a ``KVCacheConfig`` (each tensor's size, layers and placement)."""
-    message = common_pb2.KVCacheConfig(num_blocks=config.num_blocks)
+    message = common_pb2.KVCacheConfig(
+        num_blocks=config.num_blocks, kv_cache_layout=config.kv_cache_layout.name
+    )
     for tensor in config.kv_cache_tensors:
         wire = message.kv_cache_tensors.add(size_bytes=tensor.size, shared_by=list(tensor.layers))
         if _WIRE_HAS_PLACEMENT:
@@ -359,8 +361,10 @@ def kv_cache_config_from_proto(message: common_pb2.KVCacheConfig) -> KVCacheConf
         for group in message.kv_cache_groups
     )
     pages = _layer_page_sizes(groups)
+    layout = KVCacheLayout.parse(message.kv_cache_layout or KVCacheLayout.LBNHC)
     return KVCacheConfig(
         num_blocks=message.num_blocks,
+        kv_cache_layout=layout,
         kv_cache_tensors=tuple(
             _tensor_from_proto(tensor, message.num_blocks, pages)
             for tensor in message.kv_cache_tensors

@@ -206,12 +206,18 @@ class LayerSpec(_message.Message):
     def __init__(self, layer_name: _Optional[str] = ..., spec: _Optional[_Union[KVCacheSpec, _Mapping]] = ...) -> None: ...
 
 class KVCacheTensor(_message.Message):
-    __slots__ = ("size_bytes", "shared_by")
+    __slots__ = ("size_bytes", "shared_by", "offset_bytes", "layer_stride_bytes", "block_stride_bytes")
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_BY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     size_bytes: int
     shared_by: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, size_bytes: _Optional[int] = ..., shared_by: _Optional[_Iterable[str]] = ...) -> None: ...
+    offset_bytes: int
+    layer_stride_bytes: int
+    block_stride_bytes: int
+    def __init__(self, size_bytes: _Optional[int] = ..., shared_by: _Optional[_Iterable[str]] = ..., offset_bytes: _Optional[int] = ..., layer_stride_bytes: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class KVCacheGroupSpec(_message.Message):
     __slots__ = ("layer_names", "kv_cache_spec")
@@ -222,14 +228,16 @@ class KVCacheGroupSpec(_message.Message):
     def __init__(self, layer_names: _Optional[_Iterable[str]] = ..., kv_cache_spec: _Optional[_Union[KVCacheSpec, _Mapping]] = ...) -> None: ...
 
 class KVCacheConfig(_message.Message):
-    __slots__ = ("num_blocks", "kv_cache_tensors", "kv_cache_groups")
+    __slots__ = ("num_blocks", "kv_cache_tensors", "kv_cache_groups", "kv_cache_layout")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TENSORS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     kv_cache_tensors: _containers.RepeatedCompositeFieldContainer[KVCacheTensor]
     kv_cache_groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroupSpec]
-    def __init__(self, num_blocks: _Optional[int] = ..., kv_cache_tensors: _Optional[_Iterable[_Union[KVCacheTensor, _Mapping]]] = ..., kv_cache_groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ...) -> None: ...
+    kv_cache_layout: str
+    def __init__(self, num_blocks: _Optional[int] = ..., kv_cache_tensors: _Optional[_Iterable[_Union[KVCacheTensor, _Mapping]]] = ..., kv_cache_groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., kv_cache_layout: _Optional[str] = ...) -> None: ...
 
 class HashingParameters(_message.Message):
     __slots__ = ("algorithm", "seed", "hash_block_size", "hash_length_bytes")
