@@ -1,0 +1,505 @@
+"""Benchmark: kvcm's allocation core against vLLM 0.33.0's V1 KVCacheManager, same workloads.
+
+Rows (median and p99 of each side, ratio = vLLM / kvcm: above 1 means kvcm is faster):
+
+1. decode step: 256 running requests, one new token each; per request ``allocate_slots(req, 1)``
+   as vLLM's scheduler calls it (prompt lengths staggered so ~1/16 of the requests cross a
+   block boundary each step and cache the block they filled). Appending the sampled token
+   (and hashing a newly full block) is the engine's output processing and stays untimed.
+2. admission: a 32k-token prompt whose first half is cached and free (lookup + allocate + the
+   admission stats record, as the scheduler does); the hit blocks leave the free queue, 1k new
+   blocks are allocated and cached. Between samples the request is freed and its new blocks
+   evicted (untimed), so every sample starts from the same state.
+3. free: release a request holding 2,048 blocks (2,047 cached full blocks, one partial).
+4. hashing 1k blocks of 16 tokens with each algorithm (``bench/hashing.py``'s workloads).
+5. memory per block at 1M blocks: ``tracemalloc`` of constructing the block pool.
+
+Both sides run with ``gc.freeze()`` after setup, as vLLM's engine does; samples interleave.
+
+    python bench/core.py [--quick] [--no-vllm] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import random
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+from _common import Row, Sample, import_vllm, init_vllm_none_hash, measure, print_table
+from hashing import bench_hashing
+
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.hashing import BlockHasher, HashAlgorithm
+from kvcm.common.specs import FullAttentionSpec
+from kvcm.server.core.block_pool import BlockPool
+from kvcm.server.core.manager import KVCacheManager, KVCacheManagerConfig
+from kvcm.server.core.request import Request, RequestStatus
+
+__all__ = ["BenchConfig", "main", "run_benchmarks"]
+
+BLOCK_SIZE = 16
+HASH_ALGORITHM = HashAlgorithm.SHA256
+HASH_SEED = "kvcm-bench"
+VOCAB = 32_000
+MAX_MODEL_LEN = 40_960
+VLLM_MODULES = (
+    "vllm.utils.hashing",
+    "vllm.v1.core.block_pool",
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.request",
+    "vllm.sampling_params",
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchConfig:
+    """Sizes and sample counts of one run.
+
+    Attributes:
+        decode_requests: Running requests in the decode step.
+        decode_prompt_tokens: Prompt length of the first decode request (the others add 0..15).
+        decode_repeats: Timed decode steps per side.
+        admit_prompt_tokens: Prompt length of the admitted request (half of it hits).
+        admit_repeats: Timed admissions per side.
+        free_blocks: Blocks held by the freed request.
+        free_repeats: Timed frees per side.
+        hash_blocks: Blocks per hashing sample.
+        hash_repeats: Timed hashing samples per algorithm and side.
+        memory_blocks: Blocks in the pool whose construction is traced.
+    """
+
+    decode_requests: int = 256
+    decode_prompt_tokens: int = 1000
+    decode_repeats: int = 300
+    admit_prompt_tokens: int = 32_768
+    admit_repeats: int = 100
+    free_blocks: int = 2048
+    free_repeats: int = 100
+    hash_blocks: int = 1000
+    hash_repeats: int = 200
+    memory_blocks: int = 1_000_000
+
+
+QUICK = BenchConfig(
+    decode_repeats=20,
+    admit_repeats=10,
+    free_repeats=10,
+    hash_repeats=10,
+    memory_blocks=100_000,
+)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------ sides
+class _KvcmSide:
+    """kvcm's core behind the operations the workloads need (timed bodies included)."""
+
+    name = "kvcm"
+
+    def __init__(self, num_blocks: int) -> None:
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=DType.BFLOAT16
+        )
+        config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=(),
+            kv_cache_groups=(KVCacheGroupSpec(layer_names=("layer.0",), kv_cache_spec=spec),),
+        )
+        self.manager = KVCacheManager(
+            KVCacheManagerConfig(
+                kv_cache_config=config, max_model_len=MAX_MODEL_LEN, log_stats=True
+            )
+        )
+        self.hasher = BlockHasher(BLOCK_SIZE, HASH_ALGORITHM, HASH_SEED)
+
+    def request(self, request_id: str, tokens: list[int]) -> Any:
+        return Request(request_id, tokens, block_hasher=self.hasher)
+
+    @staticmethod
+    def append(request: Any, token: int) -> None:
+        request.append_output_token_ids(token)
+
+    @staticmethod
+    def restart(request: Any) -> None:
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+
+    @staticmethod
+    def start_running(request: Any) -> None:
+        request.status = RequestStatus.RUNNING
+
+    def decode_step(self, requests: Sequence[Any]) -> None:
+        manager = self.manager
+        allocate = manager.allocate_slots
+        manager.new_step_starts()
+        for request in requests:
+            if allocate(request, 1) is None:
+                raise RuntimeError("decode step did not fit")
+            request.num_computed_tokens += 1
+
+    def admit(self, request: Any) -> tuple[int, list[int]]:
+        manager = self.manager
+        hit = manager.get_computed_blocks(request)
+        num_hit = hit.num_computed_tokens
+        blocks = manager.allocate_slots(request, request.num_tokens - num_hit, hit)
+        manager.record_prefix_cache_stats(request, num_hit)
+        if blocks is None:
+            raise RuntimeError("admission did not fit")
+        request.num_computed_tokens = request.num_tokens
+        return num_hit, blocks.get_block_ids()[0]
+
+    def free(self, request: Any) -> None:
+        self.manager.free(request)
+
+    def evict(self, block_ids: list[int]) -> None:
+        self.manager.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.manager.reset_prefix_cache()
+
+    def free_order(self) -> list[int]:
+        return [b.block_id for b in self.manager.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+class _VllmSide:
+    """vLLM 0.33.0's KVCacheManager behind the same operations."""
+
+    name = "vllm"
+
+    def __init__(self, ref: dict[str, ModuleType], num_blocks: int) -> None:
+        import torch
+
+        kci = ref["vllm.v1.kv_cache_interface"]
+        kcu = ref["vllm.v1.core.kv_cache_utils"]
+        hash_fn = ref["vllm.utils.hashing"].get_hash_fn_by_name(HASH_ALGORITHM.value)
+        init_vllm_none_hash(kcu, hash_fn, HASH_SEED)
+        self._hasher = kcu.get_request_block_hasher(BLOCK_SIZE, hash_fn)
+        self._request_mod = ref["vllm.v1.request"]
+        self._sampling = ref["vllm.sampling_params"]
+        spec = kci.FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+        )
+        config = kci.KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[kci.KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
+        )
+        self.manager = ref["vllm.v1.core.kv_cache_manager"].KVCacheManager(
+            kv_cache_config=config,
+            max_model_len=MAX_MODEL_LEN,
+            scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE,
+            enable_caching=True,
+            log_stats=True,
+        )
+
+    def request(self, request_id: str, tokens: list[int]) -> Any:
+        return self._request_mod.Request(
+            request_id=request_id,
+            prompt_token_ids=list(tokens),
+            sampling_params=self._sampling.SamplingParams(max_tokens=1 << 20),
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+
+    @staticmethod
+    def append(request: Any, token: int) -> None:
+        request.append_output_token_ids(token)
+
+    def restart(self, request: Any) -> None:
+        request.num_computed_tokens = 0
+        request.status = self._request_mod.RequestStatus.WAITING
+
+    def start_running(self, request: Any) -> None:
+        request.status = self._request_mod.RequestStatus.RUNNING
+
+    def decode_step(self, requests: Sequence[Any]) -> None:
+        manager = self.manager
+        allocate = manager.allocate_slots
+        manager.new_step_starts()
+        for request in requests:
+            if allocate(request, 1, num_lookahead_tokens=0) is None:
+                raise RuntimeError("decode step did not fit")
+            request.num_computed_tokens += 1
+
+    def admit(self, request: Any) -> tuple[int, list[int]]:
+        manager = self.manager
+        hit_blocks, num_hit, _ = manager.get_computed_blocks(request)
+        blocks = manager.allocate_slots(
+            request,
+            request.num_tokens - num_hit,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hit_blocks,
+        )
+        manager.record_prefix_cache_stats(request, num_hit)
+        if blocks is None:
+            raise RuntimeError("admission did not fit")
+        request.num_computed_tokens = request.num_tokens
+        return num_hit, blocks.get_block_ids()[0]
+
+    def free(self, request: Any) -> None:
+        self.manager.free(request)
+
+    def evict(self, block_ids: list[int]) -> None:
+        self.manager.evict_blocks(set(block_ids))
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.manager.reset_prefix_cache())
+
+    def free_order(self) -> list[int]:
+        queue = self.manager.block_pool.free_block_queue
+        return [b.block_id for b in queue.get_all_free_blocks()]
+
+
+Side = _KvcmSide | _VllmSide
+SideFactory = Callable[[int], Side]
+
+
+# -------------------------------------------------------------------------- workloads
+def _decode_sample(side: Side, config: BenchConfig) -> Sample:
+    rng = random.Random(1)
+    requests = []
+    for i in range(config.decode_requests):
+        # Staggered lengths: each step, ~1/16 of the requests fill (and cache) a block.
+        request = side.request(f"d{i}", _tokens(rng, config.decode_prompt_tokens + i % BLOCK_SIZE))
+        side.admit(request)
+        side.start_running(request)
+        requests.append(request)
+    next_tokens = _tokens(rng, 4096)
+    step = 0
+    perf = time.perf_counter
+
+    def sample() -> float:
+        nonlocal step
+        token = next_tokens[step % len(next_tokens)]
+        step += 1
+        for request in requests:
+            side.append(request, token)
+        start = perf()
+        side.decode_step(requests)
+        return perf() - start
+
+    return sample
+
+
+def _admit_sample(side: Side, config: BenchConfig) -> Sample:
+    rng = random.Random(2)
+    num_tokens = config.admit_prompt_tokens
+    prefix = _tokens(rng, num_tokens // 2)
+    warm = side.request("prefix", prefix)
+    side.admit(warm)
+    side.free(warm)  # its blocks stay cached, free: the hit must take them off the queue
+    request = side.request("admit", prefix + _tokens(rng, num_tokens - len(prefix)))
+    perf = time.perf_counter
+
+    def sample() -> float:
+        side.restart(request)
+        start = perf()
+        num_hit, new_ids = side.admit(request)
+        elapsed = perf() - start
+        if num_hit != len(prefix):
+            raise RuntimeError(f"{side.name}: hit {num_hit} tokens, expected {len(prefix)}")
+        side.free(request)
+        side.evict(new_ids)  # the next sample must miss on the second half again
+        return elapsed
+
+    return sample
+
+
+def _free_sample(side: Side, config: BenchConfig) -> Sample:
+    rng = random.Random(3)
+    # The last block is partial: 2,047 cached blocks go to the back of the queue, one to the
+    # front.
+    num_tokens = config.free_blocks * BLOCK_SIZE - BLOCK_SIZE // 2
+    request = side.request("free", _tokens(rng, num_tokens))
+    perf = time.perf_counter
+
+    def sample() -> float:
+        if not side.reset_prefix_cache():
+            raise RuntimeError(f"{side.name}: reset_prefix_cache refused")
+        side.restart(request)
+        side.admit(request)
+        start = perf()
+        side.free(request)
+        return perf() - start
+
+    return sample
+
+
+# The pools of each workload: enough blocks that nothing cached is evicted by accident.
+def _decode_blocks(config: BenchConfig) -> int:
+    max_len = config.decode_prompt_tokens + BLOCK_SIZE + config.decode_repeats + 64
+    return config.decode_requests * (max_len // BLOCK_SIZE + 2) + 1
+
+
+def _admit_blocks(config: BenchConfig) -> int:
+    return 4 * (config.admit_prompt_tokens // BLOCK_SIZE) + 1
+
+
+def _free_blocks(config: BenchConfig) -> int:
+    return 2 * config.free_blocks + 1
+
+
+WORKLOADS: tuple[tuple[str, Callable[[Side, BenchConfig], Sample], Callable[..., int]], ...] = (
+    ("decode step, 256 requests x 1 token", _decode_sample, _decode_blocks),
+    ("admit 32k prompt, 50% prefix hit", _admit_sample, _admit_blocks),
+    ("free a 2k-block request", _free_sample, _free_blocks),
+)
+
+
+def _repeats(config: BenchConfig, index: int) -> int:
+    return (config.decode_repeats, config.admit_repeats, config.free_repeats)[index]
+
+
+def _check_same_decisions(kvcm: Side, vllm: Side, name: str) -> None:
+    # Same workload means same decisions: the free queues must match block for block.
+    if kvcm.free_order() != vllm.free_order():
+        raise RuntimeError(f"{name}: kvcm and vLLM free queues differ; the workloads diverged")
+
+
+def _profile(sample: Sample, repeats: int, name: str) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeats):
+        sample()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
+    print(f"== cProfile, kvcm side: {name} ({repeats} samples)\n{out.getvalue()}", file=sys.stderr)
+
+
+def bench_manager_rows(
+    config: BenchConfig, ref: dict[str, ModuleType] | None, *, profile: bool = False
+) -> list[Row]:
+    """Time the manager workloads (decode, admission, free) on kvcm and, if given, vLLM."""
+    rows = []
+    for index, (name, make_sample, num_blocks_of) in enumerate(WORKLOADS):
+        num_blocks = num_blocks_of(config)
+        repeats = _repeats(config, index)
+        kvcm_side = _KvcmSide(num_blocks)
+        samples = [make_sample(kvcm_side, config)]
+        vllm_side = None
+        if ref is not None:
+            vllm_side = _VllmSide(ref, num_blocks)
+            samples.append(make_sample(vllm_side, config))
+        timings = measure(samples, repeats)
+        if vllm_side is not None:
+            _check_same_decisions(kvcm_side, vllm_side, name)
+        rows.append(Row.of_timings(name, timings[0], timings[1] if len(timings) > 1 else None))
+        if profile:
+            _profile(samples[0], max(1, repeats // 2), name)
+        del samples, kvcm_side, vllm_side
+        gc.collect()
+    return rows
+
+
+def bench_hash_rows(config: BenchConfig, *, with_vllm: bool) -> list[Row]:
+    """Hashing rows from ``bench/hashing.py`` (its ratio inverted to vLLM / kvcm)."""
+    rows = []
+    for result in bench_hashing(
+        config.hash_blocks, config.hash_repeats, BLOCK_SIZE, with_vllm=with_vllm
+    ):
+        rows.append(
+            Row(
+                f"hash {config.hash_blocks} blocks: {result.algorithm}, {result.workload}",
+                "ms",
+                result.kvcm_median_ms,
+                result.kvcm_p99_ms,
+                result.vllm_median_ms,
+                result.vllm_p99_ms,
+            )
+        )
+    return rows
+
+
+def _traced_bytes(build: Callable[[], object]) -> tuple[int, int]:
+    # Bytes still allocated once the object exists (it is kept alive), and the peak.
+    gc.collect()
+    tracemalloc.start()
+    try:
+        built = build()
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del built
+    gc.collect()
+    return current, peak
+
+
+def bench_memory_rows(config: BenchConfig, ref: dict[str, ModuleType] | None) -> list[Row]:
+    """Bytes per block of a freshly built block pool (retained, and peak while building)."""
+    n = config.memory_blocks
+    kvcm = _traced_bytes(lambda: BlockPool(n, True, BLOCK_SIZE))
+    vllm: tuple[int, int] | tuple[None, None] = (None, None)
+    if ref is not None:
+        pool_class = ref["vllm.v1.core.block_pool"].BlockPool
+        vllm = _traced_bytes(
+            lambda: pool_class(num_gpu_blocks=n, enable_caching=True, hash_block_size=BLOCK_SIZE)
+        )
+    label = f"{n // 1_000_000}M" if n >= 1_000_000 else f"{n // 1000}k"
+    rows = []
+    for which, index in (("retained", 0), ("peak", 1)):
+        theirs = vllm[index]
+        rows.append(
+            Row(
+                f"memory per block at {label} blocks ({which})",
+                "B/block",
+                kvcm[index] / n,
+                None,
+                None if theirs is None else theirs / n,
+                None,
+            )
+        )
+    return rows
+
+
+def run_benchmarks(
+    config: BenchConfig, *, with_vllm: bool = True, profile: bool = False
+) -> list[Row]:
+    """Every row of the table, in display order."""
+    ref = import_vllm(*VLLM_MODULES) if with_vllm else None
+    rows = bench_manager_rows(config, ref, profile=profile)
+    rows += bench_hash_rows(config, with_vllm=ref is not None)
+    rows += bench_memory_rows(config, ref)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point: print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="few samples: a smoke run")
+    parser.add_argument("--no-vllm", action="store_true", help="time kvcm only")
+    parser.add_argument("--profile", action="store_true", help="cProfile kvcm's manager rows")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else BenchConfig()
+    started = time.perf_counter()
+    rows = run_benchmarks(config, with_vllm=not args.no_vllm, profile=args.profile)
+    print_table(
+        rows,
+        "kvcm core vs vLLM 0.33.0 (ratio = vLLM / kvcm: above 1, kvcm is faster or smaller)",
+    )
+    print(f"({time.perf_counter() - started:.1f} s; Python {sys.version.split()[0]})")
+
+
+if __name__ == "__main__":
+    main()
