@@ -1,0 +1,179 @@
+"""The server process: gRPC (grpc.aio) and HTTP (uvicorn) on one asyncio event loop.
+
+::
+
+    KVCMServer.start()  gRPC: kvcm.v1 services + grpc.health.v1 + reflection, bound first
+                        HTTP: build_app(registry, rpc_stats, is_ready) on uvicorn, same loop
+    KVCMServer.stop()   health NOT_SERVING and /readyz 503 first, then the gRPC side drains
+                        in-flight calls for shutdown_grace_s, then HTTP stops
+
+``serve(settings)`` runs a server until SIGINT or SIGTERM. uvicorn's own signal handlers are
+disabled: the process has one shutdown path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvcm.server.core.pool import PoolRegistry
+from kvcm.server.http import build_app
+from kvcm.server.rpc import SERVICE_NAMES, ServerState, TelemetryInterceptor, add_servicers
+from kvcm.server.settings import ServerSettings, split_address
+from kvcm.server.telemetry import RpcStats
+
+__all__ = ["KVCMServer", "serve"]
+
+_LOG = logging.getLogger("kvcm.server")
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers (the kvcm server owns shutdown)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class KVCMServer:
+    """One kvcm server: its pools, its gRPC and HTTP sides.
+
+    Attributes:
+        settings: How it runs.
+        state: What the servicers share (registry, RPC stats, per-pool wake-ups).
+        grpc_port: The bound gRPC port (after ``start``).
+        http_port: The bound HTTP port (after ``start``; 0 without HTTP).
+    """
+
+    def __init__(self, settings: ServerSettings) -> None:
+        """Prepare a server; nothing is bound until ``start``."""
+        self.settings = settings
+        self.state = ServerState(
+            registry=PoolRegistry(max_pools=settings.max_pools), rpc_stats=RpcStats()
+        )
+        self.grpc_port = 0
+        self.http_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._http: _EmbeddedUvicorn | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def grpc_address(self) -> str:
+        """``host:port`` the gRPC side listens on."""
+        host, _ = split_address(self.settings.grpc_address)
+        return f"{host}:{self.grpc_port}"
+
+    @property
+    def http_address(self) -> str:
+        """``host:port`` the HTTP side listens on."""
+        host, _ = split_address(self.settings.http_address)
+        return f"{host}:{self.http_port}"
+
+    async def start(self) -> None:
+        """Bind and start both sides; the gRPC side reports SERVING once started.
+
+        Raises:
+            RuntimeError: An address could not be bound.
+        """
+        settings = self.settings
+        server = grpc.aio.server(
+            interceptors=[TelemetryInterceptor(self.state.rpc_stats)],
+            options=[
+                ("grpc.max_send_message_length", settings.max_message_bytes),
+                ("grpc.max_receive_message_length", settings.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        add_servicers(server, self.state)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            server,
+        )
+        host, port = split_address(settings.grpc_address)
+        bound = server.add_insecure_port(f"{_bracket(host)}:{port}")
+        if bound == 0:
+            raise RuntimeError(f"could not bind the gRPC address {settings.grpc_address!r}")
+        self.grpc_port = bound
+        self._grpc = server
+        await server.start()
+        if settings.http_address:
+            await self._start_http()
+        for name in ("", *SERVICE_NAMES):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.state.serving = True
+        _LOG.info("kvcm serving gRPC on %s, HTTP on %s", self.grpc_address,
+                  self.http_address if settings.http_address else "(off)")
+
+    async def _start_http(self) -> None:
+        host, port = split_address(self.settings.http_address)
+        app = build_app(self.state.registry, self.state.rpc_stats, lambda: self.state.serving)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=self.settings.log_level.lower(),
+            lifespan="off",
+            access_log=False,
+        )
+        http = _EmbeddedUvicorn(config)
+        self._http = http
+        self._http_task = asyncio.create_task(http.serve(), name="kvcm-http")
+        while not http.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises what stopped it
+                raise RuntimeError(
+                    f"the HTTP side did not start on {self.settings.http_address!r}"
+                )
+            await asyncio.sleep(0.005)
+        self.http_port = http.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop gracefully: NOT_SERVING and /readyz 503, drain gRPC, then stop HTTP."""
+        if self._stopped.is_set():
+            return
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        self.state.serving = False
+        await self._health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            await self._http_task
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        """Wait until ``stop`` has finished."""
+        await self._stopped.wait()
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def serve(settings: ServerSettings) -> None:
+    """Run a server until SIGINT or SIGTERM, then shut it down gracefully."""
+    server = KVCMServer(settings)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop_requested.set)
+    try:
+        await stop_requested.wait()
+        _LOG.info("kvcm shutting down (grace %.1fs)", settings.shutdown_grace_s)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await server.stop()

@@ -1,0 +1,940 @@
+"""Pools: one engine instance's KV-cache bookkeeping, and the registry of a server's pools.
+
+A :class:`Pool` wraps one :class:`~kvcm.server.core.KVCacheManager` with what the service adds
+around it: the request table (keyed by the scheduler's request keys), worker registrations and
+planning, the resolved hashing parameters, a sequenced event log for resuming subscribers, the
+exactly-once Step guard and cumulative counters for metrics. It is pure: no I/O, no clocks (the
+caller stamps event batches), no grpc. Every method validates before it changes anything, and
+raises the :mod:`kvcm.common.errors` classes (plus :class:`OutOfRangeError` for events).
+
+::
+
+    PoolRegistry ── name ──> Pool ── PENDING_WORKERS ──(all ranks registered)──> READY
+                                 └── explicit layout ───────────────────────────> READY
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from kvcm.common.config import KVCacheConfig
+from kvcm.common.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCMError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from kvcm.common.events import KVCacheEvent
+from kvcm.common.hashing import BlockHash, HashAlgorithm, resolve_none_hash_seed
+from kvcm.common.specs import KVCacheSpec
+from kvcm.server.core.manager import (
+    DEFAULT_SLOT_OPTIONS,
+    CacheHit,
+    KVCacheBlocks,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    SlotOptions,
+)
+from kvcm.server.core.planning import (
+    PlanningOptions,
+    UnifiedPlan,
+    get_kv_cache_config_from_groups,
+    layer_spec,
+    plan_kv_cache,
+    project_groups_to_rank,
+)
+from kvcm.server.core.request import Request, RequestStatus
+from kvcm.server.core.stats import PrefixCacheStats
+
+__all__ = [
+    "DEFAULT_EVENT_RETENTION",
+    "HashingInfo",
+    "OutOfRangeError",
+    "Pool",
+    "PoolOptions",
+    "PoolRegistry",
+    "PoolSnapshot",
+    "PoolState",
+    "Registration",
+    "check_pool_id",
+    "hash_length_bytes",
+]
+
+DEFAULT_EVENT_RETENTION: Final = 65536
+_POOL_ID_CHARS: Final = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
+)
+_HASH_LENGTH: Final = {
+    HashAlgorithm.SHA256: 32,
+    HashAlgorithm.SHA256_CBOR: 32,
+    HashAlgorithm.XXHASH: 16,
+    HashAlgorithm.XXHASH_CBOR: 16,
+}
+
+
+class OutOfRangeError(KVCMError):
+    """Raised when events are asked for from a sequence number no longer kept."""
+
+
+@enum.unique
+class PoolState(enum.StrEnum):
+    """Lifecycle of a pool (``str()`` is the name, as metrics and JSON print it)."""
+
+    PENDING_WORKERS = "PENDING_WORKERS"
+    READY = "READY"
+
+
+def hash_length_bytes(algorithm: HashAlgorithm) -> int:
+    """Bytes of one block hash of ``algorithm`` (32 for sha256, 16 for xxhash)."""
+    return _HASH_LENGTH[algorithm]
+
+
+def check_pool_id(pool_id: str) -> None:
+    """Reject a pool id that is not 1-128 characters of ``[A-Za-z0-9._-]``.
+
+    Raises:
+        InvalidArgumentError: It is not (the message names ``pool_id``).
+    """
+    if not 1 <= len(pool_id) <= 128 or not _POOL_ID_CHARS.issuperset(pool_id):
+        raise InvalidArgumentError(
+            f"pool_id must be 1-128 characters of [A-Za-z0-9._-], got {pool_id!r}"
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolOptions:
+    """Everything a pool is created with (the core's reading of ``kvcm.v1.PoolConfig``).
+
+    Attributes:
+        max_model_len: The model's context length, in tokens.
+        world_size: Ranks that register; 0 needs ``explicit_layout``.
+        explicit_layout: Groups and block count that plan the pool at once.
+        num_blocks_override: With registrations: this many blocks whatever the memory.
+        scheduler_block_size: Scheduling granularity; ``None``: the manager's default.
+        hash_block_size: Tokens per hashed block; ``None``: the manager's default.
+        max_in_flight_tokens: Tokens scheduled but not settled; ``None``: max_model_len.
+        enable_caching: Prefix caching.
+        hash_algorithm: Block hash algorithm.
+        hash_seed: NONE_HASH seed; ``None``: vLLM's resolution.
+        verify_block_hashes: Recompute every block hash a client sends.
+        enable_kv_cache_events: Publish KV events.
+        event_retention_num_events: Events kept for resuming subscribers.
+        log_stats: Prefix-cache statistics.
+        watermark: Fraction of blocks kept free when admitting, in [0, 1).
+    """
+
+    max_model_len: int
+    world_size: int = 0
+    explicit_layout: KVCacheConfig | None = None
+    num_blocks_override: int | None = None
+    scheduler_block_size: int | None = None
+    hash_block_size: int | None = None
+    max_in_flight_tokens: int | None = None
+    enable_caching: bool = True
+    hash_algorithm: HashAlgorithm = HashAlgorithm.SHA256
+    hash_seed: str | None = None
+    verify_block_hashes: bool = False
+    enable_kv_cache_events: bool = False
+    event_retention_num_events: int = DEFAULT_EVENT_RETENTION
+    log_stats: bool = True
+    watermark: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise InvalidArgumentError(
+                f"config.max_model_len must be >= 1, got {self.max_model_len}"
+            )
+        if self.explicit_layout is None and self.world_size < 1:
+            raise InvalidArgumentError(
+                "config.world_size must be >= 1 when config.explicit_layout is unset"
+            )
+        layout = self.explicit_layout
+        if layout is not None:
+            if layout.num_blocks < 2:
+                raise InvalidArgumentError(
+                    f"config.explicit_layout.num_blocks must be >= 2, got {layout.num_blocks}"
+                )
+            if not layout.kv_cache_groups:
+                raise InvalidArgumentError("config.explicit_layout.kv_cache_groups is empty")
+            for index, group in enumerate(layout.kv_cache_groups):
+                if not group.layer_names:
+                    raise InvalidArgumentError(
+                        f"config.explicit_layout.kv_cache_groups[{index}].layer_names is empty"
+                    )
+        for name in ("num_blocks_override",):
+            value = getattr(self, name)
+            if value is not None and value < 2:
+                raise InvalidArgumentError(f"config.{name} must be >= 2, got {value}")
+        for name in ("scheduler_block_size", "hash_block_size", "max_in_flight_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidArgumentError(f"config.{name} must be >= 1, got {value}")
+        if self.event_retention_num_events < 1:
+            raise InvalidArgumentError(
+                "config.event_retention_num_events must be >= 1, "
+                f"got {self.event_retention_num_events}"
+            )
+        if not 0.0 <= self.watermark < 1.0:
+            raise InvalidArgumentError(f"config.watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HashingInfo:
+    """How the pool's clients hash blocks (``kvcm.v1.HashingParameters``)."""
+
+    algorithm: HashAlgorithm
+    seed: str
+    hash_block_size: int
+    hash_length_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Registration:
+    """One rank's registration: its layers' specs and the bytes it gives the KV cache."""
+
+    specs: Mapping[str, KVCacheSpec]
+    available_memory_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolSnapshot:
+    """A pool's state copied out for metrics and summaries (read by ``kvcm.server.http``).
+
+    Counters are cumulative since the pool was created; ``groups`` holds
+    ``(group_id, kind, block_size, num_layers)`` per KV-cache group.
+    """
+
+    name: str
+    state: PoolState
+    world_size: int
+    registered_workers: int
+    num_blocks: int
+    num_free_blocks: int
+    usage: float
+    num_cached_blocks: int
+    groups: tuple[tuple[int, str, int, int], ...]
+    num_requests: int
+    requests: int
+    queries: int
+    hits: int
+    preempted_requests: int
+    preempted_queries: int
+    preempted_hits: int
+    recent_hit_rate: float
+    evicted_blocks_total: int
+    events_emitted_total: int
+    allocations_not_fit_total: int
+
+
+def _add_stats(total: PrefixCacheStats, drained: PrefixCacheStats) -> None:
+    total.reset = total.reset or drained.reset
+    total.requests += drained.requests
+    total.queries += drained.queries
+    total.hits += drained.hits
+    total.preempted_requests += drained.preempted_requests
+    total.preempted_queries += drained.preempted_queries
+    total.preempted_hits += drained.preempted_hits
+
+
+@dataclass(slots=True)
+class _EventLog:
+    """Published events with consecutive sequence numbers (1, 2, ...), the last N kept."""
+
+    retention: int
+    events: deque[tuple[KVCacheEvent, float]] = field(default_factory=deque)
+    next_sequence: int = 1
+
+    @property
+    def oldest_sequence(self) -> int:
+        return self.next_sequence - len(self.events)
+
+
+class Pool:
+    """One engine instance's KV-cache bookkeeping (see the module docstring).
+
+    Attributes:
+        name: The pool id.
+        options: What the pool was created with.
+        state: PENDING_WORKERS until planned, then READY.
+        hashing: The resolved hashing parameters (block size known once READY).
+        manager: The KV-cache manager; ``None`` until READY.
+        kv_cache_config: The planned pool-level config (no tensors); ``None`` until READY.
+        max_model_len: The planned context length.
+        registrations: Registered ranks.
+        requests: Live requests by request key.
+        last_step_seq: The last applied Step sequence number (0: none yet).
+        last_step_response: What the servicer answered for ``last_step_seq`` (opaque here).
+        allocations_not_fit_total: Allocations answered "does not fit" so far.
+    """
+
+    def __init__(self, name: str, options: PoolOptions) -> None:
+        """Create a pool; one with an explicit layout is planned (READY) at once.
+
+        Raises:
+            InvalidArgumentError: The name or the options are out of their domain.
+            ConfigError: The explicit layout cannot be managed.
+        """
+        check_pool_id(name)
+        self.name = name
+        self.options = options
+        algorithm = options.hash_algorithm
+        self._seed = resolve_none_hash_seed(algorithm, options.hash_seed)
+        self.hashing = HashingInfo(
+            algorithm=algorithm,
+            seed=self._seed,
+            hash_block_size=options.hash_block_size or 0,
+            hash_length_bytes=hash_length_bytes(algorithm),
+        )
+        self.state = PoolState.PENDING_WORKERS
+        self.manager: KVCacheManager | None = None
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.plan: UnifiedPlan | None = None
+        self.max_model_len = options.max_model_len
+        self.registrations: dict[int, Registration] = {}
+        self.requests: dict[int, Request] = {}
+        self.request_ids: dict[int, str] = {}
+        self.last_step_seq = 0
+        self.last_step_response: object | None = None
+        self.allocations_not_fit_total = 0
+        self._events = _EventLog(options.event_retention_num_events)
+        self._stats_total = PrefixCacheStats()
+        self._stats_untaken = PrefixCacheStats()
+        self._evicted_before_plan = 0
+        if options.explicit_layout is not None:
+            self._make_ready(options.explicit_layout, options.max_model_len)
+
+    # ------------------------------------------------------------------------ planning
+    def _make_ready(self, config: KVCacheConfig, max_model_len: int) -> None:
+        options = self.options
+        scheduler_config = KVCacheConfig(
+            num_blocks=config.num_blocks,
+            kv_cache_tensors=(),
+            kv_cache_groups=config.kv_cache_groups,
+        )
+        manager = KVCacheManager(
+            KVCacheManagerConfig(
+                kv_cache_config=scheduler_config,
+                max_model_len=max_model_len,
+                scheduler_block_size=options.scheduler_block_size,
+                hash_block_size=options.hash_block_size,
+                max_in_flight_tokens=options.max_in_flight_tokens,
+                enable_caching=options.enable_caching,
+                enable_kv_cache_events=options.enable_kv_cache_events,
+                log_stats=options.log_stats,
+                watermark=options.watermark,
+            )
+        )
+        self.manager = manager
+        self.kv_cache_config = scheduler_config
+        self.max_model_len = max_model_len
+        self.hashing = HashingInfo(
+            algorithm=self.hashing.algorithm,
+            seed=self._seed,
+            hash_block_size=manager.hash_block_size,
+            hash_length_bytes=self.hashing.hash_length_bytes,
+        )
+        self.state = PoolState.READY
+
+    def register_worker(
+        self, rank: int, world_size: int, specs: Mapping[str, KVCacheSpec], memory: int
+    ) -> None:
+        """Record one rank's registration; plan the pool once every rank has registered.
+
+        Idempotent for the same specs and memory. Nothing changes when it raises.
+
+        Raises:
+            InvalidArgumentError: rank or world_size out of range, no layers.
+            AlreadyExistsError: The rank registered before with other specs or memory.
+            FailedPreconditionError: Specs disagree with another rank or the explicit layout.
+            ResourceExhaustedError: The memory holds fewer than 2 blocks.
+            ConfigError: Planning rejected the specs.
+        """
+        pool_world = self.options.world_size
+        if pool_world and world_size != pool_world:
+            raise InvalidArgumentError(
+                f"world_size {world_size} is not pool {self.name!r}'s world_size {pool_world}"
+            )
+        if not 0 <= rank < max(world_size, 1):
+            raise InvalidArgumentError(f"rank must be in [0, {world_size}), got {rank}")
+        if not specs:
+            raise InvalidArgumentError("layer_specs must not be empty")
+        registration = Registration(specs=dict(specs), available_memory_bytes=memory)
+        known = self.registrations.get(rank)
+        if known is not None:
+            if known == registration:
+                return
+            raise AlreadyExistsError(
+                f"rank {rank} of pool {self.name!r} registered before with other specs or memory"
+            )
+        layout = self.options.explicit_layout
+        if layout is not None:
+            self._check_against_layout(rank, specs, layout)
+            self.registrations[rank] = registration
+            return
+        self._check_against_ranks(rank, specs)
+        registered = {**self.registrations, rank: registration}
+        if len(registered) < world_size:
+            self.registrations = registered
+            return
+        self._plan(registered)
+        self.registrations = registered
+
+    def _check_against_layout(
+        self, rank: int, specs: Mapping[str, KVCacheSpec], layout: KVCacheConfig
+    ) -> None:
+        by_layer = {
+            name: layer_spec(group, name)
+            for group in layout.kv_cache_groups
+            for name in group.layer_names
+        }
+        for name, spec in specs.items():
+            expected = by_layer.get(name)
+            if expected is None:
+                raise FailedPreconditionError(
+                    f"rank {rank}: layer {name!r} is not in pool {self.name!r}'s explicit layout"
+                )
+            if expected != spec:
+                raise FailedPreconditionError(
+                    f"rank {rank}: layer {name!r} has spec {spec!r}, the explicit layout "
+                    f"{expected!r}"
+                )
+
+    def _check_against_ranks(self, rank: int, specs: Mapping[str, KVCacheSpec]) -> None:
+        for other, registration in self.registrations.items():
+            for name, spec in specs.items():
+                known = registration.specs.get(name)
+                if known is not None and known != spec:
+                    raise FailedPreconditionError(
+                        f"ranks {other} and {rank} disagree on layer {name!r}: "
+                        f"{known!r} != {spec!r}"
+                    )
+
+    def _plan(self, registered: Mapping[int, Registration]) -> None:
+        ranks = sorted(registered)
+        options = self.options
+        plan = plan_kv_cache(
+            [registered[r].specs for r in ranks],
+            [registered[r].available_memory_bytes for r in ranks],
+            PlanningOptions(
+                max_model_len=options.max_model_len,
+                max_in_flight_tokens=options.max_in_flight_tokens,
+                num_gpu_blocks_override=options.num_blocks_override,
+                enable_caching=options.enable_caching,
+            ),
+        )
+        if plan.num_blocks < 2:
+            raise ResourceExhaustedError(
+                f"pool {self.name!r}: the ranks' memory holds {plan.num_blocks} blocks, "
+                "fewer than 2 (the null block and one usable block)"
+            )
+        self.plan = plan
+        self._make_ready(plan.scheduler_kv_cache_config, plan.max_model_len)
+
+    def rank_config(self, rank: int) -> KVCacheConfig:
+        """The planned config of a registered rank (its own tensors).
+
+        Raises:
+            FailedPreconditionError: The pool is not READY.
+            NotFoundError: The rank has not registered.
+        """
+        registration = self.registrations.get(rank)
+        if registration is None:
+            raise NotFoundError(f"rank {rank} has not registered with pool {self.name!r}")
+        if self.plan is not None:
+            return self.plan.kv_cache_config(rank)
+        config = self.kv_cache_config
+        if config is None:
+            raise FailedPreconditionError(f"pool {self.name!r} is not READY")
+        groups = project_groups_to_rank(config.kv_cache_groups, registration.specs)
+        placed = get_kv_cache_config_from_groups(
+            groups, config.num_blocks, PlanningOptions(max_model_len=1).kv_cache_layout
+        )
+        return KVCacheConfig(
+            num_blocks=config.num_blocks,
+            kv_cache_tensors=placed.kv_cache_tensors,
+            kv_cache_groups=config.kv_cache_groups,
+        )
+
+    @property
+    def is_planned_for(self) -> bool:
+        """Whether registering ranks can be answered now (READY)."""
+        return self.state is PoolState.READY
+
+    # ------------------------------------------------------------------------ requests
+    def ready_manager(self) -> KVCacheManager:
+        """The manager of a READY pool.
+
+        Raises:
+            FailedPreconditionError: The pool is still waiting for workers.
+        """
+        manager = self.manager
+        if manager is None:
+            raise FailedPreconditionError(
+                f"pool {self.name!r} is PENDING_WORKERS: "
+                f"{len(self.registrations)} of {self.options.world_size} ranks registered"
+            )
+        return manager
+
+    def request(self, key: int) -> Request:
+        """The live request with this key.
+
+        Raises:
+            NotFoundError: No live request has the key.
+        """
+        request = self.requests.get(key)
+        if request is None:
+            raise NotFoundError(f"request key {key} is not live in pool {self.name!r}")
+        return request
+
+    def split_hashes(self, field_name: str, raw: bytes, expected: int) -> list[BlockHash]:
+        """Split concatenated hashes, checking their count.
+
+        Raises:
+            InvalidArgumentError: ``raw`` is not ``expected`` hashes (names ``field_name``).
+        """
+        size = self.hashing.hash_length_bytes
+        if len(raw) != expected * size:
+            raise InvalidArgumentError(
+                f"{field_name} must hold {expected} hashes of {size} bytes, got {len(raw)} bytes"
+            )
+        return [BlockHash(raw[i : i + size]) for i in range(0, len(raw), size)]
+
+    def expected_num_hashes(self, num_tokens: int) -> int:
+        """Block hashes a request of ``num_tokens`` tokens carries."""
+        if not self.options.enable_caching:
+            return 0
+        return num_tokens // self.hashing.hash_block_size
+
+    def check_new_request(self, key: int, num_tokens: int, hashes_bytes: int) -> None:
+        """Validate an AddRequest's key, prompt length and hash bytes (without the table).
+
+        Raises:
+            InvalidArgumentError: An empty or too long prompt, wrong hash bytes.
+        """
+        if num_tokens == 0:
+            raise InvalidArgumentError(f"request key {key}: prompt_token_ids must not be empty")
+        if num_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"request key {key}: prompt_token_ids has {num_tokens} tokens, more than "
+                f"max_model_len {self.max_model_len}"
+            )
+        expected = self.expected_num_hashes(num_tokens) * self.hashing.hash_length_bytes
+        if hashes_bytes != expected:
+            raise InvalidArgumentError(
+                f"request key {key}: block_hashes must hold {expected} bytes "
+                f"({self.expected_num_hashes(num_tokens)} hashes), got {hashes_bytes}"
+            )
+
+    def add_request(
+        self,
+        key: int,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        block_hashes: bytes,
+        *,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        skip_reading_prefix_cache: bool = False,
+    ) -> Request:
+        """Start tracking a request.
+
+        Raises:
+            FailedPreconditionError: The pool is not READY.
+            AlreadyExistsError: The key is live.
+            InvalidArgumentError: Empty or too long prompt, wrong hashes.
+        """
+        self.ready_manager()
+        if key in self.requests:
+            raise AlreadyExistsError(f"request key {key} is live in pool {self.name!r}")
+        self.check_new_request(key, len(prompt_token_ids), len(block_hashes))
+        hashes = self.split_hashes(
+            "block_hashes", block_hashes, len(block_hashes) // self.hashing.hash_length_bytes
+        )
+        request = Request(
+            str(key),
+            prompt_token_ids,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
+        )
+        if self.options.verify_block_hashes:
+            self._verify(request, hashes, 0)
+        request.block_hashes = hashes
+        self.requests[key] = request
+        self.request_ids[key] = request_id
+        return request
+
+    def _verify(self, request: Request, sent: Sequence[BlockHash], first: int) -> None:
+        from kvcm.common.hashing import BlockHasher
+
+        hasher = BlockHasher(self.hashing.hash_block_size, self.hashing.algorithm, self._seed)
+        computed = hasher.hash_token_ids(
+            request.all_token_ids, lora_name=request.lora_name, cache_salt=request.cache_salt
+        )[first:]
+        if list(sent) != computed[: len(sent)]:
+            raise InvalidArgumentError(
+                f"request key {request.request_id}: block_hashes differ from the server's"
+            )
+
+    def check_append(self, key: int, num_tokens: int, num_hashes: int, num_before: int) -> None:
+        """Validate an append of ``num_tokens`` tokens with ``num_hashes`` hashes.
+
+        Args:
+            key: The request key (for messages).
+            num_tokens: Tokens appended.
+            num_hashes: Hashes sent with them.
+            num_before: The request's tokens before the append.
+
+        Raises:
+            InvalidArgumentError: No tokens, beyond max_model_len, wrong number of hashes.
+        """
+        if num_tokens == 0:
+            raise InvalidArgumentError(f"request key {key}: token_ids must not be empty")
+        total = num_before + num_tokens
+        if total > self.max_model_len:
+            raise InvalidArgumentError(
+                f"request key {key}: {total} tokens exceed max_model_len {self.max_model_len}"
+            )
+        expected = self.expected_num_hashes(total) - self.expected_num_hashes(num_before)
+        if num_hashes != expected:
+            raise InvalidArgumentError(
+                f"request key {key}: block_hashes must hold {expected} hashes for the blocks "
+                f"the tokens fill, got {num_hashes}"
+            )
+
+    def append_tokens(self, key: int, token_ids: Sequence[int], block_hashes: bytes) -> None:
+        """Append produced tokens and the hashes of the blocks they filled.
+
+        Raises:
+            NotFoundError: Unknown key.
+            InvalidArgumentError: See :meth:`check_append`.
+        """
+        self.ready_manager()
+        request = self.request(key)
+        size = self.hashing.hash_length_bytes
+        if len(block_hashes) % size:
+            raise InvalidArgumentError(f"block_hashes must be a multiple of {size} bytes")
+        num_hashes = len(block_hashes) // size
+        self.check_append(key, len(token_ids), num_hashes, request.num_tokens)
+        self.apply_append(
+            request, token_ids, self.split_hashes("block_hashes", block_hashes, num_hashes)
+        )
+
+    def apply_append(
+        self, request: Request, token_ids: Sequence[int], hashes: Sequence[BlockHash]
+    ) -> None:
+        """Append validated tokens and hashes to a request."""
+        before = len(request.block_hashes)
+        request.all_token_ids.extend(token_ids)
+        if self.options.verify_block_hashes and hashes:
+            try:
+                self._verify(request, hashes, before)
+            except InvalidArgumentError:
+                del request.all_token_ids[len(request.all_token_ids) - len(token_ids) :]
+                raise
+        request.block_hashes.extend(hashes)
+
+    def free(self, key: int, *, preempt: bool) -> None:
+        """Free a request's blocks: preempt it (keep it) or finish it (forget it).
+
+        Raises:
+            FailedPreconditionError: The pool is not READY.
+            NotFoundError: Unknown key.
+        """
+        manager = self.ready_manager()
+        request = self.request(key)
+        if preempt:
+            manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_preemptions += 1
+            request.num_computed_tokens = 0
+            return
+        request.status = RequestStatus.FINISHED_STOPPED
+        manager.free(request)
+        del self.requests[key]
+        del self.request_ids[key]
+
+    def get_computed_blocks(self, key: int, max_cache_hit_length: int | None) -> CacheHit:
+        """Look a request up in the prefix cache and count the lookup (unary semantics).
+
+        Raises:
+            NotFoundError: Unknown key.
+            InvalidArgumentError: A bad bound.
+        """
+        manager = self.ready_manager()
+        request = self.request(key)
+        hit = manager.get_computed_blocks(request, max_cache_hit_length)
+        manager.record_prefix_cache_stats(request, hit.num_computed_tokens)
+        return hit
+
+    def hit_from_ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> CacheHit:
+        """A ``CacheHit`` of block ids handed back by a client.
+
+        Raises:
+            InvalidArgumentError: Wrong number of groups, an id outside the pool.
+        """
+        manager = self.ready_manager()
+        if len(block_ids) != manager.num_kv_cache_groups:
+            raise InvalidArgumentError(
+                f"new_computed.blocks has {len(block_ids)} groups, the pool "
+                f"{manager.num_kv_cache_groups}"
+            )
+        blocks = manager.block_pool.blocks
+        num_blocks = len(blocks)
+        for group in block_ids:
+            for block_id in group:
+                if not 0 <= block_id < num_blocks:
+                    raise InvalidArgumentError(
+                        f"new_computed.blocks: block id {block_id} is outside [0, {num_blocks})"
+                    )
+        return CacheHit(
+            KVCacheBlocks(tuple([blocks[i] for i in group] for group in block_ids)), num_tokens
+        )
+
+    def check_allocation(self, key: int, num_new_tokens: int, num_computed_tokens: int) -> None:
+        """Validate an allocation's token counts against the request's tokens.
+
+        Raises:
+            InvalidArgumentError: Beyond the request's tokens or max_model_len.
+        """
+        request = self.request(key)
+        if num_computed_tokens > request.num_tokens:
+            raise InvalidArgumentError(
+                f"num_computed_tokens={num_computed_tokens} exceeds the request's "
+                f"{request.num_tokens} tokens"
+            )
+        if num_computed_tokens + num_new_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"num_computed_tokens + num_new_tokens = {num_computed_tokens + num_new_tokens} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit: CacheHit | None,
+        options: SlotOptions = DEFAULT_SLOT_OPTIONS,
+    ) -> KVCacheBlocks | None:
+        """allocate_slots on a validated request; counts "does not fit", marks RUNNING."""
+        manager = self.manager
+        assert manager is not None
+        blocks = manager.allocate_slots(request, num_new_tokens, hit, options)
+        if blocks is None:
+            self.allocations_not_fit_total += 1
+            return None
+        request.status = RequestStatus.RUNNING
+        return blocks
+
+    # ---------------------------------------------------------------------- statistics
+    def _drain_stats(self) -> None:
+        manager = self.manager
+        if manager is None:
+            return
+        drained = manager.make_prefix_cache_stats()
+        if drained is not None:
+            _add_stats(self._stats_total, drained)
+            _add_stats(self._stats_untaken, drained)
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix-cache counters since the last take (``None`` when log_stats is off).
+
+        Raises:
+            FailedPreconditionError: The pool is not READY.
+        """
+        self.ready_manager()
+        if not self.options.log_stats:
+            return None
+        self._drain_stats()
+        taken = self._stats_untaken
+        self._stats_untaken = PrefixCacheStats()
+        return taken
+
+    # -------------------------------------------------------------------------- events
+    def publish_events(self, now: float) -> int:
+        """Move the manager's new events into the sequenced log; how many were published."""
+        manager = self.manager
+        if manager is None or not self.options.enable_kv_cache_events:
+            return 0
+        events = manager.take_events()
+        if not events:
+            return 0
+        log = self._events
+        kept = log.events
+        for event in events:
+            kept.append((event, now))
+        overflow = len(kept) - log.retention
+        for _ in range(max(0, overflow)):
+            kept.popleft()
+        log.next_sequence += len(events)
+        return len(events)
+
+    @property
+    def last_event_sequence(self) -> int:
+        """Sequence number of the last published event (0: none yet)."""
+        return self._events.next_sequence - 1
+
+    @property
+    def oldest_event_sequence(self) -> int:
+        """Oldest sequence number still kept (== next one when none are kept)."""
+        return self._events.oldest_sequence
+
+    def check_event_start(self, start: int | None) -> int:
+        """The first sequence a subscription starting at ``start`` reads.
+
+        Raises:
+            FailedPreconditionError: The pool publishes no events.
+            OutOfRangeError: ``start`` is older than the oldest kept event.
+            InvalidArgumentError: ``start`` is beyond the next event.
+        """
+        if not self.options.enable_kv_cache_events:
+            raise FailedPreconditionError(f"pool {self.name!r} publishes no KV events")
+        log = self._events
+        if start is None:
+            return log.next_sequence
+        if start < 1 or start > log.next_sequence:
+            raise InvalidArgumentError(
+                f"start_sequence must be in [1, {log.next_sequence}], got {start}"
+            )
+        if start < log.oldest_sequence:
+            raise OutOfRangeError(
+                f"start_sequence {start} is older than the oldest kept event "
+                f"{log.oldest_sequence}; resubscribe from the live edge"
+            )
+        return start
+
+    def events_from(
+        self, sequence: int, max_events: int
+    ) -> tuple[list[KVCacheEvent], float] | None:
+        """Up to ``max_events`` events from ``sequence`` on, with the newest one's timestamp.
+
+        Returns:
+            ``([], 0.0)`` when none is published yet, ``None`` when ``sequence`` was dropped.
+        """
+        log = self._events
+        oldest = log.oldest_sequence
+        if sequence < oldest:
+            return None
+        start = sequence - oldest
+        end = min(len(log.events), start + max_events)
+        if start >= end:
+            return [], 0.0
+        window = [log.events[i] for i in range(start, end)]
+        return [event for event, _ in window], window[-1][1]
+
+    # ------------------------------------------------------------------------ snapshot
+    def snapshot(self) -> PoolSnapshot:
+        """Copy the pool's state out (drains the manager's stats into the totals)."""
+        self._drain_stats()
+        manager = self.manager
+        total = self._stats_total
+        groups: tuple[tuple[int, str, int, int], ...] = ()
+        num_blocks = num_free = num_cached = evicted = 0
+        usage = recent = 0.0
+        if manager is not None and self.kv_cache_config is not None:
+            groups = tuple(
+                (
+                    index,
+                    group.kv_cache_spec.kind,
+                    group.kv_cache_spec.block_size,
+                    len(group.layer_names),
+                )
+                for index, group in enumerate(self.kv_cache_config.kv_cache_groups)
+            )
+            pool = manager.block_pool
+            num_blocks = pool.num_gpu_blocks
+            num_free = manager.num_free_blocks
+            num_cached = sum(1 for block in pool.blocks if block.block_hash is not None)
+            evicted = pool.num_evicted_blocks
+            usage = manager.usage
+            recent = manager.prefix_cache_hit_rate
+        return PoolSnapshot(
+            name=self.name,
+            state=self.state,
+            world_size=self.options.world_size,
+            registered_workers=len(self.registrations),
+            num_blocks=num_blocks,
+            num_free_blocks=num_free,
+            usage=usage,
+            num_cached_blocks=num_cached,
+            groups=groups,
+            num_requests=len(self.requests),
+            requests=total.requests,
+            queries=total.queries,
+            hits=total.hits,
+            preempted_requests=total.preempted_requests,
+            preempted_queries=total.preempted_queries,
+            preempted_hits=total.preempted_hits,
+            recent_hit_rate=recent,
+            evicted_blocks_total=evicted,
+            events_emitted_total=self.last_event_sequence,
+            allocations_not_fit_total=self.allocations_not_fit_total,
+        )
+
+
+class PoolRegistry:
+    """The server's pools by name."""
+
+    def __init__(self, max_pools: int = 1024) -> None:
+        """An empty registry holding at most ``max_pools`` pools."""
+        self._pools: dict[str, Pool] = {}
+        self.max_pools = max_pools
+
+    def create(self, name: str, options: PoolOptions) -> Pool:
+        """Create and register a pool.
+
+        Raises:
+            InvalidArgumentError: Bad name or options (ConfigError for a bad layout).
+            AlreadyExistsError: The name is taken.
+            ResourceExhaustedError: The registry is full.
+        """
+        check_pool_id(name)
+        if name in self._pools:
+            raise AlreadyExistsError(f"pool {name!r} already exists")
+        if len(self._pools) >= self.max_pools:
+            raise ResourceExhaustedError(f"the server holds its limit of {self.max_pools} pools")
+        try:
+            pool = Pool(name, options)
+        except (ValueError, KeyError, TypeError) as exc:
+            if isinstance(exc, KVCMError):
+                raise
+            raise ConfigError(f"config: {exc}") from exc
+        self._pools[name] = pool
+        return pool
+
+    def get(self, name: str) -> Pool:
+        """The pool called ``name``.
+
+        Raises:
+            NotFoundError: No such pool.
+        """
+        pool = self._pools.get(name)
+        if pool is None:
+            raise NotFoundError(f"pool {name!r} not found")
+        return pool
+
+    def list(self) -> list[Pool]:
+        """Every pool, sorted by name."""
+        return [self._pools[name] for name in sorted(self._pools)]
+
+    def delete(self, name: str) -> Pool:
+        """Remove a pool and return it.
+
+        Raises:
+            NotFoundError: No such pool.
+        """
+        pool = self.get(name)
+        del self._pools[name]
+        return pool
+
+    def __len__(self) -> int:
+        return len(self._pools)

@@ -1,0 +1,118 @@
+"""The server interceptor: the error table applied to every kvcm RPC, and RPC statistics.
+
+Servicers raise; this wraps each kvcm.v1 handler so that a :mod:`kvcm.common.errors` class
+becomes its status (with the Step rejection trailer where there is one), an unexpected
+exception becomes INTERNAL (logged), and every finished call is observed once in
+:class:`~kvcm.server.telemetry.RpcStats` with its method, status code and duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from kvcm.common.errors import KVCMError
+from kvcm.server.rpc._status import AbortRpc, StepRejectedError, status_of
+from kvcm.server.telemetry import RpcStats
+
+__all__ = ["TelemetryInterceptor"]
+
+_LOG = logging.getLogger("kvcm.server.rpc")
+_PREFIX = "/kvcm.v1."
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> str:
+    """Map ``exc`` to its status and end the call; returns the code's name."""
+    if isinstance(exc, AbortRpc):
+        code, details = exc.code, exc.details
+    elif isinstance(exc, KVCMError):
+        code, details = status_of(exc), str(exc)
+    else:
+        _LOG.exception("internal error")
+        code, details = grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
+    trailer = exc.trailer() if isinstance(exc, StepRejectedError) else ()
+    await context.abort(code, details, trailer)
+    raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+
+class TelemetryInterceptor(grpc.aio.ServerInterceptor):
+    """Applies the error table and observes every kvcm RPC (see the module docstring)."""
+
+    def __init__(self, stats: RpcStats) -> None:
+        """Observe into ``stats``."""
+        self._stats = stats
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        """Wrap kvcm.v1 handlers; others (health, reflection) pass through."""
+        handler = await continuation(handler_call_details)
+        full_name: str = handler_call_details.method  # type: ignore[attr-defined]
+        if handler is None or not full_name.startswith(_PREFIX):
+            return handler
+        method = full_name.rsplit("/", 1)[-1]
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(method, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _unary(self, method: str, behavior: Any) -> Any:
+        stats = self._stats
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                return await behavior(request, context)
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except Exception as exc:
+                if type(exc).__module__.startswith("grpc"):
+                    raise  # the servicer aborted itself
+                code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
+                await _abort(context, exc)
+            finally:
+                stats.observe(method, code, time.perf_counter() - started)
+
+        return wrapped
+
+    def _stream(self, method: str, behavior: Any) -> Any:
+        stats = self._stats
+
+        async def wrapped(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except Exception as exc:
+                if type(exc).__module__.startswith("grpc"):
+                    raise
+                code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
+                await _abort(context, exc)
+            finally:
+                stats.observe(method, code, time.perf_counter() - started)
+
+        return wrapped

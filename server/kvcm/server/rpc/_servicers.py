@@ -1,0 +1,453 @@
+"""The four kvcm.v1 servicers: decode the request, one core call, encode the answer.
+
+Core calls never await, so each RPC's mutation is atomic on the event loop. Servicers raise
+:mod:`kvcm.common.errors` classes; the interceptor maps them to statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+import grpc
+
+from kvcm.client._convert import kv_cache_config_to_proto
+from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from kvcm.common.hashing import get_block_hash
+from kvcm.server.core.manager import DEFAULT_SLOT_OPTIONS
+from kvcm.server.core.pool import Pool
+from kvcm.server.core.request import Request
+from kvcm.server.rpc._convert import (
+    events_to_proto,
+    fill_grouped,
+    hashing_to_proto,
+    layer_specs_from_proto,
+    pool_info,
+    pool_options_from_proto,
+    pool_state_to_proto,
+    slot_options_from_proto,
+)
+from kvcm.server.rpc._state import PoolRuntime, ServerState
+from kvcm.server.rpc._status import AbortRpc
+from kvcm.server.rpc._step import run_step
+from kvcm.v1 import admin_pb2, common_pb2, events_pb2, scheduler_pb2, service_pb2_grpc, worker_pb2
+
+__all__ = [
+    "AdminServicer",
+    "EventServicer",
+    "SchedulerServicer",
+    "WorkerServicer",
+]
+
+Context = grpc.aio.ServicerContext[Any, Any]
+_MAX_EVENTS_PER_MESSAGE: Final = 1024
+# RegisterWorker answers this long before the client's deadline, so its own message arrives.
+_DEADLINE_MARGIN_S: Final = 0.02
+
+
+class AdminServicer(service_pb2_grpc.AdminServiceServicer):
+    """CreatePool, ListPools, DescribePool, DeletePool."""
+
+    def __init__(self, state: ServerState) -> None:
+        """Serve ``state``'s registry."""
+        self._state = state
+
+    async def CreatePool(  # noqa: N802 - gRPC method name
+        self, request: admin_pb2.CreatePoolRequest, context: Context
+    ) -> admin_pb2.CreatePoolResponse:
+        """Create a pool (READY at once with an explicit layout)."""
+        options = pool_options_from_proto(request.config)
+        pool = self._state.registry.create(request.pool_id, options)
+        runtime = PoolRuntime(config=admin_pb2.PoolConfig())
+        runtime.config.CopyFrom(request.config)
+        if pool.manager is not None:
+            runtime.planned.set()
+        self._state.runtimes[pool.name] = runtime
+        return admin_pb2.CreatePoolResponse(pool=pool_info(pool, runtime.config))
+
+    async def ListPools(  # noqa: N802
+        self, request: admin_pb2.ListPoolsRequest, context: Context
+    ) -> admin_pb2.ListPoolsResponse:
+        """Every pool, sorted by id."""
+        response = admin_pb2.ListPoolsResponse()
+        for pool in self._state.registry.list():
+            manager = pool.manager
+            response.pools.add(
+                pool_id=pool.name,
+                state=pool_state_to_proto(pool.state),
+                num_blocks=0 if manager is None else manager.block_pool.num_gpu_blocks,
+                num_free_blocks=0 if manager is None else manager.num_free_blocks,
+                num_requests=len(pool.requests),
+            )
+        return response
+
+    async def DescribePool(  # noqa: N802
+        self, request: admin_pb2.DescribePoolRequest, context: Context
+    ) -> admin_pb2.DescribePoolResponse:
+        """Everything about one pool."""
+        pool = self._state.registry.get(request.pool_id)
+        config = self._state.runtimes[pool.name].config
+        return admin_pb2.DescribePoolResponse(pool=pool_info(pool, config))
+
+    async def DeletePool(  # noqa: N802
+        self, request: admin_pb2.DeletePoolRequest, context: Context
+    ) -> admin_pb2.DeletePoolResponse:
+        """Delete a pool; its waiting registrations and event streams end with NOT_FOUND."""
+        pool = self._state.registry.delete(request.pool_id)
+        runtime = self._state.runtimes.pop(pool.name, None)
+        if runtime is not None:
+            runtime.deleted = True
+            runtime.planned.set()
+            runtime.wake_subscribers()
+        return admin_pb2.DeletePoolResponse()
+
+
+class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
+    """RegisterWorker."""
+
+    def __init__(self, state: ServerState) -> None:
+        """Serve ``state``'s registry."""
+        self._state = state
+
+    async def RegisterWorker(  # noqa: N802
+        self, request: worker_pb2.RegisterWorkerRequest, context: Context
+    ) -> worker_pb2.RegisterWorkerResponse:
+        """Register a rank and answer its config once every rank has registered."""
+        specs = layer_specs_from_proto(request.layer_specs)
+        pool = self._state.registry.get(request.pool_id)
+        runtime = self._state.runtimes[pool.name]
+        pool.register_worker(
+            request.rank, request.world_size, specs, request.available_memory_bytes
+        )
+        if pool.manager is not None:
+            runtime.planned.set()
+        else:
+            remaining = context.time_remaining()
+            timeout = None if remaining is None else max(remaining - _DEADLINE_MARGIN_S, 0.0)
+            try:
+                await asyncio.wait_for(runtime.planned.wait(), timeout)
+            except TimeoutError:
+                raise AbortRpc(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"pool {pool.name!r}: {len(pool.registrations)} of "
+                    f"{pool.options.world_size} ranks registered by the deadline (this "
+                    "registration stays; call again to keep waiting)",
+                ) from None
+            if runtime.deleted:
+                raise NotFoundError(f"pool {pool.name!r} was deleted")
+        return worker_pb2.RegisterWorkerResponse(
+            kv_cache_config=kv_cache_config_to_proto(pool.rank_config(request.rank)),
+            hashing=hashing_to_proto(pool),
+            max_model_len=pool.max_model_len,
+        )
+
+
+def _check_ready_request(pool: Pool, key: int) -> Request:
+    pool.ready_manager()
+    return pool.request(key)
+
+
+class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
+    """Step and one unary RPC per KVCacheManager operation."""
+
+    def __init__(self, state: ServerState) -> None:
+        """Serve ``state``'s registry."""
+        self._state = state
+        self._get = state.registry.get
+
+    async def Step(  # noqa: N802
+        self, request: scheduler_pb2.StepRequest, context: Context
+    ) -> scheduler_pb2.StepResponse:
+        """A whole scheduler step (see scheduler.proto)."""
+        pool = self._get(request.pool_id)
+        try:
+            return run_step(pool, request)
+        finally:
+            self._state.published(pool)
+
+    async def AddRequest(  # noqa: N802
+        self, request: scheduler_pb2.AddRequestRequest, context: Context
+    ) -> scheduler_pb2.AddRequestResponse:
+        """Start tracking a request."""
+        pool = self._get(request.pool_id)
+        new = request.request
+        pool.add_request(
+            new.request_key,
+            new.request_id,
+            new.prompt_token_ids,
+            new.block_hashes,
+            lora_id=new.lora_id if new.HasField("lora_id") else None,
+            lora_name=new.lora_name if new.HasField("lora_name") else None,
+            cache_salt=new.cache_salt if new.HasField("cache_salt") else None,
+            skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+        )
+        return scheduler_pb2.AddRequestResponse()
+
+    async def AppendTokens(  # noqa: N802
+        self, request: scheduler_pb2.AppendTokensRequest, context: Context
+    ) -> scheduler_pb2.AppendTokensResponse:
+        """Append produced tokens and their block hashes."""
+        pool = self._get(request.pool_id)
+        pool.append_tokens(request.request_key, request.token_ids, request.block_hashes)
+        return scheduler_pb2.AppendTokensResponse()
+
+    async def Free(  # noqa: N802
+        self, request: scheduler_pb2.FreeRequest, context: Context
+    ) -> scheduler_pb2.FreeResponse:
+        """Finish or preempt a request."""
+        pool = self._get(request.pool_id)
+        mode = request.mode
+        if mode == scheduler_pb2.FREE_MODE_UNSPECIFIED:
+            raise InvalidArgumentError("mode must be FINISHED or PREEMPTED")
+        pool.free(request.request_key, preempt=mode == scheduler_pb2.FREE_MODE_PREEMPTED)
+        self._state.published(pool)
+        return scheduler_pb2.FreeResponse()
+
+    async def GetComputedBlocks(  # noqa: N802
+        self, request: scheduler_pb2.GetComputedBlocksRequest, context: Context
+    ) -> scheduler_pb2.GetComputedBlocksResponse:
+        """The request's longest prefix-cache hit (counted in the hit statistics)."""
+        pool = self._get(request.pool_id)
+        lookup = request.lookup
+        bound = lookup.max_cache_hit_length if lookup.HasField("max_cache_hit_length") else None
+        hit = pool.get_computed_blocks(request.request_key, bound)
+        response = scheduler_pb2.GetComputedBlocksResponse(
+            num_computed_tokens=hit.num_computed_tokens
+        )
+        fill_grouped(hit.blocks.get_block_ids(), response.blocks)
+        return response
+
+    async def AllocateSlots(  # noqa: N802
+        self, request: scheduler_pb2.AllocateSlotsRequest, context: Context
+    ) -> scheduler_pb2.AllocateSlotsResponse:
+        """allocate_slots; "does not fit" is a status, not an error."""
+        pool = self._get(request.pool_id)
+        key = request.request_key
+        target = _check_ready_request(pool, key)
+        pool.check_allocation(key, request.num_new_tokens, request.num_computed_tokens)
+        hit = None
+        if request.HasField("new_computed"):
+            wire = request.new_computed
+            groups = []
+            pos = 0
+            for count in wire.blocks.num_block_ids:
+                groups.append(wire.blocks.block_ids[pos : pos + count])
+                pos += count
+            hit = pool.hit_from_ids(groups, wire.num_new_computed_tokens)
+        options, in_flight = (
+            slot_options_from_proto(request.options)
+            if request.HasField("options")
+            else (DEFAULT_SLOT_OPTIONS, 0)
+        )
+        saved = (target.num_computed_tokens, target.num_in_flight_tokens)
+        target.num_computed_tokens = request.num_computed_tokens
+        target.num_in_flight_tokens = in_flight
+        try:
+            blocks = pool.allocate_slots(target, request.num_new_tokens, hit, options)
+        except Exception:
+            target.num_computed_tokens, target.num_in_flight_tokens = saved
+            raise
+        self._state.published(pool)
+        response = scheduler_pb2.AllocateSlotsResponse()
+        if blocks is None:
+            response.status = common_pb2.ITEM_STATUS_DOES_NOT_FIT  # type: ignore[assignment]
+            return response
+        response.status = common_pb2.ITEM_STATUS_OK  # type: ignore[assignment]
+        fill_grouped(blocks.get_block_ids(), response.new_blocks)
+        return response
+
+    async def CacheBlocks(  # noqa: N802
+        self, request: scheduler_pb2.CacheBlocksRequest, context: Context
+    ) -> scheduler_pb2.CacheBlocksResponse:
+        """cache_blocks."""
+        pool = self._get(request.pool_id)
+        target = _check_ready_request(pool, request.request_key)
+        if request.num_computed_tokens > target.num_tokens:
+            raise InvalidArgumentError(
+                f"num_computed_tokens={request.num_computed_tokens} exceeds the request's "
+                f"{target.num_tokens} tokens"
+            )
+        pool.ready_manager().cache_blocks(target, request.num_computed_tokens)
+        self._state.published(pool)
+        return scheduler_pb2.CacheBlocksResponse()
+
+    async def RemoveSkippedBlocks(  # noqa: N802
+        self, request: scheduler_pb2.RemoveSkippedBlocksRequest, context: Context
+    ) -> scheduler_pb2.RemoveSkippedBlocksResponse:
+        """remove_skipped_blocks."""
+        pool = self._get(request.pool_id)
+        target = _check_ready_request(pool, request.request_key)
+        if request.total_computed_tokens > target.num_tokens:
+            raise InvalidArgumentError(
+                f"total_computed_tokens={request.total_computed_tokens} exceeds the request's "
+                f"{target.num_tokens} tokens"
+            )
+        pool.ready_manager().remove_skipped_blocks(
+            target.request_id, request.total_computed_tokens
+        )
+        self._state.published(pool)
+        return scheduler_pb2.RemoveSkippedBlocksResponse()
+
+    async def EvictBlocks(  # noqa: N802
+        self, request: scheduler_pb2.EvictBlocksRequest, context: Context
+    ) -> scheduler_pb2.EvictBlocksResponse:
+        """evict_blocks."""
+        pool = self._get(request.pool_id)
+        manager = pool.ready_manager()
+        num_blocks = manager.block_pool.num_gpu_blocks
+        for index, block_id in enumerate(request.block_ids):
+            if not 1 <= block_id < num_blocks:
+                raise InvalidArgumentError(
+                    f"block_ids[{index}]={block_id} is outside [1, {num_blocks})"
+                )
+        manager.evict_blocks(request.block_ids)
+        self._state.published(pool)
+        return scheduler_pb2.EvictBlocksResponse()
+
+    async def ResetPrefixCache(  # noqa: N802
+        self, request: scheduler_pb2.ResetPrefixCacheRequest, context: Context
+    ) -> scheduler_pb2.ResetPrefixCacheResponse:
+        """reset_prefix_cache."""
+        pool = self._get(request.pool_id)
+        reset = pool.ready_manager().reset_prefix_cache()
+        self._state.published(pool)
+        return scheduler_pb2.ResetPrefixCacheResponse(reset=reset)
+
+    async def GetBlocks(  # noqa: N802
+        self, request: scheduler_pb2.GetBlocksRequest, context: Context
+    ) -> scheduler_pb2.GetBlocksResponse:
+        """get_blocks with each block's reference count and cache state."""
+        pool = self._get(request.pool_id)
+        target = _check_ready_request(pool, request.request_key)
+        blocks = pool.ready_manager().get_blocks(target.request_id)
+        response = scheduler_pb2.GetBlocksResponse()
+        hashes = []
+        for group in blocks.blocks:
+            response.blocks.num_block_ids.append(len(group))
+            for block in group:
+                response.blocks.block_ids.append(block.block_id)
+                response.ref_cnts.append(block.ref_cnt)
+                cached = block.block_hash is not None
+                response.is_cached.append(cached)
+                if block.block_hash is not None:
+                    hashes.append(get_block_hash(block.block_hash))
+        response.block_hashes = b"".join(hashes)
+        return response
+
+    async def GetBlockIds(  # noqa: N802
+        self, request: scheduler_pb2.GetBlockIdsRequest, context: Context
+    ) -> scheduler_pb2.GetBlockIdsResponse:
+        """get_block_ids."""
+        pool = self._get(request.pool_id)
+        target = _check_ready_request(pool, request.request_key)
+        response = scheduler_pb2.GetBlockIdsResponse()
+        fill_grouped(pool.ready_manager().get_block_ids(target.request_id), response.blocks)
+        return response
+
+    async def GetNumCommonPrefixBlocks(  # noqa: N802
+        self, request: scheduler_pb2.GetNumCommonPrefixBlocksRequest, context: Context
+    ) -> scheduler_pb2.GetNumCommonPrefixBlocksResponse:
+        """get_num_common_prefix_blocks of a running request."""
+        pool = self._get(request.pool_id)
+        target = _check_ready_request(pool, request.running_request_key)
+        manager = pool.ready_manager()
+        if not manager.holds_blocks(target.request_id):
+            raise FailedPreconditionError(
+                f"request key {request.running_request_key} is not running (holds no blocks)"
+            )
+        counts = manager.get_num_common_prefix_blocks(target.request_id)
+        return scheduler_pb2.GetNumCommonPrefixBlocksResponse(num_common_prefix_blocks=counts)
+
+    async def TakeNewBlockIds(  # noqa: N802
+        self, request: scheduler_pb2.TakeNewBlockIdsRequest, context: Context
+    ) -> scheduler_pb2.TakeNewBlockIdsResponse:
+        """take_new_block_ids (drains)."""
+        pool = self._get(request.pool_id)
+        ids = pool.ready_manager().take_new_block_ids()
+        return scheduler_pb2.TakeNewBlockIdsResponse(block_ids=ids)
+
+    async def NewStepStarts(  # noqa: N802
+        self, request: scheduler_pb2.NewStepStartsRequest, context: Context
+    ) -> scheduler_pb2.NewStepStartsResponse:
+        """new_step_starts."""
+        pool = self._get(request.pool_id)
+        pool.ready_manager().new_step_starts()
+        return scheduler_pb2.NewStepStartsResponse()
+
+    async def GetUsage(  # noqa: N802
+        self, request: scheduler_pb2.GetUsageRequest, context: Context
+    ) -> scheduler_pb2.GetUsageResponse:
+        """Usage and block counts."""
+        pool = self._get(request.pool_id)
+        manager = pool.ready_manager()
+        return scheduler_pb2.GetUsageResponse(
+            usage=manager.usage,
+            num_free_blocks=manager.num_free_blocks,
+            num_blocks=manager.block_pool.num_gpu_blocks,
+            num_requests=len(pool.requests),
+        )
+
+    async def TakePrefixCacheStats(  # noqa: N802
+        self, request: scheduler_pb2.TakePrefixCacheStatsRequest, context: Context
+    ) -> scheduler_pb2.TakePrefixCacheStatsResponse:
+        """make_prefix_cache_stats (drains)."""
+        pool = self._get(request.pool_id)
+        stats = pool.take_prefix_cache_stats()
+        response = scheduler_pb2.TakePrefixCacheStatsResponse()
+        if stats is not None:
+            wire = response.stats
+            wire.reset = stats.reset
+            wire.num_requests = stats.requests
+            wire.num_query_tokens = stats.queries
+            wire.num_hit_tokens = stats.hits
+            wire.num_preempted_requests = stats.preempted_requests
+            wire.num_preempted_query_tokens = stats.preempted_queries
+            wire.num_preempted_hit_tokens = stats.preempted_hits
+        return response
+
+
+class EventServicer(service_pb2_grpc.EventServiceServicer):
+    """SubscribeEvents."""
+
+    def __init__(self, state: ServerState) -> None:
+        """Serve ``state``'s registry."""
+        self._state = state
+
+    async def SubscribeEvents(  # noqa: N802
+        self, request: events_pb2.SubscribeEventsRequest, context: Context
+    ) -> AsyncIterator[events_pb2.SubscribeEventsResponse]:
+        """Stream the pool's events from start_sequence on (see events.proto)."""
+        pool = self._state.registry.get(request.pool_id)
+        runtime = self._state.runtimes[pool.name]
+        start = request.start_sequence if request.HasField("start_sequence") else None
+        sequence = pool.check_event_start(start)
+        limit = request.max_events_per_message or _MAX_EVENTS_PER_MESSAGE
+        limit = min(limit, _MAX_EVENTS_PER_MESSAGE)
+        hash_length = pool.hashing.hash_length_bytes
+        yield events_pb2.SubscribeEventsResponse(
+            first_sequence=sequence,
+            hash_length_bytes=hash_length,
+            oldest_sequence=pool.oldest_event_sequence,
+        )
+        while True:
+            waiter = runtime.events
+            got = pool.events_from(sequence, limit)
+            if got is None:
+                raise AbortRpc(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"subscriber fell behind: events from {sequence} were dropped; resume "
+                    "from the live edge",
+                )
+            events, stamp = got
+            if events:
+                yield events_pb2.SubscribeEventsResponse(
+                    first_sequence=sequence,
+                    events=events_to_proto(events, hash_length),
+                    timestamp_unix_seconds=stamp,
+                )
+                sequence += len(events)
+                continue
+            await waiter.wait()
+            if runtime.deleted:
+                raise NotFoundError(f"pool {pool.name!r} was deleted")

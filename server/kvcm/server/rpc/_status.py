@@ -1,0 +1,90 @@
+"""The one table from kvcm's exception classes to gRPC status codes, and Step rejections.
+
+Every servicer raises :mod:`kvcm.common.errors` classes (and :class:`StepRejectedError` for a
+Step that failed validation); the interceptor turns them into statuses with
+:func:`status_of`. The most specific class wins (``ConfigError`` before
+``InvalidArgumentError``); anything else is INTERNAL.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import grpc
+
+from kvcm.common.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCMError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from kvcm.server.core.pool import OutOfRangeError
+from kvcm.v1 import scheduler_pb2
+
+__all__ = [
+    "STATUS_FOR_ERROR",
+    "AbortRpc",
+    "STEP_REJECTION_TRAILER",
+    "StepRejectedError",
+    "status_of",
+]
+
+STEP_REJECTION_TRAILER: Final = "kvcm-step-rejection-bin"
+
+# Most specific first: the first class the exception is an instance of decides.
+STATUS_FOR_ERROR: Final[tuple[tuple[type[BaseException], grpc.StatusCode], ...]] = (
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (OutOfRangeError, grpc.StatusCode.OUT_OF_RANGE),
+)
+
+
+class StepRejectedError(KVCMError):
+    """Raised when a Step fails validation: carries the op, the field and the cause's class.
+
+    Attributes:
+        error: The error the failing op would raise as a unary call.
+        op_index: Index of the failing op; ``None`` for a malformed Step as a whole.
+        field: The field at fault, with its index.
+    """
+
+    def __init__(self, error: KVCMError, op_index: int | None, field: str) -> None:
+        """Wrap ``error`` for op ``op_index`` and ``field``."""
+        super().__init__(str(error))
+        self.error = error
+        self.op_index = op_index
+        self.field = field
+
+    def trailer(self) -> tuple[tuple[str, bytes], ...]:
+        """The ``kvcm-step-rejection-bin`` trailing metadata."""
+        rejection = scheduler_pb2.StepRejection(field=self.field, reason=str(self))
+        if self.op_index is not None:
+            rejection.op_index = self.op_index
+        return ((STEP_REJECTION_TRAILER, rejection.SerializeToString()),)
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """The status code for an exception raised by a servicer (INTERNAL when unknown)."""
+    if isinstance(exc, StepRejectedError):
+        exc = exc.error
+    for error_type, code in STATUS_FOR_ERROR:
+        if isinstance(exc, error_type):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class AbortRpc(Exception):  # noqa: N818 - it is a control-flow signal, not an error class
+    """Raised by a servicer to end its call with a status outside the error table."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        """End the call with ``code`` and ``details``."""
+        super().__init__(details)
+        self.code = code
+        self.details = details
