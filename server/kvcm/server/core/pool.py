@@ -513,7 +513,10 @@ class Pool:
         return num_tokens // self.hashing.hash_block_size
 
     def check_new_request(self, key: int, num_tokens: int, hashes_bytes: int) -> None:
-        """Validate an AddRequest's key, prompt length and hash bytes (without the table).
+        """Validate an AddRequest's prompt length and hash bytes (without the table).
+
+        The prompt carries the hashes of all its full hash blocks, or none at all (an
+        unhashed request: its blocks are never cached).
 
         Raises:
             InvalidArgumentError: An empty or too long prompt, wrong hash bytes.
@@ -526,10 +529,10 @@ class Pool:
                 f"max_model_len {self.max_model_len}"
             )
         expected = self.expected_num_hashes(num_tokens) * self.hashing.hash_length_bytes
-        if hashes_bytes != expected:
+        if hashes_bytes not in (0, expected):
             raise InvalidArgumentError(
                 f"request key {key}: block_hashes must hold {expected} bytes "
-                f"({self.expected_num_hashes(num_tokens)} hashes), got {hashes_bytes}"
+                f"({self.expected_num_hashes(num_tokens)} hashes) or none, got {hashes_bytes}"
             )
 
     def add_request(
@@ -585,14 +588,21 @@ class Pool:
                 f"request key {request.request_id}: block_hashes differ from the server's"
             )
 
-    def check_append(self, key: int, num_tokens: int, num_hashes: int, num_before: int) -> None:
+    def check_append(
+        self, key: int, num_tokens: int, num_hashes: int, num_before: int, hashes_before: int
+    ) -> None:
         """Validate an append of ``num_tokens`` tokens with ``num_hashes`` hashes.
+
+        A request whose hashes cover all its full blocks sends the hashes of the blocks the
+        tokens fill, or none (it then stays unhashed beyond that point); a request already
+        behind sends none.
 
         Args:
             key: The request key (for messages).
             num_tokens: Tokens appended.
             num_hashes: Hashes sent with them.
             num_before: The request's tokens before the append.
+            hashes_before: The request's hashes before the append.
 
         Raises:
             InvalidArgumentError: No tokens, beyond max_model_len, wrong number of hashes.
@@ -604,11 +614,19 @@ class Pool:
             raise InvalidArgumentError(
                 f"request key {key}: {total} tokens exceed max_model_len {self.max_model_len}"
             )
-        expected = self.expected_num_hashes(total) - self.expected_num_hashes(num_before)
+        if num_hashes == 0:
+            return
+        expected_before = self.expected_num_hashes(num_before)
+        expected = self.expected_num_hashes(total) - expected_before
+        if hashes_before != expected_before:
+            raise InvalidArgumentError(
+                f"request key {key}: block_hashes must be empty: the request carries "
+                f"{hashes_before} of its {expected_before} block hashes"
+            )
         if num_hashes != expected:
             raise InvalidArgumentError(
                 f"request key {key}: block_hashes must hold {expected} hashes for the blocks "
-                f"the tokens fill, got {num_hashes}"
+                f"the tokens fill (or none), got {num_hashes}"
             )
 
     def append_tokens(self, key: int, token_ids: Sequence[int], block_hashes: bytes) -> None:
@@ -624,7 +642,9 @@ class Pool:
         if len(block_hashes) % size:
             raise InvalidArgumentError(f"block_hashes must be a multiple of {size} bytes")
         num_hashes = len(block_hashes) // size
-        self.check_append(key, len(token_ids), num_hashes, request.num_tokens)
+        self.check_append(
+            key, len(token_ids), num_hashes, request.num_tokens, len(request.block_hashes)
+        )
         self.apply_append(
             request, token_ids, self.split_hashes("block_hashes", block_hashes, num_hashes)
         )

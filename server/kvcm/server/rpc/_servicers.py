@@ -225,9 +225,14 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         pool = self._get(request.pool_id)
         key = request.request_key
         target = _check_ready_request(pool, key)
-        pool.check_allocation(key, request.num_new_tokens, request.num_computed_tokens)
+        num_computed = request.num_computed_tokens
+        pool.check_allocation(key, request.num_new_tokens, num_computed)
         hit = None
         if request.HasField("new_computed"):
+            # A hit is adopted from token 0; a caller that counted the hit into
+            # num_computed_tokens means the same thing.
+            if num_computed and num_computed == request.new_computed.num_new_computed_tokens:
+                num_computed = 0
             wire = request.new_computed
             groups = []
             pos = 0
@@ -241,7 +246,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
             else (DEFAULT_SLOT_OPTIONS, 0)
         )
         saved = (target.num_computed_tokens, target.num_in_flight_tokens)
-        target.num_computed_tokens = request.num_computed_tokens
+        target.num_computed_tokens = num_computed
         target.num_in_flight_tokens = in_flight
         try:
             blocks = pool.allocate_slots(target, request.num_new_tokens, hit, options)

@@ -50,7 +50,7 @@ _OK: Final = common_pb2.ITEM_STATUS_OK
 _DOES_NOT_FIT: Final = common_pb2.ITEM_STATUS_DOES_NOT_FIT
 _NO_TOKEN_BUDGET: Final = common_pb2.ITEM_STATUS_NO_TOKEN_BUDGET
 
-# The shadow of one request during validation: [num_tokens, holds blocks for sure].
+# The shadow of one request during validation: [num_tokens, holds blocks for sure, hashes].
 _Shadow = list[int]
 
 
@@ -118,7 +118,11 @@ class _Validator:
             request = self.pool.requests.get(key)
             state = None
             if request is not None:
-                state = [request.num_tokens, int(self._holds(request.request_id))]
+                state = [
+                    request.num_tokens,
+                    int(self._holds(request.request_id)),
+                    len(request.block_hashes),
+                ]
             self.shadow[key] = state
         if state is None:
             raise self.fail(
@@ -170,10 +174,11 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
                     f"append_num_block_hashes[{n_append - 1}]",
                 )
             try:
-                pool.check_append(key, num_tokens, num_hashes, state[0])
+                pool.check_append(key, num_tokens, num_hashes, state[0], state[2])
             except InvalidArgumentError as exc:
                 raise v.fail(exc, field) from None
             state[0] += num_tokens
+            state[2] += num_hashes
         elif op == _ALLOCATE:
             key, state = v.next_key()
             num_new = _column(v, "alloc_num_new_tokens", message.alloc_num_new_tokens, n_alloc)
@@ -199,7 +204,11 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
                 pool.check_new_request(key, len(new.prompt_token_ids), len(new.block_hashes))
             except InvalidArgumentError as exc:
                 raise v.fail(exc, field) from None
-            v.shadow[key] = [len(new.prompt_token_ids), 0]
+            v.shadow[key] = [
+                len(new.prompt_token_ids),
+                0,
+                len(new.block_hashes) // pool.hashing.hash_length_bytes,
+            ]
         elif op == _CACHE or op == _SKIPPED:
             key, state = v.next_key()
             if op == _CACHE:
