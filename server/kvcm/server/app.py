@@ -75,7 +75,9 @@ class KVCMServer:
 
     @property
     def http_address(self) -> str:
-        """``host:port`` the HTTP side listens on."""
+        """``host:port`` the HTTP side listens on (``""`` without HTTP)."""
+        if not self.settings.http_address:
+            return ""
         host, _ = split_address(self.settings.http_address)
         return f"{host}:{self.http_port}"
 
