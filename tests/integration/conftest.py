@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pytest
 
 from kvcm.server.app import KVCMServer
 from kvcm.server.settings import ServerSettings
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +37,9 @@ class RunningServer:
     server: KVCMServer
     loop: asyncio.AbstractEventLoop
 
-    def call(self, coroutine: object, timeout: float = 30.0) -> object:
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         """Run a coroutine on the server's loop and wait for its result."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)  # type: ignore[arg-type]
-        return future.result(timeout)
-
-
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
 
 def start_server_thread(settings: ServerSettings) -> tuple[RunningServer, threading.Thread]:

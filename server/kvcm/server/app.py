@@ -99,8 +99,11 @@ class KVCMServer:
         add_servicers(server, self.state)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
+            (
+                *SERVICE_NAMES,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             server,
         )
         host, port = split_address(settings.grpc_address)
@@ -115,8 +118,11 @@ class KVCMServer:
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.state.serving = True
-        _LOG.info("kvcm serving gRPC on %s, HTTP on %s", self.grpc_address,
-                  self.http_address if settings.http_address else "(off)")
+        _LOG.info(
+            "kvcm serving gRPC on %s, HTTP on %s",
+            self.grpc_address,
+            self.http_address if settings.http_address else "(off)",
+        )
 
     async def _start_http(self) -> None:
         host, port = split_address(self.settings.http_address)
@@ -135,9 +141,7 @@ class KVCMServer:
         while not http.started:
             if self._http_task.done():
                 self._http_task.result()  # raises what stopped it
-                raise RuntimeError(
-                    f"the HTTP side did not start on {self.settings.http_address!r}"
-                )
+                raise RuntimeError(f"the HTTP side did not start on {self.settings.http_address!r}")
             await asyncio.sleep(0.005)
         self.http_port = http.servers[0].sockets[0].getsockname()[1]
 

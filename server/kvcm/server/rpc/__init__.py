@@ -49,7 +49,7 @@ SERVICE_NAMES: tuple[str, ...] = tuple(
 
 def add_servicers(server: grpc.aio.Server, state: ServerState) -> None:
     """Register the four kvcm.v1 services on ``server``, all serving ``state``."""
-    service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(state), server)
-    service_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(state), server)
-    service_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(state), server)
-    service_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(state), server)
+    service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(state), server)  # type: ignore[no-untyped-call]
+    service_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(state), server)  # type: ignore[no-untyped-call]
+    service_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(state), server)  # type: ignore[no-untyped-call]
+    service_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(state), server)  # type: ignore[no-untyped-call]

@@ -26,7 +26,7 @@ _LOG = logging.getLogger("kvcm.server.rpc")
 _PREFIX = "/kvcm.v1."
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> str:
+async def _abort(context: Any, exc: BaseException) -> str:
     """Map ``exc`` to its status and end the call; returns the code's name."""
     if isinstance(exc, AbortRpc):
         code, details = exc.code, exc.details
@@ -40,7 +40,7 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 
-class TelemetryInterceptor(grpc.aio.ServerInterceptor):
+class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Applies the error table and observes every kvcm RPC (see the module docstring)."""
 
     def __init__(self, stats: RpcStats) -> None:
@@ -54,7 +54,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         """Wrap kvcm.v1 handlers; others (health, reflection) pass through."""
         handler = await continuation(handler_call_details)
-        full_name: str = handler_call_details.method  # type: ignore[attr-defined]
+        full_name: str = handler_call_details.method
         if handler is None or not full_name.startswith(_PREFIX):
             return handler
         method = full_name.rsplit("/", 1)[-1]
@@ -75,7 +75,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
     def _unary(self, method: str, behavior: Any) -> Any:
         stats = self._stats
 
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        async def wrapped(request: Any, context: Any) -> Any:
             started = time.perf_counter()
             code = "OK"
             try:
@@ -96,9 +96,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
     def _stream(self, method: str, behavior: Any) -> Any:
         stats = self._stats
 
-        async def wrapped(
-            request: Any, context: grpc.aio.ServicerContext[Any, Any]
-        ) -> AsyncIterator[Any]:
+        async def wrapped(request: Any, context: Any) -> AsyncIterator[Any]:
             started = time.perf_counter()
             code = "OK"
             try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import grpc
 
@@ -40,7 +40,8 @@ __all__ = [
     "WorkerServicer",
 ]
 
-Context = grpc.aio.ServicerContext[Any, Any]
+# grpc ships no type information: its context is Any to mypy.
+Context: TypeAlias = Any
 _MAX_EVENTS_PER_MESSAGE: Final = 1024
 # RegisterWorker answers this long before the client's deadline, so its own message arrives.
 _DEADLINE_MARGIN_S: Final = 0.02
@@ -256,9 +257,9 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self._state.published(pool)
         response = scheduler_pb2.AllocateSlotsResponse()
         if blocks is None:
-            response.status = common_pb2.ITEM_STATUS_DOES_NOT_FIT  # type: ignore[assignment]
+            response.status = common_pb2.ITEM_STATUS_DOES_NOT_FIT
             return response
-        response.status = common_pb2.ITEM_STATUS_OK  # type: ignore[assignment]
+        response.status = common_pb2.ITEM_STATUS_OK
         fill_grouped(blocks.get_block_ids(), response.new_blocks)
         return response
 
@@ -288,9 +289,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
                 f"total_computed_tokens={request.total_computed_tokens} exceeds the request's "
                 f"{target.num_tokens} tokens"
             )
-        pool.ready_manager().remove_skipped_blocks(
-            target.request_id, request.total_computed_tokens
-        )
+        pool.ready_manager().remove_skipped_blocks(target.request_id, request.total_computed_tokens)
         self._state.published(pool)
         return scheduler_pb2.RemoveSkippedBlocksResponse()
 

@@ -21,7 +21,6 @@ from kvcm.common.errors import (
 )
 from kvcm.server.core.manager import DEFAULT_SLOT_OPTIONS, CacheHit, KVCacheManager, SlotOptions
 from kvcm.server.core.pool import Pool
-from kvcm.server.core.request import RequestStatus
 from kvcm.server.rpc._convert import slot_options_from_proto
 from kvcm.server.rpc._status import StepRejectedError
 from kvcm.v1 import common_pb2, scheduler_pb2
@@ -126,8 +125,9 @@ class _Validator:
             self.shadow[key] = state
         if state is None:
             raise self.fail(
-                NotFoundError(f"request_keys[{index}]={key} is not live in pool "
-                              f"{self.pool.name!r}"),
+                NotFoundError(
+                    f"request_keys[{index}]={key} is not live in pool {self.pool.name!r}"
+                ),
                 f"request_keys[{index}]",
             )
         return key, state
@@ -185,13 +185,21 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
             num_computed = _column(
                 v, "alloc_num_computed_tokens", message.alloc_num_computed_tokens, n_alloc
             )
-            _check_allocate(v, state, num_new, num_computed, options_by_index.get(n_alloc),
-                            n_alloc, max_model_len)
+            _check_allocate(
+                v,
+                state,
+                num_new=num_new,
+                num_computed=num_computed,
+                entry=options_by_index.get(n_alloc),
+                index=n_alloc,
+                max_model_len=max_model_len,
+            )
             n_alloc += 1
         elif op == _ADD:
             if n_add >= len(message.new_requests):
-                raise v.fail(InvalidArgumentError("new_requests has too few entries"),
-                             "new_requests")
+                raise v.fail(
+                    InvalidArgumentError("new_requests has too few entries"), "new_requests"
+                )
             new = message.new_requests[n_add]
             field = f"new_requests[{n_add}]"
             n_add += 1
@@ -209,10 +217,14 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
                 0,
                 len(new.block_hashes) // pool.hashing.hash_length_bytes,
             ]
-        elif op == _CACHE or op == _SKIPPED:
+        elif op in (_CACHE, _SKIPPED):
             key, state = v.next_key()
             if op == _CACHE:
-                name, column, index = "cache_num_computed_tokens", message.cache_num_computed_tokens, n_cache
+                name, column, index = (
+                    "cache_num_computed_tokens",
+                    message.cache_num_computed_tokens,
+                    n_cache,
+                )
                 n_cache += 1
             else:
                 name, column, index = (
@@ -236,8 +248,9 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
             key, _ = v.next_key()
             v.shadow[key] = None
         elif op != _NEW_STEP:
-            raise v.fail(InvalidArgumentError(f"ops[{op_index}] has unknown kind {op}"),
-                         f"ops[{op_index}]")
+            raise v.fail(
+                InvalidArgumentError(f"ops[{op_index}] has unknown kind {op}"), f"ops[{op_index}]"
+            )
     _check_consumed(
         message,
         v,
@@ -308,6 +321,7 @@ def _alloc_options(
 def _check_allocate(
     v: _Validator,
     state: _Shadow,
+    *,
     num_new: int,
     num_computed: int,
     entry: scheduler_pb2.StepAllocOptions | None,
@@ -337,8 +351,7 @@ def _check_allocate(
         if state[1]:
             raise v.fail(
                 InvalidArgumentError(
-                    f"alloc_options for allocation {index}: lookup for a request that holds "
-                    "blocks"
+                    f"alloc_options for allocation {index}: lookup for a request that holds blocks"
                 ),
                 f"alloc_options[{index}].lookup",
             )
@@ -375,8 +388,10 @@ def execute_step(
         op_index = _execute(pool, manager, message, response)
     except KVCMError as exc:
         raise StepRejectedError(
-            type(exc)(f"ops[{_failed_op(response)}] rejected by the core after "
-                      f"{_failed_op(response)} ops ran: {exc}"),
+            type(exc)(
+                f"ops[{_failed_op(response)}] rejected by the core after "
+                f"{_failed_op(response)} ops ran: {exc}"
+            ),
             _failed_op(response),
             "ops",
         ) from exc
@@ -444,7 +459,14 @@ def _execute(
                     budget = max(0, budget - num_new)
                 continue
             status, budget = _allocate_with_options(
-                pool, manager, request, num_new, entry, default_lookahead, budget, response
+                pool,
+                manager,
+                request=request,
+                num_new=num_new,
+                entry=entry,
+                default_lookahead=default_lookahead,
+                budget=budget,
+                response=response,
             )
             if status != _OK and stop:
                 break
@@ -502,6 +524,7 @@ def _execute(
 def _allocate_with_options(
     pool: Pool,
     manager: KVCacheManager,
+    *,
     request: object,
     num_new: int,
     entry: scheduler_pb2.StepAllocOptions,
@@ -533,19 +556,42 @@ def _allocate_with_options(
         if budget is not None:
             num_new = min(num_new, budget)
         if num_new <= 0:
-            _answer(response, _NO_TOKEN_BUDGET, num_groups, None, hit.num_computed_tokens, 0)
+            _answer(
+                response,
+                _NO_TOKEN_BUDGET,
+                num_groups=num_groups,
+                ids=None,
+                hit_tokens=hit.num_computed_tokens,
+                num_new=0,
+            )
             return _NO_TOKEN_BUDGET, budget
     blocks = pool.allocate_slots(request, num_new, hit, options)
     if blocks is None:
         looked = hit.num_computed_tokens if hit is not None else None
-        _answer(response, _DOES_NOT_FIT, num_groups, None, looked, 0)
+        _answer(
+            response, _DOES_NOT_FIT, num_groups=num_groups, ids=None, hit_tokens=looked, num_new=0
+        )
         return _DOES_NOT_FIT, budget
     if hit is not None:
         manager.record_prefix_cache_stats(request, hit.num_computed_tokens)
         ids = manager.get_block_ids(request.request_id)
-        _answer(response, _OK, num_groups, ids, hit.num_computed_tokens, num_new)
+        _answer(
+            response,
+            _OK,
+            num_groups=num_groups,
+            ids=ids,
+            hit_tokens=hit.num_computed_tokens,
+            num_new=num_new,
+        )
     else:
-        _answer(response, _OK, num_groups, blocks.get_block_ids(), None, 0)
+        _answer(
+            response,
+            _OK,
+            num_groups=num_groups,
+            ids=blocks.get_block_ids(),
+            hit_tokens=None,
+            num_new=0,
+        )
     if budget is not None:
         budget = max(0, budget - num_new)
     return _OK, budget
@@ -554,12 +600,13 @@ def _allocate_with_options(
 def _answer(
     response: scheduler_pb2.StepResponse,
     status: int,
+    *,
     num_groups: int,
     ids: tuple[list[int], ...] | None,
     hit_tokens: int | None,
     num_new: int,
 ) -> None:
-    response.alloc_statuses.append(status)  # type: ignore[arg-type]
+    response.alloc_statuses.append(status)
     if ids is None:
         response.alloc_num_block_ids.extend([0] * num_groups)
     else:
