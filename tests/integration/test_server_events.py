@@ -147,7 +147,8 @@ def test_live_edge_subscription_sees_only_new_events(client: SchedulerClient) ->
     _churn(client, pool_id, 1, first_key=100)
     thread.join(timeout=10)
     stream.close()
-    assert received and received[0].first_sequence == before + 1
+    assert received
+    assert received[0].first_sequence == before + 1
     client.delete_pool(pool_id)
 
 

@@ -96,3 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse guards this
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
