@@ -6,7 +6,6 @@ import pytest
 
 from kvcm.client import PoolConfig
 from kvcm.client._convert import (
-    _WIRE_HAS_PLACEMENT,
     decode_event_batch,
     hashing_from_proto,
     kv_cache_config_from_proto,
@@ -206,11 +205,6 @@ def test_events_decode_with_vllm_int_hashes() -> None:
     assert isinstance(cleared, AllBlocksCleared)
 
 
-@pytest.mark.skipif(
-    not _WIRE_HAS_PLACEMENT,
-    reason="common.proto KVCacheTensor carries no offset/layer/block strides yet: planned "
-    "configs with several tensors in one allocation cannot travel exactly",
-)
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
 def test_planned_configs_round_trip(layout: str) -> None:
     from kvcm.common.config import KVCacheLayout

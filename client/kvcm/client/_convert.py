@@ -6,7 +6,7 @@ pure translation; the server checks the values (the SDK does not duplicate its v
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, NamedTuple
 
@@ -280,29 +280,19 @@ def layer_specs_to_proto(specs: Mapping[str, KVCacheSpec]) -> list[common_pb2.La
 
 
 # ----------------------------------------------------------------------------- config
-# The placement fields a KVCacheTensor needs beyond vLLM's (size, shared_by). kvcm.v1 as first
-# published lacks them; once common.proto carries them (uint64 offset_bytes, layer_stride_bytes,
-# block_stride_bytes) they travel, and until then a worker infers the placement (below).
-_PLACEMENT_FIELDS: Final = ("offset_bytes", "layer_stride_bytes", "block_stride_bytes")
-_WIRE_HAS_PLACEMENT: Final = all(
-    name in common_pb2.KVCacheTensor.DESCRIPTOR.fields_by_name for name in _PLACEMENT_FIELDS
-)
-
-
 def kv_cache_config_to_proto(config: KVCacheConfig) -> common_pb2.KVCacheConfig:
     """The wire form of a ``KVCacheConfig`` (each tensor's size, layers and placement)."""
     message = common_pb2.KVCacheConfig(
         num_blocks=config.num_blocks, kv_cache_layout=config.kv_cache_layout.name
     )
     for tensor in config.kv_cache_tensors:
-        wire = message.kv_cache_tensors.add(size_bytes=tensor.size, shared_by=list(tensor.layers))
-        if _WIRE_HAS_PLACEMENT:
-            for name, value in zip(
-                _PLACEMENT_FIELDS,
-                (tensor.offset, tensor.layer_stride, tensor.block_stride),
-                strict=True,
-            ):
-                setattr(wire, name, value)
+        message.kv_cache_tensors.add(
+            size_bytes=tensor.size,
+            shared_by=list(tensor.layers),
+            offset_bytes=tensor.offset,
+            layer_stride_bytes=tensor.layer_stride,
+            block_stride_bytes=tensor.block_stride,
+        )
     for group in config.kv_cache_groups:
         message.kv_cache_groups.add(
             layer_names=list(group.layer_names), kv_cache_spec=spec_to_proto(group.kv_cache_spec)
@@ -310,44 +300,13 @@ def kv_cache_config_to_proto(config: KVCacheConfig) -> common_pb2.KVCacheConfig:
     return message
 
 
-def _layer_page_sizes(groups: Sequence[KVCacheGroupSpec]) -> dict[str, int]:
-    pages: dict[str, int] = {}
-    for group in groups:
-        spec = group.kv_cache_spec
-        for name in group.layer_names:
-            layer_spec = (
-                spec.kv_cache_specs.get(name, spec)
-                if isinstance(spec, UniformTypeKVCacheSpecs)
-                else spec
-            )
-            pages[name] = layer_spec.page_size_bytes
-    return pages
-
-
-def _tensor_from_proto(
-    message: common_pb2.KVCacheTensor, num_blocks: int, pages: Mapping[str, int]
-) -> KVCacheTensor:
-    layers = tuple(message.shared_by)
-    if _WIRE_HAS_PLACEMENT:
-        offset, layer_stride, block_stride = (getattr(message, f) for f in _PLACEMENT_FIELDS)
-        return KVCacheTensor(
-            size=message.size_bytes,
-            layers=layers,
-            layer_stride=layer_stride,
-            block_stride=block_stride,
-            offset=offset,
-        )
-    # Only vLLM's (size, shared_by) travel: read them as vLLM's own layouts. A tensor of one
-    # region per layer (size = layers x region) stacks its layers, layer-outermost; a tensor of
-    # one region is shared by layers of different groups, which overlay it.
-    page = pages.get(layers[0], 0) if layers else 0
-    region = page * num_blocks
-    stacked = len(layers) > 1 and message.size_bytes >= region * len(layers)
+def _tensor_from_proto(message: common_pb2.KVCacheTensor) -> KVCacheTensor:
     return KVCacheTensor(
         size=message.size_bytes,
-        layers=layers,
-        layer_stride=region if stacked else 0,
-        block_stride=page,
+        layers=tuple(message.shared_by),
+        layer_stride=message.layer_stride_bytes,
+        block_stride=message.block_stride_bytes,
+        offset=message.offset_bytes,
     )
 
 
@@ -360,15 +319,11 @@ def kv_cache_config_from_proto(message: common_pb2.KVCacheConfig) -> KVCacheConf
         )
         for group in message.kv_cache_groups
     )
-    pages = _layer_page_sizes(groups)
     layout = KVCacheLayout.parse(message.kv_cache_layout or KVCacheLayout.LBNHC)
     return KVCacheConfig(
         num_blocks=message.num_blocks,
         kv_cache_layout=layout,
-        kv_cache_tensors=tuple(
-            _tensor_from_proto(tensor, message.num_blocks, pages)
-            for tensor in message.kv_cache_tensors
-        ),
+        kv_cache_tensors=tuple(_tensor_from_proto(tensor) for tensor in message.kv_cache_tensors),
         kv_cache_groups=groups,
     )
 
