@@ -188,14 +188,30 @@ def test_no_server_is_unavailable_after_retries() -> None:
         assert caught_step.value.code in {StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED}
 
 
-def test_every_call_has_a_deadline(client: SchedulerClient, pool: str) -> None:
+def test_every_call_has_a_deadline(client: SchedulerClient) -> None:
     with pytest.raises(errors.InvalidArgumentError, match="timeout"):
-        client.get_usage(pool, timeout=0)
+        client.get_usage("any", timeout=0)
     with pytest.raises(errors.InvalidArgumentError, match="timeout"):
         SchedulerClient("127.0.0.1:1", timeout=-1.0)
-    # A deadline shorter than any round trip expires on the client.
-    with pytest.raises(DeadlineExceededError):
-        client.get_usage(pool, timeout=1e-6)
+    # A call the server holds open (a stream on a quiet pool) ends at its deadline.
+    config = _config()
+    client.create_pool(
+        "errors-quiet",
+        PoolConfig(
+            max_model_len=config.max_model_len,
+            explicit_layout=config.explicit_layout,
+            enable_kv_cache_events=True,
+        ),
+    )
+    started = time.monotonic()
+    with (
+        pytest.raises(DeadlineExceededError),
+        client.subscribe_events("errors-quiet", timeout=0.5) as stream,
+    ):
+        for _ in stream:
+            pass
+    assert 0.4 < time.monotonic() - started < 5
+    client.delete_pool("errors-quiet")
 
 
 def test_async_client_maps_the_same_exceptions(kvcm_address: str, pool: str) -> None:
@@ -211,7 +227,20 @@ def test_async_client_maps_the_same_exceptions(kvcm_address: str, pool: str) -> 
                 await client.step(pool, step)
             assert caught.value.rejection is not None
             assert caught.value.rejection.op_index == 0
+            with pytest.raises(errors.InvalidArgumentError, match="timeout"):
+                await client.get_usage(pool, timeout=-1)
+            config = _config()
+            await client.create_pool(
+                "errors-quiet-async",
+                PoolConfig(
+                    max_model_len=config.max_model_len,
+                    explicit_layout=config.explicit_layout,
+                    enable_kv_cache_events=True,
+                ),
+            )
             with pytest.raises(DeadlineExceededError):
-                await client.get_usage(pool, timeout=1e-6)
+                async for _ in client.subscribe_events("errors-quiet-async", timeout=0.5):
+                    pass
+            await client.delete_pool("errors-quiet-async")
 
     asyncio.run(scenario())
