@@ -267,11 +267,20 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.num_requests = 0
 
     # Pools of 2..16 blocks: small enough that allocations fail and cached blocks are reused.
-    @initialize(num_smaller=st.integers(0, 14), disable_caching=st.booleans())
-    def build(self, num_smaller: int, disable_caching: bool) -> None:
+    # A few tables from the start, so that programs go straight to sharing and freeing.
+    @initialize(
+        num_smaller=st.integers(0, 14),
+        disable_caching=st.booleans(),
+        first_tables=st.lists(st.tuples(TOKENS, st.booleans()), max_size=4),
+    )
+    def build(
+        self, num_smaller: int, disable_caching: bool, first_tables: list[tuple[list[int], bool]]
+    ) -> None:
         num_blocks, enable_caching = 16 - num_smaller, not disable_caching
         self.pool = BlockPool(num_blocks, enable_caching, BLOCK_SIZE, enable_kv_cache_events=True)
         self.model = PoolModel(num_blocks, enable_caching)
+        for tokens, cache_now in first_tables:
+            self._add_table(tokens, cache_now)
 
     # ------------------------------------------------------------------------ helpers
     def _request(self, tokens: list[int]) -> Request:
@@ -331,8 +340,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def add_table(self, data: st.DataObject) -> None:
         """Adopt the cached prefix (touch), take new blocks for the rest, maybe cache them."""
-        tokens = data.draw(TOKENS, label="tokens")
-        cache_now = data.draw(st.booleans(), label="cache_now")
+        self._add_table(data.draw(TOKENS, label="tokens"), data.draw(st.booleans(), label="cache"))
+
+    def _add_table(self, tokens: list[int], cache_now: bool) -> None:
         request = self._request(tokens)
         hits = self._lookup_hits(request)
         num_needed = -(-len(tokens) // BLOCK_SIZE) - len(hits)
