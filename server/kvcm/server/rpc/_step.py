@@ -9,7 +9,6 @@ over the packed columns, building the response columns directly (no per-item obj
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Final
 
 from kvcm.common.errors import (
@@ -21,6 +20,7 @@ from kvcm.common.errors import (
 )
 from kvcm.server.core.manager import DEFAULT_SLOT_OPTIONS, CacheHit, KVCacheManager, SlotOptions
 from kvcm.server.core.pool import Pool
+from kvcm.server.core.request import RequestStatus
 from kvcm.server.rpc._convert import slot_options_from_proto
 from kvcm.server.rpc._status import StepRejectedError
 from kvcm.v1 import common_pb2, scheduler_pb2
@@ -35,7 +35,7 @@ _SKIPPED: Final = scheduler_pb2.STEP_OP_KIND_REMOVE_SKIPPED_BLOCKS
 _PREEMPT: Final = scheduler_pb2.STEP_OP_KIND_PREEMPT
 _FINISH: Final = scheduler_pb2.STEP_OP_KIND_FINISH
 _NEW_STEP: Final = scheduler_pb2.STEP_OP_KIND_NEW_STEP_STARTS
-_NAMES: Final = {
+_NAMES: Final[dict[int, str]] = {
     _ADD: "ADD_REQUEST",
     _APPEND: "APPEND_TOKENS",
     _ALLOCATE: "ALLOCATE",
@@ -48,9 +48,6 @@ _NAMES: Final = {
 _OK: Final = common_pb2.ITEM_STATUS_OK
 _DOES_NOT_FIT: Final = common_pb2.ITEM_STATUS_DOES_NOT_FIT
 _NO_TOKEN_BUDGET: Final = common_pb2.ITEM_STATUS_NO_TOKEN_BUDGET
-
-# The shadow of one request during validation: [num_tokens, holds blocks for sure, hashes].
-_Shadow = list[int]
 
 
 def run_step(pool: Pool, message: scheduler_pb2.StepRequest) -> scheduler_pb2.StepResponse:
@@ -86,59 +83,61 @@ def run_step(pool: Pool, message: scheduler_pb2.StepRequest) -> scheduler_pb2.St
     return response
 
 
-class _Validator:
-    """One validation pass over a Step (see the module docstring)."""
+def _reject(op_index: int | None, op: int, error: KVCMError, field: str) -> StepRejectedError:
+    """The rejection of op ``op_index`` (or of the whole Step when ``None``)."""
+    if op_index is None:
+        return StepRejectedError(error, None, field)
+    prefixed = type(error)(f"ops[{op_index}] {_NAMES.get(op, str(op))}: {error}")
+    return StepRejectedError(prefixed, op_index, field)
 
-    def __init__(self, pool: Pool, message: scheduler_pb2.StepRequest) -> None:
+
+class _Validation:
+    """One validation pass: the shadow request table and the column cursors.
+
+    The shadow maps a request key to ``[num_tokens, holds blocks (-1: not asked yet),
+    num_hashes]``, or to ``None`` once finished in this Step.
+    """
+
+    __slots__ = ("keys", "pool", "shadow")
+
+    def __init__(self, pool: Pool, keys: list[int]) -> None:
         self.pool = pool
-        self.message = message
-        self.shadow: dict[int, _Shadow | None] = {}
-        self.op_index = 0
-        self.op_name = ""
-        self.key_cursor = 0
-        holds = pool.ready_manager().holds_blocks
-        self._holds: Callable[[str], bool] = holds
+        self.keys = keys
+        self.shadow: dict[int, list[int] | None] = {}
 
-    def fail(self, error: KVCMError, field: str) -> StepRejectedError:
-        prefixed = type(error)(f"ops[{self.op_index}] {self.op_name}: {error}")
-        return StepRejectedError(prefixed, self.op_index, field)
-
-    def next_key(self) -> tuple[int, _Shadow]:
-        keys = self.message.request_keys
-        index = self.key_cursor
-        if index >= len(keys):
-            raise self.fail(
-                InvalidArgumentError("request_keys has too few entries"), "request_keys"
+    def state(self, op_index: int, op: int, k: int) -> tuple[int, list[int]]:
+        """The shadow of the request named by ``request_keys[k]`` (slow path: first sight)."""
+        if k >= len(self.keys):
+            raise _reject(
+                op_index,
+                op,
+                InvalidArgumentError("request_keys has too few entries"),
+                "request_keys",
             )
-        self.key_cursor += 1
-        key = keys[index]
-        state = self.shadow.get(key, ...)  # Ellipsis: not in the shadow yet
-        if state is ...:
-            request = self.pool.requests.get(key)
-            state = None
-            if request is not None:
-                state = [
-                    request.num_tokens,
-                    int(self._holds(request.request_id)),
-                    len(request.block_hashes),
-                ]
-            self.shadow[key] = state
+        key = self.keys[k]
+        state = self.shadow.get(key)
         if state is None:
-            raise self.fail(
-                NotFoundError(
-                    f"request_keys[{index}]={key} is not live in pool {self.pool.name!r}"
-                ),
-                f"request_keys[{index}]",
-            )
+            request = None if key in self.shadow else self.pool.requests.get(key)
+            if request is None:
+                raise _reject(
+                    op_index,
+                    op,
+                    NotFoundError(
+                        f"request_keys[{k}]={key} is not live in pool {self.pool.name!r}"
+                    ),
+                    f"request_keys[{k}]",
+                )
+            state = [request.num_tokens, -1, len(request.block_hashes)]
+            self.shadow[key] = state
         return key, state
 
-
-def _column(validator: _Validator, name: str, column: object, index: int) -> int:
-    values = column  # a packed repeated field
-    if index >= len(values):  # type: ignore[arg-type]
-        raise validator.fail(InvalidArgumentError(f"{name} has too few entries"), name)
-    value: int = values[index]  # type: ignore[index]
-    return value
+    def holds_blocks(self, key: int, state: list[int]) -> bool:
+        """Whether the request holds blocks for sure (asked of the core once)."""
+        if state[1] < 0:
+            manager = self.pool.manager
+            assert manager is not None
+            state[1] = int(manager.holds_blocks(str(key)))
+        return bool(state[1])
 
 
 def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
@@ -147,78 +146,107 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
     Raises:
         StepRejectedError: The first failing op (or the malformed columns).
     """
-    v = _Validator(pool, message)
+    keys = list(message.request_keys)
+    v = _Validation(pool, keys)
     max_model_len = pool.max_model_len
-    options_by_index = _alloc_options(v, message)
-    n_add = n_append = n_alloc = n_cache = n_skipped = 0
-    token_cursor = hash_cursor = 0
+    hash_block_size = pool.hashing.hash_block_size if pool.options.enable_caching else 0
     hash_length = pool.hashing.hash_length_bytes
+    options_by_index = _alloc_options(message) if message.alloc_options else {}
+    alloc_new = list(message.alloc_num_new_tokens)
+    alloc_computed = list(message.alloc_num_computed_tokens)
+    num_allocs = min(len(alloc_new), len(alloc_computed))
+    append_tokens = list(message.append_num_tokens)
+    append_hashes = list(message.append_num_block_hashes)
+    num_appends = min(len(append_tokens), len(append_hashes))
+    num_token_ids = len(message.append_token_ids)
+    num_hash_bytes = len(message.append_block_hashes)
+    shadow_get = v.shadow.get
+    k = n_add = n_append = n_alloc = n_cache = n_skipped = 0
+    token_cursor = hash_cursor = 0
     for op_index, op in enumerate(message.ops):
-        v.op_index = op_index
-        v.op_name = _NAMES.get(op, str(op))
         if op == _APPEND:
-            key, state = v.next_key()
-            num_tokens = _column(v, "append_num_tokens", message.append_num_tokens, n_append)
-            num_hashes = _column(
-                v, "append_num_block_hashes", message.append_num_block_hashes, n_append
-            )
-            field = f"append_num_tokens[{n_append}]"
-            n_append += 1
-            token_cursor += num_tokens
-            if token_cursor > len(message.append_token_ids):
-                raise v.fail(InvalidArgumentError("append_token_ids has too few entries"), field)
-            hash_cursor += num_hashes * hash_length
-            if hash_cursor > len(message.append_block_hashes):
-                raise v.fail(
-                    InvalidArgumentError("append_block_hashes has too few hashes"),
-                    f"append_num_block_hashes[{n_append - 1}]",
+            state = shadow_get(keys[k]) if k < len(keys) else None
+            key, state = (keys[k], state) if state is not None else v.state(op_index, op, k)
+            k += 1
+            if n_append >= num_appends:
+                raise _reject(
+                    op_index,
+                    op,
+                    InvalidArgumentError("append_num_tokens has too few entries"),
+                    "append_num_tokens",
                 )
-            try:
-                pool.check_append(key, num_tokens, num_hashes, state[0], state[2])
-            except InvalidArgumentError as exc:
-                raise v.fail(exc, field) from None
-            state[0] += num_tokens
+            num_tokens = append_tokens[n_append]
+            num_hashes = append_hashes[n_append]
+            token_cursor += num_tokens
+            hash_cursor += num_hashes * hash_length
+            if token_cursor > num_token_ids or hash_cursor > num_hash_bytes:
+                raise _reject(
+                    op_index,
+                    op,
+                    InvalidArgumentError("append_token_ids or append_block_hashes is too short"),
+                    f"append_num_tokens[{n_append}]",
+                )
+            before = state[0]
+            if (
+                num_tokens == 0
+                or before + num_tokens > max_model_len
+                or (
+                    num_hashes
+                    and (
+                        state[2] != (before // hash_block_size if hash_block_size else 0)
+                        or num_hashes
+                        != (
+                            (before + num_tokens) // hash_block_size - before // hash_block_size
+                            if hash_block_size
+                            else 0
+                        )
+                    )
+                )
+            ):
+                try:
+                    pool.check_append(key, num_tokens, num_hashes, before, state[2])
+                except InvalidArgumentError as exc:
+                    raise _reject(op_index, op, exc, f"append_num_tokens[{n_append}]") from None
+            state[0] = before + num_tokens
             state[2] += num_hashes
+            n_append += 1
         elif op == _ALLOCATE:
-            key, state = v.next_key()
-            num_new = _column(v, "alloc_num_new_tokens", message.alloc_num_new_tokens, n_alloc)
-            num_computed = _column(
-                v, "alloc_num_computed_tokens", message.alloc_num_computed_tokens, n_alloc
-            )
-            _check_allocate(
-                v,
-                state,
-                num_new=num_new,
-                num_computed=num_computed,
-                entry=options_by_index.get(n_alloc),
-                index=n_alloc,
-                max_model_len=max_model_len,
-            )
+            state = shadow_get(keys[k]) if k < len(keys) else None
+            key, state = (keys[k], state) if state is not None else v.state(op_index, op, k)
+            k += 1
+            if n_alloc >= num_allocs:
+                raise _reject(
+                    op_index,
+                    op,
+                    InvalidArgumentError("alloc_num_new_tokens has too few entries"),
+                    "alloc_num_new_tokens",
+                )
+            num_new = alloc_new[n_alloc]
+            num_computed = alloc_computed[n_alloc]
+            entry = options_by_index.get(n_alloc) if options_by_index else None
+            if (
+                entry is not None
+                or num_computed > state[0]
+                or num_new == 0
+                or num_computed + num_new > max_model_len
+            ):
+                _check_allocate(
+                    v,
+                    op_index,
+                    key,
+                    state,
+                    num_new=num_new,
+                    num_computed=num_computed,
+                    entry=entry,
+                    index=n_alloc,
+                )
             n_alloc += 1
         elif op == _ADD:
-            if n_add >= len(message.new_requests):
-                raise v.fail(
-                    InvalidArgumentError("new_requests has too few entries"), "new_requests"
-                )
-            new = message.new_requests[n_add]
-            field = f"new_requests[{n_add}]"
+            _check_add(v, op_index, message, n_add)
             n_add += 1
-            key = new.request_key
-            known = v.shadow.get(key, ...)
-            live = key in pool.requests if known is ... else known is not None
-            if live:
-                raise v.fail(AlreadyExistsError(f"request key {key} is live"), field)
-            try:
-                pool.check_new_request(key, len(new.prompt_token_ids), len(new.block_hashes))
-            except InvalidArgumentError as exc:
-                raise v.fail(exc, field) from None
-            v.shadow[key] = [
-                len(new.prompt_token_ids),
-                0,
-                len(new.block_hashes) // pool.hashing.hash_length_bytes,
-            ]
         elif op in (_CACHE, _SKIPPED):
-            key, state = v.next_key()
+            key, state = v.state(op_index, op, k)
+            k += 1
             if op == _CACHE:
                 name, column, index = (
                     "cache_num_computed_tokens",
@@ -233,36 +261,44 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
                     n_skipped,
                 )
                 n_skipped += 1
-            value = _column(v, name, column, index)
-            if value > state[0]:
-                raise v.fail(
+            if index >= len(column):
+                raise _reject(
+                    op_index, op, InvalidArgumentError(f"{name} has too few entries"), name
+                )
+            if column[index] > state[0]:
+                raise _reject(
+                    op_index,
+                    op,
                     InvalidArgumentError(
-                        f"{name}[{index}]={value} exceeds the request's {state[0]} tokens"
+                        f"{name}[{index}]={column[index]} exceeds the request's {state[0]} tokens"
                     ),
                     f"{name}[{index}]",
                 )
         elif op == _PREEMPT:
-            _, state = v.next_key()
+            _, state = v.state(op_index, op, k)
+            k += 1
             state[1] = 0
         elif op == _FINISH:
-            key, _ = v.next_key()
+            key, _ = v.state(op_index, op, k)
+            k += 1
             v.shadow[key] = None
         elif op != _NEW_STEP:
-            raise v.fail(
-                InvalidArgumentError(f"ops[{op_index}] has unknown kind {op}"), f"ops[{op_index}]"
+            raise _reject(
+                op_index,
+                op,
+                InvalidArgumentError(f"ops[{op_index}] has unknown kind {op}"),
+                f"ops[{op_index}]",
             )
     _check_consumed(
-        message,
-        v,
         (
-            ("request_keys", v.key_cursor, len(message.request_keys)),
+            ("request_keys", k, len(keys)),
             ("new_requests", n_add, len(message.new_requests)),
-            ("alloc_num_new_tokens", n_alloc, len(message.alloc_num_new_tokens)),
-            ("alloc_num_computed_tokens", n_alloc, len(message.alloc_num_computed_tokens)),
-            ("append_num_tokens", n_append, len(message.append_num_tokens)),
-            ("append_num_block_hashes", n_append, len(message.append_num_block_hashes)),
-            ("append_token_ids", token_cursor, len(message.append_token_ids)),
-            ("append_block_hashes", hash_cursor, len(message.append_block_hashes)),
+            ("alloc_num_new_tokens", n_alloc, len(alloc_new)),
+            ("alloc_num_computed_tokens", n_alloc, len(alloc_computed)),
+            ("append_num_tokens", n_append, len(append_tokens)),
+            ("append_num_block_hashes", n_append, len(append_hashes)),
+            ("append_token_ids", token_cursor, num_token_ids),
+            ("append_block_hashes", hash_cursor, num_hash_bytes),
             ("cache_num_computed_tokens", n_cache, len(message.cache_num_computed_tokens)),
             (
                 "remove_skipped_total_computed_tokens",
@@ -282,12 +318,34 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
         )
 
 
-def _check_consumed(
-    message: scheduler_pb2.StepRequest,
-    v: _Validator,
-    columns: tuple[tuple[str, int, int], ...],
+def _check_add(
+    v: _Validation, op_index: int, message: scheduler_pb2.StepRequest, n_add: int
 ) -> None:
-    del message, v
+    if n_add >= len(message.new_requests):
+        raise _reject(
+            op_index,
+            _ADD,
+            InvalidArgumentError("new_requests has too few entries"),
+            "new_requests",
+        )
+    new = message.new_requests[n_add]
+    field = f"new_requests[{n_add}]"
+    key = new.request_key
+    live = v.shadow[key] is not None if key in v.shadow else key in v.pool.requests
+    if live:
+        raise _reject(op_index, _ADD, AlreadyExistsError(f"request key {key} is live"), field)
+    try:
+        v.pool.check_new_request(key, len(new.prompt_token_ids), len(new.block_hashes))
+    except InvalidArgumentError as exc:
+        raise _reject(op_index, _ADD, exc, field) from None
+    v.shadow[key] = [
+        len(new.prompt_token_ids),
+        0,
+        len(new.block_hashes) // v.pool.hashing.hash_length_bytes,
+    ]
+
+
+def _check_consumed(columns: tuple[tuple[str, int, int], ...]) -> None:
     for name, used, size in columns:
         if used != size:
             raise StepRejectedError(
@@ -297,9 +355,7 @@ def _check_consumed(
             )
 
 
-def _alloc_options(
-    v: _Validator, message: scheduler_pb2.StepRequest
-) -> dict[int, scheduler_pb2.StepAllocOptions]:
+def _alloc_options(message: scheduler_pb2.StepRequest) -> dict[int, scheduler_pb2.StepAllocOptions]:
     entries: dict[int, scheduler_pb2.StepAllocOptions] = {}
     last = -1
     for position, entry in enumerate(message.alloc_options):
@@ -314,61 +370,56 @@ def _alloc_options(
             )
         last = entry.alloc_index
         entries[last] = entry
-    del v
     return entries
 
 
 def _check_allocate(
-    v: _Validator,
-    state: _Shadow,
+    v: _Validation,
+    op_index: int,
+    key: int,
+    state: list[int],
     *,
     num_new: int,
     num_computed: int,
     entry: scheduler_pb2.StepAllocOptions | None,
     index: int,
-    max_model_len: int,
 ) -> None:
     num_tokens = state[0]
+    max_model_len = v.pool.max_model_len
+
+    def reject(message: str, field: str) -> StepRejectedError:
+        return _reject(op_index, _ALLOCATE, InvalidArgumentError(message), field)
+
     if num_computed > num_tokens:
-        raise v.fail(
-            InvalidArgumentError(
-                f"alloc_num_computed_tokens[{index}]={num_computed} exceeds the request's "
-                f"{num_tokens} tokens"
-            ),
+        raise reject(
+            f"alloc_num_computed_tokens[{index}]={num_computed} exceeds the request's "
+            f"{num_tokens} tokens",
             f"alloc_num_computed_tokens[{index}]",
         )
     lookup = entry is not None and entry.HasField("lookup")
     external = entry.options.num_external_computed_tokens if entry is not None else 0
     if lookup:
         if num_computed:
-            raise v.fail(
-                InvalidArgumentError(
-                    f"alloc_num_computed_tokens[{index}]={num_computed}: an ALLOCATE with a "
-                    "lookup is for a waiting request with no computed tokens"
-                ),
+            raise reject(
+                f"alloc_num_computed_tokens[{index}]={num_computed}: an ALLOCATE with a "
+                "lookup is for a waiting request with no computed tokens",
                 f"alloc_num_computed_tokens[{index}]",
             )
-        if state[1]:
-            raise v.fail(
-                InvalidArgumentError(
-                    f"alloc_options for allocation {index}: lookup for a request that holds blocks"
-                ),
+        if v.holds_blocks(key, state):
+            raise reject(
+                f"alloc_options for allocation {index}: lookup for a request that holds blocks",
                 f"alloc_options[{index}].lookup",
             )
         return
     if num_new == 0 and external == 0:
-        raise v.fail(
-            InvalidArgumentError(
-                f"alloc_num_new_tokens[{index}] must be > 0 when there is nothing to adopt"
-            ),
+        raise reject(
+            f"alloc_num_new_tokens[{index}] must be > 0 when there is nothing to adopt",
             f"alloc_num_new_tokens[{index}]",
         )
     if num_computed + num_new > max_model_len:
-        raise v.fail(
-            InvalidArgumentError(
-                f"alloc_num_computed_tokens[{index}] + alloc_num_new_tokens[{index}] = "
-                f"{num_computed + num_new} exceeds max_model_len {max_model_len}"
-            ),
+        raise reject(
+            f"alloc_num_computed_tokens[{index}] + alloc_num_new_tokens[{index}] = "
+            f"{num_computed + num_new} exceeds max_model_len {max_model_len}",
             f"alloc_num_new_tokens[{index}]",
         )
 
@@ -380,27 +431,11 @@ def execute_step(
 
     Raises:
         StepRejectedError: The core rejected an op validation could not foresee (the ops
-            before it ran).
+            before it ran; the message says so).
     """
     response = scheduler_pb2.StepResponse()
-    op_index = 0
-    try:
-        op_index = _execute(pool, manager, message, response)
-    except KVCMError as exc:
-        raise StepRejectedError(
-            type(exc)(
-                f"ops[{_failed_op(response)}] rejected by the core after "
-                f"{_failed_op(response)} ops ran: {exc}"
-            ),
-            _failed_op(response),
-            "ops",
-        ) from exc
-    del op_index
+    _execute(pool, manager, message, response)
     return response
-
-
-def _failed_op(response: scheduler_pb2.StepResponse) -> int:
-    return response.num_ops_executed
 
 
 def _execute(
@@ -410,12 +445,17 @@ def _execute(
     response: scheduler_pb2.StepResponse,
 ) -> int:
     requests = pool.requests
-    keys = message.request_keys
+    keys = list(message.request_keys)
     hash_length = pool.hashing.hash_length_bytes
     append_tokens = message.append_token_ids
     append_hashes = message.append_block_hashes
-    alloc_new = message.alloc_num_new_tokens
-    alloc_computed = message.alloc_num_computed_tokens
+    append_counts = list(message.append_num_tokens)
+    append_hash_counts = list(message.append_num_block_hashes)
+    alloc_new = list(message.alloc_num_new_tokens)
+    alloc_computed = list(message.alloc_num_computed_tokens)
+    allocate = manager.allocate_slots
+    verify = pool.options.verify_block_hashes
+    running = RequestStatus.RUNNING
     options_by_index = {entry.alloc_index: entry for entry in message.alloc_options}
     default_lookahead = message.default_num_lookahead_tokens
     default_options = (
@@ -432,89 +472,101 @@ def _execute(
     k = n_add = n_append = n_alloc = n_cache = n_skipped = 0
     token_cursor = hash_cursor = 0
     executed = 0
-    for op in message.ops:
-        response.num_ops_executed = executed
-        executed += 1
-        if op == _ALLOCATE:
-            request = requests[keys[k]]
-            k += 1
-            num_new = alloc_new[n_alloc]
-            request.num_computed_tokens = alloc_computed[n_alloc]
-            entry = options_by_index.get(n_alloc) if options_by_index else None
-            n_alloc += 1
-            if entry is None:
-                request.num_in_flight_tokens = 0
-                blocks = pool.allocate_slots(request, num_new, None, default_options)
-                if blocks is None:
-                    statuses.append(_DOES_NOT_FIT)
-                    counts.extend([0] * num_groups)
-                    if stop:
-                        break
+    try:
+        for op in message.ops:
+            executed += 1
+            if op == _ALLOCATE:
+                request = requests[keys[k]]
+                k += 1
+                num_new = alloc_new[n_alloc]
+                request.num_computed_tokens = alloc_computed[n_alloc]
+                entry = options_by_index.get(n_alloc) if options_by_index else None
+                n_alloc += 1
+                if entry is None:
+                    request.num_in_flight_tokens = 0
+                    blocks = allocate(request, num_new, None, default_options)
+                    if blocks is None:
+                        pool.allocations_not_fit_total += 1
+                        statuses.append(_DOES_NOT_FIT)
+                        counts.extend([0] * num_groups)
+                        if stop:
+                            break
+                        continue
+                    request.status = running
+                    statuses.append(_OK)
+                    for group in blocks.blocks:
+                        counts.append(len(group))
+                        block_ids.extend([block.block_id for block in group])
+                    if budget is not None:
+                        budget = max(0, budget - num_new)
                     continue
-                statuses.append(_OK)
-                for group in blocks.blocks:
-                    counts.append(len(group))
-                    block_ids.extend([block.block_id for block in group])
-                if budget is not None:
-                    budget = max(0, budget - num_new)
-                continue
-            status, budget = _allocate_with_options(
-                pool,
-                manager,
-                request=request,
-                num_new=num_new,
-                entry=entry,
-                default_lookahead=default_lookahead,
-                budget=budget,
-                response=response,
-            )
-            if status != _OK and stop:
-                break
-        elif op == _APPEND:
-            request = requests[keys[k]]
-            k += 1
-            num_tokens = message.append_num_tokens[n_append]
-            num_hashes = message.append_num_block_hashes[n_append]
-            n_append += 1
-            tokens = append_tokens[token_cursor : token_cursor + num_tokens]
-            token_cursor += num_tokens
-            size = num_hashes * hash_length
-            raw = append_hashes[hash_cursor : hash_cursor + size]
-            hash_cursor += size
-            hashes = [raw[i : i + hash_length] for i in range(0, size, hash_length)]
-            pool.apply_append(request, tokens, hashes)  # type: ignore[arg-type]
-        elif op == _NEW_STEP:
-            manager.new_step_starts()
-        elif op == _ADD:
-            new = message.new_requests[n_add]
-            n_add += 1
-            pool.add_request(
-                new.request_key,
-                new.request_id,
-                new.prompt_token_ids,
-                new.block_hashes,
-                lora_id=new.lora_id if new.HasField("lora_id") else None,
-                lora_name=new.lora_name if new.HasField("lora_name") else None,
-                cache_salt=new.cache_salt if new.HasField("cache_salt") else None,
-                skip_reading_prefix_cache=new.skip_reading_prefix_cache,
-            )
-        elif op == _CACHE:
-            request = requests[keys[k]]
-            k += 1
-            manager.cache_blocks(request, message.cache_num_computed_tokens[n_cache])
-            n_cache += 1
-        elif op == _SKIPPED:
-            request = requests[keys[k]]
-            k += 1
-            total = message.remove_skipped_total_computed_tokens[n_skipped]
-            n_skipped += 1
-            manager.remove_skipped_blocks(request.request_id, total)
-        elif op == _PREEMPT:
-            pool.free(keys[k], preempt=True)
-            k += 1
-        else:  # _FINISH; validation allowed no other kind
-            pool.free(keys[k], preempt=False)
-            k += 1
+                status, budget = _allocate_with_options(
+                    pool,
+                    manager,
+                    request=request,
+                    num_new=num_new,
+                    entry=entry,
+                    default_lookahead=default_lookahead,
+                    budget=budget,
+                    response=response,
+                )
+                if status != _OK and stop:
+                    break
+            elif op == _APPEND:
+                request = requests[keys[k]]
+                k += 1
+                num_tokens = append_counts[n_append]
+                num_hashes = append_hash_counts[n_append]
+                n_append += 1
+                tokens = append_tokens[token_cursor : token_cursor + num_tokens]
+                token_cursor += num_tokens
+                if not num_hashes and not verify:
+                    request.all_token_ids.extend(tokens)
+                    continue
+                size = num_hashes * hash_length
+                raw = append_hashes[hash_cursor : hash_cursor + size]
+                hash_cursor += size
+                hashes = [raw[i : i + hash_length] for i in range(0, size, hash_length)]
+                pool.apply_append(request, tokens, hashes)  # type: ignore[arg-type]
+            elif op == _NEW_STEP:
+                manager.new_step_starts()
+            elif op == _ADD:
+                new = message.new_requests[n_add]
+                n_add += 1
+                pool.add_request(
+                    new.request_key,
+                    new.request_id,
+                    new.prompt_token_ids,
+                    new.block_hashes,
+                    lora_id=new.lora_id if new.HasField("lora_id") else None,
+                    lora_name=new.lora_name if new.HasField("lora_name") else None,
+                    cache_salt=new.cache_salt if new.HasField("cache_salt") else None,
+                    skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+                )
+            elif op == _CACHE:
+                request = requests[keys[k]]
+                k += 1
+                manager.cache_blocks(request, message.cache_num_computed_tokens[n_cache])
+                n_cache += 1
+            elif op == _SKIPPED:
+                request = requests[keys[k]]
+                k += 1
+                total = message.remove_skipped_total_computed_tokens[n_skipped]
+                n_skipped += 1
+                manager.remove_skipped_blocks(request.request_id, total)
+            elif op == _PREEMPT:
+                pool.free(keys[k], preempt=True)
+                k += 1
+            else:  # _FINISH; validation allowed no other kind
+                pool.free(keys[k], preempt=False)
+                k += 1
+    except KVCMError as exc:
+        index = executed - 1
+        raise StepRejectedError(
+            type(exc)(f"ops[{index}] rejected by the core after {index} ops ran: {exc}"),
+            index,
+            "ops",
+        ) from exc
     response.num_ops_executed = executed
     if budget is not None:
         response.token_budget_left = budget
