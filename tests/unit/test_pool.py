@@ -200,3 +200,18 @@ def test_registry_creates_lists_and_deletes() -> None:
     with pytest.raises(NotFoundError, match="'a'"):
         registry.get("a")
     assert len(registry) == 1
+
+
+def test_verified_hashes_must_be_the_servers() -> None:
+    pool = _pool(verify_block_hashes=True)
+    prompt = list(range(32))
+    with pytest.raises(InvalidArgumentError, match="differ"):
+        pool.add_request(1, "r1", prompt, b"z" * 64)
+    assert pool.requests == {}
+    pool.add_request(1, "r1", prompt, _hashes(pool, prompt))
+    more = list(range(100, 116))
+    with pytest.raises(InvalidArgumentError, match="differ"):
+        pool.append_tokens(1, more, b"z" * 32)
+    assert pool.request(1).num_tokens == 32
+    pool.append_tokens(1, more, _hashes(pool, prompt + more)[64:])
+    assert len(pool.request(1).block_hashes) == 3

@@ -306,7 +306,6 @@ class Pool:
         self._events = _EventLog(options.event_retention_num_events)
         self._stats_total = PrefixCacheStats()
         self._stats_untaken = PrefixCacheStats()
-        self._evicted_before_plan = 0
         if options.explicit_layout is not None:
             self._make_ready(options.explicit_layout, options.max_model_len)
 
@@ -461,11 +460,6 @@ class Pool:
             kv_cache_tensors=placed.kv_cache_tensors,
             kv_cache_groups=config.kv_cache_groups,
         )
-
-    @property
-    def is_planned_for(self) -> bool:
-        """Whether registering ranks can be answered now (READY)."""
-        return self.state is PoolState.READY
 
     # ------------------------------------------------------------------------ requests
     def ready_manager(self) -> KVCacheManager:

@@ -235,6 +235,12 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
             if num_computed and num_computed == request.new_computed.num_new_computed_tokens:
                 num_computed = 0
             wire = request.new_computed
+            if sum(wire.blocks.num_block_ids) != len(wire.blocks.block_ids):
+                raise InvalidArgumentError(
+                    "new_computed.blocks: num_block_ids sums to "
+                    f"{sum(wire.blocks.num_block_ids)}, block_ids has "
+                    f"{len(wire.blocks.block_ids)} entries"
+                )
             groups = []
             pos = 0
             for count in wire.blocks.num_block_ids:

@@ -336,6 +336,8 @@ def _check_add(
         raise _reject(op_index, _ADD, AlreadyExistsError(f"request key {key} is live"), field)
     try:
         v.pool.check_new_request(key, len(new.prompt_token_ids), len(new.block_hashes))
+        if new.HasField("lora_id") and new.lora_id < 0:
+            raise InvalidArgumentError(f"lora_id must be >= 0, got {new.lora_id}")
     except InvalidArgumentError as exc:
         raise _reject(op_index, _ADD, exc, field) from None
     v.shadow[key] = [
