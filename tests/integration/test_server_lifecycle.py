@@ -15,11 +15,11 @@ from conftest import start_server_thread, stop_server_thread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvcm.client._convert import layer_specs_to_proto
+from kvcm.client._convert import layer_specs_to_proto, spec_to_proto
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec
 from kvcm.server.settings import ServerSettings
-from kvcm.v1 import admin_pb2, service_pb2_grpc, worker_pb2
+from kvcm.v1 import admin_pb2, events_pb2, service_pb2_grpc, worker_pb2
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
 KVCM_SERVICES = {
@@ -76,6 +76,15 @@ def test_graceful_shutdown_flips_health_then_drains() -> None:
                 ),
                 timeout=30,
             )
+            layout = admin_pb2.PoolConfig(max_model_len=64, enable_kv_cache_events=True)
+            layout.explicit_layout.num_blocks = 4
+            layout.explicit_layout.kv_cache_groups.add(
+                layer_names=["layer.0"], kv_cache_spec=spec_to_proto(SPEC)
+            )
+            admin.CreatePool(admin_pb2.CreatePoolRequest(pool_id="streamed", config=layout))
+            events = service_pb2_grpc.EventServiceStub(channel)  # type: ignore[no-untyped-call]
+            stream = events.SubscribeEvents(events_pb2.SubscribeEventsRequest(pool_id="streamed"))
+            next(stream)  # the first message: subscribed
             time.sleep(0.2)  # the registration now waits for rank 1
             assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
             http = httpx.Client(base_url=f"http://{running.http_address}")
@@ -84,13 +93,15 @@ def test_graceful_shutdown_flips_health_then_drains() -> None:
                 target=lambda: running.call(running.server.stop(grace_s=1.0)), daemon=True
             )
             stopping.start()
-            time.sleep(0.2)  # inside the grace period: NOT_SERVING, not ready, still draining
+            with pytest.raises(grpc.RpcError) as caught:
+                waiting.result(timeout=5)  # a waiting registration ends at once, UNAVAILABLE
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.RpcError) as ended:
+                next(stream)  # so does an event stream, which could otherwise last forever
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
             assert not running.server.state.serving
-            assert not waiting.done()
             stopping.join(timeout=10)
             stopped = True
-            with pytest.raises(grpc.RpcError):
-                waiting.result(timeout=5)  # cancelled when the grace period ended
             http.close()
     finally:
         if not stopped:

@@ -150,8 +150,8 @@ class KVCMServer:
         if self._stopped.is_set():
             return
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
-        self.state.serving = False
         await self._health.enter_graceful_shutdown()
+        self.state.begin_shutdown()
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self._http is not None and self._http_task is not None:

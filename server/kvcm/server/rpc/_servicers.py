@@ -137,6 +137,12 @@ class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
                 ) from None
             if runtime.deleted:
                 raise NotFoundError(f"pool {pool.name!r} was deleted")
+            if pool.manager is None and not self._state.serving:
+                raise AbortRpc(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the server is shutting down (this registration is lost: register again "
+                    "with the next server)",
+                )
         return worker_pb2.RegisterWorkerResponse(
             kv_cache_config=kv_cache_config_to_proto(pool.rank_config(request.rank)),
             hashing=hashing_to_proto(pool),
@@ -461,3 +467,8 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
             await waiter.wait()
             if runtime.deleted:
                 raise NotFoundError(f"pool {pool.name!r} was deleted")
+            if not self._state.serving:
+                raise AbortRpc(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the server is shutting down; resume from sequence {sequence}",
+                )

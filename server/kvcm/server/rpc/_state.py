@@ -51,6 +51,13 @@ class ServerState:
     runtimes: dict[str, PoolRuntime] = field(default_factory=dict)
     serving: bool = False
 
+    def begin_shutdown(self) -> None:
+        """Stop serving: wake every waiting registration and event stream so they end now."""
+        self.serving = False
+        for runtime in self.runtimes.values():
+            runtime.planned.set()
+            runtime.wake_subscribers()
+
     def published(self, pool: Pool) -> None:
         """Publish the events a mutating call left in the pool's core, waking subscribers."""
         if pool.publish_events(time.time()):
