@@ -21,7 +21,16 @@ from typing import Any
 
 import pytest
 
+from kvcm.server.cli import _build_parser
+from kvcm.server.core.pool import PoolRegistry
 from kvcm.server.http import METRICS, build_app
+from kvcm.server.settings import (
+    DEFAULT_GRPC_ADDRESS,
+    DEFAULT_HTTP_ADDRESS,
+    ServerSettings,
+    load_settings,
+    split_address,
+)
 from kvcm.server.telemetry import RpcStats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,8 +40,8 @@ K8S = DEPLOY / "k8s"
 DASHBOARD = DEPLOY / "grafana" / "kvcm-dashboard.json"
 
 # The server's defaults (kvcm serve): loopback on these ports; containers bind 0.0.0.0.
-GRPC_PORT = 50051
-HTTP_PORT = 8080
+GRPC_PORT = split_address(DEFAULT_GRPC_ADDRESS)[1]
+HTTP_PORT = split_address(DEFAULT_HTTP_ADDRESS)[1]
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC_NAME = re.compile(r"\bkvcm_[a-z0-9_]+\b")
@@ -268,7 +277,7 @@ def test_probes_use_the_server_routes() -> None:
     container = _container()
     routes = {
         route.path  # type: ignore[attr-defined]
-        for route in build_app(_NoPools(), RpcStats(), lambda: True).routes
+        for route in build_app(PoolRegistry(), RpcStats(), lambda: True).routes
     }
     probes = {
         "livenessProbe": "/healthz",
@@ -319,14 +328,16 @@ def test_service_monitor_scrapes_the_service_http_port() -> None:
     assert endpoint["path"] == "/metrics"
 
 
-def test_config_map_is_mounted_where_the_container_reads_it() -> None:
+def test_config_map_is_mounted_where_the_container_reads_it(tmp_path: Path) -> None:
     objects = _k8s_objects()
     config_map = objects["ConfigMap"]
     (file_name,) = config_map["data"]
-    config = tomllib.loads(config_map["data"][file_name])
-    server = config["server"]
-    assert server["grpc_address"] == f"0.0.0.0:{GRPC_PORT}"
-    assert server["http_address"] == f"0.0.0.0:{HTTP_PORT}"
+    config_file = tmp_path / file_name
+    config_file.write_text(config_map["data"][file_name], encoding="utf-8")
+    # The server's own loader reads it (unknown keys or bad values would raise ConfigError).
+    settings = load_settings(config_file)
+    assert settings.grpc_address == f"0.0.0.0:{GRPC_PORT}"
+    assert settings.http_address == f"0.0.0.0:{HTTP_PORT}"
     pod = objects["Deployment"]["spec"]["template"]["spec"]
     (volume,) = pod["volumes"]
     assert volume["configMap"]["name"] == config_map["metadata"]["name"]
@@ -345,11 +356,14 @@ def test_dockerfile_runs_kvcm_serve_on_all_interfaces_and_the_default_ports() ->
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     assert "kvcm" in pyproject["project"]["scripts"]
     cmd = json.loads(docker["CMD"][-1])
-    options = dict(zip(cmd[::2], cmd[1::2], strict=True))
-    assert options == {
-        "--grpc-address": f"0.0.0.0:{GRPC_PORT}",
-        "--http-address": f"0.0.0.0:{HTTP_PORT}",
-    }
+    # The real command line parses the image's arguments into the real settings.
+    args = _build_parser().parse_args(["serve", *cmd])
+    settings = load_settings(
+        args.config, grpc_address=args.grpc_address, http_address=args.http_address
+    )
+    defaults = ServerSettings()
+    assert settings.grpc_address == f"0.0.0.0:{split_address(defaults.grpc_address)[1]}"
+    assert settings.http_address == f"0.0.0.0:{split_address(defaults.http_address)[1]}"
     exposed = {int(port) for line in docker["EXPOSE"] for port in line.split()}
     assert exposed == {GRPC_PORT, HTTP_PORT}
 
@@ -376,13 +390,3 @@ def test_dockerfile_copies_only_what_the_context_keeps() -> None:
         for source in sources:
             assert (ROOT / source).exists(), source
             assert source.rstrip("/") not in ignored, source
-
-
-class _NoPools:
-    """A registry without pools: enough to list the app's routes."""
-
-    def list(self) -> list[Any]:
-        return []
-
-    def get(self, name: str) -> Any:
-        raise AssertionError(name)
