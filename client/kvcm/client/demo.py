@@ -17,6 +17,7 @@ What it shows, end to end through the SDK:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import threading
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from kvcm.client._errors import ServiceNotFoundError
 from kvcm.client._replay import ReplayScheduler, WorkloadOptions, make_workload
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._types import PoolConfig
@@ -62,7 +64,7 @@ class RemoteDemoOptions:
     pool_id: str = "demo"
     world_size: int = 2
     num_layers: int = 4
-    memory_mib: int = 400
+    memory_mib: int = 192
     num_requests: int = 300
     token_budget: int = 2048
     max_running: int = 64
@@ -108,20 +110,24 @@ def _layer_specs(num_layers: int) -> dict[str, KVCacheSpec]:
     return {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
 
 
-def _register_workers(options: RemoteDemoOptions, out: TextIO) -> list[WorkerRegistration]:
+def _register_workers(
+    client: SchedulerClient, options: RemoteDemoOptions, out: TextIO
+) -> list[WorkerRegistration]:
     specs = _layer_specs(options.num_layers)
     registrations: dict[int, WorkerRegistration] = {}
     failures: list[BaseException] = []
+    failed = threading.Event()
 
     def worker(rank: int) -> None:
         memory = (options.memory_mib - 16 * rank) * _MIB
         try:
-            with WorkerClient(options.address, timeout=60.0) as client:
-                registrations[rank] = client.register(
+            with WorkerClient(options.address, timeout=60.0) as worker_client:
+                registrations[rank] = worker_client.register(
                     options.pool_id, rank, options.world_size, specs, memory
                 )
         except BaseException as exc:  # reported by the main thread
             failures.append(exc)
+            failed.set()
 
     threads = [
         threading.Thread(target=worker, args=(rank,), name=f"worker-{rank}")
@@ -129,9 +135,14 @@ def _register_workers(options: RemoteDemoOptions, out: TextIO) -> list[WorkerReg
     ]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    while any(thread.is_alive() for thread in threads) and not failed.wait(0.05):
+        pass
     if failures:
+        # The other ranks wait for the one that failed: deleting the pool ends their calls.
+        with contextlib.suppress(ServiceNotFoundError):
+            client.delete_pool(options.pool_id)
+        for thread in threads:
+            thread.join()
         raise failures[0]
     ordered = [registrations[rank] for rank in range(options.world_size)]
     for registration in ordered:
@@ -169,34 +180,39 @@ class _EventCounter:
         self._thread.join(timeout=5.0)
 
 
-def run_remote_demo(options: RemoteDemoOptions, out: TextIO = sys.stdout) -> RemoteDemoReport:
-    """Run the demo against a running server and print what happens.
+def run_remote_demo(options: RemoteDemoOptions, out: TextIO | None = None) -> RemoteDemoReport:
+    """Run the demo against a running server and print what happens (to ``out``, by default
+    standard output).
 
     Raises:
         ServiceError: The server refused a call (e.g. the pool id is taken).
     """
+    out = sys.stdout if out is None else out
     client = SchedulerClient(options.address)
     try:
         print(f"kvcm remote demo against {options.address}", file=out)
         client.create_pool(
             options.pool_id,
             PoolConfig(
-                max_model_len=16384,
+                max_model_len=8192,
                 world_size=options.world_size,
                 hash_algorithm=options.hash_algorithm,
                 enable_kv_cache_events=True,
             ),
         )
         print(f"pool {options.pool_id!r}: waiting for {options.world_size} worker(s)", file=out)
-        registrations = _register_workers(options, out)
-        counter = _EventCounter(client.subscribe_events(options.pool_id, start_sequence=1))
         try:
-            num_blocks = registrations[0].kv_cache_config.num_blocks
-            return _replay(client, options, num_blocks, out, counter)
+            registrations = _register_workers(client, options, out)
+            counter = _EventCounter(client.subscribe_events(options.pool_id, start_sequence=1))
+            try:
+                num_blocks = registrations[0].kv_cache_config.num_blocks
+                return _replay(client, options, num_blocks, out, counter)
+            finally:
+                counter.close()
         finally:
-            counter.close()
             if not options.keep_pool:
-                client.delete_pool(options.pool_id)
+                with contextlib.suppress(ServiceNotFoundError):
+                    client.delete_pool(options.pool_id)
     finally:
         client.close()
 
