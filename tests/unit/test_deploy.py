@@ -339,6 +339,8 @@ def test_config_map_is_mounted_where_the_container_reads_it(tmp_path: Path) -> N
     assert settings.grpc_address == f"0.0.0.0:{GRPC_PORT}"
     assert settings.http_address == f"0.0.0.0:{HTTP_PORT}"
     pod = objects["Deployment"]["spec"]["template"]["spec"]
+    # Kubernetes kills the pod after its grace period: the server's own must end first.
+    assert settings.shutdown_grace_s < pod["terminationGracePeriodSeconds"]
     (volume,) = pod["volumes"]
     assert volume["configMap"]["name"] == config_map["metadata"]["name"]
     (mount,) = _container()["volumeMounts"]
