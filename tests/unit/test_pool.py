@@ -135,6 +135,21 @@ def test_lookup_stats_accumulate_and_drain_separately() -> None:
     assert pool.snapshot().requests == 2  # cumulative totals are not drained by takes
 
 
+def test_snapshot_counts_cached_blocks_as_the_blocks_say() -> None:
+    pool = _pool()
+    prompt = list(range(40))  # two full blocks cached, the third partial
+    request = pool.add_request(1, "r1", prompt, _hashes(pool, prompt))
+    assert pool.allocate_slots(request, 40, None) is not None
+    assert pool.manager is not None
+    hashed = sum(1 for block in pool.manager.block_pool.blocks if block.block_hash is not None)
+    assert hashed == 2
+    assert pool.snapshot().num_cached_blocks == hashed
+    pool.free(1, preempt=False)  # freed blocks stay cached until evicted
+    assert pool.snapshot().num_cached_blocks == 2
+    assert pool.manager.reset_prefix_cache()
+    assert pool.snapshot().num_cached_blocks == 0
+
+
 def test_event_log_numbers_resumes_and_forgets() -> None:
     pool = _pool(enable_kv_cache_events=True, event_retention_num_events=2)
     assert pool.check_event_start(None) == 1

@@ -6,6 +6,8 @@ planning, the resolved hashing parameters, a sequenced event log for resuming su
 exactly-once Step guard and cumulative counters for metrics. It is pure: no I/O, no clocks (the
 caller stamps event batches), no grpc. Every method validates before it changes anything, and
 raises the :mod:`kvcm.common.errors` classes (plus :class:`OutOfRangeError` for events).
+The value types live in :mod:`~kvcm.server.core.pool_types` and the event log in
+:mod:`~kvcm.server.core.event_log`; this module re-exports their public names.
 
 ::
 
@@ -15,11 +17,7 @@ raises the :mod:`kvcm.common.errors` classes (plus :class:`OutOfRangeError` for 
 
 from __future__ import annotations
 
-import enum
-from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Final
 
 from kvcm.common.config import KVCacheConfig
 from kvcm.common.errors import (
@@ -32,8 +30,9 @@ from kvcm.common.errors import (
     ResourceExhaustedError,
 )
 from kvcm.common.events import KVCacheEvent
-from kvcm.common.hashing import BlockHash, HashAlgorithm, resolve_none_hash_seed
+from kvcm.common.hashing import BlockHash, resolve_none_hash_seed
 from kvcm.common.specs import KVCacheSpec
+from kvcm.server.core.event_log import EventLog, OutOfRangeError
 from kvcm.server.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
@@ -49,6 +48,16 @@ from kvcm.server.core.planning import (
     layer_spec,
     plan_kv_cache,
     project_groups_to_rank,
+)
+from kvcm.server.core.pool_types import (
+    DEFAULT_EVENT_RETENTION,
+    HashingInfo,
+    PoolOptions,
+    PoolSnapshot,
+    PoolState,
+    Registration,
+    check_pool_id,
+    hash_length_bytes,
 )
 from kvcm.server.core.request import Request, RequestStatus
 from kvcm.server.core.stats import PrefixCacheStats
@@ -67,171 +76,6 @@ __all__ = [
     "hash_length_bytes",
 ]
 
-DEFAULT_EVENT_RETENTION: Final = 65536
-_POOL_ID_CHARS: Final = frozenset(
-    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
-)
-_HASH_LENGTH: Final = {
-    HashAlgorithm.SHA256: 32,
-    HashAlgorithm.SHA256_CBOR: 32,
-    HashAlgorithm.XXHASH: 16,
-    HashAlgorithm.XXHASH_CBOR: 16,
-}
-
-
-class OutOfRangeError(KVCMError):
-    """Raised when events are asked for from a sequence number no longer kept."""
-
-
-@enum.unique
-class PoolState(enum.StrEnum):
-    """Lifecycle of a pool (``str()`` is the name, as metrics and JSON print it)."""
-
-    PENDING_WORKERS = "PENDING_WORKERS"
-    READY = "READY"
-
-
-def hash_length_bytes(algorithm: HashAlgorithm) -> int:
-    """Bytes of one block hash of ``algorithm`` (32 for sha256, 16 for xxhash)."""
-    return _HASH_LENGTH[algorithm]
-
-
-def check_pool_id(pool_id: str) -> None:
-    """Reject a pool id that is not 1-128 characters of ``[A-Za-z0-9._-]``.
-
-    Raises:
-        InvalidArgumentError: It is not (the message names ``pool_id``).
-    """
-    if not 1 <= len(pool_id) <= 128 or not _POOL_ID_CHARS.issuperset(pool_id):
-        raise InvalidArgumentError(
-            f"pool_id must be 1-128 characters of [A-Za-z0-9._-], got {pool_id!r}"
-        )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PoolOptions:
-    """Everything a pool is created with (the core's reading of ``kvcm.v1.PoolConfig``).
-
-    Attributes:
-        max_model_len: The model's context length, in tokens.
-        world_size: Ranks that register; 0 needs ``explicit_layout``.
-        explicit_layout: Groups and block count that plan the pool at once.
-        num_blocks_override: With registrations: this many blocks whatever the memory.
-        scheduler_block_size: Scheduling granularity; ``None``: the manager's default.
-        hash_block_size: Tokens per hashed block; ``None``: the manager's default.
-        max_in_flight_tokens: Tokens scheduled but not settled; ``None``: max_model_len.
-        enable_caching: Prefix caching.
-        hash_algorithm: Block hash algorithm.
-        hash_seed: NONE_HASH seed; ``None``: vLLM's resolution.
-        verify_block_hashes: Recompute every block hash a client sends.
-        enable_kv_cache_events: Publish KV events.
-        event_retention_num_events: Events kept for resuming subscribers.
-        log_stats: Prefix-cache statistics.
-        watermark: Fraction of blocks kept free when admitting, in [0, 1).
-    """
-
-    max_model_len: int
-    world_size: int = 0
-    explicit_layout: KVCacheConfig | None = None
-    num_blocks_override: int | None = None
-    scheduler_block_size: int | None = None
-    hash_block_size: int | None = None
-    max_in_flight_tokens: int | None = None
-    enable_caching: bool = True
-    hash_algorithm: HashAlgorithm = HashAlgorithm.SHA256
-    hash_seed: str | None = None
-    verify_block_hashes: bool = False
-    enable_kv_cache_events: bool = False
-    event_retention_num_events: int = DEFAULT_EVENT_RETENTION
-    log_stats: bool = True
-    watermark: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.max_model_len < 1:
-            raise InvalidArgumentError(
-                f"config.max_model_len must be >= 1, got {self.max_model_len}"
-            )
-        if self.explicit_layout is None and self.world_size < 1:
-            raise InvalidArgumentError(
-                "config.world_size must be >= 1 when config.explicit_layout is unset"
-            )
-        layout = self.explicit_layout
-        if layout is not None:
-            if layout.num_blocks < 2:
-                raise InvalidArgumentError(
-                    f"config.explicit_layout.num_blocks must be >= 2, got {layout.num_blocks}"
-                )
-            if not layout.kv_cache_groups:
-                raise InvalidArgumentError("config.explicit_layout.kv_cache_groups is empty")
-            for index, group in enumerate(layout.kv_cache_groups):
-                if not group.layer_names:
-                    raise InvalidArgumentError(
-                        f"config.explicit_layout.kv_cache_groups[{index}].layer_names is empty"
-                    )
-        for name in ("num_blocks_override",):
-            value = getattr(self, name)
-            if value is not None and value < 2:
-                raise InvalidArgumentError(f"config.{name} must be >= 2, got {value}")
-        for name in ("scheduler_block_size", "hash_block_size", "max_in_flight_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise InvalidArgumentError(f"config.{name} must be >= 1, got {value}")
-        if self.event_retention_num_events < 1:
-            raise InvalidArgumentError(
-                "config.event_retention_num_events must be >= 1, "
-                f"got {self.event_retention_num_events}"
-            )
-        if not 0.0 <= self.watermark < 1.0:
-            raise InvalidArgumentError(f"config.watermark must be in [0, 1), got {self.watermark}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HashingInfo:
-    """How the pool's clients hash blocks (``kvcm.v1.HashingParameters``)."""
-
-    algorithm: HashAlgorithm
-    seed: str
-    hash_block_size: int
-    hash_length_bytes: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Registration:
-    """One rank's registration: its layers' specs and the bytes it gives the KV cache."""
-
-    specs: Mapping[str, KVCacheSpec]
-    available_memory_bytes: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PoolSnapshot:
-    """A pool's state copied out for metrics and summaries (read by ``kvcm.server.http``).
-
-    Counters are cumulative since the pool was created; ``groups`` holds
-    ``(group_id, kind, block_size, num_layers)`` per KV-cache group.
-    """
-
-    name: str
-    state: PoolState
-    world_size: int
-    registered_workers: int
-    num_blocks: int
-    num_free_blocks: int
-    usage: float
-    num_cached_blocks: int
-    groups: tuple[tuple[int, str, int, int], ...]
-    num_requests: int
-    requests: int
-    queries: int
-    hits: int
-    preempted_requests: int
-    preempted_queries: int
-    preempted_hits: int
-    recent_hit_rate: float
-    evicted_blocks_total: int
-    events_emitted_total: int
-    allocations_not_fit_total: int
-
 
 def _add_stats(total: PrefixCacheStats, drained: PrefixCacheStats) -> None:
     total.reset = total.reset or drained.reset
@@ -241,19 +85,6 @@ def _add_stats(total: PrefixCacheStats, drained: PrefixCacheStats) -> None:
     total.preempted_requests += drained.preempted_requests
     total.preempted_queries += drained.preempted_queries
     total.preempted_hits += drained.preempted_hits
-
-
-@dataclass(slots=True)
-class _EventLog:
-    """Published events with consecutive sequence numbers (1, 2, ...), the last N kept."""
-
-    retention: int
-    events: deque[tuple[KVCacheEvent, float]] = field(default_factory=deque)
-    next_sequence: int = 1
-
-    @property
-    def oldest_sequence(self) -> int:
-        return self.next_sequence - len(self.events)
 
 
 class Pool:
@@ -303,7 +134,7 @@ class Pool:
         self.last_step_seq = 0
         self.last_step_response: object | None = None
         self.allocations_not_fit_total = 0
-        self._events = _EventLog(options.event_retention_num_events)
+        self._events = EventLog(options.event_retention_num_events)
         self._stats_total = PrefixCacheStats()
         self._stats_untaken = PrefixCacheStats()
         if options.explicit_layout is not None:
@@ -780,22 +611,12 @@ class Pool:
         if manager is None or not self.options.enable_kv_cache_events:
             return 0
         events = manager.take_events()
-        if not events:
-            return 0
-        log = self._events
-        kept = log.events
-        for event in events:
-            kept.append((event, now))
-        overflow = len(kept) - log.retention
-        for _ in range(max(0, overflow)):
-            kept.popleft()
-        log.next_sequence += len(events)
-        return len(events)
+        return self._events.append(events, now) if events else 0
 
     @property
     def last_event_sequence(self) -> int:
         """Sequence number of the last published event (0: none yet)."""
-        return self._events.next_sequence - 1
+        return self._events.last_sequence
 
     @property
     def oldest_event_sequence(self) -> int:
@@ -812,19 +633,7 @@ class Pool:
         """
         if not self.options.enable_kv_cache_events:
             raise FailedPreconditionError(f"pool {self.name!r} publishes no KV events")
-        log = self._events
-        if start is None:
-            return log.next_sequence
-        if start < 1 or start > log.next_sequence:
-            raise InvalidArgumentError(
-                f"start_sequence must be in [1, {log.next_sequence}], got {start}"
-            )
-        if start < log.oldest_sequence:
-            raise OutOfRangeError(
-                f"start_sequence {start} is older than the oldest kept event "
-                f"{log.oldest_sequence}; resubscribe from the live edge"
-            )
-        return start
+        return self._events.check_start(start)
 
     def events_from(
         self, sequence: int, max_events: int
@@ -834,16 +643,7 @@ class Pool:
         Returns:
             ``([], 0.0)`` when none is published yet, ``None`` when ``sequence`` was dropped.
         """
-        log = self._events
-        oldest = log.oldest_sequence
-        if sequence < oldest:
-            return None
-        start = sequence - oldest
-        end = min(len(log.events), start + max_events)
-        if start >= end:
-            return [], 0.0
-        window = [log.events[i] for i in range(start, end)]
-        return [event for event, _ in window], window[-1][1]
+        return self._events.read(sequence, max_events)
 
     # ------------------------------------------------------------------------ snapshot
     def snapshot(self) -> PoolSnapshot:
@@ -867,7 +667,7 @@ class Pool:
             pool = manager.block_pool
             num_blocks = pool.num_gpu_blocks
             num_free = manager.num_free_blocks
-            num_cached = sum(1 for block in pool.blocks if block.block_hash is not None)
+            num_cached = pool.num_cached_blocks
             evicted = pool.num_evicted_blocks
             usage = manager.usage
             recent = manager.prefix_cache_hit_rate

@@ -1,0 +1,100 @@
+"""A pool's sequenced KV-event log: what EventService subscribers read and resume from.
+
+Events get consecutive sequence numbers 1, 2, ... in publication order; the log keeps the last
+``retention`` of them, so a subscriber that fell further behind than that learns it
+(:class:`OutOfRangeError`) instead of silently missing events. Pure: the caller stamps each
+published batch with its time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from kvcm.common.errors import InvalidArgumentError, KVCMError
+from kvcm.common.events import KVCacheEvent
+
+__all__ = ["EventLog", "OutOfRangeError"]
+
+
+class OutOfRangeError(KVCMError):
+    """Raised when events are asked for from a sequence number no longer kept."""
+
+
+class EventLog:
+    """Published events with consecutive sequence numbers, the last ``retention`` kept.
+
+    NOTE: ``_events[i]`` holds sequence ``oldest_sequence + i``; appending past ``retention``
+    drops from the left, which advances ``oldest_sequence`` and keeps that identity.
+    """
+
+    __slots__ = ("_events", "_next_sequence", "retention")
+
+    def __init__(self, retention: int) -> None:
+        """An empty log keeping at most ``retention`` (>= 1) events."""
+        self.retention = retention
+        self._events: deque[tuple[KVCacheEvent, float]] = deque(maxlen=retention)
+        self._next_sequence = 1
+
+    @property
+    def next_sequence(self) -> int:
+        """The sequence number the next published event gets."""
+        return self._next_sequence
+
+    @property
+    def last_sequence(self) -> int:
+        """Sequence number of the last published event (0: none yet)."""
+        return self._next_sequence - 1
+
+    @property
+    def oldest_sequence(self) -> int:
+        """Oldest sequence number still kept (== ``next_sequence`` when none are kept)."""
+        return self._next_sequence - len(self._events)
+
+    def append(self, events: Sequence[KVCacheEvent], now: float) -> int:
+        """Publish ``events`` in order, all stamped ``now``; returns how many."""
+        self._events.extend([(event, now) for event in events])
+        self._next_sequence += len(events)
+        return len(events)
+
+    def check_start(self, start: int | None) -> int:
+        """The first sequence a subscription starting at ``start`` reads.
+
+        Args:
+            start: The requested first sequence; ``None``: the live edge (the next event).
+
+        Raises:
+            OutOfRangeError: ``start`` is older than the oldest kept event.
+            InvalidArgumentError: ``start`` is below 1 or beyond the next event.
+        """
+        if start is None:
+            return self._next_sequence
+        if start < 1 or start > self._next_sequence:
+            raise InvalidArgumentError(
+                f"start_sequence must be in [1, {self._next_sequence}], got {start}"
+            )
+        if start < self.oldest_sequence:
+            raise OutOfRangeError(
+                f"start_sequence {start} is older than the oldest kept event "
+                f"{self.oldest_sequence}; resubscribe from the live edge"
+            )
+        return start
+
+    def read(self, sequence: int, max_events: int) -> tuple[list[KVCacheEvent], float] | None:
+        """Up to ``max_events`` events from ``sequence`` on, with the newest one's timestamp.
+
+        Returns:
+            ``([], 0.0)`` when nothing from ``sequence`` on is published yet, ``None`` when
+            ``sequence`` was dropped.
+        """
+        oldest = self.oldest_sequence
+        if sequence < oldest:
+            return None
+        start = sequence - oldest
+        end = min(len(self._events), start + max_events)
+        if start >= end:
+            return [], 0.0
+        # Indexing walks from the nearer end: cheap for subscribers near the live edge.
+        events = self._events
+        window = [events[i] for i in range(start, end)]
+        return [event for event, _ in window], window[-1][1]

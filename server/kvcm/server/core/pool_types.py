@@ -1,0 +1,189 @@
+"""The value types of a pool: its options, hashing parameters, registrations and snapshot.
+
+Split from :mod:`kvcm.server.core.pool` (which re-exports every name here) so that the pool's
+behaviour reads on its own. Everything here is immutable and validated on construction.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from kvcm.common.config import KVCacheConfig
+from kvcm.common.errors import InvalidArgumentError
+from kvcm.common.hashing import HashAlgorithm
+from kvcm.common.specs import KVCacheSpec
+
+__all__ = [
+    "DEFAULT_EVENT_RETENTION",
+    "HashingInfo",
+    "PoolOptions",
+    "PoolSnapshot",
+    "PoolState",
+    "Registration",
+    "check_pool_id",
+    "hash_length_bytes",
+]
+
+DEFAULT_EVENT_RETENTION: Final = 65536
+_POOL_ID_CHARS: Final = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
+)
+_HASH_LENGTH: Final = {
+    HashAlgorithm.SHA256: 32,
+    HashAlgorithm.SHA256_CBOR: 32,
+    HashAlgorithm.XXHASH: 16,
+    HashAlgorithm.XXHASH_CBOR: 16,
+}
+
+
+@enum.unique
+class PoolState(enum.StrEnum):
+    """Lifecycle of a pool (``str()`` is the name, as metrics and JSON print it)."""
+
+    PENDING_WORKERS = "PENDING_WORKERS"
+    READY = "READY"
+
+
+def hash_length_bytes(algorithm: HashAlgorithm) -> int:
+    """Bytes of one block hash of ``algorithm`` (32 for sha256, 16 for xxhash)."""
+    return _HASH_LENGTH[algorithm]
+
+
+def check_pool_id(pool_id: str) -> None:
+    """Reject a pool id that is not 1-128 characters of ``[A-Za-z0-9._-]``.
+
+    Raises:
+        InvalidArgumentError: It is not (the message names ``pool_id``).
+    """
+    if not 1 <= len(pool_id) <= 128 or not _POOL_ID_CHARS.issuperset(pool_id):
+        raise InvalidArgumentError(
+            f"pool_id must be 1-128 characters of [A-Za-z0-9._-], got {pool_id!r}"
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolOptions:
+    """Everything a pool is created with (the core's reading of ``kvcm.v1.PoolConfig``).
+
+    Attributes:
+        max_model_len: The model's context length, in tokens.
+        world_size: Ranks that register; 0 needs ``explicit_layout``.
+        explicit_layout: Groups and block count that plan the pool at once.
+        num_blocks_override: With registrations: this many blocks whatever the memory.
+        scheduler_block_size: Scheduling granularity; ``None``: the manager's default.
+        hash_block_size: Tokens per hashed block; ``None``: the manager's default.
+        max_in_flight_tokens: Tokens scheduled but not settled; ``None``: max_model_len.
+        enable_caching: Prefix caching.
+        hash_algorithm: Block hash algorithm.
+        hash_seed: NONE_HASH seed; ``None``: vLLM's resolution.
+        verify_block_hashes: Recompute every block hash a client sends.
+        enable_kv_cache_events: Publish KV events.
+        event_retention_num_events: Events kept for resuming subscribers.
+        log_stats: Prefix-cache statistics.
+        watermark: Fraction of blocks kept free when admitting, in [0, 1).
+    """
+
+    max_model_len: int
+    world_size: int = 0
+    explicit_layout: KVCacheConfig | None = None
+    num_blocks_override: int | None = None
+    scheduler_block_size: int | None = None
+    hash_block_size: int | None = None
+    max_in_flight_tokens: int | None = None
+    enable_caching: bool = True
+    hash_algorithm: HashAlgorithm = HashAlgorithm.SHA256
+    hash_seed: str | None = None
+    verify_block_hashes: bool = False
+    enable_kv_cache_events: bool = False
+    event_retention_num_events: int = DEFAULT_EVENT_RETENTION
+    log_stats: bool = True
+    watermark: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise InvalidArgumentError(
+                f"config.max_model_len must be >= 1, got {self.max_model_len}"
+            )
+        if self.explicit_layout is None and self.world_size < 1:
+            raise InvalidArgumentError(
+                "config.world_size must be >= 1 when config.explicit_layout is unset"
+            )
+        layout = self.explicit_layout
+        if layout is not None:
+            if layout.num_blocks < 2:
+                raise InvalidArgumentError(
+                    f"config.explicit_layout.num_blocks must be >= 2, got {layout.num_blocks}"
+                )
+            if not layout.kv_cache_groups:
+                raise InvalidArgumentError("config.explicit_layout.kv_cache_groups is empty")
+            for index, group in enumerate(layout.kv_cache_groups):
+                if not group.layer_names:
+                    raise InvalidArgumentError(
+                        f"config.explicit_layout.kv_cache_groups[{index}].layer_names is empty"
+                    )
+        for name in ("num_blocks_override",):
+            value = getattr(self, name)
+            if value is not None and value < 2:
+                raise InvalidArgumentError(f"config.{name} must be >= 2, got {value}")
+        for name in ("scheduler_block_size", "hash_block_size", "max_in_flight_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidArgumentError(f"config.{name} must be >= 1, got {value}")
+        if self.event_retention_num_events < 1:
+            raise InvalidArgumentError(
+                "config.event_retention_num_events must be >= 1, "
+                f"got {self.event_retention_num_events}"
+            )
+        if not 0.0 <= self.watermark < 1.0:
+            raise InvalidArgumentError(f"config.watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HashingInfo:
+    """How the pool's clients hash blocks (``kvcm.v1.HashingParameters``)."""
+
+    algorithm: HashAlgorithm
+    seed: str
+    hash_block_size: int
+    hash_length_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Registration:
+    """One rank's registration: its layers' specs and the bytes it gives the KV cache."""
+
+    specs: Mapping[str, KVCacheSpec]
+    available_memory_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolSnapshot:
+    """A pool's state copied out for metrics and summaries (read by ``kvcm.server.http``).
+
+    Counters are cumulative since the pool was created; ``groups`` holds
+    ``(group_id, kind, block_size, num_layers)`` per KV-cache group.
+    """
+
+    name: str
+    state: PoolState
+    world_size: int
+    registered_workers: int
+    num_blocks: int
+    num_free_blocks: int
+    usage: float
+    num_cached_blocks: int
+    groups: tuple[tuple[int, str, int, int], ...]
+    num_requests: int
+    requests: int
+    queries: int
+    hits: int
+    preempted_requests: int
+    preempted_queries: int
+    preempted_hits: int
+    recent_hit_rate: float
+    evicted_blocks_total: int
+    events_emitted_total: int
+    allocations_not_fit_total: int
