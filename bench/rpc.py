@@ -6,7 +6,8 @@ Prints median and p99 of:
 2. a Step RPC carrying a 256-request decode step (per request: append one token, with the
    hash of the block it completes, and allocate one slot), built, sent and decoded by the SDK;
 3. the same decode step in-process on kvcm's core and on vLLM 0.33's ``KVCacheManager`` (where
-   importable; ``$KVCM_VLLM_SITE`` appended to the end of ``sys.path``);
+   importable; ``$KVCM_VLLM_SITE`` appended to the end of ``sys.path``), timed interleaved
+   with the remote one (the order alternating every round) so machine load hits all alike;
 4. Step throughput with 8 concurrent schedulers (processes) on 8 pools of one server;
 
 and the ratio remote Step / vLLM in-process (target: at most 1.5). Both sides hash the blocks
@@ -200,13 +201,11 @@ def _decode_step_runner(
     return run
 
 
-def bench_remote_step(target: str, num_requests: int, steps: int) -> Timing:
-    """A ``num_requests``-request decode step through one Step RPC."""
-    with SchedulerClient(target) as client:
-        pool_id = "bench-step"
-        client.create_pool(pool_id, _pool_config())
-        run = _decode_step_runner(client, pool_id, _admit(client, pool_id, num_requests, 1), 2)
-        return _time(run, steps)
+def remote_step_runner(client: SchedulerClient, num_requests: int) -> Callable[[], None]:
+    """A ``num_requests``-request decode step through one Step RPC, on a new pool."""
+    pool_id = "bench-step"
+    client.create_pool(pool_id, _pool_config())
+    return _decode_step_runner(client, pool_id, _admit(client, pool_id, num_requests, 1), 2)
 
 
 def bench_unary_allocate(target: str, repeats: int) -> Timing:
@@ -226,7 +225,7 @@ def bench_unary_allocate(target: str, repeats: int) -> Timing:
 
 
 # ------------------------------------------------------------------- in-process steps
-def bench_core_step(num_requests: int, steps: int) -> Timing:
+def core_step_runner(num_requests: int) -> Callable[[], None]:
     """The same decode step on kvcm's core, in-process."""
     from kvcm.server.core import KVCacheManager, KVCacheManagerConfig, Request, RequestStatus
 
@@ -255,7 +254,7 @@ def bench_core_step(num_requests: int, steps: int) -> Timing:
                 raise RuntimeError("core decode did not fit")
             request.num_computed_tokens += 1
 
-    return _time(run, steps)
+    return run
 
 
 def _import_vllm() -> dict[str, Any] | None:
@@ -282,7 +281,7 @@ def _import_vllm() -> dict[str, Any] | None:
         return None
 
 
-def bench_vllm_step(num_requests: int, steps: int) -> Timing | None:
+def vllm_step_runner(num_requests: int) -> Callable[[], None] | None:
     """The same decode step on vLLM 0.33's ``KVCacheManager``, in-process (None: no vLLM)."""
     ref = _import_vllm()
     if ref is None:
@@ -334,7 +333,7 @@ def bench_vllm_step(num_requests: int, steps: int) -> Timing | None:
                 raise RuntimeError("vLLM decode did not fit")
             request.num_computed_tokens += 1
 
-    return _time(run, steps)
+    return run
 
 
 # --------------------------------------------------------------------------- throughput
@@ -410,6 +409,29 @@ def _time(run: Callable[[], None], repeats: int) -> Timing:
     return Timing.of(samples)
 
 
+def time_interleaved(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, Timing]:
+    """Median and p99 of each run, the runs interleaved (order alternating every round) so
+    that load on a shared machine hits every side alike."""
+    for run in runs.values():
+        for _ in range(3):
+            run()  # warm up lazy imports and connections
+    gc.collect()
+    gc.freeze()
+    names = list(runs)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    perf = time.perf_counter
+    try:
+        for index in range(repeats):
+            for name in names if index % 2 == 0 else reversed(names):
+                run = runs[name]
+                start = perf()
+                run()
+                samples[name].append(perf() - start)
+    finally:
+        gc.unfreeze()
+    return {name: Timing.of(values) for name, values in samples.items()}
+
+
 def _row(name: str, timing: Timing | None) -> str:
     if timing is None:
         return f"{name:<48} {'-':>9} {'-':>9}"
@@ -428,9 +450,14 @@ def main(argv: list[str] | None = None) -> None:
 
     def measure(target: str) -> None:
         unary = bench_unary_allocate(target, args.steps * 4)
-        remote = bench_remote_step(target, args.requests, args.steps)
-        core = bench_core_step(args.requests, args.steps)
-        vllm = None if args.no_vllm else bench_vllm_step(args.requests, args.steps)
+        runs = {"core": core_step_runner(args.requests)}
+        vllm_run = None if args.no_vllm else vllm_step_runner(args.requests)
+        if vllm_run is not None:
+            runs["vllm"] = vllm_run
+        with SchedulerClient(target) as client:
+            runs["remote"] = remote_step_runner(client, args.requests)
+            timings = time_interleaved(runs, args.steps)
+        remote, core, vllm = timings["remote"], timings["core"], timings.get("vllm")
         throughput, loaded = bench_throughput(
             target, args.schedulers, args.requests, max(50, args.steps // 2)
         )
