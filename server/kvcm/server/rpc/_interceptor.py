@@ -46,6 +46,8 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, stats: RpcStats) -> None:
         """Observe into ``stats``."""
         self._stats = stats
+        # The wrapped handler of each method, built on its first call (not per call).
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
         self,
@@ -53,11 +55,18 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         """Wrap kvcm.v1 handlers; others (health, reflection) pass through."""
-        handler = await continuation(handler_call_details)
         full_name: str = handler_call_details.method
+        wrapped = self._wrapped.get(full_name)
+        if wrapped is not None:
+            return wrapped
+        handler = await continuation(handler_call_details)
         if handler is None or not full_name.startswith(_PREFIX):
             return handler
-        method = full_name.rsplit("/", 1)[-1]
+        wrapped = self._wrap(full_name.rsplit("/", 1)[-1], handler)
+        self._wrapped[full_name] = wrapped
+        return wrapped
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary),
