@@ -183,6 +183,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert num_hit % self.manager.scheduler_block_size == 0
         hash_block_size = self.manager.hash_block_size
         secondary = self.pool._secondary_keys
+        cached = self.pool.cached_block_ids()
         for group_id, (spec, blocks) in enumerate(zip(self.specs, hit.blocks.blocks, strict=True)):
             assert len(blocks) * spec.block_size == num_hit
             scale = spec.block_size // hash_block_size
@@ -195,6 +196,10 @@ class ManagerMachine(RuleBasedStateMachine):
                     request.block_hashes[(index + 1) * scale - 1], group_id
                 )
                 assert block.block_hash == key or key in secondary.get(block.block_id, {})
+                # Blocks are not de-duplicated: the block cached first under a key answers.
+                assert cached[key][0] == block.block_id
+                if len(cached[key]) > 1:
+                    event("hit: a key with several cached blocks answers")
         if self.layout == "full":
             assert hit.blocks.get_block_ids() == (self._expected_full_hit(request),)
 
