@@ -269,8 +269,10 @@ def print_report(options: DemoOptions, report: DemoReport, out: TextIO) -> None:
     )
 
 
-def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> int:
-    """Simulate and print; returns the process exit code."""
+def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
+    """Simulate and print to ``out`` (default: the current ``sys.stdout``); returns 0."""
+    if out is None:
+        out = sys.stdout
     report = simulate(options)
     print_report(options, report, out)
     return 0 if report.finished == options.num_requests else 1
