@@ -276,6 +276,29 @@ SideFactory = Callable[[int], Side]
 
 
 # -------------------------------------------------------------------------- workloads
+class _Stopwatch:
+    """Times the operation of a sample; with a profiler attached, profiles only that part."""
+
+    __slots__ = ("profiler",)
+
+    def __init__(self) -> None:
+        self.profiler: cProfile.Profile | None = None
+
+    def start(self) -> float:
+        if self.profiler is not None:
+            self.profiler.enable()
+        return time.perf_counter()
+
+    def stop(self, start: float) -> float:
+        elapsed = time.perf_counter() - start
+        if self.profiler is not None:
+            self.profiler.disable()
+        return elapsed
+
+
+_STOPWATCH = _Stopwatch()
+
+
 def _decode_sample(side: Side, config: BenchConfig) -> Sample:
     rng = random.Random(1)
     requests = []
@@ -287,7 +310,6 @@ def _decode_sample(side: Side, config: BenchConfig) -> Sample:
         requests.append(request)
     next_tokens = _tokens(rng, 4096)
     step = 0
-    perf = time.perf_counter
 
     def sample() -> float:
         nonlocal step
@@ -295,9 +317,9 @@ def _decode_sample(side: Side, config: BenchConfig) -> Sample:
         step += 1
         for request in requests:
             side.append(request, token)
-        start = perf()
+        start = _STOPWATCH.start()
         side.decode_step(requests)
-        return perf() - start
+        return _STOPWATCH.stop(start)
 
     return sample
 
@@ -310,13 +332,12 @@ def _admit_sample(side: Side, config: BenchConfig) -> Sample:
     side.admit(warm)
     side.free(warm)  # its blocks stay cached, free: the hit must take them off the queue
     request = side.request("admit", prefix + _tokens(rng, num_tokens - len(prefix)))
-    perf = time.perf_counter
 
     def sample() -> float:
         side.restart(request)
-        start = perf()
+        start = _STOPWATCH.start()
         num_hit, new_ids = side.admit(request)
-        elapsed = perf() - start
+        elapsed = _STOPWATCH.stop(start)
         if num_hit != len(prefix):
             raise RuntimeError(f"{side.name}: hit {num_hit} tokens, expected {len(prefix)}")
         side.free(request)
@@ -332,23 +353,23 @@ def _free_sample(side: Side, config: BenchConfig) -> Sample:
     # front.
     num_tokens = config.free_blocks * BLOCK_SIZE - BLOCK_SIZE // 2
     request = side.request("free", _tokens(rng, num_tokens))
-    perf = time.perf_counter
 
     def sample() -> float:
         if not side.reset_prefix_cache():
             raise RuntimeError(f"{side.name}: reset_prefix_cache refused")
         side.restart(request)
         side.admit(request)
-        start = perf()
+        start = _STOPWATCH.start()
         side.free(request)
-        return perf() - start
+        return _STOPWATCH.stop(start)
 
     return sample
 
 
 # The pools of each workload: enough blocks that nothing cached is evicted by accident.
 def _decode_blocks(config: BenchConfig) -> int:
-    max_len = config.decode_prompt_tokens + BLOCK_SIZE + config.decode_repeats + 64
+    # Room for warmup, the timed steps and as many again for --profile.
+    max_len = config.decode_prompt_tokens + BLOCK_SIZE + 2 * config.decode_repeats + 64
     return config.decode_requests * (max_len // BLOCK_SIZE + 2) + 1
 
 
@@ -378,13 +399,15 @@ def _check_same_decisions(kvcm: Side, vllm: Side, name: str) -> None:
 
 
 def _profile(sample: Sample, repeats: int, name: str) -> None:
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(repeats):
-        sample()
-    profiler.disable()
+    # Profiles the timed part of kvcm's samples only (not their untimed setup).
+    profiler = _STOPWATCH.profiler = cProfile.Profile()
+    try:
+        for _ in range(repeats):
+            sample()
+    finally:
+        _STOPWATCH.profiler = None
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
     print(f"== cProfile, kvcm side: {name} ({repeats} samples)\n{out.getvalue()}", file=sys.stderr)
 
 
