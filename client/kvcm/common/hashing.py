@@ -616,8 +616,12 @@ class BlockHasher:
                 :class:`PromptEmbeds`.
         """
         block_hashes = request.block_hashes
+        token_ids = request.all_token_ids
+        # Most decode steps complete no block: answer before building the key source.
+        if len(token_ids) - self.num_lookahead_tokens < (len(block_hashes) + 1) * self.block_size:
+            return []
         return self._hash_blocks(
-            request.all_token_ids,
+            token_ids,
             len(block_hashes),
             block_hashes[-1] if block_hashes else self.none_hash,
             _KeySource.of(request),
