@@ -4,7 +4,8 @@
 finished, token counts after appends) and the columns, and raises
 :class:`~kvcm.server.rpc._status.StepRejectedError` at the first op that would fail as a unary
 call; nothing has changed then. ``execute_step`` then runs the ops on the core with cursors
-over the packed columns, building the response columns directly (no per-item objects).
+over the packed columns, gathering the response columns in lists written once at the end
+(no per-item objects).
 """
 
 from __future__ import annotations
@@ -92,28 +93,26 @@ def _reject(op_index: int | None, op: int, error: KVCMError, field: str) -> Step
 
 
 class _Validation:
-    """One validation pass: the shadow request table and the column cursors.
+    """One validation pass: the shadow request table, the message and the cold ops' cursors.
 
     The shadow maps a request key to ``[num_tokens, holds blocks (-1: not asked yet),
-    num_hashes]``, or to ``None`` once finished in this Step.
+    num_hashes]``, or to ``None`` once finished in this Step. APPEND_TOKENS and ALLOCATE (the
+    ops of a decode step) are checked inline in :func:`validate_step`; the rest here.
     """
 
-    __slots__ = ("keys", "pool", "shadow")
+    __slots__ = ("keys", "message", "n_add", "n_cache", "n_skipped", "pool", "shadow")
 
-    def __init__(self, pool: Pool, keys: list[int]) -> None:
+    def __init__(self, pool: Pool, message: scheduler_pb2.StepRequest, keys: list[int]) -> None:
         self.pool = pool
+        self.message = message
         self.keys = keys
         self.shadow: dict[int, list[int] | None] = {}
+        self.n_add = self.n_cache = self.n_skipped = 0
 
     def state(self, op_index: int, op: int, k: int) -> tuple[int, list[int]]:
         """The shadow of the request named by ``request_keys[k]`` (slow path: first sight)."""
         if k >= len(self.keys):
-            raise _reject(
-                op_index,
-                op,
-                InvalidArgumentError("request_keys has too few entries"),
-                "request_keys",
-            )
+            raise _too_few(op_index, op, "request_keys")
         key = self.keys[k]
         state = self.shadow.get(key)
         if state is None:
@@ -139,6 +138,67 @@ class _Validation:
             state[1] = int(manager.holds_blocks(str(key)))
         return bool(state[1])
 
+    def cold_op(self, op_index: int, op: int, k: int) -> int:
+        """Check an op other than APPEND_TOKENS and ALLOCATE; returns the next key cursor."""
+        if op == _NEW_STEP:
+            return k
+        if op == _ADD:
+            _check_add(self, op_index, self.message, self.n_add)
+            self.n_add += 1
+            return k
+        if op in (_CACHE, _SKIPPED):
+            self._check_commit(op_index, op, k)
+            return k + 1
+        if op == _PREEMPT:
+            _, state = self.state(op_index, op, k)
+            state[1] = 0
+            return k + 1
+        if op == _FINISH:
+            key, _ = self.state(op_index, op, k)
+            self.shadow[key] = None
+            return k + 1
+        raise _reject(
+            op_index,
+            op,
+            InvalidArgumentError(f"ops[{op_index}] has unknown kind {op}"),
+            f"ops[{op_index}]",
+        )
+
+    def _check_commit(self, op_index: int, op: int, k: int) -> None:
+        """CACHE_BLOCKS / REMOVE_SKIPPED_BLOCKS: a token count within the request's tokens."""
+        _, state = self.state(op_index, op, k)
+        message = self.message
+        if op == _CACHE:
+            name, column, index = (
+                "cache_num_computed_tokens",
+                message.cache_num_computed_tokens,
+                self.n_cache,
+            )
+            self.n_cache += 1
+        else:
+            name, column, index = (
+                "remove_skipped_total_computed_tokens",
+                message.remove_skipped_total_computed_tokens,
+                self.n_skipped,
+            )
+            self.n_skipped += 1
+        if index >= len(column):
+            raise _too_few(op_index, op, name)
+        if column[index] > state[0]:
+            raise _reject(
+                op_index,
+                op,
+                InvalidArgumentError(
+                    f"{name}[{index}]={column[index]} exceeds the request's {state[0]} tokens"
+                ),
+                f"{name}[{index}]",
+            )
+
+
+def _too_few(op_index: int, op: int, column: str) -> StepRejectedError:
+    """The rejection of an op whose column has run out of entries."""
+    return _reject(op_index, op, InvalidArgumentError(f"{column} has too few entries"), column)
+
 
 def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
     """Validate a whole Step against the pool without changing anything.
@@ -147,7 +207,7 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
         StepRejectedError: The first failing op (or the malformed columns).
     """
     keys = list(message.request_keys)
-    v = _Validation(pool, keys)
+    v = _Validation(pool, message, keys)
     max_model_len = pool.max_model_len
     hash_block_size = pool.hashing.hash_block_size if pool.options.enable_caching else 0
     hash_length = pool.hashing.hash_length_bytes
@@ -161,20 +221,16 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
     num_token_ids = len(message.append_token_ids)
     num_hash_bytes = len(message.append_block_hashes)
     shadow_get = v.shadow.get
-    k = n_add = n_append = n_alloc = n_cache = n_skipped = 0
-    token_cursor = hash_cursor = 0
+    k = n_append = n_alloc = token_cursor = hash_cursor = 0
+    # APPEND_TOKENS and ALLOCATE are a decode step's ops: checked inline, with a fast test that
+    # sends only suspicious ops to the full checks (which produce the messages).
     for op_index, op in enumerate(message.ops):
         if op == _APPEND:
             state = shadow_get(keys[k]) if k < len(keys) else None
             key, state = (keys[k], state) if state is not None else v.state(op_index, op, k)
             k += 1
             if n_append >= num_appends:
-                raise _reject(
-                    op_index,
-                    op,
-                    InvalidArgumentError("append_num_tokens has too few entries"),
-                    "append_num_tokens",
-                )
+                raise _too_few(op_index, op, "append_num_tokens")
             num_tokens = append_tokens[n_append]
             num_hashes = append_hashes[n_append]
             token_cursor += num_tokens
@@ -192,14 +248,8 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
                 or before + num_tokens > max_model_len
                 or (
                     num_hashes
-                    and (
-                        state[2] != (before // hash_block_size if hash_block_size else 0)
-                        or num_hashes
-                        != (
-                            (before + num_tokens) // hash_block_size - before // hash_block_size
-                            if hash_block_size
-                            else 0
-                        )
+                    and not _hashes_expected(
+                        before, num_tokens, num_hashes, state[2], hash_block_size
                     )
                 )
             ):
@@ -215,12 +265,7 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
             key, state = (keys[k], state) if state is not None else v.state(op_index, op, k)
             k += 1
             if n_alloc >= num_allocs:
-                raise _reject(
-                    op_index,
-                    op,
-                    InvalidArgumentError("alloc_num_new_tokens has too few entries"),
-                    "alloc_num_new_tokens",
-                )
+                raise _too_few(op_index, op, "alloc_num_new_tokens")
             num_new = alloc_new[n_alloc]
             num_computed = alloc_computed[n_alloc]
             entry = options_by_index.get(n_alloc) if options_by_index else None
@@ -241,71 +286,15 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
                     index=n_alloc,
                 )
             n_alloc += 1
-        elif op == _ADD:
-            _check_add(v, op_index, message, n_add)
-            n_add += 1
-        elif op in (_CACHE, _SKIPPED):
-            key, state = v.state(op_index, op, k)
-            k += 1
-            if op == _CACHE:
-                name, column, index = (
-                    "cache_num_computed_tokens",
-                    message.cache_num_computed_tokens,
-                    n_cache,
-                )
-                n_cache += 1
-            else:
-                name, column, index = (
-                    "remove_skipped_total_computed_tokens",
-                    message.remove_skipped_total_computed_tokens,
-                    n_skipped,
-                )
-                n_skipped += 1
-            if index >= len(column):
-                raise _reject(
-                    op_index, op, InvalidArgumentError(f"{name} has too few entries"), name
-                )
-            if column[index] > state[0]:
-                raise _reject(
-                    op_index,
-                    op,
-                    InvalidArgumentError(
-                        f"{name}[{index}]={column[index]} exceeds the request's {state[0]} tokens"
-                    ),
-                    f"{name}[{index}]",
-                )
-        elif op == _PREEMPT:
-            _, state = v.state(op_index, op, k)
-            k += 1
-            state[1] = 0
-        elif op == _FINISH:
-            key, _ = v.state(op_index, op, k)
-            k += 1
-            v.shadow[key] = None
-        elif op != _NEW_STEP:
-            raise _reject(
-                op_index,
-                op,
-                InvalidArgumentError(f"ops[{op_index}] has unknown kind {op}"),
-                f"ops[{op_index}]",
-            )
+        else:
+            k = v.cold_op(op_index, op, k)
     _check_consumed(
-        (
-            ("request_keys", k, len(keys)),
-            ("new_requests", n_add, len(message.new_requests)),
-            ("alloc_num_new_tokens", n_alloc, len(alloc_new)),
-            ("alloc_num_computed_tokens", n_alloc, len(alloc_computed)),
-            ("append_num_tokens", n_append, len(append_tokens)),
-            ("append_num_block_hashes", n_append, len(append_hashes)),
-            ("append_token_ids", token_cursor, num_token_ids),
-            ("append_block_hashes", hash_cursor, num_hash_bytes),
-            ("cache_num_computed_tokens", n_cache, len(message.cache_num_computed_tokens)),
-            (
-                "remove_skipped_total_computed_tokens",
-                n_skipped,
-                len(message.remove_skipped_total_computed_tokens),
-            ),
-        ),
+        v,
+        num_keys=k,
+        num_allocs=n_alloc,
+        num_appends=n_append,
+        num_token_ids=token_cursor,
+        num_hash_bytes=hash_cursor,
     )
     if options_by_index and max(options_by_index) >= n_alloc:
         raise StepRejectedError(
@@ -316,6 +305,18 @@ def validate_step(pool: Pool, message: scheduler_pb2.StepRequest) -> None:
             None,
             "alloc_options",
         )
+
+
+def _hashes_expected(
+    before: int, num_tokens: int, num_hashes: int, hashes_before: int, hash_block_size: int
+) -> bool:
+    """Whether an append's hashes are the ones it must carry (see ``Pool.check_append``)."""
+    if not hash_block_size:
+        return False
+    return (
+        hashes_before == before // hash_block_size
+        and num_hashes == (before + num_tokens) // hash_block_size - before // hash_block_size
+    )
 
 
 def _check_add(
@@ -347,8 +348,35 @@ def _check_add(
     ]
 
 
-def _check_consumed(columns: tuple[tuple[str, int, int], ...]) -> None:
-    for name, used, size in columns:
+def _check_consumed(
+    v: _Validation,
+    *,
+    num_keys: int,
+    num_allocs: int,
+    num_appends: int,
+    num_token_ids: int,
+    num_hash_bytes: int,
+) -> None:
+    """Every column entry was consumed by an op: none missing, none left over."""
+    message = v.message
+    columns = (
+        ("request_keys", num_keys, message.request_keys),
+        ("new_requests", v.n_add, message.new_requests),
+        ("alloc_num_new_tokens", num_allocs, message.alloc_num_new_tokens),
+        ("alloc_num_computed_tokens", num_allocs, message.alloc_num_computed_tokens),
+        ("append_num_tokens", num_appends, message.append_num_tokens),
+        ("append_num_block_hashes", num_appends, message.append_num_block_hashes),
+        ("append_token_ids", num_token_ids, message.append_token_ids),
+        ("append_block_hashes", num_hash_bytes, message.append_block_hashes),
+        ("cache_num_computed_tokens", v.n_cache, message.cache_num_computed_tokens),
+        (
+            "remove_skipped_total_computed_tokens",
+            v.n_skipped,
+            message.remove_skipped_total_computed_tokens,
+        ),
+    )
+    for name, used, column in columns:
+        size = len(column)
         if used != size:
             raise StepRejectedError(
                 InvalidArgumentError(f"{name} has {size} entries, the ops consume {used}"),
@@ -467,16 +495,14 @@ def _execute(
     )
     budget = message.token_budget if message.HasField("token_budget") else None
     stop = not message.continue_on_does_not_fit
-    statuses = response.alloc_statuses
-    counts = response.alloc_num_block_ids
-    block_ids = response.alloc_block_ids
-    num_groups = manager.num_kv_cache_groups
-    k = n_add = n_append = n_alloc = n_cache = n_skipped = 0
-    token_cursor = hash_cursor = 0
-    executed = 0
+    answers = _Answers()
+    statuses, counts, block_ids = answers.statuses, answers.counts, answers.block_ids
+    no_blocks = [0] * manager.num_kv_cache_groups
+    cold = _ColdOps(pool, manager, message, keys).run
+    k = n_append = n_alloc = token_cursor = hash_cursor = 0
+    op_index = -1
     try:
-        for op in message.ops:
-            executed += 1
+        for op_index, op in enumerate(message.ops):  # noqa: B007 (read after the loop)
             if op == _ALLOCATE:
                 request = requests[keys[k]]
                 k += 1
@@ -484,36 +510,36 @@ def _execute(
                 request.num_computed_tokens = alloc_computed[n_alloc]
                 entry = options_by_index.get(n_alloc) if options_by_index else None
                 n_alloc += 1
-                if entry is None:
-                    request.num_in_flight_tokens = 0
-                    blocks = allocate(request, num_new, None, default_options)
-                    if blocks is None:
-                        pool.allocations_not_fit_total += 1
-                        statuses.append(_DOES_NOT_FIT)
-                        counts.extend([0] * num_groups)
-                        if stop:
-                            break
-                        continue
-                    request.status = running
-                    statuses.append(_OK)
-                    for group in blocks.blocks:
-                        counts.append(len(group))
-                        block_ids.extend([block.block_id for block in group])
-                    if budget is not None:
-                        budget = max(0, budget - num_new)
+                if entry is not None:
+                    status, budget = _allocate_with_options(
+                        pool,
+                        manager,
+                        request=request,
+                        num_new=num_new,
+                        entry=entry,
+                        default_lookahead=default_lookahead,
+                        budget=budget,
+                        answers=answers,
+                    )
+                    if status != _OK and stop:
+                        break
                     continue
-                status, budget = _allocate_with_options(
-                    pool,
-                    manager,
-                    request=request,
-                    num_new=num_new,
-                    entry=entry,
-                    default_lookahead=default_lookahead,
-                    budget=budget,
-                    response=response,
-                )
-                if status != _OK and stop:
-                    break
+                request.num_in_flight_tokens = 0
+                blocks = allocate(request, num_new, None, default_options)
+                if blocks is None:
+                    pool.allocations_not_fit_total += 1
+                    statuses.append(_DOES_NOT_FIT)
+                    counts.extend(no_blocks)
+                    if stop:
+                        break
+                    continue
+                request.status = running
+                statuses.append(_OK)
+                for group in blocks.blocks:
+                    counts.append(len(group))
+                    block_ids.extend([block.block_id for block in group])
+                if budget is not None:
+                    budget = max(0, budget - num_new)
             elif op == _APPEND:
                 request = requests[keys[k]]
                 k += 1
@@ -530,49 +556,71 @@ def _execute(
                 hash_cursor += size
                 hashes = [raw[i : i + hash_length] for i in range(0, size, hash_length)]
                 pool.apply_append(request, tokens, hashes)  # type: ignore[arg-type]
-            elif op == _NEW_STEP:
-                manager.new_step_starts()
-            elif op == _ADD:
-                new = message.new_requests[n_add]
-                n_add += 1
-                pool.add_request(
-                    new.request_key,
-                    new.request_id,
-                    new.prompt_token_ids,
-                    new.block_hashes,
-                    lora_id=new.lora_id if new.HasField("lora_id") else None,
-                    lora_name=new.lora_name if new.HasField("lora_name") else None,
-                    cache_salt=new.cache_salt if new.HasField("cache_salt") else None,
-                    skip_reading_prefix_cache=new.skip_reading_prefix_cache,
-                )
-            elif op == _CACHE:
-                request = requests[keys[k]]
-                k += 1
-                manager.cache_blocks(request, message.cache_num_computed_tokens[n_cache])
-                n_cache += 1
-            elif op == _SKIPPED:
-                request = requests[keys[k]]
-                k += 1
-                total = message.remove_skipped_total_computed_tokens[n_skipped]
-                n_skipped += 1
-                manager.remove_skipped_blocks(request.request_id, total)
-            elif op == _PREEMPT:
-                pool.free(keys[k], preempt=True)
-                k += 1
-            else:  # _FINISH; validation allowed no other kind
-                pool.free(keys[k], preempt=False)
-                k += 1
+            else:
+                k = cold(op, k)
     except KVCMError as exc:
-        index = executed - 1
         raise StepRejectedError(
-            type(exc)(f"ops[{index}] rejected by the core after {index} ops ran: {exc}"),
-            index,
+            type(exc)(f"ops[{op_index}] rejected by the core after {op_index} ops ran: {exc}"),
+            op_index,
             "ops",
         ) from exc
-    response.num_ops_executed = executed
+    answers.write(response)
+    response.num_ops_executed = op_index + 1
     if budget is not None:
         response.token_budget_left = budget
-    return executed
+    return op_index + 1
+
+
+class _ColdOps:
+    """Runs the validated ops other than ALLOCATE and APPEND_TOKENS, with their cursors."""
+
+    __slots__ = ("keys", "manager", "message", "n_add", "n_cache", "n_skipped", "pool")
+
+    def __init__(
+        self,
+        pool: Pool,
+        manager: KVCacheManager,
+        message: scheduler_pb2.StepRequest,
+        keys: list[int],
+    ) -> None:
+        self.pool = pool
+        self.manager = manager
+        self.message = message
+        self.keys = keys
+        self.n_add = self.n_cache = self.n_skipped = 0
+
+    def run(self, op: int, k: int) -> int:
+        """Run ``op`` (its request named by ``request_keys[k]``); returns the next key cursor."""
+        pool, manager, message = self.pool, self.manager, self.message
+        if op == _NEW_STEP:
+            manager.new_step_starts()
+            return k
+        if op == _ADD:
+            new = message.new_requests[self.n_add]
+            self.n_add += 1
+            pool.add_request(
+                new.request_key,
+                new.request_id,
+                new.prompt_token_ids,
+                new.block_hashes,
+                lora_id=new.lora_id if new.HasField("lora_id") else None,
+                lora_name=new.lora_name if new.HasField("lora_name") else None,
+                cache_salt=new.cache_salt if new.HasField("cache_salt") else None,
+                skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+            )
+            return k
+        key = self.keys[k]
+        if op == _CACHE:
+            num_computed = message.cache_num_computed_tokens[self.n_cache]
+            self.n_cache += 1
+            manager.cache_blocks(pool.requests[key], num_computed)
+        elif op == _SKIPPED:
+            total = message.remove_skipped_total_computed_tokens[self.n_skipped]
+            self.n_skipped += 1
+            manager.remove_skipped_blocks(pool.requests[key].request_id, total)
+        else:  # PREEMPT or FINISH; validation allowed no other kind
+            pool.free(key, preempt=op == _PREEMPT)
+        return k + 1
 
 
 def _allocate_with_options(
@@ -584,7 +632,7 @@ def _allocate_with_options(
     entry: scheduler_pb2.StepAllocOptions,
     default_lookahead: int,
     budget: int | None,
-    response: scheduler_pb2.StepResponse,
+    answers: _Answers,
 ) -> tuple[int, int | None]:
     from kvcm.server.core.request import Request
 
@@ -610,8 +658,7 @@ def _allocate_with_options(
         if budget is not None:
             num_new = min(num_new, budget)
         if num_new <= 0:
-            _answer(
-                response,
+            answers.add(
                 _NO_TOKEN_BUDGET,
                 num_groups=num_groups,
                 ids=None,
@@ -622,15 +669,12 @@ def _allocate_with_options(
     blocks = pool.allocate_slots(request, num_new, hit, options)
     if blocks is None:
         looked = hit.num_computed_tokens if hit is not None else None
-        _answer(
-            response, _DOES_NOT_FIT, num_groups=num_groups, ids=None, hit_tokens=looked, num_new=0
-        )
+        answers.add(_DOES_NOT_FIT, num_groups=num_groups, ids=None, hit_tokens=looked, num_new=0)
         return _DOES_NOT_FIT, budget
     if hit is not None:
         manager.record_prefix_cache_stats(request, hit.num_computed_tokens)
         ids = manager.get_block_ids(request.request_id)
-        _answer(
-            response,
+        answers.add(
             _OK,
             num_groups=num_groups,
             ids=ids,
@@ -638,8 +682,7 @@ def _allocate_with_options(
             num_new=num_new,
         )
     else:
-        _answer(
-            response,
+        answers.add(
             _OK,
             num_groups=num_groups,
             ids=blocks.get_block_ids(),
@@ -651,22 +694,43 @@ def _allocate_with_options(
     return _OK, budget
 
 
-def _answer(
-    response: scheduler_pb2.StepResponse,
-    status: int,
-    *,
-    num_groups: int,
-    ids: tuple[list[int], ...] | None,
-    hit_tokens: int | None,
-    num_new: int,
-) -> None:
-    response.alloc_statuses.append(status)
-    if ids is None:
-        response.alloc_num_block_ids.extend([0] * num_groups)
-    else:
-        for group in ids:
-            response.alloc_num_block_ids.append(len(group))
-            response.alloc_block_ids.extend(group)
-    if hit_tokens is not None:
-        response.lookup_num_computed_tokens.append(hit_tokens)
-        response.lookup_num_new_tokens.append(num_new)
+class _Answers:
+    """The response columns of the allocations, gathered in lists and written once."""
+
+    __slots__ = ("block_ids", "counts", "lookup_computed", "lookup_new", "statuses")
+
+    def __init__(self) -> None:
+        self.statuses: list[int] = []
+        self.counts: list[int] = []
+        self.block_ids: list[int] = []
+        self.lookup_computed: list[int] = []
+        self.lookup_new: list[int] = []
+
+    def add(
+        self,
+        status: int,
+        *,
+        num_groups: int,
+        ids: tuple[list[int], ...] | None,
+        hit_tokens: int | None,
+        num_new: int,
+    ) -> None:
+        """One allocation's answer (``hit_tokens`` set: it looked the request up)."""
+        self.statuses.append(status)
+        if ids is None:
+            self.counts.extend([0] * num_groups)
+        else:
+            for group in ids:
+                self.counts.append(len(group))
+                self.block_ids.extend(group)
+        if hit_tokens is not None:
+            self.lookup_computed.append(hit_tokens)
+            self.lookup_new.append(num_new)
+
+    def write(self, response: scheduler_pb2.StepResponse) -> None:
+        """Copy the columns into ``response`` (one bulk extend each)."""
+        response.alloc_statuses.extend(self.statuses)
+        response.alloc_num_block_ids.extend(self.counts)
+        response.alloc_block_ids.extend(self.block_ids)
+        response.lookup_num_computed_tokens.extend(self.lookup_computed)
+        response.lookup_num_new_tokens.extend(self.lookup_new)
