@@ -453,14 +453,6 @@ BlockPoolMachine.TestCase.settings = settings.get_profile(
 TestBlockPool = BlockPoolMachine.TestCase
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "core bug: BlockPool.free_blocks takes an Iterable, but on a bad block _undo_free "
-        "iterates it a second time; an iterator is exhausted by then, so the references "
-        "dropped before the bad block are never restored (found by the machine above)"
-    ),
-)
 def test_rejected_free_of_an_iterator_changes_nothing() -> None:
     pool = BlockPool(4, True, BLOCK_SIZE)
     held = pool.get_new_blocks(1)

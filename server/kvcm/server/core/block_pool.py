@@ -256,6 +256,9 @@ class BlockPool:
         Raises:
             FailedPreconditionError: A block is not referenced; nothing changes.
         """
+        if type(ordered_blocks) is not list:
+            # A rejected call walks the blocks again to undo; an iterator would be spent.
+            ordered_blocks = list(ordered_blocks)
         evict_first: list[KVCacheBlock] = []
         evict_last: list[KVCacheBlock] = []
         if self.enable_caching:
