@@ -8,7 +8,7 @@ ref counts and hashes, events, Step sequence) must equal what it was before.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import pytest
@@ -22,7 +22,7 @@ from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2, service_pb2_grpc
 
 BLOCK = 16
 POOL = "wire-errors"
-Code = grpc.StatusCode
+Code: TypeAlias = grpc.StatusCode
 
 
 class Stubs:

@@ -13,8 +13,10 @@ from kvcm.common.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from kvcm.common.events import AllBlocksCleared, BlockRemoved
 from kvcm.common.hashing import BlockHasher, HashAlgorithm
 from kvcm.common.specs import FullAttentionSpec
+from kvcm.server.core.event_log import EventLog
 from kvcm.server.core.pool import (
     OutOfRangeError,
     Pool,
@@ -189,9 +191,10 @@ def test_registration_plans_once_every_rank_registered() -> None:
     other = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
     with pytest.raises(FailedPreconditionError, match="disagree"):
         pool.register_worker(1, 2, {"l0": other}, 40 * page)
-    assert pool.state is PoolState.PENDING_WORKERS
+    states = [pool.state]
     pool.register_worker(1, 2, {"l0": SPEC}, 30 * page)
-    assert pool.state is PoolState.READY
+    states.append(pool.state)
+    assert states == [PoolState.PENDING_WORKERS, PoolState.READY]
     assert pool.rank_config(0).num_blocks == pool.rank_config(1).num_blocks == 30
 
 
@@ -230,3 +233,24 @@ def test_verified_hashes_must_be_the_servers() -> None:
     assert pool.request(1).num_tokens == 32
     pool.append_tokens(1, more, _hashes(pool, prompt + more)[64:])
     assert len(pool.request(1).block_hashes) == 3
+
+
+def test_event_log_keeps_the_newest_when_one_batch_exceeds_retention() -> None:
+    log = EventLog(retention=3)
+    removed = [BlockRemoved(block_hashes=[n], medium=None) for n in range(1, 6)]
+    assert log.check_start(None) == 1
+    assert log.append(removed, 7.0) == 5
+    assert (log.oldest_sequence, log.last_sequence, log.next_sequence) == (3, 5, 6)
+    got = log.read(3, 10)
+    assert got is not None
+    assert [event.block_hashes for event in got[0]] == [[3], [4], [5]]  # type: ignore[union-attr]
+    assert got[1] == 7.0
+    assert log.read(4, 1) == ([removed[3]], 7.0)
+    assert log.read(2, 10) is None
+    with pytest.raises(OutOfRangeError):
+        log.check_start(2)
+    assert log.check_start(6) == 6
+    assert log.read(6, 10) == ([], 0.0)
+    log.append([AllBlocksCleared()], 8.0)
+    assert log.read(6, 10) == ([AllBlocksCleared()], 8.0)
+    assert log.oldest_sequence == 4
