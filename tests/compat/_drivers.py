@@ -527,11 +527,15 @@ class KvcmSide:
         self, request_id: str, num_new_tokens: int, use_hit: bool, **options: Any
     ) -> BlockIds | None:
         """Allocate; adopt the kept hit when ``use_hit``."""
-        from kvcm.server.core.manager import SlotOptions
+        from kvcm.server.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
 
         hit = self._hits.pop(request_id) if use_hit else None
+        slot_options = SlotOptions(**options)
+        if slot_options == DEFAULT_SLOT_OPTIONS:
+            # As the server does: plain calls take the manager's fast path for running requests.
+            slot_options = DEFAULT_SLOT_OPTIONS
         result = self.manager.allocate_slots(
-            self.requests[request_id], num_new_tokens, hit, SlotOptions(**options)
+            self.requests[request_id], num_new_tokens, hit, slot_options
         )
         return None if result is None else _ids(result.blocks)
 

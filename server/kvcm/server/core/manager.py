@@ -43,10 +43,12 @@ from kvcm.common.specs import (
 from kvcm.server.core.coordinator import (
     CoordinatorConfig,
     KVCacheCoordinator,
+    UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
     lcm_of_block_sizes,
 )
 from kvcm.server.core.request import RequestStatus
+from kvcm.server.core.single_type_managers import FullAttentionManager
 from kvcm.server.core.stats import PrefixCacheStats, PrefixCachingMetrics
 
 if TYPE_CHECKING:
@@ -331,6 +333,17 @@ class KVCacheManager:
         # Immutable, shared "no blocks" result: callers must not mutate returned blocks.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
         self._empty_hit = CacheHit(self.empty_kv_cache_blocks, 0)
+        # The decode fast path: one cached full-attention group hashed at its own block size
+        # (no window to free, no partial tail to cache, nothing to coordinate).
+        managers = self.coordinator.single_type_managers
+        only = managers[0] if len(managers) == 1 else None
+        self._fast_group: FullAttentionManager | None = (
+            only
+            if type(self.coordinator) is UnitaryKVCacheCoordinator
+            and type(only) is FullAttentionManager
+            and only.block_size == self.hash_block_size
+            else None
+        )
 
     # --------------------------------------------------------------------------- state
     @property
@@ -467,6 +480,15 @@ class KVCacheManager:
                 its hashes do not match its tokens, it has nothing to compute or adopt, or a
                 running request brings a hit.
         """
+        fast = self._fast_group
+        if (
+            fast is not None
+            and hit is None
+            and options is DEFAULT_SLOT_OPTIONS
+            and request.status is RequestStatus.RUNNING
+            and request.request_id in fast.req_to_blocks
+        ):
+            return self._allocate_running(fast, request, num_new_tokens)
         new_computed, num_new_computed = self._check_allocation(
             request, num_new_tokens, hit, options
         )
@@ -521,6 +543,36 @@ class KVCacheManager:
                 request, min(total_computed + num_new_tokens, request.num_tokens)
             )
         return self._make_blocks(new_blocks)
+
+    def _allocate_running(
+        self, group: FullAttentionManager, request: Request, num_new_tokens: int
+    ) -> KVCacheBlocks | None:
+        # allocate_slots for a running request of a single full-attention group with default
+        # options: the same checks and decisions without the per-group machinery (no hit, no
+        # window, no watermark for a running request, caching only when a block completed).
+        self._check_request(request)
+        num_computed = request.num_computed_tokens
+        if num_new_tokens <= 0 or num_computed + num_new_tokens > self.max_model_len:
+            self._check_allocation(request, num_new_tokens, None, DEFAULT_SLOT_OPTIONS)
+        req_blocks = group.req_to_blocks[request.request_id]
+        num_new_blocks = -(-(num_computed + num_new_tokens) // group.block_size) - len(req_blocks)
+        if num_new_blocks <= 0:
+            new_blocks: list[KVCacheBlock] = []
+        else:
+            pool = self.block_pool
+            if num_new_blocks > pool.get_num_free_blocks():
+                return None
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+            if group.records_new_block_ids:
+                group.new_block_ids.extend([block.block_id for block in new_blocks])
+        num_cacheable = min(num_computed + num_new_tokens, request.num_tokens)
+        num_full = min(num_cacheable, len(request.block_hashes) * group.block_size)
+        if num_full // group.block_size > group.num_cached_block.get(request.request_id, 0):
+            group.cache_blocks(request, num_cacheable)
+        if not new_blocks:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks((new_blocks,))
 
     def _check_allocation(
         self,
