@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -147,6 +149,13 @@ def test_uniform_type_groups_full_mla_and_sink_but_not_windows() -> None:
     assert uniform is not None
     assert uniform.page_size_bytes == 2 * full.page_size_bytes + mla.page_size_bytes
     assert uniform.kind == "full_attention"
+    # Mixed full-attention variants report full attention whichever layer comes first.
+    mla_first = UniformTypeKVCacheSpecs.from_specs({"c": mla, "a": full})
+    assert mla_first is not None
+    assert mla_first.kind == "full_attention"
+    only_mla = UniformTypeKVCacheSpecs.from_specs({"c": mla, "d": replace(mla, head_size=512)})
+    assert only_mla is not None
+    assert only_mla.kind == "mla_attention"
     sw8 = SlidingWindowSpec(block_size=16, sliding_window=8, **ATTN)
     sw9 = SlidingWindowSpec(block_size=16, sliding_window=9, **ATTN)
     assert UniformTypeKVCacheSpecs.from_specs({"a": sw8, "b": sw9}) is None

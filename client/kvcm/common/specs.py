@@ -567,8 +567,17 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
 
     @property
     def kind(self) -> str:  # type: ignore[override]
-        """The kind of the layers."""
-        return self.first_spec.kind
+        """The kind vLLM reports for the group.
+
+        The layers' common kind; ``full_attention`` when full-attention variants mix (full
+        attention and MLA, say); ``unknown`` otherwise.
+        """
+        kinds = {spec.kind for spec in self.kv_cache_specs.values()}
+        if len(kinds) == 1:
+            return next(iter(kinds))
+        if all(isinstance(spec, FullAttentionSpec) for spec in self.kv_cache_specs.values()):
+            return FullAttentionSpec.kind
+        return KVCacheSpec.kind
 
     @property
     def page_size_bytes(self) -> int:
