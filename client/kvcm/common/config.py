@@ -2,7 +2,9 @@
 each layer's pages live in the worker's memory.
 
 Field names follow vLLM 0.33's ``KVCacheConfig``; the objects are frozen and hold tuples, so a
-config handed to many ranks cannot be changed by one of them.
+config handed to many ranks cannot be changed by one of them. Placement (groups -> tensors and
+strides, :func:`get_kv_cache_config_from_groups`) lives here too, so a worker can derive or check
+the same byte offsets the server planned.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcm.common.errors import ConfigError, InvalidArgumentError
-from kvcm.common.specs import AttentionSpec, KVCacheSpec, MambaSpec
+from kvcm.common.specs import AttentionSpec, KVCacheSpec, MambaSpec, UniformTypeKVCacheSpecs
 
 __all__ = [
     "KVCacheConfig",
@@ -21,7 +23,10 @@ __all__ = [
     "KVCacheLayout",
     "KVCacheTensor",
     "compute_layout_strides",
+    "get_kv_cache_config_from_groups",
+    "layer_spec",
     "page_shape",
+    "pool_bytes_per_block",
 ]
 
 
@@ -222,3 +227,101 @@ class KVCacheConfig:
         object.__setattr__(self, "kv_cache_layout", KVCacheLayout.parse(self.kv_cache_layout))
         object.__setattr__(self, "kv_cache_tensors", tuple(self.kv_cache_tensors))
         object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
+
+
+# ----------------------------------------------------------------------------- placement
+def layer_spec(group: KVCacheGroupSpec, layer_name: str) -> KVCacheSpec:
+    """The spec of one layer of ``group`` (its own spec inside a uniform-type group)."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return spec.kv_cache_specs[layer_name]
+    return spec
+
+
+def pool_bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
+    """Bytes one block id takes in the backing allocation: the widest group's pages.
+
+    Groups overlay the same bytes (a block id belongs to one group at a time), so the
+    widest group sets the stride. 0 for no groups.
+    """
+    return max(
+        (
+            sum(layer_spec(group, name).page_size_bytes for name in group.layer_names)
+            for group in groups
+        ),
+        default=0,
+    )
+
+
+def _validate_layout(layout: KVCacheLayout, groups: Sequence[KVCacheGroupSpec]) -> None:
+    page_sizes = {
+        layer_spec(group, name).page_size_bytes for group in groups for name in group.layer_names
+    }
+    if len(page_sizes) <= 1:
+        return
+    if not layout.is_block_compact or (len(groups) > 1 and layout.is_layer_compact):
+        raise ConfigError(
+            f"KV cache layout {layout.name} cannot express this model's mixed page sizes "
+            f"({sorted(page_sizes)}); use a block-outermost layout (e.g. BLHNC)"
+        )
+
+
+def get_kv_cache_config_from_groups(
+    groups: Sequence[KVCacheGroupSpec], num_blocks: int, layout: KVCacheLayout
+) -> KVCacheConfig:
+    """Place ``groups`` in one backing allocation of ``num_blocks`` blocks.
+
+    Every group starts at byte 0 (groups overlay: a block id belongs to one group at a
+    time). Within a group, layers of equal spec form one :class:`KVCacheTensor`;
+    layer-outermost layouts give each layer a region of ``num_blocks`` pages,
+    block-outermost ones make block ``b`` the run of every layer's page.
+
+    Args:
+        groups: The rank's groups.
+        num_blocks: Blocks of the pool (the null block included).
+        layout: The physical axis order.
+
+    Returns:
+        The rank's config; an attention-free model gets 1 block (the null block) and no
+        tensors.
+
+    Raises:
+        ConfigError: ``num_blocks`` is not positive, or the layout cannot place the pages.
+    """
+    if not groups:
+        return KVCacheConfig(
+            num_blocks=1, kv_cache_tensors=(), kv_cache_groups=(), kv_cache_layout=layout
+        )
+    if type(num_blocks) is not int or num_blocks < 1:
+        raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    _validate_layout(layout, groups)
+    bytes_per_block = pool_bytes_per_block(groups)
+    size = bytes_per_block * num_blocks
+    fixed_block_stride = bytes_per_block if layout.is_block_outermost else None
+    tensors: list[KVCacheTensor] = []
+    for group in groups:
+        by_spec: dict[KVCacheSpec, list[str]] = {}
+        for name in group.layer_names:
+            by_spec.setdefault(layer_spec(group, name), []).append(name)
+        offset = 0
+        for spec, names in by_spec.items():
+            layer_stride, block_stride, *_ = compute_layout_strides(
+                spec, num_blocks, len(names), layout, block_stride=fixed_block_stride
+            )
+            tensors.append(
+                KVCacheTensor(
+                    size=size,
+                    layers=tuple(names),
+                    layer_stride=layer_stride,
+                    block_stride=block_stride,
+                    offset=offset,
+                )
+            )
+            step = spec.page_size_bytes if layout.is_block_outermost else layer_stride
+            offset += len(names) * step
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tuple(tensors),
+        kv_cache_groups=tuple(groups),
+        kv_cache_layout=layout,
+    )

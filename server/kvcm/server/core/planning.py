@@ -38,8 +38,10 @@ from kvcm.common.config import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheLayout,
-    KVCacheTensor,
     compute_layout_strides,
+    get_kv_cache_config_from_groups,
+    layer_spec,
+    pool_bytes_per_block,
 )
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import (
@@ -493,104 +495,6 @@ def project_groups_to_rank(
             )
         projected.append(KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec))
     return tuple(projected)
-
-
-# ----------------------------------------------------------------------------- placement
-def layer_spec(group: KVCacheGroupSpec, layer_name: str) -> KVCacheSpec:
-    """The spec of one layer of ``group`` (its own spec inside a uniform-type group)."""
-    spec = group.kv_cache_spec
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        return spec.kv_cache_specs[layer_name]
-    return spec
-
-
-def pool_bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
-    """Bytes one block id takes in the backing allocation: the widest group's pages.
-
-    Groups overlay the same bytes (a block id belongs to one group at a time), so the
-    widest group sets the stride. 0 for no groups.
-    """
-    return max(
-        (
-            sum(layer_spec(group, name).page_size_bytes for name in group.layer_names)
-            for group in groups
-        ),
-        default=0,
-    )
-
-
-def _validate_layout(layout: KVCacheLayout, groups: Sequence[KVCacheGroupSpec]) -> None:
-    page_sizes = {
-        layer_spec(group, name).page_size_bytes for group in groups for name in group.layer_names
-    }
-    if len(page_sizes) <= 1:
-        return
-    if not layout.is_block_compact or (len(groups) > 1 and layout.is_layer_compact):
-        raise ConfigError(
-            f"KV cache layout {layout.name} cannot express this model's mixed page sizes "
-            f"({sorted(page_sizes)}); use a block-outermost layout (e.g. BLHNC)"
-        )
-
-
-def get_kv_cache_config_from_groups(
-    groups: Sequence[KVCacheGroupSpec], num_blocks: int, layout: KVCacheLayout
-) -> KVCacheConfig:
-    """Place ``groups`` in one backing allocation of ``num_blocks`` blocks.
-
-    Every group starts at byte 0 (groups overlay: a block id belongs to one group at a
-    time). Within a group, layers of equal spec form one :class:`KVCacheTensor`;
-    layer-outermost layouts give each layer a region of ``num_blocks`` pages,
-    block-outermost ones make block ``b`` the run of every layer's page.
-
-    Args:
-        groups: The rank's groups.
-        num_blocks: Blocks of the pool (the null block included).
-        layout: The physical axis order.
-
-    Returns:
-        The rank's config; an attention-free model gets 1 block (the null block) and no
-        tensors.
-
-    Raises:
-        ConfigError: ``num_blocks`` is not positive, or the layout cannot place the pages.
-    """
-    if not groups:
-        return KVCacheConfig(
-            num_blocks=1, kv_cache_tensors=(), kv_cache_groups=(), kv_cache_layout=layout
-        )
-    if type(num_blocks) is not int or num_blocks < 1:
-        raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
-    _validate_layout(layout, groups)
-    bytes_per_block = pool_bytes_per_block(groups)
-    size = bytes_per_block * num_blocks
-    fixed_block_stride = bytes_per_block if layout.is_block_outermost else None
-    tensors: list[KVCacheTensor] = []
-    for group in groups:
-        by_spec: dict[KVCacheSpec, list[str]] = {}
-        for name in group.layer_names:
-            by_spec.setdefault(layer_spec(group, name), []).append(name)
-        offset = 0
-        for spec, names in by_spec.items():
-            layer_stride, block_stride, *_ = compute_layout_strides(
-                spec, num_blocks, len(names), layout, block_stride=fixed_block_stride
-            )
-            tensors.append(
-                KVCacheTensor(
-                    size=size,
-                    layers=tuple(names),
-                    layer_stride=layer_stride,
-                    block_stride=block_stride,
-                    offset=offset,
-                )
-            )
-            step = spec.page_size_bytes if layout.is_block_outermost else layer_stride
-            offset += len(names) * step
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=tuple(tensors),
-        kv_cache_groups=tuple(groups),
-        kv_cache_layout=layout,
-    )
 
 
 # ----------------------------------------------------------------------------- sizing
