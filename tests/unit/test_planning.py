@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcm.common.config import KVCacheLayout
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheLayout
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import (
     ChunkedLocalAttentionSpec,
@@ -339,3 +339,218 @@ def test_layout_strides_follow_the_axis_order() -> None:
     assert lbhnc == (10 * PAGE, PAGE, 16 * content, content, 1)
     blhnc = planning.compute_layout_strides(spec, 10, 3, KVCacheLayout.BLHNC, block_stride=3 * PAGE)
     assert blhnc == (PAGE, 3 * PAGE, 16 * content, content, 1)
+
+
+# ----------------------------------------------------------------------------- vLLM's numbers
+# The cases of vLLM's own planning tests (tests/v1/core/test_kv_cache_utils.py), restated in
+# kvcm's terms. Their reference layer: block 16, 2 KV heads, head 64, float32 -> 16 KiB pages.
+def vfull(**kw: object) -> FullAttentionSpec:
+    kw = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": "float32"} | kw
+    return FullAttentionSpec(**kw)  # type: ignore[arg-type]
+
+
+def vswa(**kw: object) -> SlidingWindowSpec:
+    kw = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": "float32"} | kw
+    kw.setdefault("sliding_window", 1)
+    return SlidingWindowSpec(**kw)  # type: ignore[arg-type]
+
+
+VPAGE = 16 * 2 * 64 * 4 * 2  # vLLM's mem_per_block_per_layer
+
+
+def regions(config: KVCacheConfig) -> list[tuple[int, list[str]]]:
+    """Each layer region of a layer-outermost config as (bytes, layers sharing it).
+
+    This is vLLM's older ``KVCacheTensor(size, shared_by)`` view of the same placement:
+    layers of different groups whose block 0 starts at the same byte share a region.
+    """
+    by_start: dict[int, tuple[int, list[str]]] = {}
+    for tensor in config.kv_cache_tensors:
+        for index, name in enumerate(tensor.layers):
+            start = tensor.offset + index * tensor.layer_stride
+            size, layers = by_start.setdefault(start, (tensor.layer_stride, []))
+            assert size == tensor.layer_stride
+            layers.append(name)
+    return [by_start[start] for start in sorted(by_start)]
+
+
+def layer_names_of(config: KVCacheConfig) -> list[tuple[str, ...]]:
+    return [g.layer_names for g in config.kv_cache_groups]
+
+
+def one_worker(specs: dict[str, KVCacheSpec], memory: int, **kw: object) -> KVCacheConfig:
+    return plan_kv_cache([specs], [memory], opts(max_model_len=16, **kw)).kv_cache_config(0)
+
+
+def ln(*indices: int) -> list[str]:
+    return [f"layer_{i}" for i in indices]
+
+
+@pytest.mark.parametrize(
+    ("num_full", "num_swa", "memory_pages", "num_blocks", "groups", "shared"),
+    [
+        # Uniform: one group, a region per layer.
+        (2, 0, 2 * 32, 32, [ln(1, 2)], [ln(1), ln(2)]),
+        (0, 2, 2 * 32, 32, [ln(1, 2)], [ln(1), ln(2)]),
+        # Hybrid 1 + 1: two groups of one layer overlay one region of twice the blocks.
+        (1, 1, 2 * 32, 64, [ln(1), ln(2)], [ln(1, 2)]),
+        # 2 full + 4 sliding: groups of 2 layers, the sliding ones strided.
+        (2, 4, 2 * 32, 32, [ln(1, 2), ln(3, 5), ln(4, 6)], [ln(1, 3, 4), ln(2, 5, 6)]),
+        # 3 full + 7 sliding: groups of 3, the last sliding groups padded to 3.
+        (
+            3,
+            7,
+            3 * 32,
+            32,
+            [ln(1, 2, 3), ln(4, 7, 10), ln(5, 8), ln(6, 9)],
+            [ln(1, 4, 5, 6), ln(2, 7, 8, 9), ln(3, 10)],
+        ),
+        # 6 full + 5 sliding (gpt-oss with EAGLE): nearly equal, one group each, padded to 6.
+        (
+            6,
+            5,
+            6 * 32,
+            32,
+            [ln(1, 2, 3, 4, 5, 6), ln(7, 8, 9, 10, 11)],
+            [ln(1, 7), ln(2, 8), ln(3, 9), ln(4, 10), ln(5, 11), ln(6)],
+        ),
+    ],
+)
+def test_vllm_one_worker_groupings(
+    num_full: int,
+    num_swa: int,
+    memory_pages: int,
+    num_blocks: int,
+    groups: list[list[str]],
+    shared: list[list[str]],
+) -> None:
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(1, num_full + num_swa + 1):
+        specs[f"layer_{i}"] = vfull() if i <= num_full else vswa()
+    config = one_worker(specs, VPAGE * memory_pages)
+    assert config.num_blocks == num_blocks
+    assert layer_names_of(config) == [tuple(g) for g in groups]
+    assert regions(config) == [(VPAGE * num_blocks, layers) for layers in shared]
+
+
+def test_vllm_one_worker_hybrid_disabled_records_the_window() -> None:
+    config = one_worker(
+        {"layer_1": vfull(), "layer_2": vswa()}, VPAGE * 2 * 32, enable_hybrid_manager=False
+    )
+    assert config.num_blocks == 32
+    assert config.kv_cache_groups == (KVCacheGroupSpec(ln(1, 2), vfull(sliding_window=1)),)
+    assert regions(config) == [(VPAGE * 32, ln(1)), (VPAGE * 32, ln(2))]
+
+
+def test_vllm_one_worker_page_size_unification() -> None:
+    # Same type, different head size: one uniform-type group, regions of each layer's page.
+    specs: dict[str, KVCacheSpec] = {"layer_1": vfull(head_size=128), "layer_2": vfull()}
+    config = one_worker(specs, VPAGE * 3 * 32)
+    assert config.num_blocks == 32
+    assert config.kv_cache_groups == (
+        KVCacheGroupSpec(ln(1, 2), UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs)),
+    )
+    assert regions(config) == [(2 * VPAGE * 32, ln(1)), (VPAGE * 32, ln(2))]
+    # Different type, half the page: the sliding layer's block size doubles.
+    config = one_worker({"layer_1": vfull(), "layer_2": vswa(head_size=32)}, VPAGE * 32)
+    assert config.num_blocks == 32
+    assert [g.kv_cache_spec for g in config.kv_cache_groups] == [
+        vfull(),
+        vswa(head_size=32, block_size=32),
+    ]
+    assert regions(config) == [(VPAGE * 32, ln(1, 2))]
+    # 2:3 pages cannot be unified by block size: vLLM 0.33 pads the smaller page.
+    config = one_worker({"layer_1": vfull(), "layer_2": vswa(head_size=96)}, 3 * VPAGE * 32)
+    padded = config.kv_cache_groups[0].kv_cache_spec
+    assert padded == vfull(page_size_padded=3 * VPAGE // 2)
+    assert config.num_blocks == 64
+
+
+def test_vllm_one_worker_block_override() -> None:
+    config = one_worker(
+        {"layer_1": vfull(), "layer_2": vfull()}, VPAGE * 2 * 32, num_gpu_blocks_override=16
+    )
+    assert config.num_blocks == 16
+    assert regions(config) == [(VPAGE * 16, ln(1)), (VPAGE * 16, ln(2))]
+
+
+def test_vllm_multiple_workers() -> None:
+    def plan(specs: list[dict[str, KVCacheSpec]], pages: list[int]) -> list[KVCacheConfig]:
+        planned = plan_kv_cache(specs, [VPAGE * p for p in pages], opts(max_model_len=16))
+        return [rank.kv_cache_config for rank in planned.ranks]
+
+    same = {"layer1": vfull(), "layer2": vfull()}
+    # TP with different memory: every rank gets the smallest rank's blocks.
+    for config in plan([same, same], [2 * 10, 2 * 20]):
+        assert config.num_blocks == 10
+        assert regions(config) == [(VPAGE * 10, ["layer1"]), (VPAGE * 10, ["layer2"])]
+    # PP: each stage its own layers, one global group.
+    stage0, stage1 = plan([{"layer1": vfull()}, {"layer2": vfull(), "layer3": vfull()}], [20, 20])
+    assert (stage0.num_blocks, stage1.num_blocks) == (10, 10)
+    assert layer_names_of(stage0) == [("layer1",)]
+    assert layer_names_of(stage1) == [("layer2", "layer3")]
+    # Hybrid + PP: each stage keeps every global group, empty where it holds none of its layers.
+    stage0, stage1 = plan(
+        [{"layer1": vfull(), "layer2": vfull()}, {"layer3": vswa(), "layer4": vswa()}], [20, 20]
+    )
+    assert layer_names_of(stage0) == [("layer1", "layer2"), ()]
+    assert layer_names_of(stage1) == [(), ("layer3", "layer4")]
+    assert [g.kv_cache_spec for g in stage1.kv_cache_groups] == [vfull(), vswa()]
+    assert regions(stage1) == [(VPAGE * 10, ["layer3"]), (VPAGE * 10, ["layer4"])]
+    # Groups of similar size across stages: 2 full + 4 sliding -> 3 groups of 2.
+    stage0, stage1 = plan(
+        [
+            {"layer1": vfull(), "layer2": vswa(), "layer3": vswa()},
+            {"layer4": vfull(), "layer5": vswa(), "layer6": vswa()},
+        ],
+        [10, 10],
+    )
+    assert layer_names_of(stage0) == [("layer1",), ("layer2",), ("layer3",)]
+    assert layer_names_of(stage1) == [("layer4",), ("layer5",), ("layer6",)]
+    assert regions(stage0) == [(VPAGE * 10, ["layer1", "layer2", "layer3"])]
+    # A layer whose spec differs between ranks.
+    with pytest.raises(ConfigError, match="'layer1'"):
+        plan([{"layer1": vfull()}, {"layer1": vswa()}], [20, 20])
+
+
+@pytest.mark.parametrize("memory_factor", [1, 2], ids=["symmetric", "asymmetric"])
+def test_vllm_pipeline_stages_need_only_their_own_layers(memory_factor: int) -> None:
+    expected_blocks = 512 // 16 + 1  # one max_model_len request plus the null block
+    memory = [VPAGE * expected_blocks, VPAGE * expected_blocks * memory_factor]
+    plan = plan_kv_cache(
+        [{"layer1": vfull()}, {"layer2": vfull()}], memory, opts(max_model_len=512)
+    )
+    assert plan.num_blocks == expected_blocks
+    for rank, layer in enumerate(["layer1", "layer2"]):
+        config = plan.kv_cache_config(rank)
+        assert regions(config) == [(VPAGE * expected_blocks, [layer])]
+
+
+@pytest.mark.parametrize(("max_model_len", "estimated"), [(16385, 16384), (16383, 16383)])
+def test_vllm_estimate_max_model_len(max_model_len: int, estimated: int) -> None:
+    # Qwen1.5-7B's shape: 32 layers of 32 KV heads x 128, float16; 16,384 tokens take 8 GiB.
+    layer = FullAttentionSpec(block_size=16, num_kv_heads=32, head_size=128, dtype="float16")
+    options = opts(max_model_len=max_model_len, max_in_flight_tokens=32768)
+    groups = planning.get_kv_cache_groups({f"layer_{i}": layer for i in range(32)}, options)
+    assert planning.estimate_max_model_len(groups, 8 * GiB, options) == estimated
+
+
+def test_vllm_max_concurrency() -> None:
+    full_spec = FullAttentionSpec(block_size=16, num_kv_heads=32, head_size=128, dtype="float16")
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=32, head_size=128, dtype="float16", sliding_window=1024
+    )
+    limits = opts(max_model_len=16384, max_in_flight_tokens=1024).limits()
+    full_layers = [f"layer_{i}" for i in range(32)]
+    window_layers = [f"layer_{i}" for i in range(32, 64)]
+
+    def concurrency(num_blocks: int, *groups: KVCacheGroupSpec) -> float:
+        config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=(), kv_cache_groups=groups)
+        return planning.get_kv_cache_capacity(config, limits).max_concurrency
+
+    # 16,384 tokens: 1,024 full-attention blocks; a 1,024 window with 1,024 tokens in flight:
+    # 128 + 1 blocks.
+    assert concurrency(1536, KVCacheGroupSpec(full_layers, full_spec)) == 1.5
+    assert concurrency(129 * 3, KVCacheGroupSpec(full_layers, window)) == 3
+    hybrid = (KVCacheGroupSpec(full_layers, full_spec), KVCacheGroupSpec(window_layers, window))
+    assert concurrency((1024 + 129) * 3, *hybrid) == 3
