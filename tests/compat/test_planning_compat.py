@@ -329,6 +329,11 @@ def _compare(planner: VllmPlanner, case: Case) -> str:
     assert ours.num_blocks == configs[0].num_blocks
     for rank_plan, config in zip(ours.ranks, configs, strict=True):
         assert _config_form(rank_plan.kv_cache_config) == _config_form(config)
+    kinds = [
+        planner.iface.get_kv_cache_spec_kind(g.kv_cache_spec).value
+        for g in configs[0].kv_cache_groups
+    ]
+    assert [g.kv_cache_spec.kind for g in ours.ranks[0].kv_cache_config.kv_cache_groups] == kinds
     tokens, concurrency = planner.utils.get_kv_cache_capacity(cfg, configs[0])
     assert (ours.capacity.num_tokens, ours.capacity.max_concurrency) == (tokens, concurrency)
     if len(configs[0].kv_cache_groups) > 1:
