@@ -324,10 +324,56 @@ def test_block_outermost_layout_packs_every_layer_page_into_a_block() -> None:
     assert plan.ranks[0].kv_cache_config.kv_cache_layout is KVCacheLayout.BLHNC
 
 
-def test_block_outermost_mixed_pages_are_not_implemented() -> None:
-    specs = {"f": full(heads=4), "s": swa()}
-    with pytest.raises(ConfigError, match="not implemented"):
+def test_block_outermost_layout_packs_mixed_pages_side_by_side() -> None:
+    # Full attention repeats a (2-head, 4-head) pattern twice; six sliding-window layers.
+    a, b, s = full(heads=2), full(heads=4), swa()
+    specs: dict[str, KVCacheSpec] = {
+        "a0": a, "b0": b, "s0": s, "s1": s, "s2": s, "a1": a, "b1": b, "s3": s, "s4": s, "s5": s
+    }  # fmt: skip
+    plan = plan_kv_cache([specs], [GiB], opts(kv_cache_layout=KVCacheLayout.BLHNC))
+    # The pattern's 2 repeats set the group size: the sliding layers are cut into 3 strided
+    # groups of 2; nothing is padded or re-blocked, every group is uniform-type.
+    assert names(plan) == [("a0", "b0", "a1", "b1"), ("s0", "s3"), ("s1", "s4"), ("s2", "s5")]
+    assert all(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in plan.kv_cache_groups)
+    assert [g.kv_cache_spec.block_size for g in plan.kv_cache_groups] == [16] * 4
+    block = 2 * PAGE + 2 * 2 * PAGE  # the widest group: both repeats of the pattern
+    assert planning.pool_bytes_per_block(plan.kv_cache_groups) == block
+    tensors = plan.ranks[0].kv_cache_config.kv_cache_tensors
+    placed = [(t.layers, t.offset, t.layer_stride, t.block_stride) for t in tensors]
+    assert placed == [
+        (("a0", "a1"), 0, PAGE, block),
+        (("b0", "b1"), 2 * PAGE, 2 * PAGE, block),
+        (("s0", "s3"), 0, PAGE, block),
+        (("s1", "s4"), 0, PAGE, block),
+        (("s2", "s5"), 0, PAGE, block),
+    ]
+    assert plan.num_blocks == GiB // block
+
+
+def test_block_outermost_sliding_layers_fill_the_block_others_need() -> None:
+    # No repeating pattern: sliding-window layers are states cut to fit the full layer's block.
+    specs: dict[str, KVCacheSpec] = {"f": full(heads=4), "s0": swa(), "s1": swa(), "s2": swa()}
+    groups = planning.get_kv_cache_groups(specs, opts(kv_cache_layout="BLNHC"))  # type: ignore[arg-type]
+    assert [g.layer_names for g in groups] == [("f",), ("s0", "s2"), ("s1",)]
+
+
+def test_block_outermost_unequal_state_bucket_is_refused() -> None:
+    # Sliding layers of two page sizes in unequal numbers cannot be cut evenly (vLLM 0.33
+    # loses layers or crashes here).
+    specs: dict[str, KVCacheSpec] = {
+        "f": full(heads=1),
+        "s0": swa(heads=2),
+        "s1": swa(heads=1),
+        "s2": swa(heads=1),
+    }
+    with pytest.raises(ConfigError, match="unequal page-size counts"):
         planning.get_kv_cache_groups(specs, opts(kv_cache_layout="BLHNC"))  # type: ignore[arg-type]
+
+
+def test_block_outermost_layout_without_compact_pages_cannot_mix_pages() -> None:
+    specs: dict[str, KVCacheSpec] = {"f": full(heads=4), "s": swa()}
+    with pytest.raises(ConfigError, match="cannot express"):
+        plan_kv_cache([specs], [GiB], opts(kv_cache_layout=KVCacheLayout.BHLNC))
 
 
 def test_layout_strides_follow_the_axis_order() -> None:

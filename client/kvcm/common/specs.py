@@ -592,6 +592,17 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         )
         return max_pages * self.page_size_bytes
 
+    def get_max_layers_per_page_size(self) -> int:
+        """The most layers that share one page size.
+
+        For layers that repeat a pattern of one layer per page size, this is the number of
+        repeats.
+        """
+        counts: dict[int, int] = {}
+        for spec in self.kv_cache_specs.values():
+            counts[spec.page_size_bytes] = counts.get(spec.page_size_bytes, 0) + 1
+        return max(counts.values())
+
     @classmethod
     def is_uniform_type(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> bool:
         """Whether the layers share block size and token-slot needs."""

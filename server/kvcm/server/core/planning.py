@@ -18,7 +18,9 @@ Grouping, in the order vLLM tries it:
 2. Every layer's spec merges into one: one group.
 3. Every layer needs the same token slots (``UniformTypeKVCacheSpecs``): one group whose
    block is the sum of its layers' pages.
-4. Otherwise (hybrid): page sizes are unified (block size scaled up, or the page padded),
+4. Block-outermost layouts with mixed page sizes: pages are packed side by side in a block
+   (``_packed_groups``), nothing is unified.
+5. Otherwise (hybrid): page sizes are unified (block size scaled up, or the page padded),
    layers are bucketed by mergeable spec, and buckets are cut into groups of equal layer
    count, layer ``i`` of a bucket going to group ``i % num_groups`` (strided), the last
    group of a bucket padded.
@@ -409,6 +411,119 @@ def _full_allocation_fallback(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheG
     return None if uniform is None else [_uniform_type_group(uniform)]
 
 
+def _least_padding_divisor(values: Sequence[int], lower_bound: int) -> int:
+    """The ``d >= lower_bound`` that pads ``values`` up to multiples of ``d`` the least.
+
+    Ties go to the larger ``d``; candidates stop at ``max(values)``.
+    """
+    best, best_padding = lower_bound, -1
+    for divisor in range(lower_bound, max(values) + 1):
+        padding = sum(-value % divisor for value in values)
+        if best_padding < 0 or padding <= best_padding:
+            best, best_padding = divisor, padding
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    """Layers of one type (a uniform-type spec), by page size, for block-outermost packing."""
+
+    spec: UniformTypeKVCacheSpecs
+    by_page: dict[int, list[str]]
+
+    @property
+    def balanced(self) -> bool:
+        """Every page size has as many layers (a repeating one-layer-per-page pattern)."""
+        return len({len(names) for names in self.by_page.values()}) == 1
+
+    @property
+    def repeats(self) -> int:
+        return self.spec.get_max_layers_per_page_size()
+
+    def group_bytes(self, num_groups: int) -> int:
+        """Page bytes of the widest of ``num_groups`` groups cut from this bucket."""
+        return sum(_cdiv(len(names), num_groups) * page for page, names in self.by_page.items())
+
+
+def _buckets_of_one_type(specs: Mapping[str, KVCacheSpec]) -> list[_Bucket]:
+    """Layers bucketed greedily: each joins the first bucket it keeps uniform-type."""
+    members: list[dict[str, KVCacheSpec]] = []
+    for name, spec in specs.items():
+        for bucket in members:
+            if UniformTypeKVCacheSpecs.is_uniform_type({**bucket, name: spec}):
+                bucket[name] = spec
+                break
+        else:
+            members.append({name: spec})
+    buckets = []
+    for bucket in members:
+        by_page: dict[int, list[str]] = {}
+        for name, spec in bucket.items():
+            by_page.setdefault(spec.page_size_bytes, []).append(name)
+        uniform = UniformTypeKVCacheSpecs(
+            block_size=next(iter(bucket.values())).block_size, kv_cache_specs=bucket
+        )
+        buckets.append(_Bucket(uniform, by_page))
+    return buckets
+
+
+def _packed_groups(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """Groups for a block-outermost layout whose layers' pages differ in size.
+
+    Pages sit side by side inside a block, so nothing is unified: layers of one type form a
+    bucket, and buckets repeating a one-layer-per-page-size pattern are cut into groups of
+    the same number of repeats (chosen to pad the least, never splitting a mixed-page
+    bucket's pattern), so every group packs into the same block. State buckets (Mamba;
+    sliding window when no pattern sets the repeats) are cut so that a group fits the
+    block the others already need.
+
+    Raises:
+        ConfigError: A state bucket of unequal page-size counts would have to be cut.
+    """
+    buckets = _buckets_of_one_type(specs)
+    floor = max((b.repeats for b in buckets if b.balanced and len(b.by_page) > 1), default=0)
+    repeats = (
+        _least_padding_divisor([b.repeats for b in buckets if b.balanced], floor) if floor else None
+    )
+
+    def num_groups(bucket: _Bucket) -> int:
+        return 1 if repeats is None or not bucket.balanced else _cdiv(bucket.repeats, repeats)
+
+    def is_state(bucket: _Bucket) -> bool:
+        first = bucket.spec.first_spec
+        return isinstance(first, MambaSpec) or (
+            repeats is None and isinstance(first, SlidingWindowSpec)
+        )
+
+    block_bytes = max(
+        b.group_bytes(len(b.spec.kv_cache_specs) if is_state(b) else num_groups(b)) for b in buckets
+    )
+    groups: list[KVCacheGroupSpec] = []
+    for bucket in buckets:
+        count = num_groups(bucket)
+        if is_state(bucket):
+            per_block = max(block_bytes // bucket.spec.first_spec.page_size_bytes, 1)
+            count = max(count, _cdiv(len(bucket.spec.kv_cache_specs), per_block))
+        if count == 1:
+            groups.append(_uniform_type_group(bucket.spec))
+            continue
+        if not bucket.balanced:
+            raise ConfigError(
+                f"Packing {len(bucket.spec.kv_cache_specs)} {bucket.spec.kind} layers of "
+                f"unequal page-size counts into {count} block-outermost groups is not "
+                "implemented"
+            )
+        pattern = list(zip(*bucket.by_page.values(), strict=True))
+        for index in range(count):
+            names = [name for repeat in pattern[index::count] for name in repeat]
+            uniform = UniformTypeKVCacheSpecs(
+                block_size=bucket.spec.block_size,
+                kv_cache_specs={name: bucket.spec.kv_cache_specs[name] for name in names},
+            )
+            groups.append(_uniform_type_group(uniform))
+    return groups
+
+
 def get_kv_cache_groups(
     specs: Mapping[str, KVCacheSpec], options: PlanningOptions
 ) -> tuple[KVCacheGroupSpec, ...]:
@@ -436,11 +551,7 @@ def get_kv_cache_groups(
     if options.kv_cache_layout.is_block_outermost and (
         len({spec.page_size_bytes for spec in specs.values()}) > 1
     ):
-        raise ConfigError(
-            f"kv_cache_layout {options.kv_cache_layout.name}: packing layers of different page "
-            "sizes into block-outermost groups is not implemented; use a layer-outermost "
-            "layout (LBNHC, LBHNC, LHBNC)"
-        )
+        return tuple(_packed_groups(specs))
     try:
         unified = unify_kv_cache_spec_page_size(specs)
     except ConfigError:
