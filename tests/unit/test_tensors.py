@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from kvcm.client.tensors import allocate_kv_cache_tensors, kv_cache_views, layer_placements
-from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheLayout, KVCacheTensor
+from kvcm.common.config import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheLayout,
+    KVCacheTensor,
+    compute_layout_strides,
+)
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from kvcm.server.core.planning import PlanningOptions, plan_kv_cache
@@ -50,15 +56,30 @@ def test_block_patterns_written_through_a_view_land_at_the_promised_offset(
     for block_id in range(config.num_blocks):
         view[block_id] = float(block_id + 1)
     backing = torch.frombuffer(bytearray(view.untyped_storage()), dtype=torch.int8)
+    # The head and token strides the layout promises (a page of a strided layout, LHBNC or
+    # BHLNC, has its heads apart).
+    *_, head_stride, token_stride, _ = compute_layout_strides(
+        SWA,
+        config.num_blocks,
+        len(tensor.layers),
+        layout,
+        block_stride=tensor.block_stride,
+        layer_stride=tensor.layer_stride,
+    )
+    cell = 2 * 8 * 2  # key + value of one head and token, float16
+    touched = torch.zeros_like(backing, dtype=torch.bool)
     for block_id in range(config.num_blocks):
         start = tensor.offset + index * tensor.layer_stride + block_id * tensor.block_stride
+        page = backing.as_strided((2, 4, cell), (head_stride, token_stride, 1), start)
+        touched.as_strided((2, 4, cell), (head_stride, token_stride, 1), start).fill_(True)
+        values = page.contiguous().view(torch.float16)
+        assert torch.all(values == float(block_id + 1)), block_id
         if layout.is_block_compact:
-            page = backing[start : start + PAGE].view(torch.float16)
-            assert torch.all(page == float(block_id + 1)), block_id
-        else:
-            # The page is strided (heads apart): its first cell still starts at the offset.
-            first = backing[start : start + 2].view(torch.float16)
-            assert first.item() == float(block_id + 1)
+            contiguous = backing[start : start + PAGE].view(torch.float16)
+            assert torch.all(contiguous == float(block_id + 1)), block_id
+    # Nothing outside s2's promised pages was written.
+    assert int(touched.sum()) == config.num_blocks * PAGE
+    assert torch.all(backing[~touched] == 0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
@@ -149,3 +170,29 @@ def test_inconsistent_configs_are_rejected_before_allocating(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         allocate_kv_cache_tensors(_config(tensors))
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.BLHNC, KVCacheLayout.BLNHC])
+def test_packed_pages_of_different_sizes_land_side_by_side(layout: KVCacheLayout) -> None:
+    wide = FullAttentionSpec(block_size=4, num_kv_heads=4, head_size=8, dtype="float16")
+    specs: dict[str, KVCacheSpec] = {"a0": FULL, "b0": wide, "a1": FULL, "b1": wide, "s0": SWA}
+    options = PlanningOptions(max_model_len=8, kv_cache_layout=layout, num_gpu_blocks_override=9)
+    config = plan_kv_cache([specs], [1 << 20], options).ranks[0].kv_cache_config
+    views = allocate_kv_cache_tensors(config)
+    tensor = next(t for t in config.kv_cache_tensors if "b1" in t.layers)
+    start_of = {
+        block_id: tensor.offset + tensor.layer_stride + block_id * tensor.block_stride
+        for block_id in range(config.num_blocks)
+    }
+    for block_id in range(config.num_blocks):
+        views["b1"][block_id] = float(10 + block_id)
+    backing = torch.frombuffer(bytearray(views["b1"].untyped_storage()), dtype=torch.int8)
+    for block_id, start in start_of.items():
+        page = backing[start : start + wide.page_size_bytes].view(torch.float16)
+        assert torch.all(page == float(10 + block_id)), block_id
+    # The wide pages follow both narrow ones inside the block, and nothing else was written.
+    assert tensor.offset == 2 * PAGE
+    assert int((backing != 0).sum()) <= config.num_blocks * wide.page_size_bytes
+    assert torch.all(views["a0"] == 0)
+    assert torch.all(views["a1"] == 0)
+    assert torch.all(views["b0"] == 0)
