@@ -29,10 +29,13 @@ from kvcm.common.config import KVCacheConfig, KVCacheLayout
 from kvcm.common.errors import ConfigError
 from kvcm.common.specs import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -75,6 +78,10 @@ def _draw_kinds(rng: random.Random) -> list[str]:
             ["mla", "swa"],
             ["full", "mamba"],
             ["mamba", "mamba", "full"],
+            ["full", "cross"],
+            ["sink"],
+            ["full", "sink"],
+            ["enc"],
         )
     )
     repeats = rng.randint(1, 6)
@@ -95,6 +102,7 @@ def _draw_specs(rng: random.Random) -> dict[str, KVCacheSpec]:
     chunk = rng.choice((64, 256, 1024))
     swa_block = rng.choice((block_size, block_size * 2)) if rng.random() < 0.3 else block_size
     mla_heads = rng.choice((64, 144, 288))
+    sink_len = rng.choice((None, 4))
     mamba_shapes = ((rng.choice((4, 8, 16)), rng.choice((32, 64))), (rng.choice((2, 4)), 96))
     specs: dict[str, KVCacheSpec] = {}
     for index, kind in enumerate(kinds):
@@ -109,6 +117,12 @@ def _draw_specs(rng: random.Random) -> dict[str, KVCacheSpec]:
             spec = SlidingWindowSpec(sliding_window=windows[kind], **attn)
         elif kind == "chunk":
             spec = ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **attn)
+        elif kind == "cross":
+            spec = CrossAttentionSpec(**attn)
+        elif kind == "sink":
+            spec = SinkFullAttentionSpec(sink_len=sink_len, **attn)
+        elif kind == "enc":
+            spec = EncoderOnlyAttentionSpec(**attn)
         elif kind == "mla":
             spec = MLAAttentionSpec(
                 block_size=block_size, num_kv_heads=1, head_size=mla_heads, dtype=dtype
@@ -144,6 +158,7 @@ def draw_case(seed: int) -> Case:
     options = planning.PlanningOptions(
         max_model_len=max_model_len,
         max_in_flight_tokens=rng.choice((None, 8, 512, 2048, 8192)),
+        max_num_encoder_input_tokens=rng.choice((0, 1500, 4096)),
         num_gpu_blocks_override=rng.choice((None,) * 8 + (1, 2, 7, 1000)),
         enable_hybrid_manager=rng.random() < 0.75,
         auto_fit_max_model_len=rng.random() < 0.2,
@@ -218,6 +233,12 @@ class VllmPlanner:
         }
         if isinstance(spec, MLAAttentionSpec):
             return iface.MLAAttentionSpec(**common)
+        if isinstance(spec, SinkFullAttentionSpec):
+            return iface.SinkFullAttentionSpec(sink_len=spec.sink_len, **common)
+        if isinstance(spec, CrossAttentionSpec):
+            return iface.CrossAttentionSpec(**common)
+        if isinstance(spec, EncoderOnlyAttentionSpec):
+            return iface.EncoderOnlyAttentionSpec(**common)
         if isinstance(spec, FullAttentionSpec):
             return iface.FullAttentionSpec(**common)
         if isinstance(spec, SlidingWindowSpec):

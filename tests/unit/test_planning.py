@@ -8,6 +8,7 @@ from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheLayout
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import (
     ChunkedLocalAttentionSpec,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -37,6 +38,7 @@ def swa(window: int = 128, block_size: int = 16, heads: int = 2, head: int = 64)
     )
 
 
+ENC = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": "float16"}
 PAGE = 16 * 2 * 128 * 2  # block_size x heads x (k + v head sizes) x fp16 bytes = 8192
 
 
@@ -260,6 +262,11 @@ def test_inconsistent_specs_between_ranks_name_the_layer() -> None:
         ([{"l": full()}], [1.5], r"available_memory\[0\]"),
         ([{"": full()}], [GiB], "layer names"),
         ([{"l": "full"}], [GiB], "layer 'l' has no KVCacheSpec"),
+        (
+            [{"l": full(), "enc": EncoderOnlyAttentionSpec(**ENC)}],
+            [GiB],
+            "layer 'enc' is encoder-only",
+        ),
     ],
 )
 def test_bad_plan_input(specs: list[dict[str, object]], memory: list[object], match: str) -> None:

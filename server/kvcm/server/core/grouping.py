@@ -32,6 +32,7 @@ from kvcm.common.errors import ConfigError
 from kvcm.common.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -381,7 +382,9 @@ def merge_rank_specs(rank_specs: Sequence[Mapping[str, KVCacheSpec]]) -> dict[st
     """The model's specs: every rank's layers, the first rank's order first.
 
     Raises:
-        ConfigError: A layer's spec differs between ranks (names the layer and the ranks).
+        ConfigError: A layer's spec differs between ranks (names the layer and the ranks), or
+            a layer is encoder-only (it keeps no KV cache across steps: vLLM's workers add
+            such layers after planning, so they are not registered).
     """
     merged: dict[str, KVCacheSpec] = {}
     first_rank: dict[str, int] = {}
@@ -390,6 +393,11 @@ def merge_rank_specs(rank_specs: Sequence[Mapping[str, KVCacheSpec]]) -> dict[st
             if not isinstance(spec, KVCacheSpec):
                 raise ConfigError(
                     f"rank {rank}: layer {name!r} has no KVCacheSpec (got {type(spec).__name__})"
+                )
+            if isinstance(spec, EncoderOnlyAttentionSpec):
+                raise ConfigError(
+                    f"rank {rank}: layer {name!r} is encoder-only and needs no planned KV "
+                    "cache; leave it out of the registered specs"
                 )
             known = merged.get(name)
             if known is None:
