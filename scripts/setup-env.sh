@@ -2,7 +2,10 @@
 # in .venv with the pinned dependencies, install kvcm into it, and activate it.
 #   source scripts/setup-env.sh dev   # with the worker (torch) and development extras
 #   source scripts/setup-env.sh       # runtime only
-_kvcm_extras="${1:-}"
+# Only "dev" selects extras: a script that sources this file without arguments passes its own
+# (`run.sh serve` would otherwise read "serve" here and reinstall on every run).
+_kvcm_extras=""
+[ "${1:-}" = dev ] && _kvcm_extras=dev
 _kvcm_python="${PYTHON:-python3}"
 _kvcm_venv="${KVCM_VENV:-.venv}"
 _kvcm_want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)-${_kvcm_extras}"
