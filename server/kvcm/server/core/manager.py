@@ -486,9 +486,10 @@ class KVCacheManager:
             and hit is None
             and options is DEFAULT_SLOT_OPTIONS
             and request.status is RequestStatus.RUNNING
-            and request.request_id in fast.req_to_blocks
         ):
-            return self._allocate_running(fast, request, num_new_tokens)
+            req_blocks = fast.req_to_blocks.get(request.request_id)
+            if req_blocks is not None:
+                return self._allocate_running(fast, req_blocks, request, num_new_tokens)
         new_computed, num_new_computed = self._check_allocation(
             request, num_new_tokens, hit, options
         )
@@ -545,7 +546,11 @@ class KVCacheManager:
         return self._make_blocks(new_blocks)
 
     def _allocate_running(
-        self, group: FullAttentionManager, request: Request, num_new_tokens: int
+        self,
+        group: FullAttentionManager,
+        req_blocks: list[KVCacheBlock],
+        request: Request,
+        num_new_tokens: int,
     ) -> KVCacheBlocks | None:
         # allocate_slots for a running request of a single full-attention group with default
         # options: the same checks and decisions without the per-group machinery (no hit, no
@@ -553,8 +558,8 @@ class KVCacheManager:
         self._check_request(request)
         num_computed = request.num_computed_tokens
         if num_new_tokens <= 0 or num_computed + num_new_tokens > self.max_model_len:
+            # Invalid counts: the general checks raise the error that names them.
             self._check_allocation(request, num_new_tokens, None, DEFAULT_SLOT_OPTIONS)
-        req_blocks = group.req_to_blocks[request.request_id]
         num_new_blocks = -(-(num_computed + num_new_tokens) // group.block_size) - len(req_blocks)
         if num_new_blocks <= 0:
             new_blocks: list[KVCacheBlock] = []
