@@ -7,15 +7,16 @@
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# Only what the package needs: the three source roots and the pinned constraints.
+# Only what the package needs: the four source roots and the pinned constraints.
 COPY pyproject.toml README.md ./
 COPY requirements/ requirements/
 COPY proto/ proto/
 COPY server/ server/
+COPY core/ core/
 COPY client/ client/
 # The server only: no worker (torch) or dev extras. The constraints pin every version CI tests.
 RUN python -m venv /opt/kvcm \
- && /opt/kvcm/bin/pip install -c requirements/constraints.txt . \
+ && /opt/kvcm/bin/pip install -c requirements/constraints.txt ".[server]" \
  && /opt/kvcm/bin/kvcm --help >/dev/null
 
 FROM python:3.11-slim

@@ -46,9 +46,9 @@ from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.hashing import BlockHasher, HashAlgorithm
 from kvcm.common.specs import FullAttentionSpec
-from kvcm.server.core.block_pool import BlockPool
-from kvcm.server.core.manager import KVCacheManager, KVCacheManagerConfig
-from kvcm.server.core.request import Request, RequestStatus
+from kvcm.core.block_pool import BlockPool
+from kvcm.core.manager import KVCacheManager, KVCacheManagerConfig
+from kvcm.core.request import Request, RequestStatus
 
 __all__ = ["BenchConfig", "main", "run_benchmarks"]
 

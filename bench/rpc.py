@@ -227,7 +227,7 @@ def bench_unary_allocate(target: str, repeats: int) -> Timing:
 # ------------------------------------------------------------------- in-process steps
 def core_step_runner(num_requests: int) -> Callable[[], None]:
     """The same decode step on kvcm's core, in-process."""
-    from kvcm.server.core import KVCacheManager, KVCacheManagerConfig, Request, RequestStatus
+    from kvcm.core import KVCacheManager, KVCacheManagerConfig, Request, RequestStatus
 
     manager = KVCacheManager(
         KVCacheManagerConfig(kv_cache_config=_layout(), max_model_len=MAX_MODEL_LEN)

@@ -421,7 +421,7 @@ class KvcmSide:
         """Build kvcm's manager for ``layout`` (block sizes left to kvcm's defaults)."""
         from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
         from kvcm.common.hashing import BlockHasher
-        from kvcm.server.core.manager import KVCacheManager, KVCacheManagerConfig
+        from kvcm.core.manager import KVCacheManager, KVCacheManagerConfig
 
         self.layout = layout
         groups = [
@@ -481,7 +481,7 @@ class KvcmSide:
     # ------------------------------------------------------------------ requests
     def add_request(self, spec: RequestSpec) -> None:
         """Create the request (hashing its prompt)."""
-        from kvcm.server.core.request import Request
+        from kvcm.core.request import Request
 
         lora_name, lora_id, lora_path = spec.lora if spec.lora else (None, None, None)
         self.requests[spec.request_id] = Request(
@@ -497,7 +497,7 @@ class KvcmSide:
 
     def update(self, request_id: str, **values: Any) -> None:
         """Set request fields (``status`` by name, counts by value)."""
-        from kvcm.server.core.request import RequestStatus
+        from kvcm.core.request import RequestStatus
 
         request = self.requests[request_id]
         for name, value in values.items():
@@ -527,7 +527,7 @@ class KvcmSide:
         self, request_id: str, num_new_tokens: int, use_hit: bool, **options: Any
     ) -> BlockIds | None:
         """Allocate; adopt the kept hit when ``use_hit``."""
-        from kvcm.server.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
+        from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
 
         hit = self._hits.pop(request_id) if use_hit else None
         slot_options = SlotOptions(**options)

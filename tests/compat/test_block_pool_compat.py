@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from kvcm.common.hashing import BlockHasher
-from kvcm.server.core.block_pool import BlockPool
-from kvcm.server.core.request import Request
+from kvcm.core.block_pool import BlockPool
+from kvcm.core.request import Request
 
 HASH_BLOCK_SIZE = 4
 # Group 0 hashes at the pool's granularity, group 1 at twice it (a hybrid pool's larger group).

@@ -39,7 +39,7 @@ from kvcm.common.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvcm.server.core import planning
+from kvcm.core import planning
 
 NUM_CASES = 1500
 _DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")

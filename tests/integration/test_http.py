@@ -23,7 +23,7 @@ from _workload import MISSING_POOL, create_pool, run_shared_prefix_workload
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.client import SchedulerClient
-from kvcm.server.core.pool import PoolRegistry
+from kvcm.core.pool import PoolRegistry
 from kvcm.server.http import METRICS, build_app
 from kvcm.server.telemetry import RpcStats
 

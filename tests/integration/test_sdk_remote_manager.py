@@ -19,8 +19,8 @@ from kvcm.common.dtypes import DType
 from kvcm.common.errors import NotFoundError
 from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvcm.common.specs import FullAttentionSpec
-from kvcm.server.core import KVCacheBlocks as CoreBlocks
-from kvcm.server.core import KVCacheManager, KVCacheManagerConfig, Request, RequestStatus
+from kvcm.core import KVCacheBlocks as CoreBlocks
+from kvcm.core import KVCacheManager, KVCacheManagerConfig, Request, RequestStatus
 
 MAX_MODEL_LEN = 4096
 BUDGET = 768

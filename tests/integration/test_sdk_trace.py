@@ -3,7 +3,7 @@
 The replay scheduler (``kvcm.client._replay``) drives a pool on a real server through
 ``SchedulerClient.step``. Every Step it sends is also executed here, in-process, by
 ``InProcessStepExecutor``: this file's own reading of the Step semantics in ``api.md``, calling
-``kvcm.server.core.KVCacheManager`` directly. Each answer (status, blocks, lookup hit and
+``kvcm.core.KVCacheManager`` directly. Each answer (status, blocks, lookup hit and
 allocated tokens, budget left, ops executed) must be identical, and at the end so must the
 pool's free blocks and the prefix-cache counters.
 """
@@ -27,7 +27,7 @@ from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.hashing import BlockHasher
 from kvcm.common.specs import FullAttentionSpec, SlidingWindowSpec
-from kvcm.server.core import (
+from kvcm.core import (
     CacheHit,
     KVCacheManager,
     KVCacheManagerConfig,

@@ -21,7 +21,7 @@ from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvcm.common.specs import FullAttentionSpec
-from kvcm.server.core import KVCacheManager, KVCacheManagerConfig, Request
+from kvcm.core import KVCacheManager, KVCacheManagerConfig, Request
 
 LAYOUT = KVCacheConfig(
     num_blocks=12,

@@ -33,15 +33,15 @@ from kvcm.common.dtypes import DType
 from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from kvcm.common.hashing import BlockHasher, make_block_hash_with_group_id
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from kvcm.server.core.block import KVCacheBlock
-from kvcm.server.core.block_pool import BlockPool
-from kvcm.server.core.manager import (
+from kvcm.core.block import KVCacheBlock
+from kvcm.core.block_pool import BlockPool
+from kvcm.core.manager import (
     CacheHit,
     KVCacheManager,
     KVCacheManagerConfig,
     SlotOptions,
 )
-from kvcm.server.core.request import Request, RequestStatus
+from kvcm.core.request import Request, RequestStatus
 
 MAX_MODEL_LEN = 40
 STEMS = (

@@ -8,7 +8,7 @@ import pytest
 
 from kvcm.common.errors import FailedPreconditionError
 from kvcm.common.hashing import BlockHashWithGroupId
-from kvcm.server.core.block import FreeKVCacheBlockQueue, KVCacheBlock
+from kvcm.core.block import FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def make(n: int) -> tuple[list[KVCacheBlock], FreeKVCacheBlockQueue]:

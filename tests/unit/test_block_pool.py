@@ -12,9 +12,9 @@ from kvcm.common.hashing import (
     external_block_hash,
     make_block_hash_with_group_id,
 )
-from kvcm.server.core.block import KVCacheBlock
-from kvcm.server.core.block_pool import BlockPool
-from kvcm.server.core.request import Request
+from kvcm.core.block import KVCacheBlock
+from kvcm.core.block_pool import BlockPool
+from kvcm.core.request import Request
 
 BLOCK = 4
 

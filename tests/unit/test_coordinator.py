@@ -14,7 +14,7 @@ from kvcm.common.specs import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from kvcm.server.core.coordinator import (
+from kvcm.core.coordinator import (
     CoordinatorConfig,
     HybridKVCacheCoordinator,
     KVCacheCoordinator,
@@ -22,7 +22,7 @@ from kvcm.server.core.coordinator import (
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
 )
-from kvcm.server.core.request import Request
+from kvcm.core.request import Request
 
 COMMON = {"num_kv_heads": 1, "head_size": 8, "dtype": DType.FLOAT16}
 

@@ -7,16 +7,14 @@ import pkgutil
 import subprocess
 import sys
 
-import kvcm.server.core
+import kvcm.core
 
 FORBIDDEN = ("grpc", "fastapi", "prometheus_client", "uvicorn", "starlette", "torch")
 
 
 def test_core_modules_import_no_io_libraries() -> None:
-    modules = sorted(
-        info.name for info in pkgutil.walk_packages(kvcm.server.core.__path__, "kvcm.server.core.")
-    )
-    assert "kvcm.server.core.manager" in modules, modules
+    modules = sorted(info.name for info in pkgutil.walk_packages(kvcm.core.__path__, "kvcm.core."))
+    assert "kvcm.core.manager" in modules, modules
     # A fresh interpreter: this test process may already hold grpc or torch from other tests.
     code = (
         "import importlib, json, sys\n"

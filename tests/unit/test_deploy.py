@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
+from kvcm.core.pool import PoolRegistry
 from kvcm.server.cli import _build_parser
-from kvcm.server.core.pool import PoolRegistry
 from kvcm.server.http import METRICS, build_app
 from kvcm.server.settings import (
     DEFAULT_GRPC_ADDRESS,

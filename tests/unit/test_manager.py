@@ -22,14 +22,14 @@ from kvcm.common.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from kvcm.server.core.manager import (
+from kvcm.core.manager import (
     CacheHit,
     KVCacheBlocks,
     KVCacheManager,
     KVCacheManagerConfig,
     SlotOptions,
 )
-from kvcm.server.core.request import Request, RequestStatus
+from kvcm.core.request import Request, RequestStatus
 
 MAX_MODEL_LEN = 1024
 

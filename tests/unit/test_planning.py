@@ -1,4 +1,4 @@
-"""Unit tests for kvcm.server.core.planning: grouping, sizing, fit checks, unification."""
+"""Unit tests for kvcm.core.planning: grouping, sizing, fit checks, unification."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from kvcm.common.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvcm.server.core import planning
-from kvcm.server.core.planning import PlanningOptions, plan_kv_cache
+from kvcm.core import planning
+from kvcm.core.planning import PlanningOptions, plan_kv_cache
 
 GiB = 1 << 30
 

@@ -16,8 +16,8 @@ from kvcm.common.errors import (
 from kvcm.common.events import AllBlocksCleared, BlockRemoved
 from kvcm.common.hashing import BlockHasher, HashAlgorithm
 from kvcm.common.specs import FullAttentionSpec
-from kvcm.server.core.event_log import EventLog
-from kvcm.server.core.pool import (
+from kvcm.core.event_log import EventLog
+from kvcm.core.pool import (
     OutOfRangeError,
     Pool,
     PoolOptions,

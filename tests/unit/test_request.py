@@ -6,7 +6,7 @@ import pytest
 
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.hashing import BlockHasher
-from kvcm.server.core.request import Request, RequestStatus
+from kvcm.core.request import Request, RequestStatus
 
 
 def test_fields_and_counts() -> None:

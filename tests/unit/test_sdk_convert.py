@@ -208,7 +208,7 @@ def test_events_decode_with_vllm_int_hashes() -> None:
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
 def test_planned_configs_round_trip(layout: str) -> None:
     from kvcm.common.config import KVCacheLayout
-    from kvcm.server.core.planning import get_kv_cache_config_from_groups
+    from kvcm.core.planning import get_kv_cache_config_from_groups
 
     full = FullAttentionSpec(**ATTENTION)  # type: ignore[arg-type]
     window = SlidingWindowSpec(**ATTENTION, sliding_window=64)  # type: ignore[arg-type]

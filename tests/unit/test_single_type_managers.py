@@ -14,9 +14,9 @@ from kvcm.common.specs import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from kvcm.server.core.block import KVCacheBlock
-from kvcm.server.core.block_pool import BlockPool
-from kvcm.server.core.single_type_managers import (
+from kvcm.core.block import KVCacheBlock
+from kvcm.core.block_pool import BlockPool
+from kvcm.core.single_type_managers import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcm.common.errors import InvalidArgumentError
-from kvcm.server.core.stats import (
+from kvcm.core.stats import (
     EXTERNAL_UNSPECIFIED_SOURCE,
     PrefixCacheStats,
     PrefixCachingMetrics,

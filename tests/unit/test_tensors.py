@@ -15,7 +15,7 @@ from kvcm.common.config import (
 )
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
-from kvcm.server.core.planning import PlanningOptions, plan_kv_cache
+from kvcm.core.planning import PlanningOptions, plan_kv_cache
 
 FULL = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="float16")
 SWA = SlidingWindowSpec(

@@ -24,7 +24,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvcm.server.core.pool import PoolRegistry
+from kvcm.core.pool import PoolRegistry
 from kvcm.server.http import build_app
 from kvcm.server.rpc import SERVICE_NAMES, ServerState, TelemetryInterceptor, add_servicers
 from kvcm.server.settings import ServerSettings, split_address

@@ -22,7 +22,7 @@ from kvcm.common.dtypes import DType
 from kvcm.common.events import BlockRemoved, BlockStored
 from kvcm.common.hashing import BlockHasher, HashAlgorithm
 from kvcm.common.specs import FullAttentionSpec
-from kvcm.server.core import (
+from kvcm.core import (
     KVCacheManager,
     KVCacheManagerConfig,
     Request,

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import grpc
 
+from kvcm.server.rpc._admin import AdminServicer
+from kvcm.server.rpc._events import EventServicer
 from kvcm.server.rpc._interceptor import TelemetryInterceptor
-from kvcm.server.rpc._servicers import (
-    AdminServicer,
-    EventServicer,
-    SchedulerServicer,
-    WorkerServicer,
-)
+from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.server.rpc._status import (
     STATUS_FOR_ERROR,
@@ -23,6 +20,7 @@ from kvcm.server.rpc._status import (
     StepRejectedError,
     status_of,
 )
+from kvcm.server.rpc._worker import WorkerServicer
 from kvcm.v1 import service_pb2, service_pb2_grpc
 
 __all__ = [

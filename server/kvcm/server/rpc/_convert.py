@@ -19,8 +19,8 @@ from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvcm.common.hashing import HashAlgorithm
 from kvcm.common.specs import KVCacheSpec
-from kvcm.server.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
-from kvcm.server.core.pool import DEFAULT_EVENT_RETENTION, Pool, PoolOptions, PoolState
+from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
+from kvcm.core.pool import DEFAULT_EVENT_RETENTION, Pool, PoolOptions, PoolState
 from kvcm.v1 import admin_pb2, common_pb2, events_pb2, scheduler_pb2
 
 __all__ = [

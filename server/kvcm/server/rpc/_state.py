@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from kvcm.server.core.pool import Pool, PoolRegistry
+from kvcm.core.pool import Pool, PoolRegistry
 from kvcm.server.telemetry import RpcStats
 from kvcm.v1 import admin_pb2
 

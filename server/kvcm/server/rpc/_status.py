@@ -21,7 +21,7 @@ from kvcm.common.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from kvcm.server.core.pool import OutOfRangeError
+from kvcm.core.pool import OutOfRangeError
 from kvcm.v1 import scheduler_pb2
 
 __all__ = [

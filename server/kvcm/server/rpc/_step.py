@@ -19,9 +19,9 @@ from kvcm.common.errors import (
     KVCMError,
     NotFoundError,
 )
-from kvcm.server.core.manager import DEFAULT_SLOT_OPTIONS, CacheHit, KVCacheManager, SlotOptions
-from kvcm.server.core.pool import Pool
-from kvcm.server.core.request import RequestStatus
+from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, CacheHit, KVCacheManager, SlotOptions
+from kvcm.core.pool import Pool
+from kvcm.core.request import RequestStatus
 from kvcm.server.rpc._convert import slot_options_from_proto
 from kvcm.server.rpc._status import StepRejectedError
 from kvcm.v1 import common_pb2, scheduler_pb2
@@ -634,7 +634,7 @@ def _allocate_with_options(
     budget: int | None,
     answers: _Answers,
 ) -> tuple[int, int | None]:
-    from kvcm.server.core.request import Request
+    from kvcm.core.request import Request
 
     assert isinstance(request, Request)
     options, in_flight = slot_options_from_proto(entry.options, default_lookahead)

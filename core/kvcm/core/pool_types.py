@@ -1,6 +1,6 @@
 """The value types of a pool: its options, hashing parameters, registrations and snapshot.
 
-Split from :mod:`kvcm.server.core.pool` (which re-exports every name here) so that the pool's
+Split from :mod:`kvcm.core.pool` (which re-exports every name here) so that the pool's
 behaviour reads on its own. Everything here is immutable and validated on construction.
 """
 

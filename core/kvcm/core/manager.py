@@ -40,23 +40,23 @@ from kvcm.common.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvcm.server.core.coordinator import (
+from kvcm.core.coordinator import (
     CoordinatorConfig,
     KVCacheCoordinator,
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
     lcm_of_block_sizes,
 )
-from kvcm.server.core.request import RequestStatus
-from kvcm.server.core.single_type_managers import FullAttentionManager
-from kvcm.server.core.stats import PrefixCacheStats, PrefixCachingMetrics
+from kvcm.core.request import RequestStatus
+from kvcm.core.single_type_managers import FullAttentionManager
+from kvcm.core.stats import PrefixCacheStats, PrefixCachingMetrics
 
 if TYPE_CHECKING:
     from kvcm.common.config import KVCacheConfig
     from kvcm.common.events import KVCacheEvent
-    from kvcm.server.core.block import KVCacheBlock
-    from kvcm.server.core.block_pool import BlockPool
-    from kvcm.server.core.request import Request
+    from kvcm.core.block import KVCacheBlock
+    from kvcm.core.block_pool import BlockPool
+    from kvcm.core.request import Request
 
 __all__ = [
     "DEFAULT_SLOT_OPTIONS",

@@ -11,7 +11,7 @@ Mamba "none" mode); the code is kvcm's. The flow, for ``world_size`` ranks::
                                                      v
     every rank re-planned with the minimum block count ──> UnifiedPlan (RankPlan per rank)
 
-Grouping (which layers share a block table) lives in :mod:`kvcm.server.core.grouping`;
+Grouping (which layers share a block table) lives in :mod:`kvcm.core.grouping`;
 planning re-exports its public names.
 
 Everything here is pure and deterministic; bad input raises
@@ -36,7 +36,7 @@ from kvcm.common.config import (
 )
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import KVCacheSpec, MambaSpec, SizingLimits, UniformTypeKVCacheSpecs
-from kvcm.server.core.grouping import (
+from kvcm.core.grouping import (
     get_kv_cache_groups,
     merge_rank_specs,
     project_groups_to_rank,

@@ -42,7 +42,7 @@ from kvcm.common.specs import (
 )
 
 if TYPE_CHECKING:
-    from kvcm.server.core.planning import PlanningOptions
+    from kvcm.core.planning import PlanningOptions
 
 __all__ = [
     "get_kv_cache_groups",

@@ -40,10 +40,10 @@ from kvcm.common.hashing import (
     make_block_hash_with_group_id,
     to_event_extra_keys,
 )
-from kvcm.server.core.block import FreeKVCacheBlockQueue, KVCacheBlock
+from kvcm.core.block import FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
-    from kvcm.server.core.request import Request
+    from kvcm.core.request import Request
 
 __all__ = ["BlockPool"]
 

@@ -1,13 +1,13 @@
 """Pools: one engine instance's KV-cache bookkeeping, and the registry of a server's pools.
 
-A :class:`Pool` wraps one :class:`~kvcm.server.core.KVCacheManager` with what the service adds
+A :class:`Pool` wraps one :class:`~kvcm.core.KVCacheManager` with what the service adds
 around it: the request table (keyed by the scheduler's request keys), worker registrations and
 planning, the resolved hashing parameters, a sequenced event log for resuming subscribers, the
 exactly-once Step guard and cumulative counters for metrics. It is pure: no I/O, no clocks (the
 caller stamps event batches), no grpc. Every method validates before it changes anything, and
 raises the :mod:`kvcm.common.errors` classes (plus :class:`OutOfRangeError` for events).
-The value types live in :mod:`~kvcm.server.core.pool_types` and the event log in
-:mod:`~kvcm.server.core.event_log`; this module re-exports their public names.
+The value types live in :mod:`~kvcm.core.pool_types` and the event log in
+:mod:`~kvcm.core.event_log`; this module re-exports their public names.
 
 ::
 
@@ -32,8 +32,8 @@ from kvcm.common.errors import (
 from kvcm.common.events import KVCacheEvent
 from kvcm.common.hashing import BlockHash, resolve_none_hash_seed
 from kvcm.common.specs import KVCacheSpec
-from kvcm.server.core.event_log import EventLog, OutOfRangeError
-from kvcm.server.core.manager import (
+from kvcm.core.event_log import EventLog, OutOfRangeError
+from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
     KVCacheBlocks,
@@ -41,7 +41,7 @@ from kvcm.server.core.manager import (
     KVCacheManagerConfig,
     SlotOptions,
 )
-from kvcm.server.core.planning import (
+from kvcm.core.planning import (
     PlanningOptions,
     UnifiedPlan,
     get_kv_cache_config_from_groups,
@@ -49,7 +49,7 @@ from kvcm.server.core.planning import (
     plan_kv_cache,
     project_groups_to_rank,
 )
-from kvcm.server.core.pool_types import (
+from kvcm.core.pool_types import (
     DEFAULT_EVENT_RETENTION,
     HashingInfo,
     PoolOptions,
@@ -59,8 +59,8 @@ from kvcm.server.core.pool_types import (
     check_pool_id,
     hash_length_bytes,
 )
-from kvcm.server.core.request import Request, RequestStatus
-from kvcm.server.core.stats import PrefixCacheStats
+from kvcm.core.request import Request, RequestStatus
+from kvcm.core.stats import PrefixCacheStats
 
 __all__ = [
     "DEFAULT_EVENT_RETENTION",

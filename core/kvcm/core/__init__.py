@@ -3,7 +3,7 @@
 Deterministic and I/O free: no grpc, fastapi or prometheus_client imports (a test proves it).
 
 The public names below are imported lazily on first use, so importing one low-level module
-(``kvcm.server.core.block``) does not pull in the whole manager stack.
+(``kvcm.core.block``) does not pull in the whole manager stack.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvcm.server.core.block import FreeKVCacheBlockQueue, KVCacheBlock
-    from kvcm.server.core.block_pool import BlockPool
-    from kvcm.server.core.coordinator import (
+    from kvcm.core.block import FreeKVCacheBlockQueue, KVCacheBlock
+    from kvcm.core.block_pool import BlockPool
+    from kvcm.core.coordinator import (
         HybridKVCacheCoordinator,
         KVCacheCoordinator,
         KVCacheCoordinatorNoPrefixCache,
         UnitaryKVCacheCoordinator,
         get_kv_cache_coordinator,
     )
-    from kvcm.server.core.manager import (
+    from kvcm.core.manager import (
         DEFAULT_SLOT_OPTIONS,
         CacheHit,
         KVCacheBlocks,
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
         KVCacheManagerConfig,
         SlotOptions,
     )
-    from kvcm.server.core.request import Request, RequestStatus
-    from kvcm.server.core.single_type_managers import (
+    from kvcm.core.request import Request, RequestStatus
+    from kvcm.core.single_type_managers import (
         ChunkedLocalAttentionManager,
         CrossAttentionManager,
         FullAttentionManager,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
         SlidingWindowManager,
         get_manager_for_kv_cache_spec,
     )
-    from kvcm.server.core.stats import PrefixCacheStats, PrefixCachingMetrics
+    from kvcm.core.stats import PrefixCacheStats, PrefixCachingMetrics
 
 __all__ = [
     "DEFAULT_SLOT_OPTIONS",

@@ -25,8 +25,8 @@ from kvcm.common.specs import (
     KVCacheSpec,
     MambaSpec,
 )
-from kvcm.server.core.block_pool import BlockPool
-from kvcm.server.core.single_type_managers import (
+from kvcm.core.block_pool import BlockPool
+from kvcm.core.single_type_managers import (
     CrossAttentionManager,
     ManagerOptions,
     SingleTypeKVCacheManager,
@@ -36,8 +36,8 @@ from kvcm.server.core.single_type_managers import (
 if TYPE_CHECKING:
     from kvcm.common.config import KVCacheConfig
     from kvcm.common.hashing import BlockHash
-    from kvcm.server.core.block import KVCacheBlock
-    from kvcm.server.core.request import Request
+    from kvcm.core.block import KVCacheBlock
+    from kvcm.core.request import Request
 
 __all__ = [
     "CoordinatorConfig",

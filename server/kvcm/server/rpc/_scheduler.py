@@ -1,153 +1,29 @@
-"""The four kvcm.v1 servicers: decode the request, one core call, encode the answer.
-
-Core calls never await, so each RPC's mutation is atomic on the event loop. Servicers raise
-:mod:`kvcm.common.errors` classes; the interceptor maps them to statuses.
-"""
+"""SchedulerService: Step and the unary KVCacheManager operations (codecs over the pool)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from typing import Any, Final, TypeAlias
 
-import grpc
-
-from kvcm.client._convert import kv_cache_config_to_proto
-from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError
 from kvcm.common.hashing import get_block_hash
-from kvcm.server.core.manager import DEFAULT_SLOT_OPTIONS
-from kvcm.server.core.pool import Pool
-from kvcm.server.core.request import Request
+from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
+from kvcm.core.pool import Pool
+from kvcm.core.request import Request
 from kvcm.server.rpc._convert import (
-    events_to_proto,
     fill_grouped,
-    hashing_to_proto,
-    layer_specs_from_proto,
-    pool_info,
-    pool_options_from_proto,
-    pool_state_to_proto,
     slot_options_from_proto,
 )
-from kvcm.server.rpc._state import PoolRuntime, ServerState
-from kvcm.server.rpc._status import AbortRpc
+from kvcm.server.rpc._state import ServerState
 from kvcm.server.rpc._step import run_step
-from kvcm.v1 import admin_pb2, common_pb2, events_pb2, scheduler_pb2, service_pb2_grpc, worker_pb2
+from kvcm.v1 import common_pb2, scheduler_pb2, service_pb2_grpc
 
-__all__ = [
-    "AdminServicer",
-    "EventServicer",
-    "SchedulerServicer",
-    "WorkerServicer",
-]
+__all__ = ["SchedulerServicer"]
 
 # grpc ships no type information: its context is Any to mypy.
 Context: TypeAlias = Any
 _MAX_EVENTS_PER_MESSAGE: Final = 1024
 # RegisterWorker answers this long before the client's deadline, so its own message arrives.
 _DEADLINE_MARGIN_S: Final = 0.02
-
-
-class AdminServicer(service_pb2_grpc.AdminServiceServicer):
-    """CreatePool, ListPools, DescribePool, DeletePool."""
-
-    def __init__(self, state: ServerState) -> None:
-        """Serve ``state``'s registry."""
-        self._state = state
-
-    async def CreatePool(  # noqa: N802 - gRPC method name
-        self, request: admin_pb2.CreatePoolRequest, context: Context
-    ) -> admin_pb2.CreatePoolResponse:
-        """Create a pool (READY at once with an explicit layout)."""
-        options = pool_options_from_proto(request.config)
-        pool = self._state.registry.create(request.pool_id, options)
-        runtime = PoolRuntime(config=admin_pb2.PoolConfig())
-        runtime.config.CopyFrom(request.config)
-        if pool.manager is not None:
-            runtime.planned.set()
-        self._state.runtimes[pool.name] = runtime
-        return admin_pb2.CreatePoolResponse(pool=pool_info(pool, runtime.config))
-
-    async def ListPools(  # noqa: N802
-        self, request: admin_pb2.ListPoolsRequest, context: Context
-    ) -> admin_pb2.ListPoolsResponse:
-        """Every pool, sorted by id."""
-        response = admin_pb2.ListPoolsResponse()
-        for pool in self._state.registry.list():
-            manager = pool.manager
-            response.pools.add(
-                pool_id=pool.name,
-                state=pool_state_to_proto(pool.state),
-                num_blocks=0 if manager is None else manager.block_pool.num_gpu_blocks,
-                num_free_blocks=0 if manager is None else manager.num_free_blocks,
-                num_requests=len(pool.requests),
-            )
-        return response
-
-    async def DescribePool(  # noqa: N802
-        self, request: admin_pb2.DescribePoolRequest, context: Context
-    ) -> admin_pb2.DescribePoolResponse:
-        """Everything about one pool."""
-        pool = self._state.registry.get(request.pool_id)
-        config = self._state.runtimes[pool.name].config
-        return admin_pb2.DescribePoolResponse(pool=pool_info(pool, config))
-
-    async def DeletePool(  # noqa: N802
-        self, request: admin_pb2.DeletePoolRequest, context: Context
-    ) -> admin_pb2.DeletePoolResponse:
-        """Delete a pool; its waiting registrations and event streams end with NOT_FOUND."""
-        pool = self._state.registry.delete(request.pool_id)
-        runtime = self._state.runtimes.pop(pool.name, None)
-        if runtime is not None:
-            runtime.deleted = True
-            runtime.planned.set()
-            runtime.wake_subscribers()
-        return admin_pb2.DeletePoolResponse()
-
-
-class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
-    """RegisterWorker."""
-
-    def __init__(self, state: ServerState) -> None:
-        """Serve ``state``'s registry."""
-        self._state = state
-
-    async def RegisterWorker(  # noqa: N802
-        self, request: worker_pb2.RegisterWorkerRequest, context: Context
-    ) -> worker_pb2.RegisterWorkerResponse:
-        """Register a rank and answer its config once every rank has registered."""
-        specs = layer_specs_from_proto(request.layer_specs)
-        pool = self._state.registry.get(request.pool_id)
-        runtime = self._state.runtimes[pool.name]
-        pool.register_worker(
-            request.rank, request.world_size, specs, request.available_memory_bytes
-        )
-        if pool.manager is not None:
-            runtime.planned.set()
-        else:
-            remaining = context.time_remaining()
-            timeout = None if remaining is None else max(remaining - _DEADLINE_MARGIN_S, 0.0)
-            try:
-                await asyncio.wait_for(runtime.planned.wait(), timeout)
-            except TimeoutError:
-                raise AbortRpc(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"pool {pool.name!r}: {len(pool.registrations)} of "
-                    f"{pool.options.world_size} ranks registered by the deadline (this "
-                    "registration stays; call again to keep waiting)",
-                ) from None
-            if runtime.deleted:
-                raise NotFoundError(f"pool {pool.name!r} was deleted")
-            if pool.manager is None and not self._state.serving:
-                raise AbortRpc(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "the server is shutting down (this registration is lost: register again "
-                    "with the next server)",
-                )
-        return worker_pb2.RegisterWorkerResponse(
-            kv_cache_config=kv_cache_config_to_proto(pool.rank_config(request.rank)),
-            hashing=hashing_to_proto(pool),
-            max_model_len=pool.max_model_len,
-        )
 
 
 def _check_ready_request(pool: Pool, key: int) -> Request:
@@ -421,54 +297,3 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
             wire.num_preempted_query_tokens = stats.preempted_queries
             wire.num_preempted_hit_tokens = stats.preempted_hits
         return response
-
-
-class EventServicer(service_pb2_grpc.EventServiceServicer):
-    """SubscribeEvents."""
-
-    def __init__(self, state: ServerState) -> None:
-        """Serve ``state``'s registry."""
-        self._state = state
-
-    async def SubscribeEvents(  # noqa: N802
-        self, request: events_pb2.SubscribeEventsRequest, context: Context
-    ) -> AsyncIterator[events_pb2.SubscribeEventsResponse]:
-        """Stream the pool's events from start_sequence on (see events.proto)."""
-        pool = self._state.registry.get(request.pool_id)
-        runtime = self._state.runtimes[pool.name]
-        start = request.start_sequence if request.HasField("start_sequence") else None
-        sequence = pool.check_event_start(start)
-        limit = request.max_events_per_message or _MAX_EVENTS_PER_MESSAGE
-        limit = min(limit, _MAX_EVENTS_PER_MESSAGE)
-        hash_length = pool.hashing.hash_length_bytes
-        yield events_pb2.SubscribeEventsResponse(
-            first_sequence=sequence,
-            hash_length_bytes=hash_length,
-            oldest_sequence=pool.oldest_event_sequence,
-        )
-        while True:
-            waiter = runtime.events
-            got = pool.events_from(sequence, limit)
-            if got is None:
-                raise AbortRpc(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"subscriber fell behind: events from {sequence} were dropped; resume "
-                    "from the live edge",
-                )
-            events, stamp = got
-            if events:
-                yield events_pb2.SubscribeEventsResponse(
-                    first_sequence=sequence,
-                    events=events_to_proto(events, hash_length),
-                    timestamp_unix_seconds=stamp,
-                )
-                sequence += len(events)
-                continue
-            await waiter.wait()
-            if runtime.deleted:
-                raise NotFoundError(f"pool {pool.name!r} was deleted")
-            if not self._state.serving:
-                raise AbortRpc(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"the server is shutting down; resume from sequence {sequence}",
-                )

@@ -33,9 +33,9 @@ from kvcm.common.specs import (
 
 if TYPE_CHECKING:
     from kvcm.common.hashing import BlockHash
-    from kvcm.server.core.block import KVCacheBlock
-    from kvcm.server.core.block_pool import BlockPool
-    from kvcm.server.core.request import Request
+    from kvcm.core.block import KVCacheBlock
+    from kvcm.core.block_pool import BlockPool
+    from kvcm.core.request import Request
 
 __all__ = [
     "ChunkedLocalAttentionManager",
