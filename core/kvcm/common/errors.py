@@ -33,7 +33,21 @@ __all__ = [
 
 
 class KVCMError(Exception):
-    """Base class of every error kvcm raises on purpose."""
+    """Base class of every error kvcm raises on purpose.
+
+    Attributes:
+        field: The argument at fault, with its index (``alloc_num_computed_tokens[5]``), or
+            ``None`` when the call as a whole is at fault. The service sends it in the
+            status details.
+        op_index: For a rejected Step program: the index of the op at fault, or ``None``.
+    """
+
+    def __init__(
+        self, *args: object, field: str | None = None, op_index: int | None = None
+    ) -> None:
+        super().__init__(*args)
+        self.field = field
+        self.op_index = op_index
 
 
 class InvalidArgumentError(KVCMError, ValueError):

@@ -1,0 +1,196 @@
+"""Step programs: one scheduler step's mutations of a pool, as plain Python values.
+
+A :class:`StepProgram` is what a scheduler sends once per step (the SDK's ``StepBuilder`` and
+the vLLM mirror build one; ``kvcm.wire`` turns it into a ``kvcm.v1.StepRequest`` and back), what
+:meth:`kvcm.core.pool.Pool.run_step` interprets, and what the journal records. It is columnar,
+exactly like the wire message, so that decoding is a list copy and a decode step of hundreds of
+requests costs a few lists rather than hundreds of objects::
+
+    op kind                request_keys   other columns consumed, front to back
+    ADD_REQUEST            -              new_requests (1; the key is inside)
+    APPEND_TOKENS          1              append_num_tokens (1), append_token_ids (that many),
+                                          append_num_block_hashes (1), append_block_hashes
+                                          (that many hashes, concatenated)
+    ALLOCATE               1              alloc_num_new_tokens (1), alloc_num_computed_tokens
+                                          (1), alloc_options[alloc index] when present
+    CACHE_BLOCKS           1              cache_num_computed_tokens (1)
+    REMOVE_SKIPPED_BLOCKS  1              remove_skipped_total_computed_tokens (1)
+    PREEMPT                1              -
+    FINISH                 1              -
+    NEW_STEP_STARTS        -              -
+    EVICT_BLOCKS           -              evict_block_ids (evict_num_block_ids (1) of them)
+    RESET_PREFIX_CACHE     -              -
+
+Every column is consumed exactly. The interpreter's contract (docs/architecture.md):
+
+* a program is validated whole against the pool before anything runs; a rejected program
+  raises one :class:`~kvcm.common.errors.KVCMError` subclass whose ``field`` names the column
+  entry at fault and ``op_index`` the op, and leaves the pool identical;
+* "does not fit" and "no token budget" are values (:class:`ItemStatus`), and by default the
+  program stops at the first one: the ops after it do not run;
+* ``step_seq`` is an exactly-once guard: the pool's last applied seq + 1 runs, the same seq
+  again answers the remembered outcome without running anything.
+
+Nothing here does I/O or imports protobuf: the scheduler process runs the same interpreter.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Final
+
+from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
+
+__all__ = [
+    "AllocOptions",
+    "HitSpec",
+    "ItemStatus",
+    "NewRequestSpec",
+    "OpKind",
+    "StepOutcome",
+    "StepProgram",
+]
+
+
+@enum.unique
+class OpKind(enum.IntEnum):
+    """The ops of a Step program (values equal ``kvcm.v1.StepOpKind``)."""
+
+    ADD_REQUEST = 1
+    APPEND_TOKENS = 2
+    ALLOCATE = 3
+    CACHE_BLOCKS = 4
+    REMOVE_SKIPPED_BLOCKS = 5
+    PREEMPT = 6
+    FINISH = 7
+    NEW_STEP_STARTS = 8
+    EVICT_BLOCKS = 9
+    RESET_PREFIX_CACHE = 10
+
+
+@enum.unique
+class ItemStatus(enum.IntEnum):
+    """The outcome of one ALLOCATE (values equal ``kvcm.v1.ItemStatus``)."""
+
+    OK = 1
+    DOES_NOT_FIT = 2
+    NO_TOKEN_BUDGET = 3
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewRequestSpec:
+    """A request the scheduler starts tracking (ADD_REQUEST).
+
+    Attributes:
+        key: The scheduler's key for the request; not live in the pool.
+        request_id: vLLM's request id (messages, events).
+        prompt_token_ids: The prompt; non-empty, at most max_model_len tokens.
+        block_hashes: The prompt's full hash blocks' hashes, concatenated; all of them or none.
+        lora_id: vLLM's LoRA id (events).
+        lora_name: vLLM's LoRA name (events, hash verification).
+        cache_salt: vLLM's cache salt (hash verification).
+        skip_reading_prefix_cache: Never look this request up.
+    """
+
+    key: int
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: bytes = b""
+    lora_id: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HitSpec:
+    """A prefix hit handed to an ALLOCATE by the caller (unary AllocateSlots' new_computed).
+
+    The interpreter checks that every block holds the request's block hash at its position now
+    (FailedPreconditionError otherwise: look the request up again).
+
+    Attributes:
+        num_tokens: Tokens the hit covers.
+        block_ids: The hit's block ids, one list per KV-cache group.
+    """
+
+    num_tokens: int
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocOptions:
+    """The extra arguments of one ALLOCATE (only allocations that need them carry one).
+
+    Attributes:
+        lookup: Look the request up right before allocating (a waiting request) with this
+            bound on the hit (``-1``: vLLM's default, num_tokens - 1); ``None``: no lookup.
+            ``alloc_num_new_tokens`` is then an upper bound, capped by the tokens left and the
+            token budget (vLLM's waiting loop).
+        hit: A hit the caller looked up before (exclusive with ``lookup``).
+        slot_options: allocate_slots' rarely used knobs; ``num_lookahead_tokens`` left at its
+            default takes the program's ``default_num_lookahead_tokens``.
+        num_in_flight_tokens: vLLM's request.num_in_flight_tokens (async scheduling).
+    """
+
+    lookup: int | None = None
+    hit: HitSpec | None = None
+    slot_options: SlotOptions = DEFAULT_SLOT_OPTIONS
+    num_in_flight_tokens: int = 0
+
+
+NO_LOOKUP_BOUND: Final = -1
+
+
+@dataclass(slots=True, kw_only=True)
+class StepProgram:
+    """One Step: ops and their argument columns (see the module docstring)."""
+
+    ops: list[int] = field(default_factory=list)
+    request_keys: list[int] = field(default_factory=list)
+    new_requests: list[NewRequestSpec] = field(default_factory=list)
+    alloc_num_new_tokens: list[int] = field(default_factory=list)
+    alloc_num_computed_tokens: list[int] = field(default_factory=list)
+    alloc_options: dict[int, AllocOptions] = field(default_factory=dict)
+    append_num_tokens: list[int] = field(default_factory=list)
+    append_token_ids: list[int] = field(default_factory=list)
+    append_num_block_hashes: list[int] = field(default_factory=list)
+    append_block_hashes: bytes = b""
+    cache_num_computed_tokens: list[int] = field(default_factory=list)
+    remove_skipped_total_computed_tokens: list[int] = field(default_factory=list)
+    evict_num_block_ids: list[int] = field(default_factory=list)
+    evict_block_ids: list[int] = field(default_factory=list)
+    default_num_lookahead_tokens: int = 0
+    token_budget: int | None = None
+    continue_on_does_not_fit: bool = False
+    step_seq: int | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class StepOutcome:
+    """What a Step answered (columnar, like :class:`StepProgram`).
+
+    Attributes:
+        num_ops_executed: ops[0:num_ops_executed] ran; the rest changed nothing.
+        alloc_statuses: One :class:`ItemStatus` value per executed ALLOCATE.
+        alloc_num_block_ids: Per executed ALLOCATE, one count per group of its entries in
+            ``alloc_block_ids`` (0 unless OK). Without a lookup: the new blocks; with one,
+            every block the request holds (the hit, then the new blocks).
+        alloc_block_ids: The block ids, concatenated.
+        lookup_num_computed_tokens: Per executed ALLOCATE with a lookup: the hit in tokens.
+        lookup_num_new_tokens: ... and the tokens actually allocated (0 unless OK).
+        reset: Per executed RESET_PREFIX_CACHE: whether it reset.
+        token_budget_left: Budget after the executed ops (when the program set one).
+        step_seq: Echo of the program's step_seq.
+    """
+
+    num_ops_executed: int = 0
+    alloc_statuses: list[int] = field(default_factory=list)
+    alloc_num_block_ids: list[int] = field(default_factory=list)
+    alloc_block_ids: list[int] = field(default_factory=list)
+    lookup_num_computed_tokens: list[int] = field(default_factory=list)
+    lookup_num_new_tokens: list[int] = field(default_factory=list)
+    reset: list[bool] = field(default_factory=list)
+    token_budget_left: int | None = None
+    step_seq: int | None = None
