@@ -1,0 +1,69 @@
+"""The service's hard limits, checked before any work starts.
+
+One frozen value, built by the server from its settings (``kvcm serve`` flags, ``KVCM_*``
+variables, the TOML file; docs/server.md lists them) and handed to the
+:class:`~kvcm.core.pool.PoolRegistry`, which passes it to every pool. A call beyond a limit is
+``ResourceExhaustedError`` (a capacity) or ``InvalidArgumentError`` (a size of the call itself),
+naming the limit, and changes nothing.
+
+The defaults keep any one call's work on the event loop to a few milliseconds and a server's
+memory bounded, while leaving room for the largest real deployments (a 4M-block pool is a
+1M-token context on 64 concurrent sequences of 16-token blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["DEFAULT_LIMITS", "Limits"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Hard limits of one server (see the module docstring).
+
+    Attributes:
+        max_pools: Pools one server holds.
+        max_blocks_per_pool: Blocks of one pool (planned or explicit), the null block included.
+        max_total_blocks: Blocks of all pools together (the server's memory budget).
+        max_step_ops: Ops in one Step program.
+        max_step_tokens: Token ids in one Step program (prompts plus appended tokens).
+        max_message_bytes: Size of one gRPC message, either direction.
+        max_subscribers_per_pool: Live event subscriptions of one pool.
+        max_pending_registrations: Ranks waiting at one pool's RegisterWorker barrier.
+        registration_timeout_s: How long a rank waits for the other ranks at most (the
+            client's deadline may end it sooner).
+    """
+
+    max_pools: int = 1024
+    max_blocks_per_pool: int = 16 * 1024 * 1024
+    max_total_blocks: int = 64 * 1024 * 1024
+    max_step_ops: int = 65536
+    max_step_tokens: int = 1024 * 1024
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_subscribers_per_pool: int = 64
+    max_pending_registrations: int = 1024
+    registration_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_pools",
+            "max_blocks_per_pool",
+            "max_total_blocks",
+            "max_step_ops",
+            "max_step_tokens",
+            "max_message_bytes",
+            "max_subscribers_per_pool",
+            "max_pending_registrations",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"limits.{name} must be an int >= 1, got {value!r}")
+        if not self.registration_timeout_s > 0:
+            raise ValueError(
+                f"limits.registration_timeout_s must be > 0, got {self.registration_timeout_s!r}"
+            )
+
+
+DEFAULT_LIMITS: Final = Limits()
