@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvcm.common.config import KVCacheGroupSpec
+from kvcm.common.config import KVCacheGroupSpec, KVCacheLayout
 from kvcm.common.errors import ConfigError
 from kvcm.common.specs import (
     AttentionSpec,
@@ -41,10 +41,8 @@ from kvcm.common.specs import (
     UniformTypeKVCacheSpecs,
 )
 
-if TYPE_CHECKING:
-    from kvcm.core.planning import PlanningOptions
-
 __all__ = [
+    "GroupingOptions",
     "get_kv_cache_groups",
     "merge_rank_specs",
     "project_groups_to_rank",
@@ -53,6 +51,24 @@ __all__ = [
 ]
 
 _WINDOW_MISMATCH = "must have the same window size"
+
+
+class GroupingOptions(Protocol):
+    """The planning settings grouping reads.
+
+    NOTE: grouping sits below planning (planning imports grouping, never the reverse);
+    :class:`kvcm.core.planning.PlanningOptions` satisfies this protocol.
+    """
+
+    @property
+    def enable_hybrid_manager(self) -> bool:
+        """``False`` promotes local-attention layers to full attention."""
+        ...
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """Physical axis order of the workers' KV cache."""
+        ...
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -341,7 +357,7 @@ def _packed_groups(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
 
 
 def get_kv_cache_groups(
-    specs: Mapping[str, KVCacheSpec], options: PlanningOptions
+    specs: Mapping[str, KVCacheSpec], options: GroupingOptions
 ) -> tuple[KVCacheGroupSpec, ...]:
     """Split the model's layers into groups that share one block table.
 
