@@ -37,7 +37,7 @@ from kvcm.common.config import (
 )
 from kvcm.common.dtypes import to_torch
 from kvcm.common.errors import ConfigError, InvalidArgumentError
-from kvcm.common.specs import AttentionSpec, KVCacheSpec, UniformTypeKVCacheSpecs
+from kvcm.common.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 __all__ = [
     "LayerPlacement",
@@ -162,8 +162,9 @@ def _view(buffer: torch.Tensor, placement: LayerPlacement) -> torch.Tensor:
         storage_offset=buffer.storage_offset() + placement.offset,
     )
     layer = grid[placement.layer_index]
-    if isinstance(placement.spec, AttentionSpec):
-        return layer.view(to_torch(placement.spec.dtype))
+    dtype = placement.spec.attention_dtype()
+    if dtype is not None:
+        return layer.view(to_torch(dtype))
     return layer
 
 

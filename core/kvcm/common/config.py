@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcm.common.errors import ConfigError, InvalidArgumentError
-from kvcm.common.specs import AttentionSpec, KVCacheSpec, MambaSpec, UniformTypeKVCacheSpecs
+from kvcm.common.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 __all__ = [
     "KVCacheConfig",
@@ -90,17 +90,12 @@ class KVCacheLayout(enum.Enum):
 
 
 def page_shape(spec: KVCacheSpec) -> tuple[int, int, int]:
-    """``(H, N, C)`` of one page: heads, states (tokens) and content bytes per cell."""
-    if isinstance(spec, AttentionSpec):
-        head_size_v = spec.head_size if spec.head_size_v is None else spec.head_size_v
-        return (
-            spec.num_kv_heads,
-            spec.block_size,
-            (spec.head_size + head_size_v) * (spec.dtype.itemsize),
-        )
-    if isinstance(spec, MambaSpec):
-        return 1, 1, spec.real_page_size_bytes
-    raise ConfigError(f"{type(spec).__name__} has no per-layer page shape")
+    """``(H, N, C)`` of one page: heads, states (tokens) and content bytes per cell.
+
+    Raises:
+        ConfigError: The spec has no per-layer page shape (a uniform-type group's spec).
+    """
+    return spec.page_shape()
 
 
 def compute_layout_strides(
@@ -134,7 +129,7 @@ def compute_layout_strides(
     heads, states, content = page_shape(spec)
     shape = (num_layers, num_blocks, heads, states, content)
     order = layout.stride_order
-    padded = spec.page_size_padded if isinstance(spec, AttentionSpec | MambaSpec) else None
+    padded = spec.padded_page_size_bytes
     grid_end = max(order.index(_DIM_L), order.index(_DIM_B)) + 1
     if padded is not None and math.prod(shape[d] for d in order[:grid_end]) != (
         num_layers * num_blocks

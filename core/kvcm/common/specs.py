@@ -19,10 +19,20 @@ Hierarchy::
 
 Every spec validates its fields on construction and raises
 :class:`~kvcm.common.errors.InvalidArgumentError` naming the field.
+
+Traits. What the rest of kvcm asks of an attention type is declared once, on its spec class:
+``kind`` (the ``kv_cache_spec_kind`` of KV events) and ``traits`` (a :class:`SpecTraits`:
+wire tag, block recycling, zeroing, grouping and prefix-caching rules), plus a few methods
+whose answer depends on the type's fields (``page_shape``, ``attention_dtype``,
+``max_admission_blocks_per_request``, ...). Planning, grouping, the coordinator and the
+managers read those instead of testing types, so a new attention type touches its spec class
+here, its manager in :mod:`kvcm.core.single_type_managers`, and that module's spec-to-manager
+table.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -43,6 +53,8 @@ __all__ = [
     "SinkFullAttentionSpec",
     "SizingLimits",
     "SlidingWindowSpec",
+    "SpecTraits",
+    "StatePacking",
     "UniformTypeKVCacheSpecs",
 ]
 
@@ -106,6 +118,62 @@ class SizingLimits:
         return self.max_in_flight_tokens
 
 
+@enum.unique
+class StatePacking(enum.Enum):
+    """When block-outermost packing treats a bucket of this type as per-request state.
+
+    A state bucket may be cut down to one layer per group, so that its groups fit the block
+    the other buckets already need.
+    """
+
+    NEVER = "never"
+    ALWAYS = "always"
+    """Fixed-size states (Mamba)."""
+    WITHOUT_PATTERN = "without_pattern"
+    """Only when no bucket repeats a page-size pattern that fixes the groups (sliding window)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpecTraits:
+    """What kvcm's layers ask of an attention type, declared once per spec class.
+
+    Attributes:
+        wire_tag: The ``kvcm.v1.KVCacheSpec`` oneof field that carries this spec.
+        full_attention: A block for every token; hits are downward closed (a hit's prefix is
+            a hit), so the hybrid coordinator looks these groups up first and only trims them.
+            Also what local attention is promoted to when the hybrid manager is disabled.
+        recycles_blocks: Local attention: blocks that fall out of the window or chunk are
+            freed (null blocks in the table), the admission reservation is capped, and the
+            layer is promoted to full attention when the hybrid manager is disabled.
+        hit_needs_shared_block_size: With prefix caching, every group must share this
+            group's block size (chunked local attention's hits are chunk aligned).
+        needs_kv_cache_zeroing: Blocks are read before they are fully written (Mamba states),
+            so workers zero newly allocated blocks.
+        pins_hash_block_size: The hash block size is the scheduler block size, never the gcd
+            of the groups' block sizes.
+        can_scale_block_size: Page unification may grow the block size to reach the largest
+            page (otherwise the page is padded).
+        can_pad_page: Page unification may pad the page (MLA pages cannot be padded).
+        state_packing: When block-outermost packing treats a bucket as per-request state.
+        prefix_caching_unsupported: Why kvcm cannot prefix cache this type (the error names
+            it), or ``None``.
+        keeps_kv_cache: ``False`` for layers that keep nothing across steps (encoder-only):
+            they are not registered for planning.
+    """
+
+    wire_tag: str
+    full_attention: bool = False
+    recycles_blocks: bool = False
+    hit_needs_shared_block_size: bool = False
+    needs_kv_cache_zeroing: bool = False
+    pins_hash_block_size: bool = False
+    can_scale_block_size: bool = True
+    can_pad_page: bool = False
+    state_packing: StatePacking = StatePacking.NEVER
+    prefix_caching_unsupported: str | None = None
+    keeps_kv_cache: bool = True
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KVCacheSpec:
     """The KV-cache format of one layer.
@@ -116,6 +184,8 @@ class KVCacheSpec:
 
     kind: ClassVar[str] = "unknown"
     """The spec kind vLLM reports in KV events (``kv_cache_spec_kind``)."""
+    traits: ClassVar[SpecTraits] = SpecTraits(wire_tag="")
+    """What the core asks of this type (see :class:`SpecTraits`)."""
 
     block_size: int
 
@@ -135,6 +205,52 @@ class KVCacheSpec:
         """Block-table entries one request needs (the worker's block-table row length)."""
         del limits
         return _cdiv(max_len, self.block_size)
+
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int
+    ) -> int | None:
+        """Blocks a request holds at most, for types that recycle blocks; else ``None``."""
+        del max_in_flight_tokens, max_model_len
+        return None
+
+    def page_shape(self) -> tuple[int, int, int]:
+        """``(H, N, C)`` of one page: heads, states (tokens) and content bytes per cell.
+
+        Raises:
+            ConfigError: The type has no per-layer page shape.
+        """
+        raise ConfigError(f"{type(self).__name__} has no per-layer page shape")
+
+    @property
+    def padded_page_size_bytes(self) -> int | None:
+        """The page size a ``page_size_padded`` field sets, or ``None`` when unpadded."""
+        return None
+
+    def with_padded_page(self, page_size_bytes: int) -> Self:
+        """The same spec with its page padded to ``page_size_bytes`` (``traits.can_pad_page``).
+
+        Raises:
+            ConfigError: The type's pages cannot be padded.
+        """
+        raise ConfigError(f"{type(self).__name__} pages cannot be padded")
+
+    def promoted_to_full_attention(self, block_size: int) -> FullAttentionSpec:
+        """The full-attention spec this local-attention layer becomes when the hybrid manager
+        is disabled (``traits.recycles_blocks``), recording its window or chunk.
+
+        Raises:
+            ConfigError: The type is not local attention.
+        """
+        del block_size
+        raise ConfigError(f"{type(self).__name__} cannot be promoted to full attention")
+
+    def attention_dtype(self) -> DType | None:
+        """The element type of an attention layer's keys and values; ``None`` otherwise."""
+        return None
+
+    def event_sliding_window(self) -> int | None:
+        """The ``sliding_window`` vLLM reports in this group's KV events."""
+        return None
 
     def copy_with_new_block_size(self, block_size: int) -> Self:
         """The same spec with another block size."""
@@ -177,6 +293,8 @@ class AttentionSpec(KVCacheSpec):
         page_size_padded: Page size in bytes after padding, if padded.
     """
 
+    traits: ClassVar[SpecTraits] = SpecTraits(wire_tag="", can_pad_page=True)
+
     num_kv_heads: int
     head_size: int
     dtype: DType
@@ -211,6 +329,46 @@ class AttentionSpec(KVCacheSpec):
             return self.page_size_padded
         return self.real_page_size_bytes
 
+    def page_shape(self) -> tuple[int, int, int]:
+        """Heads, tokens, and key plus value bytes per head and token."""
+        head_size_v = self.head_size if self.head_size_v is None else self.head_size_v
+        return (
+            self.num_kv_heads,
+            self.block_size,
+            (self.head_size + head_size_v) * (self.dtype.itemsize),
+        )
+
+    @property
+    def padded_page_size_bytes(self) -> int | None:
+        """``page_size_padded``."""
+        return self.page_size_padded
+
+    def with_padded_page(self, page_size_bytes: int) -> Self:
+        """The same spec with ``page_size_padded`` set."""
+        return replace(self, page_size_padded=page_size_bytes)
+
+    def attention_dtype(self) -> DType | None:
+        """``dtype``."""
+        return self.dtype
+
+    def _as_full_attention(
+        self, block_size: int, *, sliding_window: int | None, attention_chunk_size: int | None
+    ) -> FullAttentionSpec:
+        padded = self.page_size_padded
+        if padded is not None:
+            # A padded page grows with the block size; padding never shrinks it below the data.
+            padded = max(padded, self.real_page_size_bytes * block_size // self.block_size)
+        return FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            head_size_v=self.head_size_v,
+            dtype=self.dtype,
+            page_size_padded=padded,
+            sliding_window=sliding_window,
+            attention_chunk_size=attention_chunk_size,
+        )
+
     def _attention_fields_equal(self, other: AttentionSpec) -> bool:
         return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(AttentionSpec))
 
@@ -237,6 +395,9 @@ class FullAttentionSpec(AttentionSpec):
     """
 
     kind: ClassVar[str] = "full_attention"
+    traits: ClassVar[SpecTraits] = SpecTraits(
+        wire_tag="full_attention", full_attention=True, can_pad_page=True
+    )
 
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
@@ -302,6 +463,7 @@ class MLAAttentionSpec(FullAttentionSpec):
     """
 
     kind: ClassVar[str] = "mla_attention"
+    traits: ClassVar[SpecTraits] = SpecTraits(wire_tag="mla_attention", full_attention=True)
 
     head_size_v: int | None = 0
     cache_dtype_str: str | None = None
@@ -345,6 +507,9 @@ class SinkFullAttentionSpec(FullAttentionSpec):
     """
 
     kind: ClassVar[str] = "sink_full_attention"
+    traits: ClassVar[SpecTraits] = SpecTraits(
+        wire_tag="sink_full_attention", full_attention=True, can_pad_page=True
+    )
 
     sink_len: int | None = None
 
@@ -364,6 +529,12 @@ class SlidingWindowSpec(AttentionSpec):
     """
 
     kind: ClassVar[str] = "sliding_window"
+    traits: ClassVar[SpecTraits] = SpecTraits(
+        wire_tag="sliding_window",
+        recycles_blocks=True,
+        can_pad_page=True,
+        state_packing=StatePacking.WITHOUT_PATTERN,
+    )
 
     sliding_window: int
     extra_retained_tokens: int = 0
@@ -391,6 +562,16 @@ class SlidingWindowSpec(AttentionSpec):
         )
         return blocks * self.page_size_bytes
 
+    def promoted_to_full_attention(self, block_size: int) -> FullAttentionSpec:
+        """Full attention recording the window."""
+        return self._as_full_attention(
+            block_size, sliding_window=self.sliding_window, attention_chunk_size=None
+        )
+
+    def event_sliding_window(self) -> int | None:
+        """The window."""
+        return self.sliding_window
+
     def is_uniform_with(self, specs: Mapping[str, KVCacheSpec]) -> bool:
         """Uniform only with sliding-window layers of the same window."""
         return all(
@@ -408,6 +589,12 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     """
 
     kind: ClassVar[str] = "chunked_local_attention"
+    traits: ClassVar[SpecTraits] = SpecTraits(
+        wire_tag="chunked_local_attention",
+        recycles_blocks=True,
+        hit_needs_shared_block_size=True,
+        can_pad_page=True,
+    )
 
     attention_chunk_size: int
 
@@ -429,6 +616,12 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         )
         return blocks * self.page_size_bytes
 
+    def promoted_to_full_attention(self, block_size: int) -> FullAttentionSpec:
+        """Full attention recording the chunk."""
+        return self._as_full_attention(
+            block_size, sliding_window=None, attention_chunk_size=self.attention_chunk_size
+        )
+
     def is_uniform_with(self, specs: Mapping[str, KVCacheSpec]) -> bool:
         """Uniform only with chunked-local layers of the same chunk."""
         return all(
@@ -443,6 +636,14 @@ class CrossAttentionSpec(AttentionSpec):
     """Cross attention of an encoder-decoder model: caches the encoder's states."""
 
     kind: ClassVar[str] = "cross_attention"
+    traits: ClassVar[SpecTraits] = SpecTraits(
+        wire_tag="cross_attention",
+        can_pad_page=True,
+        prefix_caching_unsupported=(
+            "cross attention cannot be prefix cached; "
+            "disable enable_caching for encoder-decoder models"
+        ),
+    )
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         """Blocks for the longest encoder input."""
@@ -454,6 +655,9 @@ class EncoderOnlyAttentionSpec(AttentionSpec):
     """Encoder-only attention: needs no KV cache across steps."""
 
     kind: ClassVar[str] = "encoder_only_attention"
+    traits: ClassVar[SpecTraits] = SpecTraits(
+        wire_tag="encoder_only_attention", can_pad_page=True, keeps_kv_cache=False
+    )
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         """Nothing is cached."""
@@ -475,6 +679,18 @@ class MambaSpec(KVCacheSpec):
     """
 
     kind: ClassVar[str] = "mamba"
+    traits: ClassVar[SpecTraits] = SpecTraits(
+        wire_tag="mamba",
+        needs_kv_cache_zeroing=True,
+        pins_hash_block_size=True,
+        can_scale_block_size=False,
+        can_pad_page=True,
+        state_packing=StatePacking.ALWAYS,
+        prefix_caching_unsupported=(
+            "Mamba prefix caching needs mamba_cache_mode 'align', "
+            "which kvcm does not implement; disable enable_caching"
+        ),
+    )
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[DType, ...]
@@ -518,6 +734,19 @@ class MambaSpec(KVCacheSpec):
             return self.page_size_padded
         return self.real_page_size_bytes
 
+    def page_shape(self) -> tuple[int, int, int]:
+        """One cell holding all of a block's states."""
+        return 1, 1, self.real_page_size_bytes
+
+    @property
+    def padded_page_size_bytes(self) -> int | None:
+        """``page_size_padded``."""
+        return self.page_size_padded
+
+    def with_padded_page(self, page_size_bytes: int) -> Self:
+        """The same spec with ``page_size_padded`` set."""
+        return replace(self, page_size_padded=page_size_bytes)
+
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         """The latest state (two in align mode) plus the speculative blocks."""
         live = 2 if limits.mamba_cache_mode == "align" else 1
@@ -549,6 +778,8 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         kv_cache_specs: Each layer's own spec, by layer name, in layer order.
     """
 
+    traits: ClassVar[SpecTraits] = SpecTraits(wire_tag="uniform_type")
+
     kv_cache_specs: Mapping[str, KVCacheSpec]
 
     def __post_init__(self) -> None:
@@ -575,7 +806,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         kinds = {spec.kind for spec in self.kv_cache_specs.values()}
         if len(kinds) == 1:
             return next(iter(kinds))
-        if all(isinstance(spec, FullAttentionSpec) for spec in self.kv_cache_specs.values()):
+        if all(spec.traits.full_attention for spec in self.kv_cache_specs.values()):
             return FullAttentionSpec.kind
         return KVCacheSpec.kind
 

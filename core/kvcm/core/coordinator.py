@@ -19,11 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    FullAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
 )
 from kvcm.core.block_pool import BlockPool
 from kvcm.core.single_type_managers import (
@@ -399,7 +395,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 )
             spec = manager.kv_cache_spec
             if (
-                isinstance(spec, ChunkedLocalAttentionSpec)
+                spec.traits.hit_needs_shared_block_size
                 and manager.block_size != config.scheduler_block_size
             ):
                 raise ConfigError(
@@ -428,7 +424,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 first.kv_cache_spec,
                 tuple(group_ids),
                 first,
-                isinstance(first.kv_cache_spec, FullAttentionSpec),
+                first.kv_cache_spec.traits.full_attention,
             )
             for first, group_ids in members
         ]
@@ -490,16 +486,9 @@ def _check_specs(config: CoordinatorConfig) -> None:
                 f"scheduler_block_size ({config.scheduler_block_size}) must be a multiple of "
                 f"group {group_id}'s block_size ({spec.block_size})"
             )
-        if config.enable_caching and isinstance(spec, CrossAttentionSpec):
-            raise ConfigError(
-                f"group {group_id}: cross attention cannot be prefix cached; "
-                "disable enable_caching for encoder-decoder models"
-            )
-        if config.enable_caching and isinstance(spec, MambaSpec):
-            raise ConfigError(
-                f"group {group_id}: Mamba prefix caching needs mamba_cache_mode 'align', "
-                "which kvcm does not implement; disable enable_caching"
-            )
+        unsupported = spec.traits.prefix_caching_unsupported
+        if config.enable_caching and unsupported is not None:
+            raise ConfigError(f"group {group_id}: {unsupported}")
     if config.scheduler_block_size % config.hash_block_size:
         raise ConfigError(
             f"scheduler_block_size ({config.scheduler_block_size}) must be a multiple of "

@@ -24,22 +24,12 @@ Also the cross-rank rules: a layer must have one spec on every rank that names i
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvcm.common.config import KVCacheGroupSpec, KVCacheLayout
 from kvcm.common.errors import ConfigError
-from kvcm.common.specs import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
-)
+from kvcm.common.specs import KVCacheSpec, StatePacking, UniformTypeKVCacheSpecs
 
 __all__ = [
     "GroupingOptions",
@@ -97,27 +87,6 @@ def _is_single_type(specs: Mapping[str, KVCacheSpec]) -> bool:
     return _merges(list(specs.values())) or UniformTypeKVCacheSpecs.is_uniform_type(specs)
 
 
-def _as_full_attention(
-    spec: SlidingWindowSpec | ChunkedLocalAttentionSpec, block_size: int
-) -> FullAttentionSpec:
-    padded = spec.page_size_padded
-    if padded is not None:
-        # A padded page grows with the block size; padding never shrinks it below the data.
-        padded = max(padded, spec.real_page_size_bytes * block_size // spec.block_size)
-    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-    chunk = spec.attention_chunk_size if isinstance(spec, ChunkedLocalAttentionSpec) else None
-    return FullAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        head_size_v=spec.head_size_v,
-        dtype=spec.dtype,
-        page_size_padded=padded,
-        sliding_window=window,
-        attention_chunk_size=chunk,
-    )
-
-
 def unify_hybrid_kv_cache_specs(specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
     """The specs as the single-type manager sees them when the hybrid manager is disabled.
 
@@ -139,14 +108,14 @@ def unify_hybrid_kv_cache_specs(specs: Mapping[str, KVCacheSpec]) -> dict[str, K
     if _is_single_type(promoted):
         return promoted
     values = list(specs.values())
-    has_full = any(isinstance(s, FullAttentionSpec) for s in values)
-    has_local = any(isinstance(s, SlidingWindowSpec | ChunkedLocalAttentionSpec) for s in values)
-    full_block_sizes = {s.block_size for s in values if isinstance(s, FullAttentionSpec)}
+    has_full = any(s.traits.full_attention for s in values)
+    has_local = any(s.traits.recycles_blocks for s in values)
+    full_block_sizes = {s.block_size for s in values if s.traits.full_attention}
     full_block_size = next(iter(full_block_sizes)) if len(full_block_sizes) == 1 else None
     if has_full and has_local:
         for name, spec in specs.items():
-            if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
-                promoted[name] = _as_full_attention(spec, full_block_size or spec.block_size)
+            if spec.traits.recycles_blocks:
+                promoted[name] = spec.promoted_to_full_attention(full_block_size or spec.block_size)
     if not _is_single_type(promoted):
         raise ConfigError("Failed to promote local KV cache specs to one unified type.")
     return promoted
@@ -165,14 +134,15 @@ def unify_kv_cache_spec_page_size(specs: Mapping[str, KVCacheSpec]) -> dict[str,
     unified: dict[str, KVCacheSpec] = {}
     for name, spec in specs.items():
         page = spec.page_size_bytes
+        traits = spec.traits
         if page == max_page:
             unified[name] = spec
-        elif isinstance(spec, MambaSpec):
-            unified[name] = replace(spec, page_size_padded=max_page)
+        elif not traits.can_scale_block_size and traits.can_pad_page:
+            unified[name] = spec.with_padded_page(max_page)
         elif max_page % page == 0:
             unified[name] = spec.copy_with_new_block_size(spec.block_size * (max_page // page))
-        elif isinstance(spec, AttentionSpec) and not isinstance(spec, MLAAttentionSpec):
-            unified[name] = replace(spec, page_size_padded=max_page)
+        elif traits.can_pad_page:
+            unified[name] = spec.with_padded_page(max_page)
         else:
             raise ConfigError(
                 f"Layer {name}: page size is not divisible by the maximum page size and "
@@ -227,12 +197,16 @@ def _hybrid_groups(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
 
 
 def _full_allocation_fallback(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec] | None:
-    """MLA next to sliding window, pages not unifiable: allocate the window layers fully."""
-    values = list(specs.values())
-    if any(isinstance(s, ChunkedLocalAttentionSpec) for s in values):
+    """MLA next to sliding window, pages not unifiable: allocate the window layers fully.
+
+    In traits: full attention whose page cannot be padded (MLA) next to local attention whose
+    hits need no shared block size (sliding window), and no chunked local attention.
+    """
+    values = [s.traits for s in specs.values()]
+    if any(t.hit_needs_shared_block_size for t in values):
         return None
-    has_mla = any(isinstance(s, MLAAttentionSpec) for s in values)
-    has_swa = any(isinstance(s, SlidingWindowSpec) for s in values)
+    has_mla = any(t.full_attention and not t.can_pad_page for t in values)
+    has_swa = any(t.recycles_blocks for t in values)
     if not (has_mla and has_swa):
         return None
     try:
@@ -322,9 +296,9 @@ def _packed_groups(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
         return 1 if repeats is None or not bucket.balanced else _cdiv(bucket.repeats, repeats)
 
     def is_state(bucket: _Bucket) -> bool:
-        first = bucket.spec.first_spec
-        return isinstance(first, MambaSpec) or (
-            repeats is None and isinstance(first, SlidingWindowSpec)
+        packing = bucket.spec.first_spec.traits.state_packing
+        return packing is StatePacking.ALWAYS or (
+            repeats is None and packing is StatePacking.WITHOUT_PATTERN
         )
 
     block_bytes = max(
@@ -410,7 +384,7 @@ def merge_rank_specs(rank_specs: Sequence[Mapping[str, KVCacheSpec]]) -> dict[st
                 raise ConfigError(
                     f"rank {rank}: layer {name!r} has no KVCacheSpec (got {type(spec).__name__})"
                 )
-            if isinstance(spec, EncoderOnlyAttentionSpec):
+            if not spec.traits.keeps_kv_cache:
                 raise ConfigError(
                     f"rank {rank}: layer {name!r} is encoder-only and needs no planned KV "
                     "cache; leave it out of the registered specs"

@@ -34,10 +34,7 @@ from kvcm.common.errors import (
 )
 from kvcm.common.events import BlockStored
 from kvcm.common.specs import (
-    AttentionSpec,
     KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
 from kvcm.core.coordinator import (
@@ -225,9 +222,9 @@ def _scheduler_spec(spec: KVCacheSpec) -> KVCacheSpec:
 def _needs_kv_cache_zeroing(specs: Sequence[KVCacheSpec]) -> bool:
     # Mamba states are read before they are fully written; mixed precisions can decode stale
     # bytes of another group's block as NaN.
-    if any(isinstance(spec, MambaSpec) for spec in specs):
+    if any(spec.traits.needs_kv_cache_zeroing for spec in specs):
         return True
-    dtypes = {spec.dtype for spec in specs if isinstance(spec, AttentionSpec)}
+    dtypes = {spec.attention_dtype() for spec in specs} - {None}
     return len(dtypes) > 1
 
 
@@ -245,7 +242,7 @@ def _resolve_block_sizes(
         if (
             len(specs) <= 1
             or not config.enable_caching
-            or any(isinstance(spec, MambaSpec) for spec in specs)
+            or any(spec.traits.pins_hash_block_size for spec in specs)
         ):
             hash_block_size = scheduler_block_size
         else:
@@ -320,10 +317,7 @@ class KVCacheManager:
         )
         self.block_pool: BlockPool = self.coordinator.block_pool
         self.watermark_blocks = int(config.watermark * kv_cache_config.num_blocks)
-        self._event_metadata = tuple(
-            (spec.kind, spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None)
-            for spec in specs
-        )
+        self._event_metadata = tuple((spec.kind, spec.event_sliding_window()) for spec in specs)
         self.prefix_cache_stats: PrefixCacheStats | None = (
             PrefixCacheStats() if config.log_stats else None
         )

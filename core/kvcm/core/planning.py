@@ -35,7 +35,7 @@ from kvcm.common.config import (
     pool_bytes_per_block,
 )
 from kvcm.common.errors import ConfigError, InvalidArgumentError
-from kvcm.common.specs import KVCacheSpec, MambaSpec, SizingLimits, UniformTypeKVCacheSpecs
+from kvcm.common.specs import KVCacheSpec, SizingLimits, UniformTypeKVCacheSpecs
 from kvcm.core.grouping import (
     get_kv_cache_groups,
     merge_rank_specs,
@@ -390,7 +390,7 @@ def resolve_kv_cache_block_sizes(
     if not options.enable_caching:
         return scheduler_block_size, scheduler_block_size
     if any(
-        isinstance(spec, MambaSpec)
+        spec.traits.pins_hash_block_size
         for group in groups
         for spec in _group_layer_specs(group.kv_cache_spec)
     ):

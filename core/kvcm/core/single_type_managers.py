@@ -719,14 +719,15 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         return
 
 
-_MANAGER_FOR_SPEC: tuple[tuple[type[KVCacheSpec], type[SingleTypeKVCacheManager]], ...] = (
-    # Most specific first: MLA and sink specs are full attention specs.
-    (FullAttentionSpec, FullAttentionManager),
-    (SlidingWindowSpec, SlidingWindowManager),
-    (ChunkedLocalAttentionSpec, ChunkedLocalAttentionManager),
-    (MambaSpec, MambaManager),
-    (CrossAttentionSpec, CrossAttentionManager),
-)
+# The spec-to-manager table: the one place that names a spec type's manager. Subclasses
+# without an entry of their own (MLA and sink specs are full attention) use their base's.
+_MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
+    CrossAttentionSpec: CrossAttentionManager,
+}
 
 
 def manager_class_for_spec(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
@@ -741,20 +742,19 @@ def manager_class_for_spec(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCache
     Raises:
         ConfigError: kvcm has no manager for this spec type.
     """
-    for spec_type, manager_type in _MANAGER_FOR_SPEC:
-        if isinstance(kv_cache_spec, spec_type):
+    for spec_type in type(kv_cache_spec).__mro__:
+        manager_type = _MANAGER_FOR_SPEC.get(spec_type)
+        if manager_type is not None:
             return manager_type
     raise ConfigError(f"no KV-cache manager for spec type {type(kv_cache_spec).__name__}")
 
 
 def _max_admission_blocks(kv_cache_spec: KVCacheSpec, options: ManagerOptions) -> int | None:
     # Recycling types cap the full-sequence admission reservation at what they can hold at
-    # once (the spec's own bound, which also sizes the pool).
-    if isinstance(kv_cache_spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
-        return kv_cache_spec.max_admission_blocks_per_request(
-            options.max_in_flight_tokens, options.max_model_len
-        )
-    return None
+    # once (the spec's own bound, which also sizes the pool); the others answer None.
+    return kv_cache_spec.max_admission_blocks_per_request(
+        options.max_in_flight_tokens, options.max_model_len
+    )
 
 
 def get_manager_for_kv_cache_spec(
