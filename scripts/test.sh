@@ -37,7 +37,7 @@ echo "== ruff" >&2
 ruff check .
 ruff format --check .
 echo "== mypy (strict)" >&2
-mypy core server client
+mypy core server client examples
 if [ -x scripts/gen-proto.sh ]; then
   echo "== generated protobuf code is up to date" >&2
   bash scripts/gen-proto.sh --check

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from _workload import MISSING_POOL, create_pool, run_shared_prefix_workload
 from prometheus_client.parser import text_string_to_metric_families
+from workload import MISSING_POOL, create_pool, run_shared_prefix_workload
 
 from kvcm.client import SchedulerClient
 from kvcm.core.pool import PoolRegistry

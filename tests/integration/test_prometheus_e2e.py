@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _workload import create_pool, run_shared_prefix_workload
+from workload import create_pool, run_shared_prefix_workload
 
 from kvcm.client import SchedulerClient
 

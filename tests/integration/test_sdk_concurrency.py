@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from workload import ReplayScheduler, WorkloadOptions, make_workload
 
 from kvcm.client import (
     AsyncSchedulerClient,
@@ -20,7 +21,6 @@ from kvcm.client import (
     StepBuilder,
     StepResult,
 )
-from kvcm.client._replay import ReplayScheduler, WorkloadOptions, make_workload
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec

@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 
 import pytest
+from demo import RemoteDemoOptions, main, run_remote_demo
 
 from kvcm.client import SchedulerClient, ServiceInvalidArgumentError
-from kvcm.client.demo import RemoteDemoOptions, main, run_remote_demo
 
 
 def test_remote_demo_replays_the_workload(kvcm_address: str) -> None:

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+from workload import TraceRequest, WorkloadOptions, make_workload
 
 from kvcm.client import KVCacheBlocks, PoolConfig, RemoteKVCacheManager, SchedulerClient
-from kvcm.client._replay import TraceRequest, WorkloadOptions, make_workload
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import NotFoundError

@@ -1,6 +1,6 @@
 """A realistic shared-prefix trace through the Step RPC equals the in-process core, item by item.
 
-The replay scheduler (``kvcm.client._replay``) drives a pool on a real server through
+The replay scheduler (``examples/workload.py``) drives a pool on a real server through
 ``SchedulerClient.step``. Every Step it sends is also executed here, in-process, by
 ``InProcessStepExecutor``: this file's own reading of the Step semantics in ``api.md``, calling
 ``kvcm.core.KVCacheManager`` directly. Each answer (status, blocks, lookup hit and
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from workload import ReplayScheduler, WorkloadOptions, make_workload
 
 from kvcm.client import (
     ItemStatus,
@@ -22,7 +23,6 @@ from kvcm.client import (
     StepBuilder,
     StepResult,
 )
-from kvcm.client._replay import ReplayScheduler, WorkloadOptions, make_workload
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.hashing import BlockHasher

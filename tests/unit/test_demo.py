@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from kvcm.server.demo import DemoOptions, run_demo, simulate
+from demo import DemoOptions, run_demo, simulate
 
 
 def test_demo_finishes_every_request_and_hits_the_shared_prefixes() -> None:

@@ -1,7 +1,18 @@
-"""A shared-prefix chat workload and a scheduler that replays it through Steps.
+"""kvcm's one workload generator, and the drivers that play it against a pool.
 
-Used by the remote demo, the SDK's integration tests and ``bench/rpc.py``. The scheduler
-makes vLLM's scheduling decisions with kvcm's Step semantics, one scheduler step at a time:
+Not a library module: the demo (``examples/demo.py``), the integration tests and the benches
+import it from this folder. Three things:
+
+- :func:`make_workload`: a deterministic multi-user chat trace (shared system prompts,
+  multi-turn follow-ups, output lengths, arrival steps). Every example and test that needs
+  traffic draws it from here.
+- :class:`ReplayScheduler`: replays a trace through Steps with vLLM's scheduling decisions
+  (below).
+- :func:`run_shared_prefix_workload`: drives a pool call by call through the SDK (add, look
+  up, allocate, free), for the HTTP and Prometheus tests that count per-RPC metrics.
+
+The replay scheduler makes vLLM's scheduling decisions with kvcm's Step semantics, one
+scheduler step at a time:
 
 1. **Running requests**, in order: finished ones are freed; the others append the token they
    sampled and allocate one slot (decode) or their next prefill chunk, within the step's token
@@ -23,19 +34,33 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvcm.client._step import StepBuilder, StepResult
-from kvcm.client._types import ItemStatus
+from kvcm.client import (
+    ItemStatus,
+    PoolConfig,
+    SchedulerClient,
+    StepBuilder,
+    StepResult,
+)
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.errors import NotFoundError
+from kvcm.common.specs import FullAttentionSpec
 
 if TYPE_CHECKING:
     from kvcm.common.hashing import BlockHash, BlockHasher, MultiModalFeature
 
 __all__ = [
+    "BLOCK_SIZE",
+    "MISSING_POOL",
     "ReplayScheduler",
     "ReplayStats",
     "StepBackend",
     "TraceRequest",
     "WorkloadOptions",
+    "WorkloadReport",
+    "create_pool",
     "make_workload",
+    "run_shared_prefix_workload",
 ]
 
 StepBackend = Callable[[StepBuilder], StepResult]
@@ -407,3 +432,132 @@ class ReplayScheduler:
             self.stats.finished += 1
             return
         live.all_token_ids.append(token)
+
+
+# ------------------------------------------------------------------ call-by-call SDK driver
+BLOCK_SIZE = 16
+"""Block size of the pools :func:`create_pool` makes."""
+MISSING_POOL = "no-such-pool"
+"""The pool :func:`run_shared_prefix_workload` names to make one RPC fail with NOT_FOUND."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkloadReport:
+    """What the driver did (not what the server counted).
+
+    Attributes:
+        admitted: Requests whose prompt got slots.
+        not_fit: Allocations answered "does not fit".
+    """
+
+    admitted: int
+    not_fit: int
+
+
+def create_pool(client: SchedulerClient, pool_id: str, *, num_blocks: int = 48) -> None:
+    """Create a one-group full-attention pool planned at once (no workers needed)."""
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16
+    )
+    layout = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=(),
+        kv_cache_groups=(KVCacheGroupSpec(layer_names=("layer.0",), kv_cache_spec=spec),),
+    )
+    client.create_pool(
+        pool_id,
+        PoolConfig(max_model_len=4096, explicit_layout=layout, hash_algorithm="sha256_cbor"),
+    )
+
+
+def run_shared_prefix_workload(
+    client: SchedulerClient,
+    pool_id: str,
+    *,
+    num_requests: int = 60,
+    num_prefixes: int = 3,
+    prefix_blocks: int = 4,
+    suffix_tokens: int = 24,
+    max_running: int = 3,
+    first_key: int = 0,
+    seed: int = 0,
+) -> WorkloadReport:
+    """Admit requests that share prompt prefixes, the way a scheduler admits waiting ones.
+
+    The prompts are :func:`make_workload`'s (``num_prefixes`` system prompts of
+    ``prefix_blocks`` full blocks, a ``suffix_tokens`` user message, no follow-ups). Each
+    request is added, looked up in the prefix cache, and given slots for its prompt; at most
+    ``max_running`` hold blocks at once (the oldest finishes first). At the end one oversized
+    request does not fit, every request is finished, and one call names a pool that does not
+    exist.
+
+    Returns:
+        How many requests got slots and how many allocations did not fit.
+    """
+    hasher = client.block_hasher(pool_id)
+    prefix_tokens = prefix_blocks * BLOCK_SIZE
+    trace = make_workload(
+        WorkloadOptions(
+            num_requests=num_requests,
+            num_system_prompts=num_prefixes,
+            system_prompt_tokens=(prefix_tokens, prefix_tokens),
+            user_tokens=(suffix_tokens, suffix_tokens),
+            follow_up_probability=0.0,
+            seed=seed,
+        )
+    )
+    running: deque[int] = deque()
+    admitted = not_fit = 0
+    for key, request in enumerate(trace, start=first_key):
+        prompt = list(request.prompt_token_ids)
+        if not _admit(client, pool_id, key, prompt, hasher.hash_token_ids(prompt)):
+            not_fit += 1
+            continue
+        admitted += 1
+        running.append(key)
+        if len(running) > max_running:
+            client.free(pool_id, running.popleft())
+    # Larger than the whole pool: answered "does not fit", counted by the server.
+    huge_key = first_key + num_requests
+    (oversized,) = make_workload(
+        WorkloadOptions(
+            num_requests=1,
+            num_system_prompts=1,
+            system_prompt_tokens=(BLOCK_SIZE * 64, BLOCK_SIZE * 64),
+            user_tokens=(0, 0),
+            seed=seed + 1,
+        )
+    )
+    huge = list(oversized.prompt_token_ids)
+    if not _admit(client, pool_id, huge_key, huge, hasher.hash_token_ids(huge)):
+        not_fit += 1
+    else:
+        running.append(huge_key)
+    while running:
+        client.free(pool_id, running.popleft())
+    try:
+        client.get_usage(MISSING_POOL)
+    except NotFoundError:
+        pass
+    else:  # pragma: no cover - the server would be wrong
+        raise AssertionError(f"pool {MISSING_POOL!r} exists")
+    return WorkloadReport(admitted=admitted, not_fit=not_fit)
+
+
+def _admit(
+    client: SchedulerClient,
+    pool_id: str,
+    key: int,
+    prompt: list[int],
+    hashes: Sequence[BlockHash],
+) -> bool:
+    """Add, look up and allocate one waiting request; finish it again if it does not fit."""
+    client.add_request(pool_id, key, prompt, hashes, request_id=f"req-{key}")
+    hit = client.get_computed_blocks(pool_id, key)
+    blocks = client.allocate_slots(
+        pool_id, key, len(prompt) - hit.num_computed_tokens, hit.num_computed_tokens, hit=hit
+    )
+    if blocks is None:
+        client.free(pool_id, key)
+        return False
+    return True
