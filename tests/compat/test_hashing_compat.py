@@ -148,6 +148,13 @@ def _case(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+def _prompt_embeds(tensor: Any) -> PromptEmbeds:
+    # The SDK's torch module (this test runs where torch is: vLLM needs it).
+    from kvcm.client.tensors import prompt_embeds_from_tensor
+
+    return prompt_embeds_from_tensor(tensor)
+
+
 @settings(
     max_examples=300,
     deadline=None,
@@ -200,7 +207,7 @@ def test_random_requests_match_vllm(
         "lora_path": None if lora is None else lora[1],
         "cache_salt": case["salt"],
         "mm_features": features,
-        "prompt_embeds": None if embeds is None else PromptEmbeds.from_tensor(embeds),
+        "prompt_embeds": None if embeds is None else _prompt_embeds(embeds),
     }
     ours = _Req(list(case["prompt"]), **fields)
     ours.block_hashes.extend(hasher.hash_request_blocks(ours))

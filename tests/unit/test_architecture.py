@@ -54,12 +54,6 @@ ALLOWED_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
         # the SDK both import kvcm.wire and these two entries go.
         ("kvcm.server.rpc._convert", "kvcm.client._convert"),
         ("kvcm.server.rpc._worker", "kvcm.client._convert"),
-        # Worker-side torch conversions that import torch lazily (and under TYPE_CHECKING):
-        # DType.to_torch / from_torch and PromptEmbeds.from_tensor. They belong in
-        # kvcm.client.tensors (the SDK's torch module); moving them renames public names that
-        # the SDK, the tests and the vLLM integration use, so it is a change of its own.
-        ("kvcm.common.dtypes", "torch"),
-        ("kvcm.common.hashing", "torch"),
     }
 )
 

@@ -317,7 +317,9 @@ def test_fast_triple_serialisation_equals_the_generic_hash_function(
 def test_prompt_embeds_from_tensor_are_the_raw_row_bytes() -> None:
     torch = pytest.importorskip("torch")
     tensor = torch.arange(12, dtype=torch.float32).reshape(6, 2).to(torch.bfloat16)
-    embeds = PromptEmbeds.from_tensor(tensor)
+    from kvcm.client.tensors import prompt_embeds_from_tensor
+
+    embeds = prompt_embeds_from_tensor(tensor)
     assert embeds.num_tokens == 6
     assert embeds.row_nbytes == 4
     import hashlib

@@ -36,7 +36,7 @@ def test_dtype_names_sizes_and_aliases() -> None:
 
 def test_dtype_round_trips_through_torch() -> None:
     torch = pytest.importorskip("torch")
-    from kvcm.common.dtypes import from_torch, to_torch
+    from kvcm.client.tensors import from_torch, to_torch
 
     for dtype in DType:
         assert from_torch(to_torch(dtype)) is dtype

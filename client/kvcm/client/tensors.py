@@ -35,17 +35,51 @@ from kvcm.common.config import (
     compute_layout_strides,
     page_shape,
 )
-from kvcm.common.dtypes import to_torch
+from kvcm.common.dtypes import DType
 from kvcm.common.errors import ConfigError, InvalidArgumentError
+from kvcm.common.hashing import PromptEmbeds
 from kvcm.common.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 __all__ = [
     "LayerPlacement",
     "allocate_kv_cache_tensors",
+    "from_torch",
     "kv_cache_views",
     "layer_placements",
     "layer_specs_of",
+    "prompt_embeds_from_tensor",
+    "to_torch",
 ]
+
+
+def to_torch(dtype: DType | str) -> torch.dtype:
+    """The ``torch.dtype`` for ``dtype`` (kvcm's dtype names are torch's).
+
+    Raises:
+        InvalidArgumentError: Unknown dtype.
+    """
+    return getattr(torch, DType.parse(dtype).value)  # type: ignore[no-any-return]
+
+
+def from_torch(torch_dtype: torch.dtype) -> DType:
+    """The ``DType`` of a ``torch.dtype``.
+
+    Raises:
+        InvalidArgumentError: The torch dtype has no kvcm wire name.
+    """
+    return DType.parse(str(torch_dtype))
+
+
+def prompt_embeds_from_tensor(tensor: torch.Tensor) -> PromptEmbeds:
+    """Capture a ``[num_tokens, hidden_size]`` prompt-embeddings tensor as the raw row bytes
+    vLLM hashes per block.
+    """
+    flat = tensor.detach().flatten().cpu().contiguous().view(torch.uint8)
+    # Copied through torch.frombuffer: no numpy needed, and one C-level copy.
+    raw = bytearray(flat.numel())
+    if raw:
+        torch.frombuffer(raw, dtype=torch.uint8).copy_(flat)
+    return PromptEmbeds(bytes(raw), int(tensor.shape[0]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

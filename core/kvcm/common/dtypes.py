@@ -1,21 +1,17 @@
-"""KV-cache element types: wire names, byte sizes, and torch conversion.
+"""KV-cache element types: wire names and byte sizes.
 
-Workers, schedulers and the server exchange dtypes by name (``"bfloat16"``), so this module
-never imports torch at import time; ``to_torch`` / ``from_torch`` import it lazily on the
-worker side only.
+Workers, schedulers and the server exchange dtypes by name (``"bfloat16"``); the names are
+torch's, and the conversions to and from ``torch.dtype`` live on the worker side, in
+``kvcm.client.tensors`` (this package never imports torch).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
 from kvcm.common.errors import InvalidArgumentError
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["DType", "dtype_size", "from_torch", "to_torch"]
+__all__ = ["DType", "dtype_size"]
 
 
 @enum.unique
@@ -88,19 +84,3 @@ def dtype_size(dtype: DType | str) -> int:
         InvalidArgumentError: Unknown dtype.
     """
     return _SIZES[DType.parse(dtype)]
-
-
-def to_torch(dtype: DType | str) -> torch.dtype:
-    """The ``torch.dtype`` for ``dtype`` (imports torch)."""
-    import torch
-
-    return getattr(torch, DType.parse(dtype).value)  # type: ignore[no-any-return]
-
-
-def from_torch(torch_dtype: torch.dtype) -> DType:
-    """The ``DType`` of a ``torch.dtype``.
-
-    Raises:
-        InvalidArgumentError: The torch dtype has no kvcm wire name.
-    """
-    return DType.parse(str(torch_dtype))

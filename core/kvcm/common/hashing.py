@@ -280,7 +280,7 @@ class PromptEmbeds:
     vLLM hashes ``sha256`` of the raw bytes of the embedding rows of each block (rows past the
     prompt's end simply are not there, so decode blocks hash fewer or no bytes). A row-major
     ``[num_tokens, hidden_size]`` buffer in the tensor's own dtype reproduces those bytes
-    without torch.
+    without torch (``kvcm.client.tensors.prompt_embeds_from_tensor`` captures a tensor).
 
     Attributes:
         data: The rows' raw bytes, row-major, ``num_tokens`` rows of equal size.
@@ -304,18 +304,6 @@ class PromptEmbeds:
                 f"prompt_embeds data ({len(self.data)} bytes) must hold {self.num_tokens} "
                 "rows of equal size"
             )
-
-    @classmethod
-    def from_tensor(cls, tensor: Any) -> PromptEmbeds:
-        """Capture a ``[num_tokens, hidden_size]`` torch tensor (imports torch lazily)."""
-        import torch
-
-        flat = tensor.detach().flatten().cpu().contiguous().view(torch.uint8)
-        # Copied through torch.frombuffer: no numpy needed, and one C-level copy.
-        raw = bytearray(flat.numel())
-        if raw:
-            torch.frombuffer(raw, dtype=torch.uint8).copy_(flat)
-        return cls(bytes(raw), int(tensor.shape[0]))
 
     @property
     def row_nbytes(self) -> int:
