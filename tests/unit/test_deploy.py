@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,14 +58,21 @@ def _yaml_documents(path: Path) -> list[Any]:
 
 
 def _k8s_objects() -> dict[str, dict[str, Any]]:
-    """Every manifest under deploy/k8s except the kustomization, by kind."""
+    """Every manifest under deploy/k8s except the kustomization, by kind.
+
+    The dashboard's ConfigMap (the one Grafana's sidecar loads) is keyed ``GrafanaDashboard``
+    so that ``ConfigMap`` stays the server's configuration.
+    """
     objects: dict[str, dict[str, Any]] = {}
     for path in sorted(K8S.glob("*.yaml")):
         if path.name == "kustomization.yaml":
             continue
         for doc in _yaml_documents(path):
-            assert doc["kind"] not in objects, f"two {doc['kind']} manifests"
-            objects[doc["kind"]] = doc
+            kind = doc["kind"]
+            if "grafana_dashboard" in doc["metadata"].get("labels", {}):
+                kind = "GrafanaDashboard"
+            assert kind not in objects, f"two {kind} manifests"
+            objects[kind] = doc
     return objects
 
 
@@ -198,6 +206,72 @@ def test_every_alert_has_a_severity_summary_and_description() -> None:
         assert rule["annotations"]["description"], rule["alert"]
 
 
+def _markdown_anchors(path: Path) -> set[str]:
+    """GitHub's anchors for the headings of a Markdown file (lower case, spaces to dashes)."""
+    anchors = set()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^a-z0-9 _-]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_every_alert_links_its_runbook_section() -> None:
+    runbook = ROOT / "docs" / "runbook.md"
+    anchors = _markdown_anchors(runbook)
+    for rule in alert_rules():
+        url = rule["annotations"]["runbook_url"]
+        path, _, anchor = url.partition("#")
+        assert path == "docs/runbook.md", rule["alert"]
+        assert anchor == rule["alert"].lower(), rule["alert"]
+        assert anchor in anchors, f"docs/runbook.md has no section {rule['alert']}"
+
+
+def test_every_alert_is_unit_tested_firing_and_silent() -> None:
+    """Each rule has a promtool case where it fires and one where it must stay silent."""
+    (tests,) = _yaml_documents(PROMETHEUS / "alerts_test.yml")
+    firing: set[str] = set()
+    silent: set[str] = set()
+    for case in tests["tests"]:
+        for check in case["alert_rule_test"]:
+            (firing if check["exp_alerts"] else silent).add(check["alertname"])
+    names = {rule["alert"] for rule in alert_rules()}
+    assert firing == names
+    assert silent == names
+
+
+def test_rpc_error_alert_ignores_cancelled_calls_and_down_alert_sees_absent_targets() -> None:
+    rules = {rule["alert"]: rule["expr"] for rule in alert_rules()}
+    assert 'code!~"OK|CANCELLED"' in rules["KvcmRpcErrorsHigh"]
+    assert "absent(up{" in rules["KvcmDown"]
+
+
+def test_generated_manifests_are_up_to_date() -> None:
+    pytest.importorskip("yaml", reason="PyYAML is not installed (the dev extra pins it)")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen-deploy.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_rule_holds_the_rules_file() -> None:
+    (alerts,) = _yaml_documents(PROMETHEUS / "alerts.yml")
+    rule = _k8s_objects()["PrometheusRule"]
+    assert rule["spec"] == alerts
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_dashboard_config_map_is_for_grafanas_sidecar() -> None:
+    config_map = _k8s_objects()["GrafanaDashboard"]
+    assert config_map["kind"] == "ConfigMap"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (text,) = config_map["data"].values()
+    assert json.loads(text) == json.loads(DASHBOARD.read_text(encoding="utf-8"))
+
+
 def test_the_down_alert_watches_the_scrape_job() -> None:
     (config,) = _yaml_documents(PROMETHEUS / "prometheus.yml")
     job = config["scrape_configs"][0]["job_name"]
@@ -259,7 +333,14 @@ def test_kustomization_lists_every_manifest() -> None:
 
 
 def test_manifests_have_the_kinds_a_deployment_needs() -> None:
-    assert set(_k8s_objects()) == {"ConfigMap", "Deployment", "Service", "ServiceMonitor"}
+    assert set(_k8s_objects()) == {
+        "ConfigMap",
+        "Deployment",
+        "GrafanaDashboard",
+        "PrometheusRule",
+        "Service",
+        "ServiceMonitor",
+    }
 
 
 def _container() -> dict[str, Any]:
@@ -323,6 +404,8 @@ def test_service_monitor_scrapes_the_service_http_port() -> None:
     monitor = objects["ServiceMonitor"]
     service_labels = objects["Service"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service_labels.items()
+    # kube-prometheus-stack's Prometheus selects ServiceMonitors by release=<helm release>.
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == "http"
     assert endpoint["path"] == "/metrics"
