@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["DEFAULT_LIMITS", "Limits"]
+from kvcm.common.errors import ResourceExhaustedError
+
+__all__ = ["DEFAULT_LIMITS", "Limits", "check_pool_blocks"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,3 +69,31 @@ class Limits:
 
 
 DEFAULT_LIMITS: Final = Limits()
+
+
+def check_pool_blocks(limits: Limits, pool_id: str, num_blocks: int, blocks_in_use: int) -> None:
+    """Check that a pool of ``num_blocks`` blocks fits the server's block limits.
+
+    Called before a pool's blocks are built (an explicit layout at creation, a planned count
+    once every rank registered), so a refused pool costs nothing.
+
+    Args:
+        limits: The server's limits.
+        pool_id: The pool (for the message).
+        num_blocks: The pool's blocks, the null block included.
+        blocks_in_use: Blocks every other pool of the server holds or is building.
+
+    Raises:
+        ResourceExhaustedError: Over ``max_blocks_per_pool`` or ``max_total_blocks`` (the
+            message names the limit).
+    """
+    if num_blocks > limits.max_blocks_per_pool:
+        raise ResourceExhaustedError(
+            f"pool {pool_id!r}: {num_blocks} blocks exceed max_blocks_per_pool "
+            f"{limits.max_blocks_per_pool}"
+        )
+    if blocks_in_use + num_blocks > limits.max_total_blocks:
+        raise ResourceExhaustedError(
+            f"pool {pool_id!r}: {num_blocks} blocks on top of the {blocks_in_use} the server "
+            f"holds exceed max_total_blocks {limits.max_total_blocks}"
+        )

@@ -1,9 +1,24 @@
-"""AdminService: create, list, describe and delete pools (a codec over the registry)."""
+"""AdminService: create, list, describe and delete pools (a codec over the registry).
+
+Building a pool costs about a microsecond per block, so a large pool (an explicit layout of
+``OFF_LOOP_BLOCKS`` blocks or more) is built in a worker thread: the registry holds its name and
+blocks meanwhile (a second CreatePool of the name is ALREADY_EXISTS, DescribePool and ListPools
+do not see it) and adds it once built. Deleting one takes it out of the registry at once and
+unlinks its blocks in a worker thread, so that neither the loop nor a later garbage collection
+walks millions of linked blocks. The cyclic garbage collector is paused while a large pool is
+built: its full collections would otherwise walk the growing pool again and again, holding the
+interpreter lock for up to half a second each.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import threading
+from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
+from kvcm.core.pool import Pool, PoolOptions
 from kvcm.server.rpc._convert import (
     pool_info,
     pool_options_from_proto,
@@ -12,7 +27,10 @@ from kvcm.server.rpc._convert import (
 from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.v1 import admin_pb2, service_pb2_grpc
 
-__all__ = ["AdminServicer"]
+__all__ = ["OFF_LOOP_BLOCKS", "AdminServicer"]
+
+OFF_LOOP_BLOCKS: Final = 4096
+"""Pools of at least this many blocks are built and dismantled off the event loop (~4 ms)."""
 
 # grpc ships no type information: its context is Any to mypy.
 Context: TypeAlias = Any
@@ -33,7 +51,20 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
     ) -> admin_pb2.CreatePoolResponse:
         """Create a pool (READY at once with an explicit layout)."""
         options = pool_options_from_proto(request.config)
-        pool = self._state.registry.create(request.pool_id, options)
+        registry = self._state.registry
+        layout = options.explicit_layout
+        if layout is None or layout.num_blocks < OFF_LOOP_BLOCKS:
+            pool = registry.create(request.pool_id, options)
+        else:
+            registry.reserve(request.pool_id, options)
+            try:
+                pool = await asyncio.to_thread(
+                    _build_large, registry.build, request.pool_id, options
+                )
+            except BaseException:
+                registry.release(request.pool_id)
+                raise
+            registry.add(pool)
         runtime = PoolRuntime(config=admin_pb2.PoolConfig())
         runtime.config.CopyFrom(request.config)
         if pool.manager is not None:
@@ -75,4 +106,57 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
             runtime.deleted = True
             runtime.planned.set()
             runtime.wake_subscribers()
+        manager = pool.manager
+        if manager is not None and manager.block_pool.num_gpu_blocks >= OFF_LOOP_BLOCKS:
+            await asyncio.to_thread(_dismantle, pool)
         return admin_pb2.DeletePoolResponse()
+
+
+class _GcPause:
+    """Pauses the cyclic garbage collector while any large pool is being built."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._builds = 0
+        self._was_enabled = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._builds == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._builds += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._builds -= 1
+            if self._builds == 0 and self._was_enabled:
+                gc.enable()
+
+
+_GC_PAUSE: Final = _GcPause()
+
+
+def _build_large(
+    build: Callable[[str, PoolOptions], Pool], name: str, options: PoolOptions
+) -> Pool:
+    """``build(name, options)`` with the cyclic garbage collector paused (see the docstring)."""
+    with _GC_PAUSE:
+        return build(name, options)
+
+
+def _dismantle(pool: Pool) -> None:
+    """Unlink a deleted pool's blocks so reference counting frees them (in a worker thread).
+
+    The free queue links every free block to its neighbours: left alone, millions of blocks
+    become one cycle that only a full garbage collection (which holds the interpreter lock)
+    frees.
+    """
+    manager = pool.manager
+    if manager is None:
+        return
+    blocks = manager.block_pool.blocks
+    for block in blocks:
+        block.prev_free_block = None
+        block.next_free_block = None
+    blocks.clear()
