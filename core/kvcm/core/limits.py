@@ -42,7 +42,9 @@ class Limits:
     max_blocks_per_pool: int = 16 * 1024 * 1024
     max_total_blocks: int = 64 * 1024 * 1024
     max_step_ops: int = 65536
-    max_step_tokens: int = 1024 * 1024
+    # A Step costs the event loop about 0.4 us per prompt token (bench/loop_fairness.py):
+    # 128k tokens (one prompt of a 128k-context model) is about 50 ms, 1M was 450 ms.
+    max_step_tokens: int = 128 * 1024
     max_message_bytes: int = 16 * 1024 * 1024
     max_subscribers_per_pool: int = 64
     max_pending_registrations: int = 1024

@@ -6,14 +6,15 @@ blocks meanwhile (a second CreatePool of the name is ALREADY_EXISTS, DescribePoo
 do not see it) and adds it once built. Deleting one takes it out of the registry at once and
 unlinks its blocks in a worker thread, so that neither the loop nor a later garbage collection
 walks millions of linked blocks. The cyclic garbage collector is paused while a large pool is
-built: its full collections would otherwise walk the growing pool again and again, holding the
-interpreter lock for up to half a second each.
+built: its collections would otherwise walk the growing pool again and again, holding the
+interpreter lock (and so the loop) for up to a second each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Final, TypeAlias
@@ -112,36 +113,51 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         return admin_pb2.DeletePoolResponse()
 
 
-class _GcPause:
-    """Pauses the cyclic garbage collector while any large pool is being built."""
+class _OffLoopWork:
+    """Held by every worker thread that builds or dismantles a large pool (see the docstring).
+
+    While any holds it: the cyclic garbage collector is paused and the interpreter hands its
+    lock over every 0.5 ms instead of 5 ms, so the loop thread waits less for it. The last one
+    out freezes every tracked object (``gc.freeze``, as vLLM's engine does once its KV cache
+    exists): the new pool's blocks, young because the collector was paused, would otherwise
+    make the next young-generation collection walk all of them on whatever thread allocates.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._builds = 0
-        self._was_enabled = False
+        self._holders = 0
+        self._gc_was_enabled = False
+        self._switch_interval_s = 0.0
 
     def __enter__(self) -> None:
         with self._lock:
-            if self._builds == 0:
-                self._was_enabled = gc.isenabled()
+            if self._holders == 0:
+                self._gc_was_enabled = gc.isenabled()
+                self._switch_interval_s = sys.getswitchinterval()
                 gc.disable()
-            self._builds += 1
+                sys.setswitchinterval(_SWITCH_INTERVAL_S)
+            self._holders += 1
 
     def __exit__(self, *exc_info: object) -> None:
         with self._lock:
-            self._builds -= 1
-            if self._builds == 0 and self._was_enabled:
-                gc.enable()
+            self._holders -= 1
+            if self._holders == 0:
+                gc.freeze()
+                sys.setswitchinterval(self._switch_interval_s)
+                if self._gc_was_enabled:
+                    gc.enable()
 
 
-_GC_PAUSE: Final = _GcPause()
+_SWITCH_INTERVAL_S: Final = 0.0005
+_FREE_SLICE: Final = 8192
+_OFF_LOOP_WORK: Final = _OffLoopWork()
 
 
 def _build_large(
     build: Callable[[str, PoolOptions], Pool], name: str, options: PoolOptions
 ) -> Pool:
-    """``build(name, options)`` with the cyclic garbage collector paused (see the docstring)."""
-    with _GC_PAUSE:
+    """``build(name, options)`` in a worker thread (see :class:`_OffLoopWork`)."""
+    with _OFF_LOOP_WORK:
         return build(name, options)
 
 
@@ -156,7 +172,10 @@ def _dismantle(pool: Pool) -> None:
     if manager is None:
         return
     blocks = manager.block_pool.blocks
-    for block in blocks:
-        block.prev_free_block = None
-        block.next_free_block = None
-    blocks.clear()
+    with _OFF_LOOP_WORK:
+        for block in blocks:
+            block.prev_free_block = None
+            block.next_free_block = None
+        # In slices: one C call freeing millions of blocks would hold the interpreter lock.
+        while blocks:
+            del blocks[-_FREE_SLICE:]
