@@ -172,10 +172,13 @@ _BY_NAME: Final = {spec.name: spec for spec in SETTINGS}
 _TABLES: Final = ("server", "limits")
 
 
-def _coerce(spec: SettingSpec, value: object, source: str) -> object:
-    """``value`` as the setting's type (strings from flags and variables are parsed)."""
+def _coerce(spec: SettingSpec, value: object, source: str, *, parse: bool = True) -> object:
+    """``value`` as the setting's type; strings are parsed when ``parse`` (flags, variables).
+
+    A TOML file has types of its own: a string where a number belongs is a wrong type there.
+    """
     kind = spec.kind
-    if isinstance(value, str) and kind is not str:
+    if isinstance(value, str) and kind is not str and parse:
         text = value.strip()
         try:
             return kind(text)
@@ -212,8 +215,10 @@ def _read_file(path: str | Path) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"{where}: [{table}] must be a table")
         for key in values:
             spec = _BY_NAME.get(key)
-            if spec is None or spec.table != table:
+            if spec is None:
                 raise ConfigError(f"{where}: unknown key {key!r} in [{table}]")
+            if spec.table != table:
+                raise ConfigError(f"{where}: key {key!r} belongs in [{spec.table}]")
         tables[table] = values
     return tables
 
@@ -244,7 +249,7 @@ def load_settings(
         for table, entries in _read_file(config_file).items():
             for key, value in entries.items():
                 source = f"config file {str(config_file)!r} [{table}] {key}"
-                values[key] = _coerce(_BY_NAME[key], value, source)
+                values[key] = _coerce(_BY_NAME[key], value, source, parse=False)
                 sources[key] = source
     for spec in SETTINGS:
         if spec.env in env:
