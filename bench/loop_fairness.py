@@ -11,6 +11,8 @@ sends the phase's load:
   requests whose prompts total ``max_step_tokens`` tokens (``--step-tokens``, in prompts of
   ``--prompt-tokens``), then a Step finishing them all,
   in a loop (three sets of prompts in turn, so every admission misses the prefix cache).
+* ``ops``: the Step with the most ops the limits allow: ``max_step_ops`` / 2 one-block
+  requests (ADD_REQUEST + ALLOCATE each), then a Step finishing them all, in a loop.
 
 Prints p50 / p99 / max of the probe's round trips per phase (target: p99 under 20 ms), and
 the load client's own round trips. ``--server-src DIR`` runs the server from another checkout
@@ -185,6 +187,11 @@ def _run_phase(target: str, phase: str, args: argparse.Namespace) -> None:
             target=_step_load,
             args=(target, ready, stop, args.step_tokens, args.prompt_tokens),
         )
+    elif phase == "ops":
+        ops_tokens = args.step_ops // 2 * BLOCK_SIZE
+        load = context.Process(
+            target=_step_load, args=(target, ready, stop, ops_tokens, BLOCK_SIZE)
+        )
     if load is not None:
         load.start()
         if not ready.wait(120):
@@ -219,7 +226,13 @@ def main() -> None:
         help="prompt tokens one Step adds (default: max_step_tokens)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
-    parser.add_argument("--phases", default="idle,pool,step", help="comma-separated phases")
+    parser.add_argument(
+        "--step-ops",
+        type=int,
+        default=DEFAULT_LIMITS.max_step_ops,
+        help="ops of the ops phase's Steps (default: max_step_ops)",
+    )
+    parser.add_argument("--phases", default="idle,pool,step,ops", help="comma-separated phases")
     parser.add_argument("--server-src", default=None, help="run the server from this checkout")
     args = parser.parse_args()
     with _server(args.server_src) as target:

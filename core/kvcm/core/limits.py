@@ -6,9 +6,9 @@ variables, the TOML file; docs/server.md lists them) and handed to the
 ``ResourceExhaustedError`` (a capacity) or ``InvalidArgumentError`` (a size of the call itself),
 naming the limit, and changes nothing.
 
-The defaults keep any one call's work on the event loop to a few milliseconds and a server's
-memory bounded, while leaving room for the largest real deployments (a 4M-block pool is a
-1M-token context on 64 concurrent sequences of 16-token blocks).
+The defaults bound any one call's work on the event loop and a server's memory, while leaving
+room for the largest real deployments (a 4M-block pool is a 1M-token context on 64 concurrent
+sequences of 16-token blocks; a block costs the server about 140 bytes).
 """
 
 from __future__ import annotations
@@ -41,9 +41,12 @@ class Limits:
     max_pools: int = 1024
     max_blocks_per_pool: int = 16 * 1024 * 1024
     max_total_blocks: int = 64 * 1024 * 1024
-    max_step_ops: int = 65536
-    # A Step costs the event loop about 0.4 us per prompt token (bench/loop_fairness.py):
-    # 128k tokens (one prompt of a 128k-context model) is about 50 ms, 1M was 450 ms.
+    # What a Step costs the event loop (bench/loop_fairness.py, docs/server.md): about 0.4 us
+    # per prompt token and 100-250 us per admitted request on a busy 2-core machine. 8192 ops
+    # leave 4x room over a 1024-sequence decode step (2048 ops); 128k tokens hold one prompt
+    # of a 128k-context model. Going lower would refuse real steps: the rest is for a lane
+    # that runs big programs off the loop (docs/server.md, "Event-loop fairness").
+    max_step_ops: int = 8192
     max_step_tokens: int = 128 * 1024
     max_message_bytes: int = 16 * 1024 * 1024
     max_subscribers_per_pool: int = 64
