@@ -122,3 +122,14 @@ def test_an_unknown_flag_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "--max-everything" in err
+
+
+def test_docs_list_every_setting_with_its_spellings_and_default() -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text("utf-8")
+    rows = {line.split("|")[1].strip(" `"): line for line in docs.splitlines() if "| `" in line}
+    for spec in SETTINGS:
+        row = rows[spec.name]
+        assert f"`{spec.flag}`" in row
+        assert f"`{spec.env}`" in row
+        assert f"`[{spec.table}] {spec.name}`" in row
+        assert str(spec.default) in row, spec.name
