@@ -31,7 +31,24 @@ from kvcm.server.settings import ServerSettings
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
 LARGE_POOL_BLOCKS = 2 * 1024 * 1024
 # CI machines are slow and shared: generous, but far below the seconds a build takes on-loop.
+# The slowest call is only bounded by a share of the build: a starved machine can deschedule
+# any thread for a while, but an on-loop build holds every call for the whole build.
 MAX_PROBE_S = 0.2
+
+
+def _probe_while(client: SchedulerClient, busy: threading.Thread) -> None:
+    """Call DescribePool until ``busy`` ends; check the calls kept answering meanwhile."""
+    samples = []
+    started = time.perf_counter()
+    while busy.is_alive():
+        call_started = time.perf_counter()
+        client.describe_pool("probe")
+        samples.append(time.perf_counter() - call_started)
+    busy.join()
+    busy_s = time.perf_counter() - started
+    samples.sort()
+    assert samples[int(0.95 * (len(samples) - 1))] < MAX_PROBE_S, samples[-5:]
+    assert samples[-1] < max(MAX_PROBE_S, busy_s / 2), (samples[-5:], busy_s)
 
 
 def _config(num_blocks: int, max_model_len: int = 1024) -> PoolConfig:
@@ -136,25 +153,13 @@ def test_a_large_pool_is_built_while_other_calls_keep_answering(
             assert info.num_free_blocks == LARGE_POOL_BLOCKS - 1
         except ServiceNotFoundError:
             pass
-        slowest = 0.0
-        while creating.is_alive():
-            started = time.perf_counter()
-            client.describe_pool("probe")
-            slowest = max(slowest, time.perf_counter() - started)
-        creating.join()
+        _probe_while(client, creating)
         assert outcome, "CreatePool failed"
         assert client.describe_pool("large").num_free_blocks == LARGE_POOL_BLOCKS - 1
-        assert slowest < MAX_PROBE_S
 
         deleting = threading.Thread(target=lambda: client.delete_pool("large"))
         with SchedulerClient(server.grpc_address, timeout=60) as prober:
             deleting.start()
-            slowest = 0.0
-            while deleting.is_alive():
-                started = time.perf_counter()
-                prober.describe_pool("probe")
-                slowest = max(slowest, time.perf_counter() - started)
-            deleting.join()
-        assert slowest < MAX_PROBE_S
+            _probe_while(prober, deleting)
         assert [pool.pool_id for pool in client.list_pools()] == ["probe"]
         client.create_pool("again", _config(LARGE_POOL_BLOCKS))  # the budget came back
