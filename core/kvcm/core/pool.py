@@ -17,7 +17,8 @@ The value types live in :mod:`~kvcm.core.pool_types` and the event log in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from kvcm.common.config import KVCacheConfig
 from kvcm.common.errors import (
@@ -33,6 +34,7 @@ from kvcm.common.events import KVCacheEvent
 from kvcm.common.hashing import BlockHash, resolve_none_hash_seed
 from kvcm.common.specs import KVCacheSpec
 from kvcm.core.event_log import EventLog, OutOfRangeError
+from kvcm.core.limits import DEFAULT_LIMITS, Limits, check_pool_blocks
 from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
@@ -105,8 +107,17 @@ class Pool:
         allocations_not_fit_total: Allocations answered "does not fit" so far.
     """
 
-    def __init__(self, name: str, options: PoolOptions) -> None:
+    def __init__(
+        self,
+        name: str,
+        options: PoolOptions,
+        *,
+        limits: Limits = DEFAULT_LIMITS,
+        blocks_in_use: Callable[[], int] = lambda: 0,
+    ) -> None:
         """Create a pool; one with an explicit layout is planned (READY) at once.
+
+        ``blocks_in_use`` tells planning how many blocks the server's other pools hold.
 
         Raises:
             InvalidArgumentError: The name or the options are out of their domain.
@@ -115,6 +126,8 @@ class Pool:
         check_pool_id(name)
         self.name = name
         self.options = options
+        self.limits = limits
+        self._blocks_in_use = blocks_in_use
         algorithm = options.hash_algorithm
         self._seed = resolve_none_hash_seed(algorithm, options.hash_seed)
         self.hashing = HashingInfo(
@@ -264,6 +277,7 @@ class Pool:
                 f"pool {self.name!r}: the ranks' memory holds {plan.num_blocks} blocks, "
                 "fewer than 2 (the null block and one usable block)"
             )
+        check_pool_blocks(self.limits, self.name, plan.num_blocks, self._blocks_in_use())
         self.plan = plan
         self._make_ready(plan.scheduler_kv_cache_config, plan.max_model_len)
 
@@ -696,12 +710,31 @@ class Pool:
 
 
 class PoolRegistry:
-    """The server's pools by name."""
+    """The server's pools by name, within the server's :class:`~kvcm.core.limits.Limits`.
 
-    def __init__(self, max_pools: int = 1024) -> None:
-        """An empty registry holding at most ``max_pools`` pools."""
+    ``create`` is ``reserve`` + ``build`` + ``add``; a server calls the three itself to build
+    a large pool off its event loop: ``build`` changes nothing in the registry, and while a
+    pool is built its name and blocks stay reserved (a second create of the name is
+    ``AlreadyExistsError``; ``get`` and ``list`` do not see it yet).
+    """
+
+    def __init__(self, max_pools: int | None = None, *, limits: Limits = DEFAULT_LIMITS) -> None:
+        """An empty registry within ``limits`` (``max_pools`` overrides ``limits.max_pools``)."""
+        if max_pools is not None:
+            limits = replace(limits, max_pools=max_pools)
+        self.limits = limits
+        self.max_pools = limits.max_pools
         self._pools: dict[str, Pool] = {}
-        self.max_pools = max_pools
+        self._building: dict[str, int] = {}
+
+    def num_blocks(self) -> int:
+        """Blocks the server's pools hold or are being built with."""
+        held = sum(
+            pool.manager.block_pool.num_gpu_blocks
+            for pool in self._pools.values()
+            if pool.manager is not None
+        )
+        return held + sum(self._building.values())
 
     def create(self, name: str, options: PoolOptions) -> Pool:
         """Create and register a pool.
@@ -709,21 +742,54 @@ class PoolRegistry:
         Raises:
             InvalidArgumentError: Bad name or options (ConfigError for a bad layout).
             AlreadyExistsError: The name is taken.
-            ResourceExhaustedError: The registry is full.
+            ResourceExhaustedError: The registry is full, or the pool's blocks exceed a limit.
+        """
+        self.reserve(name, options)
+        try:
+            pool = self.build(name, options)
+        except BaseException:
+            self.release(name)
+            raise
+        self.add(pool)
+        return pool
+
+    def reserve(self, name: str, options: PoolOptions) -> None:
+        """Check a creation and hold its name and blocks until ``add`` or ``release``.
+
+        Raises:
+            See :meth:`create`.
         """
         check_pool_id(name)
-        if name in self._pools:
+        if name in self._pools or name in self._building:
             raise AlreadyExistsError(f"pool {name!r} already exists")
-        if len(self._pools) >= self.max_pools:
+        if len(self._pools) + len(self._building) >= self.max_pools:
             raise ResourceExhaustedError(f"the server holds its limit of {self.max_pools} pools")
+        layout = options.explicit_layout
+        num_blocks = 0 if layout is None else layout.num_blocks
+        check_pool_blocks(self.limits, name, num_blocks, self.num_blocks())
+        self._building[name] = num_blocks
+
+    def build(self, name: str, options: PoolOptions) -> Pool:
+        """Build a reserved pool; touches nothing in the registry (safe off the loop).
+
+        Raises:
+            InvalidArgumentError: Bad options (ConfigError for a bad layout).
+        """
         try:
-            pool = Pool(name, options)
+            return Pool(name, options, limits=self.limits, blocks_in_use=self.num_blocks)
         except (ValueError, KeyError, TypeError) as exc:
             if isinstance(exc, KVCMError):
                 raise
             raise ConfigError(f"config: {exc}") from exc
-        self._pools[name] = pool
-        return pool
+
+    def add(self, pool: Pool) -> None:
+        """Register a pool built for a reservation."""
+        del self._building[pool.name]
+        self._pools[pool.name] = pool
+
+    def release(self, name: str) -> None:
+        """Drop a reservation whose build failed or was abandoned."""
+        self._building.pop(name, None)
 
     def get(self, name: str) -> Pool:
         """The pool called ``name``.

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Iterator
 
 import grpc
@@ -24,13 +25,14 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvcm.common.errors import ConfigError
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.http import build_app
 from kvcm.server.rpc import SERVICE_NAMES, ServerState, TelemetryInterceptor, add_servicers
 from kvcm.server.settings import ServerSettings, split_address
 from kvcm.server.telemetry import RpcStats
 
-__all__ = ["KVCMServer", "serve"]
+__all__ = ["KVCMServer", "run_until_signalled", "serve"]
 
 _LOG = logging.getLogger("kvcm.server")
 
@@ -57,7 +59,7 @@ class KVCMServer:
         """Prepare a server; nothing is bound until ``start``."""
         self.settings = settings
         self.state = ServerState(
-            registry=PoolRegistry(max_pools=settings.max_pools), rpc_stats=RpcStats()
+            registry=PoolRegistry(limits=settings.limits), rpc_stats=RpcStats()
         )
         self.grpc_port = 0
         self.http_port = 0
@@ -85,14 +87,20 @@ class KVCMServer:
         """Bind and start both sides; the gRPC side reports SERVING once started.
 
         Raises:
-            RuntimeError: An address could not be bound.
+            ConfigError: An address cannot be listened on (the message names the setting).
         """
         settings = self.settings
+        # Probed first: gRPC's own bind failure also writes a C-core log line to stderr.
+        _bind("grpc_address", settings.grpc_address).close()
+        http_socket = (
+            _bind("http_address", settings.http_address) if settings.http_address else None
+        )
+        max_message_bytes = settings.limits.max_message_bytes
         server = grpc.aio.server(
             interceptors=[TelemetryInterceptor(self.state.rpc_stats)],
             options=[
-                ("grpc.max_send_message_length", settings.max_message_bytes),
-                ("grpc.max_receive_message_length", settings.max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
             ],
         )
@@ -109,12 +117,12 @@ class KVCMServer:
         host, port = split_address(settings.grpc_address)
         bound = server.add_insecure_port(f"{_bracket(host)}:{port}")
         if bound == 0:
-            raise RuntimeError(f"could not bind the gRPC address {settings.grpc_address!r}")
+            raise ConfigError(f"grpc_address: cannot listen on {settings.grpc_address!r}")
         self.grpc_port = bound
         self._grpc = server
         await server.start()
-        if settings.http_address:
-            await self._start_http()
+        if http_socket is not None:
+            await self._start_http(http_socket)
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.state.serving = True
@@ -124,7 +132,7 @@ class KVCMServer:
             self.http_address if settings.http_address else "(off)",
         )
 
-    async def _start_http(self) -> None:
+    async def _start_http(self, sock: socket.socket) -> None:
         host, port = split_address(self.settings.http_address)
         app = build_app(self.state.registry, self.state.rpc_stats, lambda: self.state.serving)
         config = uvicorn.Config(
@@ -137,7 +145,7 @@ class KVCMServer:
         )
         http = _EmbeddedUvicorn(config)
         self._http = http
-        self._http_task = asyncio.create_task(http.serve(), name="kvcm-http")
+        self._http_task = asyncio.create_task(http.serve(sockets=[sock]), name="kvcm-http")
         while not http.started:
             if self._http_task.done():
                 self._http_task.result()  # raises what stopped it
@@ -168,10 +176,41 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _bind(setting: str, address: str) -> socket.socket:
+    """A socket bound to ``address`` (not yet listening).
+
+    Raises:
+        ConfigError: The address does not resolve or is in use (names ``setting``).
+    """
+    host, port = split_address(address)
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot listen on {address!r}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"{setting}: cannot listen on {address!r}: {exc.strerror or exc}"
+        ) from exc
+    return sock
+
+
 async def serve(settings: ServerSettings) -> None:
     """Run a server until SIGINT or SIGTERM, then shut it down gracefully."""
     server = KVCMServer(settings)
     await server.start()
+    await run_until_signalled(server)
+
+
+async def run_until_signalled(server: KVCMServer) -> None:
+    """Wait for SIGINT or SIGTERM, then shut a started server down gracefully."""
+    settings = server.settings
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

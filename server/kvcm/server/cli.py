@@ -5,37 +5,58 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib import metadata
+from typing import NoReturn
 
-from kvcm.server.settings import DEFAULT_GRPC_ADDRESS, DEFAULT_HTTP_ADDRESS
+from kvcm.server.settings import CONFIG_ENV, SETTINGS
 
 __all__ = ["main"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``kvcm serve: error: ...`` on stderr, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvcm")
+    except metadata.PackageNotFoundError:  # pragma: no cover - a source tree without install
+        return "unknown"
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvcm", description="kvcm: a standalone KV-cache manager for LLM serving clusters."
     )
+    parser.add_argument("--version", action="version", version=f"kvcm {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the kvcm server (gRPC and HTTP)")
-    serve.add_argument(
-        "--grpc-address",
-        default=None,
-        help=f"gRPC host:port (default {DEFAULT_GRPC_ADDRESS})",
+    serve = commands.add_parser(
+        "serve",
+        help="run the kvcm server (gRPC and HTTP)",
+        description=(
+            "Run the kvcm server. Each setting comes from its flag, else its KVCM_* environment "
+            "variable, else the --config TOML file ([server] and [limits] tables), else its "
+            "default (docs/server.md lists them)."
+        ),
     )
     serve.add_argument(
-        "--http-address",
+        "--config",
         default=None,
-        help=f"HTTP host:port for /metrics, /healthz, /readyz, /v1/pools "
-        f"(default {DEFAULT_HTTP_ADDRESS})",
+        metavar="FILE",
+        help=f"TOML file with [server] and [limits] tables (env {CONFIG_ENV})",
     )
-    serve.add_argument("--config", default=None, help="TOML file with a [server] table")
-    serve.add_argument(
-        "--log-level",
-        default=None,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="logging level (default INFO)",
-    )
+    for spec in SETTINGS:
+        serve.add_argument(
+            spec.flag,
+            dest=spec.name,
+            default=None,
+            metavar=spec.kind.__name__.upper(),
+            help=f"{spec.help} (env {spec.env}; default {spec.default!r})",
+        )
     return parser
 
 
@@ -44,24 +65,31 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from kvcm.common.errors import ConfigError
-    from kvcm.server.app import serve
+    from kvcm.server.app import KVCMServer, run_until_signalled
     from kvcm.server.settings import load_settings
 
     try:
         settings = load_settings(
-            args.config,
-            grpc_address=args.grpc_address,
-            http_address=args.http_address,
-            log_level=args.log_level,
+            args.config, **{spec.name: getattr(args, spec.name) for spec in SETTINGS}
         )
     except ConfigError as exc:
         print(f"kvcm serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    asyncio.run(serve(settings))
-    return 0
+
+    async def main() -> int:
+        server = KVCMServer(settings)
+        try:
+            await server.start()
+        except ConfigError as exc:
+            print(f"kvcm serve: {exc}", file=sys.stderr)
+            return 2
+        await run_until_signalled(server)
+        return 0
+
+    return asyncio.run(main())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,19 +1,45 @@
-"""The server's settings: defaults, overridden by a TOML file, overridden by flags."""
+"""The server's settings, from four layers: flags > ``KVCM_*`` variables > TOML file > defaults.
+
+Every setting has one name and three spellings, all derived from the name (docs/server.md
+lists them)::
+
+    grpc_address          --grpc-address          KVCM_GRPC_ADDRESS         [server] table
+    max_blocks_per_pool   --max-blocks-per-pool   KVCM_MAX_BLOCKS_PER_POOL  [limits] table
+
+The ``[server]`` table holds how the process runs, the ``[limits]`` table the service's hard
+limits (:class:`~kvcm.core.limits.Limits`). The file itself comes from ``--config`` or
+``KVCM_CONFIG``. A bad value, an unknown key or table is a :class:`ConfigError` whose one-line
+message names the setting and where it came from.
+"""
 
 from __future__ import annotations
 
+import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Final
 
 from kvcm.common.errors import ConfigError
+from kvcm.core.limits import DEFAULT_LIMITS, Limits
 
-__all__ = ["DEFAULT_GRPC_ADDRESS", "DEFAULT_HTTP_ADDRESS", "ServerSettings", "load_settings"]
+__all__ = [
+    "CONFIG_ENV",
+    "DEFAULT_GRPC_ADDRESS",
+    "DEFAULT_HTTP_ADDRESS",
+    "SETTINGS",
+    "ServerSettings",
+    "SettingSpec",
+    "load_settings",
+    "split_address",
+]
 
 DEFAULT_GRPC_ADDRESS: Final = "127.0.0.1:50051"
 DEFAULT_HTTP_ADDRESS: Final = "127.0.0.1:8080"
-_LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+CONFIG_ENV: Final = "KVCM_CONFIG"
+_GRPC_MAX_MESSAGE_BYTES: Final = 2**31 - 1
+LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,33 +50,104 @@ class ServerSettings:
         grpc_address: ``host:port`` of the gRPC side (port 0: any free port).
         http_address: ``host:port`` of the HTTP side (/metrics, probes); ``""``: no HTTP.
         log_level: Python logging level name.
-        max_pools: Pools the server holds at most (CreatePool answers RESOURCE_EXHAUSTED).
         shutdown_grace_s: Seconds in-flight RPCs get to finish on shutdown.
-        max_message_bytes: Largest gRPC message either way.
+        limits: The service's hard limits.
     """
 
     grpc_address: str = DEFAULT_GRPC_ADDRESS
     http_address: str = DEFAULT_HTTP_ADDRESS
     log_level: str = "INFO"
-    max_pools: int = 1024
     shutdown_grace_s: float = 5.0
-    max_message_bytes: int = 256 * 1024 * 1024
+    limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
         for name in ("grpc_address", "http_address"):
             value = getattr(self, name)
-            if not isinstance(value, str) or (value and ":" not in value):
+            if not isinstance(value, str):
                 raise ConfigError(f"{name} must be 'host:port', got {value!r}")
-        if not self.grpc_address:
-            raise ConfigError("grpc_address must not be empty")
-        if self.log_level.upper() not in _LOG_LEVELS:
-            raise ConfigError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
-        if self.max_pools < 1:
-            raise ConfigError(f"max_pools must be >= 1, got {self.max_pools}")
-        if self.shutdown_grace_s < 0:
+            if value or name == "grpc_address":
+                try:
+                    split_address(value)
+                except ConfigError as exc:
+                    raise ConfigError(f"{name}: {exc}") from None
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        if self.max_message_bytes < 1:
-            raise ConfigError(f"max_message_bytes must be >= 1, got {self.max_message_bytes}")
+        if self.limits.max_message_bytes > _GRPC_MAX_MESSAGE_BYTES:
+            raise ConfigError(
+                f"max_message_bytes must be <= {_GRPC_MAX_MESSAGE_BYTES} (gRPC's int32), "
+                f"got {self.limits.max_message_bytes}"
+            )
+
+    @property
+    def max_pools(self) -> int:
+        """``limits.max_pools``."""
+        return self.limits.max_pools
+
+    @property
+    def max_message_bytes(self) -> int:
+        """``limits.max_message_bytes``."""
+        return self.limits.max_message_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SettingSpec:
+    """One setting: its name, its TOML table, its type and what it means.
+
+    Attributes:
+        name: The setting's name (the TOML key, the field of ServerSettings or Limits).
+        table: ``"server"`` or ``"limits"``.
+        kind: ``str``, ``int`` or ``float``.
+        default: The default value.
+        help: What it means (the flag's help and the docs table).
+    """
+
+    name: str
+    table: str
+    kind: type
+    default: object
+    help: str
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag, ``--grpc-address``."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        """The environment variable, ``KVCM_GRPC_ADDRESS``."""
+        return "KVCM_" + self.name.upper()
+
+
+_HELP: Final = {
+    "grpc_address": "gRPC host:port (port 0: any free port)",
+    "http_address": "HTTP host:port for /metrics, /healthz, /readyz, /v1/pools ('': no HTTP)",
+    "log_level": f"logging level, one of {', '.join(LOG_LEVELS)}",
+    "shutdown_grace_s": "seconds in-flight RPCs get to finish on shutdown",
+    "max_pools": "pools the server holds; CreatePool answers RESOURCE_EXHAUSTED beyond",
+    "max_blocks_per_pool": "blocks of one pool (explicit or planned, the null block included)",
+    "max_total_blocks": "blocks of all pools together (the server's memory budget)",
+    "max_step_ops": "ops in one Step program",
+    "max_step_tokens": "token ids in one Step program (prompts plus appended tokens)",
+    "max_message_bytes": "bytes of one gRPC message either way (grpc answers RESOURCE_EXHAUSTED)",
+    "max_subscribers_per_pool": "live event subscriptions of one pool",
+    "max_pending_registrations": "ranks waiting at one pool's RegisterWorker barrier",
+    "registration_timeout_s": "seconds a rank waits for the other ranks at most",
+}
+
+
+def _specs() -> tuple[SettingSpec, ...]:
+    server = ServerSettings()
+    tables: tuple[tuple[str, object, list[str]], ...] = (
+        ("server", server, [f.name for f in fields(ServerSettings) if f.name != "limits"]),
+        ("limits", DEFAULT_LIMITS, [f.name for f in fields(Limits)]),
+    )
+    return tuple(
+        SettingSpec(name, table, type(getattr(values, name)), getattr(values, name), _HELP[name])
+        for table, values, names in tables
+        for name in names
+    )
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -65,34 +162,136 @@ def split_address(address: str) -> tuple[str, int]:
     except ValueError:
         number = -1
     if not host or not 0 <= number <= 65535:
-        raise ConfigError(f"address must be 'host:port', got {address!r}")
+        raise ConfigError(f"address must be 'host:port' with a port in [0, 65535], got {address!r}")
     return host.strip("[]"), number
 
 
-def load_settings(config_file: str | Path | None = None, **overrides: Any) -> ServerSettings:
-    """Settings from defaults, the ``[server]`` table of a TOML file, then ``overrides``.
+SETTINGS: Final = _specs()
+"""Every setting, in the order of the docs table."""
+_BY_NAME: Final = {spec.name: spec for spec in SETTINGS}
+_TABLES: Final = ("server", "limits")
 
-    ``None`` overrides are ignored (a flag that was not given).
+
+def _coerce(spec: SettingSpec, value: object, source: str, *, parse: bool = True) -> object:
+    """``value`` as the setting's type; strings are parsed when ``parse`` (flags, variables).
+
+    A TOML file has types of its own: a string where a number belongs is a wrong type there.
+    """
+    kind = spec.kind
+    if isinstance(value, str) and kind is not str and parse:
+        text = value.strip()
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    elif kind is str and isinstance(value, str):
+        return value
+    elif isinstance(value, bool):
+        pass
+    elif kind is int and isinstance(value, int):
+        return value
+    elif kind is float and isinstance(value, int | float):
+        return float(value)
+    noun = {str: "a string", int: "an integer", float: "a number"}[kind]
+    raise ConfigError(f"{source}: {spec.name} must be {noun}, got {value!r}")
+
+
+def _read_file(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The tables of a TOML config file, checked for unknown tables and keys."""
+    where = f"config file {str(path)!r}"
+    try:
+        document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{where}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    unknown_tables = sorted(set(document) - set(_TABLES))
+    if unknown_tables:
+        raise ConfigError(f"{where}: unknown table or key {unknown_tables[0]!r}")
+    tables: dict[str, dict[str, Any]] = {}
+    for table in _TABLES:
+        values = document.get(table, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: [{table}] must be a table")
+        for key in values:
+            spec = _BY_NAME.get(key)
+            if spec is None:
+                raise ConfigError(f"{where}: unknown key {key!r} in [{table}]")
+            if spec.table != table:
+                raise ConfigError(f"{where}: key {key!r} belongs in [{spec.table}]")
+        tables[table] = values
+    return tables
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> ServerSettings:
+    """Settings from defaults, the TOML file, ``KVCM_*`` variables, then ``overrides``.
+
+    Args:
+        config_file: The TOML file; ``None``: ``$KVCM_CONFIG`` if set, else none.
+        environ: The environment (``os.environ`` when ``None``).
+        **overrides: Settings by name, typed or as strings (flags); ``None`` is "not given".
 
     Raises:
-        ConfigError: The file is unreadable or names an unknown key, or a value is bad.
+        ConfigError: One line naming the setting and its source: an unknown key or table, a
+            value of the wrong type or out of its domain, an unreadable file.
     """
-    settings = ServerSettings()
-    known = {f.name for f in fields(ServerSettings)}
+    env = os.environ if environ is None else environ
+    if config_file is None and env.get(CONFIG_ENV):
+        config_file = env[CONFIG_ENV]
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
     if config_file is not None:
-        try:
-            document = tomllib.loads(Path(config_file).read_text(encoding="utf-8"))
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"config file {str(config_file)!r}: {exc}") from exc
-        table = document.get("server", {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"config file {str(config_file)!r}: [server] must be a table")
-        unknown = sorted(set(table) - known)
-        if unknown:
-            raise ConfigError(f"config file {str(config_file)!r}: unknown keys {unknown}")
-        settings = replace(settings, **table)
-    given = {name: value for name, value in overrides.items() if value is not None}
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise ConfigError(f"unknown settings {unknown}")
-    return replace(settings, **given)
+        for table, entries in _read_file(config_file).items():
+            for key, value in entries.items():
+                source = f"config file {str(config_file)!r} [{table}] {key}"
+                values[key] = _coerce(_BY_NAME[key], value, source, parse=False)
+                sources[key] = source
+    for spec in SETTINGS:
+        if spec.env in env:
+            source = f"environment {spec.env}"
+            values[spec.name] = _coerce(spec, env[spec.env], source)
+            sources[spec.name] = source
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        known = _BY_NAME.get(name)
+        if known is None:
+            raise ConfigError(f"unknown setting {name!r}")
+        source = f"flag {known.flag}"
+        values[name] = _coerce(known, value, source)
+        sources[name] = source
+    return _build(values, sources)
+
+
+def _build(values: Mapping[str, object], sources: Mapping[str, str]) -> ServerSettings:
+    """ServerSettings of checked values; a domain error names the setting's source."""
+    # _coerce gave every value its setting's type.
+    limits_values: dict[str, Any] = {
+        k: v for k, v in values.items() if _BY_NAME[k].table == "limits"
+    }
+    server_values: dict[str, Any] = {
+        k: v for k, v in values.items() if _BY_NAME[k].table == "server"
+    }
+    try:
+        limits = replace(DEFAULT_LIMITS, **limits_values)
+    except ValueError as exc:
+        raise ConfigError(_with_source(str(exc), sources)) from None
+    if isinstance(server_values.get("log_level"), str):
+        server_values["log_level"] = str(server_values["log_level"]).upper()
+    try:
+        return ServerSettings(**server_values, limits=limits)
+    except ConfigError as exc:
+        raise ConfigError(_with_source(str(exc), sources)) from None
+
+
+def _with_source(message: str, sources: Mapping[str, str]) -> str:
+    """Prefix a domain error with where its setting came from (default: no prefix)."""
+    for name, source in sources.items():
+        if message.startswith((f"{name} ", f"{name}:", f"limits.{name} ")):
+            return f"{source}: {message.removeprefix('limits.')}"
+    return message

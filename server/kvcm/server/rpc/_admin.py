@@ -1,9 +1,25 @@
-"""AdminService: create, list, describe and delete pools (a codec over the registry)."""
+"""AdminService: create, list, describe and delete pools (a codec over the registry).
+
+Building a pool costs about a microsecond per block, so a large pool (an explicit layout of
+``OFF_LOOP_BLOCKS`` blocks or more) is built in a worker thread: the registry holds its name and
+blocks meanwhile (a second CreatePool of the name is ALREADY_EXISTS, DescribePool and ListPools
+do not see it) and adds it once built. Deleting one takes it out of the registry at once and
+unlinks its blocks in a worker thread, so that neither the loop nor a later garbage collection
+walks millions of linked blocks. The cyclic garbage collector is paused while a large pool is
+built: its collections would otherwise walk the growing pool again and again, holding the
+interpreter lock (and so the loop) for up to a second each.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import sys
+import threading
+from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
+from kvcm.core.pool import Pool, PoolOptions
 from kvcm.server.rpc._convert import (
     pool_info,
     pool_options_from_proto,
@@ -12,7 +28,10 @@ from kvcm.server.rpc._convert import (
 from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.v1 import admin_pb2, service_pb2_grpc
 
-__all__ = ["AdminServicer"]
+__all__ = ["OFF_LOOP_BLOCKS", "AdminServicer"]
+
+OFF_LOOP_BLOCKS: Final = 4096
+"""Pools of at least this many blocks are built and dismantled off the event loop (~4 ms)."""
 
 # grpc ships no type information: its context is Any to mypy.
 Context: TypeAlias = Any
@@ -33,7 +52,20 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
     ) -> admin_pb2.CreatePoolResponse:
         """Create a pool (READY at once with an explicit layout)."""
         options = pool_options_from_proto(request.config)
-        pool = self._state.registry.create(request.pool_id, options)
+        registry = self._state.registry
+        layout = options.explicit_layout
+        if layout is None or layout.num_blocks < OFF_LOOP_BLOCKS:
+            pool = registry.create(request.pool_id, options)
+        else:
+            registry.reserve(request.pool_id, options)
+            try:
+                pool = await asyncio.to_thread(
+                    _build_large, registry.build, request.pool_id, options
+                )
+            except BaseException:
+                registry.release(request.pool_id)
+                raise
+            registry.add(pool)
         runtime = PoolRuntime(config=admin_pb2.PoolConfig())
         runtime.config.CopyFrom(request.config)
         if pool.manager is not None:
@@ -75,4 +107,75 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
             runtime.deleted = True
             runtime.planned.set()
             runtime.wake_subscribers()
+        manager = pool.manager
+        if manager is not None and manager.block_pool.num_gpu_blocks >= OFF_LOOP_BLOCKS:
+            await asyncio.to_thread(_dismantle, pool)
         return admin_pb2.DeletePoolResponse()
+
+
+class _OffLoopWork:
+    """Held by every worker thread that builds or dismantles a large pool (see the docstring).
+
+    While any holds it: the cyclic garbage collector is paused and the interpreter hands its
+    lock over every 0.5 ms instead of 5 ms, so the loop thread waits less for it. The last one
+    out freezes every tracked object (``gc.freeze``, as vLLM's engine does once its KV cache
+    exists): the new pool's blocks, young because the collector was paused, would otherwise
+    make the next young-generation collection walk all of them on whatever thread allocates.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._gc_was_enabled = False
+        self._switch_interval_s = 0.0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._gc_was_enabled = gc.isenabled()
+                self._switch_interval_s = sys.getswitchinterval()
+                gc.disable()
+                sys.setswitchinterval(_SWITCH_INTERVAL_S)
+            self._holders += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                gc.freeze()
+                sys.setswitchinterval(self._switch_interval_s)
+                if self._gc_was_enabled:
+                    gc.enable()
+
+
+_SWITCH_INTERVAL_S: Final = 0.0005
+_FREE_SLICE: Final = 8192
+_OFF_LOOP_WORK: Final = _OffLoopWork()
+
+
+def _build_large(
+    build: Callable[[str, PoolOptions], Pool], name: str, options: PoolOptions
+) -> Pool:
+    """``build(name, options)`` in a worker thread (see :class:`_OffLoopWork`)."""
+    with _OFF_LOOP_WORK:
+        return build(name, options)
+
+
+def _dismantle(pool: Pool) -> None:
+    """Unlink a deleted pool's blocks so reference counting frees them (in a worker thread).
+
+    The free queue links every free block to its neighbours: left alone, millions of blocks
+    become one cycle that only a full garbage collection (which holds the interpreter lock)
+    frees.
+    """
+    manager = pool.manager
+    if manager is None:
+        return
+    blocks = manager.block_pool.blocks
+    with _OFF_LOOP_WORK:
+        for block in blocks:
+            block.prev_free_block = None
+            block.next_free_block = None
+        # In slices: one C call freeing millions of blocks would hold the interpreter lock.
+        while blocks:
+            del blocks[-_FREE_SLICE:]
