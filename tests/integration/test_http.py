@@ -123,7 +123,41 @@ def test_metrics_exposes_every_declared_family(http: httpx.Client) -> None:
     families, _ = _scrape(http)
     # The text parser names counters without their _total suffix.
     declared = {spec.name.removesuffix("_total") for spec in METRICS}
-    assert families == declared
+    assert {name for name in families if name.startswith("kvcm_")} == declared
+
+
+def test_metrics_include_process_and_runtime_collectors(http: httpx.Client) -> None:
+    families, samples = _scrape(http)
+    assert {"process_resident_memory_bytes", "process_open_fds", "python_gc_collections"} <= (
+        families
+    )
+    assert {name for name in families if not name.startswith("kvcm_")} <= {
+        "process_cpu_seconds",
+        "process_max_fds",
+        "process_open_fds",
+        "process_resident_memory_bytes",
+        "process_start_time_seconds",
+        "process_virtual_memory_bytes",
+        "python_gc_collections",
+        "python_gc_objects_collected",
+        "python_gc_objects_uncollectable",
+        "python_info",
+    }
+    assert _value(samples, "process_resident_memory_bytes") > 0
+
+
+def test_event_loop_lag_is_measured_on_the_running_server(http: httpx.Client) -> None:
+    # The timer ticks every 100 ms from the server's start; wait for a few ticks.
+    deadline = time.monotonic() + 5.0
+    count = 0.0
+    while time.monotonic() < deadline:
+        _, samples = _scrape(http)
+        count = _value(samples, "kvcm_event_loop_lag_seconds_count")
+        if count >= 2:
+            break
+        time.sleep(0.1)
+    assert count >= 2
+    assert _value(samples, "kvcm_event_loop_lag_seconds_bucket", le="+Inf") == count
 
 
 def test_metrics_speaks_openmetrics_when_asked(http: httpx.Client) -> None:

@@ -20,7 +20,8 @@ def _documented() -> dict[str, tuple[str, tuple[str, ...], str]]:
         name, kind, labels, vllm, _meaning = (g.strip() for g in match.groups())
         assert name not in rows, f"{name} documented twice"
         kind = kind.split(" ")[0]  # "gauge (1)" for info series
-        rows[name] = (kind, tuple(label.strip() for label in labels.split(",")), vllm)
+        names = () if labels == "(none)" else tuple(label.strip() for label in labels.split(","))
+        rows[name] = (kind, names, vllm)
     return rows
 
 
@@ -59,3 +60,25 @@ def test_names_follow_the_house_conventions() -> None:
         }, spec.name
         if spec.name.endswith(("_ratio", "_rate")):
             assert spec.kind == "gauge", spec.name
+
+
+def test_the_runtime_collectors_families_are_documented() -> None:
+    """Every family /metrics serves, kvcm's own or prometheus_client's, is named in the doc."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvcm.core.pool import PoolRegistry
+    from kvcm.server.http import build_app
+    from kvcm.server.telemetry import RpcStats
+
+    app = build_app(PoolRegistry(), RpcStats(), lambda: True)
+    text = generate_latest(app.state.prometheus_registry).decode()
+    runtime = {
+        family.name + ("_total" if family.type == "counter" else "")
+        for family in text_string_to_metric_families(text)
+        if not family.name.startswith("kvcm_")
+    }
+    assert {"process_resident_memory_bytes", "python_gc_collections_total"} <= runtime
+    doc = DOC.read_text(encoding="utf-8")
+    missing = sorted(name for name in runtime if f"`{name}`" not in doc)
+    assert not missing

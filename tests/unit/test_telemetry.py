@@ -1,14 +1,22 @@
-"""RpcStats: fixed buckets, per-method histograms, per-(method, code) counts, snapshots."""
+"""RpcStats (fixed buckets, per-method histograms, per-(method, code) counts, snapshots) and
+the event-loop lag monitor."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 
-from kvcm.server.telemetry import DEFAULT_LATENCY_BUCKETS_SECONDS, RpcStats
+from kvcm.server.telemetry import (
+    DEFAULT_LATENCY_BUCKETS_SECONDS,
+    LoopLagMonitor,
+    LoopLagSnapshot,
+    RpcStats,
+)
 
 
 def test_observations_land_in_le_buckets_and_accumulate() -> None:
@@ -78,3 +86,33 @@ def test_telemetry_imports_no_metrics_library() -> None:
         [sys.executable, "-c", code], check=True, capture_output=True, text=True
     ).stdout
     assert out.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- loop lag
+
+
+def test_loop_lag_monitor_sees_a_loop_held_by_a_blocking_call() -> None:
+    async def run() -> LoopLagSnapshot:
+        monitor = LoopLagMonitor(interval_s=0.01)
+        monitor.start(asyncio.get_running_loop())
+        monitor.start(asyncio.get_running_loop())  # a second start does nothing
+        await asyncio.sleep(0.05)
+        time.sleep(0.2)  # holds the loop: the next tick runs ~0.2 s late
+        await asyncio.sleep(0.03)
+        monitor.stop()
+        return monitor.snapshot()
+
+    snapshot = asyncio.run(run())
+    assert snapshot.count >= 3
+    assert snapshot.cumulative_counts[-1] == snapshot.count
+    assert snapshot.sum_seconds >= 0.15
+    # At least one tick landed above 100 ms.
+    at_or_below_100ms = snapshot.cumulative_counts[snapshot.upper_bounds.index(0.1)]
+    assert at_or_below_100ms < snapshot.count
+
+
+def test_loop_lag_monitor_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError, match="interval_s"):
+        LoopLagMonitor(interval_s=0)
+    with pytest.raises(ValueError, match="ascending"):
+        LoopLagMonitor(buckets=(0.1, 0.01))

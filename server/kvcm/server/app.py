@@ -30,7 +30,7 @@ from kvcm.core.pool import PoolRegistry
 from kvcm.server.http import build_app
 from kvcm.server.rpc import SERVICE_NAMES, ServerState, TelemetryInterceptor, add_servicers
 from kvcm.server.settings import ServerSettings, split_address
-from kvcm.server.telemetry import RpcStats
+from kvcm.server.telemetry import LoopLagMonitor, RpcStats
 
 __all__ = ["KVCMServer", "run_until_signalled", "serve"]
 
@@ -53,6 +53,8 @@ class KVCMServer:
         state: What the servicers share (registry, RPC stats, per-pool wake-ups).
         grpc_port: The bound gRPC port (after ``start``).
         http_port: The bound HTTP port (after ``start``; 0 without HTTP).
+        loop_lag: The event-loop lag monitor (``kvcm_event_loop_lag_seconds``), ticking from
+            ``start`` to ``stop``.
     """
 
     def __init__(self, settings: ServerSettings) -> None:
@@ -68,6 +70,7 @@ class KVCMServer:
         self._http: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        self.loop_lag = LoopLagMonitor()
 
     @property
     def grpc_address(self) -> str:
@@ -126,6 +129,7 @@ class KVCMServer:
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.state.serving = True
+        self.loop_lag.start(asyncio.get_running_loop())
         _LOG.info(
             "kvcm serving gRPC on %s, HTTP on %s",
             self.grpc_address,
@@ -134,12 +138,20 @@ class KVCMServer:
 
     async def _start_http(self, sock: socket.socket) -> None:
         host, port = split_address(self.settings.http_address)
-        app = build_app(self.state.registry, self.state.rpc_stats, lambda: self.state.serving)
+        app = build_app(
+            self.state.registry,
+            self.state.rpc_stats,
+            lambda: self.state.serving,
+            loop_lag=self.loop_lag,
+        )
         config = uvicorn.Config(
             app,
             host=host,
             port=port,
             log_level=self.settings.log_level.lower(),
+            # None: uvicorn installs no handlers or formats of its own; its records reach the
+            # root logger that kvcm.server.logs configured, so every line has one format.
+            log_config=None,
             lifespan="off",
             access_log=False,
         )
@@ -165,6 +177,7 @@ class KVCMServer:
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await self._http_task
+        self.loop_lag.stop()
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

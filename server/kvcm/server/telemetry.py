@@ -1,4 +1,4 @@
-"""RPC statistics kept on the server's hot path, read by the metrics collector at scrape time.
+"""RPC statistics and event-loop lag, kept on the server's loop, read by the collector at scrape.
 
 ``RpcStats`` is plain Python with no metrics library behind it: the gRPC layer calls
 :meth:`RpcStats.observe` once per finished RPC, and the HTTP side's collector turns a
@@ -7,12 +7,16 @@ observation costs one dict lookup per table, one bisection over the fixed bucket
 few integer additions; it allocates only the first time a method or a (method, code) pair is
 seen, and both are bounded by the service's RPC list and the gRPC status codes.
 
+:class:`LoopLagMonitor` is a timer on the server's loop that records how late it runs
+(``kvcm_event_loop_lag_seconds``): what every RPC waits before the loop gets to it.
+
 The server runs on one asyncio event loop and the collector runs on that same loop, so neither
 side takes a lock: an observation and a snapshot never interleave.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import itertools
 import math
@@ -21,6 +25,9 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_LATENCY_BUCKETS_SECONDS",
+    "DEFAULT_LOOP_LAG_BUCKETS_SECONDS",
+    "LoopLagMonitor",
+    "LoopLagSnapshot",
     "MethodLatency",
     "RpcStats",
     "RpcStatsSnapshot",
@@ -168,3 +175,110 @@ class RpcStats:
             )
         requests = tuple((method, code, n) for (method, code), n in sorted(self._requests.items()))
         return RpcStatsSnapshot(latencies=tuple(latencies), requests=requests)
+
+
+# Upper bounds in seconds for the event loop's lag. A healthy loop runs a timer within a
+# millisecond; a pool build or a long Step that holds the loop shows as tens to hundreds of ms.
+DEFAULT_LOOP_LAG_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoopLagSnapshot:
+    """The event-loop lag histogram at one instant.
+
+    Attributes:
+        upper_bounds: the finite bucket bounds in seconds, ascending.
+        cumulative_counts: observations at or below each bound, then one for ``+Inf``.
+        count: the number of observations (timer ticks).
+        sum_seconds: the summed lag.
+    """
+
+    upper_bounds: tuple[float, ...]
+    cumulative_counts: tuple[int, ...]
+    count: int
+    sum_seconds: float
+
+
+class LoopLagMonitor:
+    """Measures how late the event loop runs a periodic timer (its lag), as a histogram.
+
+    A timer is due every ``interval_s``; when it runs, the time past its due time is one
+    observation. Anything that holds the loop (a long Step, a synchronous pool build, a busy
+    scrape) delays every RPC by as much, and shows here first.
+
+    Args:
+        interval_s: seconds between ticks.
+        buckets: the histogram's finite upper bounds in seconds, strictly ascending.
+    """
+
+    __slots__ = ("_bounds", "_due", "_handle", "_histogram", "_interval_s", "_loop")
+
+    def __init__(
+        self,
+        interval_s: float = 0.1,
+        buckets: Sequence[float] = DEFAULT_LOOP_LAG_BUCKETS_SECONDS,
+    ) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s: must be > 0, got {interval_s}")
+        self._bounds = RpcStats(buckets).buckets  # the same validation
+        self._histogram = _Histogram(len(self._bounds))
+        self._interval_s = float(interval_s)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._due = 0.0
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start ticking on ``loop`` (the server's); a second call does nothing."""
+        if self._handle is not None:
+            return
+        self._loop = loop
+        self._schedule(loop.time())
+
+    def stop(self) -> None:
+        """Stop ticking; the counts stay."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def observe(self, seconds: float) -> None:
+        """Record one lag (negative values count as zero)."""
+        seconds = max(seconds, 0.0)
+        histogram = self._histogram
+        histogram.bucket_counts[bisect.bisect_left(self._bounds, seconds)] += 1
+        histogram.count += 1
+        histogram.sum_seconds += seconds
+
+    def snapshot(self) -> LoopLagSnapshot:
+        """Copy the histogram out, buckets accumulated."""
+        histogram = self._histogram
+        return LoopLagSnapshot(
+            upper_bounds=self._bounds,
+            cumulative_counts=tuple(itertools.accumulate(histogram.bucket_counts)),
+            count=histogram.count,
+            sum_seconds=histogram.sum_seconds,
+        )
+
+    def _schedule(self, now: float) -> None:
+        assert self._loop is not None
+        self._due = now + self._interval_s
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        self.observe(now - self._due)
+        self._schedule(now)

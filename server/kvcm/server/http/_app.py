@@ -11,14 +11,19 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel
 
 from kvcm.common.errors import NotFoundError
 from kvcm.server.http._collector import KVCMCollector, kvcm_version
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
-from kvcm.server.telemetry import RpcStats
+from kvcm.server.telemetry import LoopLagMonitor, RpcStats
 
 __all__ = [
     "ErrorBody",
@@ -146,8 +151,23 @@ def summarize(snapshot: PoolSnapshotLike) -> PoolSummary:
     )
 
 
+def _register_runtime_collectors(prometheus_registry: CollectorRegistry) -> None:
+    """prometheus_client's process, platform and gc collectors, on this app's registry only.
+
+    The library's default instances sit on its global registry; kvcm's app serves its own
+    registry, so it registers fresh ones of the same classes (they read the same process, so
+    the values agree).
+    """
+    ProcessCollector(registry=prometheus_registry)
+    PlatformCollector(registry=prometheus_registry)
+    GCCollector(registry=prometheus_registry)
+
+
 def build_app(
-    registry: PoolRegistryLike, rpc_stats: RpcStats, is_ready: Callable[[], bool]
+    registry: PoolRegistryLike,
+    rpc_stats: RpcStats,
+    is_ready: Callable[[], bool],
+    loop_lag: LoopLagMonitor | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
@@ -157,18 +177,22 @@ def build_app(
     summaries; 404 with an :class:`ErrorBody` for an unknown pool).
 
     Each app gets its own ``CollectorRegistry``, so two servers in one process (tests) do not
-    share or clash over metrics.
+    share or clash over metrics. Beside kvcm's own families it holds prometheus_client's
+    standard process (``process_*``: memory, CPU, open files), platform (``python_info``) and
+    garbage-collector (``python_gc_*``) collectors.
 
     Args:
         registry: the server's pool registry.
         rpc_stats: the statistics the gRPC side records.
         is_ready: answers whether the gRPC side is serving.
+        loop_lag: the server's event-loop lag monitor (``None``: exported empty).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
     """
     prometheus_registry = CollectorRegistry(auto_describe=False)
-    prometheus_registry.register(KVCMCollector(registry, rpc_stats))
+    prometheus_registry.register(KVCMCollector(registry, rpc_stats, loop_lag))
+    _register_runtime_collectors(prometheus_registry)
 
     app = FastAPI(
         title="kvcm",

@@ -24,13 +24,14 @@ from prometheus_client.core import (
 )
 
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
-from kvcm.server.telemetry import RpcStats, RpcStatsSnapshot
+from kvcm.server.telemetry import LoopLagMonitor, LoopLagSnapshot, RpcStats, RpcStatsSnapshot
 
 __all__ = [
     "METRICS",
     "KVCMCollector",
     "MetricSpec",
     "kvcm_version",
+    "loop_lag_family",
     "pool_families",
     "rpc_families",
 ]
@@ -186,6 +187,13 @@ METRICS: tuple[MetricSpec, ...] = (
         help="Finished gRPC calls, by method and status code.",
     ),
     MetricSpec(
+        name="kvcm_event_loop_lag_seconds",
+        kind="histogram",
+        labels=(),
+        help="How late the server's event loop ran a periodic timer: what a call waits before "
+        "the loop gets to it.",
+    ),
+    MetricSpec(
         name="kvcm_build_info",
         kind="gauge",
         labels=("version", "python_version"),
@@ -292,17 +300,43 @@ def rpc_families(stats: RpcStatsSnapshot) -> list[Metric]:
     return [duration, calls]
 
 
+def loop_lag_family(lag: LoopLagSnapshot) -> Metric:
+    """The event-loop lag histogram (no labels).
+
+    Args:
+        lag: a snapshot of the server's :class:`LoopLagMonitor`.
+
+    Returns:
+        ``kvcm_event_loop_lag_seconds``.
+    """
+    family = _histogram_family("kvcm_event_loop_lag_seconds")
+    les = [*(repr(bound) for bound in lag.upper_bounds), "+Inf"]
+    family.add_metric(
+        [],
+        buckets=list(zip(les, lag.cumulative_counts, strict=True)),
+        sum_value=lag.sum_seconds,
+    )
+    return family
+
+
 class KVCMCollector:
-    """Reads pool snapshots and RPC statistics at scrape time.
+    """Reads pool snapshots, RPC statistics and the loop's lag at scrape time.
 
     Args:
         registry: the server's pool registry.
         rpc_stats: the server's RPC statistics.
+        loop_lag: the server's loop-lag monitor; ``None``: the family is exported empty.
     """
 
-    def __init__(self, registry: PoolRegistryLike, rpc_stats: RpcStats) -> None:
+    def __init__(
+        self,
+        registry: PoolRegistryLike,
+        rpc_stats: RpcStats,
+        loop_lag: LoopLagMonitor | None = None,
+    ) -> None:
         self._registry = registry
         self._rpc_stats = rpc_stats
+        self._loop_lag = LoopLagMonitor() if loop_lag is None else loop_lag
         self._build_labels = [kvcm_version(), platform.python_version()]
 
     def describe(self) -> Iterator[Metric]:
@@ -317,6 +351,7 @@ class KVCMCollector:
         """Every family in :data:`METRICS`, read from the current state."""
         yield from pool_families(pool.snapshot() for pool in self._registry.list())
         yield from rpc_families(self._rpc_stats.snapshot())
+        yield loop_lag_family(self._loop_lag.snapshot())
         build = _scalar_family("kvcm_build_info")
         build.add_metric(self._build_labels, 1)
         yield build
