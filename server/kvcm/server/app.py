@@ -134,6 +134,11 @@ class KVCMServer:
             "kvcm serving gRPC on %s, HTTP on %s",
             self.grpc_address,
             self.http_address if settings.http_address else "(off)",
+            extra={
+                "event": "serving",
+                "grpc_address": self.grpc_address,
+                "http_address": self.http_address,
+            },
         )
 
     async def _start_http(self, sock: socket.socket) -> None:
@@ -230,7 +235,11 @@ async def run_until_signalled(server: KVCMServer) -> None:
         loop.add_signal_handler(sig, stop_requested.set)
     try:
         await stop_requested.wait()
-        _LOG.info("kvcm shutting down (grace %.1fs)", settings.shutdown_grace_s)
+        _LOG.info(
+            "kvcm shutting down (grace %.1fs)",
+            settings.shutdown_grace_s,
+            extra={"event": "shutting_down"},
+        )
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from importlib import metadata
 from typing import NoReturn
 
-from kvcm.server.settings import CONFIG_ENV, SETTINGS
+from kvcm.server.settings import CONFIG_ENV, SETTINGS, ServerSettings
 
 __all__ = ["main"]
 
@@ -60,12 +62,21 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_configuration(config_file: str | None, settings: ServerSettings) -> None:
+    """INFO ``configuration loaded``: the file it came from and every resulting setting."""
+    logging.getLogger("kvcm.server").info(
+        "configuration loaded",
+        extra={"event": "config_loaded", "config_file": config_file, **asdict(settings)},
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
+    import os
 
     from kvcm.common.errors import ConfigError
     from kvcm.server.app import KVCMServer, run_until_signalled
+    from kvcm.server.logs import configure_logging
     from kvcm.server.settings import load_settings
 
     try:
@@ -75,9 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvcm serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
 
     async def main() -> int:
         server = KVCMServer(settings)
@@ -86,6 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"kvcm serve: {exc}", file=sys.stderr)
             return 2
+        # Logged once the addresses are known to work: a start that fails stays one line.
+        _log_configuration(args.config or os.environ.get(CONFIG_ENV) or None, settings)
         await run_until_signalled(server)
         return 0
 

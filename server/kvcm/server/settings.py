@@ -40,6 +40,7 @@ DEFAULT_HTTP_ADDRESS: Final = "127.0.0.1:8080"
 CONFIG_ENV: Final = "KVCM_CONFIG"
 _GRPC_MAX_MESSAGE_BYTES: Final = 2**31 - 1
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS: Final = ("text", "json")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +51,7 @@ class ServerSettings:
         grpc_address: ``host:port`` of the gRPC side (port 0: any free port).
         http_address: ``host:port`` of the HTTP side (/metrics, probes); ``""``: no HTTP.
         log_level: Python logging level name.
+        log_format: ``"text"`` (one line per record) or ``"json"`` (one JSON object per line).
         shutdown_grace_s: Seconds in-flight RPCs get to finish on shutdown.
         limits: The service's hard limits.
     """
@@ -57,6 +59,7 @@ class ServerSettings:
     grpc_address: str = DEFAULT_GRPC_ADDRESS
     http_address: str = DEFAULT_HTTP_ADDRESS
     log_level: str = "INFO"
+    log_format: str = "text"
     shutdown_grace_s: float = 5.0
     limits: Limits = DEFAULT_LIMITS
 
@@ -72,6 +75,8 @@ class ServerSettings:
                     raise ConfigError(f"{name}: {exc}") from None
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.limits.max_message_bytes > _GRPC_MAX_MESSAGE_BYTES:
@@ -124,6 +129,7 @@ _HELP: Final = {
     "grpc_address": "gRPC host:port (port 0: any free port)",
     "http_address": "HTTP host:port for /metrics, /healthz, /readyz, /v1/pools ('': no HTTP)",
     "log_level": f"logging level, one of {', '.join(LOG_LEVELS)}",
+    "log_format": "log line format: text, or json (one object per line)",
     "shutdown_grace_s": "seconds in-flight RPCs get to finish on shutdown",
     "max_pools": "pools the server holds; CreatePool answers RESOURCE_EXHAUSTED beyond",
     "max_blocks_per_pool": "blocks of one pool (explicit or planned, the null block included)",
@@ -283,6 +289,8 @@ def _build(values: Mapping[str, object], sources: Mapping[str, str]) -> ServerSe
         raise ConfigError(_with_source(str(exc), sources)) from None
     if isinstance(server_values.get("log_level"), str):
         server_values["log_level"] = str(server_values["log_level"]).upper()
+    if isinstance(server_values.get("log_format"), str):
+        server_values["log_format"] = str(server_values["log_format"]).lower()
     try:
         return ServerSettings(**server_values, limits=limits)
     except ConfigError as exc:

@@ -25,6 +25,7 @@ from kvcm.server.rpc._convert import (
     pool_options_from_proto,
     pool_state_to_proto,
 )
+from kvcm.server.rpc._log import log_pool_created, log_pool_deleted
 from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.v1 import admin_pb2, service_pb2_grpc
 
@@ -71,6 +72,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         if pool.manager is not None:
             runtime.planned.set()
         self._state.runtimes[pool.name] = runtime
+        log_pool_created(pool)
         return admin_pb2.CreatePoolResponse(pool=pool_info(pool, runtime.config))
 
     async def ListPools(  # noqa: N802
@@ -107,6 +109,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
             runtime.deleted = True
             runtime.planned.set()
             runtime.wake_subscribers()
+        log_pool_deleted(pool)
         manager = pool.manager
         if manager is not None and manager.block_pool.num_gpu_blocks >= OFF_LOOP_BLOCKS:
             await asyncio.to_thread(_dismantle, pool)

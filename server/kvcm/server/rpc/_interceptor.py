@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from kvcm.common.errors import KVCMError
+from kvcm.server.rpc._log import log_call_rejected
 from kvcm.server.rpc._status import AbortRpc, StepRejectedError, status_of
 from kvcm.server.telemetry import RpcStats
 
@@ -96,6 +97,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 if type(exc).__module__.startswith("grpc"):
                     raise  # the servicer aborted itself
                 code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
+                log_call_rejected(method, code, exc)
                 await _abort(context, exc)
             finally:
                 stats.observe(method, code, time.perf_counter() - started)
@@ -118,6 +120,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 if type(exc).__module__.startswith("grpc"):
                     raise
                 code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
+                log_call_rejected(method, code, exc)
                 await _abort(context, exc)
             finally:
                 stats.observe(method, code, time.perf_counter() - started)

@@ -13,6 +13,7 @@ from kvcm.server.rpc._convert import (
     hashing_to_proto,
     layer_specs_from_proto,
 )
+from kvcm.server.rpc._log import log_pool_ready, log_worker_registered
 from kvcm.server.rpc._state import ServerState
 from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import service_pb2_grpc, worker_pb2
@@ -40,10 +41,14 @@ class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
         specs = layer_specs_from_proto(request.layer_specs)
         pool = self._state.registry.get(request.pool_id)
         runtime = self._state.runtimes[pool.name]
+        was_ready = pool.manager is not None
         pool.register_worker(
             request.rank, request.world_size, specs, request.available_memory_bytes
         )
+        log_worker_registered(pool, request.rank, request.world_size)
         if pool.manager is not None:
+            if not was_ready:
+                log_pool_ready(pool)
             runtime.planned.set()
         else:
             remaining = context.time_remaining()
