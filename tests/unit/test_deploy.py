@@ -310,7 +310,9 @@ def test_dashboard_has_the_panels_operators_need() -> None:
         "kvcm_evicted_blocks_total",
         "histogram_quantile(0.5,",
         "histogram_quantile(0.99,",
-        'code!="OK"',
+        'code!~"OK|CANCELLED"',
+        "process_resident_memory_bytes",
+        "kvcm_event_loop_lag_seconds_bucket",
     ):
         assert needed in exprs, needed
     for panel in panels:
