@@ -52,7 +52,7 @@ from kvcm.core.planning import (
 from kvcm.core.pool_types import (
     DEFAULT_EVENT_RETENTION,
     HashingInfo,
-    PoolOptions,
+    PoolConfig,
     PoolSnapshot,
     PoolState,
     Registration,
@@ -67,7 +67,7 @@ __all__ = [
     "HashingInfo",
     "OutOfRangeError",
     "Pool",
-    "PoolOptions",
+    "PoolConfig",
     "PoolRegistry",
     "PoolSnapshot",
     "PoolState",
@@ -105,7 +105,7 @@ class Pool:
         allocations_not_fit_total: Allocations answered "does not fit" so far.
     """
 
-    def __init__(self, name: str, options: PoolOptions) -> None:
+    def __init__(self, name: str, options: PoolConfig) -> None:
         """Create a pool; one with an explicit layout is planned (READY) at once.
 
         Raises:
@@ -703,7 +703,7 @@ class PoolRegistry:
         self._pools: dict[str, Pool] = {}
         self.max_pools = max_pools
 
-    def create(self, name: str, options: PoolOptions) -> Pool:
+    def create(self, name: str, options: PoolConfig) -> Pool:
         """Create and register a pool.
 
         Raises:

@@ -19,7 +19,7 @@ from kvcm.common.specs import KVCacheSpec
 __all__ = [
     "DEFAULT_EVENT_RETENTION",
     "HashingInfo",
-    "PoolOptions",
+    "PoolConfig",
     "PoolSnapshot",
     "PoolState",
     "Registration",
@@ -65,7 +65,7 @@ def check_pool_id(pool_id: str) -> None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PoolOptions:
+class PoolConfig:
     """Everything a pool is created with (the core's reading of ``kvcm.v1.PoolConfig``).
 
     Attributes:

@@ -20,7 +20,7 @@ from kvcm.common.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvcm.common.hashing import HashAlgorithm
 from kvcm.common.specs import KVCacheSpec
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
-from kvcm.core.pool import DEFAULT_EVENT_RETENTION, Pool, PoolOptions, PoolState
+from kvcm.core.pool import DEFAULT_EVENT_RETENTION, Pool, PoolConfig, PoolState
 from kvcm.v1 import admin_pb2, common_pb2, events_pb2, scheduler_pb2
 
 __all__ = [
@@ -71,8 +71,8 @@ def pool_state_to_proto(state: PoolState) -> admin_pb2.PoolState:
     return admin_pb2.POOL_STATE_PENDING_WORKERS
 
 
-def pool_options_from_proto(message: admin_pb2.PoolConfig) -> PoolOptions:
-    """The core's ``PoolOptions`` of a wire ``PoolConfig`` (validated by ``PoolOptions``).
+def pool_options_from_proto(message: admin_pb2.PoolConfig) -> PoolConfig:
+    """The core's ``PoolConfig`` of a wire ``PoolConfig`` (validated by ``PoolConfig``).
 
     Raises:
         InvalidArgumentError: A field is out of its domain (names it).
@@ -100,7 +100,7 @@ def pool_options_from_proto(message: admin_pb2.PoolConfig) -> PoolOptions:
         return value
 
     retention = optional("event_retention_num_events")
-    return PoolOptions(
+    return PoolConfig(
         max_model_len=message.max_model_len,
         world_size=message.world_size,
         explicit_layout=layout,
