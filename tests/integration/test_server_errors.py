@@ -13,7 +13,7 @@ from typing import Any, TypeAlias
 import grpc
 import pytest
 
-from kvcm.client._convert import kv_cache_config_to_proto
+from kvcm.wire import kv_cache_config_to_proto
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.hashing import BlockHasher

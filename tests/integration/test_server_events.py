@@ -16,7 +16,7 @@ from kvcm.client import (
     ServiceNotFoundError,
     StepBuilder,
 )
-from kvcm.client._convert import EventBatch
+from kvcm.wire import EventBatch
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.events import BlockRemoved, BlockStored, KVCacheEvent

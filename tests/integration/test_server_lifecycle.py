@@ -15,7 +15,7 @@ from conftest import start_server_thread, stop_server_thread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvcm.client._convert import layer_specs_to_proto, spec_to_proto
+from kvcm.wire import layer_specs_to_proto, spec_to_proto
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec
 from kvcm.server.settings import ServerSettings

@@ -29,12 +29,13 @@ from typing import TextIO
 from kvcm.client._errors import ServiceNotFoundError
 from kvcm.client._replay import ReplayScheduler, WorkloadOptions, make_workload
 from kvcm.client._step import StepBuilder, StepResult
-from kvcm.client._types import PoolConfig
 from kvcm.client.scheduler import EventStream, SchedulerClient
 from kvcm.client.worker import WorkerClient, WorkerRegistration
 from kvcm.common.dtypes import DType
 from kvcm.common.events import BlockRemoved, BlockStored
+from kvcm.common.hashing import HashAlgorithm
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec
+from kvcm.core.pool_types import PoolConfig
 
 __all__ = ["RemoteDemoOptions", "RemoteDemoReport", "main", "run_remote_demo"]
 
@@ -196,7 +197,7 @@ def run_remote_demo(options: RemoteDemoOptions, out: TextIO | None = None) -> Re
             PoolConfig(
                 max_model_len=8192,
                 world_size=options.world_size,
-                hash_algorithm=options.hash_algorithm,
+                hash_algorithm=HashAlgorithm(options.hash_algorithm),
                 enable_kv_cache_events=True,
             ),
         )

@@ -51,7 +51,7 @@ from kvcm.core.planning import (
 )
 from kvcm.core.pool_types import (
     DEFAULT_EVENT_RETENTION,
-    HashingInfo,
+    HashingParameters,
     PoolConfig,
     PoolSnapshot,
     PoolState,
@@ -64,7 +64,7 @@ from kvcm.core.stats import PrefixCacheStats
 
 __all__ = [
     "DEFAULT_EVENT_RETENTION",
-    "HashingInfo",
+    "HashingParameters",
     "OutOfRangeError",
     "Pool",
     "PoolConfig",
@@ -117,7 +117,7 @@ class Pool:
         self.options = options
         algorithm = options.hash_algorithm
         self._seed = resolve_none_hash_seed(algorithm, options.hash_seed)
-        self.hashing = HashingInfo(
+        self.hashing = HashingParameters(
             algorithm=algorithm,
             seed=self._seed,
             hash_block_size=options.hash_block_size or 0,
@@ -164,7 +164,7 @@ class Pool:
         self.manager = manager
         self.kv_cache_config = scheduler_config
         self.max_model_len = max_model_len
-        self.hashing = HashingInfo(
+        self.hashing = HashingParameters(
             algorithm=self.hashing.algorithm,
             seed=self._seed,
             hash_block_size=manager.hash_block_size,

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Final, TypeAlias
 
-from kvcm.server.rpc._convert import (
-    pool_info,
-    pool_options_from_proto,
-    pool_state_to_proto,
-)
 from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.v1 import admin_pb2, service_pb2_grpc
+from kvcm.wire import pool_config_from_proto, pool_info_to_proto, pool_state_to_proto
 
 __all__ = ["AdminServicer"]
 
@@ -32,14 +28,14 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.CreatePoolRequest, context: Context
     ) -> admin_pb2.CreatePoolResponse:
         """Create a pool (READY at once with an explicit layout)."""
-        options = pool_options_from_proto(request.config)
-        pool = self._state.registry.create(request.pool_id, options)
+        config = pool_config_from_proto(request.config)
+        pool = self._state.registry.create(request.pool_id, config)
         runtime = PoolRuntime(config=admin_pb2.PoolConfig())
         runtime.config.CopyFrom(request.config)
         if pool.manager is not None:
             runtime.planned.set()
         self._state.runtimes[pool.name] = runtime
-        return admin_pb2.CreatePoolResponse(pool=pool_info(pool, runtime.config))
+        return admin_pb2.CreatePoolResponse(pool=pool_info_to_proto(pool, runtime.config))
 
     async def ListPools(  # noqa: N802
         self, request: admin_pb2.ListPoolsRequest, context: Context
@@ -63,7 +59,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         """Everything about one pool."""
         pool = self._state.registry.get(request.pool_id)
         config = self._state.runtimes[pool.name].config
-        return admin_pb2.DescribePoolResponse(pool=pool_info(pool, config))
+        return admin_pb2.DescribePoolResponse(pool=pool_info_to_proto(pool, config))
 
     async def DeletePool(  # noqa: N802
         self, request: admin_pb2.DeletePoolRequest, context: Context

@@ -1,11 +1,11 @@
-"""The SDK's wire conversions: specs, configs, pool configs and events survive the round trip."""
+"""kvcm.wire: specs, configs, pool configs and events survive the round trip; bad values name their field."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvcm.client import PoolConfig
-from kvcm.client._convert import (
+from kvcm.wire import (
     decode_event_batch,
     hashing_from_proto,
     kv_cache_config_from_proto,
@@ -79,7 +79,7 @@ def test_specs_round_trip(spec: KVCacheSpec) -> None:
 def test_layer_specs_are_sorted_and_unset_specs_rejected() -> None:
     entries = layer_specs_to_proto({"b": SPECS[0], "a": SPECS[5]})
     assert [entry.layer_name for entry in entries] == ["a", "b"]
-    with pytest.raises(InvalidArgumentError, match="no spec"):
+    with pytest.raises(InvalidArgumentError, match="spec is unset"):
         spec_from_proto(common_pb2.KVCacheSpec())
     with pytest.raises(InvalidArgumentError, match="wire form"):
         spec_to_proto(FullAttentionSpec(**{**ATTENTION, "dtype": DType.FLOAT64}))  # type: ignore[arg-type]
