@@ -15,11 +15,11 @@ from conftest import start_server_thread, stop_server_thread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvcm.wire import layer_specs_to_proto, spec_to_proto
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec
 from kvcm.server.settings import ServerSettings
 from kvcm.v1 import admin_pb2, events_pb2, service_pb2_grpc, worker_pb2
+from kvcm.wire import layer_specs_to_proto, spec_to_proto
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
 KVCM_SERVICES = {

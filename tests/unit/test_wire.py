@@ -1,21 +1,10 @@
-"""kvcm.wire: specs, configs, pool configs and events survive the round trip; bad values name their field."""
+"""kvcm.wire: specs, configs, pool configs and events survive the round trip; errors name fields."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvcm.client import PoolConfig
-from kvcm.wire import (
-    decode_event_batch,
-    hashing_from_proto,
-    kv_cache_config_from_proto,
-    kv_cache_config_to_proto,
-    layer_specs_to_proto,
-    pool_config_from_proto,
-    pool_config_to_proto,
-    spec_from_proto,
-    spec_to_proto,
-)
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import InvalidArgumentError
@@ -34,6 +23,17 @@ from kvcm.common.specs import (
     UniformTypeKVCacheSpecs,
 )
 from kvcm.v1 import common_pb2, events_pb2
+from kvcm.wire import (
+    decode_event_batch,
+    hashing_from_proto,
+    kv_cache_config_from_proto,
+    kv_cache_config_to_proto,
+    layer_specs_to_proto,
+    pool_config_from_proto,
+    pool_config_to_proto,
+    spec_from_proto,
+    spec_to_proto,
+)
 
 ATTENTION = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": DType.BFLOAT16}
 

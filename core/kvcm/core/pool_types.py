@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kvcm.common.config import KVCacheConfig
-from kvcm.common.errors import InvalidArgumentError
+from kvcm.common.errors import InvalidArgumentError, shown
 from kvcm.common.hashing import BlockHasher, HashAlgorithm
 from kvcm.common.specs import KVCacheSpec
 
@@ -74,7 +74,8 @@ def check_pool_id(pool_id: str) -> None:
     """
     if not 1 <= len(pool_id) <= 128 or not _POOL_ID_CHARS.issuperset(pool_id):
         raise InvalidArgumentError(
-            f"pool_id must be 1-128 characters of [A-Za-z0-9._-], got {pool_id!r}"
+            f"pool_id must be 1-128 characters of [A-Za-z0-9._-], got {shown(pool_id)}",
+            field="pool_id",
         )
 
 
