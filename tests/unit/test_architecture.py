@@ -47,15 +47,7 @@ WIRE_ALLOWED = ("kvcm.v1", "kvcm.wire", "kvcm.core", "kvcm.common", "google.prot
 # Known violations, each to be removed by the change that ends it. The test fails for a
 # violation missing here AND for an entry here that no longer happens, so the list only
 # shrinks. (importer, imported, why it is still here)
-ALLOWED_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        # The rpc layer decodes and encodes with the SDK's private codec until the one codec
-        # module (kvcm.wire, being written in proto/kvcm/wire) is merged; then the server and
-        # the SDK both import kvcm.wire and these two entries go.
-        ("kvcm.server.rpc._convert", "kvcm.client._convert"),
-        ("kvcm.server.rpc._worker", "kvcm.client._convert"),
-    }
-)
+ALLOWED_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(set())
 
 
 @dataclass(frozen=True, slots=True)

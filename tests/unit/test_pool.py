@@ -20,7 +20,7 @@ from kvcm.core.event_log import EventLog
 from kvcm.core.pool import (
     OutOfRangeError,
     Pool,
-    PoolOptions,
+    PoolConfig,
     PoolRegistry,
     PoolState,
     check_pool_id,
@@ -37,7 +37,7 @@ LAYOUT = KVCacheConfig(
 
 def _pool(**overrides: object) -> Pool:
     options = {"max_model_len": 256, "explicit_layout": LAYOUT, **overrides}
-    return Pool("p", PoolOptions(**options))  # type: ignore[arg-type]
+    return Pool("p", PoolConfig(**options))  # type: ignore[arg-type]
 
 
 def _hashes(pool: Pool, tokens: list[int]) -> bytes:
@@ -178,7 +178,7 @@ def test_event_log_numbers_resumes_and_forgets() -> None:
 
 
 def test_registration_plans_once_every_rank_registered() -> None:
-    pool = Pool("w", PoolOptions(max_model_len=64, world_size=2))
+    pool = Pool("w", PoolConfig(max_model_len=64, world_size=2))
     with pytest.raises(FailedPreconditionError):
         pool.ready_manager()
     page = SPEC.page_size_bytes
@@ -199,7 +199,7 @@ def test_registration_plans_once_every_rank_registered() -> None:
 
 
 def test_too_little_memory_is_rejected_and_not_kept() -> None:
-    pool = Pool("m", PoolOptions(max_model_len=16, world_size=1))
+    pool = Pool("m", PoolConfig(max_model_len=16, world_size=1))
     with pytest.raises((ResourceExhaustedError, InvalidArgumentError)):
         pool.register_worker(0, 1, {"l0": SPEC}, SPEC.page_size_bytes)
     assert pool.registrations == {}
@@ -207,13 +207,13 @@ def test_too_little_memory_is_rejected_and_not_kept() -> None:
 
 def test_registry_creates_lists_and_deletes() -> None:
     registry = PoolRegistry(max_pools=2)
-    registry.create("b", PoolOptions(max_model_len=64, explicit_layout=LAYOUT))
-    registry.create("a", PoolOptions(max_model_len=64, explicit_layout=LAYOUT))
+    registry.create("b", PoolConfig(max_model_len=64, explicit_layout=LAYOUT))
+    registry.create("a", PoolConfig(max_model_len=64, explicit_layout=LAYOUT))
     assert [pool.name for pool in registry.list()] == ["a", "b"]
     with pytest.raises(AlreadyExistsError):
-        registry.create("a", PoolOptions(max_model_len=64, explicit_layout=LAYOUT))
+        registry.create("a", PoolConfig(max_model_len=64, explicit_layout=LAYOUT))
     with pytest.raises(ResourceExhaustedError):
-        registry.create("c", PoolOptions(max_model_len=64, explicit_layout=LAYOUT))
+        registry.create("c", PoolConfig(max_model_len=64, explicit_layout=LAYOUT))
     assert registry.delete("a").name == "a"
     with pytest.raises(NotFoundError, match="'a'"):
         registry.get("a")

@@ -21,11 +21,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
-from kvcm.client._convert import (
-    hashing_from_proto,
-    kv_cache_config_from_proto,
-    layer_specs_to_proto,
-)
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._types import (
     REGISTER_WORKER_TIMEOUT_S,
@@ -35,6 +30,7 @@ from kvcm.client._types import (
 )
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.v1 import service_pb2_grpc, worker_pb2
+from kvcm.wire import hashing_from_proto, kv_cache_config_from_proto, layer_specs_to_proto
 
 if TYPE_CHECKING:
     import torch

@@ -53,8 +53,8 @@ from kvcm.core.planning import (
 )
 from kvcm.core.pool_types import (
     DEFAULT_EVENT_RETENTION,
-    HashingInfo,
-    PoolOptions,
+    HashingParameters,
+    PoolConfig,
     PoolSnapshot,
     PoolState,
     Registration,
@@ -66,10 +66,10 @@ from kvcm.core.stats import PrefixCacheStats
 
 __all__ = [
     "DEFAULT_EVENT_RETENTION",
-    "HashingInfo",
+    "HashingParameters",
     "OutOfRangeError",
     "Pool",
-    "PoolOptions",
+    "PoolConfig",
     "PoolRegistry",
     "PoolSnapshot",
     "PoolState",
@@ -110,7 +110,7 @@ class Pool:
     def __init__(
         self,
         name: str,
-        options: PoolOptions,
+        options: PoolConfig,
         *,
         limits: Limits = DEFAULT_LIMITS,
         blocks_in_use: Callable[[], int] = lambda: 0,
@@ -130,7 +130,7 @@ class Pool:
         self._blocks_in_use = blocks_in_use
         algorithm = options.hash_algorithm
         self._seed = resolve_none_hash_seed(algorithm, options.hash_seed)
-        self.hashing = HashingInfo(
+        self.hashing = HashingParameters(
             algorithm=algorithm,
             seed=self._seed,
             hash_block_size=options.hash_block_size or 0,
@@ -177,7 +177,7 @@ class Pool:
         self.manager = manager
         self.kv_cache_config = scheduler_config
         self.max_model_len = max_model_len
-        self.hashing = HashingInfo(
+        self.hashing = HashingParameters(
             algorithm=self.hashing.algorithm,
             seed=self._seed,
             hash_block_size=manager.hash_block_size,
@@ -736,7 +736,7 @@ class PoolRegistry:
         )
         return held + sum(self._building.values())
 
-    def create(self, name: str, options: PoolOptions) -> Pool:
+    def create(self, name: str, options: PoolConfig) -> Pool:
         """Create and register a pool.
 
         Raises:
@@ -753,7 +753,7 @@ class PoolRegistry:
         self.add(pool)
         return pool
 
-    def reserve(self, name: str, options: PoolOptions) -> None:
+    def reserve(self, name: str, options: PoolConfig) -> None:
         """Check a creation and hold its name and blocks until ``add`` or ``release``.
 
         Raises:
@@ -769,7 +769,7 @@ class PoolRegistry:
         check_pool_blocks(self.limits, name, num_blocks, self.num_blocks())
         self._building[name] = num_blocks
 
-    def build(self, name: str, options: PoolOptions) -> Pool:
+    def build(self, name: str, options: PoolConfig) -> Pool:
         """Build a reserved pool; touches nothing in the registry (safe off the loop).
 
         Raises:

@@ -17,7 +17,8 @@ from typing import Any
 import grpc
 
 from kvcm.common.errors import KVCMError
-from kvcm.server.rpc._status import AbortRpc, StepRejectedError, status_of
+from kvcm.server.rpc._handlers import UndecodableRequest
+from kvcm.server.rpc._status import AbortRpc, StepRejectedError, status_details, status_of
 from kvcm.server.telemetry import RpcStats
 
 __all__ = ["TelemetryInterceptor"]
@@ -36,7 +37,7 @@ async def _abort(context: Any, exc: BaseException) -> str:
         _LOG.exception("internal error")
         code, details = grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
     trailer = exc.trailer() if isinstance(exc, StepRejectedError) else ()
-    await context.abort(code, details, trailer)
+    await context.abort(code, status_details(details), trailer)
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 
@@ -88,6 +89,8 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             started = time.perf_counter()
             code = "OK"
             try:
+                if type(request) is UndecodableRequest:
+                    raise request.error()
                 return await behavior(request, context)
             except asyncio.CancelledError:
                 code = "CANCELLED"
@@ -109,6 +112,8 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             started = time.perf_counter()
             code = "OK"
             try:
+                if type(request) is UndecodableRequest:
+                    raise request.error()
                 async for item in behavior(request, context):
                     yield item
             except asyncio.CancelledError:

@@ -7,15 +7,11 @@ from typing import Any, Final, TypeAlias
 
 import grpc
 
-from kvcm.client._convert import kv_cache_config_to_proto
 from kvcm.common.errors import NotFoundError
-from kvcm.server.rpc._convert import (
-    hashing_to_proto,
-    layer_specs_from_proto,
-)
 from kvcm.server.rpc._state import ServerState
 from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import service_pb2_grpc, worker_pb2
+from kvcm.wire import hashing_to_proto, kv_cache_config_to_proto, layer_specs_from_proto
 
 __all__ = ["WorkerServicer"]
 
@@ -67,6 +63,6 @@ class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
                 )
         return worker_pb2.RegisterWorkerResponse(
             kv_cache_config=kv_cache_config_to_proto(pool.rank_config(request.rank)),
-            hashing=hashing_to_proto(pool),
+            hashing=hashing_to_proto(pool.hashing),
             max_model_len=pool.max_model_len,
         )
