@@ -79,7 +79,7 @@ def test_specs_round_trip(spec: KVCacheSpec) -> None:
 def test_layer_specs_keep_the_callers_order_and_unset_specs_are_rejected() -> None:
     # The model runner's order (model.layers.2 before model.layers.10) decides planning.
     names = ["model.layers.2.attn", "model.layers.10.attn", "b", "a"]
-    entries = layer_specs_to_proto({name: SPECS[0] for name in names})
+    entries = layer_specs_to_proto(dict.fromkeys(names, SPECS[0]))
     assert [entry.layer_name for entry in entries] == names
     with pytest.raises(InvalidArgumentError, match="no spec"):
         spec_from_proto(common_pb2.KVCacheSpec())
