@@ -88,20 +88,6 @@ def _add_stats(total: PrefixCacheStats, drained: PrefixCacheStats) -> None:
     total.preempted_hits += drained.preempted_hits
 
 
-def _check_tensor_sizes(plan: UnifiedPlan) -> None:
-    """Every rank's tensors must be addressable with uint64 byte counts (the wire's type)."""
-    for rank_plan in plan.ranks:
-        for tensor in rank_plan.kv_cache_config.kv_cache_tensors:
-            largest = max(tensor.size, tensor.offset, tensor.layer_stride, tensor.block_stride)
-            if largest > UINT64_MAX:
-                raise InvalidArgumentError(
-                    f"rank {rank_plan.rank}: the tensor of layers {list(tensor.layers)} needs "
-                    f"{tensor.size} bytes at {plan.num_blocks} blocks, more than a uint64 holds "
-                    "(its pages are too large for the block count)",
-                    field="layer_specs",
-                )
-
-
 class Pool:
     """One engine instance's KV-cache bookkeeping (see the module docstring).
 
@@ -355,7 +341,6 @@ class Pool:
                 "available_memory_bytes or set num_blocks_override",
                 field="available_memory_bytes",
             )
-        _check_tensor_sizes(plan)
         self.plan = plan
         self._make_ready(plan.scheduler_kv_cache_config, plan.max_model_len)
 
