@@ -88,9 +88,11 @@ def test_specs_round_trip(spec: KVCacheSpec) -> None:
     assert spec_from_proto(spec_to_proto(spec)) == spec
 
 
-def test_layer_specs_are_sorted_and_unset_specs_rejected() -> None:
-    entries = layer_specs_to_proto({"b": SPECS[0], "a": SPECS[5]})
-    assert [entry.layer_name for entry in entries] == ["a", "b"]
+def test_layer_specs_keep_the_callers_order_and_unset_specs_are_rejected() -> None:
+    # The model runner's order (model.layers.2 before model.layers.10) decides planning.
+    names = ["model.layers.2.attn", "model.layers.10.attn", "b", "a"]
+    entries = layer_specs_to_proto(dict.fromkeys(names, SPECS[0]))
+    assert [entry.layer_name for entry in entries] == names
     with pytest.raises(InvalidArgumentError, match="spec is unset"):
         spec_from_proto(common_pb2.KVCacheSpec())
     with pytest.raises(InvalidArgumentError, match="wire form"):

@@ -32,7 +32,7 @@ from kvcm.common.errors import (
 )
 from kvcm.common.events import KVCacheEvent
 from kvcm.common.hashing import BlockHash, resolve_none_hash_seed
-from kvcm.common.specs import KVCacheSpec
+from kvcm.common.specs import UINT64_MAX, KVCacheSpec, check_plannable_spec
 from kvcm.core.event_log import EventLog, OutOfRangeError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits, check_pool_blocks
 from kvcm.core.manager import (
@@ -105,6 +105,7 @@ class Pool:
         last_step_seq: The last applied Step sequence number (0: none yet).
         last_step_response: What the servicer answered for ``last_step_seq`` (opaque here).
         allocations_not_fit_total: Allocations answered "does not fit" so far.
+        failed_plans: Registration rounds whose plan failed (each dropped its ranks).
     """
 
     def __init__(
@@ -147,6 +148,7 @@ class Pool:
         self.last_step_seq = 0
         self.last_step_response: object | None = None
         self.allocations_not_fit_total = 0
+        self.failed_plans = 0
         self._events = EventLog(options.event_retention_num_events)
         self._stats_total = PrefixCacheStats()
         self._stats_untaken = PrefixCacheStats()
@@ -186,48 +188,114 @@ class Pool:
         self.state = PoolState.READY
 
     def register_worker(
-        self, rank: int, world_size: int, specs: Mapping[str, KVCacheSpec], memory: int
+        self,
+        rank: int,
+        world_size: int,
+        specs: Mapping[str, KVCacheSpec],
+        memory: int,
+        *,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         """Record one rank's registration; plan the pool once every rank has registered.
 
-        Idempotent for the same specs and memory. Nothing changes when it raises.
+        ``specs`` is kept in the caller's order (the model runner's layer order), which
+        decides group membership, tensor order and byte offsets as in vLLM. Idempotent for
+        the same specs (in the same order) and memory. A rejected rank changes nothing.
+
+        A plan that fails (the ranks' specs or memory together cannot be planned) fails the
+        whole round: every registration is dropped, ``failed_plans`` counts it, and the
+        error is raised, so the waiting ranks can be told and register again.
 
         Raises:
-            InvalidArgumentError: rank or world_size out of range, no layers.
+            InvalidArgumentError: rank or world_size out of range, no layers, memory or a
+                page that does not fit a uint64 (names the field).
+            ConfigError: A layer kvcm cannot plan yet (Mamba "align" mode), or planning
+                rejected the specs (the round is dropped).
             AlreadyExistsError: The rank registered before with other specs or memory.
             FailedPreconditionError: Specs disagree with another rank or the explicit layout.
-            ResourceExhaustedError: The memory holds fewer than 2 blocks.
-            ConfigError: Planning rejected the specs.
+            ResourceExhaustedError: More ranks than ``limits.max_pending_registrations``; or
+                (the round is dropped) the memory holds fewer than 2 blocks or more than
+                ``limits.max_blocks_per_pool``.
         """
-        pool_world = self.options.world_size
-        if pool_world and world_size != pool_world:
-            raise InvalidArgumentError(
-                f"world_size {world_size} is not pool {self.name!r}'s world_size {pool_world}"
-            )
-        if not 0 <= rank < max(world_size, 1):
-            raise InvalidArgumentError(f"rank must be in [0, {world_size}), got {rank}")
-        if not specs:
-            raise InvalidArgumentError("layer_specs must not be empty")
+        self._check_registration(rank, world_size, specs, memory, limits)
         registration = Registration(specs=dict(specs), available_memory_bytes=memory)
         known = self.registrations.get(rank)
         if known is not None:
-            if known == registration:
+            if known == registration and list(known.specs) == list(specs):
                 return
             raise AlreadyExistsError(
-                f"rank {rank} of pool {self.name!r} registered before with other specs or memory"
+                f"rank {rank} of pool {self.name!r} registered before with other specs, layer "
+                "order or memory",
+                field="layer_specs",
             )
         layout = self.options.explicit_layout
         if layout is not None:
             self._check_against_layout(rank, specs, layout)
             self.registrations[rank] = registration
             return
+        if len(self.registrations) >= limits.max_pending_registrations:
+            raise ResourceExhaustedError(
+                f"pool {self.name!r} holds its limit of {limits.max_pending_registrations} "
+                "pending registrations (limits.max_pending_registrations)",
+                field="rank",
+            )
         self._check_against_ranks(rank, specs)
         registered = {**self.registrations, rank: registration}
         if len(registered) < world_size:
             self.registrations = registered
             return
-        self._plan(registered)
+        try:
+            self._plan(registered, limits)
+        except KVCMError:
+            self.registrations = {}
+            self.failed_plans += 1
+            raise
         self.registrations = registered
+
+    def _check_registration(
+        self,
+        rank: int,
+        world_size: int,
+        specs: Mapping[str, KVCacheSpec],
+        memory: int,
+        limits: Limits,
+    ) -> None:
+        pool_world = self.options.world_size
+        if pool_world and world_size != pool_world:
+            raise InvalidArgumentError(
+                f"world_size {world_size} is not pool {self.name!r}'s world_size {pool_world}",
+                field="world_size",
+            )
+        if world_size > limits.max_pending_registrations:
+            raise ResourceExhaustedError(
+                f"world_size {world_size} exceeds limits.max_pending_registrations "
+                f"({limits.max_pending_registrations}): the pool could never be planned",
+                field="world_size",
+            )
+        if not 0 <= rank < max(world_size, 1):
+            raise InvalidArgumentError(
+                f"rank must be in [0, {world_size}), got {rank}", field="rank"
+            )
+        if type(memory) is not int or not 0 <= memory <= UINT64_MAX:
+            raise InvalidArgumentError(
+                f"available_memory_bytes must be an int in [0, 2**64), got {memory!r}",
+                field="available_memory_bytes",
+            )
+        if not specs:
+            raise InvalidArgumentError("layer_specs must not be empty", field="layer_specs")
+        for name, spec in specs.items():
+            check_plannable_spec(name, spec)
+
+    def withdraw_worker(self, rank: int) -> bool:
+        """Drop a pending rank's registration (its call ended before the pool was planned).
+
+        Returns:
+            Whether a registration was dropped (``False`` once READY or when unknown).
+        """
+        if self.manager is not None or rank not in self.registrations:
+            return False
+        self.registrations = {r: reg for r, reg in self.registrations.items() if r != rank}
+        return True
 
     def _check_against_layout(
         self, rank: int, specs: Mapping[str, KVCacheSpec], layout: KVCacheConfig
@@ -259,7 +327,7 @@ class Pool:
                         f"{known!r} != {spec!r}"
                     )
 
-    def _plan(self, registered: Mapping[int, Registration]) -> None:
+    def _plan(self, registered: Mapping[int, Registration], limits: Limits) -> None:
         ranks = sorted(registered)
         options = self.options
         plan = plan_kv_cache(
@@ -275,7 +343,15 @@ class Pool:
         if plan.num_blocks < 2:
             raise ResourceExhaustedError(
                 f"pool {self.name!r}: the ranks' memory holds {plan.num_blocks} blocks, "
-                "fewer than 2 (the null block and one usable block)"
+                "fewer than 2 (the null block and one usable block)",
+                field="available_memory_bytes",
+            )
+        if plan.num_blocks > limits.max_blocks_per_pool:
+            raise ResourceExhaustedError(
+                f"pool {self.name!r}: the ranks' memory holds {plan.num_blocks} blocks, more "
+                f"than limits.max_blocks_per_pool ({limits.max_blocks_per_pool}); offer less "
+                "available_memory_bytes or set num_blocks_override",
+                field="available_memory_bytes",
             )
         check_pool_blocks(self.limits, self.name, plan.num_blocks, self._blocks_in_use())
         self.plan = plan

@@ -265,10 +265,14 @@ def spec_from_proto(message: common_pb2.KVCacheSpec, field: str = "spec") -> KVC
 
 
 def layer_specs_to_proto(specs: Mapping[str, KVCacheSpec]) -> list[common_pb2.LayerSpec]:
-    """``LayerSpec`` entries for a ``{layer name: spec}`` mapping, sorted by layer name."""
+    """``LayerSpec`` entries for a ``{layer name: spec}`` mapping, in the mapping's order.
+
+    The order is the model runner's layer order and decides planning (group membership,
+    tensor order, byte offsets), so it is never sorted.
+    """
     return [
-        common_pb2.LayerSpec(layer_name=name, spec=spec_to_proto(specs[name]))
-        for name in sorted(specs)
+        common_pb2.LayerSpec(layer_name=name, spec=spec_to_proto(spec))
+        for name, spec in specs.items()
     ]
 
 
