@@ -142,6 +142,7 @@ def test_kvcm_manager_replaces_vllms(kvcm_classes: tuple[type, type]) -> None:
         ({"additional_config": {"kvcm": {"mode": "remote"}}}, "mode 'remote'"),
         ({"additional_config": {"kvcm": {"address": "127.0.0.1:1"}}}, "not available yet"),
         ({"additional_config": {"kvcm": {"pool": "x"}}}, "unknown keys"),
+        ({"async_scheduling": True}, "KvcmAsyncScheduler, or pass --no-async-scheduling"),
     ],
 )
 def test_refused_at_construction(
@@ -152,7 +153,11 @@ def test_refused_at_construction(
 
     del kvcm_classes
     with pytest.raises(ConfigError, match=message):
-        build_scheduler(Setup(), KvcmScheduler, change["additional_config"])
+        build_scheduler(
+            Setup(async_scheduling=change.get("async_scheduling", False)),
+            KvcmScheduler,
+            change.get("additional_config"),
+        )
 
 
 def test_unsupported_spec_refused(kvcm_classes: tuple[type, type]) -> None:

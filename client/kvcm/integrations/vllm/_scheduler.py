@@ -94,6 +94,8 @@ class _KvcmSchedulerMixin:
 
     kvcm_settings: KvcmSettings
     kv_cache_manager: MirrorKVCacheManager
+    # Whether the class is meant for vLLM's async engine loop (AsyncScheduler's bookkeeping).
+    _async_scheduling: bool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = _SCHEDULER_SIGNATURE.bind(self, *args, **kwargs)
@@ -106,6 +108,7 @@ class _KvcmSchedulerMixin:
         if settings.mode != "mirror":
             raise ConfigError(f"kvcm mode {settings.mode!r} is not available yet; use 'mirror'")
         check_supported(vllm_config)
+        self._check_loop(vllm_config)
         # Fail on unsupported specs before vLLM builds anything.
         from kvcm.integrations.vllm._convert import convert_kv_cache_config
 
@@ -131,6 +134,22 @@ class _KvcmSchedulerMixin:
             ),
             self.make_step_sink(settings),
         )
+
+    def _check_loop(self, vllm_config: Any) -> None:
+        # vLLM runs a scheduler_cls under the loop async_scheduling selects, whatever the
+        # class; a synchronous scheduler under the async loop only gets a warning there.
+        wants_async = bool(vllm_config.scheduler_config.async_scheduling)
+        if wants_async != self._async_scheduling:
+            name = type(self).__name__
+            hint = (
+                "use kvcm.integrations.vllm.KvcmAsyncScheduler, or pass --no-async-scheduling"
+                if wants_async
+                else "use kvcm.integrations.vllm.KvcmScheduler, or pass --async-scheduling"
+            )
+            raise ConfigError(
+                f"{name} needs async_scheduling={self._async_scheduling}, but vLLM runs with "
+                f"async_scheduling={wants_async}: {hint}"
+            )
 
     def make_step_sink(self, settings: KvcmSettings) -> StepSink:
         """Where the scheduler's Step programs go.
@@ -170,6 +189,10 @@ class _KvcmSchedulerMixin:
 class KvcmScheduler(_KvcmSchedulerMixin, Scheduler):
     """vLLM's synchronous ``Scheduler`` on kvcm (use with ``--no-async-scheduling``)."""
 
+    _async_scheduling = False
+
 
 class KvcmAsyncScheduler(_KvcmSchedulerMixin, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` on kvcm (vLLM's default: async scheduling on)."""
+
+    _async_scheduling = True
