@@ -342,10 +342,20 @@ class Trace:
 
 
 def run(
-    scheduler: Any, plans: list[RequestPlan], *, record: bool = True, max_steps: int = 20000
+    scheduler: Any,
+    plans: list[RequestPlan],
+    *,
+    record: bool = True,
+    max_steps: int = 20000,
+    resets: dict[int, bool] | None = None,
 ) -> Iterator[tuple[int, Any, Any, list[Any]]]:
     """Drive ``scheduler`` through ``plans``; yield (step, scheduler output, engine outputs,
-    events) per step (plain values when ``record``)."""
+    events) per step (plain values when ``record``).
+
+    ``resets`` maps a step to a ``reset_prefix_cache(reset_running_requests=...)`` call made
+    before that step's ``schedule()``; its answer is appended to the step's events.
+    """
+    resets = resets or {}
     by_step: dict[int, list[RequestPlan]] = {}
     for plan in plans:
         by_step.setdefault(plan.arrival_step, []).append(plan)
@@ -366,6 +376,9 @@ def run(
         for request_id in aborts.get(step, ()):
             if request_id in scheduler.requests:
                 scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        reset = None
+        if step in resets:
+            reset = scheduler.reset_prefix_cache(reset_running_requests=resets[step])
         output = scheduler.schedule()
         queue.append((step, output))
         engine = None
@@ -374,6 +387,8 @@ def run(
             engine = scheduler.update_from_output(done, _model_output(scheduler, done, done_step))
         events = publisher.events
         publisher.events = []
+        if reset is not None:
+            events = [*events, ("reset_prefix_cache", reset)]
         if record:
             yield step, plain(output), plain(engine), plain(events)
         else:
