@@ -19,9 +19,8 @@ from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvcm.common.hashing import HashAlgorithm
 from kvcm.common.specs import KVCacheSpec
-from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
 from kvcm.core.pool import DEFAULT_EVENT_RETENTION, Pool, PoolOptions, PoolState
-from kvcm.v1 import admin_pb2, common_pb2, events_pb2, scheduler_pb2
+from kvcm.v1 import admin_pb2, common_pb2, events_pb2
 
 __all__ = [
     "events_to_proto",
@@ -31,7 +30,6 @@ __all__ = [
     "pool_info",
     "pool_options_from_proto",
     "pool_state_to_proto",
-    "slot_options_from_proto",
 ]
 
 _HASH_ALGORITHM: Final = {
@@ -171,31 +169,6 @@ def pool_info(pool: Pool, config: admin_pb2.PoolConfig) -> admin_pb2.PoolInfo:
         info.num_free_blocks = manager.num_free_blocks
         info.usage = manager.usage
     return info
-
-
-def slot_options_from_proto(
-    message: scheduler_pb2.SlotOptions, default_lookahead: int = 0
-) -> tuple[SlotOptions, int]:
-    """The core's ``SlotOptions`` and ``num_in_flight_tokens`` of wire options."""
-    lookahead = (
-        message.num_lookahead_tokens
-        if message.HasField("num_lookahead_tokens")
-        else default_lookahead
-    )
-    in_flight = message.num_in_flight_tokens if message.HasField("num_in_flight_tokens") else 0
-    has_scheduled = message.has_scheduled_reqs if message.HasField("has_scheduled_reqs") else True
-    options = SlotOptions(
-        num_lookahead_tokens=lookahead,
-        num_external_computed_tokens=message.num_external_computed_tokens,
-        delay_cache_blocks=message.delay_cache_blocks,
-        num_encoder_tokens=message.num_encoder_tokens,
-        full_sequence_must_fit=message.full_sequence_must_fit,
-        reserved_blocks=message.reserved_blocks,
-        has_scheduled_reqs=has_scheduled,
-    )
-    if options == DEFAULT_SLOT_OPTIONS:
-        options = DEFAULT_SLOT_OPTIONS
-    return options, in_flight
 
 
 def fill_grouped(block_ids: Sequence[Sequence[int]], message: common_pb2.GroupedBlockIds) -> None:
