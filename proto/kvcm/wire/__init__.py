@@ -3,9 +3,10 @@
 Every enum table lives in :mod:`kvcm.wire.enums`; specs and KV-cache configs in
 :mod:`kvcm.wire.specs`; pool configs, hashing parameters, pool info, usage and stats in
 :mod:`kvcm.wire.pools`; grouped block ids and slot options in :mod:`kvcm.wire.blocks`;
-events in :mod:`kvcm.wire.events`. Both the server and the SDK import from here, so the two
-sides of the wire read every message alike. Decoders raise
-:class:`~kvcm.common.errors.InvalidArgumentError` with ``field`` set, never ``KeyError``.
+events in :mod:`kvcm.wire.events`; Step programs and outcomes in :mod:`kvcm.wire.step`.
+Both the server and the SDK import from here, so the two sides of the wire read every
+message alike. Decoders raise :class:`~kvcm.common.errors.InvalidArgumentError` with
+``field`` set, never ``KeyError``.
 """
 
 from __future__ import annotations
@@ -63,8 +64,20 @@ from kvcm.wire.specs import (
     spec_from_proto,
     spec_to_proto,
 )
+from kvcm.wire.step import (
+    alloc_options_from_proto,
+    outcome_from_proto,
+    outcome_to_proto,
+    program_from_proto,
+    program_to_proto,
+)
 
 __all__ = [
+    "alloc_options_from_proto",
+    "outcome_from_proto",
+    "outcome_to_proto",
+    "program_from_proto",
+    "program_to_proto",
     "DTYPE_TO_PROTO",
     "FREE_MODE_TO_PROTO",
     "HASH_ALGORITHM_TO_PROTO",

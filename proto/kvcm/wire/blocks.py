@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
 from kvcm.v1 import common_pb2, scheduler_pb2
 
@@ -25,14 +26,26 @@ def fill_grouped(block_ids: Sequence[Sequence[int]], message: common_pb2.Grouped
         message.num_block_ids.append(len(group))
 
 
-def grouped_from_proto(message: common_pb2.GroupedBlockIds) -> tuple[list[int], ...]:
-    """Per-group id lists of a ``GroupedBlockIds``."""
+def grouped_from_proto(
+    message: common_pb2.GroupedBlockIds, field: str = "blocks"
+) -> tuple[list[int], ...]:
+    """Per-group id lists of a ``GroupedBlockIds``.
+
+    Raises:
+        InvalidArgumentError: The counts do not add up to the ids (names ``field``).
+    """
+    counts = message.num_block_ids
     ids = list(message.block_ids)
-    groups = []
-    pos = 0
-    for count in message.num_block_ids:
-        groups.append(ids[pos : pos + count])
-        pos += count
+    if sum(counts) != len(ids):
+        raise InvalidArgumentError(
+            f"{field}: num_block_ids sums to {sum(counts)}, block_ids has {len(ids)} entries",
+            field=field,
+        )
+    groups: list[list[int]] = []
+    start = 0
+    for count in counts:
+        groups.append(ids[start : start + count])
+        start += count
     return tuple(groups)
 
 
