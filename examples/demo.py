@@ -459,7 +459,7 @@ def run_remote_demo(options: RemoteDemoOptions, out: TextIO | None = None) -> Re
             PoolConfig(
                 max_model_len=8192,
                 world_size=options.world_size,
-                hash_algorithm=options.hash_algorithm,
+                hash_algorithm=HashAlgorithm(options.hash_algorithm),
                 enable_kv_cache_events=True,
             ),
         )

@@ -44,6 +44,7 @@ from kvcm.client import (
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import NotFoundError
+from kvcm.common.hashing import HashAlgorithm
 from kvcm.common.specs import FullAttentionSpec
 
 if TYPE_CHECKING:
@@ -466,7 +467,9 @@ def create_pool(client: SchedulerClient, pool_id: str, *, num_blocks: int = 48) 
     )
     client.create_pool(
         pool_id,
-        PoolConfig(max_model_len=4096, explicit_layout=layout, hash_algorithm="sha256_cbor"),
+        PoolConfig(
+            max_model_len=4096, explicit_layout=layout, hash_algorithm=HashAlgorithm.SHA256_CBOR
+        ),
     )
 
 

@@ -13,12 +13,12 @@ from typing import Any, TypeAlias
 import grpc
 import pytest
 
-from kvcm.client._convert import kv_cache_config_to_proto
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.hashing import BlockHasher
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2, service_pb2_grpc
+from kvcm.wire import kv_cache_config_to_proto
 
 BLOCK = 16
 POOL = "wire-errors"

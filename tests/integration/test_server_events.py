@@ -16,12 +16,12 @@ from kvcm.client import (
     ServiceNotFoundError,
     StepBuilder,
 )
-from kvcm.client._convert import EventBatch
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core import KVCacheManager, KVCacheManagerConfig, Request
+from kvcm.wire import EventBatch
 
 LAYOUT = KVCacheConfig(
     num_blocks=12,

@@ -11,15 +11,15 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from conftest import start_server_thread, stop_server_thread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvcm.client._convert import layer_specs_to_proto, spec_to_proto
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec
+from kvcm.server.embedded import start_embedded_server
 from kvcm.server.settings import ServerSettings
 from kvcm.v1 import admin_pb2, events_pb2, service_pb2_grpc, worker_pb2
+from kvcm.wire import layer_specs_to_proto, spec_to_proto
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
 KVCM_SERVICES = {
@@ -54,7 +54,7 @@ def test_reflection_lists_every_service(kvcm_address: str) -> None:
 
 def test_graceful_shutdown_flips_health_then_drains() -> None:
     settings = ServerSettings(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0")
-    running, thread = start_server_thread(settings)
+    running = start_embedded_server(settings)
     stopped = False
     try:
         with grpc.insecure_channel(running.grpc_address) as channel:
@@ -105,9 +105,9 @@ def test_graceful_shutdown_flips_health_then_drains() -> None:
             http.close()
     finally:
         if not stopped:
-            stop_server_thread(running, thread)
+            running.stop(grace_s=1.0)
         else:
-            thread.join(timeout=10)
+            running.thread.join(timeout=10)
             running.loop.close()
 
 

@@ -340,8 +340,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.requests.remove(model)
         self.freed.append(model.request_id)
         assert not self.manager.holds_blocks(model.request_id)
-        with pytest.raises(NotFoundError):
-            self.manager.get_blocks(model.request_id)
+        # vLLM 0.33 answers empty tables for a request holding no blocks.
+        assert all(not group for group in self.manager.get_block_ids(model.request_id))
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())

@@ -9,19 +9,19 @@ from kvcm.common.dtypes import DType
 from kvcm.common.errors import AlreadyExistsError, ResourceExhaustedError
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.limits import DEFAULT_LIMITS, Limits, check_pool_blocks
-from kvcm.core.pool import PoolOptions, PoolRegistry, PoolState
+from kvcm.core.pool import PoolConfig, PoolRegistry, PoolState
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
 LIMITS = Limits(max_blocks_per_pool=100, max_total_blocks=150, max_pools=4)
 
 
-def _explicit(num_blocks: int) -> PoolOptions:
+def _explicit(num_blocks: int) -> PoolConfig:
     layout = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=(),
         kv_cache_groups=(KVCacheGroupSpec(layer_names=("l0",), kv_cache_spec=SPEC),),
     )
-    return PoolOptions(max_model_len=256, explicit_layout=layout)
+    return PoolConfig(max_model_len=256, explicit_layout=layout)
 
 
 def test_check_names_the_limit_it_hits() -> None:
@@ -74,7 +74,7 @@ def test_a_reservation_holds_the_name_and_blocks_until_added_or_released() -> No
 def test_planning_refuses_a_planned_count_over_the_limits_and_keeps_nothing() -> None:
     registry = PoolRegistry(limits=LIMITS)
     registry.create("a", _explicit(100))
-    options = PoolOptions(max_model_len=256, world_size=1, num_blocks_override=60)
+    options = PoolConfig(max_model_len=256, world_size=1, num_blocks_override=60)
     pool = registry.create("planned", options)
     with pytest.raises(ResourceExhaustedError, match="max_total_blocks"):
         pool.register_worker(0, 1, {"l0": SPEC}, 1 << 30)
@@ -88,7 +88,7 @@ def test_planning_refuses_a_planned_count_over_the_limits_and_keeps_nothing() ->
 
 def test_planning_refuses_more_than_max_blocks_per_pool() -> None:
     registry = PoolRegistry(limits=LIMITS)
-    options = PoolOptions(max_model_len=256, world_size=1, num_blocks_override=101)
+    options = PoolConfig(max_model_len=256, world_size=1, num_blocks_override=101)
     pool = registry.create("planned", options)
     with pytest.raises(ResourceExhaustedError, match="max_blocks_per_pool"):
         pool.register_worker(0, 1, {"l0": SPEC}, 1 << 30)

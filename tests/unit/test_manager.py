@@ -533,8 +533,8 @@ def test_bad_input_raises_before_any_change() -> None:
     req = make_request(manager, "0", range(10))
     admit(manager, req)
     before = snapshot(manager, "0")
-    with pytest.raises(NotFoundError):
-        manager.get_blocks("nope")
+    # vLLM 0.33 answers empty tables for a request holding no blocks.
+    assert manager.get_block_ids("nope") == ([],)
     with pytest.raises(NotFoundError):
         manager.remove_skipped_blocks("nope", 4)
     with pytest.raises(NotFoundError):

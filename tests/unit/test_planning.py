@@ -607,3 +607,20 @@ def test_vllm_max_concurrency() -> None:
     assert concurrency(129 * 3, KVCacheGroupSpec(full_layers, window)) == 3
     hybrid = (KVCacheGroupSpec(full_layers, full_spec), KVCacheGroupSpec(window_layers, window))
     assert concurrency((1024 + 129) * 3, *hybrid) == 3
+
+
+def test_a_tensor_past_a_uint64_is_refused_and_mamba_align_is_not_supported_yet() -> None:
+    big = FullAttentionSpec(
+        block_size=1 << 10, num_kv_heads=1 << 16, head_size=1 << 16, dtype="float32"
+    )
+    options = PlanningOptions(max_model_len=64, num_gpu_blocks_override=1 << 20)
+    with pytest.raises(ConfigError, match="uint64") as caught:
+        plan_kv_cache([{"layer.0": big}], [1 << 40], options)
+    assert caught.value.field == "layer_specs"
+    align = MambaSpec(
+        block_size=16, shapes=((4, 64),), dtypes=("float32",), mamba_cache_mode="align"
+    )
+    with pytest.raises(ConfigError, match=r"'model.layers.3.mixer'.*'align' is not supported yet"):
+        plan_kv_cache(
+            [{"model.layers.3.mixer": align}], [1 << 30], PlanningOptions(max_model_len=64)
+        )

@@ -8,6 +8,7 @@ from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import (
     AlreadyExistsError,
+    ConfigError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -15,12 +16,13 @@ from kvcm.common.errors import (
 )
 from kvcm.common.events import AllBlocksCleared, BlockRemoved
 from kvcm.common.hashing import BlockHasher, HashAlgorithm
-from kvcm.common.specs import FullAttentionSpec
+from kvcm.common.specs import FullAttentionSpec, MambaSpec
 from kvcm.core.event_log import EventLog
+from kvcm.core.limits import Limits
 from kvcm.core.pool import (
     OutOfRangeError,
     Pool,
-    PoolOptions,
+    PoolConfig,
     PoolRegistry,
     PoolState,
     check_pool_id,
@@ -37,7 +39,7 @@ LAYOUT = KVCacheConfig(
 
 def _pool(**overrides: object) -> Pool:
     options = {"max_model_len": 256, "explicit_layout": LAYOUT, **overrides}
-    return Pool("p", PoolOptions(**options))  # type: ignore[arg-type]
+    return Pool("p", PoolConfig(**options))  # type: ignore[arg-type]
 
 
 def _hashes(pool: Pool, tokens: list[int]) -> bytes:
@@ -178,7 +180,7 @@ def test_event_log_numbers_resumes_and_forgets() -> None:
 
 
 def test_registration_plans_once_every_rank_registered() -> None:
-    pool = Pool("w", PoolOptions(max_model_len=64, world_size=2))
+    pool = Pool("w", PoolConfig(max_model_len=64, world_size=2))
     with pytest.raises(FailedPreconditionError):
         pool.ready_manager()
     page = SPEC.page_size_bytes
@@ -199,21 +201,66 @@ def test_registration_plans_once_every_rank_registered() -> None:
 
 
 def test_too_little_memory_is_rejected_and_not_kept() -> None:
-    pool = Pool("m", PoolOptions(max_model_len=16, world_size=1))
+    pool = Pool("m", PoolConfig(max_model_len=16, world_size=1))
     with pytest.raises((ResourceExhaustedError, InvalidArgumentError)):
         pool.register_worker(0, 1, {"l0": SPEC}, SPEC.page_size_bytes)
     assert pool.registrations == {}
 
 
+def test_registration_checks_limits_memory_order_and_mamba_mode() -> None:
+    pool = Pool("bound", PoolConfig(max_model_len=64, world_size=3))
+    page = SPEC.page_size_bytes
+    specs = {"model.layers.2.attn": SPEC, "model.layers.10.attn": SPEC}
+    limits = Limits(max_pending_registrations=3)
+    pool.register_worker(0, 3, specs, 40 * page, limits=limits)
+    with pytest.raises(ResourceExhaustedError, match="max_pending_registrations") as bound:
+        pool.register_worker(1, 3, specs, 40 * page, limits=Limits(max_pending_registrations=2))
+    assert bound.value.field == "world_size"
+    with pytest.raises(InvalidArgumentError, match="available_memory_bytes") as memory:
+        pool.register_worker(1, 3, specs, 1 << 64, limits=limits)
+    assert memory.value.field == "available_memory_bytes"
+    # The layer order is part of a registration: the same layers in another order differ.
+    with pytest.raises(AlreadyExistsError, match="order"):
+        pool.register_worker(0, 3, dict(reversed(specs.items())), 40 * page, limits=limits)
+    align = MambaSpec(
+        block_size=16, shapes=((4, 64),), dtypes=("float32",), mamba_cache_mode="align"
+    )
+    with pytest.raises(ConfigError, match=r"'model.layers.1.mixer'.*not supported yet") as mode:
+        pool.register_worker(1, 3, {"model.layers.1.mixer": align}, 40 * page, limits=limits)
+    assert mode.value.field == "layer_specs[model.layers.1.mixer].mamba_cache_mode"
+    assert list(pool.registrations) == [0]
+    # A pending rank whose call ended is withdrawn; a planned pool keeps its ranks.
+    assert pool.withdraw_worker(0)
+    assert not pool.withdraw_worker(0)
+    assert pool.registrations == {}
+
+
+def test_a_failed_plan_drops_the_round() -> None:
+    pool = Pool("round", PoolConfig(max_model_len=64, world_size=2))
+    page = SPEC.page_size_bytes
+    pool.register_worker(0, 2, {"l0": SPEC}, 40 * page)
+    with pytest.raises(ConfigError, match="No available memory"):
+        pool.register_worker(1, 2, {"l0": SPEC}, page)
+    assert pool.registrations == {}
+    assert (pool.failed_plans, pool.state) == (1, PoolState.PENDING_WORKERS)
+    # A new round; too many blocks fails it too (before any block is built).
+    pool.register_worker(1, 2, {"l0": SPEC}, 1 << 62)
+    assert list(pool.registrations) == [1]
+    with pytest.raises(ResourceExhaustedError, match="max_blocks_per_pool"):
+        pool.register_worker(0, 2, {"l0": SPEC}, 1 << 62, limits=Limits())
+    assert pool.failed_plans == 2
+    assert pool.registrations == {}
+
+
 def test_registry_creates_lists_and_deletes() -> None:
     registry = PoolRegistry(max_pools=2)
-    registry.create("b", PoolOptions(max_model_len=64, explicit_layout=LAYOUT))
-    registry.create("a", PoolOptions(max_model_len=64, explicit_layout=LAYOUT))
+    registry.create("b", PoolConfig(max_model_len=64, explicit_layout=LAYOUT))
+    registry.create("a", PoolConfig(max_model_len=64, explicit_layout=LAYOUT))
     assert [pool.name for pool in registry.list()] == ["a", "b"]
     with pytest.raises(AlreadyExistsError):
-        registry.create("a", PoolOptions(max_model_len=64, explicit_layout=LAYOUT))
+        registry.create("a", PoolConfig(max_model_len=64, explicit_layout=LAYOUT))
     with pytest.raises(ResourceExhaustedError):
-        registry.create("c", PoolOptions(max_model_len=64, explicit_layout=LAYOUT))
+        registry.create("c", PoolConfig(max_model_len=64, explicit_layout=LAYOUT))
     assert registry.delete("a").name == "a"
     with pytest.raises(NotFoundError, match="'a'"):
         registry.get("a")

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvcm.client._base import RETRY_POLICY, RetryPolicy
-    from kvcm.client._convert import EventBatch
     from kvcm.client._errors import (
         CallCancelledError,
         DeadlineExceededError,
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
         REGISTER_WORKER_TIMEOUT_S,
         USE_CLIENT_DEFAULT,
         CacheHit,
+        EventBatch,
         FreeMode,
         HashingParameters,
         ItemStatus,
@@ -116,7 +116,7 @@ _MODULE_OF = {
     "CallCancelledError": "_errors",
     "DEFAULT_TIMEOUT_S": "_types",
     "DeadlineExceededError": "_errors",
-    "EventBatch": "_convert",
+    "EventBatch": "_types",
     "EventStream": "scheduler",
     "FreeMode": "_types",
     "HashingParameters": "_types",

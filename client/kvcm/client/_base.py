@@ -18,12 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kvcm.client._convert import (
-    hashing_from_proto,
-    kv_cache_config_from_proto,
-    pool_config_from_proto,
-    pool_config_to_proto,
-)
 from kvcm.client._errors import ServiceError, StatusCode
 from kvcm.client._step import StepBuilder, slot_options_to_proto
 from kvcm.client._types import (
@@ -35,7 +29,6 @@ from kvcm.client._types import (
     KVCacheBlocks,
     PoolConfig,
     PoolInfo,
-    PoolState,
     PoolSummary,
     PrefixCacheStats,
     RequestBlocks,
@@ -45,6 +38,16 @@ from kvcm.client._types import (
 )
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2
+from kvcm.wire import (
+    FREE_MODE_TO_PROTO,
+    fill_grouped,
+    grouped_from_proto,
+    pool_config_to_proto,
+    pool_info_from_proto,
+    pool_summaries_from_proto,
+    prefix_cache_stats_from_proto,
+    usage_from_proto,
+)
 
 __all__ = [
     "RETRY_POLICY",
@@ -202,35 +205,16 @@ def check_timeout(field: str, value: object) -> None:
 
 # ----------------------------------------------------------------------------- blocks
 def grouped_to_blocks(message: common_pb2.GroupedBlockIds) -> KVCacheBlocks:
-    """Decode a ``GroupedBlockIds`` into per-group id lists."""
-    ids = list(message.block_ids)
-    groups = []
-    pos = 0
-    for count in message.num_block_ids:
-        groups.append(ids[pos : pos + count])
-        pos += count
-    return KVCacheBlocks(tuple(groups))
+    """Decode a ``GroupedBlockIds`` into the SDK's ``KVCacheBlocks``."""
+    return KVCacheBlocks(grouped_from_proto(message))
 
 
 def blocks_to_grouped(blocks: KVCacheBlocks, message: common_pb2.GroupedBlockIds) -> None:
     """Fill a ``GroupedBlockIds`` from per-group id lists."""
-    for group in blocks.block_ids:
-        message.block_ids.extend(group)
-        message.num_block_ids.append(len(group))
+    fill_grouped(blocks.block_ids, message)
 
 
 # ------------------------------------------------------------------------------ admin
-_POOL_STATE: Final[dict[int, PoolState]] = {
-    admin_pb2.POOL_STATE_PENDING_WORKERS: PoolState.PENDING_WORKERS,
-    admin_pb2.POOL_STATE_READY: PoolState.READY,
-}
-
-
-def pool_state_from_proto(value: int) -> PoolState:
-    """Decode a ``PoolState`` (UNSPECIFIED reads as PENDING_WORKERS)."""
-    return _POOL_STATE.get(value, PoolState.PENDING_WORKERS)
-
-
 def build_create_pool(pool_id: str, config: PoolConfig) -> admin_pb2.CreatePoolRequest:
     """``CreatePoolRequest`` for a pool id and config."""
     if not isinstance(config, PoolConfig):
@@ -240,37 +224,12 @@ def build_create_pool(pool_id: str, config: PoolConfig) -> admin_pb2.CreatePoolR
 
 def decode_pool_info(message: admin_pb2.PoolInfo) -> PoolInfo:
     """Decode a ``PoolInfo``."""
-    kv_cache_config = (
-        kv_cache_config_from_proto(message.kv_cache_config)
-        if message.HasField("kv_cache_config")
-        else None
-    )
-    return PoolInfo(
-        pool_id=message.pool_id,
-        state=pool_state_from_proto(message.state),
-        config=pool_config_from_proto(message.config),
-        kv_cache_config=kv_cache_config,
-        hashing=hashing_from_proto(message.hashing),
-        registered_ranks=tuple(message.registered_ranks),
-        num_free_blocks=message.num_free_blocks,
-        num_requests=message.num_requests,
-        usage=message.usage,
-        last_event_sequence=message.last_event_sequence,
-    )
+    return pool_info_from_proto(message)
 
 
 def decode_pool_summaries(message: admin_pb2.ListPoolsResponse) -> list[PoolSummary]:
     """Decode ``ListPools``' answer."""
-    return [
-        PoolSummary(
-            pool_id=pool.pool_id,
-            state=pool_state_from_proto(pool.state),
-            num_blocks=pool.num_blocks,
-            num_free_blocks=pool.num_free_blocks,
-            num_requests=pool.num_requests,
-        )
-        for pool in message.pools
-    ]
+    return pool_summaries_from_proto(message)
 
 
 # -------------------------------------------------------------------------- scheduler
@@ -317,7 +276,8 @@ def build_append_tokens(
 
 def build_free(pool_id: str, request_key: int, mode: FreeMode) -> scheduler_pb2.FreeRequest:
     """``FreeRequest`` finishing or preempting a request."""
-    return scheduler_pb2.FreeRequest(pool_id=pool_id, request_key=request_key, mode=int(mode))  # type: ignore[arg-type]
+    wire_mode: Any = FREE_MODE_TO_PROTO[mode]
+    return scheduler_pb2.FreeRequest(pool_id=pool_id, request_key=request_key, mode=wire_mode)
 
 
 def build_get_computed_blocks(
@@ -389,27 +349,11 @@ def decode_request_blocks(
 
 def decode_usage(message: scheduler_pb2.GetUsageResponse) -> Usage:
     """Decode ``GetUsage``' answer."""
-    return Usage(
-        usage=message.usage,
-        num_free_blocks=message.num_free_blocks,
-        num_blocks=message.num_blocks,
-        num_requests=message.num_requests,
-    )
+    return usage_from_proto(message)
 
 
 def decode_prefix_cache_stats(
     message: scheduler_pb2.TakePrefixCacheStatsResponse,
 ) -> PrefixCacheStats | None:
     """Decode ``TakePrefixCacheStats``' answer (``None`` when the pool's log_stats is off)."""
-    if not message.HasField("stats"):
-        return None
-    stats = message.stats
-    return PrefixCacheStats(
-        reset=stats.reset,
-        requests=stats.num_requests,
-        queries=stats.num_query_tokens,
-        hits=stats.num_hit_tokens,
-        preempted_requests=stats.num_preempted_requests,
-        preempted_queries=stats.num_preempted_query_tokens,
-        preempted_hits=stats.num_preempted_hit_tokens,
-    )
+    return prefix_cache_stats_from_proto(message)

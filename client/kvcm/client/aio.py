@@ -24,7 +24,6 @@ import grpc.aio
 
 from kvcm.client import _base
 from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
-from kvcm.client._convert import EventBatch, decode_event_batch
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._types import (
@@ -45,6 +44,7 @@ from kvcm.client._types import (
     UseClientDefault,
 )
 from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2, service_pb2_grpc
+from kvcm.wire import EventBatch, decode_event_batch
 
 if TYPE_CHECKING:
     from kvcm.common.hashing import BlockHasher

@@ -21,11 +21,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
-from kvcm.client._convert import (
-    hashing_from_proto,
-    kv_cache_config_from_proto,
-    layer_specs_to_proto,
-)
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._types import (
     REGISTER_WORKER_TIMEOUT_S,
@@ -34,7 +29,9 @@ from kvcm.client._types import (
     UseClientDefault,
 )
 from kvcm.common.errors import InvalidArgumentError
+from kvcm.common.specs import check_plannable_spec
 from kvcm.v1 import service_pb2_grpc, worker_pb2
+from kvcm.wire import hashing_from_proto, kv_cache_config_from_proto, layer_specs_to_proto
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +81,8 @@ class WorkerClient:
         Args:
             target: ``host:port`` of the server.
             timeout: Deadline of ``register``, in seconds: how long to wait for the other
-                ranks (a registration survives the deadline: calling again is fine).
+                ranks (the server drops a registration whose call ends before every rank
+                registered: calling again registers anew).
             retry_policy: Retries of ``RegisterWorker`` (idempotent) on UNAVAILABLE.
             channel_options: Extra gRPC channel options.
 
@@ -118,7 +116,8 @@ class WorkerClient:
             rank: This worker's rank, in ``[0, world_size)``.
             world_size: Ranks of the pool.
             layer_specs: Every layer this rank holds KV cache for (vLLM's
-                ``get_kv_cache_spec()``), by layer name.
+                ``get_kv_cache_spec()``), by layer name, in the model runner's order (the
+                mapping's order is kept: it decides groups, tensor order and offsets).
             available_memory_bytes: Bytes this rank can give the KV cache.
             timeout: How long to wait for the other ranks, in seconds.
 
@@ -126,15 +125,25 @@ class WorkerClient:
             The unified config, this rank's tensors and the pool's hashing parameters.
 
         Raises:
-            DeadlineExceededError: Not every rank registered in time (calling again is fine).
-            ServiceAlreadyExistsError: This rank registered before with other specs or memory.
-            ServiceInvalidArgumentError: Bad rank, world size or specs.
+            InvalidArgumentError: No layers, or a spec kvcm cannot plan (ConfigError for a
+                Mamba layer in "align" mode), checked before anything is sent.
+            DeadlineExceededError: Not every rank registered in time, or within the server's
+                registration timeout (this registration is dropped: call again).
+            ServiceAlreadyExistsError: This rank registered before with other specs, layer
+                order or memory.
+            ServiceInvalidArgumentError: Bad rank, world size, memory or specs, or the ranks'
+                specs cannot be planned together (every waiting rank gets the error and must
+                register again).
             ServiceFailedPreconditionError: The specs disagree with the pool's layout or other
                 ranks.
-            ServiceResourceExhaustedError: The memory holds fewer than 2 blocks.
+            ServiceResourceExhaustedError: The memory holds fewer than 2 blocks or more than
+                the server's block limit (every waiting rank gets it), or the pool holds its
+                limit of pending registrations.
         """
         if not layer_specs:
-            raise InvalidArgumentError("layer_specs must not be empty")
+            raise InvalidArgumentError("layer_specs must not be empty", field="layer_specs")
+        for name, spec in layer_specs.items():
+            check_plannable_spec(name, spec)
         request = worker_pb2.RegisterWorkerRequest(
             pool_id=pool_id,
             rank=rank,

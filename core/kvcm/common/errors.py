@@ -29,7 +29,22 @@ __all__ = [
     "KVCMError",
     "NotFoundError",
     "ResourceExhaustedError",
+    "shown",
 ]
+
+# Characters of client input an error message quotes before cutting it short.
+_SHOWN_CHARS = 32
+
+
+def shown(value: str) -> str:
+    """``value`` quoted for an error message, cut short with its length when long.
+
+    Messages name what the caller sent, but must stay small whatever it sent (a 1 MB id):
+    the quote is ASCII (``ascii()``) and at most :data:`_SHOWN_CHARS` characters of it.
+    """
+    if len(value) <= _SHOWN_CHARS:
+        return ascii(value)
+    return f"{value[:_SHOWN_CHARS]!a}... ({len(value)} characters)"
 
 
 class KVCMError(Exception):

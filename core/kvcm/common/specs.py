@@ -36,7 +36,7 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import ClassVar, Self
+from typing import ClassVar, Final, Self
 
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import ConfigError, InvalidArgumentError
@@ -55,8 +55,13 @@ __all__ = [
     "SlidingWindowSpec",
     "SpecTraits",
     "StatePacking",
+    "UINT64_MAX",
     "UniformTypeKVCacheSpecs",
+    "check_plannable_spec",
 ]
+
+UINT64_MAX: Final = (1 << 64) - 1
+"""The largest byte count the wire (and a worker's allocator) can carry."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -853,3 +858,44 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
             return None
         block_size = next(iter(kv_cache_specs.values())).block_size
         return cls(block_size=block_size, kv_cache_specs=kv_cache_specs)
+
+
+def check_plannable_spec(layer_name: str, spec: KVCacheSpec, field: str = "layer_specs") -> None:
+    """Refuse a layer spec that kvcm cannot plan yet, naming the layer and the field.
+
+    Every place a layer spec enters (the SDK's ``WorkerClient.register``, the server's
+    RegisterWorker, planning) calls this, so the refusal reads the same everywhere.
+
+    Args:
+        layer_name: The layer, as the model runner names it.
+        spec: Its spec.
+        field: Where the spec came from, for the error's ``field``.
+
+    Raises:
+        ConfigError: A Mamba layer in vLLM's "align" cache mode (prefix caching for hybrid
+            Mamba models): kvcm plans and manages only "none" mode so far.
+        InvalidArgumentError: An unknown Mamba cache mode, or a page larger than a uint64.
+    """
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        for inner_name, inner in spec.kv_cache_specs.items():
+            check_plannable_spec(inner_name, inner, field)
+        return
+    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "none":
+        mode = spec.mamba_cache_mode
+        if mode == "align":
+            raise ConfigError(
+                f"layer {layer_name!r}: MambaSpec.mamba_cache_mode 'align' is not supported "
+                "yet (kvcm plans Mamba layers in 'none' mode only; vLLM picks 'align' for "
+                "hybrid Mamba models with prefix caching on)",
+                field=f"{field}[{layer_name}].mamba_cache_mode",
+            )
+        raise InvalidArgumentError(
+            f"layer {layer_name!r}: MambaSpec.mamba_cache_mode must be 'none', got {mode!r}",
+            field=f"{field}[{layer_name}].mamba_cache_mode",
+        )
+    if spec.page_size_bytes > UINT64_MAX:
+        raise InvalidArgumentError(
+            f"layer {layer_name!r}: its page of {spec.page_size_bytes} bytes does not fit a "
+            "uint64 (check block_size, num_kv_heads, head_size, shapes, page_size_padded_bytes)",
+            field=f"{field}[{layer_name}]",
+        )

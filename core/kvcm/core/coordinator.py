@@ -221,6 +221,11 @@ class KVCacheCoordinator:
         """Prefix of the computed tokens that may be cached."""
         return num_computed_tokens
 
+    @property
+    def caching_managers(self) -> tuple[SingleTypeKVCacheManager, ...]:
+        """The managers whose blocks enter the prefix cache."""
+        return self._caching_managers
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's blocks that became full.
 

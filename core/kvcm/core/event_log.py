@@ -51,6 +51,10 @@ class EventLog:
         """Oldest sequence number still kept (== ``next_sequence`` when none are kept)."""
         return self._next_sequence - len(self._events)
 
+    def contents(self) -> list[tuple[KVCacheEvent, float]]:
+        """The kept events with their timestamps, oldest first (a copy)."""
+        return list(self._events)
+
     def append(self, events: Sequence[KVCacheEvent], now: float) -> int:
         """Publish ``events`` in order, all stamped ``now``; returns how many."""
         self._events.extend([(event, now) for event in events])

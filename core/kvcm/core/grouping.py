@@ -29,7 +29,12 @@ from typing import Protocol
 
 from kvcm.common.config import KVCacheGroupSpec, KVCacheLayout
 from kvcm.common.errors import ConfigError
-from kvcm.common.specs import KVCacheSpec, StatePacking, UniformTypeKVCacheSpecs
+from kvcm.common.specs import (
+    KVCacheSpec,
+    StatePacking,
+    UniformTypeKVCacheSpecs,
+    check_plannable_spec,
+)
 
 __all__ = [
     "GroupingOptions",
@@ -374,7 +379,9 @@ def merge_rank_specs(rank_specs: Sequence[Mapping[str, KVCacheSpec]]) -> dict[st
     Raises:
         ConfigError: A layer's spec differs between ranks (names the layer and the ranks), or
             a layer is encoder-only (it keeps no KV cache across steps: vLLM's workers add
-            such layers after planning, so they are not registered).
+            such layers after planning, so they are not registered), or a layer kvcm cannot
+            plan yet (a Mamba layer in "align" mode).
+        InvalidArgumentError: A layer's page does not fit a uint64.
     """
     merged: dict[str, KVCacheSpec] = {}
     first_rank: dict[str, int] = {}
@@ -389,6 +396,7 @@ def merge_rank_specs(rank_specs: Sequence[Mapping[str, KVCacheSpec]]) -> dict[st
                     f"rank {rank}: layer {name!r} is encoder-only and needs no planned KV "
                     "cache; leave it out of the registered specs"
                 )
+            check_plannable_spec(name, spec, f"rank_specs[{rank}]")
             known = merged.get(name)
             if known is None:
                 merged[name] = spec

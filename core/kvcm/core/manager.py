@@ -789,18 +789,13 @@ class KVCacheManager:
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's block tables (the live lists: do not mutate them).
 
-        Raises:
-            NotFoundError: The request holds no blocks.
+        A request holding no blocks (waiting, preempted, or unknown here) has an empty list per
+        group, as in vLLM (whose per-group tables default to empty lists).
         """
-        self._check_known(request_id)
         return self._make_blocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block ids per group.
-
-        Raises:
-            NotFoundError: The request holds no blocks.
-        """
+        """The request's block ids per group (empty lists when it holds none)."""
         return self.get_blocks(request_id).get_block_ids()
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -825,6 +820,30 @@ class KVCacheManager:
             self.coordinator.check_cacheable(request, num_computed_tokens)
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
+    def check_cacheable(self, request: Request, num_computed_tokens: int) -> None:
+        """Raise unless the request's blocks hold the tokens ``cache_blocks`` would cache.
+
+        Raises:
+            InvalidArgumentError: A caching group holds fewer blocks than the tokens need.
+        """
+        if self.enable_caching:
+            self.coordinator.check_cacheable(request, num_computed_tokens)
+
+    def num_cacheable_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """``num_computed_tokens``, capped at what every caching group's blocks hold."""
+        try:
+            self.check_cacheable(request, num_computed_tokens)
+        except InvalidArgumentError:
+            request_id = request.request_id
+            return min(
+                num_computed_tokens,
+                *(
+                    len(m.req_to_blocks.get(request_id, ())) * m.block_size
+                    for m in self.coordinator.caching_managers
+                ),
+            )
+        return num_computed_tokens
+
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids of attention blocks allocated since the last call, for zeroing.
 
@@ -835,6 +854,11 @@ class KVCacheManager:
     def new_step_starts(self) -> None:
         """Tell the managers a scheduler step starts."""
         self.coordinator.new_step_starts()
+
+    @property
+    def requests_holding_blocks(self) -> frozenset[str]:
+        """The ids of the requests holding a block table (a copy; for fingerprints)."""
+        return frozenset(self._requests)
 
     def holds_blocks(self, request_id: str) -> bool:
         """Whether the request holds a block table (allocated and not freed)."""

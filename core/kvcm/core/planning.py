@@ -35,7 +35,12 @@ from kvcm.common.config import (
     pool_bytes_per_block,
 )
 from kvcm.common.errors import ConfigError, InvalidArgumentError
-from kvcm.common.specs import KVCacheSpec, SizingLimits, UniformTypeKVCacheSpecs
+from kvcm.common.specs import (
+    UINT64_MAX,
+    KVCacheSpec,
+    SizingLimits,
+    UniformTypeKVCacheSpecs,
+)
 from kvcm.core.grouping import (
     get_kv_cache_groups,
     merge_rank_specs,
@@ -472,6 +477,21 @@ def _auto_fit_max_model_len(
     return best
 
 
+def _check_uint64_tensors(ranks: Sequence[RankPlan], num_blocks: int) -> None:
+    """Every tensor's byte counts must fit a uint64 (the wire's and allocators' type)."""
+    for rank_plan in ranks:
+        for tensor in rank_plan.kv_cache_config.kv_cache_tensors:
+            if max(tensor.size, tensor.offset, tensor.layer_stride, tensor.block_stride) > (
+                UINT64_MAX
+            ):
+                raise ConfigError(
+                    f"rank {rank_plan.rank}: the tensor of layers {list(tensor.layers)} needs "
+                    f"{tensor.size} bytes at {num_blocks} blocks, more than a uint64 holds "
+                    "(its pages are too large for the block count)",
+                    field="layer_specs",
+                )
+
+
 def plan_kv_cache(
     rank_specs: Sequence[Mapping[str, KVCacheSpec]],
     available_memory: Sequence[int],
@@ -490,8 +510,9 @@ def plan_kv_cache(
 
     Raises:
         ConfigError: Inconsistent specs (a layer differs between ranks), specs that cannot
-            be grouped, no memory left after the null block, or a model that cannot hold
-            one request of ``max_model_len`` tokens (vLLM's message).
+            be grouped, no memory left after the null block, a model that cannot hold
+            one request of ``max_model_len`` tokens (vLLM's message), or a tensor whose
+            byte count does not fit a uint64.
     """
     _validate_ranks(rank_specs, available_memory)
     merged = merge_rank_specs(rank_specs)
@@ -532,6 +553,7 @@ def plan_kv_cache(
         )
         for rank, g in enumerate(rank_groups)
     )
+    _check_uint64_tensors(ranks, num_blocks)
     scheduler_config = scheduler_kv_cache_config(ranks[0].kv_cache_config)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(groups, options)
     return UnifiedPlan(

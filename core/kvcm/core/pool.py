@@ -32,7 +32,7 @@ from kvcm.common.errors import (
 )
 from kvcm.common.events import KVCacheEvent
 from kvcm.common.hashing import BlockHash, resolve_none_hash_seed
-from kvcm.common.specs import KVCacheSpec
+from kvcm.common.specs import UINT64_MAX, KVCacheSpec, check_plannable_spec
 from kvcm.core.event_log import EventLog, OutOfRangeError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits, check_pool_blocks
 from kvcm.core.manager import (
@@ -53,23 +53,31 @@ from kvcm.core.planning import (
 )
 from kvcm.core.pool_types import (
     DEFAULT_EVENT_RETENTION,
-    HashingInfo,
-    PoolOptions,
+    HashingParameters,
+    PoolConfig,
     PoolSnapshot,
     PoolState,
     Registration,
     check_pool_id,
     hash_length_bytes,
 )
+from kvcm.core.program import AllocOptions, HitSpec, OpKind, StepOutcome, StepProgram
 from kvcm.core.request import Request, RequestStatus
 from kvcm.core.stats import PrefixCacheStats
+from kvcm.core.step import (
+    check_append,
+    check_new_request,
+    execute_program,
+    run_step,
+    validate_program,
+)
 
 __all__ = [
     "DEFAULT_EVENT_RETENTION",
-    "HashingInfo",
+    "HashingParameters",
     "OutOfRangeError",
     "Pool",
-    "PoolOptions",
+    "PoolConfig",
     "PoolRegistry",
     "PoolSnapshot",
     "PoolState",
@@ -103,14 +111,16 @@ class Pool:
         registrations: Registered ranks.
         requests: Live requests by request key.
         last_step_seq: The last applied Step sequence number (0: none yet).
-        last_step_response: What the servicer answered for ``last_step_seq`` (opaque here).
+        last_step_outcome: The outcome of ``last_step_seq`` (answered again for a retry).
+        limits: The service's hard limits.
         allocations_not_fit_total: Allocations answered "does not fit" so far.
+        failed_plans: Registration rounds whose plan failed (each dropped its ranks).
     """
 
     def __init__(
         self,
         name: str,
-        options: PoolOptions,
+        options: PoolConfig,
         *,
         limits: Limits = DEFAULT_LIMITS,
         blocks_in_use: Callable[[], int] = lambda: 0,
@@ -130,7 +140,7 @@ class Pool:
         self._blocks_in_use = blocks_in_use
         algorithm = options.hash_algorithm
         self._seed = resolve_none_hash_seed(algorithm, options.hash_seed)
-        self.hashing = HashingInfo(
+        self.hashing = HashingParameters(
             algorithm=algorithm,
             seed=self._seed,
             hash_block_size=options.hash_block_size or 0,
@@ -145,8 +155,9 @@ class Pool:
         self.requests: dict[int, Request] = {}
         self.request_ids: dict[int, str] = {}
         self.last_step_seq = 0
-        self.last_step_response: object | None = None
+        self.last_step_outcome: StepOutcome | None = None
         self.allocations_not_fit_total = 0
+        self.failed_plans = 0
         self._events = EventLog(options.event_retention_num_events)
         self._stats_total = PrefixCacheStats()
         self._stats_untaken = PrefixCacheStats()
@@ -177,7 +188,7 @@ class Pool:
         self.manager = manager
         self.kv_cache_config = scheduler_config
         self.max_model_len = max_model_len
-        self.hashing = HashingInfo(
+        self.hashing = HashingParameters(
             algorithm=self.hashing.algorithm,
             seed=self._seed,
             hash_block_size=manager.hash_block_size,
@@ -186,48 +197,116 @@ class Pool:
         self.state = PoolState.READY
 
     def register_worker(
-        self, rank: int, world_size: int, specs: Mapping[str, KVCacheSpec], memory: int
+        self,
+        rank: int,
+        world_size: int,
+        specs: Mapping[str, KVCacheSpec],
+        memory: int,
+        *,
+        limits: Limits | None = None,
     ) -> None:
         """Record one rank's registration; plan the pool once every rank has registered.
 
-        Idempotent for the same specs and memory. Nothing changes when it raises.
+        ``specs`` is kept in the caller's order (the model runner's layer order), which
+        decides group membership, tensor order and byte offsets as in vLLM. Idempotent for
+        the same specs (in the same order) and memory. A rejected rank changes nothing.
+
+        A plan that fails (the ranks' specs or memory together cannot be planned) fails the
+        whole round: every registration is dropped, ``failed_plans`` counts it, and the
+        error is raised, so the waiting ranks can be told and register again.
 
         Raises:
-            InvalidArgumentError: rank or world_size out of range, no layers.
+            InvalidArgumentError: rank or world_size out of range, no layers, memory or a
+                page that does not fit a uint64 (names the field).
+            ConfigError: A layer kvcm cannot plan yet (Mamba "align" mode), or planning
+                rejected the specs (the round is dropped).
             AlreadyExistsError: The rank registered before with other specs or memory.
             FailedPreconditionError: Specs disagree with another rank or the explicit layout.
-            ResourceExhaustedError: The memory holds fewer than 2 blocks.
-            ConfigError: Planning rejected the specs.
+            ResourceExhaustedError: More ranks than ``limits.max_pending_registrations``; or
+                (the round is dropped) the memory holds fewer than 2 blocks or more than
+                ``limits.max_blocks_per_pool``.
         """
-        pool_world = self.options.world_size
-        if pool_world and world_size != pool_world:
-            raise InvalidArgumentError(
-                f"world_size {world_size} is not pool {self.name!r}'s world_size {pool_world}"
-            )
-        if not 0 <= rank < max(world_size, 1):
-            raise InvalidArgumentError(f"rank must be in [0, {world_size}), got {rank}")
-        if not specs:
-            raise InvalidArgumentError("layer_specs must not be empty")
+        if limits is None:
+            limits = self.limits
+        self._check_registration(rank, world_size, specs, memory, limits)
         registration = Registration(specs=dict(specs), available_memory_bytes=memory)
         known = self.registrations.get(rank)
         if known is not None:
-            if known == registration:
+            if known == registration and list(known.specs) == list(specs):
                 return
             raise AlreadyExistsError(
-                f"rank {rank} of pool {self.name!r} registered before with other specs or memory"
+                f"rank {rank} of pool {self.name!r} registered before with other specs, layer "
+                "order or memory",
+                field="layer_specs",
             )
         layout = self.options.explicit_layout
         if layout is not None:
             self._check_against_layout(rank, specs, layout)
             self.registrations[rank] = registration
             return
+        if len(self.registrations) >= limits.max_pending_registrations:
+            raise ResourceExhaustedError(
+                f"pool {self.name!r} holds its limit of {limits.max_pending_registrations} "
+                "pending registrations (limits.max_pending_registrations)",
+                field="rank",
+            )
         self._check_against_ranks(rank, specs)
         registered = {**self.registrations, rank: registration}
         if len(registered) < world_size:
             self.registrations = registered
             return
-        self._plan(registered)
+        try:
+            self._plan(registered, limits)
+        except KVCMError:
+            self.registrations = {}
+            self.failed_plans += 1
+            raise
         self.registrations = registered
+
+    def _check_registration(
+        self,
+        rank: int,
+        world_size: int,
+        specs: Mapping[str, KVCacheSpec],
+        memory: int,
+        limits: Limits,
+    ) -> None:
+        pool_world = self.options.world_size
+        if pool_world and world_size != pool_world:
+            raise InvalidArgumentError(
+                f"world_size {world_size} is not pool {self.name!r}'s world_size {pool_world}",
+                field="world_size",
+            )
+        if world_size > limits.max_pending_registrations:
+            raise ResourceExhaustedError(
+                f"world_size {world_size} exceeds limits.max_pending_registrations "
+                f"({limits.max_pending_registrations}): the pool could never be planned",
+                field="world_size",
+            )
+        if not 0 <= rank < max(world_size, 1):
+            raise InvalidArgumentError(
+                f"rank must be in [0, {world_size}), got {rank}", field="rank"
+            )
+        if type(memory) is not int or not 0 <= memory <= UINT64_MAX:
+            raise InvalidArgumentError(
+                f"available_memory_bytes must be an int in [0, 2**64), got {memory!r}",
+                field="available_memory_bytes",
+            )
+        if not specs:
+            raise InvalidArgumentError("layer_specs must not be empty", field="layer_specs")
+        for name, spec in specs.items():
+            check_plannable_spec(name, spec)
+
+    def withdraw_worker(self, rank: int) -> bool:
+        """Drop a pending rank's registration (its call ended before the pool was planned).
+
+        Returns:
+            Whether a registration was dropped (``False`` once READY or when unknown).
+        """
+        if self.manager is not None or rank not in self.registrations:
+            return False
+        self.registrations = {r: reg for r, reg in self.registrations.items() if r != rank}
+        return True
 
     def _check_against_layout(
         self, rank: int, specs: Mapping[str, KVCacheSpec], layout: KVCacheConfig
@@ -259,7 +338,7 @@ class Pool:
                         f"{known!r} != {spec!r}"
                     )
 
-    def _plan(self, registered: Mapping[int, Registration]) -> None:
+    def _plan(self, registered: Mapping[int, Registration], limits: Limits) -> None:
         ranks = sorted(registered)
         options = self.options
         plan = plan_kv_cache(
@@ -275,7 +354,15 @@ class Pool:
         if plan.num_blocks < 2:
             raise ResourceExhaustedError(
                 f"pool {self.name!r}: the ranks' memory holds {plan.num_blocks} blocks, "
-                "fewer than 2 (the null block and one usable block)"
+                "fewer than 2 (the null block and one usable block)",
+                field="available_memory_bytes",
+            )
+        if plan.num_blocks > limits.max_blocks_per_pool:
+            raise ResourceExhaustedError(
+                f"pool {self.name!r}: the ranks' memory holds {plan.num_blocks} blocks, more "
+                f"than limits.max_blocks_per_pool ({limits.max_blocks_per_pool}); offer less "
+                "available_memory_bytes or set num_blocks_override",
+                field="available_memory_bytes",
             )
         check_pool_blocks(self.limits, self.name, plan.num_blocks, self._blocks_in_use())
         self.plan = plan
@@ -351,29 +438,6 @@ class Pool:
             return 0
         return num_tokens // self.hashing.hash_block_size
 
-    def check_new_request(self, key: int, num_tokens: int, hashes_bytes: int) -> None:
-        """Validate an AddRequest's prompt length and hash bytes (without the table).
-
-        The prompt carries the hashes of all its full hash blocks, or none at all (an
-        unhashed request: its blocks are never cached).
-
-        Raises:
-            InvalidArgumentError: An empty or too long prompt, wrong hash bytes.
-        """
-        if num_tokens == 0:
-            raise InvalidArgumentError(f"request key {key}: prompt_token_ids must not be empty")
-        if num_tokens > self.max_model_len:
-            raise InvalidArgumentError(
-                f"request key {key}: prompt_token_ids has {num_tokens} tokens, more than "
-                f"max_model_len {self.max_model_len}"
-            )
-        expected = self.expected_num_hashes(num_tokens) * self.hashing.hash_length_bytes
-        if hashes_bytes not in (0, expected):
-            raise InvalidArgumentError(
-                f"request key {key}: block_hashes must hold {expected} bytes "
-                f"({self.expected_num_hashes(num_tokens)} hashes) or none, got {hashes_bytes}"
-            )
-
     def add_request(
         self,
         key: int,
@@ -391,12 +455,12 @@ class Pool:
         Raises:
             FailedPreconditionError: The pool is not READY.
             AlreadyExistsError: The key is live.
-            InvalidArgumentError: Empty or too long prompt, wrong hashes.
+            InvalidArgumentError: Empty or too long prompt, wrong hashes, negative lora_id.
         """
         self.ready_manager()
         if key in self.requests:
             raise AlreadyExistsError(f"request key {key} is live in pool {self.name!r}")
-        self.check_new_request(key, len(prompt_token_ids), len(block_hashes))
+        check_new_request(self, key, prompt_token_ids, block_hashes, lora_id)
         hashes = self.split_hashes(
             "block_hashes", block_hashes, len(block_hashes) // self.hashing.hash_length_bytes
         )
@@ -415,57 +479,22 @@ class Pool:
         self.request_ids[key] = request_id
         return request
 
-    def _verify(self, request: Request, sent: Sequence[BlockHash], first: int) -> None:
+    def computed_hashes(
+        self, token_ids: Sequence[int], lora_name: str | None, cache_salt: str | None
+    ) -> list[BlockHash]:
+        """The block hashes the server computes for ``token_ids`` (hash verification)."""
         from kvcm.common.hashing import BlockHasher
 
         hasher = BlockHasher(self.hashing.hash_block_size, self.hashing.algorithm, self._seed)
-        computed = hasher.hash_token_ids(
-            request.all_token_ids, lora_name=request.lora_name, cache_salt=request.cache_salt
+        return hasher.hash_token_ids(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+
+    def _verify(self, request: Request, sent: Sequence[BlockHash], first: int) -> None:
+        computed = self.computed_hashes(
+            request.all_token_ids, request.lora_name, request.cache_salt
         )[first:]
         if list(sent) != computed[: len(sent)]:
             raise InvalidArgumentError(
                 f"request key {request.request_id}: block_hashes differ from the server's"
-            )
-
-    def check_append(
-        self, key: int, num_tokens: int, num_hashes: int, num_before: int, hashes_before: int
-    ) -> None:
-        """Validate an append of ``num_tokens`` tokens with ``num_hashes`` hashes.
-
-        A request whose hashes cover all its full blocks sends the hashes of the blocks the
-        tokens fill, or none (it then stays unhashed beyond that point); a request already
-        behind sends none.
-
-        Args:
-            key: The request key (for messages).
-            num_tokens: Tokens appended.
-            num_hashes: Hashes sent with them.
-            num_before: The request's tokens before the append.
-            hashes_before: The request's hashes before the append.
-
-        Raises:
-            InvalidArgumentError: No tokens, beyond max_model_len, wrong number of hashes.
-        """
-        if num_tokens == 0:
-            raise InvalidArgumentError(f"request key {key}: token_ids must not be empty")
-        total = num_before + num_tokens
-        if total > self.max_model_len:
-            raise InvalidArgumentError(
-                f"request key {key}: {total} tokens exceed max_model_len {self.max_model_len}"
-            )
-        if num_hashes == 0:
-            return
-        expected_before = self.expected_num_hashes(num_before)
-        expected = self.expected_num_hashes(total) - expected_before
-        if hashes_before != expected_before:
-            raise InvalidArgumentError(
-                f"request key {key}: block_hashes must be empty: the request carries "
-                f"{hashes_before} of its {expected_before} block hashes"
-            )
-        if num_hashes != expected:
-            raise InvalidArgumentError(
-                f"request key {key}: block_hashes must hold {expected} hashes for the blocks "
-                f"the tokens fill (or none), got {num_hashes}"
             )
 
     def append_tokens(self, key: int, token_ids: Sequence[int], block_hashes: bytes) -> None:
@@ -473,7 +502,7 @@ class Pool:
 
         Raises:
             NotFoundError: Unknown key.
-            InvalidArgumentError: See :meth:`check_append`.
+            InvalidArgumentError: See :func:`kvcm.core.step.check_append`.
         """
         self.ready_manager()
         request = self.request(key)
@@ -481,8 +510,13 @@ class Pool:
         if len(block_hashes) % size:
             raise InvalidArgumentError(f"block_hashes must be a multiple of {size} bytes")
         num_hashes = len(block_hashes) // size
-        self.check_append(
-            key, len(token_ids), num_hashes, request.num_tokens, len(request.block_hashes)
+        check_append(
+            self,
+            key,
+            len(token_ids),
+            num_hashes,
+            num_before=request.num_tokens,
+            hashes_before=len(request.block_hashes),
         )
         self.apply_append(
             request, token_ids, self.split_hashes("block_hashes", block_hashes, num_hashes)
@@ -535,48 +569,6 @@ class Pool:
         manager.record_prefix_cache_stats(request, hit.num_computed_tokens)
         return hit
 
-    def hit_from_ids(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> CacheHit:
-        """A ``CacheHit`` of block ids handed back by a client.
-
-        Raises:
-            InvalidArgumentError: Wrong number of groups, an id outside the pool.
-        """
-        manager = self.ready_manager()
-        if len(block_ids) != manager.num_kv_cache_groups:
-            raise InvalidArgumentError(
-                f"new_computed.blocks has {len(block_ids)} groups, the pool "
-                f"{manager.num_kv_cache_groups}"
-            )
-        blocks = manager.block_pool.blocks
-        num_blocks = len(blocks)
-        for group in block_ids:
-            for block_id in group:
-                if not 0 <= block_id < num_blocks:
-                    raise InvalidArgumentError(
-                        f"new_computed.blocks: block id {block_id} is outside [0, {num_blocks})"
-                    )
-        return CacheHit(
-            KVCacheBlocks(tuple([blocks[i] for i in group] for group in block_ids)), num_tokens
-        )
-
-    def check_allocation(self, key: int, num_new_tokens: int, num_computed_tokens: int) -> None:
-        """Validate an allocation's token counts against the request's tokens.
-
-        Raises:
-            InvalidArgumentError: Beyond the request's tokens or max_model_len.
-        """
-        request = self.request(key)
-        if num_computed_tokens > request.num_tokens:
-            raise InvalidArgumentError(
-                f"num_computed_tokens={num_computed_tokens} exceeds the request's "
-                f"{request.num_tokens} tokens"
-            )
-        if num_computed_tokens + num_new_tokens > self.max_model_len:
-            raise InvalidArgumentError(
-                f"num_computed_tokens + num_new_tokens = {num_computed_tokens + num_new_tokens} "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
-
     def allocate_slots(
         self,
         request: Request,
@@ -593,6 +585,138 @@ class Pool:
             return None
         request.status = RequestStatus.RUNNING
         return blocks
+
+    # ------------------------------------------------------------------- Step programs
+    def run_step(self, program: StepProgram) -> StepOutcome:
+        """Run a Step program (:func:`kvcm.core.step.run_step`: limits, step_seq, validate,
+        execute). A rejected program changes nothing.
+
+        Raises:
+            KVCMError: See :func:`kvcm.core.step.run_step`.
+        """
+        return run_step(self, program)
+
+    def _run_one(self, program: StepProgram) -> StepOutcome:
+        # A unary call: the same rules as the op in a Step, reported without the op prefix.
+        manager = self.ready_manager()
+        try:
+            validate_program(self, manager, program)
+        except KVCMError as exc:
+            prefix = f"ops[0] {OpKind(program.ops[0]).name}: "
+            message = str(exc)
+            if message.startswith(prefix):
+                message = message[len(prefix) :]
+            raise type(exc)(message, field=exc.field) from None
+        return execute_program(self, manager, program)
+
+    def allocate(
+        self,
+        key: int,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        *,
+        hit: HitSpec | None = None,
+        options: SlotOptions = DEFAULT_SLOT_OPTIONS,
+        num_in_flight_tokens: int = 0,
+    ) -> tuple[list[int], ...] | None:
+        """allocate_slots of a live request (unary AllocateSlots): one ALLOCATE program.
+
+        Args:
+            key: The request key.
+            num_new_tokens: vLLM's num_new_tokens.
+            num_computed_tokens: The request's computed tokens before the call; a caller that
+                counted the hit into it (equal to ``hit.num_tokens``) means 0.
+            hit: A hit the caller looked up before (checked against the cache now).
+            options: allocate_slots' rarely used knobs.
+            num_in_flight_tokens: vLLM's request.num_in_flight_tokens.
+
+        Returns:
+            The new block ids per group, or ``None`` when they do not fit.
+
+        Raises:
+            NotFoundError: Unknown key.
+            InvalidArgumentError: A count out of range (names the field).
+            FailedPreconditionError: A hit block no longer holds the request's hash.
+        """
+        if hit is not None and num_computed_tokens and num_computed_tokens == hit.num_tokens:
+            num_computed_tokens = 0
+        program = StepProgram(
+            ops=[OpKind.ALLOCATE],
+            request_keys=[key],
+            alloc_num_new_tokens=[num_new_tokens],
+            alloc_num_computed_tokens=[num_computed_tokens],
+        )
+        if hit is not None or options is not DEFAULT_SLOT_OPTIONS or num_in_flight_tokens:
+            program.alloc_options[0] = AllocOptions(
+                hit=hit, slot_options=options, num_in_flight_tokens=num_in_flight_tokens
+            )
+        outcome = self._run_one(program)
+        if outcome.alloc_statuses[0] != 1:
+            return None
+        ids = outcome.alloc_block_ids
+        groups: list[list[int]] = []
+        start = 0
+        for count in outcome.alloc_num_block_ids:
+            groups.append(ids[start : start + count])
+            start += count
+        return tuple(groups)
+
+    def cache_blocks(self, key: int, num_computed_tokens: int) -> None:
+        """cache_blocks of a request holding blocks (one CACHE_BLOCKS program).
+
+        Raises:
+            NotFoundError: Unknown key, or it holds no blocks.
+            InvalidArgumentError: The count is beyond the request's tokens or blocks.
+        """
+        self._run_one(
+            StepProgram(
+                ops=[OpKind.CACHE_BLOCKS],
+                request_keys=[key],
+                cache_num_computed_tokens=[num_computed_tokens],
+            )
+        )
+
+    def remove_skipped_blocks(self, key: int, total_computed_tokens: int) -> None:
+        """remove_skipped_blocks of a request holding blocks (one op program).
+
+        Raises:
+            NotFoundError: Unknown key, or it holds no blocks.
+            InvalidArgumentError: The count is beyond the request's tokens.
+        """
+        self._run_one(
+            StepProgram(
+                ops=[OpKind.REMOVE_SKIPPED_BLOCKS],
+                request_keys=[key],
+                remove_skipped_total_computed_tokens=[total_computed_tokens],
+            )
+        )
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop blocks from the prefix cache (one EVICT_BLOCKS program).
+
+        Raises:
+            InvalidArgumentError: An id outside [1, num_blocks) (names ``block_ids[i]``).
+        """
+        self._run_one(
+            StepProgram(
+                ops=[OpKind.EVICT_BLOCKS],
+                evict_num_block_ids=[len(block_ids)],
+                evict_block_ids=list(block_ids),
+            )
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """reset_prefix_cache (one op program): ``False`` while blocks are in use."""
+        return self._run_one(StepProgram(ops=[OpKind.RESET_PREFIX_CACHE])).reset[0]
+
+    def state_fingerprint(self) -> bytes:
+        """A canonical serialization of everything any call can change (O(state)).
+
+        See :func:`kvcm.core.fingerprint.state_fingerprint`.
+        """
+        from kvcm.core.fingerprint import state_fingerprint
+
+        return state_fingerprint(self)
 
     # ---------------------------------------------------------------------- statistics
     def _drain_stats(self) -> None:
@@ -626,6 +750,14 @@ class Pool:
             return 0
         events = manager.take_events()
         return self._events.append(events, now) if events else 0
+
+    def event_log_contents(self) -> list[tuple[KVCacheEvent, float]]:
+        """The kept events with their timestamps, oldest first (for fingerprints)."""
+        return self._events.contents()
+
+    def stats_totals(self) -> tuple[PrefixCacheStats, PrefixCacheStats]:
+        """The cumulative and the not yet taken prefix-cache counters (for fingerprints)."""
+        return self._stats_total, self._stats_untaken
 
     @property
     def last_event_sequence(self) -> int:
@@ -736,7 +868,7 @@ class PoolRegistry:
         )
         return held + sum(self._building.values())
 
-    def create(self, name: str, options: PoolOptions) -> Pool:
+    def create(self, name: str, options: PoolConfig) -> Pool:
         """Create and register a pool.
 
         Raises:
@@ -753,7 +885,7 @@ class PoolRegistry:
         self.add(pool)
         return pool
 
-    def reserve(self, name: str, options: PoolOptions) -> None:
+    def reserve(self, name: str, options: PoolConfig) -> None:
         """Check a creation and hold its name and blocks until ``add`` or ``release``.
 
         Raises:
@@ -769,7 +901,7 @@ class PoolRegistry:
         check_pool_blocks(self.limits, name, num_blocks, self.num_blocks())
         self._building[name] = num_blocks
 
-    def build(self, name: str, options: PoolOptions) -> Pool:
+    def build(self, name: str, options: PoolConfig) -> Pool:
         """Build a reserved pool; touches nothing in the registry (safe off the loop).
 
         Raises:

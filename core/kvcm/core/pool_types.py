@@ -12,17 +12,21 @@ from dataclasses import dataclass
 from typing import Final
 
 from kvcm.common.config import KVCacheConfig
-from kvcm.common.errors import InvalidArgumentError
-from kvcm.common.hashing import HashAlgorithm
+from kvcm.common.errors import InvalidArgumentError, shown
+from kvcm.common.hashing import BlockHasher, HashAlgorithm
 from kvcm.common.specs import KVCacheSpec
 
 __all__ = [
     "DEFAULT_EVENT_RETENTION",
-    "HashingInfo",
-    "PoolOptions",
+    "FreeMode",
+    "HashingParameters",
+    "PoolConfig",
+    "PoolInfo",
     "PoolSnapshot",
     "PoolState",
+    "PoolSummary",
     "Registration",
+    "Usage",
     "check_pool_id",
     "hash_length_bytes",
 ]
@@ -47,6 +51,16 @@ class PoolState(enum.StrEnum):
     READY = "READY"
 
 
+@enum.unique
+class FreeMode(enum.IntEnum):
+    """How ``free`` leaves a request (values equal ``kvcm.v1.FreeMode``)."""
+
+    FINISHED = 1
+    """Done: free its blocks and forget it (its key may be reused)."""
+    PREEMPTED = 2
+    """Preempted: free its blocks, keep its tokens and hashes, count the preemption."""
+
+
 def hash_length_bytes(algorithm: HashAlgorithm) -> int:
     """Bytes of one block hash of ``algorithm`` (32 for sha256, 16 for xxhash)."""
     return _HASH_LENGTH[algorithm]
@@ -60,12 +74,13 @@ def check_pool_id(pool_id: str) -> None:
     """
     if not 1 <= len(pool_id) <= 128 or not _POOL_ID_CHARS.issuperset(pool_id):
         raise InvalidArgumentError(
-            f"pool_id must be 1-128 characters of [A-Za-z0-9._-], got {pool_id!r}"
+            f"pool_id must be 1-128 characters of [A-Za-z0-9._-], got {shown(pool_id)}",
+            field="pool_id",
         )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PoolOptions:
+class PoolConfig:
     """Everything a pool is created with (the core's reading of ``kvcm.v1.PoolConfig``).
 
     Attributes:
@@ -77,7 +92,7 @@ class PoolOptions:
         hash_block_size: Tokens per hashed block; ``None``: the manager's default.
         max_in_flight_tokens: Tokens scheduled but not settled; ``None``: max_model_len.
         enable_caching: Prefix caching.
-        hash_algorithm: Block hash algorithm.
+        hash_algorithm: Block hash algorithm (a member or its name, e.g. ``"sha256_cbor"``).
         hash_seed: NONE_HASH seed; ``None``: vLLM's resolution.
         verify_block_hashes: Recompute every block hash a client sends.
         enable_kv_cache_events: Publish KV events.
@@ -103,6 +118,18 @@ class PoolOptions:
     watermark: float = 0.0
 
     def __post_init__(self) -> None:
+        named: object = self.hash_algorithm
+        if not isinstance(named, HashAlgorithm):
+            # Callers may name the algorithm as the CLI and the wire docs do.
+            try:
+                algorithm = HashAlgorithm(named)  # type: ignore[arg-type]
+            except ValueError:
+                known = [a.value for a in HashAlgorithm]
+                raise InvalidArgumentError(
+                    f"config.hash_algorithm must be one of {known}, got {self.hash_algorithm!r}",
+                    field="config.hash_algorithm",
+                ) from None
+            object.__setattr__(self, "hash_algorithm", algorithm)
         if self.max_model_len < 1:
             raise InvalidArgumentError(
                 f"config.max_model_len must be >= 1, got {self.max_model_len}"
@@ -142,13 +169,31 @@ class PoolOptions:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class HashingInfo:
-    """How the pool's clients hash blocks (``kvcm.v1.HashingParameters``)."""
+class HashingParameters:
+    """How a pool's clients hash token blocks (``kvcm.v1.HashingParameters``).
+
+    Attributes:
+        algorithm: The block hash algorithm.
+        seed: The NONE_HASH seed. For xxhash algorithms it is a secret (kept out of ``repr``).
+        hash_block_size: Tokens per hashed block.
+        hash_length_bytes: Bytes per block hash (32 for sha256, 16 for xxhash algorithms).
+    """
 
     algorithm: HashAlgorithm
     seed: str
     hash_block_size: int
     hash_length_bytes: int
+
+    def block_hasher(self) -> BlockHasher:
+        """A hasher whose hashes equal the server's (and vLLM's) for this pool."""
+        return BlockHasher(self.hash_block_size, self.algorithm, self.seed)
+
+    def __repr__(self) -> str:
+        # The seed of an xxhash pool is a secret: keep it out of logs.
+        return (
+            f"HashingParameters(algorithm={self.algorithm!s}, seed=<hidden>, "
+            f"hash_block_size={self.hash_block_size}, hash_length_bytes={self.hash_length_bytes})"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,3 +232,68 @@ class PoolSnapshot:
     evicted_blocks_total: int
     events_emitted_total: int
     allocations_not_fit_total: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolSummary:
+    """One line of ``ListPools`` (``kvcm.v1.PoolSummary``).
+
+    Attributes:
+        pool_id: The pool's id.
+        state: Its lifecycle state.
+        num_blocks: Blocks in the pool (0 while PENDING_WORKERS).
+        num_free_blocks: Blocks that can be allocated now.
+        num_requests: Requests the pool tracks.
+    """
+
+    pool_id: str
+    state: PoolState
+    num_blocks: int
+    num_free_blocks: int
+    num_requests: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolInfo:
+    """Everything about a pool (``DescribePool``, ``kvcm.v1.PoolInfo``).
+
+    Attributes:
+        pool_id: The pool's id.
+        state: Its lifecycle state.
+        config: As created (defaults resolved where the wire leaves them unset).
+        kv_cache_config: The planned config without tensors; ``None`` while PENDING_WORKERS.
+        hashing: The resolved hashing parameters.
+        registered_ranks: Ranks that have registered, ascending.
+        num_free_blocks: Blocks that can be allocated now.
+        num_requests: Requests the pool tracks.
+        usage: Fraction of blocks in use, 0..1.
+        last_event_sequence: Sequence number of the last published event (0: none yet).
+    """
+
+    pool_id: str
+    state: PoolState
+    config: PoolConfig
+    kv_cache_config: KVCacheConfig | None
+    hashing: HashingParameters
+    registered_ranks: tuple[int, ...]
+    num_free_blocks: int
+    num_requests: int
+    usage: float
+    last_event_sequence: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Usage:
+    """A pool's block usage (``GetUsage``).
+
+    Attributes:
+        usage: Fraction of blocks in use, 0..1 (vLLM's ``usage``).
+        num_free_blocks: Blocks that can be allocated now.
+        num_blocks: Blocks in the pool, null block included.
+        num_requests: Requests the pool tracks.
+    """
+
+    usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_requests: int

@@ -21,7 +21,8 @@ requests costs a few lists rather than hundreds of objects::
     EVICT_BLOCKS           -              evict_block_ids (evict_num_block_ids (1) of them)
     RESET_PREFIX_CACHE     -              -
 
-Every column is consumed exactly. The interpreter's contract (docs/architecture.md):
+Every column is consumed exactly. The interpreter's contract (:mod:`kvcm.core.step` has the
+full rules; docs/api.md the atomicity guarantee):
 
 * a program is validated whole against the pool before anything runs; a rejected program
   raises one :class:`~kvcm.common.errors.KVCMError` subclass whose ``field`` names the column

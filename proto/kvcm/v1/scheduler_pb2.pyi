@@ -25,6 +25,8 @@ class StepOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_OP_KIND_PREEMPT: _ClassVar[StepOpKind]
     STEP_OP_KIND_FINISH: _ClassVar[StepOpKind]
     STEP_OP_KIND_NEW_STEP_STARTS: _ClassVar[StepOpKind]
+    STEP_OP_KIND_EVICT_BLOCKS: _ClassVar[StepOpKind]
+    STEP_OP_KIND_RESET_PREFIX_CACHE: _ClassVar[StepOpKind]
 FREE_MODE_UNSPECIFIED: FreeMode
 FREE_MODE_FINISHED: FreeMode
 FREE_MODE_PREEMPTED: FreeMode
@@ -37,6 +39,8 @@ STEP_OP_KIND_REMOVE_SKIPPED_BLOCKS: StepOpKind
 STEP_OP_KIND_PREEMPT: StepOpKind
 STEP_OP_KIND_FINISH: StepOpKind
 STEP_OP_KIND_NEW_STEP_STARTS: StepOpKind
+STEP_OP_KIND_EVICT_BLOCKS: StepOpKind
+STEP_OP_KIND_RESET_PREFIX_CACHE: StepOpKind
 
 class MultiModalFeature(_message.Message):
     __slots__ = ("identifier", "offset_tokens", "length_tokens")
@@ -359,17 +363,19 @@ class TakePrefixCacheStatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
 
 class StepAllocOptions(_message.Message):
-    __slots__ = ("alloc_index", "lookup", "options")
+    __slots__ = ("alloc_index", "lookup", "options", "hit")
     ALLOC_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    HIT_FIELD_NUMBER: _ClassVar[int]
     alloc_index: int
     lookup: LookupOptions
     options: SlotOptions
-    def __init__(self, alloc_index: _Optional[int] = ..., lookup: _Optional[_Union[LookupOptions, _Mapping]] = ..., options: _Optional[_Union[SlotOptions, _Mapping]] = ...) -> None: ...
+    hit: ComputedBlocks
+    def __init__(self, alloc_index: _Optional[int] = ..., lookup: _Optional[_Union[LookupOptions, _Mapping]] = ..., options: _Optional[_Union[SlotOptions, _Mapping]] = ..., hit: _Optional[_Union[ComputedBlocks, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit")
+    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit", "evict_num_block_ids", "evict_block_ids")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +393,8 @@ class StepRequest(_message.Message):
     DEFAULT_NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_ON_DOES_NOT_FIT_FIELD_NUMBER: _ClassVar[int]
+    EVICT_NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    EVICT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     step_seq: int
     ops: _containers.RepeatedScalarFieldContainer[StepOpKind]
@@ -404,10 +412,12 @@ class StepRequest(_message.Message):
     default_num_lookahead_tokens: int
     token_budget: int
     continue_on_does_not_fit: bool
-    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ...) -> None: ...
+    evict_num_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    evict_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ..., evict_num_block_ids: _Optional[_Iterable[int]] = ..., evict_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("num_ops_executed", "alloc_statuses", "alloc_num_block_ids", "alloc_block_ids", "lookup_num_computed_tokens", "lookup_num_new_tokens", "token_budget_left", "step_seq")
+    __slots__ = ("num_ops_executed", "alloc_statuses", "alloc_num_block_ids", "alloc_block_ids", "lookup_num_computed_tokens", "lookup_num_new_tokens", "token_budget_left", "step_seq", "reset")
     NUM_OPS_EXECUTED_FIELD_NUMBER: _ClassVar[int]
     ALLOC_STATUSES_FIELD_NUMBER: _ClassVar[int]
     ALLOC_NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +426,7 @@ class StepResponse(_message.Message):
     LOOKUP_NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_LEFT_FIELD_NUMBER: _ClassVar[int]
     STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     num_ops_executed: int
     alloc_statuses: _containers.RepeatedScalarFieldContainer[_common_pb2.ItemStatus]
     alloc_num_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -424,7 +435,8 @@ class StepResponse(_message.Message):
     lookup_num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
     token_budget_left: int
     step_seq: int
-    def __init__(self, num_ops_executed: _Optional[int] = ..., alloc_statuses: _Optional[_Iterable[_Union[_common_pb2.ItemStatus, str]]] = ..., alloc_num_block_ids: _Optional[_Iterable[int]] = ..., alloc_block_ids: _Optional[_Iterable[int]] = ..., lookup_num_computed_tokens: _Optional[_Iterable[int]] = ..., lookup_num_new_tokens: _Optional[_Iterable[int]] = ..., token_budget_left: _Optional[int] = ..., step_seq: _Optional[int] = ...) -> None: ...
+    reset: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, num_ops_executed: _Optional[int] = ..., alloc_statuses: _Optional[_Iterable[_Union[_common_pb2.ItemStatus, str]]] = ..., alloc_num_block_ids: _Optional[_Iterable[int]] = ..., alloc_block_ids: _Optional[_Iterable[int]] = ..., lookup_num_computed_tokens: _Optional[_Iterable[int]] = ..., lookup_num_new_tokens: _Optional[_Iterable[int]] = ..., token_budget_left: _Optional[int] = ..., step_seq: _Optional[int] = ..., reset: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class StepRejection(_message.Message):
     __slots__ = ("op_index", "field", "reason")

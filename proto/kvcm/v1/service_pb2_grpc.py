@@ -261,14 +261,19 @@ class WorkerServiceServicer:
     """
 
     def RegisterWorker(self, request, context):
-        """Registers one rank's layers and memory, and answers, once every rank of the pool has
-        registered, that rank's unified KVCacheConfig and the pool's hashing parameters. Waits up
-        to the call's deadline (DEADLINE_EXCEEDED; the registration stays, so calling again is
-        fine). Registering the same rank again with the same specs and memory is idempotent; with
-        different ones it is ALREADY_EXISTS. INVALID_ARGUMENT: rank >= world_size, world_size not
-        the pool's, empty or duplicate layer names, an unset spec. FAILED_PRECONDITION: the specs
-        do not match the pool's explicit layout, or ranks disagree on layers. RESOURCE_EXHAUSTED:
-        the memory holds fewer than 2 blocks.
+        """Registers one rank's layers (in the model runner's order) and memory, and answers, once
+        every rank of the pool has registered, that rank's unified KVCacheConfig and the pool's
+        hashing parameters. Waits up to the call's deadline or the server's registration timeout,
+        whichever is first (DEADLINE_EXCEEDED; the registration is dropped, so calling again
+        registers anew). Registering the same rank again with the same specs, order and memory is
+        idempotent; with different ones it is ALREADY_EXISTS. INVALID_ARGUMENT: rank >=
+        world_size, world_size not the pool's, empty or duplicate layer names, an unset spec, a
+        page or tensor past a uint64, a Mamba layer in "align" mode (not supported yet), specs
+        that cannot be planned. FAILED_PRECONDITION: the specs do not match the pool's explicit
+        layout, or ranks disagree on layers. RESOURCE_EXHAUSTED: the memory holds fewer than 2
+        blocks or more than the server's block limit, or more ranks than the server's limit of
+        pending registrations. A plan that fails answers every waiting rank with the same status
+        and drops every registration of the pool: every rank registers again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -61,7 +61,9 @@ class KVCMServer:
         """Prepare a server; nothing is bound until ``start``."""
         self.settings = settings
         self.state = ServerState(
-            registry=PoolRegistry(limits=settings.limits), rpc_stats=RpcStats()
+            registry=PoolRegistry(limits=settings.limits),
+            rpc_stats=RpcStats(),
+            limits=settings.limits,
         )
         self.grpc_port = 0
         self.http_port = 0

@@ -10,6 +10,7 @@ import grpc
 
 from kvcm.server.rpc._admin import AdminServicer
 from kvcm.server.rpc._events import EventServicer
+from kvcm.server.rpc._handlers import UndecodableRequest, register_services
 from kvcm.server.rpc._interceptor import TelemetryInterceptor
 from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import PoolRuntime, ServerState
@@ -18,10 +19,11 @@ from kvcm.server.rpc._status import (
     STEP_REJECTION_TRAILER,
     AbortRpc,
     StepRejectedError,
+    status_details,
     status_of,
 )
 from kvcm.server.rpc._worker import WorkerServicer
-from kvcm.v1 import service_pb2, service_pb2_grpc
+from kvcm.v1 import service_pb2
 
 __all__ = [
     "SERVICE_NAMES",
@@ -35,8 +37,10 @@ __all__ = [
     "ServerState",
     "StepRejectedError",
     "TelemetryInterceptor",
+    "UndecodableRequest",
     "WorkerServicer",
     "add_servicers",
+    "status_details",
     "status_of",
 ]
 
@@ -46,8 +50,17 @@ SERVICE_NAMES: tuple[str, ...] = tuple(
 
 
 def add_servicers(server: grpc.aio.Server, state: ServerState) -> None:
-    """Register the four kvcm.v1 services on ``server``, all serving ``state``."""
-    service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(state), server)  # type: ignore[no-untyped-call]
-    service_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(state), server)  # type: ignore[no-untyped-call]
-    service_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(state), server)  # type: ignore[no-untyped-call]
-    service_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(state), server)  # type: ignore[no-untyped-call]
+    """Register the four kvcm.v1 services on ``server``, all serving ``state``.
+
+    Requests decode through :mod:`~kvcm.server.rpc._handlers`: undecodable bytes end the call
+    with INVALID_ARGUMENT (via the interceptor) instead of grpc's uncounted UNKNOWN.
+    """
+    register_services(
+        server,
+        {
+            "AdminService": AdminServicer(state),
+            "WorkerService": WorkerServicer(state),
+            "SchedulerService": SchedulerServicer(state),
+            "EventService": EventServicer(state),
+        },
+    )

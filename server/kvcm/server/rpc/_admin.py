@@ -19,15 +19,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
-from kvcm.core.pool import Pool, PoolOptions
-from kvcm.server.rpc._convert import (
-    pool_info,
-    pool_options_from_proto,
-    pool_state_to_proto,
-)
+from kvcm.core.pool import Pool, PoolConfig
 from kvcm.server.rpc._log import log_pool_created, log_pool_deleted
 from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.v1 import admin_pb2, service_pb2_grpc
+from kvcm.wire import pool_config_from_proto, pool_info_to_proto, pool_state_to_proto
 
 __all__ = ["OFF_LOOP_BLOCKS", "AdminServicer"]
 
@@ -52,7 +48,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.CreatePoolRequest, context: Context
     ) -> admin_pb2.CreatePoolResponse:
         """Create a pool (READY at once with an explicit layout)."""
-        options = pool_options_from_proto(request.config)
+        options = pool_config_from_proto(request.config)
         registry = self._state.registry
         layout = options.explicit_layout
         if layout is None or layout.num_blocks < OFF_LOOP_BLOCKS:
@@ -73,7 +69,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
             runtime.planned.set()
         self._state.runtimes[pool.name] = runtime
         log_pool_created(pool)
-        return admin_pb2.CreatePoolResponse(pool=pool_info(pool, runtime.config))
+        return admin_pb2.CreatePoolResponse(pool=pool_info_to_proto(pool, runtime.config))
 
     async def ListPools(  # noqa: N802
         self, request: admin_pb2.ListPoolsRequest, context: Context
@@ -97,7 +93,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         """Everything about one pool."""
         pool = self._state.registry.get(request.pool_id)
         config = self._state.runtimes[pool.name].config
-        return admin_pb2.DescribePoolResponse(pool=pool_info(pool, config))
+        return admin_pb2.DescribePoolResponse(pool=pool_info_to_proto(pool, config))
 
     async def DeletePool(  # noqa: N802
         self, request: admin_pb2.DeletePoolRequest, context: Context
@@ -156,9 +152,7 @@ _FREE_SLICE: Final = 8192
 _OFF_LOOP_WORK: Final = _OffLoopWork()
 
 
-def _build_large(
-    build: Callable[[str, PoolOptions], Pool], name: str, options: PoolOptions
-) -> Pool:
+def _build_large(build: Callable[[str, PoolConfig], Pool], name: str, options: PoolConfig) -> Pool:
     """``build(name, options)`` in a worker thread (see :class:`_OffLoopWork`)."""
     with _OFF_LOOP_WORK:
         return build(name, options)

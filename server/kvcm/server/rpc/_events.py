@@ -8,12 +8,10 @@ from typing import Any, Final, TypeAlias
 import grpc
 
 from kvcm.common.errors import NotFoundError
-from kvcm.server.rpc._convert import (
-    events_to_proto,
-)
 from kvcm.server.rpc._state import ServerState
 from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import events_pb2, service_pb2_grpc
+from kvcm.wire import events_to_proto
 
 __all__ = ["EventServicer"]
 

@@ -17,8 +17,9 @@ from typing import Any
 import grpc
 
 from kvcm.common.errors import KVCMError
+from kvcm.server.rpc._handlers import UndecodableRequest
 from kvcm.server.rpc._log import log_call_rejected
-from kvcm.server.rpc._status import AbortRpc, StepRejectedError, status_of
+from kvcm.server.rpc._status import AbortRpc, StepRejectedError, status_details, status_of
 from kvcm.server.telemetry import RpcStats
 
 __all__ = ["TelemetryInterceptor"]
@@ -37,7 +38,7 @@ async def _abort(context: Any, exc: BaseException) -> str:
         _LOG.exception("internal error")
         code, details = grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
     trailer = exc.trailer() if isinstance(exc, StepRejectedError) else ()
-    await context.abort(code, details, trailer)
+    await context.abort(code, status_details(details), trailer)
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 
@@ -89,6 +90,8 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             started = time.perf_counter()
             code = "OK"
             try:
+                if type(request) is UndecodableRequest:
+                    raise request.error()
                 return await behavior(request, context)
             except asyncio.CancelledError:
                 code = "CANCELLED"
@@ -111,6 +114,8 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             started = time.perf_counter()
             code = "OK"
             try:
+                if type(request) is UndecodableRequest:
+                    raise request.error()
                 async for item in behavior(request, context):
                     yield item
             except asyncio.CancelledError:

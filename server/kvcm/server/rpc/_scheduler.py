@@ -4,18 +4,24 @@ from __future__ import annotations
 
 from typing import Any, Final, TypeAlias
 
-from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError
+from kvcm.common.errors import FailedPreconditionError, KVCMError
 from kvcm.common.hashing import get_block_hash
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.core.pool import Pool
+from kvcm.core.pool_types import FreeMode
+from kvcm.core.program import HitSpec
 from kvcm.core.request import Request
-from kvcm.server.rpc._convert import (
+from kvcm.server.rpc._state import ServerState
+from kvcm.server.rpc._status import StepRejectedError
+from kvcm.v1 import common_pb2, scheduler_pb2, service_pb2_grpc
+from kvcm.wire import (
     fill_grouped,
+    free_mode_from_proto,
+    grouped_from_proto,
+    outcome_to_proto,
+    program_from_proto,
     slot_options_from_proto,
 )
-from kvcm.server.rpc._state import ServerState
-from kvcm.server.rpc._step import run_step
-from kvcm.v1 import common_pb2, scheduler_pb2, service_pb2_grpc
 
 __all__ = ["SchedulerServicer"]
 
@@ -45,9 +51,12 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         """A whole scheduler step (see scheduler.proto)."""
         pool = self._get(request.pool_id)
         try:
-            return run_step(pool, request)
+            outcome = pool.run_step(program_from_proto(request))
+        except KVCMError as exc:
+            raise StepRejectedError(exc, exc.op_index, exc.field or "") from exc
         finally:
             self._state.published(pool)
+        return outcome_to_proto(outcome)
 
     async def AddRequest(  # noqa: N802
         self, request: scheduler_pb2.AddRequestRequest, context: Context
@@ -80,10 +89,8 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.FreeResponse:
         """Finish or preempt a request."""
         pool = self._get(request.pool_id)
-        mode = request.mode
-        if mode == scheduler_pb2.FREE_MODE_UNSPECIFIED:
-            raise InvalidArgumentError("mode must be FINISHED or PREEMPTED")
-        pool.free(request.request_key, preempt=mode == scheduler_pb2.FREE_MODE_PREEMPTED)
+        mode = free_mode_from_proto(request.mode)
+        pool.free(request.request_key, preempt=mode is FreeMode.PREEMPTED)
         self._state.published(pool)
         return scheduler_pb2.FreeResponse()
 
@@ -106,49 +113,38 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.AllocateSlotsResponse:
         """allocate_slots; "does not fit" is a status, not an error."""
         pool = self._get(request.pool_id)
-        key = request.request_key
-        target = _check_ready_request(pool, key)
-        num_computed = request.num_computed_tokens
-        pool.check_allocation(key, request.num_new_tokens, num_computed)
         hit = None
         if request.HasField("new_computed"):
-            # A hit is adopted from token 0; a caller that counted the hit into
-            # num_computed_tokens means the same thing.
-            if num_computed and num_computed == request.new_computed.num_new_computed_tokens:
-                num_computed = 0
             wire = request.new_computed
-            if sum(wire.blocks.num_block_ids) != len(wire.blocks.block_ids):
-                raise InvalidArgumentError(
-                    "new_computed.blocks: num_block_ids sums to "
-                    f"{sum(wire.blocks.num_block_ids)}, block_ids has "
-                    f"{len(wire.blocks.block_ids)} entries"
-                )
-            groups = []
-            pos = 0
-            for count in wire.blocks.num_block_ids:
-                groups.append(wire.blocks.block_ids[pos : pos + count])
-                pos += count
-            hit = pool.hit_from_ids(groups, wire.num_new_computed_tokens)
+            hit = HitSpec(
+                num_tokens=wire.num_new_computed_tokens,
+                block_ids=grouped_from_proto(wire.blocks, "new_computed.blocks"),
+            )
         options, in_flight = (
             slot_options_from_proto(request.options)
             if request.HasField("options")
             else (DEFAULT_SLOT_OPTIONS, 0)
         )
-        saved = (target.num_computed_tokens, target.num_in_flight_tokens)
-        target.num_computed_tokens = num_computed
-        target.num_in_flight_tokens = in_flight
         try:
-            blocks = pool.allocate_slots(target, request.num_new_tokens, hit, options)
-        except Exception:
-            target.num_computed_tokens, target.num_in_flight_tokens = saved
+            ids = pool.allocate(
+                request.request_key,
+                request.num_new_tokens,
+                request.num_computed_tokens,
+                hit=hit,
+                options=options,
+                num_in_flight_tokens=in_flight,
+            )
+        except KVCMError as exc:
+            if hit is not None and exc.field and ".hit" in exc.field:
+                raise type(exc)(f"new_computed: {exc}", field="new_computed") from None
             raise
         self._state.published(pool)
         response = scheduler_pb2.AllocateSlotsResponse()
-        if blocks is None:
+        if ids is None:
             response.status = common_pb2.ITEM_STATUS_DOES_NOT_FIT
             return response
         response.status = common_pb2.ITEM_STATUS_OK
-        fill_grouped(blocks.get_block_ids(), response.new_blocks)
+        fill_grouped(ids, response.new_blocks)
         return response
 
     async def CacheBlocks(  # noqa: N802
@@ -156,13 +152,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.CacheBlocksResponse:
         """cache_blocks."""
         pool = self._get(request.pool_id)
-        target = _check_ready_request(pool, request.request_key)
-        if request.num_computed_tokens > target.num_tokens:
-            raise InvalidArgumentError(
-                f"num_computed_tokens={request.num_computed_tokens} exceeds the request's "
-                f"{target.num_tokens} tokens"
-            )
-        pool.ready_manager().cache_blocks(target, request.num_computed_tokens)
+        pool.cache_blocks(request.request_key, request.num_computed_tokens)
         self._state.published(pool)
         return scheduler_pb2.CacheBlocksResponse()
 
@@ -171,13 +161,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.RemoveSkippedBlocksResponse:
         """remove_skipped_blocks."""
         pool = self._get(request.pool_id)
-        target = _check_ready_request(pool, request.request_key)
-        if request.total_computed_tokens > target.num_tokens:
-            raise InvalidArgumentError(
-                f"total_computed_tokens={request.total_computed_tokens} exceeds the request's "
-                f"{target.num_tokens} tokens"
-            )
-        pool.ready_manager().remove_skipped_blocks(target.request_id, request.total_computed_tokens)
+        pool.remove_skipped_blocks(request.request_key, request.total_computed_tokens)
         self._state.published(pool)
         return scheduler_pb2.RemoveSkippedBlocksResponse()
 
@@ -186,14 +170,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.EvictBlocksResponse:
         """evict_blocks."""
         pool = self._get(request.pool_id)
-        manager = pool.ready_manager()
-        num_blocks = manager.block_pool.num_gpu_blocks
-        for index, block_id in enumerate(request.block_ids):
-            if not 1 <= block_id < num_blocks:
-                raise InvalidArgumentError(
-                    f"block_ids[{index}]={block_id} is outside [1, {num_blocks})"
-                )
-        manager.evict_blocks(request.block_ids)
+        pool.evict_blocks(request.block_ids)
         self._state.published(pool)
         return scheduler_pb2.EvictBlocksResponse()
 
@@ -202,7 +179,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.ResetPrefixCacheResponse:
         """reset_prefix_cache."""
         pool = self._get(request.pool_id)
-        reset = pool.ready_manager().reset_prefix_cache()
+        reset = pool.reset_prefix_cache()
         self._state.published(pool)
         return scheduler_pb2.ResetPrefixCacheResponse(reset=reset)
 

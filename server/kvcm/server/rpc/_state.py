@@ -6,6 +6,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from kvcm.common.errors import KVCMError
+from kvcm.core.limits import DEFAULT_LIMITS, Limits
 from kvcm.core.pool import Pool, PoolRegistry
 from kvcm.server.telemetry import RpcStats
 from kvcm.v1 import admin_pb2
@@ -19,15 +21,30 @@ class PoolRuntime:
 
     Attributes:
         config: The ``PoolConfig`` the pool was created with (echoed by DescribePool).
-        planned: Set once the pool is READY (or deleted).
+        planned: Set once the pool is READY (or deleted, or the server stops); set and
+            replaced when a registration round's plan fails.
         events: Set (and replaced) whenever events are published (or the pool is deleted).
         deleted: Whether the pool was deleted.
+        round: Registration rounds ended by a failed plan so far (a waiting rank compares
+            it with the round it joined).
+        plan_failure: Why the last failed round failed (sent to every rank that waited).
+        waiting: RegisterWorker calls waiting at the barrier, by rank.
     """
 
     config: admin_pb2.PoolConfig
     planned: asyncio.Event = field(default_factory=asyncio.Event)
     events: asyncio.Event = field(default_factory=asyncio.Event)
     deleted: bool = False
+    round: int = 0
+    plan_failure: KVCMError | None = None
+    waiting: dict[int, int] = field(default_factory=dict)
+
+    def fail_round(self, error: KVCMError) -> None:
+        """End the current registration round with ``error``: every waiting rank gets it."""
+        self.plan_failure = error
+        self.round += 1
+        self.planned.set()
+        self.planned = asyncio.Event()
 
     def wake_subscribers(self) -> None:
         """Wake every subscriber waiting for events."""
@@ -44,10 +61,12 @@ class ServerState:
         rpc_stats: Per-method call counts and latencies (read by /metrics).
         runtimes: The asyncio side of each pool, by pool id.
         serving: Whether the gRPC side serves (False before start and while shutting down).
+        limits: The service's hard limits (pending registrations, registration timeout).
     """
 
     registry: PoolRegistry
     rpc_stats: RpcStats
+    limits: Limits = DEFAULT_LIMITS
     runtimes: dict[str, PoolRuntime] = field(default_factory=dict)
     serving: bool = False
 

@@ -8,6 +8,7 @@ Step that failed validation); the interceptor turns them into statuses with
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 import grpc
@@ -29,8 +30,16 @@ __all__ = [
     "AbortRpc",
     "STEP_REJECTION_TRAILER",
     "StepRejectedError",
+    "status_details",
     "status_of",
 ]
+
+# Most characters a status message or a trailer string carries. grpc sends details as the
+# percent-encoded grpc-message header: a non-ASCII character grows to up to 12 bytes there,
+# and a client refuses headers over 8 KiB with RESOURCE_EXHAUSTED, hiding the real status.
+MAX_DETAILS_CHARS: Final = 512
+# Printable ASCII stays; everything else is escaped before the cap is applied.
+_UNSAFE: Final = re.compile(r"[^\x20-\x7e]")
 
 STEP_REJECTION_TRAILER: Final = "kvcm-step-rejection-bin"
 
@@ -64,10 +73,32 @@ class StepRejectedError(KVCMError):
 
     def trailer(self) -> tuple[tuple[str, bytes], ...]:
         """The ``kvcm-step-rejection-bin`` trailing metadata."""
-        rejection = scheduler_pb2.StepRejection(field=self.field, reason=str(self))
+        rejection = scheduler_pb2.StepRejection(
+            field=status_details(self.field or ""), reason=status_details(str(self))
+        )
         if self.op_index is not None:
             rejection.op_index = self.op_index
         return ((STEP_REJECTION_TRAILER, rejection.SerializeToString()),)
+
+
+def _escape(match: re.Match[str]) -> str:
+    return match.group().encode("unicode_escape").decode("ascii")
+
+
+def status_details(text: str) -> str:
+    """``text`` made safe to send as status details or in a trailer.
+
+    Client input echoed in messages (a 1 MB pool id) must not make the status itself fail:
+    every character outside printable ASCII is escaped, and the result is cut to
+    :data:`MAX_DETAILS_CHARS` with the original length said at the end.
+    """
+    if len(text) <= MAX_DETAILS_CHARS and text.isascii() and text.isprintable():
+        return text
+    safe = _UNSAFE.sub(_escape, text[: MAX_DETAILS_CHARS * 2])
+    if len(safe) <= MAX_DETAILS_CHARS and len(text) <= MAX_DETAILS_CHARS * 2:
+        return safe
+    suffix = f"... ({len(text)} characters in all)"
+    return safe[: MAX_DETAILS_CHARS - len(suffix)] + suffix
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:

@@ -7,16 +7,13 @@ from typing import Any, Final, TypeAlias
 
 import grpc
 
-from kvcm.client._convert import kv_cache_config_to_proto
-from kvcm.common.errors import NotFoundError
-from kvcm.server.rpc._convert import (
-    hashing_to_proto,
-    layer_specs_from_proto,
-)
+from kvcm.common.errors import KVCMError, NotFoundError
+from kvcm.core.pool import Pool
 from kvcm.server.rpc._log import log_pool_ready, log_worker_registered
-from kvcm.server.rpc._state import ServerState
+from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import service_pb2_grpc, worker_pb2
+from kvcm.wire import hashing_to_proto, kv_cache_config_to_proto, layer_specs_from_proto
 
 __all__ = ["WorkerServicer"]
 
@@ -37,41 +34,77 @@ class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
     async def RegisterWorker(  # noqa: N802
         self, request: worker_pb2.RegisterWorkerRequest, context: Context
     ) -> worker_pb2.RegisterWorkerResponse:
-        """Register a rank and answer its config once every rank has registered."""
+        """Register a rank and answer its config once every rank has registered.
+
+        A plan that fails answers every waiting rank with the plan's error at once, and the
+        pool drops the round's registrations (every rank registers again). A rank that
+        stops waiting (its deadline, ``limits.registration_timeout_s``, a cancelled call)
+        before the pool is planned is dropped, so no stale rank keeps the pool PENDING.
+        """
         specs = layer_specs_from_proto(request.layer_specs)
         pool = self._state.registry.get(request.pool_id)
         runtime = self._state.runtimes[pool.name]
         was_ready = pool.manager is not None
-        pool.register_worker(
-            request.rank, request.world_size, specs, request.available_memory_bytes
-        )
+        failed_plans = pool.failed_plans
+        try:
+            pool.register_worker(
+                request.rank,
+                request.world_size,
+                specs,
+                request.available_memory_bytes,
+                limits=self._state.limits,
+            )
+        except KVCMError as exc:
+            if pool.failed_plans != failed_plans:
+                runtime.fail_round(exc)
+            raise
         log_worker_registered(pool, request.rank, request.world_size)
         if pool.manager is not None:
             if not was_ready:
                 log_pool_ready(pool)
             runtime.planned.set()
         else:
-            remaining = context.time_remaining()
-            timeout = None if remaining is None else max(remaining - _DEADLINE_MARGIN_S, 0.0)
-            try:
-                await asyncio.wait_for(runtime.planned.wait(), timeout)
-            except TimeoutError:
-                raise AbortRpc(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"pool {pool.name!r}: {len(pool.registrations)} of "
-                    f"{pool.options.world_size} ranks registered by the deadline (this "
-                    "registration stays; call again to keep waiting)",
-                ) from None
-            if runtime.deleted:
-                raise NotFoundError(f"pool {pool.name!r} was deleted")
-            if pool.manager is None and not self._state.serving:
-                raise AbortRpc(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "the server is shutting down (this registration is lost: register again "
-                    "with the next server)",
-                )
+            await self._wait_for_ranks(pool, runtime, request.rank, context)
         return worker_pb2.RegisterWorkerResponse(
             kv_cache_config=kv_cache_config_to_proto(pool.rank_config(request.rank)),
-            hashing=hashing_to_proto(pool),
+            hashing=hashing_to_proto(pool.hashing),
             max_model_len=pool.max_model_len,
         )
+
+    async def _wait_for_ranks(
+        self, pool: Pool, runtime: PoolRuntime, rank: int, context: Context
+    ) -> None:
+        """Wait at the barrier until the pool is planned; raise when this round ends otherwise."""
+        limit_s = self._state.limits.registration_timeout_s
+        remaining = context.time_remaining()
+        timeout = limit_s
+        if remaining is not None:
+            timeout = min(limit_s, max(remaining - _DEADLINE_MARGIN_S, 0.0))
+        joined = runtime.round
+        runtime.waiting[rank] = runtime.waiting.get(rank, 0) + 1
+        try:
+            await asyncio.wait_for(runtime.planned.wait(), timeout)
+        except TimeoutError:
+            raise AbortRpc(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"pool {pool.name!r}: {len(pool.registrations)} of "
+                f"{pool.options.world_size} ranks registered within "
+                f"{'the deadline' if timeout < limit_s else f'{limit_s:g} s'} (this "
+                "registration is dropped: register again to keep waiting)",
+            ) from None
+        finally:
+            left = runtime.waiting.pop(rank) - 1
+            if left:
+                runtime.waiting[rank] = left
+            elif runtime.round == joined and not runtime.deleted:
+                pool.withdraw_worker(rank)  # a no-op once planned
+        if runtime.deleted:
+            raise NotFoundError(f"pool {pool.name!r} was deleted")
+        if runtime.round != joined and runtime.plan_failure is not None:
+            raise runtime.plan_failure
+        if pool.manager is None and not self._state.serving:
+            raise AbortRpc(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down (this registration is lost: register again "
+                "with the next server)",
+            )

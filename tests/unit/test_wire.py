@@ -1,21 +1,10 @@
-"""The SDK's wire conversions: specs, configs, pool configs and events survive the round trip."""
+"""kvcm.wire: specs, configs, pool configs and events survive the round trip; errors name fields."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvcm.client import PoolConfig
-from kvcm.client._convert import (
-    decode_event_batch,
-    hashing_from_proto,
-    kv_cache_config_from_proto,
-    kv_cache_config_to_proto,
-    layer_specs_to_proto,
-    pool_config_from_proto,
-    pool_config_to_proto,
-    spec_from_proto,
-    spec_to_proto,
-)
+from kvcm.client import FreeMode, PoolConfig, PoolState
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import InvalidArgumentError
@@ -34,6 +23,29 @@ from kvcm.common.specs import (
     UniformTypeKVCacheSpecs,
 )
 from kvcm.v1 import common_pb2, events_pb2
+from kvcm.wire import (
+    DTYPE_TO_PROTO,
+    FREE_MODE_TO_PROTO,
+    HASH_ALGORITHM_TO_PROTO,
+    decode_event_batch,
+    dtype_from_proto,
+    fill_grouped,
+    free_mode_from_proto,
+    grouped_from_proto,
+    hash_algorithm_from_proto,
+    hash_algorithm_to_proto,
+    hashing_from_proto,
+    kv_cache_config_from_proto,
+    kv_cache_config_to_proto,
+    layer_specs_from_proto,
+    layer_specs_to_proto,
+    pool_config_from_proto,
+    pool_config_to_proto,
+    pool_state_from_proto,
+    pool_state_to_proto,
+    spec_from_proto,
+    spec_to_proto,
+)
 
 ATTENTION = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": DType.BFLOAT16}
 
@@ -76,10 +88,12 @@ def test_specs_round_trip(spec: KVCacheSpec) -> None:
     assert spec_from_proto(spec_to_proto(spec)) == spec
 
 
-def test_layer_specs_are_sorted_and_unset_specs_rejected() -> None:
-    entries = layer_specs_to_proto({"b": SPECS[0], "a": SPECS[5]})
-    assert [entry.layer_name for entry in entries] == ["a", "b"]
-    with pytest.raises(InvalidArgumentError, match="no spec"):
+def test_layer_specs_keep_the_callers_order_and_unset_specs_are_rejected() -> None:
+    # The model runner's order (model.layers.2 before model.layers.10) decides planning.
+    names = ["model.layers.2.attn", "model.layers.10.attn", "b", "a"]
+    entries = layer_specs_to_proto(dict.fromkeys(names, SPECS[0]))
+    assert [entry.layer_name for entry in entries] == names
+    with pytest.raises(InvalidArgumentError, match="spec is unset"):
         spec_from_proto(common_pb2.KVCacheSpec())
     with pytest.raises(InvalidArgumentError, match="wire form"):
         spec_to_proto(FullAttentionSpec(**{**ATTENTION, "dtype": DType.FLOAT64}))  # type: ignore[arg-type]
@@ -218,3 +232,66 @@ def test_planned_configs_round_trip(layout: str) -> None:
     )
     config = get_kv_cache_config_from_groups(groups, 128, KVCacheLayout[layout])
     assert kv_cache_config_from_proto(kv_cache_config_to_proto(config)) == config
+
+
+def test_unknown_enum_values_name_their_field() -> None:
+    message = pool_config_to_proto(PoolConfig(max_model_len=16, world_size=1))
+    message.hash_algorithm = 7  # type: ignore[assignment]
+    with pytest.raises(
+        InvalidArgumentError, match=r"^config.hash_algorithm: unknown value 7$"
+    ) as e:
+        pool_config_from_proto(message)
+    assert e.value.field == "config.hash_algorithm"
+    spec = spec_to_proto(SPECS[0])
+    spec.full_attention.attention.dtype = 99  # type: ignore[assignment]
+    layer = common_pb2.LayerSpec(layer_name="l0", spec=spec)
+    with pytest.raises(InvalidArgumentError) as e:
+        layer_specs_from_proto([layer])
+    assert e.value.field == "layer_specs[0].spec.full_attention.attention.dtype"
+    assert str(e.value) == "layer_specs[0].spec.full_attention.attention.dtype: unknown value 99"
+
+
+def test_out_of_domain_spec_fields_name_the_layer() -> None:
+    spec = spec_to_proto(SPECS[0])
+    spec.full_attention.attention.num_kv_heads = 0
+    with pytest.raises(InvalidArgumentError) as e:
+        layer_specs_from_proto([common_pb2.LayerSpec(layer_name="x", spec=spec)])
+    assert (e.value.field or "").startswith("layer_specs[0].spec")
+    assert "num_kv_heads" in str(e.value)
+    with pytest.raises(InvalidArgumentError, match=r"layer_specs\[1\].layer_name is a duplicate"):
+        layer_specs_from_proto(
+            [common_pb2.LayerSpec(layer_name="x", spec=spec_to_proto(s)) for s in SPECS[:2]]
+        )
+    with pytest.raises(InvalidArgumentError, match="layer_specs must not be empty"):
+        layer_specs_from_proto([])
+
+
+def test_enum_tables_cover_every_python_member_and_decode_back() -> None:
+    for state in PoolState:
+        assert pool_state_from_proto(pool_state_to_proto(state)) is state
+    assert pool_state_from_proto(0) is PoolState.PENDING_WORKERS
+    for mode in FreeMode:
+        assert free_mode_from_proto(FREE_MODE_TO_PROTO[mode]) is mode
+    with pytest.raises(InvalidArgumentError, match=r"^mode: unknown value 0$"):
+        free_mode_from_proto(0)
+    for algorithm in HashAlgorithm:
+        assert hash_algorithm_from_proto(hash_algorithm_to_proto(algorithm)) is algorithm
+    assert hash_algorithm_from_proto(0) is HashAlgorithm.SHA256
+    for dtype, value in DTYPE_TO_PROTO.items():
+        assert dtype_from_proto(value) is dtype
+    assert set(common_pb2.HashAlgorithm.values()) - {0} == set(HASH_ALGORITHM_TO_PROTO.values())
+    assert set(common_pb2.DataType.values()) - {0} == set(DTYPE_TO_PROTO.values())
+
+
+def test_grouped_block_ids_round_trip() -> None:
+    message = common_pb2.GroupedBlockIds()
+    fill_grouped(([1, 2, 3], [], [7]), message)
+    assert grouped_from_proto(message) == ([1, 2, 3], [], [7])
+
+
+def test_pool_config_accepts_algorithm_names_and_refuses_unknown_ones() -> None:
+    config = PoolConfig(max_model_len=16, world_size=1, hash_algorithm="xxhash")  # type: ignore[arg-type]
+    assert config.hash_algorithm is HashAlgorithm.XXHASH
+    with pytest.raises(InvalidArgumentError) as e:
+        PoolConfig(max_model_len=16, world_size=1, hash_algorithm="md5")  # type: ignore[arg-type]
+    assert e.value.field == "config.hash_algorithm"

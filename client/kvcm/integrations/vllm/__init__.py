@@ -1,0 +1,55 @@
+"""kvcm for vLLM 0.33: its real scheduler, with kvcm managing the KV cache.
+
+Set ``SchedulerConfig.scheduler_cls`` (``--scheduler-cls``) to
+``kvcm.integrations.vllm.KvcmAsyncScheduler`` (or ``KvcmScheduler`` without async
+scheduling); settings come from ``--additional-config '{"kvcm": {...}}'`` or ``KVCM_*``
+variables. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvcm.integrations.vllm._manager import MirrorKVCacheManager, MirrorManagerConfig
+from kvcm.integrations.vllm._recorder import (
+    CollectingSink,
+    NullSink,
+    RecordedStep,
+    StepRecorder,
+    StepSink,
+)
+from kvcm.integrations.vllm._settings import KvcmSettings
+
+if TYPE_CHECKING:
+    from kvcm.integrations.vllm._scheduler import (
+        KvcmAsyncScheduler,
+        KvcmScheduler,
+        check_supported,
+    )
+
+# The schedulers subclass vLLM's: import vLLM only when one is asked for, so the settings, the
+# recorder and the sinks stay importable (and testable) without vLLM.
+_NEEDS_VLLM = frozenset({"KvcmAsyncScheduler", "KvcmScheduler", "check_supported"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NEEDS_VLLM:
+        from kvcm.integrations.vllm import _scheduler
+
+        return getattr(_scheduler, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CollectingSink",
+    "KvcmAsyncScheduler",
+    "KvcmScheduler",
+    "KvcmSettings",
+    "MirrorKVCacheManager",
+    "MirrorManagerConfig",
+    "NullSink",
+    "RecordedStep",
+    "StepRecorder",
+    "StepSink",
+    "check_supported",
+]

@@ -1,0 +1,208 @@
+"""Translation between vLLM 0.33's scheduler-side values and kvcm's core vocabulary.
+
+vLLM's specs become kvcm specs (refusing the kinds kvcm's core does not model), kvcm's KV
+events become vLLM's event structs, and a vLLM ``Request`` is seen by kvcm's core through
+:class:`RequestView`, which shares the request's token and hash lists rather than copying them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Final
+
+from kvcm.common import specs as kvcm_specs
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.errors import ConfigError, InvalidArgumentError
+from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcm.core.request import Request, RequestStatus
+
+__all__ = [
+    "RequestView",
+    "convert_kv_cache_config",
+    "to_vllm_events",
+]
+
+# vLLM's RequestStatus has kvcm's members with the same values (both mirror vLLM 0.33).
+_STATUS_BY_VALUE: Final = {int(status): status for status in RequestStatus}
+
+
+def _dtype(value: Any, where: str) -> DType:
+    name = str(value).removeprefix("torch.")
+    try:
+        return DType(name)
+    except ValueError:
+        raise ConfigError(f"{where}: dtype {value!r} is not one kvcm manages") from None
+
+
+def _attention_kwargs(spec: Any, where: str) -> dict[str, Any]:
+    quant_mode = getattr(spec, "kv_quant_mode", None)
+    if quant_mode is not None and getattr(quant_mode, "name", "NONE") != "NONE":
+        raise ConfigError(f"{where}: quantized KV caches ({spec.kv_quant_mode}) are not supported")
+    kwargs: dict[str, Any] = {
+        "block_size": spec.block_size,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_size": spec.head_size,
+        "dtype": _dtype(spec.dtype, where),
+        "page_size_padded": spec.page_size_padded,
+    }
+    if spec.head_size_v is not None and spec.head_size_v != spec.head_size:
+        kwargs["head_size_v"] = spec.head_size_v
+    return kwargs
+
+
+def convert_spec(spec: Any, where: str = "kv_cache_spec") -> kvcm_specs.KVCacheSpec:
+    """kvcm's spec for one of vLLM 0.33's KV-cache specs.
+
+    Only the kinds kvcm's core models are accepted, by exact type: full attention (with a
+    recorded window or chunk), MLA, sliding window, chunked local attention, and uniform
+    groups of those.
+
+    Raises:
+        ConfigError: The kind (or a setting of it) is not supported; the message names it.
+    """
+    kind = type(spec).__name__
+    if kind == "UniformTypeKVCacheSpecs":
+        return kvcm_specs.UniformTypeKVCacheSpecs(
+            block_size=spec.block_size,
+            kv_cache_specs={
+                name: convert_spec(layer, f"{where}[{name!r}]")
+                for name, layer in spec.kv_cache_specs.items()
+            },
+        )
+    if kind == "FullAttentionSpec":
+        if spec.non_causal:
+            raise ConfigError(f"{where}: non-causal full attention is not supported")
+        return kvcm_specs.FullAttentionSpec(
+            **_attention_kwargs(spec, where),
+            sliding_window=spec.sliding_window,
+            attention_chunk_size=spec.attention_chunk_size,
+        )
+    if kind == "MLAAttentionSpec":
+        return kvcm_specs.MLAAttentionSpec(
+            **{**_attention_kwargs(spec, where), "head_size_v": spec.head_size_v},
+            cache_dtype_str=spec.cache_dtype_str,
+            alignment=spec.alignment,
+        )
+    if kind == "SlidingWindowSpec":
+        return kvcm_specs.SlidingWindowSpec(
+            **_attention_kwargs(spec, where),
+            sliding_window=spec.sliding_window,
+            extra_retained_tokens=spec.extra_retained_tokens,
+        )
+    if kind == "ChunkedLocalAttentionSpec":
+        return kvcm_specs.ChunkedLocalAttentionSpec(
+            **_attention_kwargs(spec, where), attention_chunk_size=spec.attention_chunk_size
+        )
+    raise ConfigError(
+        f"{where}: {kind} layers are not supported by kvcm's vLLM integration yet (supported: "
+        "full attention, MLA, sliding window, chunked local attention)"
+    )
+
+
+def convert_kv_cache_config(config: Any) -> KVCacheConfig:
+    """kvcm's KV-cache config for vLLM's (groups in order; tensors are the workers' business).
+
+    Raises:
+        ConfigError: A group's spec is not supported (see :func:`convert_spec`), or the config
+            uses a feature kvcm does not model (HiSparse host blocks, cache-hit alignment).
+    """
+    if getattr(config, "hisparse_host_num_blocks", None) is not None:
+        raise ConfigError("kv_cache_config: HiSparse host blocks are not supported")
+    if getattr(config, "cache_hit_alignment_tokens", None) is not None:
+        raise ConfigError("kv_cache_config: cache_hit_alignment_tokens is not supported")
+    groups = [
+        KVCacheGroupSpec(
+            layer_names=tuple(group.layer_names),
+            kv_cache_spec=convert_spec(group.kv_cache_spec, f"kv_cache_groups[{index}]"),
+        )
+        for index, group in enumerate(config.kv_cache_groups)
+    ]
+    return KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=(), kv_cache_groups=groups)
+
+
+class RequestView(Request):
+    """A vLLM ``Request`` as kvcm's core reads it.
+
+    The token list and the block-hash list are vLLM's own objects (shared, never copied);
+    the counters the scheduler changes between calls are copied in by :meth:`sync`.
+
+    Attributes:
+        source: The vLLM request.
+    """
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: Any) -> None:
+        """View ``source`` (vLLM's request); see the class docstring.
+
+        Raises:
+            InvalidArgumentError: The request carries multi-modal inputs or prompt embeddings,
+                which kvcm's integration does not hash yet.
+        """
+        if source.mm_features:
+            raise InvalidArgumentError(
+                f"request {source.request_id!r}: multi-modal requests are not supported by "
+                "kvcm's vLLM integration yet"
+            )
+        if source.prompt_embeds is not None:
+            raise InvalidArgumentError(
+                f"request {source.request_id!r}: prompt embeddings are not supported by kvcm's "
+                "vLLM integration yet"
+            )
+        lora = source.lora_request
+        self.source = source
+        self.request_id = source.request_id
+        self.prompt_token_ids = source.prompt_token_ids
+        self.all_token_ids = source.all_token_ids
+        self.num_prompt_tokens = source.num_prompt_tokens
+        self.block_hashes = source.block_hashes
+        self.lora_name = None if lora is None else lora.lora_name
+        self.lora_id = None if lora is None else lora.lora_int_id
+        self.lora_path = None if lora is None else lora.lora_path
+        self.cache_salt = source.cache_salt
+        self.mm_features = []
+        self.prompt_embeds = None
+        self.session_id = source.session_id
+        self.skip_reading_prefix_cache = source.skip_reading_prefix_cache
+        self._block_hasher = None
+        self.sync()
+
+    def sync(self) -> None:
+        """Copy the scheduler-owned counters and the status from the vLLM request."""
+        source = self.source
+        self.num_computed_tokens = source.num_computed_tokens
+        self.num_in_flight_tokens = source.num_in_flight_tokens
+        self.num_preemptions = source.num_preemptions
+        self.status = _STATUS_BY_VALUE[int(source.status)]
+        # vLLM may rebind these lists (streaming input); follow it.
+        self.all_token_ids = source.all_token_ids
+        self.block_hashes = source.block_hashes
+
+
+_STORED_FIELDS: Final = tuple(field.name for field in dataclasses.fields(BlockStored))
+_REMOVED_FIELDS: Final = tuple(field.name for field in dataclasses.fields(BlockRemoved))
+
+
+def to_vllm_events(events: list[Any], vllm_kv_events: Any) -> list[Any]:
+    """vLLM's event structs for kvcm's events, field for field.
+
+    Args:
+        events: kvcm's events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``).
+        vllm_kv_events: The ``vllm.distributed.kv_events`` module.
+    """
+    converted: list[Any] = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            converted.append(
+                vllm_kv_events.BlockStored(**{f: getattr(event, f) for f in _STORED_FIELDS})
+            )
+        elif isinstance(event, BlockRemoved):
+            converted.append(
+                vllm_kv_events.BlockRemoved(**{f: getattr(event, f) for f in _REMOVED_FIELDS})
+            )
+        elif isinstance(event, AllBlocksCleared):
+            converted.append(vllm_kv_events.AllBlocksCleared())
+        else:  # pragma: no cover - the core emits only the three kinds
+            raise TypeError(f"unknown KV event {event!r}")
+    return converted

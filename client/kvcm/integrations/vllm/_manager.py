@@ -1,0 +1,454 @@
+"""vLLM 0.33's KV-cache manager surface, answered by kvcm's core in the scheduler process.
+
+:class:`MirrorKVCacheManager` is what ``KvcmScheduler.kv_cache_manager`` is: every call vLLM's
+``Scheduler`` and ``AsyncScheduler`` (and ``EngineCore``) make on ``kv_cache_manager``, with
+vLLM's signatures and results, answered by an in-process :class:`kvcm.core.manager.
+KVCacheManager` (the mirror of the pool). vLLM's requests are used as they are: the core reads
+them through :class:`~kvcm.integrations.vllm._convert.RequestView`, so block hashes are vLLM's
+``request.block_hashes``, never recomputed. Every mutation is also recorded into the step's
+kvcm Step program (:class:`~kvcm.integrations.vllm._recorder.StepRecorder`).
+
+Prefix-cache stats are vLLM's own ``PrefixCacheStats`` values, recorded where vLLM records
+them (at admission), and KV events come out as vLLM's event structs, so
+``vllm:prefix_cache_queries``/``hits`` and ``--kv-events-config`` see what vLLM's manager
+would have produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvcm.common.errors import ConfigError
+from kvcm.core.manager import (
+    DEFAULT_SLOT_OPTIONS,
+    CacheHit,
+    KVCacheBlocks,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    SlotOptions,
+)
+from kvcm.core.program import HitSpec
+from kvcm.integrations.vllm._convert import RequestView, convert_kv_cache_config, to_vllm_events
+from kvcm.integrations.vllm._recorder import NullSink, StepRecorder, StepSink
+
+__all__ = ["MirrorKVCacheManager", "MirrorManagerConfig"]
+
+# Spec types whose blocks cover token ranges vLLM clips and estimates cached tokens over.
+_UNCLIPPED_KINDS = frozenset({"CrossAttentionSpec", "EncoderOnlyAttentionSpec"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MirrorManagerConfig:
+    """What vLLM's ``Scheduler.__init__`` hands its KV-cache manager, as one value.
+
+    Attributes:
+        kv_cache_config: vLLM's ``KVCacheConfig`` (the real one, with the real block count).
+        max_model_len: Longest sequence, in tokens.
+        scheduler_block_size: vLLM's scheduler block size.
+        hash_block_size: Tokens per request block hash.
+        max_in_flight_tokens: vLLM's ``vllm_config.max_in_flight_tokens``.
+        enable_caching: Prefix caching on or off.
+        log_stats: Collect prefix-cache stats.
+        enable_kv_cache_events: Produce KV events.
+        watermark: vLLM's scheduler watermark.
+    """
+
+    kv_cache_config: Any
+    max_model_len: int
+    scheduler_block_size: int
+    hash_block_size: int
+    max_in_flight_tokens: int | None = None
+    enable_caching: bool = True
+    log_stats: bool = False
+    enable_kv_cache_events: bool = False
+    watermark: float = 0.0
+
+
+class _GroupView:
+    """What the scheduler and EngineCore read from one of ``coordinator.single_type_managers``.
+
+    Attributes:
+        kv_cache_spec: vLLM's spec of the group (vLLM's scheduler checks its type).
+        block_size: Tokens per block.
+        kv_cache_group_id: The group's index.
+    """
+
+    __slots__ = ("block_size", "kv_cache_group_id", "kv_cache_spec")
+
+    def __init__(self, kv_cache_spec: Any, block_size: int, kv_cache_group_id: int) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = block_size
+        self.kv_cache_group_id = kv_cache_group_id
+
+
+class _CoordinatorView:
+    """The parts of vLLM's coordinator that vLLM's scheduler and EngineCore read.
+
+    Attributes:
+        single_type_managers: One view per group.
+        block_pool: kvcm's block pool.
+        enable_partial_hash_hits: Always ``False`` (a Mamba-align feature kvcm refuses).
+        eagle_group_ids: Always empty (EAGLE block dropping is refused).
+        num_reprefillable_tokens: Always 0.
+    """
+
+    __slots__ = ("block_pool", "single_type_managers")
+
+    enable_partial_hash_hits = False
+    eagle_group_ids: tuple[int, ...] = ()
+    num_reprefillable_tokens = 0
+
+    def __init__(self, single_type_managers: list[_GroupView], block_pool: Any) -> None:
+        self.single_type_managers = single_type_managers
+        self.block_pool = block_pool
+
+
+class MirrorKVCacheManager:
+    """vLLM 0.33's ``KVCacheManager`` surface over kvcm's core (see the module docstring).
+
+    Attributes:
+        core: kvcm's manager (the mirror of the pool).
+        recorder: The step recorder.
+        coordinator: What vLLM reads from its coordinator.
+        block_pool: kvcm's block pool.
+        kv_cache_config: vLLM's KV-cache config.
+        empty_kv_cache_blocks: The shared empty result.
+        prefix_cache_stats: vLLM's stats value being filled, or ``None`` without log_stats.
+    """
+
+    mamba_shared_prefix_checkpoint = False
+    use_eagle = False
+    retained_hit_group_ids: tuple[int, ...] = ()
+
+    def __init__(self, config: MirrorManagerConfig, sink: StepSink | None = None) -> None:
+        """Build the mirror (the whole pool, in process) and its recorder.
+
+        Args:
+            config: The manager's settings (vLLM's constructor arguments).
+            sink: Where closed steps go; ``None``: dropped.
+
+        Raises:
+            ConfigError: The KV-cache config needs something kvcm does not do.
+        """
+        from vllm.distributed import kv_events
+        from vllm.v1.metrics.stats import PrefixCacheStats
+
+        if config.enable_kv_cache_events:
+            from vllm import envs
+
+            if not envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+                raise ConfigError(
+                    "kvcm publishes KV events with int block hashes: unset "
+                    "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0"
+                )
+        self._kv_events = kv_events
+        self._stats_type = PrefixCacheStats
+        self.kv_cache_config = config.kv_cache_config
+        self.core = KVCacheManager(
+            KVCacheManagerConfig(
+                kv_cache_config=convert_kv_cache_config(config.kv_cache_config),
+                max_model_len=config.max_model_len,
+                scheduler_block_size=config.scheduler_block_size,
+                hash_block_size=config.hash_block_size,
+                max_in_flight_tokens=config.max_in_flight_tokens,
+                enable_caching=config.enable_caching,
+                enable_kv_cache_events=config.enable_kv_cache_events,
+                log_stats=False,
+                watermark=config.watermark,
+            )
+        )
+        core = self.core
+        self.max_model_len = config.max_model_len
+        self.enable_caching = config.enable_caching
+        self.enable_kv_cache_events = config.enable_kv_cache_events
+        self.log_stats = config.log_stats
+        self.prefix_cache_stats: Any = PrefixCacheStats() if config.log_stats else None
+        self.num_kv_cache_groups = core.num_kv_cache_groups
+        self.block_pool = core.block_pool
+        self.watermark_blocks = core.watermark_blocks
+        self.empty_kv_cache_blocks = core.empty_kv_cache_blocks
+        self._specs = tuple(group.kv_cache_spec for group in config.kv_cache_config.kv_cache_groups)
+        self._block_sizes = tuple(m.block_size for m in core.coordinator.single_type_managers)
+        self.coordinator = _CoordinatorView(
+            [
+                _GroupView(spec, block_size, index)
+                for index, (spec, block_size) in enumerate(
+                    zip(self._specs, self._block_sizes, strict=True)
+                )
+            ],
+            core.block_pool,
+        )
+        self.recorder = StepRecorder(
+            sink if sink is not None else NullSink(),
+            num_groups=core.num_kv_cache_groups,
+            hash_block_size=core.hash_block_size,
+        )
+        self._views: dict[str, RequestView] = {}
+        self._slot_options: dict[tuple[int, ...], SlotOptions] = {}
+
+    # ------------------------------------------------------------------ requests
+    def _view(self, request: Any) -> RequestView:
+        view = self._views.get(request.request_id)
+        if view is None or view.source is not request:
+            view = RequestView(request)
+            self._views[request.request_id] = view
+        else:
+            view.sync()
+        return view
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool's blocks in use, 0..1."""
+        return self.core.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> Any:
+        """Drain the prefix-cache stats (vLLM's ``PrefixCacheStats``), or ``None``."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._stats_type()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        """Whether a local prefix-cache lookup may run for ``request``."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        """Count one admitted request's lookup (vLLM records at admission)."""
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    # ------------------------------------------------------------------ lookups
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The request's longest prefix hit: ``(blocks, num_computed_tokens, boundary)``.
+
+        The third value (vLLM's shared-prefix boundary for sparse-retention groups) is always
+        0: kvcm's core does not pin uncached shared prefixes.
+        """
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0, 0
+        hit = self.core.get_computed_blocks(self._view(request), max_cache_hit_length)
+        return hit.blocks, hit.num_computed_tokens, 0
+
+    def get_computed_blocks_for_connector(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """``get_computed_blocks`` plus vLLM's ``hit_diverged`` (never, without Mamba)."""
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(  # noqa: PLR0917 - vLLM's signature, positionals included
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        """vLLM's ``allocate_slots`` (same arguments, same answer), recorded as one ALLOCATE."""
+        del skip_zeroing_group_ids  # async KV loads (connectors) are refused at construction
+        view = self._view(request)
+        options = self._options(
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+        )
+        hit: CacheHit | None = None
+        hit_spec: HitSpec | None = None
+        if new_computed_blocks is not None and (
+            num_new_computed_tokens or new_computed_blocks is not self.empty_kv_cache_blocks
+        ):
+            hit = CacheHit(new_computed_blocks, num_new_computed_tokens)
+            hit_spec = HitSpec(
+                num_tokens=num_new_computed_tokens, block_ids=new_computed_blocks.get_block_ids()
+            )
+        result = self.core.allocate_slots(view, num_new_tokens, hit, options)
+        self.recorder.allocate(
+            view,
+            num_new_tokens,
+            hit_spec,
+            None if options is DEFAULT_SLOT_OPTIONS else options,
+            None if result is None else result.get_block_ids(),
+        )
+        return result
+
+    def _options(self, *values: Any) -> SlotOptions:
+        # One SlotOptions per distinct combination; the all-default one is the core's
+        # DEFAULT_SLOT_OPTIONS, which keeps the core's decode fast path.
+        options = self._slot_options.get(values)
+        if options is None:
+            options = SlotOptions(
+                num_lookahead_tokens=values[0],
+                num_external_computed_tokens=values[1],
+                delay_cache_blocks=values[2],
+                num_encoder_tokens=values[3],
+                full_sequence_must_fit=values[4],
+                reserved_blocks=values[5],
+                has_scheduled_reqs=values[6],
+            )
+            if options == DEFAULT_SLOT_OPTIONS:
+                options = DEFAULT_SLOT_OPTIONS
+            self._slot_options[values] = options
+        return options
+
+    # ------------------------------------------------------------------ release
+    def free(self, request: Any) -> None:
+        """Free the request's blocks: FINISH when it finished, PREEMPT otherwise."""
+        request_id = request.request_id
+        finished = request.is_finished()
+        self.core.free(self._view(request))
+        self.recorder.free(request_id, finished=finished)
+        if finished:
+            self._views.pop(request_id, None)
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Free blocks out of the attention window (vLLM's signature)."""
+        del num_prompt_tokens  # R-SWA gap eviction: R-SWA specs are refused
+        self.core.remove_skipped_blocks(request_id, processed_computed_tokens)
+        self.recorder.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def pop_blocks_for_free(self, request: Any) -> list[Any]:
+        """Deferred frees exist only with KV connectors, which kvcm refuses."""
+        raise NotImplementedError(
+            f"pop_blocks_for_free({request.request_id!r}): KV connectors are not supported"
+        )
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop blocks from the prefix cache by id."""
+        self.core.evict_blocks(block_ids)
+        self.recorder.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; ``False`` while blocks are in use."""
+        reset = self.core.reset_prefix_cache()
+        self.recorder.reset_prefix_cache(reset)
+        if reset and self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return reset
+
+    def new_step_starts(self) -> None:
+        """A scheduler step starts."""
+        self.core.new_step_starts()
+        self.recorder.new_step_starts()
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """Cache the request's full blocks up to ``num_computed_tokens`` (if caching is on)."""
+        if not self.enable_caching:
+            return
+        view = self._view(request)
+        self.core.cache_blocks(view, num_computed_tokens)
+        self.recorder.cache_blocks(view, num_computed_tokens)
+
+    # ------------------------------------------------------------------ views
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Zeros, as vLLM 0.33 answers (cascade attention is gone)."""
+        del running_request_id
+        return [0] * self.num_kv_cache_groups
+
+    def take_events(self) -> list[Any]:
+        """Drain the KV events as vLLM's event structs."""
+        events = self.core.take_events()
+        return to_vllm_events(events, self._kv_events) if events else []
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks (empty when it holds none, as vLLM answers)."""
+        if not self.core.holds_blocks(request_id):
+            return self.empty_kv_cache_blocks
+        return self.core.get_blocks(request_id)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """Block ids covering the request's computed tokens (attention groups clipped)."""
+        clipped: list[list[int]] = []
+        for spec, block_size, ids in zip(
+            self._specs, self._block_sizes, self.get_block_ids(request_id), strict=True
+        ):
+            if type(spec).__name__ in _UNCLIPPED_KINDS:
+                clipped.append(ids)
+            else:
+                clipped.append(ids[: -(-num_computed_tokens // block_size)])
+        return tuple(clipped)
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """Tokens of the request held in cached blocks (the minimum over groups)."""
+        cached: int | None = None
+        for group in self.get_blocks(request.request_id).blocks:
+            group_cached = 0
+            for block in group:
+                group_cached = max(group_cached, block.block_hash_num_tokens or 0)
+            cached = group_cached if cached is None else min(cached, group_cached)
+        return cached or 0
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> KVCacheBlocks:
+        """Wrap per-group blocks (the shared empty value when there are none)."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """A lookup result cut at an aligned token count (no reference counts change)."""
+        return self.create_kv_cache_blocks(
+            tuple(
+                list(group[: num_computed_tokens // block_size])
+                for group, block_size in zip(blocks.blocks, self._block_sizes, strict=True)
+            )
+        )
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drain the ids of new attention blocks workers must zero."""
+        return self.core.take_new_block_ids()
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Failed async KV loads only (connectors are refused)."""
+        raise NotImplementedError(
+            f"record_blocks_for_zeroing({request_id!r}, {start_token}): KV connectors are "
+            "not supported"
+        )
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        """No copy-on-write copies (a Mamba-align feature kvcm refuses)."""
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """No boundary-state hand-offs (Mamba align mode only)."""
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        """No partial tails (Mamba align mode only)."""
+        del request
+        return []
+
+    # ------------------------------------------------------------------ steps
+    def close_step(self) -> None:
+        """Close the step's program (if anything was recorded) and hand it to the sink."""
+        self.recorder.close_step()

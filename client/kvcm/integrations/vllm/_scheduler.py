@@ -1,0 +1,198 @@
+"""vLLM 0.33's ``Scheduler`` and ``AsyncScheduler`` with kvcm managing the KV cache.
+
+``SchedulerConfig.scheduler_cls`` names :class:`KvcmAsyncScheduler` (vLLM's default async
+scheduling) or :class:`KvcmScheduler`; vLLM constructs it with its own arguments.
+
+How the subclass ends up with kvcm's manager: vLLM's ``Scheduler.__init__`` always builds its
+own ``KVCacheManager`` from the ``kv_cache_config`` it is given. The subclass hands it a copy of
+that config with the same groups and a two-block pool (vLLM's manager then costs two block
+objects, not a throw-away pool of the real size), and once vLLM's constructor returns, puts the
+real config back and replaces ``kv_cache_manager`` with :class:`MirrorKVCacheManager`, which
+answers every read the constructor's callers make afterwards (EngineCore reads
+``coordinator.single_type_managers``). vLLM is not patched. Everything the constructor derived
+from the config depends on the groups only, which the copy keeps.
+
+Configurations kvcm does not manage are refused before anything is built, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from kvcm.common.errors import ConfigError
+from kvcm.integrations.vllm._manager import MirrorKVCacheManager, MirrorManagerConfig
+from kvcm.integrations.vllm._recorder import NullSink
+from kvcm.integrations.vllm._settings import KvcmSettings
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from kvcm.integrations.vllm._recorder import StepSink
+
+__all__ = ["KvcmAsyncScheduler", "KvcmScheduler", "check_supported"]
+
+# Blocks of the pool vLLM's constructor builds and the subclass throws away (null block + 1).
+_PLACEHOLDER_NUM_BLOCKS = 2
+_SCHEDULER_SIGNATURE = inspect.signature(Scheduler.__init__)
+
+
+def check_supported(vllm_config: Any) -> None:
+    """Refuse configurations kvcm's integration does not manage.
+
+    Raises:
+        ConfigError: The message names the setting and why.
+    """
+    parallel = vllm_config.parallel_config
+    refusals = [
+        (
+            vllm_config.kv_transfer_config is not None,
+            "KV connectors (--kv-transfer-config) are not supported with kvcm",
+        ),
+        (
+            getattr(vllm_config, "ec_transfer_config", None) is not None,
+            "encoder-cache connectors (--ec-transfer-config) are not supported with kvcm",
+        ),
+        (
+            parallel.decode_context_parallel_size > 1,
+            "decode context parallelism (DCP) is not supported with kvcm",
+        ),
+        (
+            parallel.prefill_context_parallel_size > 1,
+            "prefill context parallelism (PCP) is not supported with kvcm",
+        ),
+        (
+            vllm_config.cache_config.mamba_cache_mode == "align",
+            "Mamba align mode (mamba_cache_mode='align') is not supported with kvcm",
+        ),
+        (
+            vllm_config.speculative_config is not None,
+            "speculative decoding is not supported with kvcm yet",
+        ),
+        (
+            vllm_config.num_hash_lookahead_tokens != 0,
+            "hash lookahead tokens are not supported with kvcm",
+        ),
+        (
+            vllm_config.aux_output_config.enabled,
+            "aux output connectors are not supported with kvcm",
+        ),
+    ]
+    for refused, reason in refusals:
+        if refused:
+            raise ConfigError(reason)
+
+
+class _KvcmSchedulerMixin:
+    """What both kvcm schedulers add to vLLM's (see the module docstring).
+
+    Attributes:
+        kvcm_settings: The integration's settings.
+        kv_cache_manager: kvcm's mirror with vLLM's manager surface.
+    """
+
+    kvcm_settings: KvcmSettings
+    kv_cache_manager: MirrorKVCacheManager
+    # Whether the class is meant for vLLM's async engine loop (AsyncScheduler's bookkeeping).
+    _async_scheduling: bool
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = _SCHEDULER_SIGNATURE.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        del arguments["self"]
+        vllm_config = arguments["vllm_config"]
+        kv_cache_config = arguments["kv_cache_config"]
+        settings = KvcmSettings.from_sources(vllm_config.additional_config)
+        if settings.mode != "mirror":
+            raise ConfigError(f"kvcm mode {settings.mode!r} is not available yet; use 'mirror'")
+        check_supported(vllm_config)
+        self._check_loop(vllm_config)
+        # Fail on unsupported specs before vLLM builds anything.
+        from kvcm.integrations.vllm._convert import convert_kv_cache_config
+
+        convert_kv_cache_config(kv_cache_config)
+        arguments["kv_cache_config"] = dataclasses.replace(
+            kv_cache_config, num_blocks=min(kv_cache_config.num_blocks, _PLACEHOLDER_NUM_BLOCKS)
+        )
+        super().__init__(**arguments)
+        self.kvcm_settings = settings
+        self.kv_cache_config = kv_cache_config
+        scheduler: Any = self
+        self.kv_cache_manager = MirrorKVCacheManager(
+            MirrorManagerConfig(
+                kv_cache_config=kv_cache_config,
+                max_model_len=scheduler.max_model_len,
+                scheduler_block_size=scheduler.block_size,
+                hash_block_size=scheduler.hash_block_size,
+                max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+                enable_caching=scheduler.cache_config.enable_prefix_caching,
+                log_stats=scheduler.log_stats,
+                enable_kv_cache_events=scheduler.enable_kv_cache_events,
+                watermark=scheduler.scheduler_config.watermark,
+            ),
+            self.make_step_sink(settings),
+        )
+
+    def _check_loop(self, vllm_config: Any) -> None:
+        # vLLM runs a scheduler_cls under the loop async_scheduling selects, whatever the
+        # class; a synchronous scheduler under the async loop only gets a warning there.
+        wants_async = bool(vllm_config.scheduler_config.async_scheduling)
+        if wants_async != self._async_scheduling:
+            name = type(self).__name__
+            hint = (
+                "use kvcm.integrations.vllm.KvcmAsyncScheduler, or pass --no-async-scheduling"
+                if wants_async
+                else "use kvcm.integrations.vllm.KvcmScheduler, or pass --async-scheduling"
+            )
+            raise ConfigError(
+                f"{name} needs async_scheduling={self._async_scheduling}, but vLLM runs with "
+                f"async_scheduling={wants_async}: {hint}"
+            )
+
+    def make_step_sink(self, settings: KvcmSettings) -> StepSink:
+        """Where the scheduler's Step programs go.
+
+        Mirror mode without a server keeps the local copy only; the gRPC shipper (next stage)
+        plugs in here. Override to collect or inspect the programs.
+
+        Raises:
+            ConfigError: A server address is set (shipping arrives in the next stage).
+        """
+        if settings.address is not None:
+            raise ConfigError(
+                "shipping Step programs to a kvcm server is not available yet; leave "
+                "address unset to run the mirror locally"
+            )
+        return NullSink()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``schedule()``; the step's mutations close as one Step program."""
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self.kv_cache_manager.close_step()
+        return output
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``update_from_output()``; its mutations (if any) close as one program."""
+        outputs = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        self.kv_cache_manager.close_step()
+        return outputs
+
+    def shutdown(self) -> None:
+        """Ship what is pending, close the sink, then shut vLLM's scheduler down."""
+        self.kv_cache_manager.close_step()
+        self.kv_cache_manager.recorder.sink.close()
+        super().shutdown()  # type: ignore[misc]
+
+
+class KvcmScheduler(_KvcmSchedulerMixin, Scheduler):
+    """vLLM's synchronous ``Scheduler`` on kvcm (use with ``--no-async-scheduling``)."""
+
+    _async_scheduling = False
+
+
+class KvcmAsyncScheduler(_KvcmSchedulerMixin, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` on kvcm (vLLM's default: async scheduling on)."""
+
+    _async_scheduling = True

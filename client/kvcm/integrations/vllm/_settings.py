@@ -1,0 +1,92 @@
+"""The integration's settings: ``additional_config["kvcm"]``, then ``KVCM_*`` variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvcm.common.errors import ConfigError
+
+__all__ = ["MODES", "KvcmSettings"]
+
+MODES: Final = ("mirror", "remote")
+
+# Setting name -> (environment variable, parser).
+_ENV: Final = {
+    "address": "KVCM_ADDRESS",
+    "pool_id": "KVCM_POOL_ID",
+    "mode": "KVCM_MODE",
+    "step_timeout_s": "KVCM_STEP_TIMEOUT_S",
+    "max_backlog": "KVCM_MAX_BACKLOG",
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KvcmSettings:
+    """How a vLLM scheduler uses kvcm.
+
+    Attributes:
+        address: The kvcm server (``host:port``); ``None``: mirror runs without a server.
+        pool_id: The pool this engine's scheduler owns.
+        mode: ``"mirror"``: answer every manager call from an in-process replica and ship one
+            Step program per step; ``"remote"``: ask the server (a later stage).
+        step_timeout_s: Deadline of one shipped Step.
+        max_backlog: Steps shipped but not acknowledged before the scheduler waits.
+    """
+
+    address: str | None = None
+    pool_id: str | None = None
+    mode: str = "mirror"
+    step_timeout_s: float = 10.0
+    max_backlog: int = 8
+
+    @classmethod
+    def from_sources(
+        cls, additional_config: Any, environ: Mapping[str, str] | None = None
+    ) -> KvcmSettings:
+        """Read ``additional_config["kvcm"]``, then ``KVCM_*`` variables for what it omits.
+
+        Args:
+            additional_config: ``vllm_config.additional_config`` (a dict, or anything else,
+                which carries no kvcm settings).
+            environ: Environment; ``None``: ``os.environ``.
+
+        Raises:
+            ConfigError: An unknown key, or a value out of its domain (the message names it).
+        """
+        environ = os.environ if environ is None else environ
+        given = additional_config.get("kvcm", {}) if isinstance(additional_config, dict) else {}
+        if not isinstance(given, Mapping):
+            raise ConfigError(f'additional_config["kvcm"] must be a mapping, got {given!r}')
+        unknown = sorted(set(given) - set(_ENV))
+        if unknown:
+            raise ConfigError(
+                f'additional_config["kvcm"] has unknown keys {unknown}; known: {sorted(_ENV)}'
+            )
+        values: dict[str, Any] = {}
+        for name, variable in _ENV.items():
+            if name in given:
+                values[name] = given[name]
+            elif variable in environ:
+                values[name] = environ[variable]
+        try:
+            if "step_timeout_s" in values:
+                values["step_timeout_s"] = float(values["step_timeout_s"])
+            if "max_backlog" in values:
+                values["max_backlog"] = int(values["max_backlog"])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"kvcm settings: {exc}") from exc
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first setting out of its domain."""
+        if self.mode not in MODES:
+            raise ConfigError(f"kvcm mode must be one of {MODES}, got {self.mode!r}")
+        if not self.step_timeout_s > 0:
+            raise ConfigError(f"kvcm step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if self.max_backlog < 1:
+            raise ConfigError(f"kvcm max_backlog must be >= 1, got {self.max_backlog}")

@@ -1,0 +1,237 @@
+"""Pool configs, hashing parameters, pool info and summaries, usage and prefix-cache stats.
+
+The core's value types (:mod:`kvcm.core.pool_types`, :mod:`kvcm.core.stats`) are what both
+the server and the SDK hold; these functions are their only translation to ``kvcm.v1``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from kvcm.core.pool_types import (
+    DEFAULT_EVENT_RETENTION,
+    HashingParameters,
+    PoolConfig,
+    PoolInfo,
+    PoolSummary,
+    Usage,
+)
+from kvcm.core.stats import PrefixCacheStats
+from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2
+from kvcm.wire.enums import (
+    hash_algorithm_from_proto,
+    hash_algorithm_to_proto,
+    pool_state_from_proto,
+    pool_state_to_proto,
+)
+from kvcm.wire.specs import kv_cache_config_from_proto, kv_cache_config_to_proto
+
+if TYPE_CHECKING:
+    from kvcm.core.pool import Pool
+
+__all__ = [
+    "hashing_from_proto",
+    "hashing_to_proto",
+    "pool_config_from_proto",
+    "pool_config_to_proto",
+    "pool_info_from_proto",
+    "pool_info_to_proto",
+    "pool_summaries_from_proto",
+    "prefix_cache_stats_from_proto",
+    "prefix_cache_stats_to_proto",
+    "usage_from_proto",
+]
+
+# Optional ints of PoolConfig that travel only when set.
+_OPTIONAL_INTS: Final = (
+    "num_blocks_override",
+    "scheduler_block_size",
+    "hash_block_size",
+    "max_in_flight_tokens",
+)
+
+
+# ----------------------------------------------------------------------------- config
+def pool_config_to_proto(config: PoolConfig) -> admin_pb2.PoolConfig:
+    """The wire form of a ``PoolConfig`` (``None`` fields stay unset)."""
+    message = admin_pb2.PoolConfig(
+        world_size=config.world_size,
+        max_model_len=config.max_model_len,
+        hash_algorithm=hash_algorithm_to_proto(config.hash_algorithm),  # type: ignore[arg-type]
+        verify_block_hashes=config.verify_block_hashes,
+        enable_kv_cache_events=config.enable_kv_cache_events,
+        watermark=config.watermark,
+    )
+    if config.explicit_layout is not None:
+        layout = kv_cache_config_to_proto(config.explicit_layout)
+        message.explicit_layout.num_blocks = layout.num_blocks
+        message.explicit_layout.kv_cache_groups.extend(layout.kv_cache_groups)
+    for name in _OPTIONAL_INTS:
+        value = getattr(config, name)
+        if value is not None:
+            setattr(message, name, value)
+    if config.hash_seed is not None:
+        message.hash_seed = config.hash_seed
+    if config.event_retention_num_events != DEFAULT_EVENT_RETENTION:
+        message.event_retention_num_events = config.event_retention_num_events
+    if not config.enable_caching:
+        message.enable_caching = False
+    if not config.log_stats:
+        message.log_stats = False
+    return message
+
+
+def pool_config_from_proto(message: admin_pb2.PoolConfig, field: str = "config") -> PoolConfig:
+    """The ``PoolConfig`` of a wire one (unset fields take their defaults; validated).
+
+    Raises:
+        InvalidArgumentError: A field is out of its domain (the message names it).
+    """
+    layout = None
+    if message.HasField("explicit_layout"):
+        wire = common_pb2.KVCacheConfig(
+            num_blocks=message.explicit_layout.num_blocks,
+            kv_cache_groups=message.explicit_layout.kv_cache_groups,
+        )
+        layout = kv_cache_config_from_proto(wire, f"{field}.explicit_layout")
+    optional = {
+        name: getattr(message, name) if message.HasField(name) else None for name in _OPTIONAL_INTS
+    }
+    return PoolConfig(
+        max_model_len=message.max_model_len,
+        world_size=message.world_size,
+        explicit_layout=layout,
+        enable_caching=message.enable_caching if message.HasField("enable_caching") else True,
+        hash_algorithm=hash_algorithm_from_proto(message.hash_algorithm, f"{field}.hash_algorithm"),
+        hash_seed=message.hash_seed if message.HasField("hash_seed") else None,
+        verify_block_hashes=message.verify_block_hashes,
+        enable_kv_cache_events=message.enable_kv_cache_events,
+        event_retention_num_events=(
+            message.event_retention_num_events
+            if message.HasField("event_retention_num_events")
+            else DEFAULT_EVENT_RETENTION
+        ),
+        log_stats=message.log_stats if message.HasField("log_stats") else True,
+        watermark=message.watermark,
+        **optional,
+    )
+
+
+# ---------------------------------------------------------------------------- hashing
+def hashing_to_proto(hashing: HashingParameters) -> common_pb2.HashingParameters:
+    """The wire form of a pool's hashing parameters."""
+    return common_pb2.HashingParameters(
+        algorithm=hash_algorithm_to_proto(hashing.algorithm),  # type: ignore[arg-type]
+        seed=hashing.seed,
+        hash_block_size=hashing.hash_block_size,
+        hash_length_bytes=hashing.hash_length_bytes,
+    )
+
+
+def hashing_from_proto(
+    message: common_pb2.HashingParameters, field: str = "hashing"
+) -> HashingParameters:
+    """The ``HashingParameters`` of a wire one."""
+    return HashingParameters(
+        algorithm=hash_algorithm_from_proto(message.algorithm, f"{field}.algorithm"),
+        seed=message.seed,
+        hash_block_size=message.hash_block_size,
+        hash_length_bytes=message.hash_length_bytes,
+    )
+
+
+# ------------------------------------------------------------------------------- info
+def pool_info_to_proto(pool: Pool, config: admin_pb2.PoolConfig) -> admin_pb2.PoolInfo:
+    """``PoolInfo`` of a pool and the wire config it was created with."""
+    info = admin_pb2.PoolInfo(
+        pool_id=pool.name,
+        state=pool_state_to_proto(pool.state),  # type: ignore[arg-type]
+        config=config,
+        hashing=hashing_to_proto(pool.hashing),
+        registered_ranks=sorted(pool.registrations),
+        num_requests=len(pool.requests),
+        last_event_sequence=pool.last_event_sequence,
+    )
+    manager = pool.manager
+    if manager is not None and pool.kv_cache_config is not None:
+        info.kv_cache_config.CopyFrom(kv_cache_config_to_proto(pool.kv_cache_config))
+        info.num_free_blocks = manager.num_free_blocks
+        info.usage = manager.usage
+    return info
+
+
+def pool_info_from_proto(message: admin_pb2.PoolInfo) -> PoolInfo:
+    """The ``PoolInfo`` of a wire one."""
+    kv_cache_config = (
+        kv_cache_config_from_proto(message.kv_cache_config)
+        if message.HasField("kv_cache_config")
+        else None
+    )
+    return PoolInfo(
+        pool_id=message.pool_id,
+        state=pool_state_from_proto(message.state),
+        config=pool_config_from_proto(message.config),
+        kv_cache_config=kv_cache_config,
+        hashing=hashing_from_proto(message.hashing),
+        registered_ranks=tuple(message.registered_ranks),
+        num_free_blocks=message.num_free_blocks,
+        num_requests=message.num_requests,
+        usage=message.usage,
+        last_event_sequence=message.last_event_sequence,
+    )
+
+
+def pool_summaries_from_proto(message: admin_pb2.ListPoolsResponse) -> list[PoolSummary]:
+    """The ``PoolSummary`` lines of ``ListPools``' answer."""
+    return [
+        PoolSummary(
+            pool_id=pool.pool_id,
+            state=pool_state_from_proto(pool.state, f"pools[{index}].state"),
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_requests=pool.num_requests,
+        )
+        for index, pool in enumerate(message.pools)
+    ]
+
+
+def usage_from_proto(message: scheduler_pb2.GetUsageResponse) -> Usage:
+    """The ``Usage`` of ``GetUsage``' answer."""
+    return Usage(
+        usage=message.usage,
+        num_free_blocks=message.num_free_blocks,
+        num_blocks=message.num_blocks,
+        num_requests=message.num_requests,
+    )
+
+
+# ------------------------------------------------------------------------------ stats
+def prefix_cache_stats_to_proto(
+    stats: PrefixCacheStats, message: scheduler_pb2.PrefixCacheStats
+) -> None:
+    """Fill a wire ``PrefixCacheStats`` from the core's counters."""
+    message.reset = stats.reset
+    message.num_requests = stats.requests
+    message.num_query_tokens = stats.queries
+    message.num_hit_tokens = stats.hits
+    message.num_preempted_requests = stats.preempted_requests
+    message.num_preempted_query_tokens = stats.preempted_queries
+    message.num_preempted_hit_tokens = stats.preempted_hits
+
+
+def prefix_cache_stats_from_proto(
+    message: scheduler_pb2.TakePrefixCacheStatsResponse,
+) -> PrefixCacheStats | None:
+    """The counters of ``TakePrefixCacheStats``' answer (``None``: the pool's log_stats is off)."""
+    if not message.HasField("stats"):
+        return None
+    stats = message.stats
+    return PrefixCacheStats(
+        reset=stats.reset,
+        requests=stats.num_requests,
+        queries=stats.num_query_tokens,
+        hits=stats.num_hit_tokens,
+        preempted_requests=stats.num_preempted_requests,
+        preempted_queries=stats.num_preempted_query_tokens,
+        preempted_hits=stats.num_preempted_hit_tokens,
+    )

@@ -1,0 +1,210 @@
+"""The Step codec: ``kvcm.v1.StepRequest``/``StepResponse`` <-> the core's program values.
+
+Decoding is a list copy per column (a decode step of hundreds of requests costs a few lists,
+no per-op objects); the semantics live in :mod:`kvcm.core.step`, not here.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from kvcm.common.errors import InvalidArgumentError
+from kvcm.core.manager import SlotOptions
+from kvcm.core.program import (
+    NO_LOOKUP_BOUND,
+    AllocOptions,
+    HitSpec,
+    NewRequestSpec,
+    StepOutcome,
+    StepProgram,
+)
+from kvcm.v1 import scheduler_pb2
+from kvcm.wire.blocks import grouped_from_proto, slot_options_from_proto
+
+__all__ = [
+    "alloc_options_from_proto",
+    "outcome_from_proto",
+    "outcome_to_proto",
+    "program_from_proto",
+    "program_to_proto",
+]
+
+
+def _new_request(new: scheduler_pb2.NewRequest) -> NewRequestSpec:
+    return NewRequestSpec(
+        key=new.request_key,
+        request_id=new.request_id,
+        prompt_token_ids=list(new.prompt_token_ids),
+        block_hashes=new.block_hashes,
+        lora_id=new.lora_id if new.HasField("lora_id") else None,
+        lora_name=new.lora_name if new.HasField("lora_name") else None,
+        cache_salt=new.cache_salt if new.HasField("cache_salt") else None,
+        skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+    )
+
+
+def alloc_options_from_proto(entry: scheduler_pb2.StepAllocOptions, position: int) -> AllocOptions:
+    """The core's ``AllocOptions`` of one wire entry."""
+    lookup: int | None = None
+    if entry.HasField("lookup"):
+        bound = entry.lookup
+        lookup = (
+            bound.max_cache_hit_length
+            if bound.HasField("max_cache_hit_length")
+            else NO_LOOKUP_BOUND
+        )
+    hit: HitSpec | None = None
+    if entry.HasField("hit"):
+        hit = HitSpec(
+            num_tokens=entry.hit.num_new_computed_tokens,
+            block_ids=grouped_from_proto(entry.hit.blocks, f"alloc_options[{position}].hit"),
+        )
+    options, in_flight = slot_options_from_proto(entry.options)
+    return AllocOptions(
+        lookup=lookup, hit=hit, slot_options=options, num_in_flight_tokens=in_flight
+    )
+
+
+def program_from_proto(msg: scheduler_pb2.StepRequest) -> StepProgram:
+    """The core's program of a wire Step (no semantic checks: the interpreter's job).
+
+    Raises:
+        InvalidArgumentError: alloc_options' alloc_index is not strictly increasing, or a hit's
+            block counts do not add up (names the field).
+    """
+    options: dict[int, AllocOptions] = {}
+    last = -1
+    for position, entry in enumerate(msg.alloc_options):
+        index = entry.alloc_index
+        if index <= last:
+            raise InvalidArgumentError(
+                f"alloc_options[{position}].alloc_index={index} is not strictly increasing",
+                field=f"alloc_options[{position}].alloc_index",
+            )
+        last = index
+        options[index] = alloc_options_from_proto(entry, position)
+    return StepProgram(
+        ops=list(msg.ops),
+        request_keys=list(msg.request_keys),
+        new_requests=[_new_request(new) for new in msg.new_requests],
+        alloc_num_new_tokens=list(msg.alloc_num_new_tokens),
+        alloc_num_computed_tokens=list(msg.alloc_num_computed_tokens),
+        alloc_options=options,
+        append_num_tokens=list(msg.append_num_tokens),
+        append_token_ids=list(msg.append_token_ids),
+        append_num_block_hashes=list(msg.append_num_block_hashes),
+        append_block_hashes=msg.append_block_hashes,
+        cache_num_computed_tokens=list(msg.cache_num_computed_tokens),
+        remove_skipped_total_computed_tokens=list(msg.remove_skipped_total_computed_tokens),
+        evict_num_block_ids=list(msg.evict_num_block_ids),
+        evict_block_ids=list(msg.evict_block_ids),
+        default_num_lookahead_tokens=msg.default_num_lookahead_tokens,
+        token_budget=msg.token_budget if msg.HasField("token_budget") else None,
+        continue_on_does_not_fit=msg.continue_on_does_not_fit,
+        step_seq=msg.step_seq if msg.HasField("step_seq") else None,
+    )
+
+
+def _slot_options_to_proto(options: SlotOptions, in_flight: int) -> scheduler_pb2.SlotOptions:
+    message = scheduler_pb2.SlotOptions(
+        num_external_computed_tokens=options.num_external_computed_tokens,
+        delay_cache_blocks=options.delay_cache_blocks,
+        num_encoder_tokens=options.num_encoder_tokens,
+        full_sequence_must_fit=options.full_sequence_must_fit,
+        reserved_blocks=options.reserved_blocks,
+    )
+    if options.num_lookahead_tokens:
+        message.num_lookahead_tokens = options.num_lookahead_tokens
+    if not options.has_scheduled_reqs:
+        message.has_scheduled_reqs = False
+    if in_flight:
+        message.num_in_flight_tokens = in_flight
+    return message
+
+
+def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRequest:
+    """The wire Step of a program, for pool ``pool_id``."""
+    msg = scheduler_pb2.StepRequest(
+        pool_id=pool_id,
+        ops=cast("list[scheduler_pb2.StepOpKind]", program.ops),
+        request_keys=program.request_keys,
+        alloc_num_new_tokens=program.alloc_num_new_tokens,
+        alloc_num_computed_tokens=program.alloc_num_computed_tokens,
+        append_num_tokens=program.append_num_tokens,
+        append_token_ids=program.append_token_ids,
+        append_num_block_hashes=program.append_num_block_hashes,
+        append_block_hashes=program.append_block_hashes,
+        cache_num_computed_tokens=program.cache_num_computed_tokens,
+        remove_skipped_total_computed_tokens=program.remove_skipped_total_computed_tokens,
+        evict_num_block_ids=program.evict_num_block_ids,
+        evict_block_ids=program.evict_block_ids,
+        default_num_lookahead_tokens=program.default_num_lookahead_tokens,
+        continue_on_does_not_fit=program.continue_on_does_not_fit,
+    )
+    if program.token_budget is not None:
+        msg.token_budget = program.token_budget
+    if program.step_seq is not None:
+        msg.step_seq = program.step_seq
+    for new in program.new_requests:
+        wire = msg.new_requests.add(
+            request_key=new.key,
+            request_id=new.request_id,
+            prompt_token_ids=new.prompt_token_ids,
+            block_hashes=new.block_hashes,
+            skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+        )
+        if new.lora_id is not None:
+            wire.lora_id = new.lora_id
+        if new.lora_name is not None:
+            wire.lora_name = new.lora_name
+        if new.cache_salt is not None:
+            wire.cache_salt = new.cache_salt
+    for index in sorted(program.alloc_options):
+        entry = program.alloc_options[index]
+        wire_entry = msg.alloc_options.add(alloc_index=index)
+        wire_entry.options.CopyFrom(
+            _slot_options_to_proto(entry.slot_options, entry.num_in_flight_tokens)
+        )
+        if entry.lookup is not None:
+            wire_entry.lookup.SetInParent()
+            if entry.lookup != NO_LOOKUP_BOUND:
+                wire_entry.lookup.max_cache_hit_length = entry.lookup
+        if entry.hit is not None:
+            wire_entry.hit.num_new_computed_tokens = entry.hit.num_tokens
+            for group in entry.hit.block_ids:
+                wire_entry.hit.blocks.block_ids.extend(group)
+                wire_entry.hit.blocks.num_block_ids.append(len(group))
+    return msg
+
+
+def outcome_to_proto(outcome: StepOutcome) -> scheduler_pb2.StepResponse:
+    """The wire answer of a Step outcome (one bulk copy per column)."""
+    response = scheduler_pb2.StepResponse(num_ops_executed=outcome.num_ops_executed)
+    response.alloc_statuses.extend(outcome.alloc_statuses)
+    response.alloc_num_block_ids.extend(outcome.alloc_num_block_ids)
+    response.alloc_block_ids.extend(outcome.alloc_block_ids)
+    if outcome.lookup_num_computed_tokens:
+        response.lookup_num_computed_tokens.extend(outcome.lookup_num_computed_tokens)
+        response.lookup_num_new_tokens.extend(outcome.lookup_num_new_tokens)
+    if outcome.reset:
+        response.reset.extend(outcome.reset)
+    if outcome.token_budget_left is not None:
+        response.token_budget_left = outcome.token_budget_left
+    if outcome.step_seq is not None:
+        response.step_seq = outcome.step_seq
+    return response
+
+
+def outcome_from_proto(msg: scheduler_pb2.StepResponse) -> StepOutcome:
+    """The core's outcome of a wire Step answer."""
+    return StepOutcome(
+        num_ops_executed=msg.num_ops_executed,
+        alloc_statuses=list(msg.alloc_statuses),
+        alloc_num_block_ids=list(msg.alloc_num_block_ids),
+        alloc_block_ids=list(msg.alloc_block_ids),
+        lookup_num_computed_tokens=list(msg.lookup_num_computed_tokens),
+        lookup_num_new_tokens=list(msg.lookup_num_new_tokens),
+        reset=list(msg.reset),
+        token_budget_left=msg.token_budget_left if msg.HasField("token_budget_left") else None,
+        step_seq=msg.step_seq if msg.HasField("step_seq") else None,
+    )

@@ -1,0 +1,84 @@
+"""Registration of the kvcm.v1 services with request decoders that never raise.
+
+grpc's generated ``add_*Servicer_to_server`` decode with ``Message.FromString``: bytes that
+are not the request message make grpc answer UNKNOWN and log an ERROR traceback per call,
+outside every interceptor. Here each method decodes through :func:`decode_or_mark`, which
+answers an :class:`UndecodableRequest` marker instead; the interceptor turns the marker into
+INVALID_ARGUMENT (counted like any rejected call), so the servicers only ever see messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import grpc
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+from google.protobuf.message_factory import GetMessageClass  # type: ignore[import-untyped]
+
+from kvcm.common.errors import InvalidArgumentError
+from kvcm.v1 import service_pb2
+
+__all__ = ["UndecodableRequest", "decode_or_mark", "register_services"]
+
+_SERVICES: Final = service_pb2.DESCRIPTOR.services_by_name
+
+
+class UndecodableRequest:
+    """Stands for request bytes that are not a valid ``type_name`` message."""
+
+    __slots__ = ("type_name",)
+
+    def __init__(self, type_name: str) -> None:
+        """Mark a request that failed to decode as ``type_name``."""
+        self.type_name = type_name
+
+    def error(self) -> InvalidArgumentError:
+        """The error the call ends with (INVALID_ARGUMENT)."""
+        return InvalidArgumentError(f"request is not a valid {self.type_name}", field="request")
+
+
+def decode_or_mark(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer for ``message_class`` that answers a marker on bad bytes."""
+    type_name = message_class.DESCRIPTOR.full_name
+    from_string = message_class.FromString
+
+    def decode(data: bytes) -> Any:
+        try:
+            return from_string(data)
+        except DecodeError:
+            return UndecodableRequest(type_name)
+
+    return decode
+
+
+def _serialize(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return data
+
+
+def register_services(server: grpc.aio.Server, servicers: dict[str, object]) -> None:
+    """Register each kvcm.v1 service's methods on ``server``.
+
+    Args:
+        server: The server.
+        servicers: Servicer per service name (``"AdminService"``); every method of the
+            service must exist on it.
+    """
+    for name, servicer in servicers.items():
+        service = _SERVICES[name]
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for method in service.methods:
+            behavior = getattr(servicer, method.name)
+            decode = decode_or_mark(GetMessageClass(method.input_type))
+            make = (
+                grpc.unary_stream_rpc_method_handler
+                if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler
+            )
+            handlers[method.name] = make(
+                behavior, request_deserializer=decode, response_serializer=_serialize
+            )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+        )

@@ -1,0 +1,215 @@
+"""The Step interpreter (kvcm.core.step): atomicity, the new op kinds, and the fixed defects."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from kvcm.common.hashing import BlockHasher
+from kvcm.common.specs import FullAttentionSpec
+from kvcm.core.limits import Limits
+from kvcm.core.manager import SlotOptions
+from kvcm.core.pool import Pool, PoolConfig, PoolRegistry
+from kvcm.core.program import (
+    AllocOptions,
+    HitSpec,
+    ItemStatus,
+    NewRequestSpec,
+    OpKind,
+    StepProgram,
+)
+
+BLOCK = 16
+SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
+LAYOUT = KVCacheConfig(
+    num_blocks=64,
+    kv_cache_tensors=(),
+    kv_cache_groups=(KVCacheGroupSpec(layer_names=("l0",), kv_cache_spec=SPEC),),
+)
+
+
+def _pool(limits: Limits | None = None) -> Pool:
+    options = PoolConfig(max_model_len=512, explicit_layout=LAYOUT)
+    return Pool("p", options) if limits is None else Pool("p", options, limits=limits)
+
+
+def _spec(pool: Pool, key: int, prompt: list[int]) -> NewRequestSpec:
+    hasher = BlockHasher(BLOCK, pool.hashing.algorithm, pool.hashing.seed)
+    return NewRequestSpec(
+        key=key,
+        request_id=f"r{key}",
+        prompt_token_ids=prompt,
+        block_hashes=b"".join(hasher.hash_token_ids(prompt)),
+    )
+
+
+def _admit(pool: Pool, key: int, prompt: list[int], *, finish: bool = False) -> list[int]:
+    """Add and allocate a request (cached blocks afterwards); its block ids."""
+    ops = [OpKind.ADD_REQUEST, OpKind.ALLOCATE] + ([OpKind.FINISH] if finish else [])
+    outcome = pool.run_step(
+        StepProgram(
+            ops=list(ops),
+            request_keys=[key, key] if finish else [key],
+            new_requests=[_spec(pool, key, prompt)],
+            alloc_num_new_tokens=[len(prompt)],
+            alloc_num_computed_tokens=[0],
+        )
+    )
+    assert outcome.alloc_statuses == [ItemStatus.OK]
+    return outcome.alloc_block_ids
+
+
+def test_add_then_a_refused_op_leaves_no_request() -> None:
+    pool = _pool()
+    before = pool.state_fingerprint()
+    with pytest.raises(InvalidArgumentError) as caught:
+        pool.run_step(
+            StepProgram(
+                ops=[OpKind.ADD_REQUEST, OpKind.CACHE_BLOCKS],
+                request_keys=[5],
+                new_requests=[_spec(pool, 5, list(range(40)))],
+                cache_num_computed_tokens=[41],
+            )
+        )
+    assert caught.value.op_index == 1
+    assert caught.value.field == "cache_num_computed_tokens[0]"
+    assert 5 not in pool.requests
+    assert pool.state_fingerprint() == before
+    # And an op the core would refuse only at execution (caching a request holding no blocks).
+    with pytest.raises(NotFoundError) as refused:
+        pool.run_step(
+            StepProgram(
+                ops=[OpKind.ADD_REQUEST, OpKind.CACHE_BLOCKS],
+                request_keys=[5],
+                new_requests=[_spec(pool, 5, list(range(40)))],
+                cache_num_computed_tokens=[16],
+            )
+        )
+    assert refused.value.op_index == 1
+    assert pool.state_fingerprint() == before
+
+
+def _hit_program(key: int, hit: HitSpec) -> StepProgram:
+    return StepProgram(
+        ops=[OpKind.ALLOCATE],
+        request_keys=[key],
+        alloc_num_new_tokens=[8],
+        alloc_num_computed_tokens=[0],
+        alloc_options={0: AllocOptions(hit=hit)},
+    )
+
+
+def test_a_hit_of_another_prompt_or_a_repeated_block_is_refused() -> None:
+    pool = _pool()
+    other = _admit(pool, 1, [7] * 40, finish=True)  # 2 cached full blocks of another prompt
+    pool.add_request(2, "r2", list(range(40)), _spec(pool, 2, list(range(40))).block_hashes)
+    before = pool.state_fingerprint()
+    for ids in ([other[0], other[1]], [other[0], other[0]]):
+        with pytest.raises(FailedPreconditionError, match="look the request up again"):
+            pool.run_step(_hit_program(2, HitSpec(num_tokens=32, block_ids=(ids,))))
+        with pytest.raises(FailedPreconditionError):
+            pool.allocate(2, 8, 0, hit=HitSpec(num_tokens=32, block_ids=(ids,)))
+        assert pool.state_fingerprint() == before
+
+
+def test_a_repeated_own_block_is_refused_and_a_true_hit_adopted() -> None:
+    pool = _pool()
+    prompt = list(range(40))
+    own = _admit(pool, 1, prompt, finish=True)
+    pool.add_request(2, "r2", prompt, _spec(pool, 2, prompt).block_hashes)
+    before = pool.state_fingerprint()
+    with pytest.raises(FailedPreconditionError):
+        pool.allocate(2, 8, 0, hit=HitSpec(num_tokens=32, block_ids=([own[0], own[0]],)))
+    assert pool.state_fingerprint() == before
+    ids = pool.allocate(2, 8, 0, hit=HitSpec(num_tokens=32, block_ids=([own[0], own[1]],)))
+    assert ids is not None
+    assert pool.ready_manager().get_block_ids("2")[0][:2] == own[:2]
+
+
+def test_external_tokens_beyond_the_request_are_refused_without_a_change() -> None:
+    pool = _pool()
+    prompt = list(range(40))
+    own = _admit(pool, 1, prompt, finish=True)
+    pool.add_request(2, "r2", prompt, _spec(pool, 2, prompt).block_hashes)
+    before = pool.state_fingerprint()
+    hit = HitSpec(num_tokens=32, block_ids=(own[:2],))
+    with pytest.raises(InvalidArgumentError, match="num_external_computed_tokens") as caught:
+        pool.allocate(2, 8, 0, hit=hit, options=SlotOptions(num_external_computed_tokens=2**32 - 1))
+    assert caught.value.field is not None
+    assert "num_external_computed_tokens" in caught.value.field
+    assert pool.state_fingerprint() == before
+    assert pool.get_computed_blocks(2, None).blocks.get_block_ids() == (own[:2],)
+
+
+def test_a_live_request_without_blocks_has_empty_tables() -> None:
+    pool = _pool()
+    pool.add_request(3, "r3", [1, 2, 3], b"")
+    assert pool.ready_manager().get_block_ids("3") == ([],)
+    assert pool.ready_manager().get_blocks("3").blocks == ((),) or all(
+        not group for group in pool.ready_manager().get_blocks("3").blocks
+    )
+
+
+def test_limits_are_checked_first() -> None:
+    pool = _pool(Limits(max_step_ops=2, max_step_tokens=10))
+    before = pool.state_fingerprint()
+    with pytest.raises(ResourceExhaustedError, match="max_step_ops") as ops:
+        pool.run_step(StepProgram(ops=[OpKind.NEW_STEP_STARTS] * 3))
+    assert ops.value.field == "max_step_ops"
+    with pytest.raises(ResourceExhaustedError, match="max_step_tokens"):
+        pool.run_step(
+            StepProgram(ops=[OpKind.ADD_REQUEST], new_requests=[_spec(pool, 1, list(range(11)))])
+        )
+    assert pool.state_fingerprint() == before
+    registry = PoolRegistry(limits=Limits(max_pools=1))
+    assert registry.max_pools == 1
+    assert PoolRegistry(max_pools=3).max_pools == 3
+
+
+def test_evict_and_reset_run_in_a_step() -> None:
+    pool = _pool()
+    own = _admit(pool, 1, list(range(40)), finish=True)
+    manager = pool.ready_manager()
+    cached = manager.block_pool.num_cached_blocks
+    outcome = pool.run_step(
+        StepProgram(
+            ops=[OpKind.EVICT_BLOCKS, OpKind.RESET_PREFIX_CACHE],
+            evict_num_block_ids=[1],
+            evict_block_ids=[own[0]],
+        )
+    )
+    assert outcome.num_ops_executed == 2
+    assert outcome.reset == [True]
+    assert cached > 0
+    assert manager.block_pool.num_cached_blocks == 0
+    with pytest.raises(InvalidArgumentError, match="evict_block_ids") as caught:
+        pool.run_step(
+            StepProgram(ops=[OpKind.EVICT_BLOCKS], evict_num_block_ids=[1], evict_block_ids=[0])
+        )
+    assert caught.value.field == "evict_block_ids[0]"
+
+
+def test_step_seq_answers_the_remembered_outcome() -> None:
+    pool = _pool()
+    program = StepProgram(
+        ops=[OpKind.ADD_REQUEST, OpKind.ALLOCATE],
+        request_keys=[1],
+        new_requests=[_spec(pool, 1, list(range(20)))],
+        alloc_num_new_tokens=[20],
+        alloc_num_computed_tokens=[0],
+        step_seq=1,
+    )
+    first = pool.run_step(program)
+    fingerprint = pool.state_fingerprint()
+    assert pool.run_step(program) == first
+    assert pool.state_fingerprint() == fingerprint
+    with pytest.raises(FailedPreconditionError) as caught:
+        pool.run_step(StepProgram(step_seq=5))
+    assert caught.value.field == "step_seq"

@@ -1,0 +1,163 @@
+"""kvcm.integrations.vllm without vLLM: settings and the Step recorder.
+
+The schedulers themselves need vLLM and are tested against it in
+tests/compat/test_vllm_scheduler.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvcm.common.errors import ConfigError
+from kvcm.core.program import ItemStatus, OpKind
+from kvcm.integrations.vllm import CollectingSink, KvcmSettings, StepRecorder
+from kvcm.integrations.vllm._convert import RequestView
+
+HASH = 32
+
+
+class FakeVllmRequest:
+    """The attributes of vLLM's Request that the integration reads (no vLLM needed)."""
+
+    def __init__(self, request_id: str, prompt: list[int], block_size: int = 4) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.all_token_ids = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.block_size = block_size
+        self.block_hashes: list[bytes] = []
+        self.lora_request = None
+        self.cache_salt = None
+        self.mm_features: list[Any] = []
+        self.prompt_embeds = None
+        self.session_id = None
+        self.skip_reading_prefix_cache = False
+        self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
+        self.num_preemptions = 0
+        self.status = 1  # WAITING
+        self._rehash()
+
+    def _rehash(self) -> None:
+        full = len(self.all_token_ids) // self.block_size
+        while len(self.block_hashes) < full:
+            self.block_hashes.append(bytes([len(self.block_hashes) % 256]) * HASH)
+
+    def append(self, token: int) -> None:
+        self.all_token_ids.append(token)
+        self._rehash()
+
+
+# ----------------------------------------------------------------------------- settings
+def test_settings_read_additional_config_before_environment() -> None:
+    settings = KvcmSettings.from_sources(
+        {"kvcm": {"pool_id": "p0", "max_backlog": 3}},
+        {"KVCM_POOL_ID": "ignored", "KVCM_ADDRESS": "kvcm:50051", "KVCM_STEP_TIMEOUT_S": "2.5"},
+    )
+    assert settings == KvcmSettings(
+        address="kvcm:50051", pool_id="p0", mode="mirror", step_timeout_s=2.5, max_backlog=3
+    )
+
+
+def test_settings_default_without_kvcm_section() -> None:
+    assert KvcmSettings.from_sources(None, {}) == KvcmSettings()
+    assert KvcmSettings.from_sources({"other": 1}, {}) == KvcmSettings()
+
+
+@pytest.mark.parametrize(
+    ("additional", "environ", "message"),
+    [
+        ({"kvcm": {"pool": "x"}}, {}, "unknown keys \\['pool'\\]"),
+        ({"kvcm": {"mode": "local"}}, {}, "mode must be one of"),
+        ({}, {"KVCM_MAX_BACKLOG": "many"}, "kvcm settings"),
+        ({"kvcm": {"step_timeout_s": 0}}, {}, "step_timeout_s must be > 0"),
+        ({"kvcm": {"max_backlog": 0}}, {}, "max_backlog must be >= 1"),
+        ({"kvcm": ["address"]}, {}, "must be a mapping"),
+    ],
+)
+def test_settings_refuse_bad_values(additional: Any, environ: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        KvcmSettings.from_sources(additional, environ)
+
+
+# ----------------------------------------------------------------------------- recorder
+def test_recorder_adds_once_then_appends_deltas() -> None:
+    sink = CollectingSink()
+    recorder = StepRecorder(sink, num_groups=1, hash_block_size=4)
+    request = FakeVllmRequest("a", list(range(10)))
+    view = RequestView(request)
+    recorder.allocate(view, 10, None, None, ([1, 2, 3],))
+    request.append(99)
+    request.append(98)  # 12 tokens: a third full block and its hash
+    view.sync()
+    request.num_computed_tokens = 10
+    view.sync()
+    recorder.allocate(view, 2, None, None, None)
+    recorder.free("a", finished=True)
+    step = recorder.close_step()
+    assert step is not None
+    assert step is sink.steps[0]
+    program = step.program
+    assert program.ops == [
+        OpKind.ADD_REQUEST,
+        OpKind.ALLOCATE,
+        OpKind.APPEND_TOKENS,
+        OpKind.ALLOCATE,
+        OpKind.FINISH,
+    ]
+    (spec,) = program.new_requests
+    assert spec.prompt_token_ids == list(range(10))
+    assert spec.block_hashes == b"".join(request.block_hashes[:2])
+    assert program.request_keys == [spec.key, spec.key, spec.key, spec.key]
+    assert program.append_num_tokens == [2]
+    assert program.append_token_ids == [99, 98]
+    assert program.append_num_block_hashes == [1]
+    assert program.append_block_hashes == request.block_hashes[2]
+    assert program.alloc_num_new_tokens == [10, 2]
+    assert program.alloc_num_computed_tokens == [0, 10]
+    assert program.continue_on_does_not_fit
+    assert program.step_seq == 1
+    assert step.expected.alloc_statuses == [ItemStatus.OK, ItemStatus.DOES_NOT_FIT]
+    assert step.expected.alloc_num_block_ids == [3, 0]
+    assert step.expected.alloc_block_ids == [1, 2, 3]
+    assert recorder.key_of("a") is None
+
+
+def test_recorder_preempt_keeps_the_request_and_empty_steps_send_nothing() -> None:
+    sink = CollectingSink()
+    recorder = StepRecorder(sink, num_groups=2, hash_block_size=4)
+    view = RequestView(FakeVllmRequest("b", [1, 2, 3]))
+    recorder.cache_blocks(view, 3)
+    recorder.free("b", finished=False)
+    recorder.free("never-seen", finished=True)
+    recorder.new_step_starts()
+    recorder.evict_blocks({5, 3})
+    recorder.reset_prefix_cache(False)
+    step = recorder.close_step()
+    assert step is not None
+    assert step.program.ops == [
+        OpKind.ADD_REQUEST,
+        OpKind.CACHE_BLOCKS,
+        OpKind.PREEMPT,
+        OpKind.NEW_STEP_STARTS,
+        OpKind.EVICT_BLOCKS,
+        OpKind.RESET_PREFIX_CACHE,
+    ]
+    assert step.program.evict_block_ids == [3, 5]
+    assert step.expected.reset == [False]
+    assert recorder.key_of("b") == step.program.new_requests[0].key
+    assert recorder.close_step() is None
+    assert len(sink.steps) == 1
+
+
+def test_request_view_refuses_multimodal_and_embeddings() -> None:
+    request = FakeVllmRequest("c", [1, 2])
+    request.mm_features = [object()]
+    with pytest.raises(Exception, match="multi-modal"):
+        RequestView(request)
+    request.mm_features = []
+    request.prompt_embeds = object()
+    with pytest.raises(Exception, match="prompt embeddings"):
+        RequestView(request)
