@@ -28,13 +28,22 @@ _DELIVERY_TIMEOUT_S = 10.0
 class EventFollower:
     """Buffers a pool's events from a given sequence on, on a daemon thread."""
 
-    def __init__(self, client: SchedulerClient, pool_id: str, last_seen_sequence: int) -> None:
+    def __init__(
+        self,
+        client: SchedulerClient,
+        pool_id: str,
+        last_seen_sequence: int,
+        epoch: int | None = None,
+    ) -> None:
         """Subscribe from ``last_seen_sequence + 1`` and start reading.
 
         Args:
             client: The client to subscribe with.
             pool_id: The pool.
             last_seen_sequence: Events up to this sequence are not wanted.
+            epoch: The pool epoch ``last_seen_sequence`` belongs to (``PoolInfo.epoch``); a
+                re-created pool then fails the stream rather than feeding another log's
+                events. ``None``: any.
         """
         self._condition = threading.Condition()
         self._events: list[KVCacheEvent] = []
@@ -42,7 +51,7 @@ class EventFollower:
         self._taken_until = last_seen_sequence
         self._error: ServiceError | None = None
         self._stream: EventStream = client.subscribe_events(
-            pool_id, start_sequence=last_seen_sequence + 1
+            pool_id, start_sequence=last_seen_sequence + 1, expected_epoch=epoch
         )
         self._thread = threading.Thread(
             target=self._run, name=f"kvcm-events-{pool_id}", daemon=True

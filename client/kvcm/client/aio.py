@@ -427,6 +427,7 @@ class AsyncSchedulerClient:
         start_sequence: int | None = None,
         max_events_per_message: int = 0,
         timeout: float | None = None,
+        expected_epoch: int | None = None,
     ) -> AsyncEventStream:
         """Open the pool's KV-event stream (see ``SchedulerClient.subscribe_events``)."""
         if timeout is not None:
@@ -436,5 +437,7 @@ class AsyncSchedulerClient:
         )
         if start_sequence is not None:
             request.start_sequence = start_sequence
+        if expected_epoch is not None:
+            request.expected_epoch = expected_epoch
         call = self._events.SubscribeEvents(request, timeout=timeout)
         return AsyncEventStream(pool_id, call)

@@ -209,7 +209,7 @@ class RemoteKVCacheManager:
         self._journal: list[tuple[int, int, _Tracked, int, int]] = []
         self._out_of_sync: ServiceError | None = None
         self._events = (
-            EventFollower(client, pool_id, info.last_event_sequence)
+            EventFollower(client, pool_id, info.last_event_sequence, info.epoch)
             if info.config.enable_kv_cache_events
             else None
         )

@@ -469,6 +469,7 @@ class SchedulerClient:
         start_sequence: int | None = None,
         max_events_per_message: int = 0,
         timeout: float | None = None,
+        expected_epoch: int | None = None,
     ) -> EventStream:
         """Open the pool's KV-event stream.
 
@@ -479,10 +480,16 @@ class SchedulerClient:
             max_events_per_message: Events per batch at most; 0: the server's choice.
             timeout: Deadline of the whole stream in seconds; ``None``: none (a stream is
                 meant to last; close it to stop).
+            expected_epoch: The pool epoch ``start_sequence`` belongs to (an earlier
+                batch's ``pool_epoch``, or ``PoolInfo.epoch``); ``None``: any. When the pool
+                was re-created since, iteration raises ``FailedPreconditionError`` naming
+                both epochs: drop the pool's index and subscribe from the live edge.
 
         Returns:
             The stream; its iteration raises ``OutOfRangeError`` when ``start_sequence`` is
-            no longer kept, ``ServiceNotFoundError`` when the pool is deleted.
+            no longer kept, ``ServiceNotFoundError`` when the pool is deleted (also when it
+            is deleted while the reader lags behind), ``ResourceExhaustedError`` beyond the
+            server's subscriptions per pool.
         """
         if timeout is not None:
             _base.check_timeout("timeout", timeout)
@@ -491,5 +498,7 @@ class SchedulerClient:
         )
         if start_sequence is not None:
             request.start_sequence = start_sequence
+        if expected_epoch is not None:
+            request.expected_epoch = expected_epoch
         call = self._events.SubscribeEvents(request, timeout=timeout)
         return EventStream(pool_id, call)

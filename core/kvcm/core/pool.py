@@ -113,6 +113,9 @@ class Pool:
         last_step_seq: The last applied Step sequence number (0: none yet).
         last_step_outcome: The outcome of ``last_step_seq`` (answered again for a retry).
         limits: The service's hard limits.
+        epoch: The pool's incarnation, set by :class:`PoolRegistry` when it is added (a
+            registry-wide counter: a pool re-created under the same name gets a larger one;
+            0 for a pool no registry added).
         allocations_not_fit_total: Allocations answered "does not fit" so far.
         failed_plans: Registration rounds whose plan failed (each dropped its ranks).
     """
@@ -137,6 +140,7 @@ class Pool:
         self.name = name
         self.options = options
         self.limits = limits
+        self.epoch = 0
         self._blocks_in_use = blocks_in_use
         algorithm = options.hash_algorithm
         self._seed = resolve_none_hash_seed(algorithm, options.hash_seed)
@@ -848,13 +852,23 @@ class PoolRegistry:
     a large pool off its event loop: ``build`` changes nothing in the registry, and while a
     pool is built its name and blocks stay reserved (a second create of the name is
     ``AlreadyExistsError``; ``get`` and ``list`` do not see it yet).
+
+    Attributes:
+        epoch: The last epoch handed out (0: none yet); ``add`` gives each pool the next one,
+            so a pool's epoch names its incarnation (a plain int, for a journal to persist).
     """
 
-    def __init__(self, max_pools: int | None = None, *, limits: Limits = DEFAULT_LIMITS) -> None:
-        """An empty registry within ``limits`` (``max_pools`` overrides ``limits.max_pools``)."""
+    def __init__(
+        self, max_pools: int | None = None, *, limits: Limits = DEFAULT_LIMITS, epoch: int = 0
+    ) -> None:
+        """An empty registry within ``limits`` (``max_pools`` overrides ``limits.max_pools``).
+
+        ``epoch`` is the last epoch handed out before (a restored registry continues from it).
+        """
         if max_pools is not None:
             limits = replace(limits, max_pools=max_pools)
         self.limits = limits
+        self.epoch = epoch
         self.max_pools = limits.max_pools
         self._pools: dict[str, Pool] = {}
         self._building: dict[str, int] = {}
@@ -915,8 +929,10 @@ class PoolRegistry:
             raise ConfigError(f"config: {exc}") from exc
 
     def add(self, pool: Pool) -> None:
-        """Register a pool built for a reservation."""
+        """Register a pool built for a reservation, giving it the next epoch."""
         del self._building[pool.name]
+        self.epoch += 1
+        pool.epoch = self.epoch
         self._pools[pool.name] = pool
 
     def release(self, name: str) -> None:

@@ -268,6 +268,7 @@ class PoolInfo:
         num_requests: Requests the pool tracks.
         usage: Fraction of blocks in use, 0..1.
         last_event_sequence: Sequence number of the last published event (0: none yet).
+        epoch: The pool's incarnation (larger for a pool created later; 0: unknown).
     """
 
     pool_id: str
@@ -280,6 +281,7 @@ class PoolInfo:
     num_requests: int
     usage: float
     last_event_sequence: int
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

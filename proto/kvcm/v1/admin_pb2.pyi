@@ -120,7 +120,7 @@ class PoolSummary(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "state", "config", "kv_cache_config", "hashing", "registered_ranks", "num_free_blocks", "num_requests", "usage", "last_event_sequence")
+    __slots__ = ("pool_id", "state", "config", "kv_cache_config", "hashing", "registered_ranks", "num_free_blocks", "num_requests", "usage", "last_event_sequence", "epoch")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class PoolInfo(_message.Message):
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     state: PoolState
     config: PoolConfig
@@ -141,4 +142,5 @@ class PoolInfo(_message.Message):
     num_requests: int
     usage: float
     last_event_sequence: int
-    def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., kv_cache_config: _Optional[_Union[_common_pb2.KVCacheConfig, _Mapping]] = ..., hashing: _Optional[_Union[_common_pb2.HashingParameters, _Mapping]] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., last_event_sequence: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., kv_cache_config: _Optional[_Union[_common_pb2.KVCacheConfig, _Mapping]] = ..., hashing: _Optional[_Union[_common_pb2.HashingParameters, _Mapping]] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., last_event_sequence: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...

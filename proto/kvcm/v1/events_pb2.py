@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvcm.v1 import common_pb2 as kvcm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvcm/v1/events.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/common.proto\"\x95\x03\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x15\n\ttoken_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\tlora_name\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x1f\n\x06medium\x18\x07 \x01(\x0e\x32\x0f.kvcm.v1.Medium\x12\x16\n\tgroup_idx\x18\x08 \x01(\rH\x03\x88\x01\x01\x12\x34\n\x12kv_cache_spec_kind\x18\t \x01(\x0e\x32\x18.kvcm.v1.KVCacheSpecKind\x12)\n\x1ckv_cache_spec_sliding_window\x18\n \x01(\rH\x04\x88\x01\x01\x42\x14\n\x12_parent_block_hashB\n\n\x08_lora_idB\x0c\n\n_lora_nameB\x0c\n\n_group_idxB\x1f\n\x1d_kv_cache_spec_sliding_window\"k\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x1f\n\x06medium\x18\x02 \x01(\x0e\x32\x0f.kvcm.v1.Medium\x12\x16\n\tgroup_idx\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_group_idx\"\x12\n\x10\x41llBlocksCleared\"\xa9\x01\n\x07KVEvent\x12,\n\x0c\x62lock_stored\x18\x01 \x01(\x0b\x32\x14.kvcm.v1.BlockStoredH\x00\x12.\n\rblock_removed\x18\x02 \x01(\x0b\x32\x15.kvcm.v1.BlockRemovedH\x00\x12\x37\n\x12\x61ll_blocks_cleared\x18\x03 \x01(\x0b\x32\x19.kvcm.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"y\n\x16SubscribeEventsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x1b\n\x0estart_sequence\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x16max_events_per_message\x18\x03 \x01(\rB\x11\n\x0f_start_sequence\"\xa7\x01\n\x17SubscribeEventsResponse\x12\x16\n\x0e\x66irst_sequence\x18\x01 \x01(\x04\x12 \n\x06\x65vents\x18\x02 \x03(\x0b\x32\x10.kvcm.v1.KVEvent\x12\x1e\n\x16timestamp_unix_seconds\x18\x03 \x01(\x01\x12\x19\n\x11hash_length_bytes\x18\x04 \x01(\r\x12\x17\n\x0foldest_sequence\x18\x05 \x01(\x04*T\n\x06Medium\x12\x16\n\x12MEDIUM_UNSPECIFIED\x10\x00\x12\x0e\n\nMEDIUM_GPU\x10\x01\x12\x0e\n\nMEDIUM_CPU\x10\x02\x12\x12\n\x0eMEDIUM_STORAGE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvcm/v1/events.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/common.proto\"\x95\x03\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x15\n\ttoken_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\tlora_name\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x1f\n\x06medium\x18\x07 \x01(\x0e\x32\x0f.kvcm.v1.Medium\x12\x16\n\tgroup_idx\x18\x08 \x01(\rH\x03\x88\x01\x01\x12\x34\n\x12kv_cache_spec_kind\x18\t \x01(\x0e\x32\x18.kvcm.v1.KVCacheSpecKind\x12)\n\x1ckv_cache_spec_sliding_window\x18\n \x01(\rH\x04\x88\x01\x01\x42\x14\n\x12_parent_block_hashB\n\n\x08_lora_idB\x0c\n\n_lora_nameB\x0c\n\n_group_idxB\x1f\n\x1d_kv_cache_spec_sliding_window\"k\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x1f\n\x06medium\x18\x02 \x01(\x0e\x32\x0f.kvcm.v1.Medium\x12\x16\n\tgroup_idx\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_group_idx\"\x12\n\x10\x41llBlocksCleared\"\xa9\x01\n\x07KVEvent\x12,\n\x0c\x62lock_stored\x18\x01 \x01(\x0b\x32\x14.kvcm.v1.BlockStoredH\x00\x12.\n\rblock_removed\x18\x02 \x01(\x0b\x32\x15.kvcm.v1.BlockRemovedH\x00\x12\x37\n\x12\x61ll_blocks_cleared\x18\x03 \x01(\x0b\x32\x19.kvcm.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xa9\x01\n\x16SubscribeEventsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x1b\n\x0estart_sequence\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x16max_events_per_message\x18\x03 \x01(\r\x12\x1b\n\x0e\x65xpected_epoch\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x11\n\x0f_start_sequenceB\x11\n\x0f_expected_epoch\"\xbb\x01\n\x17SubscribeEventsResponse\x12\x16\n\x0e\x66irst_sequence\x18\x01 \x01(\x04\x12 \n\x06\x65vents\x18\x02 \x03(\x0b\x32\x10.kvcm.v1.KVEvent\x12\x1e\n\x16timestamp_unix_seconds\x18\x03 \x01(\x01\x12\x19\n\x11hash_length_bytes\x18\x04 \x01(\r\x12\x17\n\x0foldest_sequence\x18\x05 \x01(\x04\x12\x12\n\npool_epoch\x18\x06 \x01(\x04*T\n\x06Medium\x12\x16\n\x12MEDIUM_UNSPECIFIED\x10\x00\x12\x0e\n\nMEDIUM_GPU\x10\x01\x12\x0e\n\nMEDIUM_CPU\x10\x02\x12\x12\n\x0eMEDIUM_STORAGE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BLOCKSTORED'].fields_by_name['token_ids']._loaded_options = None
   _globals['_BLOCKSTORED'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_MEDIUM']._serialized_start=1057
-  _globals['_MEDIUM']._serialized_end=1141
+  _globals['_MEDIUM']._serialized_start=1126
+  _globals['_MEDIUM']._serialized_end=1210
   _globals['_BLOCKSTORED']._serialized_start=56
   _globals['_BLOCKSTORED']._serialized_end=461
   _globals['_BLOCKREMOVED']._serialized_start=463
@@ -44,8 +44,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ALLBLOCKSCLEARED']._serialized_end=590
   _globals['_KVEVENT']._serialized_start=593
   _globals['_KVEVENT']._serialized_end=762
-  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_start=764
-  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_end=885
-  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_start=888
-  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_end=1055
+  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_start=765
+  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_end=934
+  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_start=937
+  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_end=1124
 # @@protoc_insertion_point(module_scope)

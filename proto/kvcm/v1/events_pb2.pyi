@@ -68,25 +68,29 @@ class KVEvent(_message.Message):
     def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class SubscribeEventsRequest(_message.Message):
-    __slots__ = ("pool_id", "start_sequence", "max_events_per_message")
+    __slots__ = ("pool_id", "start_sequence", "max_events_per_message", "expected_epoch")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     MAX_EVENTS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     start_sequence: int
     max_events_per_message: int
-    def __init__(self, pool_id: _Optional[str] = ..., start_sequence: _Optional[int] = ..., max_events_per_message: _Optional[int] = ...) -> None: ...
+    expected_epoch: int
+    def __init__(self, pool_id: _Optional[str] = ..., start_sequence: _Optional[int] = ..., max_events_per_message: _Optional[int] = ..., expected_epoch: _Optional[int] = ...) -> None: ...
 
 class SubscribeEventsResponse(_message.Message):
-    __slots__ = ("first_sequence", "events", "timestamp_unix_seconds", "hash_length_bytes", "oldest_sequence")
+    __slots__ = ("first_sequence", "events", "timestamp_unix_seconds", "hash_length_bytes", "oldest_sequence", "pool_epoch")
     FIRST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HASH_LENGTH_BYTES_FIELD_NUMBER: _ClassVar[int]
     OLDEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     first_sequence: int
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     timestamp_unix_seconds: float
     hash_length_bytes: int
     oldest_sequence: int
-    def __init__(self, first_sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., timestamp_unix_seconds: _Optional[float] = ..., hash_length_bytes: _Optional[int] = ..., oldest_sequence: _Optional[int] = ...) -> None: ...
+    pool_epoch: int
+    def __init__(self, first_sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., timestamp_unix_seconds: _Optional[float] = ..., hash_length_bytes: _Optional[int] = ..., oldest_sequence: _Optional[int] = ..., pool_epoch: _Optional[int] = ...) -> None: ...

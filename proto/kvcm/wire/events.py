@@ -37,12 +37,14 @@ class EventBatch:
         events: The events with vLLM's field names; hashes in vLLM's int form (low 64 bits).
         timestamp_unix_seconds: When the server published them.
         oldest_sequence: Oldest sequence still kept for resuming (first message only, else 0).
+        pool_epoch: The pool's epoch (its incarnation): resume with it as ``expected_epoch``.
     """
 
     first_sequence: int
     events: list[KVCacheEvent]
     timestamp_unix_seconds: float
     oldest_sequence: int = 0
+    pool_epoch: int = 0
 
     @property
     def last_sequence(self) -> int:
@@ -155,4 +157,5 @@ def decode_event_batch(
         events=[event_from_proto(event, hash_length_bytes) for event in message.events],
         timestamp_unix_seconds=message.timestamp_unix_seconds,
         oldest_sequence=message.oldest_sequence,
+        pool_epoch=message.pool_epoch,
     )

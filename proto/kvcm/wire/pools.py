@@ -151,6 +151,7 @@ def pool_info_to_proto(pool: Pool, config: admin_pb2.PoolConfig) -> admin_pb2.Po
         registered_ranks=sorted(pool.registrations),
         num_requests=len(pool.requests),
         last_event_sequence=pool.last_event_sequence,
+        epoch=pool.epoch,
     )
     manager = pool.manager
     if manager is not None and pool.kv_cache_config is not None:
@@ -178,6 +179,7 @@ def pool_info_from_proto(message: admin_pb2.PoolInfo) -> PoolInfo:
         num_requests=message.num_requests,
         usage=message.usage,
         last_event_sequence=message.last_event_sequence,
+        epoch=message.epoch,
     )
 
 

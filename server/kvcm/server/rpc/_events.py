@@ -7,8 +7,9 @@ from typing import Any, Final, TypeAlias
 
 import grpc
 
-from kvcm.common.errors import NotFoundError
-from kvcm.server.rpc._state import ServerState
+from kvcm.common.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from kvcm.core.pool import Pool
+from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import events_pb2, service_pb2_grpc
 from kvcm.wire import events_to_proto
@@ -18,8 +19,17 @@ __all__ = ["EventServicer"]
 # grpc ships no type information: its context is Any to mypy.
 Context: TypeAlias = Any
 _MAX_EVENTS_PER_MESSAGE: Final = 1024
-# RegisterWorker answers this long before the client's deadline, so its own message arrives.
-_DEADLINE_MARGIN_S: Final = 0.02
+
+
+def _check_epoch(request: events_pb2.SubscribeEventsRequest, pool: Pool) -> None:
+    """Refuse a resume position that belongs to another incarnation of the pool."""
+    if request.HasField("expected_epoch") and request.expected_epoch != pool.epoch:
+        raise FailedPreconditionError(
+            f"pool {pool.name!r} is at epoch {pool.epoch}, not expected_epoch "
+            f"{request.expected_epoch}: it was re-created and its sequence numbers restarted; "
+            "drop the pool's index and subscribe from the live edge",
+            field="expected_epoch",
+        )
 
 
 class EventServicer(service_pb2_grpc.EventServiceServicer):
@@ -35,8 +45,29 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
         """Stream the pool's events from start_sequence on (see events.proto)."""
         pool = self._state.registry.get(request.pool_id)
         runtime = self._state.runtimes[pool.name]
+        _check_epoch(request, pool)
         start = request.start_sequence if request.HasField("start_sequence") else None
         sequence = pool.check_event_start(start)
+        limit = self._state.limits.max_subscribers_per_pool
+        if runtime.subscribers >= limit:
+            raise ResourceExhaustedError(
+                f"pool {pool.name!r} holds its limit of {limit} live event subscriptions "
+                "(limits.max_subscribers_per_pool)"
+            )
+        runtime.subscribers += 1
+        try:
+            async for message in self._stream(request, pool, runtime, sequence):
+                yield message
+        finally:
+            runtime.subscribers -= 1
+
+    async def _stream(
+        self,
+        request: events_pb2.SubscribeEventsRequest,
+        pool: Pool,
+        runtime: PoolRuntime,
+        sequence: int,
+    ) -> AsyncIterator[events_pb2.SubscribeEventsResponse]:
         limit = request.max_events_per_message or _MAX_EVENTS_PER_MESSAGE
         limit = min(limit, _MAX_EVENTS_PER_MESSAGE)
         hash_length = pool.hashing.hash_length_bytes
@@ -44,8 +75,12 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
             first_sequence=sequence,
             hash_length_bytes=hash_length,
             oldest_sequence=pool.oldest_event_sequence,
+            pool_epoch=pool.epoch,
         )
         while True:
+            # Checked after every write too: a reader that was backed up when the pool was
+            # deleted gets NOT_FOUND next, not the deleted pool's remaining events.
+            self._check_live(pool, runtime, sequence)
             waiter = runtime.events
             got = pool.events_from(sequence, limit)
             if got is None:
@@ -60,14 +95,18 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
                     first_sequence=sequence,
                     events=events_to_proto(events, hash_length),
                     timestamp_unix_seconds=stamp,
+                    pool_epoch=pool.epoch,
                 )
                 sequence += len(events)
                 continue
             await waiter.wait()
-            if runtime.deleted:
-                raise NotFoundError(f"pool {pool.name!r} was deleted")
-            if not self._state.serving:
-                raise AbortRpc(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"the server is shutting down; resume from sequence {sequence}",
-                )
+
+    def _check_live(self, pool: Pool, runtime: PoolRuntime, sequence: int) -> None:
+        if runtime.deleted:
+            raise NotFoundError(f"pool {pool.name!r} (epoch {pool.epoch}) was deleted")
+        if not self._state.serving:
+            raise AbortRpc(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the server is shutting down; resume from sequence {sequence} with "
+                f"expected_epoch {pool.epoch}",
+            )

@@ -29,6 +29,8 @@ class PoolRuntime:
             it with the round it joined).
         plan_failure: Why the last failed round failed (sent to every rank that waited).
         waiting: RegisterWorker calls waiting at the barrier, by rank.
+        subscribers: Live SubscribeEvents streams of the pool (bounded by
+            ``Limits.max_subscribers_per_pool``).
     """
 
     config: admin_pb2.PoolConfig
@@ -38,6 +40,7 @@ class PoolRuntime:
     round: int = 0
     plan_failure: KVCMError | None = None
     waiting: dict[int, int] = field(default_factory=dict)
+    subscribers: int = 0
 
     def fail_round(self, error: KVCMError) -> None:
         """End the current registration round with ``error``: every waiting rank gets it."""
