@@ -324,7 +324,9 @@ class StepBuilder:
                 raise InvalidArgumentError(
                     "a KVCacheBlocks hit needs num_hit_tokens", field="num_hit_tokens"
                 )
-            hit = HitSpec(num_tokens=num_hit_tokens, block_ids=tuple(list(g) for g in hit.block_ids))
+            hit = HitSpec(
+                num_tokens=num_hit_tokens, block_ids=tuple(list(g) for g in hit.block_ids)
+            )
         program = self.program
         index = len(program.alloc_num_new_tokens)
         program.ops.append(_OP_ALLOCATE)
