@@ -177,3 +177,26 @@ def test_bulk_decode_records_the_same_ops_as_one_by_one() -> None:
     assert list(plain.to_proto("p").append_num_block_hashes) == [0]
     with pytest.raises(InvalidArgumentError, match="same length"):
         plain.decode([1, 2], [3], [4, 5])
+
+
+def test_builder_program_round_trips_through_the_wire_codec() -> None:
+    from kvcm.core.program import HitSpec
+    from kvcm.wire import program_from_proto, program_to_proto
+
+    step = _worked_example()
+    step.allocate(3, 2, 48, options=SlotOptions(num_lookahead_tokens=2, num_in_flight_tokens=3))
+    step.allocate(5, 16, 16, hit=HitSpec(num_tokens=16, block_ids=([4],)))
+    step.evict_blocks([1, 2])
+    step.reset_prefix_cache()
+    step.decode([3, 5], [1, 2], [50, 33], [b"\x04" * 32, b""])
+    program = step.build()
+    assert program_from_proto(program_to_proto(program, "p")) == program
+    assert program.alloc_options[3].num_in_flight_tokens == 3
+
+
+def test_sdk_item_status_extends_the_core_enum() -> None:
+    from kvcm.core.program import ItemStatus as CoreItemStatus
+
+    for member in CoreItemStatus:
+        assert ItemStatus[member.name] == member
+    assert ItemStatus.NOT_EXECUTED not in set(CoreItemStatus)

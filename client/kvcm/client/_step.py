@@ -25,28 +25,33 @@ from typing import Final
 
 from kvcm.client._types import DEFAULT_SLOT_OPTIONS, ItemStatus, KVCacheBlocks, SlotOptions
 from kvcm.common.errors import InvalidArgumentError
+from kvcm.core import manager as _core_manager
+from kvcm.core.program import (
+    NO_LOOKUP_BOUND,
+    AllocOptions,
+    HitSpec,
+    NewRequestSpec,
+    OpKind,
+    StepOutcome,
+    StepProgram,
+)
 from kvcm.v1 import scheduler_pb2
+from kvcm.wire import outcome_from_proto, program_to_proto
 
-__all__ = ["LookupResult", "StepBuilder", "StepResult"]
+__all__ = ["LookupResult", "StepBuilder", "StepResult", "core_alloc_options"]
 
-_OP_ADD: Final = scheduler_pb2.STEP_OP_KIND_ADD_REQUEST
-_OP_APPEND: Final = scheduler_pb2.STEP_OP_KIND_APPEND_TOKENS
-_OP_ALLOCATE: Final = scheduler_pb2.STEP_OP_KIND_ALLOCATE
-_OP_CACHE: Final = scheduler_pb2.STEP_OP_KIND_CACHE_BLOCKS
-_OP_REMOVE_SKIPPED: Final = scheduler_pb2.STEP_OP_KIND_REMOVE_SKIPPED_BLOCKS
-_OP_PREEMPT: Final = scheduler_pb2.STEP_OP_KIND_PREEMPT
-_OP_FINISH: Final = scheduler_pb2.STEP_OP_KIND_FINISH
-_OP_NEW_STEP: Final = scheduler_pb2.STEP_OP_KIND_NEW_STEP_STARTS
+_OP_ADD: Final = int(OpKind.ADD_REQUEST)
+_OP_APPEND: Final = int(OpKind.APPEND_TOKENS)
+_OP_ALLOCATE: Final = int(OpKind.ALLOCATE)
+_OP_CACHE: Final = int(OpKind.CACHE_BLOCKS)
+_OP_REMOVE_SKIPPED: Final = int(OpKind.REMOVE_SKIPPED_BLOCKS)
+_OP_PREEMPT: Final = int(OpKind.PREEMPT)
+_OP_FINISH: Final = int(OpKind.FINISH)
+_OP_NEW_STEP: Final = int(OpKind.NEW_STEP_STARTS)
+_OP_EVICT: Final = int(OpKind.EVICT_BLOCKS)
+_OP_RESET: Final = int(OpKind.RESET_PREFIX_CACHE)
 
 _OK: Final = int(ItemStatus.OK)
-# Wire value -> ItemStatus; index 0 (UNSPECIFIED) reads as NOT_EXECUTED.
-_ITEM_STATUS: Final = (
-    ItemStatus.NOT_EXECUTED,
-    ItemStatus.OK,
-    ItemStatus.DOES_NOT_FIT,
-    ItemStatus.NO_TOKEN_BUDGET,
-    ItemStatus.NOT_EXECUTED,
-)
 
 
 def slot_options_to_proto(options: SlotOptions, message: scheduler_pb2.SlotOptions) -> None:
@@ -69,17 +74,56 @@ def slot_options_to_proto(options: SlotOptions, message: scheduler_pb2.SlotOptio
         message.num_in_flight_tokens = options.num_in_flight_tokens
 
 
+def core_alloc_options(
+    options: SlotOptions, *, lookup: int | None = None, hit: HitSpec | None = None
+) -> AllocOptions:
+    """The core's ``AllocOptions`` of the SDK's options (one ALLOCATE's extra arguments).
+
+    The SDK's ``SlotOptions`` is the core's knobs plus ``num_in_flight_tokens``, which the core
+    carries in ``AllocOptions``; ``num_lookahead_tokens=None`` reads as the core's 0 (the
+    program's ``default_num_lookahead_tokens``).
+
+    Args:
+        options: The SDK's options.
+        lookup: The lookup bound (``NO_LOOKUP_BOUND``: vLLM's default); ``None``: no lookup.
+        hit: A hit the caller looked up before.
+    """
+    core = (
+        _core_manager.DEFAULT_SLOT_OPTIONS
+        if options is DEFAULT_SLOT_OPTIONS
+        else _core_manager.SlotOptions(
+            num_lookahead_tokens=options.num_lookahead_tokens or 0,
+            num_external_computed_tokens=options.num_external_computed_tokens,
+            delay_cache_blocks=options.delay_cache_blocks,
+            num_encoder_tokens=options.num_encoder_tokens,
+            full_sequence_must_fit=options.full_sequence_must_fit,
+            reserved_blocks=options.reserved_blocks,
+            has_scheduled_reqs=options.has_scheduled_reqs,
+        )
+    )
+    return AllocOptions(
+        lookup=lookup,
+        hit=hit,
+        slot_options=core,
+        num_in_flight_tokens=options.num_in_flight_tokens,
+    )
+
+
 def _joined(block_hashes: Sequence[bytes] | bytes) -> bytes:
     return block_hashes if isinstance(block_hashes, bytes) else b"".join(block_hashes)
 
 
 class StepBuilder:
-    """Records one scheduler step's operations for a single Step RPC.
+    """Records one scheduler step's operations as a core ``StepProgram``.
 
-    Operations run on the server in the order they are recorded, exactly as the equivalent
-    unary calls would. A builder is meant to be used once; ``to_proto`` may be called again.
+    Operations run on the server (or in-process, ``Pool.run_step(builder.program)``) in the
+    order they are recorded, exactly as the equivalent unary calls would; the whole program is
+    validated first, and a rejected one changes nothing. A builder is meant to be used once;
+    ``program`` and ``to_proto`` may be read again.
 
     Attributes:
+        program: The core program being built (``kvcm.core.program.StepProgram``); the clients
+            send it with ``kvcm.wire.program_to_proto``.
         step_seq: Exactly-once guard: the pool's last applied step_seq + 1 (``None``: off).
             A Step with a step_seq may be retried safely (the SDK retries it on UNAVAILABLE).
         token_budget: Tokens the step may still schedule; caps lookup allocations, and every
@@ -89,25 +133,7 @@ class StepBuilder:
             (by default the Step stops right after it).
     """
 
-    __slots__ = (
-        "_add_requests",
-        "_alloc_computed",
-        "_alloc_new_tokens",
-        "_alloc_options",
-        "_append_hashes",
-        "_append_num_hashes",
-        "_append_num_tokens",
-        "_append_token_ids",
-        "_cache_computed",
-        "_keys",
-        "_lookup_allocs",
-        "_ops",
-        "_remove_skipped",
-        "continue_on_does_not_fit",
-        "default_num_lookahead_tokens",
-        "step_seq",
-        "token_budget",
-    )
+    __slots__ = ("_hashes", "_lookup_allocs", "program")
 
     def __init__(
         self,
@@ -125,23 +151,66 @@ class StepBuilder:
             default_num_lookahead_tokens: Lookahead of allocations without their own.
             continue_on_does_not_fit: Run every op even after a "does not fit".
         """
-        self.step_seq = step_seq
-        self.token_budget = token_budget
-        self.default_num_lookahead_tokens = default_num_lookahead_tokens
-        self.continue_on_does_not_fit = continue_on_does_not_fit
-        self._ops: list[scheduler_pb2.StepOpKind] = []
-        self._keys: list[int] = []
-        self._alloc_new_tokens: list[int] = []
-        self._alloc_computed: list[int] = []
-        self._alloc_options: list[scheduler_pb2.StepAllocOptions] = []
+        self.program = StepProgram(
+            step_seq=step_seq,
+            token_budget=token_budget,
+            default_num_lookahead_tokens=default_num_lookahead_tokens,
+            continue_on_does_not_fit=continue_on_does_not_fit,
+        )
+        self._hashes: list[bytes] = []
         self._lookup_allocs: list[int] = []
-        self._append_num_tokens: list[int] = []
-        self._append_token_ids: list[int] = []
-        self._append_num_hashes: list[int] = []
-        self._append_hashes: list[bytes] = []
-        self._cache_computed: list[int] = []
-        self._remove_skipped: list[int] = []
-        self._add_requests: list[scheduler_pb2.NewRequest] = []
+
+    @classmethod
+    def from_program(cls, program: StepProgram) -> StepBuilder:
+        """A builder around an existing program (to send a program built elsewhere).
+
+        Args:
+            program: The program; the builder records into it (it is not copied).
+        """
+        builder = cls.__new__(cls)
+        builder.program = program
+        builder._hashes = []
+        builder._lookup_allocs = sorted(
+            index for index, entry in program.alloc_options.items() if entry.lookup is not None
+        )
+        return builder
+
+    # ------------------------------------------------------------------ step-wide settings
+    @property
+    def step_seq(self) -> int | None:
+        """Exactly-once guard (see the class attributes)."""
+        return self.program.step_seq
+
+    @step_seq.setter
+    def step_seq(self, value: int | None) -> None:
+        self.program.step_seq = value
+
+    @property
+    def token_budget(self) -> int | None:
+        """The step's token budget; ``None``: no cap."""
+        return self.program.token_budget
+
+    @token_budget.setter
+    def token_budget(self, value: int | None) -> None:
+        self.program.token_budget = value
+
+    @property
+    def default_num_lookahead_tokens(self) -> int:
+        """Lookahead of allocations without their own."""
+        return self.program.default_num_lookahead_tokens
+
+    @default_num_lookahead_tokens.setter
+    def default_num_lookahead_tokens(self, value: int) -> None:
+        self.program.default_num_lookahead_tokens = value
+
+    @property
+    def continue_on_does_not_fit(self) -> bool:
+        """Run every op even after a "does not fit"."""
+        return self.program.continue_on_does_not_fit
+
+    @continue_on_does_not_fit.setter
+    def continue_on_does_not_fit(self, value: bool) -> None:
+        self.program.continue_on_does_not_fit = value
 
     # ------------------------------------------------------------------ request lifecycle
     def add_request(
@@ -168,21 +237,19 @@ class StepBuilder:
             cache_salt: Only used by servers that verify hashes.
             skip_reading_prefix_cache: Never look this request up in the prefix cache.
         """
-        message = scheduler_pb2.NewRequest(
-            request_key=request_key,
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            block_hashes=_joined(block_hashes),
-            skip_reading_prefix_cache=skip_reading_prefix_cache,
+        self.program.ops.append(_OP_ADD)
+        self.program.new_requests.append(
+            NewRequestSpec(
+                key=request_key,
+                request_id=request_id,
+                prompt_token_ids=list(prompt_token_ids),
+                block_hashes=_joined(block_hashes),
+                lora_id=lora_id,
+                lora_name=lora_name,
+                cache_salt=cache_salt,
+                skip_reading_prefix_cache=skip_reading_prefix_cache,
+            )
         )
-        if lora_id is not None:
-            message.lora_id = lora_id
-        if lora_name is not None:
-            message.lora_name = lora_name
-        if cache_salt is not None:
-            message.cache_salt = cache_salt
-        self._ops.append(_OP_ADD)
-        self._add_requests.append(message)
 
     def append_tokens(
         self,
@@ -197,23 +264,24 @@ class StepBuilder:
             token_ids: The new tokens (non-empty).
             block_hashes: Hashes of the hash blocks these tokens completed, in order.
         """
-        self._ops.append(_OP_APPEND)
-        self._keys.append(request_key)
-        self._append_num_tokens.append(len(token_ids))
-        self._append_token_ids.extend(token_ids)
-        self._append_num_hashes.append(len(block_hashes))
+        program = self.program
+        program.ops.append(_OP_APPEND)
+        program.request_keys.append(request_key)
+        program.append_num_tokens.append(len(token_ids))
+        program.append_token_ids.extend(token_ids)
+        program.append_num_block_hashes.append(len(block_hashes))
         if block_hashes:
-            self._append_hashes.extend(block_hashes)
+            self._hashes.extend(block_hashes)
 
     def preempt(self, request_key: int) -> None:
         """Free the request's blocks and keep it (a preemption)."""
-        self._ops.append(_OP_PREEMPT)
-        self._keys.append(request_key)
+        self.program.ops.append(_OP_PREEMPT)
+        self.program.request_keys.append(request_key)
 
     def finish(self, request_key: int) -> None:
         """Free the request's blocks and forget it (its key may be reused)."""
-        self._ops.append(_OP_FINISH)
-        self._keys.append(request_key)
+        self.program.ops.append(_OP_FINISH)
+        self.program.request_keys.append(request_key)
 
     # -------------------------------------------------------------------- manager calls
     def allocate(
@@ -224,6 +292,8 @@ class StepBuilder:
         *,
         lookup: bool = False,
         max_cache_hit_length: int | None = None,
+        hit: HitSpec | KVCacheBlocks | None = None,
+        num_hit_tokens: int | None = None,
         options: SlotOptions = DEFAULT_SLOT_OPTIONS,
     ) -> int:
         """Allocate slots (ALLOCATE); with ``lookup``, look the request up first.
@@ -235,6 +305,11 @@ class StepBuilder:
             num_computed_tokens: The request's computed tokens before this allocation.
             lookup: Run ``get_computed_blocks`` first and adopt the hit (a waiting request).
             max_cache_hit_length: With ``lookup``: cap of the hit; ``None``: num_tokens - 1.
+            hit: A prefix hit the caller looked up before (unary AllocateSlots'
+                ``new_computed``): a ``HitSpec``, or the hit's ``KVCacheBlocks`` together with
+                ``num_hit_tokens``. Exclusive with ``lookup``; the server checks the blocks
+                still hold the request's hashes.
+            num_hit_tokens: Tokens a ``KVCacheBlocks`` hit covers.
             options: The rarely used knobs of ``allocate_slots``.
 
         Returns:
@@ -242,21 +317,28 @@ class StepBuilder:
         """
         if max_cache_hit_length is not None and not lookup:
             raise InvalidArgumentError("max_cache_hit_length needs lookup=True")
-        index = len(self._alloc_new_tokens)
-        self._ops.append(_OP_ALLOCATE)
-        self._keys.append(request_key)
-        self._alloc_new_tokens.append(num_new_tokens)
-        self._alloc_computed.append(num_computed_tokens)
-        if lookup or options is not DEFAULT_SLOT_OPTIONS:
-            entry = scheduler_pb2.StepAllocOptions(alloc_index=index)
+        if hit is not None and lookup:
+            raise InvalidArgumentError("hit and lookup are exclusive", field="hit")
+        if isinstance(hit, KVCacheBlocks):
+            if num_hit_tokens is None:
+                raise InvalidArgumentError(
+                    "a KVCacheBlocks hit needs num_hit_tokens", field="num_hit_tokens"
+                )
+            hit = HitSpec(
+                num_tokens=num_hit_tokens, block_ids=tuple(list(g) for g in hit.block_ids)
+            )
+        program = self.program
+        index = len(program.alloc_num_new_tokens)
+        program.ops.append(_OP_ALLOCATE)
+        program.request_keys.append(request_key)
+        program.alloc_num_new_tokens.append(num_new_tokens)
+        program.alloc_num_computed_tokens.append(num_computed_tokens)
+        if lookup or hit is not None or options is not DEFAULT_SLOT_OPTIONS:
+            bound = None
             if lookup:
-                entry.lookup.SetInParent()
-                if max_cache_hit_length is not None:
-                    entry.lookup.max_cache_hit_length = max_cache_hit_length
+                bound = NO_LOOKUP_BOUND if max_cache_hit_length is None else max_cache_hit_length
                 self._lookup_allocs.append(index)
-            if options is not DEFAULT_SLOT_OPTIONS:
-                slot_options_to_proto(options, entry.options)
-            self._alloc_options.append(entry)
+            program.alloc_options[index] = core_alloc_options(options, lookup=bound, hit=hit)
         return index
 
     def decode(
@@ -287,52 +369,73 @@ class StepBuilder:
             raise InvalidArgumentError(
                 "request_keys, token_ids and num_computed_tokens must have the same length"
             )
-        first = len(self._alloc_new_tokens)
+        if block_hashes is not None and len(block_hashes) != count:
+            raise InvalidArgumentError("block_hashes must have one entry per request")
+        program = self.program
+        first = len(program.alloc_num_new_tokens)
         ones = [1] * count
-        self._ops.extend([_OP_APPEND, _OP_ALLOCATE] * count)
-        keys = self._keys
+        program.ops.extend([_OP_APPEND, _OP_ALLOCATE] * count)
+        keys = program.request_keys
         for key in request_keys:
             keys.append(key)
             keys.append(key)
-        self._append_num_tokens.extend(ones)
-        self._append_token_ids.extend(token_ids)
+        program.append_num_tokens.extend(ones)
+        program.append_token_ids.extend(token_ids)
         if block_hashes is None:
-            self._append_num_hashes.extend([0] * count)
+            program.append_num_block_hashes.extend([0] * count)
         else:
-            if len(block_hashes) != count:
-                raise InvalidArgumentError("block_hashes must have one entry per request")
-            self._append_num_hashes.extend([1 if h else 0 for h in block_hashes])
-            self._append_hashes.extend(h for h in block_hashes if h)
-        self._alloc_new_tokens.extend(ones)
-        self._alloc_computed.extend(num_computed_tokens)
+            program.append_num_block_hashes.extend([1 if h else 0 for h in block_hashes])
+            self._hashes.extend(h for h in block_hashes if h)
+        program.alloc_num_new_tokens.extend(ones)
+        program.alloc_num_computed_tokens.extend(num_computed_tokens)
         return range(first, first + count)
 
     def cache_blocks(self, request_key: int, num_computed_tokens: int) -> None:
         """Cache the request's full blocks within its first ``num_computed_tokens`` tokens."""
-        self._ops.append(_OP_CACHE)
-        self._keys.append(request_key)
-        self._cache_computed.append(num_computed_tokens)
+        self.program.ops.append(_OP_CACHE)
+        self.program.request_keys.append(request_key)
+        self.program.cache_num_computed_tokens.append(num_computed_tokens)
 
     def remove_skipped_blocks(self, request_key: int, total_computed_tokens: int) -> None:
         """Free the request's blocks outside the attention window."""
-        self._ops.append(_OP_REMOVE_SKIPPED)
-        self._keys.append(request_key)
-        self._remove_skipped.append(total_computed_tokens)
+        self.program.ops.append(_OP_REMOVE_SKIPPED)
+        self.program.request_keys.append(request_key)
+        self.program.remove_skipped_total_computed_tokens.append(total_computed_tokens)
 
     def new_step_starts(self) -> None:
         """Tell the managers a scheduler step starts (NEW_STEP_STARTS)."""
-        self._ops.append(_OP_NEW_STEP)
+        self.program.ops.append(_OP_NEW_STEP)
+
+    # ---------------------------------------------------------------------- pool-wide ops
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        """Evict these cached blocks from the prefix cache (EVICT_BLOCKS; unknown ids are
+        refused by the server's validation)."""
+        self.program.ops.append(_OP_EVICT)
+        self.program.evict_num_block_ids.append(len(block_ids))
+        self.program.evict_block_ids.extend(block_ids)
+
+    def reset_prefix_cache(self) -> None:
+        """Reset the prefix cache if no block is in use (RESET_PREFIX_CACHE; whether it did is
+        ``StepResult.resets``)."""
+        self.program.ops.append(_OP_RESET)
 
     # --------------------------------------------------------------------------- output
+    def build(self) -> StepProgram:
+        """The core program recorded so far (the builder's own object, hashes joined)."""
+        if self._hashes:
+            self.program.append_block_hashes += b"".join(self._hashes)
+            self._hashes.clear()
+        return self.program
+
     @property
     def num_ops(self) -> int:
         """Operations recorded so far."""
-        return len(self._ops)
+        return len(self.program.ops)
 
     @property
     def num_allocations(self) -> int:
         """Allocations recorded so far."""
-        return len(self._alloc_new_tokens)
+        return len(self.program.alloc_num_new_tokens)
 
     @property
     def lookup_allocations(self) -> tuple[int, ...]:
@@ -340,32 +443,11 @@ class StepBuilder:
         return tuple(self._lookup_allocs)
 
     def __len__(self) -> int:
-        return len(self._ops)
+        return len(self.program.ops)
 
     def to_proto(self, pool_id: str) -> scheduler_pb2.StepRequest:
-        """The ``kvcm.v1.StepRequest`` for ``pool_id``."""
-        message = scheduler_pb2.StepRequest(
-            pool_id=pool_id,
-            ops=self._ops,
-            request_keys=self._keys,
-            alloc_num_new_tokens=self._alloc_new_tokens,
-            alloc_num_computed_tokens=self._alloc_computed,
-            alloc_options=self._alloc_options,
-            append_num_tokens=self._append_num_tokens,
-            append_token_ids=self._append_token_ids,
-            append_num_block_hashes=self._append_num_hashes,
-            append_block_hashes=b"".join(self._append_hashes),
-            cache_num_computed_tokens=self._cache_computed,
-            remove_skipped_total_computed_tokens=self._remove_skipped,
-            new_requests=self._add_requests,
-            default_num_lookahead_tokens=self.default_num_lookahead_tokens,
-            continue_on_does_not_fit=self.continue_on_does_not_fit,
-        )
-        if self.step_seq is not None:
-            message.step_seq = self.step_seq
-        if self.token_budget is not None:
-            message.token_budget = self.token_budget
-        return message
+        """The ``kvcm.v1.StepRequest`` for ``pool_id`` (``kvcm.wire.program_to_proto``)."""
+        return program_to_proto(self.build(), pool_id)
 
 
 class LookupResult:
@@ -401,11 +483,14 @@ class LookupResult:
 
 
 class StepResult:
-    """The answer to one Step, one entry per allocation.
+    """The answer to one Step (a core ``StepOutcome``), one entry per allocation.
 
-    Allocations the Step did not reach read ``NOT_EXECUTED``.
+    Allocations the Step did not reach read ``NOT_EXECUTED``: the SDK's ``ItemStatus`` is the
+    core's (same values) plus that one member, because "not reached" is a property of a
+    result read against the program, never an outcome the interpreter produces.
 
     Attributes:
+        outcome: The core's outcome (``kvcm.core.program.StepOutcome``).
         num_ops_executed: Ops ``ops[0:num_ops_executed]`` ran; the rest changed nothing.
         statuses: One status per allocation of the Step (executed or not), in order.
         token_budget_left: Budget left after the executed ops, when the Step set one.
@@ -416,6 +501,7 @@ class StepResult:
         "_blocks",
         "_lookups",
         "num_ops_executed",
+        "outcome",
         "statuses",
         "step_seq",
         "token_budget_left",
@@ -423,35 +509,47 @@ class StepResult:
 
     def __init__(
         self,
-        response: scheduler_pb2.StepResponse,
+        outcome: StepOutcome | scheduler_pb2.StepResponse,
         num_allocations: int,
         lookup_allocations: Sequence[int] = (),
     ) -> None:
-        """Decode a ``kvcm.v1.StepResponse``.
+        """Wrap a Step's outcome.
 
         Args:
-            response: The answer.
+            outcome: The outcome (a ``kvcm.v1.StepResponse`` is decoded with
+                ``kvcm.wire.outcome_from_proto``).
             num_allocations: Allocations the Step carried.
             lookup_allocations: Indexes of its lookup allocations, ascending.
         """
-        self.num_ops_executed = response.num_ops_executed
-        self.step_seq = response.step_seq if response.HasField("step_seq") else None
-        self.token_budget_left = (
-            response.token_budget_left if response.HasField("token_budget_left") else None
-        )
-        raw_statuses = list(response.alloc_statuses)
+        if isinstance(outcome, scheduler_pb2.StepResponse):
+            outcome = outcome_from_proto(outcome)
+        self.outcome = outcome
+        self.num_ops_executed = outcome.num_ops_executed
+        self.step_seq = outcome.step_seq
+        self.token_budget_left = outcome.token_budget_left
+        raw_statuses = outcome.alloc_statuses
         num_executed = len(raw_statuses)
-        statuses = [_ITEM_STATUS[s] if s < 5 else ItemStatus.NOT_EXECUTED for s in raw_statuses]
+        statuses = [_status(s) for s in raw_statuses]
         if num_allocations > num_executed:
             statuses.extend([ItemStatus.NOT_EXECUTED] * (num_allocations - num_executed))
         self.statuses = statuses
-        self._blocks = _decode_blocks(response, raw_statuses)
-        computed = response.lookup_num_computed_tokens
-        new_tokens = response.lookup_num_new_tokens
+        self._blocks = _decode_blocks(outcome)
+        computed = outcome.lookup_num_computed_tokens
+        new_tokens = outcome.lookup_num_new_tokens
         self._lookups = {
             index: LookupResult(computed[i], new_tokens[i])
             for i, index in enumerate(lookup_allocations[: len(computed)])
         }
+
+    @classmethod
+    def of(cls, builder: StepBuilder, outcome: StepOutcome) -> StepResult:
+        """The result of ``builder``'s program answered by ``outcome`` (in-process or remote)."""
+        return cls(outcome, builder.num_allocations, builder.lookup_allocations)
+
+    @property
+    def resets(self) -> list[bool]:
+        """Per executed RESET_PREFIX_CACHE, whether it reset."""
+        return self.outcome.reset
 
     @property
     def num_allocations_executed(self) -> int:
@@ -485,14 +583,20 @@ class StepResult:
         )
 
 
-def _decode_blocks(
-    response: scheduler_pb2.StepResponse, raw_statuses: list[int]
-) -> list[KVCacheBlocks | None]:
+def _status(value: int) -> ItemStatus:
+    try:
+        return ItemStatus(value)
+    except ValueError:
+        return ItemStatus.NOT_EXECUTED
+
+
+def _decode_blocks(outcome: StepOutcome) -> list[KVCacheBlocks | None]:
+    raw_statuses = outcome.alloc_statuses
     num_executed = len(raw_statuses)
     if not num_executed:
         return []
-    counts = list(response.alloc_num_block_ids)
-    ids = list(response.alloc_block_ids)
+    counts = outcome.alloc_num_block_ids
+    ids = outcome.alloc_block_ids
     num_groups = len(counts) // num_executed
     results: list[KVCacheBlocks | None] = []
     append = results.append

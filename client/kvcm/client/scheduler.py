@@ -45,8 +45,9 @@ from kvcm.client._types import (
     Usage,
     UseClientDefault,
 )
+from kvcm.core.program import StepProgram
 from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2, service_pb2_grpc
-from kvcm.wire import EventBatch, decode_event_batch
+from kvcm.wire import EventBatch, decode_event_batch, outcome_from_proto
 
 if TYPE_CHECKING:
     from kvcm.common.hashing import BlockHasher
@@ -203,7 +204,11 @@ class SchedulerClient:
 
     # ------------------------------------------------------------------------------ step
     def step(
-        self, pool_id: str, step: StepBuilder, *, timeout: Timeout = USE_CLIENT_DEFAULT
+        self,
+        pool_id: str,
+        step: StepBuilder | StepProgram,
+        *,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> StepResult:
         """Run a whole scheduler step in one round trip.
 
@@ -212,7 +217,7 @@ class SchedulerClient:
 
         Args:
             pool_id: The pool.
-            step: The recorded operations.
+            step: The recorded operations: a ``StepBuilder`` or a core ``StepProgram``.
             timeout: Deadline for the call and its retries, in seconds.
 
         Returns:
@@ -223,6 +228,8 @@ class SchedulerClient:
                 nothing ran. Also ServiceNotFoundError / ServiceAlreadyExistsError.
             ServiceFailedPreconditionError: step_seq out of sequence, or the pool not READY.
         """
+        if isinstance(step, StepProgram):
+            step = StepBuilder.from_program(step)
         request = step.to_proto(pool_id)
         total_s = self._settings.deadline(timeout)
         policy = self._settings.retry_policy
@@ -239,7 +246,7 @@ class SchedulerClient:
                 time.sleep(random.uniform(0.0, policy.backoff_s(attempt)))
                 attempt += 1
                 continue
-            return StepResult(response, step.num_allocations, step.lookup_allocations)
+            return StepResult.of(step, outcome_from_proto(response))
 
     # ------------------------------------------------------------------ request lifecycle
     def add_request(
