@@ -40,8 +40,9 @@ class Snapshot:
 
 
 class Pool:
-    def __init__(self, snapshot: Snapshot) -> None:
+    def __init__(self, snapshot: Snapshot, *, lent: bool = False) -> None:
         self._snapshot = snapshot
+        self.lent = lent
 
     def snapshot(self) -> Snapshot:
         return self._snapshot

@@ -118,6 +118,7 @@ class Pool:
             0 for a pool no registry added).
         allocations_not_fit_total: Allocations answered "does not fit" so far.
         failed_plans: Registration rounds whose plan failed (each dropped its ranks).
+        lent: Whether a server runs a long call on the pool outside its event loop.
     """
 
     def __init__(
@@ -160,6 +161,9 @@ class Pool:
         self.request_ids: dict[int, str] = {}
         self.last_step_seq = 0
         self.last_step_outcome: StepOutcome | None = None
+        # NOTE: True while the server runs a long call on this pool in a worker thread; calls
+        # wait for it, and readers that cannot wait (metrics) skip the pool meanwhile.
+        self.lent = False
         self.allocations_not_fit_total = 0
         self.failed_plans = 0
         self._events = EventLog(options.event_retention_num_events)

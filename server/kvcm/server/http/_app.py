@@ -227,8 +227,10 @@ def build_app(
 
     @app.get("/v1/pools", tags=["pools"])
     async def list_pools() -> PoolList:
-        """Every pool's summary."""
-        return PoolList(pools=[summarize(pool.snapshot()) for pool in registry.list()])
+        """Every pool's summary (a pool busy with a long call is left out until it ends)."""
+        return PoolList(
+            pools=[summarize(pool.snapshot()) for pool in registry.list() if not pool.lent]
+        )
 
     @app.get(
         "/v1/pools/{pool}",
@@ -243,6 +245,11 @@ def build_app(
         except NotFoundError as exc:
             body = ErrorBody(error=ErrorDetail(code="NOT_FOUND", message=str(exc)))
             return JSONResponse(body.model_dump(), status_code=404)
+        if found.lent:
+            busy = ErrorBody(
+                error=ErrorDetail(code="UNAVAILABLE", message=f"pool {pool!r} is busy; retry")
+            )
+            return JSONResponse(busy.model_dump(), status_code=503)
         return summarize(found.snapshot())
 
     return app

@@ -349,7 +349,9 @@ class KVCMCollector:
 
     def collect(self) -> Iterator[Metric]:
         """Every family in :data:`METRICS`, read from the current state."""
-        yield from pool_families(pool.snapshot() for pool in self._registry.list())
+        # A pool lent to a worker thread for a long call is skipped for this scrape: reading
+        # it would race the thread (and a snapshot drains the manager's stats).
+        yield from pool_families(pool.snapshot() for pool in self._registry.list() if not pool.lent)
         yield from rpc_families(self._rpc_stats.snapshot())
         yield loop_lag_family(self._loop_lag.snapshot())
         build = _scalar_family("kvcm_build_info")

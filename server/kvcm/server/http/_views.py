@@ -62,7 +62,13 @@ class PoolSnapshotLike(Protocol):
 
 
 class PoolLike(Protocol):
-    """A pool as the HTTP side sees it: something that can be snapshotted."""
+    """A pool as the HTTP side sees it: something that can be snapshotted.
+
+    Attributes:
+        lent: True while a worker thread runs a long call on the pool (skip it meanwhile).
+    """
+
+    lent: bool
 
     def snapshot(self) -> PoolSnapshotLike:
         """Copy the pool's state out."""

@@ -13,14 +13,12 @@ interpreter lock (and so the loop) for up to a second each.
 from __future__ import annotations
 
 import asyncio
-import gc
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
 from kvcm.core.pool import Pool, PoolConfig
 from kvcm.server.rpc._log import log_pool_created, log_pool_deleted
+from kvcm.server.rpc._offloop import OFF_LOOP_WORK
 from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.v1 import admin_pb2, service_pb2_grpc
 from kvcm.wire import pool_config_from_proto, pool_info_to_proto, pool_state_to_proto
@@ -74,7 +72,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
     async def ListPools(  # noqa: N802
         self, request: admin_pb2.ListPoolsRequest, context: Context
     ) -> admin_pb2.ListPoolsResponse:
-        """Every pool, sorted by id."""
+        """Every pool, sorted by id (a pool lent to a worker thread shows its last counts)."""
         response = admin_pb2.ListPoolsResponse()
         for pool in self._state.registry.list():
             manager = pool.manager
@@ -91,7 +89,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.DescribePoolRequest, context: Context
     ) -> admin_pb2.DescribePoolResponse:
         """Everything about one pool."""
-        pool = self._state.registry.get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         config = self._state.runtimes[pool.name].config
         return admin_pb2.DescribePoolResponse(pool=pool_info_to_proto(pool, config))
 
@@ -99,6 +97,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.DeletePoolRequest, context: Context
     ) -> admin_pb2.DeletePoolResponse:
         """Delete a pool; its waiting registrations and event streams end with NOT_FOUND."""
+        await self._state.pool(request.pool_id)  # waits while a worker thread holds it
         pool = self._state.registry.delete(request.pool_id)
         runtime = self._state.runtimes.pop(pool.name, None)
         if runtime is not None:
@@ -112,49 +111,12 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         return admin_pb2.DeletePoolResponse()
 
 
-class _OffLoopWork:
-    """Held by every worker thread that builds or dismantles a large pool (see the docstring).
-
-    While any holds it: the cyclic garbage collector is paused and the interpreter hands its
-    lock over every 0.5 ms instead of 5 ms, so the loop thread waits less for it. The last one
-    out freezes every tracked object (``gc.freeze``, as vLLM's engine does once its KV cache
-    exists): the new pool's blocks, young because the collector was paused, would otherwise
-    make the next young-generation collection walk all of them on whatever thread allocates.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._gc_was_enabled = False
-        self._switch_interval_s = 0.0
-
-    def __enter__(self) -> None:
-        with self._lock:
-            if self._holders == 0:
-                self._gc_was_enabled = gc.isenabled()
-                self._switch_interval_s = sys.getswitchinterval()
-                gc.disable()
-                sys.setswitchinterval(_SWITCH_INTERVAL_S)
-            self._holders += 1
-
-    def __exit__(self, *exc_info: object) -> None:
-        with self._lock:
-            self._holders -= 1
-            if self._holders == 0:
-                gc.freeze()
-                sys.setswitchinterval(self._switch_interval_s)
-                if self._gc_was_enabled:
-                    gc.enable()
-
-
-_SWITCH_INTERVAL_S: Final = 0.0005
 _FREE_SLICE: Final = 8192
-_OFF_LOOP_WORK: Final = _OffLoopWork()
 
 
 def _build_large(build: Callable[[str, PoolConfig], Pool], name: str, options: PoolConfig) -> Pool:
     """``build(name, options)`` in a worker thread (see :class:`_OffLoopWork`)."""
-    with _OFF_LOOP_WORK:
+    with OFF_LOOP_WORK:
         return build(name, options)
 
 
@@ -169,7 +131,7 @@ def _dismantle(pool: Pool) -> None:
     if manager is None:
         return
     blocks = manager.block_pool.blocks
-    with _OFF_LOOP_WORK:
+    with OFF_LOOP_WORK:
         for block in blocks:
             block.prev_free_block = None
             block.next_free_block = None

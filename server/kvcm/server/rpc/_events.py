@@ -43,7 +43,7 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
         self, request: events_pb2.SubscribeEventsRequest, context: Context
     ) -> AsyncIterator[events_pb2.SubscribeEventsResponse]:
         """Stream the pool's events from start_sequence on (see events.proto)."""
-        pool = self._state.registry.get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         runtime = self._state.runtimes[pool.name]
         _check_epoch(request, pool)
         start = request.start_sequence if request.HasField("start_sequence") else None

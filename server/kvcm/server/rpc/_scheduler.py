@@ -9,7 +9,7 @@ from kvcm.common.hashing import get_block_hash
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import FreeMode
-from kvcm.core.program import HitSpec
+from kvcm.core.program import HitSpec, StepProgram
 from kvcm.core.request import Request
 from kvcm.server.rpc._state import ServerState
 from kvcm.server.rpc._status import StepRejectedError
@@ -32,6 +32,30 @@ _MAX_EVENTS_PER_MESSAGE: Final = 1024
 _DEADLINE_MARGIN_S: Final = 0.02
 
 
+# A Step estimated to cost more than this runs in a worker thread (see ServerState.lanes), so
+# no Step holds the loop for long. The per-item costs were measured on a 2-core VM
+# (docs/server.md, "Event-loop fairness"): a 256-request decode step (~1.3 ms) stays inline.
+_INLINE_STEP_US: Final = 4000
+_OP_US: Final = 2.5
+_NEW_REQUEST_US: Final = 150.0
+_TOKEN_US: Final = 0.4
+
+
+def _estimated_cost_us(program: StepProgram) -> float:
+    """A cheap upper estimate of a program's cost on the loop, in microseconds."""
+    num_ops = len(program.ops)
+    if num_ops * _OP_US + len(program.append_token_ids) * _TOKEN_US < _INLINE_STEP_US / 2 and (
+        not program.new_requests
+    ):
+        return 0.0  # the decode-step fast answer: no prompt to count
+    prompt_tokens = sum(len(new.prompt_token_ids) for new in program.new_requests)
+    return (
+        num_ops * _OP_US
+        + len(program.new_requests) * _NEW_REQUEST_US
+        + (len(program.append_token_ids) + prompt_tokens) * _TOKEN_US
+    )
+
+
 def _check_ready_request(pool: Pool, key: int) -> Request:
     pool.ready_manager()
     return pool.request(key)
@@ -43,15 +67,18 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, state: ServerState) -> None:
         """Serve ``state``'s registry."""
         self._state = state
-        self._get = state.registry.get
 
     async def Step(  # noqa: N802
         self, request: scheduler_pb2.StepRequest, context: Context
     ) -> scheduler_pb2.StepResponse:
         """A whole scheduler step (see scheduler.proto)."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
+        program = program_from_proto(request)
         try:
-            outcome = pool.run_step(program_from_proto(request))
+            if _estimated_cost_us(program) <= _INLINE_STEP_US:
+                outcome = pool.run_step(program)
+            else:
+                outcome = await self._state.run_in_lane(pool, lambda: pool.run_step(program))
         except KVCMError as exc:
             raise StepRejectedError(exc, exc.op_index, exc.field or "") from exc
         finally:
@@ -62,7 +89,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.AddRequestRequest, context: Context
     ) -> scheduler_pb2.AddRequestResponse:
         """Start tracking a request."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         new = request.request
         pool.add_request(
             new.request_key,
@@ -80,7 +107,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.AppendTokensRequest, context: Context
     ) -> scheduler_pb2.AppendTokensResponse:
         """Append produced tokens and their block hashes."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         pool.append_tokens(request.request_key, request.token_ids, request.block_hashes)
         return scheduler_pb2.AppendTokensResponse()
 
@@ -88,7 +115,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.FreeRequest, context: Context
     ) -> scheduler_pb2.FreeResponse:
         """Finish or preempt a request."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         mode = free_mode_from_proto(request.mode)
         pool.free(request.request_key, preempt=mode is FreeMode.PREEMPTED)
         self._state.published(pool)
@@ -98,7 +125,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetComputedBlocksRequest, context: Context
     ) -> scheduler_pb2.GetComputedBlocksResponse:
         """The request's longest prefix-cache hit (counted in the hit statistics)."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         lookup = request.lookup
         bound = lookup.max_cache_hit_length if lookup.HasField("max_cache_hit_length") else None
         hit = pool.get_computed_blocks(request.request_key, bound)
@@ -112,7 +139,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.AllocateSlotsRequest, context: Context
     ) -> scheduler_pb2.AllocateSlotsResponse:
         """allocate_slots; "does not fit" is a status, not an error."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         hit = None
         if request.HasField("new_computed"):
             wire = request.new_computed
@@ -151,7 +178,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.CacheBlocksRequest, context: Context
     ) -> scheduler_pb2.CacheBlocksResponse:
         """cache_blocks."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         pool.cache_blocks(request.request_key, request.num_computed_tokens)
         self._state.published(pool)
         return scheduler_pb2.CacheBlocksResponse()
@@ -160,7 +187,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.RemoveSkippedBlocksRequest, context: Context
     ) -> scheduler_pb2.RemoveSkippedBlocksResponse:
         """remove_skipped_blocks."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         pool.remove_skipped_blocks(request.request_key, request.total_computed_tokens)
         self._state.published(pool)
         return scheduler_pb2.RemoveSkippedBlocksResponse()
@@ -169,7 +196,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.EvictBlocksRequest, context: Context
     ) -> scheduler_pb2.EvictBlocksResponse:
         """evict_blocks."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         pool.evict_blocks(request.block_ids)
         self._state.published(pool)
         return scheduler_pb2.EvictBlocksResponse()
@@ -178,7 +205,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.ResetPrefixCacheRequest, context: Context
     ) -> scheduler_pb2.ResetPrefixCacheResponse:
         """reset_prefix_cache."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         reset = pool.reset_prefix_cache()
         self._state.published(pool)
         return scheduler_pb2.ResetPrefixCacheResponse(reset=reset)
@@ -187,7 +214,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetBlocksRequest, context: Context
     ) -> scheduler_pb2.GetBlocksResponse:
         """get_blocks with each block's reference count and cache state."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         target = _check_ready_request(pool, request.request_key)
         blocks = pool.ready_manager().get_blocks(target.request_id)
         response = scheduler_pb2.GetBlocksResponse()
@@ -208,7 +235,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetBlockIdsRequest, context: Context
     ) -> scheduler_pb2.GetBlockIdsResponse:
         """get_block_ids."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         target = _check_ready_request(pool, request.request_key)
         response = scheduler_pb2.GetBlockIdsResponse()
         fill_grouped(pool.ready_manager().get_block_ids(target.request_id), response.blocks)
@@ -218,7 +245,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetNumCommonPrefixBlocksRequest, context: Context
     ) -> scheduler_pb2.GetNumCommonPrefixBlocksResponse:
         """get_num_common_prefix_blocks of a running request."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         target = _check_ready_request(pool, request.running_request_key)
         manager = pool.ready_manager()
         if not manager.holds_blocks(target.request_id):
@@ -232,7 +259,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.TakeNewBlockIdsRequest, context: Context
     ) -> scheduler_pb2.TakeNewBlockIdsResponse:
         """take_new_block_ids (drains)."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         ids = pool.ready_manager().take_new_block_ids()
         return scheduler_pb2.TakeNewBlockIdsResponse(block_ids=ids)
 
@@ -240,7 +267,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.NewStepStartsRequest, context: Context
     ) -> scheduler_pb2.NewStepStartsResponse:
         """new_step_starts."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         pool.ready_manager().new_step_starts()
         return scheduler_pb2.NewStepStartsResponse()
 
@@ -248,7 +275,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetUsageRequest, context: Context
     ) -> scheduler_pb2.GetUsageResponse:
         """Usage and block counts."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         manager = pool.ready_manager()
         return scheduler_pb2.GetUsageResponse(
             usage=manager.usage,
@@ -261,7 +288,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.TakePrefixCacheStatsRequest, context: Context
     ) -> scheduler_pb2.TakePrefixCacheStatsResponse:
         """make_prefix_cache_stats (drains)."""
-        pool = self._get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         stats = pool.take_prefix_cache_stats()
         response = scheduler_pb2.TakePrefixCacheStatsResponse()
         if stats is not None:

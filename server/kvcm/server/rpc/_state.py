@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvcm.common.errors import KVCMError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits
 from kvcm.core.pool import Pool, PoolRegistry
+from kvcm.server.rpc._offloop import OFF_LOOP_STEP
 from kvcm.server.telemetry import RpcStats
 from kvcm.v1 import admin_pb2
 
 __all__ = ["PoolRuntime", "ServerState"]
+
+T = TypeVar("T")
+
+
+def _off_loop(work: Callable[[], T]) -> T:
+    with OFF_LOOP_STEP:
+        return work()
 
 
 @dataclass(slots=True)
@@ -65,6 +75,10 @@ class ServerState:
         runtimes: The asyncio side of each pool, by pool id.
         serving: Whether the gRPC side serves (False before start and while shutting down).
         limits: The service's hard limits (pending registrations, registration timeout).
+        lanes: Pools lent to a worker thread for a long call, by pool id, each with the
+            event set when the call ends. Every call on such a pool waits for it
+            (:meth:`pool`), so a pool is never read or changed by two threads at once and
+            each call stays atomic; other pools keep being served on the loop.
     """
 
     registry: PoolRegistry
@@ -72,6 +86,33 @@ class ServerState:
     limits: Limits = DEFAULT_LIMITS
     runtimes: dict[str, PoolRuntime] = field(default_factory=dict)
     serving: bool = False
+    lanes: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    async def pool(self, pool_id: str) -> Pool:
+        """The pool called ``pool_id``, once no worker thread holds it.
+
+        Raises:
+            NotFoundError: No such pool (also when it was deleted meanwhile).
+        """
+        while (busy := self.lanes.get(pool_id)) is not None:
+            await busy.wait()
+        return self.registry.get(pool_id)
+
+    async def run_in_lane(self, pool: Pool, work: Callable[[], T]) -> T:
+        """Run ``work`` (a call on ``pool``) in a worker thread while the pool is lent.
+
+        The caller got ``pool`` from :meth:`pool` and has not awaited since, so no other
+        call holds it. Metrics and /v1/pools skip a lent pool (``Pool.lent``).
+        """
+        done = asyncio.Event()
+        self.lanes[pool.name] = done
+        pool.lent = True
+        try:
+            return await asyncio.to_thread(_off_loop, work)
+        finally:
+            pool.lent = False
+            del self.lanes[pool.name]
+            done.set()
 
     def begin_shutdown(self) -> None:
         """Stop serving: wake every waiting registration and event stream so they end now."""

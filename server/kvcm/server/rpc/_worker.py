@@ -42,7 +42,7 @@ class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
         before the pool is planned is dropped, so no stale rank keeps the pool PENDING.
         """
         specs = layer_specs_from_proto(request.layer_specs)
-        pool = self._state.registry.get(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         runtime = self._state.runtimes[pool.name]
         was_ready = pool.manager is not None
         failed_plans = pool.failed_plans
