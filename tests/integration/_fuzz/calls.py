@@ -94,14 +94,12 @@ class Target:
         pending_pool_id: A pool waiting for 2 ranks (RegisterWorker's target).
         reference: The in-process reference pool (read for valid values).
         created: Pool ids the calls created (deleted after the example).
-        step_answer: The reference's answer to the last Step with a step_seq.
     """
 
     pool_id: str
     pending_pool_id: str
     reference: Pool
     created: set[str] = field(default_factory=set)
-    step_answer: scheduler_pb2.StepResponse | None = None
 
     def hasher(self) -> BlockHasher:
         """The pool's block hasher."""

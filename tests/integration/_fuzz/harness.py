@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError, Message
 
 from _fuzz.calls import Call, Target, fuzz_pool_config
 from _fuzz.reference import REFERENCE_METHODS, Reference, RefusedError
-from _fuzz.state import pool_state, registry_state
+from _fuzz.state import registry_state, untimed_fingerprint
 from kvcm.core.pool import Pool
 from kvcm.server.embedded import EmbeddedServer
 from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2, service_pb2_grpc, worker_pb2
@@ -163,7 +163,7 @@ class Harness:
         """Make ``call`` and run the three checks.
 
         1. The status is never INTERNAL or UNKNOWN.
-        2. A rejected call leaves every pool byte-identical.
+        2. A rejected call leaves every pool fingerprint-identical.
         3. An accepted SchedulerService call on the fuzzed pool answers what the reference
            answers, and leaves the served pool in the reference's state.
 
@@ -212,15 +212,13 @@ class Harness:
         self, call: Call, target: Target, response: Message | None, text: str
     ) -> list[Finding]:
         reference = Reference(target.reference)
-        reference._step_answer = target.step_answer
         assert isinstance(call.request, Message)
         try:
             expected = reference.answer(call.method, call.request)
         except RefusedError as exc:
             self.stats.reference_mismatches += 1
-            return [Finding("refused", text, "OK", f"the reference refuses it: {exc}")]
+            return [Finding("refused", text, "OK", f"the core refuses it: {exc}")]
         target.reference = reference.pool
-        target.step_answer = reference._step_answer
         findings = []
         if response != expected:
             self.stats.reference_mismatches += 1
@@ -230,9 +228,9 @@ class Harness:
         served = self._served_pool(target.pool_id)
 
         async def read() -> bytes:
-            return pool_state(served, with_times=False)
+            return untimed_fingerprint(served)
 
-        if self.server.call(read()) != pool_state(target.reference, with_times=False):
+        if self.server.call(read()) != untimed_fingerprint(target.reference):
             self.stats.reference_mismatches += 1
             findings.append(Finding("diverged", text, "OK", "served and reference pools differ"))
         return findings
