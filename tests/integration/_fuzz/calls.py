@@ -59,12 +59,15 @@ class Call:
         method: The RPC name.
         request: The request message, or raw bytes to send undecoded.
         timeout_s: The call's deadline.
+        first: A call made just before this one and left running while it is made (rank 0 of
+            a registration pair, which waits for rank 1); its status is checked too.
     """
 
     service: str
     method: str
     request: Message | bytes
     timeout_s: float = 10.0
+    first: Call | None = None
 
     @property
     def path(self) -> str:
@@ -82,7 +85,8 @@ class Call:
         body = re.sub(r"(.)\1{39,}", lambda run: f"{run[1]}<x{len(run[0])}>", body)
         if len(body) > limit:
             body = body[:limit] + f"... ({len(body)} chars)"
-        return f"{self.method}({body})"
+        text = f"{self.method}({body})"
+        return text if self.first is None else f"{self.first.describe(limit)} then {text}"
 
 
 @dataclass
@@ -419,6 +423,37 @@ def _register(data: st.DataObject, target: Target) -> Call:
     return Call("worker", "RegisterWorker", message, timeout_s=0.3)
 
 
+_MEMORY = [2**64 - 1, 0, 1, 2**63, 2**20, 2**20, 2**20, 2**20]
+# (block_size, num_kv_heads, head_size): pages of 32 bytes, of 1, huge and over a uint64.
+_PAGES = [(BLOCK_SIZE, 1, 8), (BLOCK_SIZE, 1, 8), (1, 1, 1), (U32_MAX, 1, 8), (16, 2**31, 2**31)]
+
+
+def _register_pair(data: st.DataObject, target: Target) -> Call:
+    """Rank 0 then rank 1 of the 2-rank pool, both well formed, with extreme memory and pages."""
+    pages = data.draw(st.sampled_from(_PAGES))
+
+    def rank(number: int) -> worker_pb2.RegisterWorkerRequest:
+        message = worker_pb2.RegisterWorkerRequest(
+            pool_id=target.pending_pool_id,
+            rank=number,
+            world_size=2,
+            available_memory_bytes=data.draw(st.sampled_from(_MEMORY)),
+        )
+        block_size, heads, head_size = data.draw(st.sampled_from([pages, pages, *_PAGES]))
+        attention = common_pb2.AttentionSpec(
+            block_size=block_size,
+            num_kv_heads=heads,
+            head_size=head_size,
+            dtype=common_pb2.DATA_TYPE_FLOAT16,
+        )
+        layer = message.layer_specs.add(layer_name="l0")
+        layer.spec.full_attention.attention.CopyFrom(attention)
+        return message
+
+    first = Call("worker", "RegisterWorker", rank(0), timeout_s=2.0)
+    return Call("worker", "RegisterWorker", rank(1), timeout_s=2.0, first=first)
+
+
 def _subscribe(data: st.DataObject, target: Target) -> Call:
     message = events_pb2.SubscribeEventsRequest(
         pool_id=_pool_id(data, target),
@@ -438,6 +473,7 @@ def _other_call(data: st.DataObject, target: Target) -> Call:
                 "ListPools",
                 "DeletePool",
                 "RegisterWorker",
+                "RegisterPair",
                 "SubscribeEvents",
             ]
         )
@@ -446,6 +482,8 @@ def _other_call(data: st.DataObject, target: Target) -> Call:
         return _create_pool(data, target)
     if method == "RegisterWorker":
         return _register(data, target)
+    if method == "RegisterPair":
+        return _register_pair(data, target)
     if method == "SubscribeEvents":
         return _subscribe(data, target)
     if method == "ListPools":

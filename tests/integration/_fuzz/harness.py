@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -172,13 +173,23 @@ class Harness:
             ``answer`` or ``diverged`` finding the reference no longer follows the pool.
         """
         before = self._registry_state()
+        first = None
+        if call.first is not None:
+            first = self.channel.unary_unary(
+                call.first.path,
+                request_serializer=type(call.first.request).SerializeToString,
+                response_deserializer=worker_pb2.RegisterWorkerResponse.FromString,
+            ).future(call.first.request, timeout=call.first.timeout_s)
+            time.sleep(0.02)  # rank 0 arrives first
         code, response, details = self.invoke(call)
+        findings, first_rejected = [], True
+        if first is not None:
+            first_rejected = self._check_first(call, first, findings)
         after = self._registry_state()
         stats = self.stats
         stats.calls += 1
         stats.codes[f"{call.method}:{code.name}"] += 1
         text = call.describe()
-        findings = []
         if code in _FORBIDDEN:
             stats.internal_or_unknown += 1
             findings.append(Finding("status", text, code.name, details))
@@ -187,7 +198,7 @@ class Harness:
             findings.append(Finding("status", text, code.name, details))
         if code != grpc.StatusCode.OK:
             stats.rejections += 1
-            if code not in _UNDECIDED and before != after:
+            if code not in _UNDECIDED and first_rejected and before != after:
                 stats.state_changes_after_rejection += 1
                 changed = sorted(set(before) ^ set(after)) + [
                     name for name in before if name in after and before[name] != after[name]
@@ -207,6 +218,26 @@ class Harness:
             return findings
         findings.extend(self._compare(call, target, response, text))
         return findings
+
+    def _check_first(self, call: Call, first: grpc.Future, findings: list[Finding]) -> bool:
+        """Check the status of the pair's first call; whether that call was rejected.
+
+        Only when both calls of a pair were rejected must every pool be left unchanged.
+        """
+        assert call.first is not None
+        try:
+            first.result()
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
+        self.stats.calls += 1
+        self.stats.codes[f"{call.first.method}:{code.name}"] += 1
+        if code in _FORBIDDEN:
+            self.stats.internal_or_unknown += 1
+            findings.append(Finding("status", call.first.describe(), code.name, details))
+        if code != grpc.StatusCode.OK:
+            self.stats.rejections += 1
+        return code != grpc.StatusCode.OK and code not in _UNDECIDED
 
     def _compare(
         self, call: Call, target: Target, response: Message | None, text: str
