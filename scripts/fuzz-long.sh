@@ -3,6 +3,7 @@
 # examples than CI runs, counting every distinct failure instead of stopping at the first, then
 # a summary: calls made, rejections, state changes after a rejection, INTERNAL/UNKNOWN answers,
 # mismatches with the in-process core, and the shortest repro of each distinct failure.
+# The report is also rewritten every 50 examples, so a run cut short (Ctrl-C) still has one.
 #
 #   bash scripts/fuzz-long.sh              # 100000 examples per fuzz test
 #   bash scripts/fuzz-long.sh 5000         # fewer
@@ -12,7 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source .venv/bin/activate
 
 examples="${1:-100000}"
-report="$(mktemp -t kvcm-fuzz-XXXXXX.json)"
+report="${KVCM_FUZZ_REPORT:-$(mktemp -t kvcm-fuzz-XXXXXX.json)}"
 status=0
 KVCM_FUZZ_EXAMPLES="$examples" KVCM_FUZZ_COLLECT=1 KVCM_FUZZ_REPORT="$report" \
   python -m pytest -q -p no:cacheprovider tests/integration/test_wire_fuzz.py \
@@ -24,6 +25,8 @@ import sys
 
 with open(sys.argv[1], encoding="utf-8") as source:
     report = json.load(source)
+print(f"wall time (s):                  {report['wall_s']}")
+print(f"examples:                       {report['examples']}")
 print(f"calls:                          {report['calls']}")
 print(f"rejections:                     {report['rejections']}")
 print(f"state changes after rejection:  {report['state_changes_after_rejection']}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -41,6 +42,9 @@ _SETTINGS = settings(
 )
 
 _STATS = FuzzStats()
+_STARTED = time.monotonic()
+# The long run writes its report every this many examples too, so a cut-short run has one.
+_REPORT_EVERY = 50
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +71,8 @@ def harness(fuzz_server: EmbeddedServer) -> Iterator[Harness]:
 
 def _write_report(path: str) -> None:
     report = {
+        "wall_s": round(time.monotonic() - _STARTED, 1),
+        "examples": _STATS.examples,
         "calls": _STATS.calls,
         "rejections": _STATS.rejections,
         "state_changes_after_rejection": _STATS.state_changes_after_rejection,
@@ -77,6 +83,12 @@ def _write_report(path: str) -> None:
     }
     with open(path, "w", encoding="utf-8") as out:
         json.dump(report, out, indent=2)
+
+
+def _example_done() -> None:
+    _STATS.examples += 1
+    if _REPORT and _STATS.examples % _REPORT_EVERY == 0:
+        _write_report(_REPORT)
 
 
 def _fail(findings: list[Finding]) -> None:
@@ -107,6 +119,7 @@ def test_hostile_call_sequences(harness: Harness, data: st.DataObject) -> None:
                 break  # the reference no longer follows the served pool
     finally:
         harness.drop_target(target)
+        _example_done()
 
 
 @_SETTINGS
@@ -118,6 +131,7 @@ def test_undecodable_bytes(harness: Harness, data: st.DataObject) -> None:
         _fail(harness.check(draw_garbage(data, target), target))
     finally:
         harness.drop_target(target)
+        _example_done()
 
 
 @settings(max_examples=max(10, _EXAMPLES // 4), deadline=None)

@@ -67,6 +67,7 @@ class Finding:
 class FuzzStats:
     """Counters over every call made."""
 
+    examples: int = 0
     calls: int = 0
     rejections: int = 0
     state_changes_after_rejection: int = 0
