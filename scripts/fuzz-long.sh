@@ -8,6 +8,7 @@
 #   bash scripts/fuzz-long.sh              # 100000 examples per fuzz test
 #   bash scripts/fuzz-long.sh 5000         # fewer
 #   KVCM_FUZZ_CALLS=30 bash scripts/fuzz-long.sh   # longer call sequences per example
+#   KVCM_FUZZ_SEED=2 KVCM_FUZZ_REPORT=/tmp/shard2.json bash scripts/fuzz-long.sh  # a shard
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source .venv/bin/activate
@@ -16,7 +17,8 @@ examples="${1:-100000}"
 report="${KVCM_FUZZ_REPORT:-$(mktemp -t kvcm-fuzz-XXXXXX.json)}"
 status=0
 KVCM_FUZZ_EXAMPLES="$examples" KVCM_FUZZ_COLLECT=1 KVCM_FUZZ_REPORT="$report" \
-  python -m pytest -q -p no:cacheprovider tests/integration/test_wire_fuzz.py \
+  python -m pytest -q -p no:cacheprovider ${KVCM_FUZZ_SEED:+--hypothesis-seed="$KVCM_FUZZ_SEED"} \
+  tests/integration/test_wire_fuzz.py \
   >"$report.log" 2>&1 || status=$?
 
 python - "$report" <<'PY'

@@ -450,8 +450,8 @@ def _register_pair(data: st.DataObject, target: Target) -> Call:
         layer.spec.full_attention.attention.CopyFrom(attention)
         return message
 
-    first = Call("worker", "RegisterWorker", rank(0), timeout_s=2.0)
-    return Call("worker", "RegisterWorker", rank(1), timeout_s=2.0, first=first)
+    first = Call("worker", "RegisterWorker", rank(0), timeout_s=0.5)
+    return Call("worker", "RegisterWorker", rank(1), timeout_s=0.5, first=first)
 
 
 def _subscribe(data: st.DataObject, target: Target) -> Call:
