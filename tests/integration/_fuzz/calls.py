@@ -423,8 +423,9 @@ def _register(data: st.DataObject, target: Target) -> Call:
     return Call("worker", "RegisterWorker", message, timeout_s=0.3)
 
 
-_MEMORY = [2**64 - 1, 0, 1, 2**63, 2**20, 2**20, 2**20, 2**20]
-# (block_size, num_kv_heads, head_size): pages of 32 bytes, of 1, huge and over a uint64.
+# 2**12 fits (128 or 1024 blocks): small enough to fingerprint every pool after every call.
+_MEMORY = [2**64 - 1, 0, 1, 2**63, 2**12, 2**12, 2**12, 2**12]
+# (block_size, num_kv_heads, head_size): pages of 32 and 4 bytes, huge and over a uint64.
 _PAGES = [(BLOCK_SIZE, 1, 8), (BLOCK_SIZE, 1, 8), (1, 1, 1), (U32_MAX, 1, 8), (16, 2**31, 2**31)]
 
 
