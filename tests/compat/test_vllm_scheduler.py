@@ -4,8 +4,10 @@ Each case builds vLLM's scheduler twice from the same config, once as vLLM ships
 through ``scheduler_cls`` (KvcmScheduler / KvcmAsyncScheduler), drives both with the same
 seeded workload through a simulated engine (tests/compat/_vllm_engine.py), and compares every
 step's SchedulerOutput, engine outputs (stats included) and published KV events. The kvcm side
-also replays every Step program it recorded on a fresh kvcm core and checks that the replayed
-pool equals the mirror after every step, and that it answers what the mirror answered.
+also runs every Step program it recorded through kvcm's one interpreter (``Pool.run_step``) on
+a fresh pool with the same explicit layout, and checks after every step that it answered what
+the mirror answered and that the pool's blocks, free queue, prefix cache and block tables equal
+the mirror's.
 """
 
 from __future__ import annotations
@@ -20,30 +22,82 @@ from _vllm_engine import Setup, build_scheduler, plan_workload, run
 
 from kvcm.common.errors import ConfigError
 from kvcm.core.manager import KVCacheManager
+from kvcm.core.pool import Pool
+from kvcm.core.pool_types import PoolConfig
 
 
 class ReplayCheckingSink:
-    """Replays each closed step on a fresh core and compares it with the mirror."""
+    """Runs each closed step through ``Pool.run_step`` on a fresh pool; compares with the mirror."""
 
     def __init__(self) -> None:
         self.mirror: Any = None
         self.replayer: ProgramReplayer | None = None
+        self.pool: Pool | None = None
+        self.interpreter_error: str | None = None
+        self.num_interpreted = 0
         self.num_steps = 0
         self.num_ops = 0
         self.closed = False
+
+    def _make_pool(self) -> Pool:
+        config = self.mirror.core.config
+        return Pool(
+            "replay",
+            PoolConfig(
+                max_model_len=config.max_model_len,
+                explicit_layout=config.kv_cache_config,
+                scheduler_block_size=config.scheduler_block_size,
+                hash_block_size=config.hash_block_size,
+                max_in_flight_tokens=config.max_in_flight_tokens,
+                enable_caching=config.enable_caching,
+                enable_kv_cache_events=config.enable_kv_cache_events,
+                log_stats=config.log_stats,
+                watermark=config.watermark,
+            ),
+        )
 
     def submit(self, step: Any) -> None:
         core = self.mirror.core
         if self.replayer is None:
             self.replayer = ProgramReplayer(KVCacheManager(core.config))
+            self.pool = self._make_pool()
         outcome = self.replayer.run(step.program)
         assert outcome == step.expected, f"step {step.program.step_seq}: answers differ"
         request_ids = [r.request_id for r in self.replayer.requests.values()]
         assert pool_state(self.replayer.manager, request_ids) == pool_state(core, request_ids), (
             f"step {step.program.step_seq}: the replayed pool drifted from the mirror"
         )
+        if self.interpreter_error is None:
+            self._interpret(step, core, request_ids)
         self.num_steps += 1
         self.num_ops += len(step.program.ops)
+
+    def _interpret(self, step: Any, core: Any, request_ids: list[str]) -> None:
+        # The real interpreter; its first disagreement is kept (not raised) so the comparison
+        # with vLLM goes on, and the test decides what it expects per case.
+        pool = self.pool
+        assert pool is not None
+        assert pool.manager is not None
+        seq = step.program.step_seq
+        try:
+            outcome = pool.run_step(step.program)
+        except Exception as exc:
+            self.interpreter_error = f"step {seq}: refused: {exc}"
+            return
+        if outcome != step.expected:
+            self.interpreter_error = f"step {seq}: answers differ"
+            return
+        keys = {rid: str(key) for key, rid in pool.request_ids.items()}
+        state = pool_state(pool.manager, [])
+        state["tables"] = {
+            rid: pool.manager.get_block_ids(key)
+            for rid, key in sorted(keys.items())
+            if pool.manager.holds_blocks(key)
+        }
+        if state != pool_state(core, sorted(set(request_ids) | set(keys))):
+            self.interpreter_error = f"step {seq}: the interpreted pool drifted from the mirror"
+            return
+        self.num_interpreted += 1
 
     def close(self) -> None:
         self.closed = True
@@ -74,6 +128,21 @@ def kvcm_classes(vllm: ModuleType) -> tuple[type, type]:
 # Prefix-cache resets (step -> reset_running_requests) made in every case: one that fails
 # while requests hold blocks, one that preempts everything and succeeds.
 RESETS = {40: False, 120: True}
+
+# Cases whose recorded programs Pool.run_step does not yet interpret like the mirror (the first
+# disagreement is a hit refused as stale, or a block-hash / free-queue drift a few steps in).
+# Open work for issue 10 stage 2.
+KNOWN_INTERPRETER_GAPS = frozenset(
+    {
+        "async-preemption",
+        "hybrid-swa",
+        "hybrid-swa-async-watermark",
+        "lora-salts",
+        "no-stats",
+        "preemption",
+        "prefix-hits-chunked",
+    }
+)
 
 CASES = {
     # name: (setup, seed, number of requests)
@@ -118,6 +187,13 @@ def test_schedules_equal_vllm(case: str, kvcm_classes: tuple[type, type]) -> Non
     mirrored.shutdown()
     reference.shutdown()
     assert sink.closed
+    # Pool.run_step (the server's interpreter) on the same programs. Known today: it refuses or
+    # drifts on the cases below (see KNOWN_INTERPRETER_GAPS); the others run clean throughout.
+    print(f"{case}: {sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step")
+    if case in KNOWN_INTERPRETER_GAPS:
+        assert sink.interpreter_error is not None, f"{case} now interprets: update the list"
+    else:
+        assert sink.interpreter_error is None, sink.interpreter_error
     # The workload exercised what the case is about, and the replay saw every step.
     assert num_steps > 50
     assert sink.num_steps >= num_steps

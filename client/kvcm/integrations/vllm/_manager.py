@@ -183,6 +183,7 @@ class MirrorKVCacheManager:
             sink if sink is not None else NullSink(),
             num_groups=core.num_kv_cache_groups,
             hash_block_size=core.hash_block_size,
+            send_hashes=config.enable_caching,
         )
         self._views: dict[str, RequestView] = {}
         self._slot_options: dict[tuple[int, ...], SlotOptions] = {}

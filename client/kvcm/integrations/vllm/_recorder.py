@@ -134,19 +134,29 @@ class StepRecorder:
         "_next_key",
         "_num_groups",
         "_program",
+        "_send_hashes",
         "_tracked",
         "num_steps",
         "sink",
     )
 
-    def __init__(self, sink: StepSink, *, num_groups: int, hash_block_size: int) -> None:
+    def __init__(
+        self,
+        sink: StepSink,
+        *,
+        num_groups: int,
+        hash_block_size: int,
+        send_hashes: bool = True,
+    ) -> None:
         """Record into fresh programs handed to ``sink``.
 
         Args:
             sink: Where closed steps go.
             num_groups: KV-cache groups of the pool (per-group answer counts).
             hash_block_size: Tokens per block hash (which hashes belong to the prompt).
+            send_hashes: Ship block hashes (``False`` for a pool without prefix caching).
         """
+        self._send_hashes = send_hashes
         self.sink = sink
         self._num_groups = num_groups
         self._hash_block_size = hash_block_size
@@ -162,7 +172,8 @@ class StepRecorder:
         tracked = self._tracked.get(view.request_id)
         program = self._program
         tokens = view.all_token_ids
-        hashes = view.block_hashes
+        # A pool without prefix caching takes no block hashes (the interpreter refuses them).
+        hashes = view.block_hashes if self._send_hashes else ()
         if tracked is None:
             key = self._next_key
             self._next_key += 1
