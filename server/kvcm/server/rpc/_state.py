@@ -11,7 +11,7 @@ from typing import TypeVar
 from kvcm.common.errors import KVCMError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits
 from kvcm.core.pool import Pool, PoolRegistry
-from kvcm.server.rpc._offloop import OFF_LOOP_STEP
+from kvcm.server.rpc._offloop import OFF_LOOP_STEP, OFF_LOOP_WORK, OffLoopWork
 from kvcm.server.telemetry import RpcStats
 from kvcm.v1 import admin_pb2
 
@@ -20,8 +20,8 @@ __all__ = ["PoolRuntime", "ServerState"]
 T = TypeVar("T")
 
 
-def _off_loop(work: Callable[[], T]) -> T:
-    with OFF_LOOP_STEP:
+def _off_loop(work: Callable[[], T], context: OffLoopWork) -> T:
+    with context:
         return work()
 
 
@@ -98,17 +98,23 @@ class ServerState:
             await busy.wait()
         return self.registry.get(pool_id)
 
-    async def run_in_lane(self, pool: Pool, work: Callable[[], T]) -> T:
+    async def run_in_lane(
+        self, pool: Pool, work: Callable[[], T], *, builds_pool: bool = False
+    ) -> T:
         """Run ``work`` (a call on ``pool``) in a worker thread while the pool is lent.
 
         The caller got ``pool`` from :meth:`pool` and has not awaited since, so no other
         call holds it. Metrics and /v1/pools skip a lent pool (``Pool.lent``).
+        ``builds_pool``: the work may build a pool's blocks (see ``OffLoopWork``: the heap is
+        frozen afterwards).
         """
         done = asyncio.Event()
         self.lanes[pool.name] = done
         pool.lent = True
         try:
-            return await asyncio.to_thread(_off_loop, work)
+            return await asyncio.to_thread(
+                _off_loop, work, OFF_LOOP_WORK if builds_pool else OFF_LOOP_STEP
+            )
         finally:
             pool.lent = False
             del self.lanes[pool.name]

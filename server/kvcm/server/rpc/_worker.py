@@ -46,7 +46,8 @@ class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
         runtime = self._state.runtimes[pool.name]
         was_ready = pool.manager is not None
         failed_plans = pool.failed_plans
-        try:
+
+        def register() -> None:
             pool.register_worker(
                 request.rank,
                 request.world_size,
@@ -54,6 +55,17 @@ class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
                 request.available_memory_bytes,
                 limits=self._state.limits,
             )
+
+        # The rank that completes the round plans the pool and builds its blocks (up to
+        # limits.max_blocks_per_pool of them): that runs in the pool's lane, off the loop.
+        completes = not was_ready and request.world_size - len(pool.registrations) <= (
+            0 if request.rank in pool.registrations else 1
+        )
+        try:
+            if completes:
+                await self._state.run_in_lane(pool, register, builds_pool=True)
+            else:
+                register()
         except KVCMError as exc:
             if pool.failed_plans != failed_plans:
                 runtime.fail_round(exc)
