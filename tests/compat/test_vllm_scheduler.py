@@ -129,21 +129,6 @@ def kvcm_classes(vllm: ModuleType) -> tuple[type, type]:
 # while requests hold blocks, one that preempts everything and succeeds.
 RESETS = {40: False, 120: True}
 
-# Cases whose recorded programs Pool.run_step does not yet interpret like the mirror (the first
-# disagreement is a hit refused as stale, or a block-hash / free-queue drift a few steps in).
-# Open work for issue 10 stage 2.
-KNOWN_INTERPRETER_GAPS = frozenset(
-    {
-        "async-preemption",
-        "hybrid-swa",
-        "hybrid-swa-async-watermark",
-        "lora-salts",
-        "no-stats",
-        "preemption",
-        "prefix-hits-chunked",
-    }
-)
-
 CASES = {
     # name: (setup, seed, number of requests)
     "prefix-hits-chunked": (Setup(), 1, 120),
@@ -187,13 +172,11 @@ def test_schedules_equal_vllm(case: str, kvcm_classes: tuple[type, type]) -> Non
     mirrored.shutdown()
     reference.shutdown()
     assert sink.closed
-    # Pool.run_step (the server's interpreter) on the same programs. Known today: it refuses or
-    # drifts on the cases below (see KNOWN_INTERPRETER_GAPS); the others run clean throughout.
+    # Pool.run_step (the server's interpreter) ran every recorded program and agreed with the
+    # mirror after every step.
     print(f"{case}: {sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step")
-    if case in KNOWN_INTERPRETER_GAPS:
-        assert sink.interpreter_error is not None, f"{case} now interprets: update the list"
-    else:
-        assert sink.interpreter_error is None, sink.interpreter_error
+    assert sink.interpreter_error is None, sink.interpreter_error
+    assert sink.num_interpreted == sink.num_steps
     # The workload exercised what the case is about, and the replay saw every step.
     assert num_steps > 50
     assert sink.num_steps >= num_steps

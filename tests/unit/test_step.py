@@ -213,3 +213,74 @@ def test_step_seq_answers_the_remembered_outcome() -> None:
     with pytest.raises(FailedPreconditionError) as caught:
         pool.run_step(StepProgram(step_seq=5))
     assert caught.value.field == "step_seq"
+
+
+def _late_hit_program(pool: Pool, hit: HitSpec, *, evict: list[int]) -> StepProgram:
+    """Request 3 decodes (an ALLOCATE that may evict), EVICT_BLOCKS, request 2 adopts ``hit``."""
+    return StepProgram(
+        ops=[OpKind.ALLOCATE, OpKind.EVICT_BLOCKS, OpKind.ALLOCATE],
+        request_keys=[3, 2],
+        alloc_num_new_tokens=[1, 8],
+        alloc_num_computed_tokens=[16, 0],
+        alloc_options={1: AllocOptions(hit=hit)},
+        evict_num_block_ids=[len(evict)],
+        evict_block_ids=evict,
+    )
+
+
+def _late_hit_pool() -> tuple[Pool, list[int], list[int]]:
+    pool = _pool()
+    prompt = list(range(40))
+    own = _admit(pool, 1, prompt, finish=True)  # the prompt's 2 full blocks, cached and free
+    other = _admit(pool, 4, [9] * 40, finish=True)  # another prompt's, cached and free
+    pool.add_request(2, "r2", prompt, _spec(pool, 2, prompt).block_hashes)
+    _admit(pool, 3, [5] * 16)  # holds one full block; its next token needs a new block
+    return pool, own, other
+
+
+def test_a_hit_after_an_op_that_can_evict_is_checked_when_it_runs() -> None:
+    """vLLM looks waiting requests up after allocating for running ones: such a hit adopts."""
+    pool, own, _other = _late_hit_pool()
+    outcome = pool.run_step(
+        _late_hit_program(pool, HitSpec(num_tokens=32, block_ids=(own[:2],)), evict=[])
+    )
+    assert outcome.alloc_statuses == [ItemStatus.OK, ItemStatus.OK]
+    assert outcome.num_ops_executed == 3
+    assert pool.ready_manager().get_block_ids("2")[0][:2] == own[:2]
+
+
+def test_a_hit_evicted_by_an_earlier_op_answers_hit_stale_and_stops_there() -> None:
+    pool, own, _other = _late_hit_pool()
+    # Unchanged by the stop: the decode and the eviction ran, request 2 holds nothing.
+    outcome = pool.run_step(
+        _late_hit_program(pool, HitSpec(num_tokens=32, block_ids=(own[:2],)), evict=[own[1]])
+    )
+    assert outcome.alloc_statuses == [ItemStatus.OK, ItemStatus.HIT_STALE]
+    assert outcome.num_ops_executed == 3
+    assert outcome.alloc_num_block_ids == [1, 0]
+    manager = pool.ready_manager()
+    assert not manager.holds_blocks("2")
+    assert manager.holds_blocks("3")
+    assert pool.requests[2].num_computed_tokens == 0
+
+
+def test_a_foreign_late_hit_adopts_nothing() -> None:
+    pool, _own, other = _late_hit_pool()
+    free_before = pool.ready_manager().num_free_blocks
+    outcome = pool.run_step(
+        _late_hit_program(pool, HitSpec(num_tokens=32, block_ids=(other[:2],)), evict=[])
+    )
+    assert outcome.alloc_statuses == [ItemStatus.OK, ItemStatus.HIT_STALE]
+    assert not pool.ready_manager().holds_blocks("2")
+    assert pool.ready_manager().num_free_blocks == free_before - 1  # request 3's new block
+
+
+def test_a_late_hit_of_the_wrong_shape_is_still_refused_before_anything_runs() -> None:
+    pool, own, _other = _late_hit_pool()
+    before = pool.state_fingerprint()
+    with pytest.raises(InvalidArgumentError) as caught:
+        pool.run_step(
+            _late_hit_program(pool, HitSpec(num_tokens=32, block_ids=([own[0]],)), evict=[])
+        )
+    assert caught.value.field == "alloc_options[1].hit"
+    assert pool.state_fingerprint() == before

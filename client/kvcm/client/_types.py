@@ -80,6 +80,10 @@ class ItemStatus(enum.IntEnum):
     """A lookup allocation found nothing to compute within the step's token budget."""
     NOT_EXECUTED = 4
     """The Step stopped before this allocation; nothing changed for it."""
+    HIT_STALE = 5
+    """A caller-supplied hit checked when its allocation ran no longer held the request's
+    block hashes (an earlier op of the Step evicted them); nothing changed for it and the
+    Step stopped there. Look the request up again."""
 
 
 class KVCacheBlocks:

@@ -608,14 +608,14 @@ class Pool:
         # A unary call: the same rules as the op in a Step, reported without the op prefix.
         manager = self.ready_manager()
         try:
-            validate_program(self, manager, program)
+            deferred_hits = validate_program(self, manager, program)
         except KVCMError as exc:
             prefix = f"ops[0] {OpKind(program.ops[0]).name}: "
             message = str(exc)
             if message.startswith(prefix):
                 message = message[len(prefix) :]
             raise type(exc)(message, field=exc.field) from None
-        return execute_program(self, manager, program)
+        return execute_program(self, manager, program, deferred_hits)
 
     def allocate(
         self,

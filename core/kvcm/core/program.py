@@ -77,6 +77,7 @@ class ItemStatus(enum.IntEnum):
     OK = 1
     DOES_NOT_FIT = 2
     NO_TOKEN_BUDGET = 3
+    HIT_STALE = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,9 +23,13 @@ Rules beyond the unary calls' (all decided by validation, so deterministic):
   no blocks, and must not follow another ALLOCATE of the same request in the program unless
   the program runs on after "does not fit" (``continue_on_does_not_fit``); then, if the earlier
   ALLOCATE fit, it answers DOES_NOT_FIT and changes nothing;
-* an ALLOCATE with a caller hit must come before every op that can evict cached blocks
-  (ALLOCATE, EVICT_BLOCKS, RESET_PREFIX_CACHE): its hit is verified against the cache as the
-  program finds it;
+* a caller-supplied hit is checked against the cache before anything runs when that is exact
+  (no earlier op of the program can evict cached blocks, and the request's block hashes are
+  all in the pool already): a stale or foreign hit then rejects the program. Otherwise (vLLM's
+  scheduler looks waiting requests up after it allocated for the running ones) validation
+  checks the hit's shape and the cache part runs with the ALLOCATE: a hit block that does not
+  hold the request's block hash there answers HIT_STALE, adopts nothing, and the program stops
+  there as at DOES_NOT_FIT;
 * with ``continue_on_does_not_fit``, CACHE_BLOCKS / REMOVE_SKIPPED_BLOCKS of a request whose
   ALLOCATE did not fit change nothing, and CACHE_BLOCKS caches at most the tokens the request's
   blocks hold.
@@ -85,6 +89,7 @@ _RESET: Final = int(OpKind.RESET_PREFIX_CACHE)
 _OK: Final = int(ItemStatus.OK)
 _DOES_NOT_FIT: Final = int(ItemStatus.DOES_NOT_FIT)
 _NO_TOKEN_BUDGET: Final = int(ItemStatus.NO_TOKEN_BUDGET)
+_HIT_STALE: Final = int(ItemStatus.HIT_STALE)
 
 
 class StepExecutionBug(AssertionError):  # noqa: N818 - a bug, not an error to handle
@@ -119,8 +124,8 @@ def run_step(pool: Pool, program: StepProgram) -> StepOutcome:
                 f"expects {last + 1}",
                 field="step_seq",
             )
-    validate_program(pool, manager, program)
-    outcome = execute_program(pool, manager, program)
+    deferred_hits = validate_program(pool, manager, program)
+    outcome = execute_program(pool, manager, program, deferred_hits)
     if seq is not None:
         outcome.step_seq = seq
         pool.last_step_seq = seq
@@ -129,19 +134,33 @@ def run_step(pool: Pool, program: StepProgram) -> StepOutcome:
 
 
 # ------------------------------------------------------------------------------ execution
-def execute_program(pool: Pool, manager: KVCacheManager, program: StepProgram) -> StepOutcome:
+def execute_program(
+    pool: Pool,
+    manager: KVCacheManager,
+    program: StepProgram,
+    deferred_hits: frozenset[int] = frozenset(),
+) -> StepOutcome:
     """Run a validated program (see the module docstring); returns its outcome.
+
+    Args:
+        pool: The pool.
+        manager: Its ready manager.
+        program: A program :func:`validate_program` accepted.
+        deferred_hits: What :func:`validate_program` returned: the ALLOCATEs whose hit is
+            checked against the cache when they run.
 
     Raises:
         StepExecutionBug: The core refused an op validation accepted (a bug).
     """
     try:
-        return _execute(pool, manager, program)
+        return _execute(pool, manager, program, deferred_hits)
     except KVCMError as exc:  # pragma: no cover - validation covers what execution refuses
         raise StepExecutionBug(f"the core refused a validated Step op: {exc!r}") from exc
 
 
-def _execute(pool: Pool, manager: KVCacheManager, program: StepProgram) -> StepOutcome:
+def _execute(
+    pool: Pool, manager: KVCacheManager, program: StepProgram, deferred_hits: frozenset[int]
+) -> StepOutcome:
     requests = pool.requests
     keys = program.request_keys
     hash_length = pool.hashing.hash_length_bytes
@@ -182,6 +201,12 @@ def _execute(pool: Pool, manager: KVCacheManager, program: StepProgram) -> StepO
             entry = options_by_index.get(n_alloc) if options_by_index else None
             n_alloc += 1
             if entry is not None:
+                if entry.hit is not None and (n_alloc - 1) in deferred_hits:
+                    entry = _fresh_hit_or_none(pool, manager, request, entry, outcome)
+                    if entry is None:
+                        if stop:
+                            break
+                        continue
                 status, budget = _allocate_with_options(
                     pool, manager, request, num_new, entry, default_lookahead, budget, outcome
                 )
@@ -346,6 +371,26 @@ def _allocate_with_options(  # noqa: PLR0917 (private helper)
     if budget is not None:
         budget = max(0, budget - num_new)
     return _OK, budget
+
+
+def _fresh_hit_or_none(
+    pool: Pool,
+    manager: KVCacheManager,
+    request: Request,
+    entry: AllocOptions,
+    outcome: StepOutcome,
+) -> AllocOptions | None:
+    """A deferred hit checked against the cache now: ``entry``, or ``None`` after answering
+    HIT_STALE (nothing adopted, nothing allocated)."""
+    assert entry.hit is not None
+    if manager.holds_blocks(request.request_id):
+        return entry  # an earlier ALLOCATE of it fit: _allocate_with_options answers that
+    try:
+        check_hit(pool, manager, request, entry.hit, request.num_tokens)
+    except FailedPreconditionError:
+        _answer(outcome, _HIT_STALE, manager.num_kv_cache_groups, None, None, 0)
+        return None
+    return entry
 
 
 def _with_lookahead(options: SlotOptions, lookahead: int) -> SlotOptions:

@@ -62,6 +62,7 @@ _NO_TOKEN_BUDGET: Final = int(ItemStatus.NO_TOKEN_BUDGET)
 # Shadow "holds blocks" states: unknown (ask the core), no, yes, maybe (allocated in this
 # program: it may not have fit).
 _UNKNOWN, _NO, _YES, _MAYBE = -1, 0, 1, 2
+_NONE_DEFERRED: frozenset[int] = frozenset()
 
 
 def _name(op: int) -> str:
@@ -116,6 +117,7 @@ class _Shadow:
 
     __slots__ = (
         "allocated",
+        "deferred_hits",
         "evicting",
         "keys",
         "manager",
@@ -140,6 +142,7 @@ class _Shadow:
         self.n_add = self.n_cache = self.n_skipped = self.n_evict = self.n_evict_ids = 0
         self.evicting = False  # an op that can evict cached blocks was seen
         self.allocated: set[int] = set()
+        self.deferred_hits: set[int] = set()  # alloc indices whose hit is checked at run time
 
     def state(self, op_index: int, op: int, k: int) -> tuple[int, list[Any]]:
         """The shadow of the request named by ``request_keys[k]`` (first sight: the table)."""
@@ -174,8 +177,12 @@ class _Shadow:
         return value
 
 
-def validate_program(pool: Pool, manager: KVCacheManager, program: StepProgram) -> None:
+def validate_program(pool: Pool, manager: KVCacheManager, program: StepProgram) -> frozenset[int]:
     """Validate a whole program against the pool without changing anything.
+
+    Returns:
+        The ALLOCATE indices whose caller-supplied hit must be checked against the cache when
+        the op runs (an earlier op may evict, or the Step appends the hashes it needs).
 
     Raises:
         KVCMError: The first failing op (``op_index`` set) or the malformed program.
@@ -270,6 +277,7 @@ def validate_program(pool: Pool, manager: KVCacheManager, program: StepProgram) 
             f"{n_alloc} ALLOCATE ops",
             field="alloc_options",
         )
+    return frozenset(v.deferred_hits) if v.deferred_hits else _NONE_DEFERRED
 
 
 def _check_program_fields(program: StepProgram) -> None:
@@ -473,18 +481,18 @@ def _check_allocate(  # noqa: PLR0917 (private helper)
         if entry.lookup is not None:
             return  # the lookup caps num_new_tokens at execution
         if entry.hit is not None:
-            if v.evicting:
-                raise reject(
-                    "an ALLOCATE with a hit must come before every op that can evict cached "
-                    "blocks (ALLOCATE, EVICT_BLOCKS, RESET_PREFIX_CACHE)",
-                    f"alloc_options[{index}].hit",
-                )
             request = state[4]
             assert isinstance(request, Request)
+            # The cache part of the check is exact here only when nothing earlier in the
+            # program can evict and the request's hashes are all in the table already;
+            # otherwise the interpreter checks it when the ALLOCATE runs (HIT_STALE).
+            deferred = v.evicting or state[2] != len(request.block_hashes)
             try:
-                check_hit(v.pool, v.manager, request, entry.hit, num_tokens)
+                check_hit(v.pool, v.manager, request, entry.hit, num_tokens, cache=not deferred)
             except KVCMError as exc:
                 raise _reject(exc, op_index, _ALLOCATE, f"alloc_options[{index}].hit") from None
+            if deferred:
+                v.deferred_hits.add(index)
             hit_tokens = entry.hit.num_tokens
     if num_new == 0 and hit_tokens == 0 and options.num_external_computed_tokens == 0:
         raise reject(
@@ -562,12 +570,20 @@ def _check_alloc_options(  # noqa: PLR0917 (private helper)
 
 
 def check_hit(
-    pool: Pool, manager: KVCacheManager, request: Request, hit: HitSpec, num_tokens: int
+    pool: Pool,
+    manager: KVCacheManager,
+    request: Request,
+    hit: HitSpec,
+    num_tokens: int,
+    *,
+    cache: bool = True,
 ) -> None:
     """Check a caller-supplied hit against the prefix cache as it is now.
 
     Every hit block must hold the request's block hash at its position (for its group's
-    block size); the null block only where that group's manager skips blocks.
+    block size); the null block only where that group's manager skips blocks. With ``cache``
+    false only the shape is checked (groups, lengths, ids, null blocks): the program checks
+    the cache part when its ALLOCATE runs.
 
     Raises:
         InvalidArgumentError: Wrong number of groups, an id outside the pool, a hit longer
@@ -610,6 +626,8 @@ def check_hit(
                     f"hit group {group_id} position {position}: the null block stands only "
                     "where a group skips blocks; look the request up again"
                 )
+            if not cache:
+                continue
             if position >= len(hashes) or not block_pool._maps_to(
                 hashes[position] + suffix,  # type: ignore[arg-type]
                 block_id,

@@ -45,6 +45,7 @@ class ItemStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ITEM_STATUS_DOES_NOT_FIT: _ClassVar[ItemStatus]
     ITEM_STATUS_NO_TOKEN_BUDGET: _ClassVar[ItemStatus]
     ITEM_STATUS_NOT_EXECUTED: _ClassVar[ItemStatus]
+    ITEM_STATUS_HIT_STALE: _ClassVar[ItemStatus]
 DATA_TYPE_UNSPECIFIED: DataType
 DATA_TYPE_FLOAT16: DataType
 DATA_TYPE_BFLOAT16: DataType
@@ -72,6 +73,7 @@ ITEM_STATUS_OK: ItemStatus
 ITEM_STATUS_DOES_NOT_FIT: ItemStatus
 ITEM_STATUS_NO_TOKEN_BUDGET: ItemStatus
 ITEM_STATUS_NOT_EXECUTED: ItemStatus
+ITEM_STATUS_HIT_STALE: ItemStatus
 
 class AttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "page_size_padded_bytes")
