@@ -45,7 +45,7 @@ class ProgramReplayer:
         new_requests = iter(program.new_requests)
         alloc_index = 0
         append_index = tokens_at = hashes_at = 0
-        cache_at = remove_at = evict_at = evict_ids_at = 0
+        cache_at = remove_at = evict_at = evict_ids_at = record_at = 0
         hash_size = 0
         for op in program.ops:
             if op == OpKind.ADD_REQUEST:
@@ -112,6 +112,11 @@ class ProgramReplayer:
                 evict_ids_at += count
             elif op == OpKind.RESET_PREFIX_CACHE:
                 outcome.reset.append(manager.reset_prefix_cache())
+            elif op == OpKind.RECORD_PREFIX_STATS:
+                manager.record_prefix_cache_stats(
+                    self.requests[next(keys)], program.record_hit_tokens[record_at]
+                )
+                record_at += 1
             else:
                 raise AssertionError(f"unknown op {op}")
         outcome.num_ops_executed = len(program.ops)

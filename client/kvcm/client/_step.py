@@ -49,6 +49,7 @@ _OP_PREEMPT: Final = int(OpKind.PREEMPT)
 _OP_FINISH: Final = int(OpKind.FINISH)
 _OP_NEW_STEP: Final = int(OpKind.NEW_STEP_STARTS)
 _OP_EVICT: Final = int(OpKind.EVICT_BLOCKS)
+_OP_RECORD_PREFIX_STATS: Final = int(OpKind.RECORD_PREFIX_STATS)
 _OP_RESET: Final = int(OpKind.RESET_PREFIX_CACHE)
 
 _OK: Final = int(ItemStatus.OK)
@@ -418,6 +419,14 @@ class StepBuilder:
         """Reset the prefix cache if no block is in use (RESET_PREFIX_CACHE; whether it did is
         ``StepResult.resets``)."""
         self.program.ops.append(_OP_RESET)
+
+    def record_prefix_stats(self, request_key: int, num_hits: int) -> None:
+        """Count an admitted request in the pool's prefix-cache statistics with ``num_hits``
+        hit tokens (RECORD_PREFIX_STATS: vLLM records at admission; a lookup allocation
+        counts itself)."""
+        self.program.ops.append(_OP_RECORD_PREFIX_STATS)
+        self.program.request_keys.append(request_key)
+        self.program.record_hit_tokens.append(num_hits)
 
     # --------------------------------------------------------------------------- output
     def build(self) -> StepProgram:

@@ -55,6 +55,21 @@ class EventLog:
         """The kept events with their timestamps, oldest first (a copy)."""
         return list(self._events)
 
+    def restore(self, next_sequence: int, entries: Sequence[tuple[KVCacheEvent, float]]) -> None:
+        """Replace the log: ``entries`` are the kept events, the last one numbered
+        ``next_sequence - 1`` (a snapshot's log; at most ``retention`` are kept).
+
+        Raises:
+            InvalidArgumentError: ``next_sequence`` leaves no room for the entries.
+        """
+        if next_sequence < 1 or len(entries) > next_sequence - 1:
+            raise InvalidArgumentError(
+                f"next_sequence {next_sequence} cannot follow {len(entries)} kept events",
+                field="data",
+            )
+        self._events = deque(entries, maxlen=self.retention)
+        self._next_sequence = next_sequence
+
     def append(self, events: Sequence[KVCacheEvent], now: float) -> int:
         """Publish ``events`` in order, all stamped ``now``; returns how many."""
         self._events.extend([(event, now) for event in events])

@@ -767,6 +767,17 @@ class Pool:
         """The cumulative and the not yet taken prefix-cache counters (for fingerprints)."""
         return self._stats_total, self._stats_untaken
 
+    def restore_stats_totals(self, total: PrefixCacheStats, untaken: PrefixCacheStats) -> None:
+        """Install counters saved by :meth:`stats_totals` (:mod:`kvcm.core.snapshot`)."""
+        self._stats_total = total
+        self._stats_untaken = untaken
+
+    def restore_events(
+        self, next_sequence: int, entries: Sequence[tuple[KVCacheEvent, float]]
+    ) -> None:
+        """Install a saved event log: the kept events end right before ``next_sequence``."""
+        self._events.restore(next_sequence, entries)
+
     @property
     def last_event_sequence(self) -> int:
         """Sequence number of the last published event (0: none yet)."""

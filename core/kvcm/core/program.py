@@ -20,6 +20,7 @@ requests costs a few lists rather than hundreds of objects::
     NEW_STEP_STARTS        -              -
     EVICT_BLOCKS           -              evict_block_ids (evict_num_block_ids (1) of them)
     RESET_PREFIX_CACHE     -              -
+    RECORD_PREFIX_STATS    1              record_hit_tokens (1)
 
 Every column is consumed exactly. The interpreter's contract (:mod:`kvcm.core.step` has the
 full rules; docs/api.md the atomicity guarantee):
@@ -68,6 +69,7 @@ class OpKind(enum.IntEnum):
     NEW_STEP_STARTS = 8
     EVICT_BLOCKS = 9
     RESET_PREFIX_CACHE = 10
+    RECORD_PREFIX_STATS = 11
 
 
 @enum.unique
@@ -163,6 +165,7 @@ class StepProgram:
     remove_skipped_total_computed_tokens: list[int] = field(default_factory=list)
     evict_num_block_ids: list[int] = field(default_factory=list)
     evict_block_ids: list[int] = field(default_factory=list)
+    record_hit_tokens: list[int] = field(default_factory=list)
     default_num_lookahead_tokens: int = 0
     token_budget: int | None = None
     continue_on_does_not_fit: bool = False

@@ -86,6 +86,7 @@ _PREEMPT: Final = int(OpKind.PREEMPT)
 _NEW_STEP: Final = int(OpKind.NEW_STEP_STARTS)
 _EVICT: Final = int(OpKind.EVICT_BLOCKS)
 _RESET: Final = int(OpKind.RESET_PREFIX_CACHE)
+_RECORD: Final = int(OpKind.RECORD_PREFIX_STATS)
 _OK: Final = int(ItemStatus.OK)
 _DOES_NOT_FIT: Final = int(ItemStatus.DOES_NOT_FIT)
 _NO_TOKEN_BUDGET: Final = int(ItemStatus.NO_TOKEN_BUDGET)
@@ -257,8 +258,8 @@ def _execute(
 class _ColdOps:
     """Runs the validated ops other than ALLOCATE and APPEND_TOKENS, with their cursors."""
 
-    __slots__ = ("keys", "manager", "n_add", "n_cache", "n_evict", "n_evict_ids", "n_skipped",
-                 "outcome", "pool", "program")  # fmt: skip
+    __slots__ = ("keys", "manager", "n_add", "n_cache", "n_evict", "n_evict_ids", "n_record",
+                 "n_skipped", "outcome", "pool", "program")  # fmt: skip
 
     def __init__(
         self, pool: Pool, manager: KVCacheManager, program: StepProgram, outcome: StepOutcome
@@ -269,6 +270,7 @@ class _ColdOps:
         self.outcome = outcome
         self.keys = program.request_keys
         self.n_add = self.n_cache = self.n_skipped = self.n_evict = self.n_evict_ids = 0
+        self.n_record = 0
 
     def run(self, op: int, k: int) -> int:
         """Run ``op`` (its request named by ``request_keys[k]``); returns the next key cursor."""
@@ -312,6 +314,10 @@ class _ColdOps:
             self.n_skipped += 1
             if manager.holds_blocks(request.request_id):
                 manager.remove_skipped_blocks(request.request_id, total)
+        elif op == _RECORD:
+            hits = program.record_hit_tokens[self.n_record]
+            self.n_record += 1
+            manager.record_prefix_cache_stats(request, hits)
         else:  # PREEMPT or FINISH; validation allowed no other kind
             pool.free(key, preempt=op == _PREEMPT)
         return k + 1

@@ -56,6 +56,7 @@ _FINISH: Final = int(OpKind.FINISH)
 _NEW_STEP: Final = int(OpKind.NEW_STEP_STARTS)
 _EVICT: Final = int(OpKind.EVICT_BLOCKS)
 _RESET: Final = int(OpKind.RESET_PREFIX_CACHE)
+_RECORD: Final = int(OpKind.RECORD_PREFIX_STATS)
 _OK: Final = int(ItemStatus.OK)
 _DOES_NOT_FIT: Final = int(ItemStatus.DOES_NOT_FIT)
 _NO_TOKEN_BUDGET: Final = int(ItemStatus.NO_TOKEN_BUDGET)
@@ -125,6 +126,7 @@ class _Shadow:
         "n_cache",
         "n_evict",
         "n_evict_ids",
+        "n_record",
         "n_skipped",
         "pool",
         "program",
@@ -140,6 +142,7 @@ class _Shadow:
         self.table: dict[int, list[Any] | None] = {}
         self.verify = pool.options.verify_block_hashes
         self.n_add = self.n_cache = self.n_skipped = self.n_evict = self.n_evict_ids = 0
+        self.n_record = 0
         self.evicting = False  # an op that can evict cached blocks was seen
         self.allocated: set[int] = set()
         self.deferred_hits: set[int] = set()  # alloc indices whose hit is checked at run time
@@ -655,6 +658,9 @@ def _check_cold_op(v: _Shadow, op_index: int, op: int, k: int) -> int:
     if op in (_CACHE, _SKIPPED):
         _check_commit(v, op_index, op, k)
         return k + 1
+    if op == _RECORD:
+        _check_record(v, op_index, k)
+        return k + 1
     if op == _PREEMPT:
         _, state = v.state(op_index, op, k)
         state[1] = _NO
@@ -829,6 +835,28 @@ def _check_commit(v: _Shadow, op_index: int, op: int, k: int) -> None:
                 raise _reject(exc, op_index, op, f"{name}[{index}]") from None
 
 
+def _check_record(v: _Shadow, op_index: int, k: int) -> None:
+    """RECORD_PREFIX_STATS: a live request, a hit of at most its tokens."""
+    _, state = v.state(op_index, _RECORD, k)
+    index = v.n_record
+    column = v.program.record_hit_tokens
+    if index >= len(column):
+        raise _too_few(op_index, _RECORD, "record_hit_tokens")
+    value = column[index]
+    num_tokens = state[0]
+    if not 0 <= value <= num_tokens:
+        raise _reject(
+            InvalidArgumentError(
+                f"record_hit_tokens[{index}]={value} is outside [0, {num_tokens}] (the "
+                "request's tokens)"
+            ),
+            op_index,
+            _RECORD,
+            f"record_hit_tokens[{index}]",
+        )
+    v.n_record += 1
+
+
 def _check_consumed(  # noqa: PLR0917 (private helper)
     v: _Shadow, num_keys: int, num_allocs: int, num_appends: int, num_ids: int, num_bytes: int
 ) -> None:
@@ -851,6 +879,7 @@ def _check_consumed(  # noqa: PLR0917 (private helper)
         ),
         ("evict_num_block_ids", v.n_evict, len(p.evict_num_block_ids)),
         ("evict_block_ids", v.n_evict_ids, len(p.evict_block_ids)),
+        ("record_hit_tokens", v.n_record, len(p.record_hit_tokens)),
     )
     for name, used, size in columns:
         if used != size:

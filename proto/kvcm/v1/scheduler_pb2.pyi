@@ -1,3 +1,4 @@
+from kvcm.v1 import admin_pb2 as _admin_pb2
 from kvcm.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -27,6 +28,7 @@ class StepOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_OP_KIND_NEW_STEP_STARTS: _ClassVar[StepOpKind]
     STEP_OP_KIND_EVICT_BLOCKS: _ClassVar[StepOpKind]
     STEP_OP_KIND_RESET_PREFIX_CACHE: _ClassVar[StepOpKind]
+    STEP_OP_KIND_RECORD_PREFIX_STATS: _ClassVar[StepOpKind]
 FREE_MODE_UNSPECIFIED: FreeMode
 FREE_MODE_FINISHED: FreeMode
 FREE_MODE_PREEMPTED: FreeMode
@@ -41,6 +43,7 @@ STEP_OP_KIND_FINISH: StepOpKind
 STEP_OP_KIND_NEW_STEP_STARTS: StepOpKind
 STEP_OP_KIND_EVICT_BLOCKS: StepOpKind
 STEP_OP_KIND_RESET_PREFIX_CACHE: StepOpKind
+STEP_OP_KIND_RECORD_PREFIX_STATS: StepOpKind
 
 class MultiModalFeature(_message.Message):
     __slots__ = ("identifier", "offset_tokens", "length_tokens")
@@ -375,7 +378,7 @@ class StepAllocOptions(_message.Message):
     def __init__(self, alloc_index: _Optional[int] = ..., lookup: _Optional[_Union[LookupOptions, _Mapping]] = ..., options: _Optional[_Union[SlotOptions, _Mapping]] = ..., hit: _Optional[_Union[ComputedBlocks, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit", "evict_num_block_ids", "evict_block_ids")
+    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit", "evict_num_block_ids", "evict_block_ids", "record_hit_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +398,7 @@ class StepRequest(_message.Message):
     CONTINUE_ON_DOES_NOT_FIT_FIELD_NUMBER: _ClassVar[int]
     EVICT_NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     EVICT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     step_seq: int
     ops: _containers.RepeatedScalarFieldContainer[StepOpKind]
@@ -414,7 +418,8 @@ class StepRequest(_message.Message):
     continue_on_does_not_fit: bool
     evict_num_block_ids: _containers.RepeatedScalarFieldContainer[int]
     evict_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ..., evict_num_block_ids: _Optional[_Iterable[int]] = ..., evict_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    record_hit_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ..., evict_num_block_ids: _Optional[_Iterable[int]] = ..., evict_block_ids: _Optional[_Iterable[int]] = ..., record_hit_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("num_ops_executed", "alloc_statuses", "alloc_num_block_ids", "alloc_block_ids", "lookup_num_computed_tokens", "lookup_num_new_tokens", "token_budget_left", "step_seq", "reset")
@@ -447,3 +452,27 @@ class StepRejection(_message.Message):
     field: str
     reason: str
     def __init__(self, op_index: _Optional[int] = ..., field: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ResyncPoolRequest(_message.Message):
+    __slots__ = ("pool_id", "config", "step_seq", "data")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    config: _admin_pb2.PoolConfig
+    step_seq: int
+    data: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., config: _Optional[_Union[_admin_pb2.PoolConfig, _Mapping]] = ..., step_seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ResyncPoolResponse(_message.Message):
+    __slots__ = ("epoch", "num_blocks", "num_free_blocks", "num_requests")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    num_blocks: int
+    num_free_blocks: int
+    num_requests: int
+    def __init__(self, epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...

@@ -98,6 +98,7 @@ def program_from_proto(msg: scheduler_pb2.StepRequest) -> StepProgram:
         remove_skipped_total_computed_tokens=list(msg.remove_skipped_total_computed_tokens),
         evict_num_block_ids=list(msg.evict_num_block_ids),
         evict_block_ids=list(msg.evict_block_ids),
+        record_hit_tokens=list(msg.record_hit_tokens),
         default_num_lookahead_tokens=msg.default_num_lookahead_tokens,
         token_budget=msg.token_budget if msg.HasField("token_budget") else None,
         continue_on_does_not_fit=msg.continue_on_does_not_fit,
@@ -138,6 +139,7 @@ def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRe
         remove_skipped_total_computed_tokens=program.remove_skipped_total_computed_tokens,
         evict_num_block_ids=program.evict_num_block_ids,
         evict_block_ids=program.evict_block_ids,
+        record_hit_tokens=program.record_hit_tokens,
         default_num_lookahead_tokens=program.default_num_lookahead_tokens,
         continue_on_does_not_fit=program.continue_on_does_not_fit,
     )
