@@ -17,6 +17,7 @@ EXPECTED_RPCS = {
     "WorkerService": {"RegisterWorker"},
     "SchedulerService": {
         "Step",
+        "ResyncPool",
         "AddRequest",
         "AppendTokens",
         "Free",
@@ -101,9 +102,9 @@ def test_every_enum_starts_with_unspecified() -> None:
         assert all(v.name.startswith(prefix) for v in enum.values), enum.full_name
 
 
-def test_only_subscribe_events_streams() -> None:
-    streaming = {m.name for m in _methods() if m.server_streaming or m.client_streaming}
-    assert streaming == {"SubscribeEvents"}
+def test_only_events_stream_out_and_only_snapshots_stream_in() -> None:
+    assert {m.name for m in _methods() if m.server_streaming} == {"SubscribeEvents"}
+    assert {m.name for m in _methods() if m.client_streaming} == {"ResyncPool"}
 
 
 def _decode_step(num_items: int, rng: random.Random) -> scheduler_pb2.StepRequest:

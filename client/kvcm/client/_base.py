@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -220,6 +220,29 @@ def build_create_pool(pool_id: str, config: PoolConfig) -> admin_pb2.CreatePoolR
     if not isinstance(config, PoolConfig):
         raise InvalidArgumentError(f"config must be a PoolConfig, got {config!r}")
     return admin_pb2.CreatePoolRequest(pool_id=pool_id, config=pool_config_to_proto(config))
+
+
+RESYNC_CHUNK_BYTES: Final = 1 << 20
+"""Snapshot bytes per ResyncPool message (well under the server's message limit)."""
+
+
+def build_resync_chunks(
+    pool_id: str, snapshot: bytes, config: PoolConfig, step_seq: int
+) -> Iterator[scheduler_pb2.ResyncPoolRequest]:
+    """The ``ResyncPoolRequest`` stream of one snapshot (the first names the pool)."""
+    if not isinstance(config, PoolConfig):
+        raise InvalidArgumentError(f"config must be a PoolConfig, got {config!r}")
+    if step_seq < 0:
+        raise InvalidArgumentError(f"step_seq must be >= 0, got {step_seq}")
+    view = memoryview(snapshot)
+    yield scheduler_pb2.ResyncPoolRequest(
+        pool_id=pool_id,
+        config=pool_config_to_proto(config),
+        step_seq=step_seq,
+        data=bytes(view[:RESYNC_CHUNK_BYTES]),
+    )
+    for start in range(RESYNC_CHUNK_BYTES, len(view), RESYNC_CHUNK_BYTES):
+        yield scheduler_pb2.ResyncPoolRequest(data=bytes(view[start : start + RESYNC_CHUNK_BYTES]))
 
 
 def decode_pool_info(message: admin_pb2.PoolInfo) -> PoolInfo:

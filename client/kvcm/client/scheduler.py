@@ -248,6 +248,32 @@ class SchedulerClient:
                 continue
             return StepResult.of(step, outcome_from_proto(response))
 
+    def resync_pool(
+        self,
+        pool_id: str,
+        snapshot: bytes,
+        config: PoolConfig,
+        *,
+        step_seq: int,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> int:
+        """Replace a pool's state with ``snapshot`` (``kvcm.core.snapshot``'s format).
+
+        Creates the pool with ``config`` when it is missing. The pool's last step_seq becomes
+        ``step_seq``; it is a new incarnation (its event streams end).
+
+        Returns:
+            The pool's new epoch.
+
+        Raises:
+            ServiceInvalidArgumentError: A damaged snapshot, or one ``config`` does not
+                describe; nothing changed.
+            ServiceResourceExhaustedError: Beyond the server's snapshot or block limits.
+        """
+        chunks = _base.build_resync_chunks(pool_id, snapshot, config, step_seq)
+        response = self._unary("ResyncPool", self._scheduler.ResyncPool, chunks, timeout)
+        return int(response.epoch)
+
     # ------------------------------------------------------------------ request lifecycle
     def add_request(
         self,

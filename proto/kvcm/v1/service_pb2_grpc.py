@@ -342,6 +342,11 @@ class SchedulerServiceStub:
                 request_serializer=kvcm_dot_v1_dot_scheduler__pb2.StepRequest.SerializeToString,
                 response_deserializer=kvcm_dot_v1_dot_scheduler__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.ResyncPool = channel.stream_unary(
+                '/kvcm.v1.SchedulerService/ResyncPool',
+                request_serializer=kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolResponse.FromString,
+                _registered_method=True)
         self.AddRequest = channel.unary_unary(
                 '/kvcm.v1.SchedulerService/AddRequest',
                 request_serializer=kvcm_dot_v1_dot_scheduler__pb2.AddRequestRequest.SerializeToString,
@@ -432,6 +437,18 @@ class SchedulerServiceServicer:
         """A whole scheduler step: see StepRequest. INVALID_ARGUMENT / NOT_FOUND / ALREADY_EXISTS:
         the op named in the message (and in the kvcm-step-rejection-bin trailer) failed
         validation; nothing ran. FAILED_PRECONDITION: step_seq out of sequence.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResyncPool(self, request_iterator, context):
+        """Replaces a pool's whole state with a snapshot of the scheduler's own copy (the vLLM
+        integration's mirror repairs a server copy that was lost or diverged), creating the pool
+        when it is missing. The pool becomes a new incarnation (a new epoch: event streams of the
+        old one end with NOT_FOUND, as after DeletePool) whose last step_seq is the chunk's.
+        INVALID_ARGUMENT: a damaged or mismatched snapshot (nothing changed). RESOURCE_EXHAUSTED:
+        beyond max_snapshot_bytes or the block limits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -565,6 +582,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     request_deserializer=kvcm_dot_v1_dot_scheduler__pb2.StepRequest.FromString,
                     response_serializer=kvcm_dot_v1_dot_scheduler__pb2.StepResponse.SerializeToString,
             ),
+            'ResyncPool': grpc.stream_unary_rpc_method_handler(
+                    servicer.ResyncPool,
+                    request_deserializer=kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolResponse.SerializeToString,
+            ),
             'AddRequest': grpc.unary_unary_rpc_method_handler(
                     servicer.AddRequest,
                     request_deserializer=kvcm_dot_v1_dot_scheduler__pb2.AddRequestRequest.FromString,
@@ -674,6 +696,33 @@ class SchedulerService:
             '/kvcm.v1.SchedulerService/Step',
             kvcm_dot_v1_dot_scheduler__pb2.StepRequest.SerializeToString,
             kvcm_dot_v1_dot_scheduler__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResyncPool(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvcm.v1.SchedulerService/ResyncPool',
+            kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolRequest.SerializeToString,
+            kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolResponse.FromString,
             options,
             channel_credentials,
             insecure,

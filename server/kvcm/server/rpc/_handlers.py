@@ -71,11 +71,12 @@ def register_services(server: grpc.aio.Server, servicers: dict[str, object]) -> 
         for method in service.methods:
             behavior = getattr(servicer, method.name)
             decode = decode_or_mark(GetMessageClass(method.input_type))
-            make = (
-                grpc.unary_stream_rpc_method_handler
-                if method.server_streaming
-                else grpc.unary_unary_rpc_method_handler
-            )
+            if method.client_streaming:
+                make = grpc.stream_unary_rpc_method_handler
+            elif method.server_streaming:
+                make = grpc.unary_stream_rpc_method_handler
+            else:
+                make = grpc.unary_unary_rpc_method_handler
             handlers[method.name] = make(
                 behavior, request_deserializer=decode, response_serializer=_serialize
             )

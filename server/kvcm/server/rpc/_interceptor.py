@@ -75,6 +75,12 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(method, handler.stream_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._stream(method, handler.unary_stream),

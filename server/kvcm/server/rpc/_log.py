@@ -18,6 +18,7 @@ __all__ = [
     "log_pool_created",
     "log_pool_deleted",
     "log_pool_ready",
+    "log_pool_resynced",
     "log_worker_registered",
 ]
 
@@ -50,6 +51,22 @@ def log_pool_ready(pool: Pool) -> None:
     POOLS_LOG.info(
         "pool ready",
         extra={"event": "pool_ready", "pool": pool.name, "num_blocks": _num_blocks(pool)},
+    )
+
+
+def log_pool_resynced(pool: Pool, *, replaced: bool) -> None:
+    """INFO ``pool resynced``: a scheduler uploaded its copy of the pool (a new epoch)."""
+    POOLS_LOG.info(
+        "pool resynced",
+        extra={
+            "event": "pool_resynced",
+            "pool": pool.name,
+            "epoch": pool.epoch,
+            "replaced": replaced,
+            "step_seq": pool.last_step_seq,
+            "num_blocks": _num_blocks(pool),
+            "num_requests": len(pool.requests),
+        },
     )
 
 

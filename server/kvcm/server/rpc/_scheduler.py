@@ -11,6 +11,7 @@ from kvcm.core.pool import Pool
 from kvcm.core.pool_types import FreeMode
 from kvcm.core.program import HitSpec, StepProgram
 from kvcm.core.request import Request
+from kvcm.server.rpc._resync import resync_pool
 from kvcm.server.rpc._state import ServerState
 from kvcm.server.rpc._status import StepRejectedError
 from kvcm.v1 import common_pb2, scheduler_pb2, service_pb2_grpc
@@ -67,6 +68,12 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, state: ServerState) -> None:
         """Serve ``state``'s registry."""
         self._state = state
+
+    async def ResyncPool(  # noqa: N802
+        self, request_iterator: Any, context: Context
+    ) -> scheduler_pb2.ResyncPoolResponse:
+        """Replace a pool's state with an uploaded snapshot (see scheduler.proto)."""
+        return await resync_pool(self._state, request_iterator)
 
     async def Step(  # noqa: N802
         self, request: scheduler_pb2.StepRequest, context: Context
