@@ -20,7 +20,9 @@ import gc
 import importlib
 import math
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +39,7 @@ __all__ = [
     "frozen_gc",
     "import_vllm",
     "init_vllm_none_hash",
+    "kvcm_server",
     "measure",
     "p99",
     "print_table",
@@ -48,6 +51,49 @@ DEFAULT_VLLM_SITE = Path.home() / ".cache/kvcm/vllm-ref/lib/python3.11/site-pack
 # A sample runs one operation (with any untimed setup around it) and returns the seconds
 # the operation itself took.
 Sample = Callable[[], float]
+
+
+# ------------------------------------------------------------------------------ server
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def kvcm_server(*extra_args: str) -> Iterator[str]:
+    """``kvcm serve`` in its own process on 127.0.0.1 (gRPC only); yields its address.
+
+    A separate process, as in production: the benchmark's own threads do not share its
+    interpreter lock.
+    """
+    from kvcm.client import SchedulerClient
+
+    target = f"127.0.0.1:{free_port()}"
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvcm.server.cli", "serve", "--grpc-address", target),
+            *("--http-address", "", "--log-level", "WARNING", *extra_args),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        with SchedulerClient(target, timeout=2.0) as client:
+            give_up_at = time.monotonic() + 30
+            while True:
+                try:
+                    client.list_pools()
+                    break
+                except Exception:
+                    if time.monotonic() > give_up_at or process.poll() is not None:
+                        raise
+                    time.sleep(0.1)
+        yield target
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
 
 
 # ------------------------------------------------------------------------------- vLLM

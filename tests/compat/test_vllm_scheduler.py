@@ -204,8 +204,8 @@ def test_kvcm_manager_replaces_vllms(kvcm_classes: tuple[type, type]) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"additional_config": {"kvcm": {"mode": "remote"}}}, "mode 'remote'"),
-        ({"additional_config": {"kvcm": {"address": "127.0.0.1:1"}}}, "not available yet"),
+        ({"additional_config": {"kvcm": {"mode": "remote"}}}, "mode 'remote' needs an address"),
+        ({"additional_config": {"kvcm": {"mode": "later"}}}, "mode must be one of"),
         ({"additional_config": {"kvcm": {"pool": "x"}}}, "unknown keys"),
         ({"async_scheduling": True}, "KvcmAsyncScheduler, or pass --no-async-scheduling"),
     ],

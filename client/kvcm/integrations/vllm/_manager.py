@@ -16,10 +16,12 @@ would have produced.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from kvcm.common.errors import ConfigError
+from kvcm.common.hashing import HashAlgorithm
 from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
@@ -28,7 +30,10 @@ from kvcm.core.manager import (
     KVCacheManagerConfig,
     SlotOptions,
 )
+from kvcm.core.pool_types import PoolConfig
 from kvcm.core.program import HitSpec
+from kvcm.core.request import Request
+from kvcm.core.snapshot import encode_state, fresh_extras
 from kvcm.integrations.vllm._convert import RequestView, convert_kv_cache_config, to_vllm_events
 from kvcm.integrations.vllm._recorder import NullSink, StepRecorder, StepSink
 
@@ -52,6 +57,7 @@ class MirrorManagerConfig:
         log_stats: Collect prefix-cache stats.
         enable_kv_cache_events: Produce KV events.
         watermark: vLLM's scheduler watermark.
+        hash_algorithm: vLLM's ``--prefix-caching-hash-algo`` (the pool hashes alike).
     """
 
     kv_cache_config: Any
@@ -63,6 +69,7 @@ class MirrorManagerConfig:
     log_stats: bool = False
     enable_kv_cache_events: bool = False
     watermark: float = 0.0
+    hash_algorithm: str = "sha256"
 
 
 class _GroupView:
@@ -118,6 +125,9 @@ class MirrorKVCacheManager:
     """
 
     mamba_shared_prefix_checkpoint = False
+    # Remote mode: every allocate_slots closes a program of its own, which a synchronous sink
+    # ships and the server acknowledges before the answer goes back to vLLM.
+    acknowledge_each_answer = False
     use_eagle = False
     retained_hit_group_ids: tuple[int, ...] = ()
 
@@ -145,6 +155,7 @@ class MirrorKVCacheManager:
         self._kv_events = kv_events
         self._stats_type = PrefixCacheStats
         self.kv_cache_config = config.kv_cache_config
+        self.config = config
         self.core = KVCacheManager(
             KVCacheManagerConfig(
                 kv_cache_config=convert_kv_cache_config(config.kv_cache_config),
@@ -225,6 +236,8 @@ class MirrorKVCacheManager:
             num_hits=num_hits,
             preempted=request.num_preemptions > 0,
         )
+        # The server's pool counts it too (its kvcm_prefix_cache_* metrics agree with vLLM's).
+        self.recorder.record_prefix_stats(self._view(request), num_hits)
 
     # ------------------------------------------------------------------ lookups
     def get_computed_blocks(
@@ -291,6 +304,8 @@ class MirrorKVCacheManager:
             None if options is DEFAULT_SLOT_OPTIONS else options,
             None if result is None else result.get_block_ids(),
         )
+        if self.acknowledge_each_answer:
+            self.close_step()  # remote mode: the server acknowledges before vLLM sees it
         return result
 
     def _options(self, *values: Any) -> SlotOptions:
@@ -449,7 +464,95 @@ class MirrorKVCacheManager:
         del request
         return []
 
+    # ------------------------------------------------------------------ the server's pool
+    def pool_config(self) -> PoolConfig:
+        """How the server's pool is created: this mirror's layout, settings and hashing.
+
+        Call it once the engine set vLLM's NONE_HASH (EngineCore does after building the
+        scheduler): the pool gets the same seed, so kvcm hashes tokens as the engine does.
+        """
+        from vllm.v1.core import kv_cache_utils
+
+        core = self.core.config
+        seed = getattr(kv_cache_utils, "_NONE_HASH_SEED", None)
+        return PoolConfig(
+            max_model_len=core.max_model_len,
+            explicit_layout=core.kv_cache_config,
+            scheduler_block_size=core.scheduler_block_size,
+            hash_block_size=core.hash_block_size,
+            max_in_flight_tokens=core.max_in_flight_tokens,
+            enable_caching=core.enable_caching,
+            hash_algorithm=HashAlgorithm(self.config.hash_algorithm),
+            hash_seed=seed if isinstance(seed, str) else None,
+            enable_kv_cache_events=self.config.enable_kv_cache_events,
+            log_stats=self.config.log_stats,
+            watermark=core.watermark,
+        )
+
+    def snapshot(self) -> bytes:
+        """The server's pool as it should be after the last closed step, as snapshot bytes
+        (:mod:`kvcm.core.snapshot`; what ``ResyncPool`` uploads).
+
+        Requests carry what the programs told the pool (tokens and hashes sent so far), keyed
+        as the programs key them; the event log and counters start afresh.
+        """
+        recorder = self.recorder
+        requests: dict[int, Request] = {}
+        request_ids: dict[int, str] = {}
+        for request_id, (key, num_tokens, num_hashes) in recorder.tracked().items():
+            view = self._views[request_id]
+            request = Request(
+                request_id,
+                view.prompt_token_ids,
+                lora_id=view.lora_id,
+                lora_name=view.lora_name,
+                cache_salt=view.cache_salt,
+                status=view.status,
+                skip_reading_prefix_cache=view.skip_reading_prefix_cache,
+            )
+            request.all_token_ids = list(view.all_token_ids[:num_tokens])
+            request.block_hashes = list(view.block_hashes[:num_hashes])
+            request.num_computed_tokens = view.num_computed_tokens
+            request.num_in_flight_tokens = view.num_in_flight_tokens
+            request.num_preemptions = view.num_preemptions
+            requests[key] = request
+            request_ids[key] = request_id
+        return encode_state(
+            self.core,
+            requests,
+            request_ids,
+            extras=fresh_extras(last_step_seq=recorder.num_steps, max_model_len=self.max_model_len),
+            drop_pending_events=True,
+        )
+
     # ------------------------------------------------------------------ steps
+    def flush(self, timeout_s: float) -> bool:
+        """Close the current program and wait until the sink shipped everything (taking the
+        snapshots it asks for meanwhile); ``False`` if that took longer than ``timeout_s``.
+        For a step boundary (``shutdown()``, tests); a sink that does not ship is flushed.
+        """
+        self.close_step()
+        sink: Any = self.recorder.sink
+        if not hasattr(sink, "flush"):
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if sink.wants_snapshot:
+                sink.submit_snapshot(self.recorder.num_steps, self.snapshot())
+            left = deadline - time.monotonic()
+            if sink.flush(max(0.0, min(left, 0.05))):
+                return True
+            if left <= 0:
+                return False
+
     def close_step(self) -> None:
-        """Close the step's program (if anything was recorded) and hand it to the sink."""
-        self.recorder.close_step()
+        """Close the step's program (if anything was recorded) and hand it to the sink.
+
+        A sink that lost the server's copy asks for a snapshot of the mirror
+        (``wants_snapshot``); it is taken here, at a step boundary, in the scheduler thread.
+        """
+        recorder = self.recorder
+        recorder.close_step()
+        sink: Any = recorder.sink
+        if getattr(sink, "wants_snapshot", False):
+            sink.submit_snapshot(recorder.num_steps, self.snapshot())

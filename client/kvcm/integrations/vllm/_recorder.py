@@ -51,6 +51,7 @@ _FINISH = int(OpKind.FINISH)
 _NEW_STEP_STARTS = int(OpKind.NEW_STEP_STARTS)
 _EVICT_BLOCKS = int(OpKind.EVICT_BLOCKS)
 _RESET_PREFIX_CACHE = int(OpKind.RESET_PREFIX_CACHE)
+_RECORD_PREFIX_STATS = int(OpKind.RECORD_PREFIX_STATS)
 _OK = int(ItemStatus.OK)
 _DOES_NOT_FIT = int(ItemStatus.DOES_NOT_FIT)
 
@@ -280,6 +281,13 @@ class StepRecorder:
         self._program.ops.append(op)
         self._program.request_keys.append(tracked.key)
 
+    def record_prefix_stats(self, view: RequestView, num_hits: int) -> None:
+        """Record RECORD_PREFIX_STATS (vLLM counted an admitted request's lookup)."""
+        key = self._sync_request(view)
+        self._program.ops.append(_RECORD_PREFIX_STATS)
+        self._program.request_keys.append(key)
+        self._program.record_hit_tokens.append(num_hits)
+
     def new_step_starts(self) -> None:
         """Record NEW_STEP_STARTS."""
         self._program.ops.append(_NEW_STEP_STARTS)
@@ -317,6 +325,13 @@ class StepRecorder:
         self._expected = StepOutcome()
         self.sink.submit(step)
         return step
+
+    def tracked(self) -> dict[str, tuple[int, int, int]]:
+        """Requests the pool holds: request id -> (key, tokens sent, block hashes sent)."""
+        return {
+            request_id: (t.key, t.num_tokens_sent, t.num_hashes_sent)
+            for request_id, t in self._tracked.items()
+        }
 
     def key_of(self, request_id: str) -> int | None:
         """The key the programs use for a live request, or ``None``."""

@@ -19,19 +19,21 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import socket
 from typing import TYPE_CHECKING, Any
 
 from kvcm.common.errors import ConfigError
 from kvcm.integrations.vllm._manager import MirrorKVCacheManager, MirrorManagerConfig
 from kvcm.integrations.vllm._recorder import NullSink
 from kvcm.integrations.vllm._settings import KvcmSettings
+from kvcm.integrations.vllm._shipper import GrpcStepShipper
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from kvcm.integrations.vllm._recorder import StepSink
 
-__all__ = ["KvcmAsyncScheduler", "KvcmScheduler", "check_supported"]
+__all__ = ["KvcmAsyncScheduler", "KvcmScheduler", "check_supported", "default_pool_id"]
 
 # Blocks of the pool vLLM's constructor builds and the subclass throws away (null block + 1).
 _PLACEHOLDER_NUM_BLOCKS = 2
@@ -84,6 +86,16 @@ def check_supported(vllm_config: Any) -> None:
             raise ConfigError(reason)
 
 
+def default_pool_id(vllm_config: Any) -> str:
+    """``vllm-<host>-dp<rank>``: one pool per engine (data-parallel rank) and host."""
+    rank = 0
+    if vllm_config is not None:
+        rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    host = socket.gethostname().split(".")[0].lower() or "host"
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in host)
+    return f"vllm-{safe}-dp{rank}"
+
+
 class _KvcmSchedulerMixin:
     """What both kvcm schedulers add to vLLM's (see the module docstring).
 
@@ -105,8 +117,6 @@ class _KvcmSchedulerMixin:
         vllm_config = arguments["vllm_config"]
         kv_cache_config = arguments["kv_cache_config"]
         settings = KvcmSettings.from_sources(vllm_config.additional_config)
-        if settings.mode != "mirror":
-            raise ConfigError(f"kvcm mode {settings.mode!r} is not available yet; use 'mirror'")
         check_supported(vllm_config)
         self._check_loop(vllm_config)
         # Fail on unsupported specs before vLLM builds anything.
@@ -131,9 +141,11 @@ class _KvcmSchedulerMixin:
                 log_stats=scheduler.log_stats,
                 enable_kv_cache_events=scheduler.enable_kv_cache_events,
                 watermark=scheduler.scheduler_config.watermark,
+                hash_algorithm=scheduler.cache_config.prefix_caching_hash_algo,
             ),
-            self.make_step_sink(settings),
         )
+        self.kv_cache_manager.acknowledge_each_answer = settings.mode == "remote"
+        self.kv_cache_manager.recorder.sink = self.make_step_sink(settings)
 
     def _check_loop(self, vllm_config: Any) -> None:
         # vLLM runs a scheduler_cls under the loop async_scheduling selects, whatever the
@@ -152,37 +164,47 @@ class _KvcmSchedulerMixin:
             )
 
     def make_step_sink(self, settings: KvcmSettings) -> StepSink:
-        """Where the scheduler's Step programs go.
+        """Where the scheduler's Step programs go (called once the mirror is built).
 
-        Mirror mode without a server keeps the local copy only; the gRPC shipper (next stage)
-        plugs in here. Override to collect or inspect the programs.
-
-        Raises:
-            ConfigError: A server address is set (shipping arrives in the next stage).
+        Without an address the mirror is the only copy; with one, a
+        :class:`~kvcm.integrations.vllm._shipper.GrpcStepShipper` ships them to the server.
+        Override to collect or inspect the programs.
         """
-        if settings.address is not None:
-            raise ConfigError(
-                "shipping Step programs to a kvcm server is not available yet; leave "
-                "address unset to run the mirror locally"
-            )
-        return NullSink()
+        if settings.address is None:
+            return NullSink()
+        vllm_config: Any = getattr(self, "vllm_config", None)
+        pool_id = settings.pool_id or default_pool_id(vllm_config)
+        manager = self.kv_cache_manager
+        return GrpcStepShipper(
+            address=settings.address,
+            pool_id=pool_id,
+            pool_config=manager.pool_config,
+            step_timeout_s=settings.step_timeout_s,
+            max_backlog=settings.max_backlog,
+            synchronous=settings.mode == "remote",
+            snapshot_source=lambda: (manager.recorder.num_steps, manager.snapshot()),
+        )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``schedule()``; the step's mutations close as one Step program."""
+        """vLLM's ``schedule()``; the step's mutations close as one Step program.
+
+        What ``update_from_output()`` changes (frees of finished requests, cached blocks) is
+        recorded into the program of the next ``schedule()``, so a step costs one Step RPC.
+        """
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         self.kv_cache_manager.close_step()
         return output
 
-    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``update_from_output()``; its mutations (if any) close as one program."""
-        outputs = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        self.kv_cache_manager.close_step()
-        return outputs
-
     def shutdown(self) -> None:
         """Ship what is pending, close the sink, then shut vLLM's scheduler down."""
-        self.kv_cache_manager.close_step()
-        self.kv_cache_manager.recorder.sink.close()
+        manager = self.kv_cache_manager
+        sink: Any = manager.recorder.sink
+        if isinstance(sink, GrpcStepShipper):
+            manager.flush(self.kvcm_settings.shutdown_timeout_s)
+            sink.close(0.0)
+        else:
+            manager.close_step()
+            sink.close()
         super().shutdown()  # type: ignore[misc]
 
 

@@ -20,6 +20,7 @@ _ENV: Final = {
     "mode": "KVCM_MODE",
     "step_timeout_s": "KVCM_STEP_TIMEOUT_S",
     "max_backlog": "KVCM_MAX_BACKLOG",
+    "shutdown_timeout_s": "KVCM_SHUTDOWN_TIMEOUT_S",
 }
 
 
@@ -29,18 +30,23 @@ class KvcmSettings:
 
     Attributes:
         address: The kvcm server (``host:port``); ``None``: mirror runs without a server.
-        pool_id: The pool this engine's scheduler owns.
+        pool_id: The pool this engine's scheduler owns (``None``: ``vllm-<host>-dp<rank>``).
         mode: ``"mirror"``: answer every manager call from an in-process replica and ship one
-            Step program per step; ``"remote"``: ask the server (a later stage).
-        step_timeout_s: Deadline of one shipped Step.
-        max_backlog: Steps shipped but not acknowledged before the scheduler waits.
+            Step program per ``schedule()`` in the background; ``"remote"``: every call that
+            answers waits for the server's acknowledgement.
+        step_timeout_s: Deadline of one call to the server.
+        max_backlog: Steps kept while the server lags or is unreachable; beyond it they are
+            dropped and the server is repaired from a snapshot of the mirror instead (the
+            scheduler never waits for kvcm in mirror mode).
+        shutdown_timeout_s: How long ``shutdown()`` waits for the backlog to be shipped.
     """
 
     address: str | None = None
     pool_id: str | None = None
     mode: str = "mirror"
     step_timeout_s: float = 10.0
-    max_backlog: int = 8
+    max_backlog: int = 4096
+    shutdown_timeout_s: float = 5.0
 
     @classmethod
     def from_sources(
@@ -72,8 +78,9 @@ class KvcmSettings:
             elif variable in environ:
                 values[name] = environ[variable]
         try:
-            if "step_timeout_s" in values:
-                values["step_timeout_s"] = float(values["step_timeout_s"])
+            for name in ("step_timeout_s", "shutdown_timeout_s"):
+                if name in values:
+                    values[name] = float(values[name])
             if "max_backlog" in values:
                 values["max_backlog"] = int(values["max_backlog"])
         except (TypeError, ValueError) as exc:
@@ -90,3 +97,9 @@ class KvcmSettings:
             raise ConfigError(f"kvcm step_timeout_s must be > 0, got {self.step_timeout_s}")
         if self.max_backlog < 1:
             raise ConfigError(f"kvcm max_backlog must be >= 1, got {self.max_backlog}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ConfigError(
+                f"kvcm shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}"
+            )
+        if self.mode == "remote" and self.address is None:
+            raise ConfigError("kvcm mode 'remote' needs an address (the server answers)")

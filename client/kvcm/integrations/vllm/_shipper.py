@@ -1,0 +1,418 @@
+"""Shipping the mirror's Step programs to the kvcm server, off the scheduler's critical path.
+
+:class:`GrpcStepShipper` is the :class:`~kvcm.integrations.vllm._recorder.StepSink` of mirror
+mode with a server address. ``submit`` only appends the closed step to a bounded backlog; one
+background thread sends the steps in order, one Step RPC each (``step_seq`` makes a retry after
+a lost reply run once), and compares every answer with what the mirror answered. So the
+scheduler never waits for kvcm: a slow or unreachable server only grows the backlog.
+
+The server's copy is repaired from the mirror whenever it cannot be trusted: the pool is gone
+(deleted by an operator, or a server restarted without a data directory), a Step is refused or
+answered differently (a divergence), the server is at another ``step_seq``, or the backlog
+outgrew its bound while the server was unreachable (then it is dropped, not shipped). The
+shipper asks for a snapshot of the mirror at the next step boundary (``wants_snapshot``; the
+scheduler thread answers with :meth:`submit_snapshot`), uploads it with ``ResyncPool``, and
+ships the steps recorded after it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvcm.client import (
+    CallCancelledError,
+    DeadlineExceededError,
+    PermissionDeniedError,
+    SchedulerClient,
+    ServiceError,
+    ServiceFailedPreconditionError,
+    ServiceNotFoundError,
+    UnavailableError,
+    UnimplementedError,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvcm.core.pool_types import PoolConfig
+    from kvcm.core.program import StepOutcome
+    from kvcm.integrations.vllm._recorder import RecordedStep
+
+__all__ = ["GrpcStepShipper", "ShipperStats"]
+
+_LOG = logging.getLogger("kvcm.integrations.vllm")
+
+# Failures that say nothing about the pool's state: the same call is repeated after a backoff
+# (a Step's step_seq makes a repeat run once). Credentials and versions are an operator's to
+# fix; the engine keeps scheduling meanwhile.
+_TRANSIENT = (
+    UnavailableError,
+    DeadlineExceededError,
+    CallCancelledError,
+    PermissionDeniedError,
+    UnimplementedError,
+)
+# Backoff between attempts while the server is unreachable, in seconds.
+_BACKOFF_MIN_S = 0.05
+_BACKOFF_MAX_S = 2.0
+
+
+@dataclass(slots=True)
+class ShipperStats:
+    """What the shipper did so far (read them from any thread; each is one int).
+
+    Attributes:
+        steps_submitted: Steps the scheduler closed.
+        steps_shipped: Steps the server ran (each once).
+        steps_verified: Shipped steps whose answers equal the mirror's.
+        mismatches: Shipped steps answered differently (each starts a resync).
+        resyncs: Snapshots of the mirror uploaded.
+        steps_dropped: Steps never shipped because a snapshot covers them.
+        backlog_overflows: Times the backlog outgrew ``max_backlog`` and was dropped.
+        rpcs: Calls made: DescribePool and CreatePool when attaching, Step, ResyncPool
+            (repeats after a failure included).
+        retries: Calls repeated after UNAVAILABLE or a deadline.
+        snapshot_bytes: Snapshot bytes uploaded.
+        backlog_high_water: The largest backlog seen.
+    """
+
+    steps_submitted: int = 0
+    steps_shipped: int = 0
+    steps_verified: int = 0
+    mismatches: int = 0
+    resyncs: int = 0
+    steps_dropped: int = 0
+    backlog_overflows: int = 0
+    rpcs: int = 0
+    retries: int = 0
+    snapshot_bytes: int = 0
+    backlog_high_water: int = 0
+
+
+def outcomes_agree(expected: StepOutcome, actual: StepOutcome) -> bool:
+    """Whether the server answered a step as the mirror did (the verified fields)."""
+    return (
+        actual.num_ops_executed == expected.num_ops_executed
+        and actual.alloc_statuses == expected.alloc_statuses
+        and actual.alloc_num_block_ids == expected.alloc_num_block_ids
+        and actual.alloc_block_ids == expected.alloc_block_ids
+        and actual.reset == expected.reset
+    )
+
+
+class GrpcStepShipper:
+    """Ships closed steps to the server in order from one background thread.
+
+    Attributes:
+        pool_id: The pool on the server.
+        stats: Counters (see :class:`ShipperStats`).
+    """
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        pool_id: str,
+        pool_config: Callable[[], PoolConfig],
+        step_timeout_s: float = 10.0,
+        max_backlog: int = 4096,
+        client: SchedulerClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        synchronous: bool = False,
+        snapshot_source: Callable[[], tuple[int, bytes]] | None = None,
+    ) -> None:
+        """Connect lazily and start the shipping thread (none when ``synchronous``).
+
+        Args:
+            address: The kvcm server (``host:port``).
+            pool_id: The pool the engine owns there (created when missing).
+            pool_config: How to create it (the mirror's layout and settings; asked for when
+                the pool is first needed, once the engine has set its NONE_HASH).
+            step_timeout_s: Deadline of one call.
+            max_backlog: Steps kept while the server lags; beyond it they are dropped and the
+                server is repaired from a snapshot instead.
+            client: The SDK client to use (``None``: one for ``address``, owned and closed).
+            clock: Monotonic clock (tests).
+            synchronous: Remote mode: ``submit`` ships the step itself and returns once the
+                server acknowledged it (retrying for up to ``step_timeout_s``, then raising
+                :class:`~kvcm.client.UnavailableError`); a repair takes its snapshot from
+                ``snapshot_source`` at once.
+            snapshot_source: The mirror's ``(step_seq, snapshot)`` now (synchronous mode).
+        """
+        self.pool_id = pool_id
+        self.stats = ShipperStats()
+        self._config_source = pool_config
+        self._config: PoolConfig | None = None
+        self._timeout_s = step_timeout_s
+        self._max_backlog = max_backlog
+        self._owns_client = client is None
+        self._client = client if client is not None else SchedulerClient(address)
+        self._clock = clock
+        self._backlog: collections.deque[RecordedStep] = collections.deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._busy = False  # a call is in flight or a step is being verified
+        self._attached = False
+        self._need_snapshot = False
+        self._snapshot: tuple[int, bytes] | None = None
+        self._last_error = ""
+        self._synchronous = synchronous
+        self._snapshot_source = snapshot_source
+        self._thread: threading.Thread | None = None
+        if not synchronous:
+            self._thread = threading.Thread(target=self._run, name="kvcm-step-shipper", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ scheduler thread
+    def submit(self, step: RecordedStep) -> None:
+        """Queue one closed step (mirror mode: never blocks on the server).
+
+        Raises:
+            UnavailableError: Synchronous mode only: the server did not acknowledge the step
+                within ``step_timeout_s``.
+        """
+        if self._synchronous:
+            self._backlog.append(step)
+            self.stats.steps_submitted += 1
+            self._ship_now()
+            return
+        with self._cond:
+            self.stats.steps_submitted += 1
+            backlog = self._backlog
+            backlog.append(step)
+            if len(backlog) > self._max_backlog:
+                self.stats.backlog_overflows += 1
+                self.stats.steps_dropped += len(backlog)
+                backlog.clear()
+                self._need_snapshot = True
+                self._snapshot = None  # a pending one is older than the dropped steps
+            self.stats.backlog_high_water = max(self.stats.backlog_high_water, len(backlog))
+            self._cond.notify()
+
+    @property
+    def wants_snapshot(self) -> bool:
+        """Whether the shipper needs a snapshot of the mirror (taken at a step boundary)."""
+        return self._need_snapshot and self._snapshot is None
+
+    def submit_snapshot(self, step_seq: int, data: bytes) -> None:
+        """Hand over a snapshot of the mirror after step ``step_seq`` was closed."""
+        with self._cond:
+            self._snapshot = (step_seq, data)
+            self._cond.notify()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every submitted step was shipped (or dropped); ``False`` on timeout."""
+        deadline = self._clock() + timeout_s
+        with self._cond:
+            while self._backlog or self._busy or self._need_snapshot:
+                left = deadline - self._clock()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Ship what is pending (up to ``timeout_s``), then stop the thread.
+
+        A snapshot the shipper waits for is not taken here: call the mirror's ``flush``
+        first (``shutdown()`` does).
+        """
+        if self._thread is None:
+            if self._owns_client:
+                self._client.close()
+            return
+        if not self.flush(timeout_s):
+            _LOG.warning(
+                "kvcm: %d steps for pool %r were not shipped at shutdown (%s)",
+                len(self._backlog),
+                self.pool_id,
+                self._last_error or "the server did not answer in time",
+            )
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout=timeout_s)
+        if self._owns_client:
+            self._client.close()
+
+    # ------------------------------------------------------------------ remote mode
+    def _ship_now(self) -> None:
+        deadline = self._clock() + self._timeout_s
+        backoff = _BACKOFF_MIN_S
+        while self._backlog or self._need_snapshot:
+            if self._need_snapshot and self._snapshot is None:
+                assert self._snapshot_source is not None
+                seq, data = self._snapshot_source()
+                self._snapshot = (seq, data)
+            try:
+                self._work()
+            except _TRANSIENT as exc:
+                self._note_error(exc)
+                self.stats.retries += 1
+                if self._clock() + backoff > deadline:
+                    raise UnavailableError(
+                        f"kvcm pool {self.pool_id!r}: the server did not acknowledge step "
+                        f"{_seq(self._backlog[0]) if self._backlog else '?'} within "
+                        f"{self._timeout_s} s: {exc}"
+                    ) from exc
+                time.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    # ------------------------------------------------------------------ shipping thread
+    def _run(self) -> None:
+        backoff = _BACKOFF_MIN_S
+        while True:
+            with self._cond:
+                while not self._closing and not self._ready_to_work():
+                    self._cond.wait()
+                if self._closing:
+                    return
+                self._busy = True
+            try:
+                self._work()
+                backoff = _BACKOFF_MIN_S
+                if self._last_error:
+                    _LOG.info("kvcm: pool %r: the server answers again", self.pool_id)
+                    self._last_error = ""
+            except _TRANSIENT as exc:
+                if not self._last_error:
+                    _LOG.warning("kvcm: pool %r: %s; retrying", self.pool_id, exc)
+                self._note_error(exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                self.stats.retries += 1
+            except Exception as exc:  # the engine must keep scheduling whatever happens
+                self._note_error(exc)
+                _LOG.exception("kvcm: shipping to pool %r failed; repairing it", self.pool_id)
+                self._want_snapshot()
+                time.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _ready_to_work(self) -> bool:
+        if self._need_snapshot:
+            return self._snapshot is not None
+        return bool(self._backlog)
+
+    def _note_error(self, exc: BaseException) -> None:
+        self._last_error = f"{type(exc).__name__}: {exc}"
+
+    def _want_snapshot(self) -> None:
+        with self._cond:
+            self._need_snapshot = True
+            self._snapshot = None
+
+    def _work(self) -> None:
+        if not self._attached:
+            self._attach()
+        if self._need_snapshot:
+            if self._snapshot is not None:  # else the next step boundary takes one
+                self._resync()
+            return
+        with self._cond:
+            step = self._backlog[0]
+        self._ship(step)
+        with self._cond:
+            if self._backlog and self._backlog[0] is step:
+                self._backlog.popleft()
+            if self._synchronous and self._snapshot_needed():
+                # Remote mode repairs at once; the step is in the mirror's snapshot.
+                self._backlog.clear()
+
+    def _snapshot_needed(self) -> bool:
+        return self._need_snapshot  # read anew: the call just made may have set it
+
+    def _pool_config(self) -> PoolConfig:
+        if self._config is None:
+            self._config = self._config_source()
+        return self._config
+
+    def _attach(self) -> None:
+        """Create the pool when missing; an existing one is repaired from the mirror."""
+        client = self._client
+        self.stats.rpcs += 1
+        try:
+            info = client.describe_pool(self.pool_id, timeout=self._timeout_s)
+        except ServiceNotFoundError:
+            if not self._need_snapshot:  # else the resync creates it
+                client.create_pool(self.pool_id, self._pool_config(), timeout=self._timeout_s)
+                self.stats.rpcs += 1
+                _LOG.info("kvcm: created pool %r", self.pool_id)
+        else:
+            _LOG.info(
+                "kvcm: pool %r exists (%d requests); replacing its state with this engine's",
+                self.pool_id,
+                info.num_requests,
+            )
+            self._want_snapshot()
+        self._attached = True
+
+    def _ship(self, step: RecordedStep) -> None:
+        self.stats.rpcs += 1
+        try:
+            result = self._client.step(self.pool_id, step.program, timeout=self._timeout_s)
+        except ServiceNotFoundError:
+            _LOG.warning("kvcm: pool %r is gone on the server; re-creating it", self.pool_id)
+            self._attached = False
+            self._want_snapshot()
+            return
+        except ServiceFailedPreconditionError as exc:
+            _LOG.warning("kvcm: pool %r is out of step (%s); resynchronising", self.pool_id, exc)
+            self._want_snapshot()
+            return
+        except _TRANSIENT:
+            raise
+        except ServiceError as exc:
+            self.stats.mismatches += 1
+            _LOG.error(
+                "kvcm: pool %r refused step %s: %s", self.pool_id, step.program.step_seq, exc
+            )
+            self._want_snapshot()
+            return
+        self.stats.steps_shipped += 1
+        if outcomes_agree(step.expected, result.outcome):
+            self.stats.steps_verified += 1
+            return
+        self.stats.mismatches += 1
+        _LOG.error(
+            "kvcm: pool %r answered step %s differently from the mirror; resynchronising",
+            self.pool_id,
+            step.program.step_seq,
+        )
+        self._want_snapshot()
+
+    def _resync(self) -> None:
+        with self._cond:
+            snapshot = self._snapshot
+        assert snapshot is not None
+        step_seq, data = snapshot
+        self.stats.rpcs += 1
+        self.stats.snapshot_bytes += len(data)
+        self._client.resync_pool(
+            self.pool_id, data, self._pool_config(), step_seq=step_seq, timeout=self._timeout_s
+        )
+        self.stats.resyncs += 1
+        self._attached = True
+        with self._cond:
+            backlog = self._backlog
+            while backlog and _seq(backlog[0]) <= step_seq:
+                backlog.popleft()
+                self.stats.steps_dropped += 1
+            if self._snapshot is snapshot:  # else the backlog overflowed meanwhile: again
+                self._need_snapshot = False
+                self._snapshot = None
+        _LOG.info("kvcm: pool %r resynchronised from the mirror at step %d", self.pool_id, step_seq)
+
+
+def _seq(step: Any) -> int:
+    seq = step.program.step_seq
+    assert isinstance(seq, int)
+    return seq
