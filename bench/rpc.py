@@ -15,6 +15,7 @@ their requests complete (the SDK client-side, vLLM in its request) and run with 
 after setup, as vLLM's engine does.
 
     python bench/rpc.py [--target HOST:PORT] [--steps 300] [--requests 256]
+    python bench/rpc.py --tracing    # Step RPC with tracing off / on / on under a client span
 
 Without ``--target`` the benchmark starts ``kvcm serve`` on a free loopback port and stops it.
 """
@@ -27,9 +28,7 @@ import importlib
 import multiprocessing
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +36,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+from _common import kvcm_server
 
 from kvcm.client import ItemStatus, PoolConfig, SchedulerClient, StepBuilder
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
@@ -85,48 +89,66 @@ def _pool_config() -> PoolConfig:
     )
 
 
-# ----------------------------------------------------------------------------- server
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
+# ----------------------------------------------------------------------------- tracing
 @contextmanager
-def _server() -> Iterator[str]:
-    port = _free_port()
-    target = f"127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvcm.server.cli",
-            "serve",
-            "--grpc-address",
-            target,
-            "--http-address",
-            "",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.DEVNULL,
+def _otlp_collector() -> Iterator[tuple[str, list[int]]]:
+    """A minimal OTLP/gRPC trace collector on loopback that accepts and counts spans."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import (
+        trace_service_pb2,
+        trace_service_pb2_grpc,
     )
+
+    received = [0]
+
+    class _Collector(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
+            received[0] += sum(
+                len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans
+            )
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
     try:
-        with SchedulerClient(target, timeout=2.0) as client:
-            give_up_at = time.monotonic() + 30
-            while True:
-                try:
-                    client.list_pools()
-                    break
-                except Exception:
-                    if time.monotonic() > give_up_at or process.poll() is not None:
-                        raise
-                    time.sleep(0.1)
-        yield target
+        yield f"http://127.0.0.1:{port}", received
     finally:
-        process.terminate()
-        process.wait(timeout=10)
+        server.stop(grace=None)
+
+
+def bench_tracing(num_requests: int, repeats: int) -> None:
+    """Step RPC with tracing off, on, and on under a client span (context propagated)."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("bench")
+    with (
+        _otlp_collector() as (endpoint, received),
+        kvcm_server() as plain,
+        kvcm_server("--otlp-endpoint", endpoint) as traced,
+        SchedulerClient(plain) as plain_client,
+        SchedulerClient(traced) as traced_client,
+    ):
+        off = remote_step_runner(plain_client, num_requests)
+        on = remote_step_runner(traced_client, num_requests)
+
+        def propagated() -> None:
+            with tracer.start_as_current_span("scheduler.step"):
+                on()
+
+        timings = time_interleaved({"off": off, "on": on, "on, client span": propagated}, repeats)
+        time.sleep(6)  # the batch processor exports every 5 s
+    print(f"tracing overhead: {num_requests}-request Step RPC, {repeats} samples each")
+    print(f"{'':<48} {'p50 ms':>9} {'p99 ms':>9}")
+    for name, timing in timings.items():
+        print(_row(f"Step RPC, tracing {name}", timing))
+    base = timings["off"].median_ms
+    for name in ("on", "on, client span"):
+        print(f"ratio tracing {name} / off: {timings[name].median_ms / base:.3f}")
+    print(f"spans the collector received: {received[0]}")
 
 
 # ------------------------------------------------------------------- remote decode step
@@ -446,7 +468,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--schedulers", type=int, default=8)
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="instead: Step RPC with OpenTelemetry tracing off and on (needs kvcm[tracing])",
+    )
     args = parser.parse_args(argv)
+    if args.tracing:
+        bench_tracing(args.requests, args.steps)
+        return
 
     def measure(target: str) -> None:
         unary = bench_unary_allocate(target, args.steps * 4)
@@ -481,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.target:
         measure(args.target)
     else:
-        with _server() as target:
+        with kvcm_server() as target:
             measure(target)
 
 

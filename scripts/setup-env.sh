@@ -16,7 +16,7 @@ fi
 if [ "$(cat "$_kvcm_venv/.kvcm-stamp" 2>/dev/null)" != "$_kvcm_want" ]; then
   echo "== installing kvcm and its pinned dependencies into $_kvcm_venv" >&2
   _kvcm_spec=".[server]"
-  [ "$_kvcm_extras" = dev ] && _kvcm_spec=".[server,worker,dev]"
+  [ "$_kvcm_extras" = dev ] && _kvcm_spec=".[server,worker,dev,tracing]"
   "$_kvcm_venv/bin/python" -m pip install -q -c requirements/constraints.txt -e "$_kvcm_spec" >&2
   echo "$_kvcm_want" > "$_kvcm_venv/.kvcm-stamp"
 fi

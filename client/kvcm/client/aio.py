@@ -26,6 +26,7 @@ from kvcm.client import _base
 from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
+from kvcm.client._tracing import aio_interceptors
 from kvcm.client._types import (
     DEFAULT_SLOT_OPTIONS,
     DEFAULT_TIMEOUT_S,
@@ -131,7 +132,9 @@ class AsyncSchedulerClient:
             channel_options=tuple(channel_options),
         )
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=self._settings.options())
+        self._channel = grpc.aio.insecure_channel(
+            target, options=self._settings.options(), interceptors=aio_interceptors()
+        )
         self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]

@@ -28,6 +28,7 @@ from kvcm.client import _base
 from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
+from kvcm.client._tracing import intercept
 from kvcm.client._types import (
     DEFAULT_SLOT_OPTIONS,
     DEFAULT_TIMEOUT_S,
@@ -129,7 +130,7 @@ class SchedulerClient:
             channel_options=tuple(channel_options),
         )
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=self._settings.options())
+        self._channel = intercept(grpc.insecure_channel(target, options=self._settings.options()))
         self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]

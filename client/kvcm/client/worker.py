@@ -22,6 +22,7 @@ import grpc
 
 from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
 from kvcm.client._errors import error_from_rpc
+from kvcm.client._tracing import intercept
 from kvcm.client._types import (
     REGISTER_WORKER_TIMEOUT_S,
     USE_CLIENT_DEFAULT,
@@ -96,7 +97,7 @@ class WorkerClient:
             channel_options=tuple(channel_options),
         )
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=self._settings.options())
+        self._channel = intercept(grpc.insecure_channel(target, options=self._settings.options()))
         self._worker = service_pb2_grpc.WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     def register(

@@ -65,6 +65,7 @@ from kvcm.core.program import AllocOptions, HitSpec, OpKind, StepOutcome, StepPr
 from kvcm.core.request import Request, RequestStatus
 from kvcm.core.stats import PrefixCacheStats
 from kvcm.core.step import (
+    PhaseHook,
     check_append,
     check_new_request,
     execute_program,
@@ -595,14 +596,14 @@ class Pool:
         return blocks
 
     # ------------------------------------------------------------------- Step programs
-    def run_step(self, program: StepProgram) -> StepOutcome:
+    def run_step(self, program: StepProgram, *, phase: PhaseHook | None = None) -> StepOutcome:
         """Run a Step program (:func:`kvcm.core.step.run_step`: limits, step_seq, validate,
-        execute). A rejected program changes nothing.
+        execute; ``phase`` wraps the last two). A rejected program changes nothing.
 
         Raises:
             KVCMError: See :func:`kvcm.core.step.run_step`.
         """
-        return run_step(self, program)
+        return run_step(self, program, phase=phase)
 
     def _run_one(self, program: StepProgram) -> StepOutcome:
         # A unary call: the same rules as the op in a Step, reported without the op prefix.

@@ -37,8 +37,10 @@ Rules beyond the unary calls' (all decided by validation, so deterministic):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeAlias
 
 from kvcm.common.errors import FailedPreconditionError, KVCMError
 from kvcm.common.hashing import BlockHash
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     from kvcm.core.pool import Pool
 
 __all__ = [
+    "PhaseHook",
     "StepExecutionBug",
     "check_append",
     "check_hit",
@@ -93,6 +96,10 @@ _NO_TOKEN_BUDGET: Final = int(ItemStatus.NO_TOKEN_BUDGET)
 _HIT_STALE: Final = int(ItemStatus.HIT_STALE)
 
 
+PhaseHook: TypeAlias = Callable[[str], AbstractContextManager[object]]
+"""Wraps a phase of the interpreter (``"validate"``, ``"execute"``): e.g. a tracing span."""
+
+
 class StepExecutionBug(AssertionError):  # noqa: N818 - a bug, not an error to handle
     """Raised when the core refuses an op of a validated program (a validation bug).
 
@@ -100,8 +107,14 @@ class StepExecutionBug(AssertionError):  # noqa: N818 - a bug, not an error to h
     """
 
 
-def run_step(pool: Pool, program: StepProgram) -> StepOutcome:
+def run_step(pool: Pool, program: StepProgram, *, phase: PhaseHook | None = None) -> StepOutcome:
     """Run one Step program on a READY pool (see the module docstring).
+
+    Args:
+        pool: The pool.
+        program: The program.
+        phase: Called with ``"validate"`` and ``"execute"``; the context manager it returns
+            wraps that phase (a tracer's span). ``None``: no hook, no cost.
 
     Returns:
         The outcome; for a repeated ``step_seq``, the outcome remembered for it.
@@ -125,8 +138,14 @@ def run_step(pool: Pool, program: StepProgram) -> StepOutcome:
                 f"expects {last + 1}",
                 field="step_seq",
             )
-    deferred_hits = validate_program(pool, manager, program)
-    outcome = execute_program(pool, manager, program, deferred_hits)
+    if phase is None:
+        deferred_hits = validate_program(pool, manager, program)
+        outcome = execute_program(pool, manager, program, deferred_hits)
+    else:
+        with phase("validate"):
+            deferred_hits = validate_program(pool, manager, program)
+        with phase("execute"):
+            outcome = execute_program(pool, manager, program, deferred_hits)
     if seq is not None:
         outcome.step_seq = seq
         pool.last_step_seq = seq

@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import uvicorn
@@ -31,6 +32,7 @@ from kvcm.server.http import build_app
 from kvcm.server.rpc import SERVICE_NAMES, ServerState, TelemetryInterceptor, add_servicers
 from kvcm.server.settings import ServerSettings, split_address
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats
+from kvcm.server.tracing import build_tracing
 
 __all__ = ["KVCMServer", "run_until_signalled", "serve"]
 
@@ -53,20 +55,34 @@ class KVCMServer:
         state: What the servicers share (registry, RPC stats, per-pool wake-ups).
         grpc_port: The bound gRPC port (after ``start``).
         http_port: The bound HTTP port (after ``start``; 0 without HTTP).
+        interceptors: The gRPC server interceptors (after ``start``): tracing's, when on,
+            then the telemetry one.
         loop_lag: The event-loop lag monitor (``kvcm_event_loop_lag_seconds``), ticking from
             ``start`` to ``stop``.
     """
 
-    def __init__(self, settings: ServerSettings) -> None:
-        """Prepare a server; nothing is bound until ``start``."""
+    def __init__(self, settings: ServerSettings, *, span_exporter: Any = None) -> None:
+        """Prepare a server; nothing is bound until ``start``.
+
+        Args:
+            settings: How it runs.
+            span_exporter: An OpenTelemetry span exporter that turns tracing on in place of
+                OTLP (tests); ``None``: tracing follows the settings.
+
+        Raises:
+            ConfigError: Tracing is configured but ``kvcm[tracing]`` is not installed.
+        """
         self.settings = settings
+        self.tracing = build_tracing(settings, span_exporter)
         self.state = ServerState(
             registry=PoolRegistry(limits=settings.limits),
             rpc_stats=RpcStats(),
             limits=settings.limits,
+            tracing=self.tracing,
         )
         self.grpc_port = 0
         self.http_port = 0
+        self.interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._http: _EmbeddedUvicorn | None = None
@@ -101,8 +117,14 @@ class KVCMServer:
             _bind("http_address", settings.http_address) if settings.http_address else None
         )
         max_message_bytes = settings.limits.max_message_bytes
+        interceptors: list[grpc.aio.ServerInterceptor] = [
+            TelemetryInterceptor(self.state.rpc_stats)
+        ]
+        if self.tracing is not None:  # outermost: its span covers the whole call
+            interceptors.insert(0, self.tracing.interceptor())
+        self.interceptors = tuple(interceptors)
         server = grpc.aio.server(
-            interceptors=[TelemetryInterceptor(self.state.rpc_stats)],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -185,6 +207,8 @@ class KVCMServer:
             self._http.should_exit = True
             await self._http_task
         self.loop_lag.stop()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

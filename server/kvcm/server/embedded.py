@@ -64,8 +64,10 @@ class EmbeddedServer:
         self.stop()
 
 
-def start_embedded_server(settings: ServerSettings) -> EmbeddedServer:
+def start_embedded_server(settings: ServerSettings, *, span_exporter: Any = None) -> EmbeddedServer:
     """Start a server on its own loop in a daemon thread; returns once it serves.
+
+    ``span_exporter``: an OpenTelemetry span exporter that turns tracing on (tests).
 
     Raises:
         RuntimeError: The server did not start (the cause says why, e.g. a port in use).
@@ -78,7 +80,7 @@ def start_embedded_server(settings: ServerSettings) -> EmbeddedServer:
         asyncio.set_event_loop(loop)
 
         async def main() -> None:
-            server = KVCMServer(settings)
+            server = KVCMServer(settings, span_exporter=span_exporter)
             try:
                 await server.start()
             except BaseException as exc:

@@ -53,6 +53,9 @@ class ServerSettings:
         log_level: Python logging level name.
         log_format: ``"text"`` (one line per record) or ``"json"`` (one JSON object per line).
         shutdown_grace_s: Seconds in-flight RPCs get to finish on shutdown.
+        otlp_endpoint: OTLP/gRPC endpoint for traces (``""``: off unless OpenTelemetry's
+            ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set); needs ``kvcm[tracing]``.
+        trace_sample_ratio: Fraction of root spans sampled, in [0, 1].
         limits: The service's hard limits.
     """
 
@@ -61,6 +64,8 @@ class ServerSettings:
     log_level: str = "INFO"
     log_format: str = "text"
     shutdown_grace_s: float = 5.0
+    otlp_endpoint: str = ""
+    trace_sample_ratio: float = 1.0
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
@@ -79,6 +84,10 @@ class ServerSettings:
             raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ConfigError(
+                f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}"
+            )
         if self.limits.max_message_bytes > _GRPC_MAX_MESSAGE_BYTES:
             raise ConfigError(
                 f"max_message_bytes must be <= {_GRPC_MAX_MESSAGE_BYTES} (gRPC's int32), "
@@ -131,6 +140,9 @@ _HELP: Final = {
     "log_level": f"logging level, one of {', '.join(LOG_LEVELS)}",
     "log_format": "log line format: text, or json (one object per line)",
     "shutdown_grace_s": "seconds in-flight RPCs get to finish on shutdown",
+    "otlp_endpoint": "OTLP/gRPC endpoint for traces, e.g. http://otel-collector:4317 ('': off "
+    "unless OTEL_EXPORTER_OTLP_ENDPOINT is set; needs kvcm[tracing])",
+    "trace_sample_ratio": "fraction of root spans traced, in [0, 1] (traced callers always are)",
     "max_pools": "pools the server holds; CreatePool answers RESOURCE_EXHAUSTED beyond",
     "max_blocks_per_pool": "blocks of one pool (explicit or planned, the null block included)",
     "max_total_blocks": "blocks of all pools together (the server's memory budget)",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from kvcm.common.errors import FailedPreconditionError, KVCMError
 from kvcm.common.hashing import get_block_hash
@@ -23,6 +23,9 @@ from kvcm.wire import (
     program_from_proto,
     slot_options_from_proto,
 )
+
+if TYPE_CHECKING:
+    from kvcm.server.tracing import Tracing
 
 __all__ = ["SchedulerServicer"]
 
@@ -80,6 +83,9 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.StepResponse:
         """A whole scheduler step (see scheduler.proto)."""
         pool = await self._state.pool(request.pool_id)
+        tracing = self._state.tracing
+        if tracing is not None:
+            return await self._traced_step(pool, request, tracing)
         program = program_from_proto(request)
         try:
             if _estimated_cost_us(program) <= _INLINE_STEP_US:
@@ -91,6 +97,27 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         finally:
             self._state.published(pool)
         return outcome_to_proto(outcome)
+
+    async def _traced_step(
+        self, pool: Pool, request: scheduler_pb2.StepRequest, tracing: Tracing
+    ) -> scheduler_pb2.StepResponse:
+        """Step with a span per phase (decode, validate, execute, encode)."""
+        with tracing.span("kvcm.step.decode", **{"kvcm.step.num_ops": len(request.ops)}):
+            program = program_from_proto(request)
+        phase = tracing.phase_hook()
+        try:
+            if _estimated_cost_us(program) <= _INLINE_STEP_US:
+                outcome = pool.run_step(program, phase=phase)
+            else:
+                outcome = await self._state.run_in_lane(
+                    pool, lambda: pool.run_step(program, phase=phase)
+                )
+        except KVCMError as exc:
+            raise StepRejectedError(exc, exc.op_index, exc.field or "") from exc
+        finally:
+            self._state.published(pool)
+        with tracing.span("kvcm.step.encode"):
+            return outcome_to_proto(outcome)
 
     async def AddRequest(  # noqa: N802
         self, request: scheduler_pb2.AddRequestRequest, context: Context

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvcm.common.errors import KVCMError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits
@@ -14,6 +14,9 @@ from kvcm.core.pool import Pool, PoolRegistry
 from kvcm.server.rpc._offloop import OFF_LOOP_STEP, OFF_LOOP_WORK, OffLoopWork
 from kvcm.server.telemetry import RpcStats
 from kvcm.v1 import admin_pb2
+
+if TYPE_CHECKING:
+    from kvcm.server.tracing import Tracing
 
 __all__ = ["PoolRuntime", "ServerState"]
 
@@ -75,6 +78,7 @@ class ServerState:
         runtimes: The asyncio side of each pool, by pool id.
         serving: Whether the gRPC side serves (False before start and while shutting down).
         limits: The service's hard limits (pending registrations, registration timeout).
+        tracing: The server's tracing (``None``: off; calls take no tracing path at all).
         lanes: Pools lent to a worker thread for a long call, by pool id, each with the
             event set when the call ends. Every call on such a pool waits for it
             (:meth:`pool`), so a pool is never read or changed by two threads at once and
@@ -87,6 +91,7 @@ class ServerState:
     runtimes: dict[str, PoolRuntime] = field(default_factory=dict)
     serving: bool = False
     lanes: dict[str, asyncio.Event] = field(default_factory=dict)
+    tracing: Tracing | None = None
 
     async def pool(self, pool_id: str) -> Pool:
         """The pool called ``pool_id``, once no worker thread holds it.
