@@ -63,20 +63,25 @@ def free_port() -> int:
 
 
 @contextmanager
-def kvcm_server(*extra_args: str) -> Iterator[str]:
+def kvcm_server(*extra_args: str, server_src: str | None = None) -> Iterator[str]:
     """``kvcm serve`` in its own process on 127.0.0.1 (gRPC only); yields its address.
 
     A separate process, as in production: the benchmark's own threads do not share its
-    interpreter lock.
+    interpreter lock. ``server_src``: run the server of another checkout (before/after).
     """
     from kvcm.client import SchedulerClient
 
     target = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ)
+    if server_src:
+        roots = ("core", "server", "client", "proto")
+        env["PYTHONPATH"] = os.pathsep.join(os.path.join(server_src, root) for root in roots)
     process = subprocess.Popen(
         [
             *(sys.executable, "-m", "kvcm.server.cli", "serve", "--grpc-address", target),
             *("--http-address", "", "--log-level", "WARNING", *extra_args),
         ],
+        env=env,
         stdout=subprocess.DEVNULL,
     )
     try:

@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from multiprocessing.synchronize import Event as EventType
+from pathlib import Path
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+from _common import kvcm_server
 
 from kvcm.client import ItemStatus, PoolConfig, SchedulerClient, StepBuilder
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
@@ -59,40 +60,6 @@ def _config(num_blocks: int, max_model_len: int = PROMPT_TOKENS) -> PoolConfig:
         kv_cache_groups=(KVCacheGroupSpec(layer_names=("layer.0",), kv_cache_spec=spec),),
     )
     return PoolConfig(max_model_len=max_model_len, explicit_layout=layout, hash_algorithm="xxhash")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextmanager
-def _server(server_src: str | None) -> Iterator[str]:
-    target = f"127.0.0.1:{_free_port()}"
-    env = dict(os.environ)
-    if server_src:
-        roots = ("core", "server", "client", "proto")
-        env["PYTHONPATH"] = os.pathsep.join(os.path.join(server_src, root) for root in roots)
-    command = [sys.executable, "-m", "kvcm.server.cli", "serve", "--grpc-address", target]
-    command += ["--http-address", "", "--log-level", "WARNING"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
-    try:
-        with SchedulerClient(target, timeout=2.0) as client:
-            give_up_at = time.monotonic() + 30
-            while True:
-                try:
-                    client.list_pools()
-                    break
-                except Exception:
-                    if time.monotonic() > give_up_at or process.poll() is not None:
-                        raise
-                    time.sleep(0.1)
-        yield target
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 # ------------------------------------------------------------------------------- loads
@@ -235,7 +202,7 @@ def main() -> None:
     parser.add_argument("--phases", default="idle,pool,step,ops", help="comma-separated phases")
     parser.add_argument("--server-src", default=None, help="run the server from this checkout")
     args = parser.parse_args()
-    with _server(args.server_src) as target:
+    with kvcm_server(server_src=args.server_src) as target:
         with SchedulerClient(target, timeout=10.0) as client:
             client.create_pool("probe", _config(64, max_model_len=1024))
         for phase in args.phases.split(","):

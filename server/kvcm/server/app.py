@@ -29,7 +29,16 @@ from grpc_reflection.v1alpha import reflection
 from kvcm.common.errors import ConfigError
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.http import build_app
-from kvcm.server.rpc import SERVICE_NAMES, ServerState, TelemetryInterceptor, add_servicers
+from kvcm.server.journal import Journal
+from kvcm.server.rpc import (
+    SERVICE_NAMES,
+    JournalInterceptor,
+    ServerState,
+    TelemetryInterceptor,
+    add_servicers,
+    checkpoint_of,
+    recover,
+)
 from kvcm.server.settings import ServerSettings, split_address
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats
 from kvcm.server.tracing import build_tracing
@@ -57,6 +66,7 @@ class KVCMServer:
         http_port: The bound HTTP port (after ``start``; 0 without HTTP).
         interceptors: The gRPC server interceptors (after ``start``): tracing's, when on,
             then the telemetry one.
+        journal: The data directory's journal (``None`` without ``data_dir``).
         loop_lag: The event-loop lag monitor (``kvcm_event_loop_lag_seconds``), ticking from
             ``start`` to ``stop``.
     """
@@ -83,6 +93,7 @@ class KVCMServer:
         self.grpc_port = 0
         self.http_port = 0
         self.interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
+        self.journal: Journal | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._http: _EmbeddedUvicorn | None = None
@@ -120,6 +131,9 @@ class KVCMServer:
         interceptors: list[grpc.aio.ServerInterceptor] = [
             TelemetryInterceptor(self.state.rpc_stats)
         ]
+        if settings.data_dir:  # innermost: only calls that returned normally are journaled
+            self.journal = await recover(self.state, settings.data_dir)
+            interceptors.append(JournalInterceptor(self.journal))
         if self.tracing is not None:  # outermost: its span covers the whole call
             interceptors.insert(0, self.tracing.interceptor())
         self.interceptors = tuple(interceptors)
@@ -207,6 +221,11 @@ class KVCMServer:
             self._http.should_exit = True
             await self._http_task
         self.loop_lag.stop()
+        if self.journal is not None:  # compact: a checkpoint of every pool, an empty journal
+            journal = self.journal
+            journal.reset(checkpoint_of(self.state, journal.last_seq))
+            journal.close()
+            self.journal = None
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)
         self._stopped.set()

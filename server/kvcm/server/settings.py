@@ -53,6 +53,8 @@ class ServerSettings:
         log_level: Python logging level name.
         log_format: ``"text"`` (one line per record) or ``"json"`` (one JSON object per line).
         shutdown_grace_s: Seconds in-flight RPCs get to finish on shutdown.
+        data_dir: Directory of the journal and checkpoints (``""``: pools live in memory only
+            and a restart loses them).
         otlp_endpoint: OTLP/gRPC endpoint for traces (``""``: off unless OpenTelemetry's
             ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set); needs ``kvcm[tracing]``.
         trace_sample_ratio: Fraction of root spans sampled, in [0, 1].
@@ -64,6 +66,7 @@ class ServerSettings:
     log_level: str = "INFO"
     log_format: str = "text"
     shutdown_grace_s: float = 5.0
+    data_dir: str = ""
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
     limits: Limits = DEFAULT_LIMITS
@@ -140,6 +143,8 @@ _HELP: Final = {
     "log_level": f"logging level, one of {', '.join(LOG_LEVELS)}",
     "log_format": "log line format: text, or json (one object per line)",
     "shutdown_grace_s": "seconds in-flight RPCs get to finish on shutdown",
+    "data_dir": "directory for the write-ahead journal and checkpoints: every answered "
+    "mutation survives a crash ('': in memory only)",
     "otlp_endpoint": "OTLP/gRPC endpoint for traces, e.g. http://otel-collector:4317 ('': off "
     "unless OTEL_EXPORTER_OTLP_ENDPOINT is set; needs kvcm[tracing])",
     "trace_sample_ratio": "fraction of root spans traced, in [0, 1] (traced callers always are)",

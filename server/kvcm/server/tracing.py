@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvcm.common.errors import ConfigError
+from kvcm.server.rpc import MethodInterceptor
+from kvcm.v1 import service_pb2
 
 if TYPE_CHECKING:
     from kvcm.core.step import PhaseHook
@@ -35,6 +37,12 @@ if TYPE_CHECKING:
 __all__ = ["Tracing", "build_tracing", "tracing_wanted"]
 
 _PREFIX = "/kvcm.v1."
+# Method name -> its full name, "/kvcm.v1.SchedulerService/Step" (method names are unique).
+_SERVICES = {
+    method.name: f"/{service.full_name}/{method.name}"
+    for service in service_pb2.DESCRIPTOR.services_by_name.values()
+    for method in service.methods
+}
 _OTEL_ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
@@ -166,29 +174,14 @@ def _code_of(context: Any, error: BaseException | None) -> grpc.StatusCode:
     return grpc.StatusCode.OK if error is None else grpc.StatusCode.UNKNOWN
 
 
-class _TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class _TracingInterceptor(MethodInterceptor):
     def __init__(self, tracing: Tracing) -> None:
+        super().__init__()
         self._tracing = tracing
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method: str = handler_call_details.method
-        wrapped = self._wrapped.get(method)
-        if wrapped is not None:
-            return wrapped
-        handler = await continuation(handler_call_details)
-        if handler is None or not method.startswith(_PREFIX):
-            return handler
-        wrapped = self._wrap(method, handler)
-        self._wrapped[method] = wrapped
-        return wrapped
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         tracing = self._tracing
+        method = _SERVICES[method]
         kwargs = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,

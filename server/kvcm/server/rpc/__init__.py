@@ -9,9 +9,10 @@ from __future__ import annotations
 import grpc
 
 from kvcm.server.rpc._admin import AdminServicer
+from kvcm.server.rpc._durability import JournalInterceptor, checkpoint_of, recover
 from kvcm.server.rpc._events import EventServicer
 from kvcm.server.rpc._handlers import UndecodableRequest, register_services
-from kvcm.server.rpc._interceptor import TelemetryInterceptor
+from kvcm.server.rpc._interceptor import MethodInterceptor, TelemetryInterceptor
 from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.server.rpc._status import (
@@ -32,6 +33,8 @@ __all__ = [
     "AbortRpc",
     "AdminServicer",
     "EventServicer",
+    "JournalInterceptor",
+    "MethodInterceptor",
     "PoolRuntime",
     "SchedulerServicer",
     "ServerState",
@@ -40,6 +43,8 @@ __all__ = [
     "UndecodableRequest",
     "WorkerServicer",
     "add_servicers",
+    "checkpoint_of",
+    "recover",
     "status_details",
     "status_of",
 ]

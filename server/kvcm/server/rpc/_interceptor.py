@@ -22,7 +22,7 @@ from kvcm.server.rpc._log import log_call_rejected
 from kvcm.server.rpc._status import AbortRpc, StepRejectedError, status_details, status_of
 from kvcm.server.telemetry import RpcStats
 
-__all__ = ["TelemetryInterceptor"]
+__all__ = ["MethodInterceptor", "TelemetryInterceptor"]
 
 _LOG = logging.getLogger("kvcm.server.rpc")
 _PREFIX = "/kvcm.v1."
@@ -42,13 +42,15 @@ async def _abort(context: Any, exc: BaseException) -> str:
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 
-class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Applies the error table and observes every kvcm RPC (see the module docstring)."""
+class MethodInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """A server interceptor that wraps each kvcm.v1 method's handler once, on its first call.
 
-    def __init__(self, stats: RpcStats) -> None:
-        """Observe into ``stats``."""
-        self._stats = stats
-        # The wrapped handler of each method, built on its first call (not per call).
+    Subclasses implement :meth:`_wrap`; other services' handlers (health, reflection) pass
+    through untouched.
+    """
+
+    def __init__(self) -> None:
+        """An empty cache of wrapped handlers."""
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
@@ -56,7 +58,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        """Wrap kvcm.v1 handlers; others (health, reflection) pass through."""
+        """The method's wrapped handler (built once)."""
         full_name: str = handler_call_details.method
         wrapped = self._wrapped.get(full_name)
         if wrapped is not None:
@@ -67,6 +69,19 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         wrapped = self._wrap(full_name.rsplit("/", 1)[-1], handler)
         self._wrapped[full_name] = wrapped
         return wrapped
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` of ``method`` (``"Step"``) wrapped, or as it is."""
+        raise NotImplementedError
+
+
+class TelemetryInterceptor(MethodInterceptor):
+    """Applies the error table and observes every kvcm RPC (see the module docstring)."""
+
+    def __init__(self, stats: RpcStats) -> None:
+        """Observe into ``stats``."""
+        super().__init__()
+        self._stats = stats
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if handler.unary_unary is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -16,9 +17,13 @@ from kvcm.server.telemetry import RpcStats
 from kvcm.v1 import admin_pb2
 
 if TYPE_CHECKING:
+    from kvcm.server.journal import Journal
     from kvcm.server.tracing import Tracing
 
-__all__ = ["PoolRuntime", "ServerState"]
+__all__ = ["CALL_TIME", "PoolRuntime", "ServerState"]
+
+CALL_TIME: ContextVar[float] = ContextVar("kvcm_call_time", default=0.0)
+"""The time the current call stamps its events with (0: now); set by the journal."""
 
 T = TypeVar("T")
 
@@ -78,6 +83,7 @@ class ServerState:
         runtimes: The asyncio side of each pool, by pool id.
         serving: Whether the gRPC side serves (False before start and while shutting down).
         limits: The service's hard limits (pending registrations, registration timeout).
+        journal: The data directory's journal (``None``: in memory only).
         tracing: The server's tracing (``None``: off; calls take no tracing path at all).
         lanes: Pools lent to a worker thread for a long call, by pool id, each with the
             event set when the call ends. Every call on such a pool waits for it
@@ -92,6 +98,7 @@ class ServerState:
     serving: bool = False
     lanes: dict[str, asyncio.Event] = field(default_factory=dict)
     tracing: Tracing | None = None
+    journal: Journal | None = None
 
     async def pool(self, pool_id: str) -> Pool:
         """The pool called ``pool_id``, once no worker thread holds it.
@@ -133,8 +140,12 @@ class ServerState:
             runtime.wake_subscribers()
 
     def published(self, pool: Pool) -> None:
-        """Publish the events a mutating call left in the pool's core, waking subscribers."""
-        if pool.publish_events(time.time()):
+        """Publish the events a mutating call left in the pool's core, waking subscribers.
+
+        They are stamped with the call's time (``CALL_TIME``, which a journal record keeps so
+        that a replay stamps them alike), else now.
+        """
+        if pool.publish_events(CALL_TIME.get() or time.time()):
             runtime = self.runtimes.get(pool.name)
             if runtime is not None:
                 runtime.wake_subscribers()

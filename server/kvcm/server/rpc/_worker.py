@@ -9,6 +9,7 @@ import grpc
 
 from kvcm.common.errors import KVCMError, NotFoundError
 from kvcm.core.pool import Pool
+from kvcm.server.rpc._durability import journal_planned
 from kvcm.server.rpc._log import log_pool_ready, log_worker_registered
 from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.server.rpc._status import AbortRpc
@@ -73,6 +74,7 @@ class WorkerServicer(service_pb2_grpc.WorkerServiceServicer):
         log_worker_registered(pool, request.rank, request.world_size)
         if pool.manager is not None:
             if not was_ready:
+                await journal_planned(self._state, pool)  # before anyone sees it READY
                 log_pool_ready(pool)
             runtime.planned.set()
         else:
