@@ -18,6 +18,7 @@ EXPECTED_RPCS = {
     "SchedulerService": {
         "Step",
         "ResyncPool",
+        "KeepAlive",
         "AddRequest",
         "AppendTokens",
         "Free",

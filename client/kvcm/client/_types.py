@@ -20,6 +20,7 @@ from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.pool_types import (
     FreeMode,
     HashingParameters,
+    LeaseExpiry,
     PoolConfig,
     PoolInfo,
     PoolState,
@@ -39,6 +40,7 @@ __all__ = [
     "HashingParameters",
     "ItemStatus",
     "KVCacheBlocks",
+    "LeaseExpiry",
     "PoolConfig",
     "PoolInfo",
     "PoolState",

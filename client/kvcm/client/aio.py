@@ -370,6 +370,12 @@ class AsyncSchedulerClient:
         )
         return bool(response.reset)
 
+    async def keep_alive(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> float:
+        """Renew the pool's scheduler lease; returns the lease in seconds (0: none)."""
+        request = scheduler_pb2.KeepAliveRequest(pool_id=pool_id)
+        response = await self._unary("KeepAlive", self._scheduler.KeepAlive, request, timeout)
+        return float(response.scheduler_lease_s)
+
     async def get_blocks(
         self, pool_id: str, request_key: int, *, timeout: Timeout = USE_CLIENT_DEFAULT
     ) -> RequestBlocks:

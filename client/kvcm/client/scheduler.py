@@ -430,6 +430,17 @@ class SchedulerClient:
         request = scheduler_pb2.EvictBlocksRequest(pool_id=pool_id, block_ids=list(block_ids))
         self._unary("EvictBlocks", self._scheduler.EvictBlocks, request, timeout)
 
+    def keep_alive(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> float:
+        """Renew the pool's scheduler lease (every scheduler call does; this is for a
+        scheduler with nothing to send); returns the lease in seconds (0: the pool has none).
+
+        Raises:
+            ServiceNotFoundError: No such pool.
+        """
+        request = scheduler_pb2.KeepAliveRequest(pool_id=pool_id)
+        response = self._unary("KeepAlive", self._scheduler.KeepAlive, request, timeout)
+        return float(response.scheduler_lease_s)
+
     def reset_prefix_cache(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> bool:
         """Forget every cached block; ``False`` (nothing changed) while blocks are in use."""
         request = scheduler_pb2.ResetPrefixCacheRequest(pool_id=pool_id)

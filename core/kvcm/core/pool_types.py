@@ -52,6 +52,16 @@ class PoolState(enum.StrEnum):
 
 
 @enum.unique
+class LeaseExpiry(enum.IntEnum):
+    """What a pool's expired scheduler lease reclaims (values equal ``kvcm.v1.LeaseExpiry``)."""
+
+    FREE_REQUESTS = 1
+    """Finish every request the dead scheduler left (their blocks stay in the prefix cache)."""
+    CLEAR = 2
+    """Finish every request and reset the prefix cache (AllBlocksCleared: routers drop it)."""
+
+
+@enum.unique
 class FreeMode(enum.IntEnum):
     """How ``free`` leaves a request (values equal ``kvcm.v1.FreeMode``)."""
 
@@ -99,6 +109,9 @@ class PoolConfig:
         event_retention_num_events: Events kept for resuming subscribers.
         log_stats: Prefix-cache statistics.
         watermark: Fraction of blocks kept free when admitting, in [0, 1).
+        scheduler_lease_s: Seconds without a scheduler call (any SchedulerService call on the
+            pool, or KeepAlive) after which the lease expires; 0: never.
+        lease_expiry: What an expired lease reclaims.
     """
 
     max_model_len: int
@@ -116,6 +129,8 @@ class PoolConfig:
     event_retention_num_events: int = DEFAULT_EVENT_RETENTION
     log_stats: bool = True
     watermark: float = 0.0
+    scheduler_lease_s: float = 0.0
+    lease_expiry: LeaseExpiry = LeaseExpiry.FREE_REQUESTS
 
     def __post_init__(self) -> None:
         named: object = self.hash_algorithm
@@ -166,6 +181,11 @@ class PoolConfig:
             )
         if not 0.0 <= self.watermark < 1.0:
             raise InvalidArgumentError(f"config.watermark must be in [0, 1), got {self.watermark}")
+        if not 0.0 <= self.scheduler_lease_s <= 1e9:
+            raise InvalidArgumentError(
+                f"config.scheduler_lease_s must be in [0, 1e9], got {self.scheduler_lease_s}",
+                field="config.scheduler_lease_s",
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

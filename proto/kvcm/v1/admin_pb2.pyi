@@ -13,9 +13,18 @@ class PoolState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOL_STATE_UNSPECIFIED: _ClassVar[PoolState]
     POOL_STATE_PENDING_WORKERS: _ClassVar[PoolState]
     POOL_STATE_READY: _ClassVar[PoolState]
+
+class LeaseExpiry(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEASE_EXPIRY_UNSPECIFIED: _ClassVar[LeaseExpiry]
+    LEASE_EXPIRY_FREE_REQUESTS: _ClassVar[LeaseExpiry]
+    LEASE_EXPIRY_CLEAR: _ClassVar[LeaseExpiry]
 POOL_STATE_UNSPECIFIED: PoolState
 POOL_STATE_PENDING_WORKERS: PoolState
 POOL_STATE_READY: PoolState
+LEASE_EXPIRY_UNSPECIFIED: LeaseExpiry
+LEASE_EXPIRY_FREE_REQUESTS: LeaseExpiry
+LEASE_EXPIRY_CLEAR: LeaseExpiry
 
 class ExplicitLayout(_message.Message):
     __slots__ = ("num_blocks", "kv_cache_groups")
@@ -26,7 +35,7 @@ class ExplicitLayout(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheGroupSpec, _Mapping]]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("world_size", "explicit_layout", "num_blocks_override", "max_model_len", "scheduler_block_size", "hash_block_size", "max_in_flight_tokens", "enable_caching", "hash_algorithm", "hash_seed", "verify_block_hashes", "enable_kv_cache_events", "event_retention_num_events", "log_stats", "watermark")
+    __slots__ = ("world_size", "explicit_layout", "num_blocks_override", "max_model_len", "scheduler_block_size", "hash_block_size", "max_in_flight_tokens", "enable_caching", "hash_algorithm", "hash_seed", "verify_block_hashes", "enable_kv_cache_events", "event_retention_num_events", "log_stats", "watermark", "scheduler_lease_s", "lease_expiry")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXPLICIT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +51,8 @@ class PoolConfig(_message.Message):
     EVENT_RETENTION_NUM_EVENTS_FIELD_NUMBER: _ClassVar[int]
     LOG_STATS_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRY_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     explicit_layout: ExplicitLayout
     num_blocks_override: int
@@ -57,7 +68,9 @@ class PoolConfig(_message.Message):
     event_retention_num_events: int
     log_stats: bool
     watermark: float
-    def __init__(self, world_size: _Optional[int] = ..., explicit_layout: _Optional[_Union[ExplicitLayout, _Mapping]] = ..., num_blocks_override: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algorithm: _Optional[_Union[_common_pb2.HashAlgorithm, str]] = ..., hash_seed: _Optional[str] = ..., verify_block_hashes: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., event_retention_num_events: _Optional[int] = ..., log_stats: _Optional[bool] = ..., watermark: _Optional[float] = ...) -> None: ...
+    scheduler_lease_s: float
+    lease_expiry: LeaseExpiry
+    def __init__(self, world_size: _Optional[int] = ..., explicit_layout: _Optional[_Union[ExplicitLayout, _Mapping]] = ..., num_blocks_override: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algorithm: _Optional[_Union[_common_pb2.HashAlgorithm, str]] = ..., hash_seed: _Optional[str] = ..., verify_block_hashes: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., event_retention_num_events: _Optional[int] = ..., log_stats: _Optional[bool] = ..., watermark: _Optional[float] = ..., scheduler_lease_s: _Optional[float] = ..., lease_expiry: _Optional[_Union[LeaseExpiry, str]] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("pool_id", "config")

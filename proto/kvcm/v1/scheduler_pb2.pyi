@@ -453,6 +453,18 @@ class StepRejection(_message.Message):
     reason: str
     def __init__(self, op_index: _Optional[int] = ..., field: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("scheduler_lease_s",)
+    SCHEDULER_LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    scheduler_lease_s: float
+    def __init__(self, scheduler_lease_s: _Optional[float] = ...) -> None: ...
+
 class ResyncPoolRequest(_message.Message):
     __slots__ = ("pool_id", "config", "step_seq", "data")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]

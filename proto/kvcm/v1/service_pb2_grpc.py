@@ -347,6 +347,11 @@ class SchedulerServiceStub:
                 request_serializer=kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolRequest.SerializeToString,
                 response_deserializer=kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/kvcm.v1.SchedulerService/KeepAlive',
+                request_serializer=kvcm_dot_v1_dot_scheduler__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_scheduler__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
         self.AddRequest = channel.unary_unary(
                 '/kvcm.v1.SchedulerService/AddRequest',
                 request_serializer=kvcm_dot_v1_dot_scheduler__pb2.AddRequestRequest.SerializeToString,
@@ -449,6 +454,14 @@ class SchedulerServiceServicer:
         old one end with NOT_FOUND, as after DeletePool) whose last step_seq is the chunk's.
         INVALID_ARGUMENT: a damaged or mismatched snapshot (nothing changed). RESOURCE_EXHAUSTED:
         beyond max_snapshot_bytes or the block limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """Renews the pool's scheduler lease (as every SchedulerService call on the pool does), for
+        a scheduler with nothing to send. NOT_FOUND: no such pool.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -587,6 +600,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     request_deserializer=kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolRequest.FromString,
                     response_serializer=kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolResponse.SerializeToString,
             ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=kvcm_dot_v1_dot_scheduler__pb2.KeepAliveRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_scheduler__pb2.KeepAliveResponse.SerializeToString,
+            ),
             'AddRequest': grpc.unary_unary_rpc_method_handler(
                     servicer.AddRequest,
                     request_deserializer=kvcm_dot_v1_dot_scheduler__pb2.AddRequestRequest.FromString,
@@ -723,6 +741,33 @@ class SchedulerService:
             '/kvcm.v1.SchedulerService/ResyncPool',
             kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolRequest.SerializeToString,
             kvcm_dot_v1_dot_scheduler__pb2.ResyncPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcm.v1.SchedulerService/KeepAlive',
+            kvcm_dot_v1_dot_scheduler__pb2.KeepAliveRequest.SerializeToString,
+            kvcm_dot_v1_dot_scheduler__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

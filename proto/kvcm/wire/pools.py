@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
+from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.pool_types import (
     DEFAULT_EVENT_RETENTION,
     HashingParameters,
+    LeaseExpiry,
     PoolConfig,
     PoolInfo,
     PoolSummary,
@@ -61,7 +63,10 @@ def pool_config_to_proto(config: PoolConfig) -> admin_pb2.PoolConfig:
         verify_block_hashes=config.verify_block_hashes,
         enable_kv_cache_events=config.enable_kv_cache_events,
         watermark=config.watermark,
+        scheduler_lease_s=config.scheduler_lease_s,
     )
+    if config.lease_expiry is not LeaseExpiry.FREE_REQUESTS:
+        message.lease_expiry = int(config.lease_expiry)  # type: ignore[assignment]
     if config.explicit_layout is not None:
         layout = kv_cache_config_to_proto(config.explicit_layout)
         message.explicit_layout.num_blocks = layout.num_blocks
@@ -113,8 +118,19 @@ def pool_config_from_proto(message: admin_pb2.PoolConfig, field: str = "config")
         ),
         log_stats=message.log_stats if message.HasField("log_stats") else True,
         watermark=message.watermark,
+        scheduler_lease_s=message.scheduler_lease_s,
+        lease_expiry=_lease_expiry(message.lease_expiry, f"{field}.lease_expiry"),
         **optional,
     )
+
+
+def _lease_expiry(value: int, field: str) -> LeaseExpiry:
+    if value == 0:
+        return LeaseExpiry.FREE_REQUESTS
+    try:
+        return LeaseExpiry(value)
+    except ValueError:
+        raise InvalidArgumentError(f"{field}: unknown LeaseExpiry {value}", field=field) from None
 
 
 # ---------------------------------------------------------------------------- hashing

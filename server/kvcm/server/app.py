@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -30,9 +31,11 @@ from kvcm.common.errors import ConfigError
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.http import build_app
 from kvcm.server.journal import Journal
+from kvcm.server.logs import configure_logging
 from kvcm.server.rpc import (
     SERVICE_NAMES,
     JournalInterceptor,
+    LeaseMonitor,
     ServerState,
     TelemetryInterceptor,
     add_servicers,
@@ -66,6 +69,7 @@ class KVCMServer:
         http_port: The bound HTTP port (after ``start``; 0 without HTTP).
         interceptors: The gRPC server interceptors (after ``start``): tracing's, when on,
             then the telemetry one.
+        leases: The scheduler-lease monitor (reclaims what dead schedulers left).
         journal: The data directory's journal (``None`` without ``data_dir``).
         loop_lag: The event-loop lag monitor (``kvcm_event_loop_lag_seconds``), ticking from
             ``start`` to ``stop``.
@@ -99,7 +103,9 @@ class KVCMServer:
         self._http: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        self._draining = False
         self.loop_lag = LoopLagMonitor()
+        self.leases = LeaseMonitor(self.state)
 
     @property
     def grpc_address(self) -> str:
@@ -168,6 +174,7 @@ class KVCMServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.state.serving = True
         self.loop_lag.start(asyncio.get_running_loop())
+        self.leases.start()
         _LOG.info(
             "kvcm serving gRPC on %s, HTTP on %s",
             self.grpc_address,
@@ -184,8 +191,9 @@ class KVCMServer:
         app = build_app(
             self.state.registry,
             self.state.rpc_stats,
-            lambda: self.state.serving,
+            lambda: self.state.serving and not self._draining,
             loop_lag=self.loop_lag,
+            reclaims=self.state.reclaims,
         )
         config = uvicorn.Config(
             app,
@@ -208,12 +216,17 @@ class KVCMServer:
             await asyncio.sleep(0.005)
         self.http_port = http.servers[0].sockets[0].getsockname()[1]
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Stop gracefully: NOT_SERVING and /readyz 503, drain gRPC, then stop HTTP."""
+    async def stop(self, grace_s: float | None = None, delay_s: float = 0.0) -> None:
+        """Stop gracefully: NOT_SERVING and /readyz 503 at once, keep serving ``delay_s``
+        (endpoints update), then refuse new calls and give in-flight ones ``grace_s``, then
+        stop HTTP."""
         if self._stopped.is_set():
             return
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()
+        self._draining = True  # /readyz answers 503 from now on
+        if delay_s:  # calls are still served while endpoints take the server out
+            await asyncio.sleep(delay_s)
         self.state.begin_shutdown()
         if self._grpc is not None:
             await self._grpc.stop(grace)
@@ -221,6 +234,7 @@ class KVCMServer:
             self._http.should_exit = True
             await self._http_task
         self.loop_lag.stop()
+        await self.leases.stop()
         if self.journal is not None:  # compact: a checkpoint of every pool, an empty journal
             journal = self.journal
             journal.reset(checkpoint_of(self.state, journal.last_seq))
@@ -271,21 +285,68 @@ async def serve(settings: ServerSettings) -> None:
     await run_until_signalled(server)
 
 
-async def run_until_signalled(server: KVCMServer) -> None:
-    """Wait for SIGINT or SIGTERM, then shut a started server down gracefully."""
+async def run_until_signalled(
+    server: KVCMServer, reload: Callable[[], ServerSettings] | None = None
+) -> None:
+    """Wait for SIGINT or SIGTERM, then shut a started server down gracefully.
+
+    SIGTERM keeps serving ``shutdown_delay_s`` with readiness off first (SIGINT stops at
+    once). SIGHUP calls ``reload`` (the settings from their sources again) and applies what
+    can change while serving: the log level and format; other changes are logged as needing
+    a restart.
+    """
     settings = server.settings
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
+    signals: list[int] = []
+
+    def requested(sig: int) -> None:
+        signals.append(sig)
+        stop_requested.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop_requested.set)
+        loop.add_signal_handler(sig, requested, sig)
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, _reload, server, reload)
     try:
         await stop_requested.wait()
         _LOG.info(
-            "kvcm shutting down (grace %.1fs)",
+            "kvcm shutting down (delay %.1fs, grace %.1fs)",
+            settings.shutdown_delay_s if signals[0] == signal.SIGTERM else 0.0,
             settings.shutdown_grace_s,
-            extra={"event": "shutting_down"},
+            extra={"event": "shutting_down", "signal": signal.Signals(signals[0]).name},
         )
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
-        await server.stop()
+        delay = settings.shutdown_delay_s if signals and signals[0] == signal.SIGTERM else 0.0
+        await server.stop(delay_s=delay)
+
+
+def _reload(server: KVCMServer, reload: Callable[[], ServerSettings]) -> None:
+    """SIGHUP: re-read the settings; apply the log settings, name what needs a restart."""
+    try:
+        fresh = reload()
+    except ConfigError as exc:
+        _LOG.error("configuration not reloaded: %s", exc, extra={"event": "config_reload_failed"})
+        return
+    current = server.settings
+    configure_logging(fresh.log_level, fresh.log_format)
+    live = {"log_level", "log_format"}
+    pending = sorted(
+        name
+        for name in ("grpc_address", "http_address", "data_dir", "otlp_endpoint", "limits")
+        if getattr(fresh, name) != getattr(current, name) and name not in live
+    )
+    server.settings = dataclasses.replace(
+        current, log_level=fresh.log_level, log_format=fresh.log_format
+    )
+    _LOG.info(
+        "configuration reloaded",
+        extra={
+            "event": "config_reloaded",
+            "log_level": fresh.log_level,
+            "log_format": fresh.log_format,
+            "needs_restart": pending,
+        },
+    )

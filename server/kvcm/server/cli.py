@@ -97,7 +97,13 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         # Logged once the addresses are known to work: a start that fails stays one line.
         _log_configuration(args.config or os.environ.get(CONFIG_ENV) or None, settings)
-        await run_until_signalled(server)
+
+        def reload() -> ServerSettings:
+            return load_settings(
+                args.config, **{spec.name: getattr(args, spec.name) for spec in SETTINGS}
+            )
+
+        await run_until_signalled(server, reload)
         return 0
 
     return asyncio.run(main())

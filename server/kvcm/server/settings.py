@@ -53,6 +53,8 @@ class ServerSettings:
         log_level: Python logging level name.
         log_format: ``"text"`` (one line per record) or ``"json"`` (one JSON object per line).
         shutdown_grace_s: Seconds in-flight RPCs get to finish on shutdown.
+        shutdown_delay_s: Seconds between readiness going off (SIGTERM) and the server
+            stopping to accept calls, for load balancers and endpoints to notice.
         data_dir: Directory of the journal and checkpoints (``""``: pools live in memory only
             and a restart loses them).
         otlp_endpoint: OTLP/gRPC endpoint for traces (``""``: off unless OpenTelemetry's
@@ -66,6 +68,7 @@ class ServerSettings:
     log_level: str = "INFO"
     log_format: str = "text"
     shutdown_grace_s: float = 5.0
+    shutdown_delay_s: float = 0.0
     data_dir: str = ""
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -87,6 +90,8 @@ class ServerSettings:
             raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not self.shutdown_delay_s >= 0:
+            raise ConfigError(f"shutdown_delay_s must be >= 0, got {self.shutdown_delay_s}")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ConfigError(
                 f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}"
@@ -143,6 +148,8 @@ _HELP: Final = {
     "log_level": f"logging level, one of {', '.join(LOG_LEVELS)}",
     "log_format": "log line format: text, or json (one object per line)",
     "shutdown_grace_s": "seconds in-flight RPCs get to finish on shutdown",
+    "shutdown_delay_s": "seconds between readiness going off on SIGTERM and the server refusing "
+    "new calls (for endpoints and load balancers to update)",
     "data_dir": "directory for the write-ahead journal and checkpoints: every answered "
     "mutation survives a crash ('': in memory only)",
     "otlp_endpoint": "OTLP/gRPC endpoint for traces, e.g. http://otel-collector:4317 ('': off "

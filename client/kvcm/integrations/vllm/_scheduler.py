@@ -178,11 +178,14 @@ class _KvcmSchedulerMixin:
         return GrpcStepShipper(
             address=settings.address,
             pool_id=pool_id,
-            pool_config=manager.pool_config,
+            pool_config=lambda: dataclasses.replace(
+                manager.pool_config(), scheduler_lease_s=settings.lease_s
+            ),
             step_timeout_s=settings.step_timeout_s,
             max_backlog=settings.max_backlog,
             synchronous=settings.mode == "remote",
             snapshot_source=lambda: (manager.recorder.num_steps, manager.snapshot()),
+            lease_s=settings.lease_s,
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:

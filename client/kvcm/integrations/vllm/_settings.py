@@ -21,6 +21,7 @@ _ENV: Final = {
     "step_timeout_s": "KVCM_STEP_TIMEOUT_S",
     "max_backlog": "KVCM_MAX_BACKLOG",
     "shutdown_timeout_s": "KVCM_SHUTDOWN_TIMEOUT_S",
+    "lease_s": "KVCM_LEASE_S",
 }
 
 
@@ -39,6 +40,8 @@ class KvcmSettings:
             dropped and the server is repaired from a snapshot of the mirror instead (the
             scheduler never waits for kvcm in mirror mode).
         shutdown_timeout_s: How long ``shutdown()`` waits for the backlog to be shipped.
+        lease_s: The pool's scheduler lease (0: none): if the engine dies, the server frees
+            its requests this long after its last call; an idle engine sends KeepAlives.
     """
 
     address: str | None = None
@@ -47,6 +50,7 @@ class KvcmSettings:
     step_timeout_s: float = 10.0
     max_backlog: int = 4096
     shutdown_timeout_s: float = 5.0
+    lease_s: float = 0.0
 
     @classmethod
     def from_sources(
@@ -78,7 +82,7 @@ class KvcmSettings:
             elif variable in environ:
                 values[name] = environ[variable]
         try:
-            for name in ("step_timeout_s", "shutdown_timeout_s"):
+            for name in ("step_timeout_s", "shutdown_timeout_s", "lease_s"):
                 if name in values:
                     values[name] = float(values[name])
             if "max_backlog" in values:
@@ -101,5 +105,7 @@ class KvcmSettings:
             raise ConfigError(
                 f"kvcm shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}"
             )
+        if not self.lease_s >= 0:
+            raise ConfigError(f"kvcm lease_s must be >= 0, got {self.lease_s}")
         if self.mode == "remote" and self.address is None:
             raise ConfigError("kvcm mode 'remote' needs an address (the server answers)")

@@ -125,6 +125,7 @@ class GrpcStepShipper:
         clock: Callable[[], float] = time.monotonic,
         synchronous: bool = False,
         snapshot_source: Callable[[], tuple[int, bytes]] | None = None,
+        lease_s: float = 0.0,
     ) -> None:
         """Connect lazily and start the shipping thread (none when ``synchronous``).
 
@@ -143,6 +144,8 @@ class GrpcStepShipper:
                 :class:`~kvcm.client.UnavailableError`); a repair takes its snapshot from
                 ``snapshot_source`` at once.
             snapshot_source: The mirror's ``(step_seq, snapshot)`` now (synchronous mode).
+            lease_s: The pool's scheduler lease; while idle the shipper renews it with
+                KeepAlive every third of it (0: no lease, no keepalives).
         """
         self.pool_id = pool_id
         self.stats = ShipperStats()
@@ -162,6 +165,9 @@ class GrpcStepShipper:
         self._snapshot: tuple[int, bytes] | None = None
         self._last_error = ""
         self._synchronous = synchronous
+        # An idle engine renews its pool's scheduler lease a few times per lease.
+        self._keepalive_s = lease_s / 3 if lease_s > 0 else None
+        self._last_call = clock()
         self._snapshot_source = snapshot_source
         self._thread: threading.Thread | None = None
         if not synchronous:
@@ -269,7 +275,8 @@ class GrpcStepShipper:
         while True:
             with self._cond:
                 while not self._closing and not self._ready_to_work():
-                    self._cond.wait()
+                    if not self._cond.wait(self._keepalive_s) and self._keepalive_due():
+                        break
                 if self._closing:
                     return
                 self._busy = True
@@ -297,6 +304,13 @@ class GrpcStepShipper:
                     self._busy = False
                     self._cond.notify_all()
 
+    def _keepalive_due(self) -> bool:
+        return (
+            self._keepalive_s is not None
+            and self._attached
+            and self._clock() - self._last_call >= self._keepalive_s
+        )
+
     def _ready_to_work(self) -> bool:
         if self._need_snapshot:
             return self._snapshot is not None
@@ -311,8 +325,13 @@ class GrpcStepShipper:
             self._snapshot = None
 
     def _work(self) -> None:
+        self._last_call = self._clock()
         if not self._attached:
             self._attach()
+        if not self._backlog and not self._need_snapshot:  # idle: renew the lease
+            self.stats.rpcs += 1
+            self._client.keep_alive(self.pool_id, timeout=self._timeout_s)
+            return
         if self._need_snapshot:
             if self._snapshot is not None:  # else the next step boundary takes one
                 self._resync()

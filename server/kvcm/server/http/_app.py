@@ -7,7 +7,7 @@ the loop mutates it could see half an RPC. On the loop, a handler runs between R
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -168,6 +168,7 @@ def build_app(
     rpc_stats: RpcStats,
     is_ready: Callable[[], bool],
     loop_lag: LoopLagMonitor | None = None,
+    reclaims: Mapping[tuple[str, str], int] | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
@@ -186,12 +187,13 @@ def build_app(
         rpc_stats: the statistics the gRPC side records.
         is_ready: answers whether the gRPC side is serving.
         loop_lag: the server's event-loop lag monitor (``None``: exported empty).
+        reclaims: lease reclaims by (pool, lease kind) (``None``: exported empty).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
     """
     prometheus_registry = CollectorRegistry(auto_describe=False)
-    prometheus_registry.register(KVCMCollector(registry, rpc_stats, loop_lag))
+    prometheus_registry.register(KVCMCollector(registry, rpc_stats, loop_lag, reclaims))
     _register_runtime_collectors(prometheus_registry)
 
     app = FastAPI(

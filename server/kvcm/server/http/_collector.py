@@ -12,7 +12,7 @@ family that is not declared there, and ``docs/metrics.md`` documents exactly thi
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -175,6 +175,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "tokens and layer count.",
     ),
     MetricSpec(
+        name="kvcm_lease_reclaims_total",
+        kind="counter",
+        labels=("pool", "kind"),
+        help="Expired leases whose holder's leftovers were reclaimed (kind: scheduler).",
+    ),
+    MetricSpec(
         name="kvcm_rpc_duration_seconds",
         kind="histogram",
         labels=("method",),
@@ -326,6 +332,7 @@ class KVCMCollector:
         registry: the server's pool registry.
         rpc_stats: the server's RPC statistics.
         loop_lag: the server's loop-lag monitor; ``None``: the family is exported empty.
+        reclaims: lease reclaims by (pool, lease kind); ``None``: exported empty.
     """
 
     def __init__(
@@ -333,7 +340,9 @@ class KVCMCollector:
         registry: PoolRegistryLike,
         rpc_stats: RpcStats,
         loop_lag: LoopLagMonitor | None = None,
+        reclaims: Mapping[tuple[str, str], int] | None = None,
     ) -> None:
+        self._reclaims = reclaims if reclaims is not None else {}
         self._registry = registry
         self._rpc_stats = rpc_stats
         self._loop_lag = LoopLagMonitor() if loop_lag is None else loop_lag
@@ -354,6 +363,10 @@ class KVCMCollector:
         yield from pool_families(pool.snapshot() for pool in self._registry.list() if not pool.lent)
         yield from rpc_families(self._rpc_stats.snapshot())
         yield loop_lag_family(self._loop_lag.snapshot())
+        reclaims = _scalar_family("kvcm_lease_reclaims_total")
+        for (pool, lease), count in sorted(self._reclaims.items()):
+            reclaims.add_metric([pool, lease], count)
+        yield reclaims
         build = _scalar_family("kvcm_build_info")
         build.add_metric(self._build_labels, 1)
         yield build

@@ -13,6 +13,7 @@ from kvcm.server.rpc._durability import JournalInterceptor, checkpoint_of, recov
 from kvcm.server.rpc._events import EventServicer
 from kvcm.server.rpc._handlers import UndecodableRequest, register_services
 from kvcm.server.rpc._interceptor import MethodInterceptor, TelemetryInterceptor
+from kvcm.server.rpc._leases import LeaseMonitor
 from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import PoolRuntime, ServerState
 from kvcm.server.rpc._status import (
@@ -34,6 +35,7 @@ __all__ = [
     "AdminServicer",
     "EventServicer",
     "JournalInterceptor",
+    "LeaseMonitor",
     "MethodInterceptor",
     "PoolRuntime",
     "SchedulerServicer",

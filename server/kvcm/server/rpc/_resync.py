@@ -12,6 +12,7 @@ last applied ``step_seq`` is the chunk's.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Final, TypeAlias
 
@@ -115,6 +116,7 @@ async def resync_pool(
     runtime.config.CopyFrom(first.config)
     runtime.planned.set()
     state.runtimes[pool_id] = runtime
+    state.activity[pool_id] = time.monotonic()  # the scheduler that uploaded it is alive
     log_pool_resynced(pool, replaced=exists)
     manager = pool.ready_manager()
     return scheduler_pb2.ResyncPoolResponse(

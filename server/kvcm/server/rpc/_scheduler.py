@@ -78,11 +78,18 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         """Replace a pool's state with an uploaded snapshot (see scheduler.proto)."""
         return await resync_pool(self._state, request_iterator)
 
+    async def KeepAlive(  # noqa: N802
+        self, request: scheduler_pb2.KeepAliveRequest, context: Context
+    ) -> scheduler_pb2.KeepAliveResponse:
+        """Renew the pool's scheduler lease."""
+        pool = await self._state.scheduler_pool(request.pool_id)
+        return scheduler_pb2.KeepAliveResponse(scheduler_lease_s=pool.options.scheduler_lease_s)
+
     async def Step(  # noqa: N802
         self, request: scheduler_pb2.StepRequest, context: Context
     ) -> scheduler_pb2.StepResponse:
         """A whole scheduler step (see scheduler.proto)."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         tracing = self._state.tracing
         if tracing is not None:
             return await self._traced_step(pool, request, tracing)
@@ -123,7 +130,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.AddRequestRequest, context: Context
     ) -> scheduler_pb2.AddRequestResponse:
         """Start tracking a request."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         new = request.request
         pool.add_request(
             new.request_key,
@@ -141,7 +148,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.AppendTokensRequest, context: Context
     ) -> scheduler_pb2.AppendTokensResponse:
         """Append produced tokens and their block hashes."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         pool.append_tokens(request.request_key, request.token_ids, request.block_hashes)
         return scheduler_pb2.AppendTokensResponse()
 
@@ -149,7 +156,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.FreeRequest, context: Context
     ) -> scheduler_pb2.FreeResponse:
         """Finish or preempt a request."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         mode = free_mode_from_proto(request.mode)
         pool.free(request.request_key, preempt=mode is FreeMode.PREEMPTED)
         self._state.published(pool)
@@ -159,7 +166,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetComputedBlocksRequest, context: Context
     ) -> scheduler_pb2.GetComputedBlocksResponse:
         """The request's longest prefix-cache hit (counted in the hit statistics)."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         lookup = request.lookup
         bound = lookup.max_cache_hit_length if lookup.HasField("max_cache_hit_length") else None
         hit = pool.get_computed_blocks(request.request_key, bound)
@@ -173,7 +180,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.AllocateSlotsRequest, context: Context
     ) -> scheduler_pb2.AllocateSlotsResponse:
         """allocate_slots; "does not fit" is a status, not an error."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         hit = None
         if request.HasField("new_computed"):
             wire = request.new_computed
@@ -212,7 +219,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.CacheBlocksRequest, context: Context
     ) -> scheduler_pb2.CacheBlocksResponse:
         """cache_blocks."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         pool.cache_blocks(request.request_key, request.num_computed_tokens)
         self._state.published(pool)
         return scheduler_pb2.CacheBlocksResponse()
@@ -221,7 +228,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.RemoveSkippedBlocksRequest, context: Context
     ) -> scheduler_pb2.RemoveSkippedBlocksResponse:
         """remove_skipped_blocks."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         pool.remove_skipped_blocks(request.request_key, request.total_computed_tokens)
         self._state.published(pool)
         return scheduler_pb2.RemoveSkippedBlocksResponse()
@@ -230,7 +237,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.EvictBlocksRequest, context: Context
     ) -> scheduler_pb2.EvictBlocksResponse:
         """evict_blocks."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         pool.evict_blocks(request.block_ids)
         self._state.published(pool)
         return scheduler_pb2.EvictBlocksResponse()
@@ -239,7 +246,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.ResetPrefixCacheRequest, context: Context
     ) -> scheduler_pb2.ResetPrefixCacheResponse:
         """reset_prefix_cache."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         reset = pool.reset_prefix_cache()
         self._state.published(pool)
         return scheduler_pb2.ResetPrefixCacheResponse(reset=reset)
@@ -248,7 +255,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetBlocksRequest, context: Context
     ) -> scheduler_pb2.GetBlocksResponse:
         """get_blocks with each block's reference count and cache state."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         target = _check_ready_request(pool, request.request_key)
         blocks = pool.ready_manager().get_blocks(target.request_id)
         response = scheduler_pb2.GetBlocksResponse()
@@ -269,7 +276,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetBlockIdsRequest, context: Context
     ) -> scheduler_pb2.GetBlockIdsResponse:
         """get_block_ids."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         target = _check_ready_request(pool, request.request_key)
         response = scheduler_pb2.GetBlockIdsResponse()
         fill_grouped(pool.ready_manager().get_block_ids(target.request_id), response.blocks)
@@ -279,7 +286,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetNumCommonPrefixBlocksRequest, context: Context
     ) -> scheduler_pb2.GetNumCommonPrefixBlocksResponse:
         """get_num_common_prefix_blocks of a running request."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         target = _check_ready_request(pool, request.running_request_key)
         manager = pool.ready_manager()
         if not manager.holds_blocks(target.request_id):
@@ -293,7 +300,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.TakeNewBlockIdsRequest, context: Context
     ) -> scheduler_pb2.TakeNewBlockIdsResponse:
         """take_new_block_ids (drains)."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         ids = pool.ready_manager().take_new_block_ids()
         return scheduler_pb2.TakeNewBlockIdsResponse(block_ids=ids)
 
@@ -301,7 +308,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.NewStepStartsRequest, context: Context
     ) -> scheduler_pb2.NewStepStartsResponse:
         """new_step_starts."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         pool.ready_manager().new_step_starts()
         return scheduler_pb2.NewStepStartsResponse()
 
@@ -309,7 +316,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetUsageRequest, context: Context
     ) -> scheduler_pb2.GetUsageResponse:
         """Usage and block counts."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         manager = pool.ready_manager()
         return scheduler_pb2.GetUsageResponse(
             usage=manager.usage,
@@ -322,7 +329,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.TakePrefixCacheStatsRequest, context: Context
     ) -> scheduler_pb2.TakePrefixCacheStatsResponse:
         """make_prefix_cache_stats (drains)."""
-        pool = await self._state.pool(request.pool_id)
+        pool = await self._state.scheduler_pool(request.pool_id)
         stats = pool.take_prefix_cache_stats()
         response = scheduler_pb2.TakePrefixCacheStatsResponse()
         if stats is not None:

@@ -84,6 +84,8 @@ class ServerState:
         serving: Whether the gRPC side serves (False before start and while shutting down).
         limits: The service's hard limits (pending registrations, registration timeout).
         journal: The data directory's journal (``None``: in memory only).
+        activity: When (``time.monotonic``) each pool's scheduler last called.
+        reclaims: Lease reclaims so far, by (pool id, lease kind).
         tracing: The server's tracing (``None``: off; calls take no tracing path at all).
         lanes: Pools lent to a worker thread for a long call, by pool id, each with the
             event set when the call ends. Every call on such a pool waits for it
@@ -99,6 +101,8 @@ class ServerState:
     lanes: dict[str, asyncio.Event] = field(default_factory=dict)
     tracing: Tracing | None = None
     journal: Journal | None = None
+    activity: dict[str, float] = field(default_factory=dict)
+    reclaims: dict[tuple[str, str], int] = field(default_factory=dict)
 
     async def pool(self, pool_id: str) -> Pool:
         """The pool called ``pool_id``, once no worker thread holds it.
@@ -109,6 +113,12 @@ class ServerState:
         while (busy := self.lanes.get(pool_id)) is not None:
             await busy.wait()
         return self.registry.get(pool_id)
+
+    async def scheduler_pool(self, pool_id: str) -> Pool:
+        """:meth:`pool` for a scheduler's call: it renews the pool's scheduler lease."""
+        pool = await self.pool(pool_id)
+        self.activity[pool_id] = time.monotonic()
+        return pool
 
     async def run_in_lane(
         self, pool: Pool, work: Callable[[], T], *, builds_pool: bool = False

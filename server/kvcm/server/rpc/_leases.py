@@ -1,0 +1,142 @@
+"""Scheduler leases: reclaim what a scheduler that stopped calling left behind.
+
+A pool created with ``scheduler_lease_s > 0`` expects its scheduler to call: every
+SchedulerService call on the pool renews the lease (``KeepAlive`` when there is nothing to
+send). :class:`LeaseMonitor` checks the pools about four times per shortest lease (at most once
+a second); a pool whose lease ran out and that still holds requests (or, with CLEAR, cached
+blocks) is reclaimed once, by its ``lease_expiry`` policy:
+
+* ``FREE_REQUESTS``: every request is finished (in key order), as if its scheduler had freed
+  them; their blocks stay in the prefix cache;
+* ``CLEAR``: the same, then the prefix cache is reset (AllBlocksCleared: routers drop the
+  pool's blocks), for an engine that will come back empty.
+
+A reclaim is an ordinary Step program run by the interpreter, published and journaled like
+any Step (so a restart replays it), counted in ``kvcm_lease_reclaims_total{pool, kind}`` and
+logged at INFO. A scheduler that calls again renews the lease; nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Final
+
+from kvcm.core.pool import Pool
+from kvcm.core.pool_types import LeaseExpiry, PoolState
+from kvcm.core.program import OpKind, StepProgram
+from kvcm.server.rpc._state import CALL_TIME, ServerState
+from kvcm.wire import program_to_proto
+
+__all__ = ["LeaseMonitor", "SCHEDULER_LEASE"]
+
+_LOG = logging.getLogger("kvcm.server.leases")
+SCHEDULER_LEASE: Final = "scheduler"
+_MAX_INTERVAL_S: Final = 1.0
+
+
+def _reclaim_program(pool: Pool) -> StepProgram | None:
+    """FINISH every request (and RESET with CLEAR), or ``None`` when there is nothing."""
+    clear = pool.options.lease_expiry is LeaseExpiry.CLEAR
+    keys = sorted(pool.requests)
+    manager = pool.manager
+    cached = manager is not None and manager.block_pool.num_cached_blocks > 0
+    if not keys and not (clear and cached):
+        return None
+    ops = [int(OpKind.FINISH)] * len(keys)
+    if clear:
+        ops.append(int(OpKind.RESET_PREFIX_CACHE))
+    return StepProgram(ops=ops, request_keys=keys)
+
+
+class LeaseMonitor:
+    """Expires scheduler leases (see the module docstring).
+
+    Attributes:
+        state: The server's shared state.
+    """
+
+    def __init__(self, state: ServerState, clock: object = time.monotonic) -> None:
+        """Watch ``state``'s pools; ``clock`` is a monotonic clock (tests pass their own)."""
+        self.state = state
+        self._clock = clock
+        self._reclaimed: set[tuple[str, int]] = set()  # (pool, epoch) reclaimed since activity
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Check periodically on the running loop."""
+        self._task = asyncio.create_task(self._run(), name="kvcm-lease-monitor")
+
+    async def stop(self) -> None:
+        """Stop checking."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            leases = [
+                p.options.scheduler_lease_s
+                for p in self.state.registry.list()
+                if p.options.scheduler_lease_s > 0
+            ]
+            interval = min([_MAX_INTERVAL_S, *(lease / 4 for lease in leases)])
+            await asyncio.sleep(interval)
+            try:
+                await self.check()
+            except Exception:  # a check must never stop the monitor
+                _LOG.exception("lease check failed")
+
+    async def check(self) -> int:
+        """Reclaim every pool whose lease expired; returns how many were reclaimed."""
+        state = self.state
+        now = self._clock()  # type: ignore[operator]
+        reclaimed = 0
+        for pool in state.registry.list():
+            lease = pool.options.scheduler_lease_s
+            if lease <= 0 or pool.state is not PoolState.READY or pool.lent:
+                continue
+            last = state.activity.setdefault(pool.name, now)
+            mark = (pool.name, pool.epoch)
+            if now - last <= lease:
+                self._reclaimed.discard(mark)
+                continue
+            if mark in self._reclaimed:
+                continue
+            if await self._reclaim(pool, now - last):
+                reclaimed += 1
+            self._reclaimed.add(mark)
+        return reclaimed
+
+    async def _reclaim(self, pool: Pool, idle_s: float) -> bool:
+        program = _reclaim_program(pool)
+        if program is None:
+            return False
+        state = self.state
+        now = time.time()
+        CALL_TIME.set(now)
+        num_requests = len(program.request_keys)
+        pool.run_step(program)
+        state.published(pool)
+        if state.journal is not None:
+            journal = state.journal
+            data = program_to_proto(program, pool.name).SerializeToString()
+            await journal.commit(journal.append("Step", pool.name, data, now))
+        key = (pool.name, SCHEDULER_LEASE)
+        state.reclaims[key] = state.reclaims.get(key, 0) + 1
+        _LOG.info(
+            "scheduler lease expired: reclaimed",
+            extra={
+                "event": "lease_reclaimed",
+                "pool": pool.name,
+                "lease": SCHEDULER_LEASE,
+                "idle_s": round(idle_s, 3),
+                "requests": num_requests,
+                "cleared": pool.options.lease_expiry is LeaseExpiry.CLEAR,
+            },
+        )
+        return True
