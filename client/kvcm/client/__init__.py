@@ -16,7 +16,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvcm.client._base import RETRY_POLICY, RetryPolicy
+    from kvcm.client._base import RETRY_POLICY, RetryPolicy, TlsConfig
     from kvcm.client._errors import (
         CallCancelledError,
         DeadlineExceededError,
@@ -103,6 +103,7 @@ __all__ = [
     "StepBuilder",
     "StepRejection",
     "StepResult",
+    "TlsConfig",
     "UnavailableError",
     "UnimplementedError",
     "Usage",
@@ -139,6 +140,7 @@ _MODULE_OF = {
     "RemoteKVCacheManager": "remote_manager",
     "RequestBlocks": "_types",
     "RetryPolicy": "_base",
+    "TlsConfig": "_base",
     "SchedulerClient": "scheduler",
     "SchedulerRequest": "remote_manager",
     "ServiceAlreadyExistsError": "_errors",

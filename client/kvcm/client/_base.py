@@ -18,6 +18,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import grpc
+
 from kvcm.client._errors import ServiceError, StatusCode
 from kvcm.client._step import StepBuilder, slot_options_to_proto
 from kvcm.client._types import (
@@ -138,6 +140,63 @@ def build_channel_options(
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TlsConfig:
+    """TLS for a client's channel (PEM bytes; :meth:`from_files` reads paths).
+
+    Attributes:
+        root_certificates: CA certificates that sign the server's certificate (``None``:
+            gRPC's default roots).
+        certificate_chain: The client's certificate, for servers that require mutual TLS.
+        private_key: The client certificate's key.
+    """
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise InvalidArgumentError(
+                "certificate_chain and private_key go together (mutual TLS)", field="tls"
+            )
+
+    @classmethod
+    def from_files(
+        cls, ca: str | None = None, cert: str | None = None, key: str | None = None
+    ) -> TlsConfig:
+        """Read the PEM files (``None``: not given).
+
+        Raises:
+            InvalidArgumentError: A file cannot be read, or only one of cert and key is given.
+        """
+
+        def read(name: str, path: str | None) -> bytes | None:
+            if not path:
+                return None
+            try:
+                with open(path, "rb") as handle:
+                    return handle.read()
+            except OSError as exc:
+                raise InvalidArgumentError(
+                    f"tls {name}: cannot read {path!r}: {exc.strerror}", field="tls"
+                ) from exc
+
+        return cls(
+            root_certificates=read("ca", ca),
+            certificate_chain=read("cert", cert),
+            private_key=read("key", key),
+        )
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root_certificates,
+            private_key=self.private_key,
+            certificate_chain=self.certificate_chain,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClientSettings:
     """Settings every client takes (validated once, shared by sync and async clients).
 
@@ -146,12 +205,14 @@ class ClientSettings:
         timeout_s: Deadline of every unary call that does not give its own, in seconds.
         retry_policy: Retries of idempotent calls on UNAVAILABLE.
         channel_options: Extra gRPC channel options.
+        tls: TLS for the channel; ``None``: plaintext.
     """
 
     target: str
     timeout_s: float
     retry_policy: RetryPolicy = RETRY_POLICY
     channel_options: tuple[tuple[str, Any], ...] = ()
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
@@ -168,6 +229,22 @@ class ClientSettings:
     def options(self) -> list[tuple[str, Any]]:
         """The channel options to open the channel with."""
         return build_channel_options(self.channel_options, self.retry_policy)
+
+    def channel(self) -> grpc.Channel:
+        """A synchronous channel to the target (TLS when configured)."""
+        if self.tls is None:
+            return grpc.insecure_channel(self.target, options=self.options())
+        return grpc.secure_channel(self.target, self.tls.credentials(), options=self.options())
+
+    def aio_channel(self, interceptors: Sequence[Any]) -> grpc.aio.Channel:
+        """An asyncio channel to the target (TLS when configured)."""
+        if self.tls is None:
+            return grpc.aio.insecure_channel(
+                self.target, options=self.options(), interceptors=interceptors
+            )
+        return grpc.aio.secure_channel(
+            self.target, self.tls.credentials(), options=self.options(), interceptors=interceptors
+        )
 
 
 def should_retry_step(

@@ -23,7 +23,7 @@ import grpc
 import grpc.aio
 
 from kvcm.client import _base
-from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
+from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy, TlsConfig
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._tracing import aio_interceptors
@@ -113,6 +113,7 @@ class AsyncSchedulerClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         retry_policy: RetryPolicy = RETRY_POLICY,
         channel_options: Sequence[tuple[str, Any]] = (),
+        tls: TlsConfig | None = None,
     ) -> None:
         """Open a channel to ``target`` (connecting lazily, on the first call).
 
@@ -121,6 +122,7 @@ class AsyncSchedulerClient:
             timeout: Deadline of every call that does not give its own, in seconds.
             retry_policy: Retries of idempotent calls on UNAVAILABLE.
             channel_options: Extra gRPC channel options.
+            tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
 
         Raises:
             InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
@@ -130,11 +132,10 @@ class AsyncSchedulerClient:
             timeout_s=timeout,
             retry_policy=retry_policy,
             channel_options=tuple(channel_options),
+            tls=tls,
         )
         self.target = target
-        self._channel = grpc.aio.insecure_channel(
-            target, options=self._settings.options(), interceptors=aio_interceptors()
-        )
+        self._channel = self._settings.aio_channel(aio_interceptors())
         self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]

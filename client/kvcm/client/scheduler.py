@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvcm.client import _base
-from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
+from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy, TlsConfig
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._tracing import intercept
@@ -111,6 +111,7 @@ class SchedulerClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         retry_policy: RetryPolicy = RETRY_POLICY,
         channel_options: Sequence[tuple[str, Any]] = (),
+        tls: TlsConfig | None = None,
     ) -> None:
         """Open a channel to ``target`` (connecting lazily, on the first call).
 
@@ -119,6 +120,7 @@ class SchedulerClient:
             timeout: Deadline of every call that does not give its own, in seconds.
             retry_policy: Retries of idempotent calls on UNAVAILABLE.
             channel_options: Extra gRPC channel options (``("grpc.keepalive_time_ms", ...)``).
+            tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
 
         Raises:
             InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
@@ -128,9 +130,10 @@ class SchedulerClient:
             timeout_s=timeout,
             retry_policy=retry_policy,
             channel_options=tuple(channel_options),
+            tls=tls,
         )
         self.target = target
-        self._channel = intercept(grpc.insecure_channel(target, options=self._settings.options()))
+        self._channel = intercept(self._settings.channel())
         self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy
+from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy, TlsConfig
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._tracing import intercept
 from kvcm.client._types import (
@@ -76,6 +76,7 @@ class WorkerClient:
         timeout: float = REGISTER_WORKER_TIMEOUT_S,
         retry_policy: RetryPolicy = RETRY_POLICY,
         channel_options: Sequence[tuple[str, Any]] = (),
+        tls: TlsConfig | None = None,
     ) -> None:
         """Open a channel to ``target`` (connecting lazily, on the first call).
 
@@ -86,6 +87,7 @@ class WorkerClient:
                 registered: calling again registers anew).
             retry_policy: Retries of ``RegisterWorker`` (idempotent) on UNAVAILABLE.
             channel_options: Extra gRPC channel options.
+            tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
 
         Raises:
             InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
@@ -95,9 +97,10 @@ class WorkerClient:
             timeout_s=timeout,
             retry_policy=retry_policy,
             channel_options=tuple(channel_options),
+            tls=tls,
         )
         self.target = target
-        self._channel = intercept(grpc.insecure_channel(target, options=self._settings.options()))
+        self._channel = intercept(self._settings.channel())
         self._worker = service_pb2_grpc.WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     def register(

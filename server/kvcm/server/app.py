@@ -44,6 +44,7 @@ from kvcm.server.rpc import (
 )
 from kvcm.server.settings import ServerSettings, split_address
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats
+from kvcm.server.tls import grpc_server_credentials, tls_files, uvicorn_ssl_options
 from kvcm.server.tracing import build_tracing
 
 __all__ = ["KVCMServer", "run_until_signalled", "serve"]
@@ -84,10 +85,12 @@ class KVCMServer:
                 OTLP (tests); ``None``: tracing follows the settings.
 
         Raises:
-            ConfigError: Tracing is configured but ``kvcm[tracing]`` is not installed.
+            ConfigError: Tracing is configured but ``kvcm[tracing]`` is not installed, or
+                the TLS settings are incomplete or name unreadable files.
         """
         self.settings = settings
         self.tracing = build_tracing(settings, span_exporter)
+        self.tls = tls_files(settings)
         self.state = ServerState(
             registry=PoolRegistry(limits=settings.limits),
             rpc_stats=RpcStats(),
@@ -162,7 +165,11 @@ class KVCMServer:
             server,
         )
         host, port = split_address(settings.grpc_address)
-        bound = server.add_insecure_port(f"{_bracket(host)}:{port}")
+        listen = f"{_bracket(host)}:{port}"
+        if self.tls is not None:
+            bound = server.add_secure_port(listen, grpc_server_credentials(self.tls))
+        else:
+            bound = server.add_insecure_port(listen)
         if bound == 0:
             raise ConfigError(f"grpc_address: cannot listen on {settings.grpc_address!r}")
         self.grpc_port = bound
@@ -205,6 +212,7 @@ class KVCMServer:
             log_config=None,
             lifespan="off",
             access_log=False,
+            **(uvicorn_ssl_options(self.tls) if self.tls is not None else {}),
         )
         http = _EmbeddedUvicorn(config)
         self._http = http
@@ -323,6 +331,19 @@ async def run_until_signalled(
         await server.stop(delay_s=delay)
 
 
+# Settings a running server cannot take up: SIGHUP names them when they changed.
+_RESTART_SETTINGS = (
+    "grpc_address",
+    "http_address",
+    "data_dir",
+    "otlp_endpoint",
+    "limits",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+)
+
+
 def _reload(server: KVCMServer, reload: Callable[[], ServerSettings]) -> None:
     """SIGHUP: re-read the settings; apply the log settings, name what needs a restart."""
     try:
@@ -335,7 +356,7 @@ def _reload(server: KVCMServer, reload: Callable[[], ServerSettings]) -> None:
     live = {"log_level", "log_format"}
     pending = sorted(
         name
-        for name in ("grpc_address", "http_address", "data_dir", "otlp_endpoint", "limits")
+        for name in _RESTART_SETTINGS
         if getattr(fresh, name) != getattr(current, name) and name not in live
     )
     server.settings = dataclasses.replace(

@@ -55,6 +55,9 @@ class ServerSettings:
         shutdown_grace_s: Seconds in-flight RPCs get to finish on shutdown.
         shutdown_delay_s: Seconds between readiness going off (SIGTERM) and the server
             stopping to accept calls, for load balancers and endpoints to notice.
+        tls_cert: PEM certificate chain of the server (with ``tls_key``: TLS on both sides).
+        tls_key: PEM private key of the server.
+        tls_client_ca: PEM CA whose certificates clients must present (mutual TLS).
         data_dir: Directory of the journal and checkpoints (``""``: pools live in memory only
             and a restart loses them).
         otlp_endpoint: OTLP/gRPC endpoint for traces (``""``: off unless OpenTelemetry's
@@ -69,6 +72,9 @@ class ServerSettings:
     log_format: str = "text"
     shutdown_grace_s: float = 5.0
     shutdown_delay_s: float = 0.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     data_dir: str = ""
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -150,6 +156,10 @@ _HELP: Final = {
     "shutdown_grace_s": "seconds in-flight RPCs get to finish on shutdown",
     "shutdown_delay_s": "seconds between readiness going off on SIGTERM and the server refusing "
     "new calls (for endpoints and load balancers to update)",
+    "tls_cert": "PEM certificate chain of the server; with tls_key, gRPC and HTTP speak TLS "
+    "only (reloaded on change for gRPC)",
+    "tls_key": "PEM private key of the server",
+    "tls_client_ca": "PEM CA file: clients must present a certificate it signed (mutual TLS)",
     "data_dir": "directory for the write-ahead journal and checkpoints: every answered "
     "mutation survives a crash ('': in memory only)",
     "otlp_endpoint": "OTLP/gRPC endpoint for traces, e.g. http://otel-collector:4317 ('': off "

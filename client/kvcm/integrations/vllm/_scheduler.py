@@ -22,6 +22,7 @@ import inspect
 import socket
 from typing import TYPE_CHECKING, Any
 
+from kvcm.client import TlsConfig
 from kvcm.common.errors import ConfigError
 from kvcm.integrations.vllm._manager import MirrorKVCacheManager, MirrorManagerConfig
 from kvcm.integrations.vllm._recorder import NullSink
@@ -186,6 +187,11 @@ class _KvcmSchedulerMixin:
             synchronous=settings.mode == "remote",
             snapshot_source=lambda: (manager.recorder.num_steps, manager.snapshot()),
             lease_s=settings.lease_s,
+            tls=(
+                TlsConfig.from_files(settings.tls_ca, settings.tls_cert, settings.tls_key)
+                if settings.tls_ca or settings.tls_cert
+                else None
+            ),
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:

@@ -22,6 +22,9 @@ _ENV: Final = {
     "max_backlog": "KVCM_MAX_BACKLOG",
     "shutdown_timeout_s": "KVCM_SHUTDOWN_TIMEOUT_S",
     "lease_s": "KVCM_LEASE_S",
+    "tls_ca": "KVCM_TLS_CA",
+    "tls_cert": "KVCM_TLS_CERT",
+    "tls_key": "KVCM_TLS_KEY",
 }
 
 
@@ -42,6 +45,9 @@ class KvcmSettings:
         shutdown_timeout_s: How long ``shutdown()`` waits for the backlog to be shipped.
         lease_s: The pool's scheduler lease (0: none): if the engine dies, the server frees
             its requests this long after its last call; an idle engine sends KeepAlives.
+        tls_ca: PEM file of the CA that signed the server's certificate (TLS on when set).
+        tls_cert: PEM client certificate, for a server that requires mutual TLS.
+        tls_key: Its key.
     """
 
     address: str | None = None
@@ -51,6 +57,9 @@ class KvcmSettings:
     max_backlog: int = 4096
     shutdown_timeout_s: float = 5.0
     lease_s: float = 0.0
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     @classmethod
     def from_sources(

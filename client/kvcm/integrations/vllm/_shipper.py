@@ -32,6 +32,7 @@ from kvcm.client import (
     ServiceError,
     ServiceFailedPreconditionError,
     ServiceNotFoundError,
+    TlsConfig,
     UnavailableError,
     UnimplementedError,
 )
@@ -126,6 +127,7 @@ class GrpcStepShipper:
         synchronous: bool = False,
         snapshot_source: Callable[[], tuple[int, bytes]] | None = None,
         lease_s: float = 0.0,
+        tls: TlsConfig | None = None,
     ) -> None:
         """Connect lazily and start the shipping thread (none when ``synchronous``).
 
@@ -146,6 +148,7 @@ class GrpcStepShipper:
             snapshot_source: The mirror's ``(step_seq, snapshot)`` now (synchronous mode).
             lease_s: The pool's scheduler lease; while idle the shipper renews it with
                 KeepAlive every third of it (0: no lease, no keepalives).
+            tls: TLS for the channel (``None``: plaintext).
         """
         self.pool_id = pool_id
         self.stats = ShipperStats()
@@ -154,7 +157,7 @@ class GrpcStepShipper:
         self._timeout_s = step_timeout_s
         self._max_backlog = max_backlog
         self._owns_client = client is None
-        self._client = client if client is not None else SchedulerClient(address)
+        self._client = client if client is not None else SchedulerClient(address, tls=tls)
         self._clock = clock
         self._backlog: collections.deque[RecordedStep] = collections.deque()
         self._cond = threading.Condition()

@@ -1,0 +1,127 @@
+"""TLS and mutual TLS for the server's gRPC and HTTP sides.
+
+``--tls-cert`` and ``--tls-key`` (PEM files) turn TLS on for both sides: plaintext is then
+refused. ``--tls-client-ca`` additionally requires every client to present a certificate
+signed by that CA (mutual TLS). The gRPC side re-reads the three files whenever one of them
+changes on disk, at the next handshake (gRPC's dynamic server credentials): rotating a
+certificate needs no restart and drops no connection (established connections keep their
+session). The HTTP side (metrics, probes) loads them at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvcm.common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvcm.server.settings import ServerSettings
+
+__all__ = ["TlsFiles", "grpc_server_credentials", "tls_files", "uvicorn_ssl_options"]
+
+_LOG = logging.getLogger("kvcm.server.tls")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """The server's certificate chain, key and (for mutual TLS) client CA, as paths."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None
+
+    def read(self) -> tuple[bytes, bytes, bytes | None]:
+        """The files' contents.
+
+        Raises:
+            ConfigError: A file cannot be read (the message names the setting).
+        """
+        values = []
+        for setting, path in (("tls_cert", self.cert), ("tls_key", self.key)):
+            try:
+                values.append(path.read_bytes())
+            except OSError as exc:
+                raise ConfigError(f"{setting}: cannot read {str(path)!r}: {exc.strerror}") from exc
+        ca = None
+        if self.client_ca is not None:
+            try:
+                ca = self.client_ca.read_bytes()
+            except OSError as exc:
+                raise ConfigError(
+                    f"tls_client_ca: cannot read {str(self.client_ca)!r}: {exc.strerror}"
+                ) from exc
+        return values[0], values[1], ca
+
+    def stamp(self) -> tuple[float, ...]:
+        """The files' modification times (a change means: read them again)."""
+        paths = [self.cert, self.key, *([self.client_ca] if self.client_ca else [])]
+        stamps = []
+        for path in paths:
+            try:
+                stamps.append(os.stat(path).st_mtime_ns)
+            except OSError:
+                stamps.append(-1)
+        return tuple(float(s) for s in stamps)
+
+
+def tls_files(settings: ServerSettings) -> TlsFiles | None:
+    """The TLS files of ``settings``, or ``None`` when TLS is off.
+
+    Raises:
+        ConfigError: Only one of tls_cert and tls_key is set, or a client CA without them.
+    """
+    cert, key, ca = settings.tls_cert, settings.tls_key, settings.tls_client_ca
+    if not cert and not key:
+        if ca:
+            raise ConfigError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
+        return None
+    if not cert or not key:
+        raise ConfigError("tls_cert and tls_key go together: set both or neither")
+    files = TlsFiles(Path(cert), Path(key), Path(ca) if ca else None)
+    files.read()  # fail at start, naming the file, rather than at the first handshake
+    return files
+
+
+def grpc_server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
+    """Server credentials that re-read ``files`` when they change."""
+    cert, key, ca = files.read()
+    state: dict[str, Any] = {"stamp": files.stamp()}
+
+    def configuration(cert: bytes, key: bytes, ca: bytes | None) -> Any:
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch() -> Any:
+        stamp = files.stamp()
+        if stamp == state["stamp"]:
+            return None  # unchanged: gRPC keeps the current configuration
+        try:
+            new_cert, new_key, new_ca = files.read()
+            fresh = configuration(new_cert, new_key, new_ca)
+        except Exception as exc:  # a half-written file: keep serving with the old one
+            _LOG.warning("TLS files changed but could not be loaded: %s", exc)
+            return None
+        state["stamp"] = stamp
+        _LOG.info("TLS certificates reloaded", extra={"event": "tls_reloaded"})
+        return fresh
+
+    return grpc.dynamic_ssl_server_credentials(
+        configuration(cert, key, ca),
+        fetch,
+        require_client_authentication=files.client_ca is not None,
+    )
+
+
+def uvicorn_ssl_options(files: TlsFiles) -> dict[str, Any]:
+    """uvicorn's ``Config`` keyword arguments for ``files``."""
+    options: dict[str, Any] = {"ssl_certfile": str(files.cert), "ssl_keyfile": str(files.key)}
+    if files.client_ca is not None:
+        options["ssl_ca_certs"] = str(files.client_ca)
+        options["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+    return options
