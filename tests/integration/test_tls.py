@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def test_tls_is_required_and_works(tls_server: EmbeddedServer, pki: Pki) -> None
         assert client.list_pools() == []
     ca_file = pki.write("ca.pem", pki.ca_pem)
     url = f"https://{tls_server.http_address}/healthz"
-    assert httpx.get(url, verify=str(ca_file)).status_code == 200
+    assert httpx.get(url, verify=ssl.create_default_context(cafile=ca_file)).status_code == 200
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://{tls_server.http_address}/healthz", timeout=2.0)
 
