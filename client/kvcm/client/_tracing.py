@@ -1,4 +1,4 @@
-"""W3C trace-context propagation from the SDK to the server (when OpenTelemetry is there).
+"""Metadata the SDK adds to every call: W3C trace context, and the bearer token if any.
 
 When ``opentelemetry-api`` is importable, every channel the SDK opens gets a client
 interceptor that adds the caller's current span context (``traceparent`` / ``tracestate``,
@@ -39,9 +39,8 @@ def _injector() -> Callable[[], list[tuple[str, str]]] | None:
 _INJECT = _injector()
 
 
-def _metadata(existing: Metadata | None) -> Metadata | None:
-    assert _INJECT is not None
-    extra = _INJECT()
+def _metadata(existing: Metadata | None, static: Metadata) -> Metadata | None:
+    extra = [*static, *(_INJECT() if _INJECT is not None else ())]
     if not extra:
         return existing
     return [*(existing or ()), *extra]
@@ -60,11 +59,11 @@ class _CallDetails(_Details, grpc.ClientCallDetails):  # type: ignore[misc]
     """``grpc.ClientCallDetails`` with the trace context added to the metadata."""
 
 
-def _with_context(details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+def _with_context(details: grpc.ClientCallDetails, static: Metadata) -> grpc.ClientCallDetails:
     return _CallDetails(
         details.method,
         details.timeout,
-        _metadata(details.metadata),
+        _metadata(details.metadata, static),
         details.credentials,
         getattr(details, "wait_for_ready", None),
         getattr(details, "compression", None),
@@ -77,55 +76,66 @@ class _Propagator(
     grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
     grpc.StreamStreamClientInterceptor,  # type: ignore[misc]
 ):
-    """Adds the current trace context to every call (sync channels)."""
+    """Adds the static metadata and the current trace context to every call (sync)."""
+
+    def __init__(self, static: Metadata) -> None:
+        self._static = static
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(_with_context(details), request)
+        return continuation(_with_context(details, self._static), request)
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(_with_context(details), request)
+        return continuation(_with_context(details, self._static), request)
 
     def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(_with_context(details), requests)
+        return continuation(_with_context(details, self._static), requests)
 
     def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(_with_context(details), requests)
+        return continuation(_with_context(details, self._static), requests)
 
 
-def intercept(channel: grpc.Channel) -> grpc.Channel:
-    """``channel`` with trace-context propagation when OpenTelemetry is importable."""
-    if _INJECT is None:
+def intercept(channel: grpc.Channel, static: Metadata = ()) -> grpc.Channel:
+    """``channel`` adding ``static`` metadata (a token) and the trace context to every call
+    (as it is when there is neither)."""
+    if _INJECT is None and not static:
         return channel
-    return grpc.intercept_channel(channel, _Propagator())
+    return grpc.intercept_channel(channel, _Propagator(tuple(static)))
 
 
-def _aio_details(details: Any) -> Any:
+def _aio_details(details: Any, static: Metadata) -> Any:
+    metadata = _metadata(tuple(details.metadata or ()), static)
     return grpc.aio.ClientCallDetails(
         details.method,
         details.timeout,
-        _metadata(details.metadata),
+        grpc.aio.Metadata(*metadata) if metadata else details.metadata,
         details.credentials,
         details.wait_for_ready,
     )
 
 
-class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+class _AioStatic:
+    def __init__(self, static: Metadata) -> None:
+        self._static = static
+
+
+class _AioUnaryUnary(_AioStatic, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(_aio_details(details), request)
+        return await continuation(_aio_details(details, self._static), request)
 
 
-class _AioUnaryStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+class _AioUnaryStream(_AioStatic, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(_aio_details(details), request)
+        return await continuation(_aio_details(details, self._static), request)
 
 
-class _AioStreamUnary(grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+class _AioStreamUnary(_AioStatic, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(_aio_details(details), requests)
+        return await continuation(_aio_details(details, self._static), requests)
 
 
-def aio_interceptors() -> list[Any]:
-    """Interceptors for ``grpc.aio`` channels (empty without OpenTelemetry)."""
-    if _INJECT is None:
+def aio_interceptors(static: Metadata = ()) -> list[Any]:
+    """Interceptors for ``grpc.aio`` channels (none without a token and OpenTelemetry)."""
+    if _INJECT is None and not static:
         return []
-    return [_AioUnaryUnary(), _AioUnaryStream(), _AioStreamUnary()]
+    static = tuple(static)
+    return [_AioUnaryUnary(static), _AioUnaryStream(static), _AioStreamUnary(static)]

@@ -114,6 +114,7 @@ class AsyncSchedulerClient:
         retry_policy: RetryPolicy = RETRY_POLICY,
         channel_options: Sequence[tuple[str, Any]] = (),
         tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         """Open a channel to ``target`` (connecting lazily, on the first call).
 
@@ -123,6 +124,7 @@ class AsyncSchedulerClient:
             retry_policy: Retries of idempotent calls on UNAVAILABLE.
             channel_options: Extra gRPC channel options.
             tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
+            token: A bearer token sent with every call (a server with ``auth_tokens``).
 
         Raises:
             InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
@@ -135,7 +137,9 @@ class AsyncSchedulerClient:
             tls=tls,
         )
         self.target = target
-        self._channel = self._settings.aio_channel(aio_interceptors())
+        self._channel = self._settings.aio_channel(
+            aio_interceptors((("authorization", f"Bearer {token}"),) if token else ())
+        )
         self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]

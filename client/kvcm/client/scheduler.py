@@ -112,6 +112,7 @@ class SchedulerClient:
         retry_policy: RetryPolicy = RETRY_POLICY,
         channel_options: Sequence[tuple[str, Any]] = (),
         tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         """Open a channel to ``target`` (connecting lazily, on the first call).
 
@@ -121,6 +122,7 @@ class SchedulerClient:
             retry_policy: Retries of idempotent calls on UNAVAILABLE.
             channel_options: Extra gRPC channel options (``("grpc.keepalive_time_ms", ...)``).
             tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
+            token: A bearer token sent with every call (a server with ``auth_tokens``).
 
         Raises:
             InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
@@ -133,7 +135,9 @@ class SchedulerClient:
             tls=tls,
         )
         self.target = target
-        self._channel = intercept(self._settings.channel())
+        self._channel = intercept(
+            self._settings.channel(), (("authorization", f"Bearer {token}"),) if token else ()
+        )
         self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]

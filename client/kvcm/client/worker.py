@@ -77,6 +77,7 @@ class WorkerClient:
         retry_policy: RetryPolicy = RETRY_POLICY,
         channel_options: Sequence[tuple[str, Any]] = (),
         tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         """Open a channel to ``target`` (connecting lazily, on the first call).
 
@@ -88,6 +89,7 @@ class WorkerClient:
             retry_policy: Retries of ``RegisterWorker`` (idempotent) on UNAVAILABLE.
             channel_options: Extra gRPC channel options.
             tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
+            token: A bearer token sent with every call (a server with ``auth_tokens``).
 
         Raises:
             InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
@@ -100,7 +102,9 @@ class WorkerClient:
             tls=tls,
         )
         self.target = target
-        self._channel = intercept(self._settings.channel())
+        self._channel = intercept(
+            self._settings.channel(), (("authorization", f"Bearer {token}"),) if token else ()
+        )
         self._worker = service_pb2_grpc.WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     def register(

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvcm.common.errors import ConfigError
 from kvcm.core.pool import PoolRegistry
+from kvcm.server.auth import AuthInterceptor, TokenTable
 from kvcm.server.http import build_app
 from kvcm.server.journal import Journal
 from kvcm.server.logs import configure_logging
@@ -91,6 +92,7 @@ class KVCMServer:
         self.settings = settings
         self.tracing = build_tracing(settings, span_exporter)
         self.tls = tls_files(settings)
+        self.tokens = TokenTable(settings.auth_tokens) if settings.auth_tokens else None
         self.state = ServerState(
             registry=PoolRegistry(limits=settings.limits),
             rpc_stats=RpcStats(),
@@ -140,6 +142,14 @@ class KVCMServer:
         interceptors: list[grpc.aio.ServerInterceptor] = [
             TelemetryInterceptor(self.state.rpc_stats)
         ]
+        if self.tokens is not None:  # inside telemetry: refusals are counted and mapped
+            interceptors.append(AuthInterceptor(self.tokens))
+        else:
+            _LOG.warning(
+                "authentication is off: any client that reaches the ports may call every RPC "
+                "(set auth_tokens)",
+                extra={"event": "auth_off"},
+            )
         if settings.data_dir:  # innermost: only calls that returned normally are journaled
             self.journal = await recover(self.state, settings.data_dir)
             interceptors.append(JournalInterceptor(self.journal))
@@ -341,6 +351,7 @@ _RESTART_SETTINGS = (
     "tls_cert",
     "tls_key",
     "tls_client_ca",
+    "auth_tokens",
 )
 
 
@@ -353,6 +364,11 @@ def _reload(server: KVCMServer, reload: Callable[[], ServerSettings]) -> None:
         return
     current = server.settings
     configure_logging(fresh.log_level, fresh.log_format)
+    if server.tokens is not None:
+        try:
+            server.tokens.reload()
+        except ConfigError as exc:
+            _LOG.error("auth tokens not reloaded: %s", exc, extra={"event": "auth_reload_failed"})
     live = {"log_level", "log_format"}
     pending = sorted(
         name

@@ -58,6 +58,8 @@ class ServerSettings:
         tls_cert: PEM certificate chain of the server (with ``tls_key``: TLS on both sides).
         tls_key: PEM private key of the server.
         tls_client_ca: PEM CA whose certificates clients must present (mutual TLS).
+        auth_tokens: TOML file of bearer tokens (SHA-256 digests) and their roles
+            (``""``: no authentication).
         data_dir: Directory of the journal and checkpoints (``""``: pools live in memory only
             and a restart loses them).
         otlp_endpoint: OTLP/gRPC endpoint for traces (``""``: off unless OpenTelemetry's
@@ -75,6 +77,7 @@ class ServerSettings:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    auth_tokens: str = ""
     data_dir: str = ""
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -160,6 +163,8 @@ _HELP: Final = {
     "only (reloaded on change for gRPC)",
     "tls_key": "PEM private key of the server",
     "tls_client_ca": "PEM CA file: clients must present a certificate it signed (mutual TLS)",
+    "auth_tokens": "TOML file of bearer tokens (sha256 digests) with roles per pool glob; "
+    "every call must then carry one ('': no authentication)",
     "data_dir": "directory for the write-ahead journal and checkpoints: every answered "
     "mutation survives a crash ('': in memory only)",
     "otlp_endpoint": "OTLP/gRPC endpoint for traces, e.g. http://otel-collector:4317 ('': off "

@@ -192,6 +192,7 @@ class _KvcmSchedulerMixin:
                 if settings.tls_ca or settings.tls_cert
                 else None
             ),
+            token=settings.token,
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:

@@ -25,6 +25,7 @@ _ENV: Final = {
     "tls_ca": "KVCM_TLS_CA",
     "tls_cert": "KVCM_TLS_CERT",
     "tls_key": "KVCM_TLS_KEY",
+    "token": "KVCM_TOKEN",
 }
 
 
@@ -48,6 +49,8 @@ class KvcmSettings:
         tls_ca: PEM file of the CA that signed the server's certificate (TLS on when set).
         tls_cert: PEM client certificate, for a server that requires mutual TLS.
         tls_key: Its key.
+        token: Bearer token for a server with ``auth_tokens`` (prefer ``KVCM_TOKEN``: the
+            additional config is part of vLLM's compile-cache hash and its logs).
     """
 
     address: str | None = None
@@ -60,6 +63,7 @@ class KvcmSettings:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    token: str | None = None
 
     @classmethod
     def from_sources(

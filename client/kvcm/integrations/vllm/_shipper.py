@@ -128,6 +128,7 @@ class GrpcStepShipper:
         snapshot_source: Callable[[], tuple[int, bytes]] | None = None,
         lease_s: float = 0.0,
         tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
         """Connect lazily and start the shipping thread (none when ``synchronous``).
 
@@ -149,6 +150,7 @@ class GrpcStepShipper:
             lease_s: The pool's scheduler lease; while idle the shipper renews it with
                 KeepAlive every third of it (0: no lease, no keepalives).
             tls: TLS for the channel (``None``: plaintext).
+            token: Bearer token sent with every call.
         """
         self.pool_id = pool_id
         self.stats = ShipperStats()
@@ -157,7 +159,9 @@ class GrpcStepShipper:
         self._timeout_s = step_timeout_s
         self._max_backlog = max_backlog
         self._owns_client = client is None
-        self._client = client if client is not None else SchedulerClient(address, tls=tls)
+        self._client = (
+            client if client is not None else SchedulerClient(address, tls=tls, token=token)
+        )
         self._clock = clock
         self._backlog: collections.deque[RecordedStep] = collections.deque()
         self._cond = threading.Condition()

@@ -15,7 +15,7 @@ from kvcm.server.rpc._handlers import UndecodableRequest, register_services
 from kvcm.server.rpc._interceptor import MethodInterceptor, TelemetryInterceptor
 from kvcm.server.rpc._leases import LeaseMonitor
 from kvcm.server.rpc._scheduler import SchedulerServicer
-from kvcm.server.rpc._state import PoolRuntime, ServerState
+from kvcm.server.rpc._state import PRINCIPAL, PoolRuntime, Principal, ServerState, may_hash
 from kvcm.server.rpc._status import (
     STATUS_FOR_ERROR,
     STEP_REJECTION_TRAILER,
@@ -28,6 +28,9 @@ from kvcm.server.rpc._worker import WorkerServicer
 from kvcm.v1 import service_pb2
 
 __all__ = [
+    "PRINCIPAL",
+    "Principal",
+    "may_hash",
     "SERVICE_NAMES",
     "STATUS_FOR_ERROR",
     "STEP_REJECTION_TRAILER",

@@ -19,7 +19,7 @@ from typing import Any, Final, TypeAlias
 from kvcm.core.pool import Pool, PoolConfig
 from kvcm.server.rpc._log import log_pool_created, log_pool_deleted
 from kvcm.server.rpc._offloop import OFF_LOOP_WORK
-from kvcm.server.rpc._state import PoolRuntime, ServerState
+from kvcm.server.rpc._state import PoolRuntime, ServerState, may_hash
 from kvcm.v1 import admin_pb2, service_pb2_grpc
 from kvcm.wire import pool_config_from_proto, pool_info_to_proto, pool_state_to_proto
 
@@ -91,7 +91,11 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         """Everything about one pool."""
         pool = await self._state.pool(request.pool_id)
         config = self._state.runtimes[pool.name].config
-        return admin_pb2.DescribePoolResponse(pool=pool_info_to_proto(pool, config))
+        response = admin_pb2.DescribePoolResponse(pool=pool_info_to_proto(pool, config))
+        if not may_hash(pool.name):  # the seed is for those who hash for the pool
+            response.pool.hashing.seed = ""
+            response.pool.config.ClearField("hash_seed")
+        return response
 
     async def DeletePool(  # noqa: N802
         self, request: admin_pb2.DeletePoolRequest, context: Context

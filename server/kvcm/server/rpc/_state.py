@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -20,10 +21,36 @@ if TYPE_CHECKING:
     from kvcm.server.journal import Journal
     from kvcm.server.tracing import Tracing
 
-__all__ = ["CALL_TIME", "PoolRuntime", "ServerState"]
+__all__ = ["CALL_TIME", "PRINCIPAL", "PoolRuntime", "Principal", "ServerState", "may_hash"]
 
 CALL_TIME: ContextVar[float] = ContextVar("kvcm_call_time", default=0.0)
 """The time the current call stamps its events with (0: now); set by the journal."""
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who called (``kvcm.server.auth``): a token's name and its (role, pool glob) pairs."""
+
+    name: str
+    roles: tuple[tuple[str, str], ...]
+
+    def has(self, role: str, pool_id: str) -> bool:
+        """Whether ``role`` (or admin) covers ``pool_id``."""
+        return any(
+            (granted in (role, "admin")) and fnmatch.fnmatchcase(pool_id, glob)
+            for granted, glob in self.roles
+        )
+
+
+PRINCIPAL: ContextVar[Principal | None] = ContextVar("kvcm_principal", default=None)
+"""The authenticated caller of the current call (``None``: authentication is off)."""
+
+
+def may_hash(pool_id: str) -> bool:
+    """Whether the current caller may see ``pool_id``'s hash seed (always, without auth)."""
+    principal = PRINCIPAL.get()
+    return principal is None or principal.has("scheduler", pool_id)
+
 
 T = TypeVar("T")
 
