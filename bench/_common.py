@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 __all__ = [
     "DEFAULT_VLLM_SITE",
@@ -63,11 +64,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def kvcm_server(*extra_args: str, server_src: str | None = None) -> Iterator[str]:
+def kvcm_server(*extra_args: str, server_src: str | None = None, tls: Any = None) -> Iterator[str]:
     """``kvcm serve`` in its own process on 127.0.0.1 (gRPC only); yields its address.
 
     A separate process, as in production: the benchmark's own threads do not share its
-    interpreter lock. ``server_src``: run the server of another checkout (before/after).
+    interpreter lock. ``server_src``: run the server of another checkout (before/after);
+    ``tls``: the ``TlsConfig`` to reach a server started with TLS.
     """
     from kvcm.client import SchedulerClient
 
@@ -85,7 +87,7 @@ def kvcm_server(*extra_args: str, server_src: str | None = None) -> Iterator[str
         stdout=subprocess.DEVNULL,
     )
     try:
-        with SchedulerClient(target, timeout=2.0) as client:
+        with SchedulerClient(target, timeout=2.0, tls=tls) as client:
             give_up_at = time.monotonic() + 30
             while True:
                 try:

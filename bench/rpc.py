@@ -16,6 +16,7 @@ after setup, as vLLM's engine does.
 
     python bench/rpc.py [--target HOST:PORT] [--steps 300] [--requests 256]
     python bench/rpc.py --tracing    # Step RPC with tracing off / on / on under a client span
+    python bench/rpc.py --tls        # Step RPC over plaintext and over TLS
 
 Without ``--target`` the benchmark starts ``kvcm serve`` on a free loopback port and stops it.
 """
@@ -118,6 +119,79 @@ def _otlp_collector() -> Iterator[tuple[str, list[int]]]:
         yield f"http://127.0.0.1:{port}", received
     finally:
         server.stop(grace=None)
+
+
+def _self_signed(directory: str) -> tuple[str, str, bytes]:
+    """A self-signed certificate for 127.0.0.1 (cert path, key path, PEM)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvcm-bench")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    cert_path, key_path = os.path.join(directory, "c.pem"), os.path.join(directory, "k.pem")
+    with open(cert_path, "wb") as out:
+        out.write(pem)
+    with open(key_path, "wb") as out:
+        out.write(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+    return cert_path, key_path, pem
+
+
+def bench_tls(num_requests: int, repeats: int) -> None:
+    """Step RPC over plaintext and over TLS (same machine, interleaved)."""
+    import tempfile
+
+    from kvcm.client import TlsConfig
+
+    with tempfile.TemporaryDirectory() as directory:
+        cert, key, pem = _self_signed(directory)
+        with (
+            kvcm_server() as plain,
+            kvcm_server(
+                "--tls-cert", cert, "--tls-key", key, tls=TlsConfig(root_certificates=pem)
+            ) as secure,
+            SchedulerClient(plain) as plain_client,
+            SchedulerClient(secure, tls=TlsConfig(root_certificates=pem)) as tls_client,
+        ):
+            timings = time_interleaved(
+                {
+                    "plaintext": remote_step_runner(plain_client, num_requests),
+                    "TLS": remote_step_runner(tls_client, num_requests),
+                },
+                repeats,
+            )
+    print(f"TLS cost: {num_requests}-request Step RPC, {repeats} samples each")
+    print(f"{'':<48} {'p50 ms':>9} {'p99 ms':>9}")
+    for name, timing in timings.items():
+        print(_row(f"Step RPC, {name}", timing))
+    ratio = timings["TLS"].median_ms / timings["plaintext"].median_ms
+    print(f"ratio TLS / plaintext: p50 {ratio:.2f}")
 
 
 def bench_tracing(num_requests: int, repeats: int) -> None:
@@ -473,9 +547,15 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="instead: Step RPC with OpenTelemetry tracing off and on (needs kvcm[tracing])",
     )
+    parser.add_argument(
+        "--tls", action="store_true", help="instead: Step RPC over plaintext and over TLS"
+    )
     args = parser.parse_args(argv)
     if args.tracing:
         bench_tracing(args.requests, args.steps)
+        return
+    if args.tls:
+        bench_tls(args.requests, args.steps)
         return
 
     def measure(target: str) -> None:
