@@ -173,3 +173,32 @@ def test_an_idle_vllm_shipper_keeps_its_lease_and_a_dead_one_loses_it(
         assert shipper.stats.rpcs >= 2 + 1 + 4  # attach (describe, create), Step, KeepAlives
         shipper.close()
         _wait_until(lambda: client.describe_pool("shipped").num_requests == 0, 5.0)
+
+
+def test_a_transfer_that_never_completes_is_freed_and_a_completed_one_is_not() -> None:
+    """P/D: requests allocated with delay_cache_blocks wait for their KV; the lost one goes."""
+    from kvcm.client import SlotOptions
+
+    running = start_embedded_server(
+        ServerSettings(grpc_address="127.0.0.1:0", http_address="", transfer_lease_s=LEASE_S)
+    )
+    try:
+        with SchedulerClient(running.grpc_address) as client:
+            client.create_pool("decode", dataclasses.replace(BASE, scheduler_lease_s=0.0))
+            hasher = client.block_hasher("decode")
+            step = StepBuilder()
+            for key in (1, 2):  # two remote prefills whose KV is on its way
+                prompt = [key] * 40
+                step.add_request(key, prompt, hasher.hash_token_ids(prompt))
+                step.allocate(key, 40, 0, options=SlotOptions(delay_cache_blocks=True))
+            client.step("decode", step)
+            done = StepBuilder()
+            done.cache_blocks(2, 40)  # request 2's transfer completed
+            client.step("decode", done)
+            _wait_until(lambda: client.describe_pool("decode").num_requests == 1, 5.0)
+            assert client.get_block_ids("decode", 2) != ([],)  # untouched
+            with pytest.raises(Exception, match="1"):
+                client.get_block_ids("decode", 1)  # finished: its key is gone
+        assert running.server.state.reclaims == {("decode", "transfer"): 1}
+    finally:
+        running.stop()

@@ -98,6 +98,7 @@ class KVCMServer:
             rpc_stats=RpcStats(),
             limits=settings.limits,
             tracing=self.tracing,
+            transfer_lease_s=settings.transfer_lease_s,
         )
         self.grpc_port = 0
         self.http_port = 0

@@ -60,6 +60,8 @@ class ServerSettings:
         tls_client_ca: PEM CA whose certificates clients must present (mutual TLS).
         auth_tokens: TOML file of bearer tokens (SHA-256 digests) and their roles
             (``""``: no authentication).
+        transfer_lease_s: Seconds a request allocated with ``delay_cache_blocks`` (a P/D KV
+            transfer in flight) may stay neither cached nor freed before it is freed; 0: never.
         data_dir: Directory of the journal and checkpoints (``""``: pools live in memory only
             and a restart loses them).
         otlp_endpoint: OTLP/gRPC endpoint for traces (``""``: off unless OpenTelemetry's
@@ -78,6 +80,7 @@ class ServerSettings:
     tls_key: str = ""
     tls_client_ca: str = ""
     auth_tokens: str = ""
+    transfer_lease_s: float = 0.0
     data_dir: str = ""
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -99,6 +102,8 @@ class ServerSettings:
             raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not self.transfer_lease_s >= 0:
+            raise ConfigError(f"transfer_lease_s must be >= 0, got {self.transfer_lease_s}")
         if not self.shutdown_delay_s >= 0:
             raise ConfigError(f"shutdown_delay_s must be >= 0, got {self.shutdown_delay_s}")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
@@ -165,6 +170,8 @@ _HELP: Final = {
     "tls_client_ca": "PEM CA file: clients must present a certificate it signed (mutual TLS)",
     "auth_tokens": "TOML file of bearer tokens (sha256 digests) with roles per pool glob; "
     "every call must then carry one ('': no authentication)",
+    "transfer_lease_s": "seconds a request allocated with delay_cache_blocks (a P/D transfer) "
+    "may stay neither cached nor freed before the server frees it (0: never)",
     "data_dir": "directory for the write-ahead journal and checkpoints: every answered "
     "mutation survives a crash ('': in memory only)",
     "otlp_endpoint": "OTLP/gRPC endpoint for traces, e.g. http://otel-collector:4317 ('': off "

@@ -14,6 +14,11 @@ blocks) is reclaimed once, by its ``lease_expiry`` policy:
 A reclaim is an ordinary Step program run by the interpreter, published and journaled like
 any Step (so a restart replays it), counted in ``kvcm_lease_reclaims_total{pool, kind}`` and
 logged at INFO. A scheduler that calls again renews the lease; nothing else is touched.
+
+The transfer lease (server setting ``transfer_lease_s``) covers P/D: a request allocated with
+``delay_cache_blocks`` waits for a KV transfer to fill its blocks; if by the end of the lease
+it was neither cached (CacheBlocks) nor freed, the transfer is taken as lost and the request
+is finished, counted as ``kind="transfer"``.
 """
 
 from __future__ import annotations
@@ -24,16 +29,18 @@ import logging
 import time
 from typing import Final
 
+from kvcm.common.errors import KVCMError
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import LeaseExpiry, PoolState
 from kvcm.core.program import OpKind, StepProgram
 from kvcm.server.rpc._state import CALL_TIME, ServerState
 from kvcm.wire import program_to_proto
 
-__all__ = ["LeaseMonitor", "SCHEDULER_LEASE"]
+__all__ = ["SCHEDULER_LEASE", "TRANSFER_LEASE", "LeaseMonitor"]
 
 _LOG = logging.getLogger("kvcm.server.leases")
 SCHEDULER_LEASE: Final = "scheduler"
+TRANSFER_LEASE: Final = "transfer"
 _MAX_INTERVAL_S: Final = 1.0
 
 
@@ -84,6 +91,8 @@ class LeaseMonitor:
                 for p in self.state.registry.list()
                 if p.options.scheduler_lease_s > 0
             ]
+            if self.state.transfer_lease_s:
+                leases.append(self.state.transfer_lease_s)
             interval = min([_MAX_INTERVAL_S, *(lease / 4 for lease in leases)])
             await asyncio.sleep(interval)
             try:
@@ -110,33 +119,64 @@ class LeaseMonitor:
             if await self._reclaim(pool, now - last):
                 reclaimed += 1
             self._reclaimed.add(mark)
+        return reclaimed + await self._check_transfers(now)
+
+    async def _check_transfers(self, now: float) -> int:
+        """Free requests whose P/D transfer was neither cached nor freed within its lease."""
+        state = self.state
+        lease = state.transfer_lease_s
+        reclaimed = 0
+        for (pool_id, key), (started, request) in list(state.transfers.items()):
+            if now - started <= lease:
+                continue
+            del state.transfers[(pool_id, key)]
+            try:
+                pool = state.registry.get(pool_id)
+            except KVCMError:
+                continue
+            manager = pool.manager
+            if manager is None or pool.lent or pool.requests.get(key) is not request:
+                continue  # gone (freed, or the pool was replaced)
+            rid = pool.requests[key].request_id
+            groups = manager.coordinator.single_type_managers
+            if not manager.holds_blocks(rid) or any(g.num_cached_block.get(rid, 0) for g in groups):
+                continue  # freed or cached: the transfer completed
+            program = StepProgram(ops=[int(OpKind.FINISH)], request_keys=[key])
+            await self._apply(pool, program, TRANSFER_LEASE, now - started, cleared=False)
+            reclaimed += 1
         return reclaimed
 
     async def _reclaim(self, pool: Pool, idle_s: float) -> bool:
         program = _reclaim_program(pool)
         if program is None:
             return False
+        cleared = pool.options.lease_expiry is LeaseExpiry.CLEAR
+        await self._apply(pool, program, SCHEDULER_LEASE, idle_s, cleared=cleared)
+        return True
+
+    async def _apply(
+        self, pool: Pool, program: StepProgram, kind: str, idle_s: float, *, cleared: bool
+    ) -> None:
+        """Run a reclaim program as a Step: publish, journal, count, log."""
         state = self.state
         now = time.time()
         CALL_TIME.set(now)
-        num_requests = len(program.request_keys)
         pool.run_step(program)
         state.published(pool)
         if state.journal is not None:
             journal = state.journal
             data = program_to_proto(program, pool.name).SerializeToString()
             await journal.commit(journal.append("Step", pool.name, data, now))
-        key = (pool.name, SCHEDULER_LEASE)
+        key = (pool.name, kind)
         state.reclaims[key] = state.reclaims.get(key, 0) + 1
         _LOG.info(
-            "scheduler lease expired: reclaimed",
+            f"{kind} lease expired: reclaimed",
             extra={
                 "event": "lease_reclaimed",
                 "pool": pool.name,
-                "lease": SCHEDULER_LEASE,
+                "lease": kind,
                 "idle_s": round(idle_s, 3),
-                "requests": num_requests,
-                "cleared": pool.options.lease_expiry is LeaseExpiry.CLEAR,
+                "requests": len(program.request_keys),
+                "cleared": cleared,
             },
         )
-        return True

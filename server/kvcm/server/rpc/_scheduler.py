@@ -9,7 +9,7 @@ from kvcm.common.hashing import get_block_hash
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import FreeMode
-from kvcm.core.program import HitSpec, StepProgram
+from kvcm.core.program import HitSpec, ItemStatus, OpKind, StepProgram
 from kvcm.core.request import Request
 from kvcm.server.rpc._resync import resync_pool
 from kvcm.server.rpc._state import ServerState
@@ -40,6 +40,16 @@ _DEADLINE_MARGIN_S: Final = 0.02
 # no Step holds the loop for long. The per-item costs were measured on a 2-core VM
 # (docs/server.md, "Event-loop fairness"): a 256-request decode step (~1.3 ms) stays inline.
 _INLINE_STEP_US: Final = 4000
+_KEYLESS_OPS: Final = frozenset(
+    {
+        int(OpKind.ADD_REQUEST),
+        int(OpKind.NEW_STEP_STARTS),
+        int(OpKind.EVICT_BLOCKS),
+        int(OpKind.RESET_PREFIX_CACHE),
+    }
+)
+_ALLOCATE_OP: Final = int(OpKind.ALLOCATE)
+_OK_STATUS: Final = int(ItemStatus.OK)
 _OP_US: Final = 2.5
 _NEW_REQUEST_US: Final = 150.0
 _TOKEN_US: Final = 0.4
@@ -58,6 +68,28 @@ def _estimated_cost_us(program: StepProgram) -> float:
         + len(program.new_requests) * _NEW_REQUEST_US
         + (len(program.append_token_ids) + prompt_tokens) * _TOKEN_US
     )
+
+
+def _delayed_allocations(program: StepProgram, statuses: list[int]) -> list[int]:
+    """Keys of the program's ALLOCATEs that fit with ``delay_cache_blocks`` (P/D transfers)."""
+    delayed = {
+        index
+        for index, entry in program.alloc_options.items()
+        if entry.slot_options.delay_cache_blocks
+    }
+    if not delayed:
+        return []
+    keys: list[int] = []
+    cursor = alloc = 0
+    for op in program.ops:
+        if op in _KEYLESS_OPS:
+            continue
+        if op == _ALLOCATE_OP:
+            if alloc in delayed and alloc < len(statuses) and statuses[alloc] == _OK_STATUS:
+                keys.append(program.request_keys[cursor])
+            alloc += 1
+        cursor += 1
+    return keys
 
 
 def _check_ready_request(pool: Pool, key: int) -> Request:
@@ -103,6 +135,8 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
             raise StepRejectedError(exc, exc.op_index, exc.field or "") from exc
         finally:
             self._state.published(pool)
+        if self._state.transfer_lease_s and program.alloc_options:
+            self._state.track_transfers(pool, _delayed_allocations(program, outcome.alloc_statuses))
         return outcome_to_proto(outcome)
 
     async def _traced_step(
@@ -123,6 +157,8 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
             raise StepRejectedError(exc, exc.op_index, exc.field or "") from exc
         finally:
             self._state.published(pool)
+        if self._state.transfer_lease_s and program.alloc_options:
+            self._state.track_transfers(pool, _delayed_allocations(program, outcome.alloc_statuses))
         with tracing.span("kvcm.step.encode"):
             return outcome_to_proto(outcome)
 
@@ -207,6 +243,8 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
                 raise type(exc)(f"new_computed: {exc}", field="new_computed") from None
             raise
         self._state.published(pool)
+        if ids is not None and options.delay_cache_blocks and self._state.transfer_lease_s:
+            self._state.track_transfers(pool, [request.request_key])
         response = scheduler_pb2.AllocateSlotsResponse()
         if ids is None:
             response.status = common_pb2.ITEM_STATUS_DOES_NOT_FIT

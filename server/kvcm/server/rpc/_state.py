@@ -112,6 +112,9 @@ class ServerState:
         limits: The service's hard limits (pending registrations, registration timeout).
         journal: The data directory's journal (``None``: in memory only).
         activity: When (``time.monotonic``) each pool's scheduler last called.
+        transfers: Requests allocated with ``delay_cache_blocks``, by (pool, key): when, and
+            the request object (a reused key is another request).
+        transfer_lease_s: The transfer lease (0: transfers are not tracked).
         reclaims: Lease reclaims so far, by (pool id, lease kind).
         tracing: The server's tracing (``None``: off; calls take no tracing path at all).
         lanes: Pools lent to a worker thread for a long call, by pool id, each with the
@@ -129,6 +132,8 @@ class ServerState:
     tracing: Tracing | None = None
     journal: Journal | None = None
     activity: dict[str, float] = field(default_factory=dict)
+    transfers: dict[tuple[str, int], tuple[float, object]] = field(default_factory=dict)
+    transfer_lease_s: float = 0.0
     reclaims: dict[tuple[str, str], int] = field(default_factory=dict)
 
     async def pool(self, pool_id: str) -> Pool:
@@ -175,6 +180,14 @@ class ServerState:
         for runtime in self.runtimes.values():
             runtime.planned.set()
             runtime.wake_subscribers()
+
+    def track_transfers(self, pool: Pool, keys: list[int]) -> None:
+        """Start the transfer lease of requests just allocated with ``delay_cache_blocks``."""
+        now = time.monotonic()
+        for key in keys:
+            request = pool.requests.get(key)
+            if request is not None:
+                self.transfers[(pool.name, key)] = (now, request)
 
     def published(self, pool: Pool) -> None:
         """Publish the events a mutating call left in the pool's core, waking subscribers.
