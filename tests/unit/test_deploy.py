@@ -337,17 +337,19 @@ def test_kustomization_lists_every_manifest() -> None:
 def test_manifests_have_the_kinds_a_deployment_needs() -> None:
     assert set(_k8s_objects()) == {
         "ConfigMap",
-        "Deployment",
         "GrafanaDashboard",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
         "PrometheusRule",
         "Service",
         "ServiceMonitor",
+        "StatefulSet",
     }
 
 
 def _container() -> dict[str, Any]:
-    deployment = _k8s_objects()["Deployment"]
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    statefulset = _k8s_objects()["StatefulSet"]
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     return container
 
 
@@ -375,12 +377,18 @@ def test_probes_use_the_server_routes() -> None:
     assert "/metrics" in routes
 
 
-def test_deployment_is_single_replica_recreate_non_root_with_resources() -> None:
-    deployment = _k8s_objects()["Deployment"]
-    spec = deployment["spec"]
-    # Pools live in one process's memory: two replicas would split them.
+def test_statefulset_is_single_replica_non_root_with_resources_and_a_data_volume() -> None:
+    objects = _k8s_objects()
+    spec = objects["StatefulSet"]["spec"]
+    # Pools live in one process: two replicas would split them. The StatefulSet's update
+    # replaces the one pod (terminated before the new one starts) and keeps its volume.
     assert spec["replicas"] == 1
-    assert spec["strategy"]["type"] == "Recreate"
+    assert spec["serviceName"] == objects["Service"]["metadata"]["name"]
+    (claim,) = spec["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in _container()["volumeMounts"]}
+    assert claim["metadata"]["name"] in mounts
+    config = objects["ConfigMap"]["data"]["kvcm.toml"]
+    assert f'data_dir = "{mounts[claim["metadata"]["name"]]}"' in config
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
@@ -395,7 +403,7 @@ def test_deployment_is_single_replica_recreate_non_root_with_resources() -> None
 def test_service_exposes_both_ports_to_the_pods() -> None:
     objects = _k8s_objects()
     service = objects["Service"]
-    pod_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    pod_labels = objects["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
     assert ports == {"grpc": (GRPC_PORT, "grpc"), "http": (HTTP_PORT, "http")}
@@ -423,13 +431,13 @@ def test_config_map_is_mounted_where_the_container_reads_it(tmp_path: Path) -> N
     settings = load_settings(config_file)
     assert settings.grpc_address == f"0.0.0.0:{GRPC_PORT}"
     assert settings.http_address == f"0.0.0.0:{HTTP_PORT}"
-    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    pod = objects["StatefulSet"]["spec"]["template"]["spec"]
     # Kubernetes kills the pod after its grace period: the server's own must end first.
-    assert settings.shutdown_grace_s < pod["terminationGracePeriodSeconds"]
-    (volume,) = pod["volumes"]
+    drain = settings.shutdown_delay_s + settings.shutdown_grace_s
+    assert drain < pod["terminationGracePeriodSeconds"]
+    (volume,) = [v for v in pod["volumes"] if "configMap" in v]
     assert volume["configMap"]["name"] == config_map["metadata"]["name"]
-    (mount,) = _container()["volumeMounts"]
-    assert mount["name"] == volume["name"]
+    (mount,) = [m for m in _container()["volumeMounts"] if m["name"] == volume["name"]]
     args = _container()["args"]
     assert args[args.index("--config") + 1] == f"{mount['mountPath']}/{file_name}"
 
@@ -477,3 +485,22 @@ def test_dockerfile_copies_only_what_the_context_keeps() -> None:
         for source in sources:
             assert (ROOT / source).exists(), source
             assert source.rstrip("/") not in ignored, source
+
+
+def test_network_policy_and_disruption_budget_select_the_pod() -> None:
+    objects = _k8s_objects()
+    pod_labels = objects["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
+    policy = objects["NetworkPolicy"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    ports = {p["port"] for rule in policy["ingress"] for p in rule["ports"]}
+    assert ports == {"grpc", "http"}
+    budget = objects["PodDisruptionBudget"]["spec"]
+    assert budget["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert budget["minAvailable"] == 1
+
+
+def test_secrets_are_optional_mounts() -> None:
+    pod = _k8s_objects()["StatefulSet"]["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    assert {s["secretName"] for s in secrets.values()} == {"kvcm-tls", "kvcm-auth"}
+    assert all(s["optional"] for s in secrets.values())
