@@ -9,7 +9,9 @@ pool must equal an in-process pool that ran the same programs: the same event st
 sequence 1 (every block stored and removed, in order), the same free blocks, requests and
 ``step_seq``.
 
-``KVCM_CRASH_KILLS`` sets the number of kills (3 here; ``scripts/crash-long.sh`` runs 50).
+The server checkpoints every 300 journal records while it serves, so kills land before,
+during and after live checkpoints too. ``KVCM_CRASH_KILLS`` sets the number of kills (3
+here; ``scripts/crash-long.sh`` runs 50).
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ class Server:
         started = time.monotonic()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvcm.server.cli", "serve", "--grpc-address", self.address,
-             "--http-address", "", "--data-dir", str(self.data_dir), "--log-level", "WARNING"],
+             "--http-address", "", "--data-dir", str(self.data_dir), "--log-level", "WARNING",
+             "--checkpoint-every-records", "300"],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         with SchedulerClient(self.address, timeout=2.0) as client:

@@ -150,3 +150,42 @@ def test_a_torn_record_is_dropped_and_a_damaged_checkpoint_refused(
     server = KVCMServer(ServerSettings(grpc_address="127.0.0.1:0", data_dir=str(tmp_path / "data")))
     with pytest.raises(ConfigError, match="damaged"):
         running.call(server.start())
+
+
+def test_checkpoints_while_serving_bound_the_journal(tmp_path: Path) -> None:
+    server = start_embedded_server(
+        ServerSettings(
+            grpc_address="127.0.0.1:0",
+            http_address="",
+            data_dir=str(tmp_path / "data"),
+            checkpoint_every_records=5,
+        )
+    )
+    try:
+        with SchedulerClient(server.grpc_address) as client:
+            client.create_pool("p", EXPLICIT)
+            client.create_pool("q", EXPLICIT)
+            for first in (1, 7, 13):
+                _drive(client, "p", first, 6)
+                _drive(client, "q", first, 6)
+        journal = server.server.journal
+        assert journal is not None
+        _wait_for(lambda: journal.records_since_checkpoint < 5 + 2)
+        assert (tmp_path / "data" / CHECKPOINT_FILE).stat().st_size > 0
+        before = _fingerprints(server)
+        replayed = _start(tmp_path / "data")  # the checkpoint plus the journal's tail
+        try:
+            assert _fingerprints(replayed) == before
+        finally:
+            replayed.stop()
+    finally:
+        server.stop()
+
+
+def _wait_for(predicate: object) -> None:
+    import time
+
+    give_up_at = time.monotonic() + 10
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < give_up_at
+        time.sleep(0.02)

@@ -153,7 +153,9 @@ class KVCMServer:
             )
         if settings.data_dir:  # innermost: only calls that returned normally are journaled
             self.journal = await recover(self.state, settings.data_dir)
-            interceptors.append(JournalInterceptor(self.journal))
+            interceptors.append(
+                JournalInterceptor(self.journal, self.state, settings.checkpoint_every_records)
+            )
         if self.tracing is not None:  # outermost: its span covers the whole call
             interceptors.insert(0, self.tracing.interceptor())
         self.interceptors = tuple(interceptors)

@@ -207,6 +207,7 @@ class Journal:
         durable_seq: The last sequence number known to be on disk.
         num_records: Records appended since the journal was opened.
         num_fsyncs: fsyncs made (each commits every record appended before it).
+        records_since_checkpoint: Records the journal holds after the last checkpoint.
     """
 
     def __init__(self, directory: Path, last_seq: int) -> None:
@@ -216,6 +217,7 @@ class Journal:
         self.durable_seq = last_seq
         self.num_records = 0
         self.num_fsyncs = 0
+        self.records_since_checkpoint = 0
         self._file: BinaryIO = (directory / JOURNAL_FILE).open("ab")
         self._syncing: asyncio.Task[None] | None = None
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -227,6 +229,7 @@ class Journal:
             _encode_record(JournalRecord(self.last_seq, when, method, pool_id, request))
         )
         self.num_records += 1
+        self.records_since_checkpoint += 1
         return self.last_seq
 
     async def commit(self, seq: int) -> None:
@@ -278,6 +281,31 @@ class Journal:
             os.fsync(out.fileno())
         self._file = path.open("ab")
         self.durable_seq = self.last_seq = checkpoint.seq
+        self.records_since_checkpoint = 0
+
+    def truncate_through(self, seq: int) -> None:
+        """Drop the records up to ``seq`` (a checkpoint written for ``seq`` holds them).
+
+        For a checkpoint taken while the server runs: records appended meanwhile (calls on
+        pools the checkpoint does not hold) have larger sequence numbers and stay. The new
+        journal is written beside the old one, fsynced and renamed over it.
+        """
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        path = self.directory / JOURNAL_FILE
+        records, _ = read_records(path)
+        temporary = self.directory / (JOURNAL_FILE + ".tmp")
+        with temporary.open("wb") as out:
+            for record in records:
+                if record.seq > seq:
+                    out.write(_encode_record(record))
+            out.flush()
+            os.fsync(out.fileno())
+        self._file.close()
+        temporary.replace(path)
+        _fsync_directory(self.directory)
+        self._file = path.open("ab")
+        self.records_since_checkpoint = self.last_seq - seq
 
     def close(self) -> None:
         """Flush, fsync and close."""

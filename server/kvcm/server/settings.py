@@ -62,6 +62,8 @@ class ServerSettings:
             (``""``: no authentication).
         transfer_lease_s: Seconds a request allocated with ``delay_cache_blocks`` (a P/D KV
             transfer in flight) may stay neither cached nor freed before it is freed; 0: never.
+        checkpoint_every_records: With ``data_dir``: take a checkpoint while serving after
+            this many journal records (0: only at start-up and graceful stop).
         data_dir: Directory of the journal and checkpoints (``""``: pools live in memory only
             and a restart loses them).
         otlp_endpoint: OTLP/gRPC endpoint for traces (``""``: off unless OpenTelemetry's
@@ -81,6 +83,7 @@ class ServerSettings:
     tls_client_ca: str = ""
     auth_tokens: str = ""
     transfer_lease_s: float = 0.0
+    checkpoint_every_records: int = 100_000
     data_dir: str = ""
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -102,6 +105,10 @@ class ServerSettings:
             raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.checkpoint_every_records < 0:
+            raise ConfigError(
+                f"checkpoint_every_records must be >= 0, got {self.checkpoint_every_records}"
+            )
         if not self.transfer_lease_s >= 0:
             raise ConfigError(f"transfer_lease_s must be >= 0, got {self.transfer_lease_s}")
         if not self.shutdown_delay_s >= 0:
@@ -172,6 +179,8 @@ _HELP: Final = {
     "every call must then carry one ('': no authentication)",
     "transfer_lease_s": "seconds a request allocated with delay_cache_blocks (a P/D transfer) "
     "may stay neither cached nor freed before the server frees it (0: never)",
+    "checkpoint_every_records": "with data_dir: checkpoint while serving after this many journal "
+    "records, bounding the journal and the restart time (0: only at start-up and stop)",
     "data_dir": "directory for the write-ahead journal and checkpoints: every answered "
     "mutation survives a crash ('': in memory only)",
     "otlp_endpoint": "OTLP/gRPC endpoint for traces, e.g. http://otel-collector:4317 ('': off "

@@ -18,6 +18,7 @@ seen READY, so that every later call on the pool follows it in the journal.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 import time
@@ -31,7 +32,14 @@ from kvcm.common.errors import KVCMError
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import PoolState
 from kvcm.core.snapshot import decode_pool, encode_pool
-from kvcm.server.journal import Checkpoint, CheckpointPool, Journal, JournalRecord, open_data_dir
+from kvcm.server.journal import (
+    Checkpoint,
+    CheckpointPool,
+    Journal,
+    JournalRecord,
+    open_data_dir,
+    write_checkpoint,
+)
 from kvcm.server.rpc._admin import AdminServicer
 from kvcm.server.rpc._interceptor import MethodInterceptor
 from kvcm.server.rpc._resync import resync_pool
@@ -77,10 +85,36 @@ MUTATING_METHODS: Final = frozenset(
 class JournalInterceptor(MethodInterceptor):
     """Journals answered mutations and holds each answer until it is durable."""
 
-    def __init__(self, journal: Journal) -> None:
-        """Journal into ``journal``."""
+    def __init__(
+        self, journal: Journal, state: ServerState | None = None, checkpoint_every: int = 0
+    ) -> None:
+        """Journal into ``journal``; every ``checkpoint_every`` records (0: never) take a
+        checkpoint of ``state`` while serving."""
         super().__init__()
         self._journal = journal
+        self._state = state
+        self._every = checkpoint_every
+        self._checkpointing: asyncio.Task[None] | None = None
+
+    def _maybe_checkpoint(self) -> None:
+        if (
+            not self._every
+            or self._state is None
+            or self._checkpointing is not None
+            or self._journal.records_since_checkpoint < self._every
+        ):
+            return
+        task = asyncio.get_running_loop().create_task(
+            checkpoint_live(self._state, self._journal), name="kvcm-checkpoint"
+        )
+        self._checkpointing = task
+
+        def finished(done: asyncio.Task[None]) -> None:
+            self._checkpointing = None
+            if not done.cancelled() and done.exception() is not None:
+                _LOG.error("checkpoint failed: %r", done.exception())
+
+        task.add_done_callback(finished)
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if method not in MUTATING_METHODS:
@@ -121,6 +155,7 @@ class JournalInterceptor(MethodInterceptor):
             response = await inner(request, context)
             seq = journal.append(method, request.pool_id, request.SerializeToString(), now)
             await journal.commit(seq)
+            self._maybe_checkpoint()
             return response
 
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
@@ -262,6 +297,61 @@ async def recover(state: ServerState, data_dir: str) -> Journal:
         },
     )
     return journal
+
+
+async def checkpoint_live(state: ServerState, journal: Journal) -> None:
+    """Checkpoint while serving: every pool is held (its calls wait, others go on) while its
+    snapshot is encoded off the loop, then the journal drops what the checkpoint holds."""
+    held: dict[str, tuple[Pool, asyncio.Event]] = {}
+    try:
+        while missing := [p for p in state.registry.list() if p.name not in held]:
+            for pool in missing:
+                while (busy := state.lanes.get(pool.name)) is not None:
+                    await busy.wait()
+                try:
+                    current = state.registry.get(pool.name)
+                except KVCMError:
+                    continue  # deleted meanwhile
+                if current is not pool:
+                    continue  # replaced (ResyncPool): the next round holds the new one
+                done = asyncio.Event()
+                state.lanes[pool.name] = done
+                pool.lent = True
+                held[pool.name] = (pool, done)
+        # No await since the last pool was held: no call has changed them since seq.
+        seq = journal.last_seq
+        pools = [pool for pool, _ in held.values()]
+        configs = {
+            pool.name: state.runtimes[pool.name].config.SerializeToString() for pool in pools
+        }
+        epoch = state.registry.epoch
+        checkpoint = await asyncio.to_thread(_encode_checkpoint, pools, configs, epoch, seq)
+    finally:
+        for pool, done in held.values():
+            pool.lent = False
+            state.lanes.pop(pool.name, None)
+            done.set()
+    await asyncio.to_thread(write_checkpoint, journal.directory, checkpoint)
+    journal.truncate_through(checkpoint.seq)
+    _LOG.info(
+        "checkpoint written",
+        extra={"event": "checkpoint", "seq": checkpoint.seq, "pools": len(checkpoint.pools)},
+    )
+
+
+def _encode_checkpoint(
+    pools: list[Pool], configs: dict[str, bytes], epoch: int, seq: int
+) -> Checkpoint:
+    entries = tuple(
+        CheckpointPool(
+            pool.name,
+            configs[pool.name],
+            pool.epoch,
+            encode_pool(pool) if pool.state is PoolState.READY else b"",
+        )
+        for pool in pools
+    )
+    return Checkpoint(seq, epoch, entries)
 
 
 def checkpoint_of(state: ServerState, seq: int) -> Checkpoint:
