@@ -202,3 +202,48 @@ def test_a_transfer_that_never_completes_is_freed_and_a_completed_one_is_not() -
         assert running.server.state.reclaims == {("decode", "transfer"): 1}
     finally:
         running.stop()
+
+
+def test_a_subscriber_that_stops_reading_is_ended() -> None:
+    """A router that stops reading its event stream holds no slot past the subscriber lease."""
+    import grpc
+
+    from kvcm.v1 import events_pb2, service_pb2_grpc
+
+    running = start_embedded_server(
+        ServerSettings(grpc_address="127.0.0.1:0", http_address="", subscriber_lease_s=LEASE_S)
+    )
+    try:
+        with SchedulerClient(running.grpc_address) as client:
+            big = dataclasses.replace(
+                BASE.explicit_layout,  # type: ignore[type-var]
+                num_blocks=300,
+            )
+            client.create_pool(
+                "evented",
+                dataclasses.replace(
+                    BASE, scheduler_lease_s=0.0, max_model_len=4096, explicit_layout=big
+                ),
+            )
+            hasher = client.block_hasher("evented")
+            for key in range(1, 40):  # ~2 MB of BlockStored events (token ids included)
+                prompt = [key * 100_000 + i for i in range(4000)]
+                step = StepBuilder()
+                step.add_request(key, prompt, hasher.hash_token_ids(prompt))
+                step.allocate(key, len(prompt), 0)
+                step.cache_blocks(key, len(prompt))
+                step.finish(key)
+                client.step("evented", step)
+        options = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20)]
+        with grpc.insecure_channel(running.grpc_address, options=options) as channel:
+            stub = service_pb2_grpc.EventServiceStub(channel)  # type: ignore[no-untyped-call]
+            stream = stub.SubscribeEvents(
+                events_pb2.SubscribeEventsRequest(pool_id="evented", start_sequence=1)
+            )
+            next(stream)  # the first message; then this reader stops reading
+            state = running.server.state
+            _wait_until(lambda: state.reclaims.get(("evented", "subscriber")) == 1, 10.0)
+            _wait_until(lambda: state.runtimes["evented"].subscribers == 0, 5.0)
+            stream.cancel()
+    finally:
+        running.stop()

@@ -99,6 +99,7 @@ class KVCMServer:
             limits=settings.limits,
             tracing=self.tracing,
             transfer_lease_s=settings.transfer_lease_s,
+            subscriber_lease_s=settings.subscriber_lease_s,
         )
         self.grpc_port = 0
         self.http_port = 0

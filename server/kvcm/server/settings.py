@@ -62,6 +62,8 @@ class ServerSettings:
             (``""``: no authentication).
         transfer_lease_s: Seconds a request allocated with ``delay_cache_blocks`` (a P/D KV
             transfer in flight) may stay neither cached nor freed before it is freed; 0: never.
+        subscriber_lease_s: Seconds an event stream may wait for its reader to accept one
+            message before the server ends it (0: forever).
         checkpoint_every_records: With ``data_dir``: take a checkpoint while serving after
             this many journal records (0: only at start-up and graceful stop).
         data_dir: Directory of the journal and checkpoints (``""``: pools live in memory only
@@ -83,6 +85,7 @@ class ServerSettings:
     tls_client_ca: str = ""
     auth_tokens: str = ""
     transfer_lease_s: float = 0.0
+    subscriber_lease_s: float = 0.0
     checkpoint_every_records: int = 100_000
     data_dir: str = ""
     otlp_endpoint: str = ""
@@ -109,6 +112,8 @@ class ServerSettings:
             raise ConfigError(
                 f"checkpoint_every_records must be >= 0, got {self.checkpoint_every_records}"
             )
+        if not self.subscriber_lease_s >= 0:
+            raise ConfigError(f"subscriber_lease_s must be >= 0, got {self.subscriber_lease_s}")
         if not self.transfer_lease_s >= 0:
             raise ConfigError(f"transfer_lease_s must be >= 0, got {self.transfer_lease_s}")
         if not self.shutdown_delay_s >= 0:
@@ -179,6 +184,8 @@ _HELP: Final = {
     "every call must then carry one ('': no authentication)",
     "transfer_lease_s": "seconds a request allocated with delay_cache_blocks (a P/D transfer) "
     "may stay neither cached nor freed before the server frees it (0: never)",
+    "subscriber_lease_s": "seconds an event stream may wait for its reader to accept one "
+    "message before the server ends it, freeing its resources (0: forever)",
     "checkpoint_every_records": "with data_dir: checkpoint while serving after this many journal "
     "records, bounding the journal and the restart time (0: only at start-up and stop)",
     "data_dir": "directory for the write-ahead journal and checkpoints: every answered "

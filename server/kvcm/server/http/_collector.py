@@ -178,7 +178,8 @@ METRICS: tuple[MetricSpec, ...] = (
         name="kvcm_lease_reclaims_total",
         kind="counter",
         labels=("pool", "kind"),
-        help="Expired leases whose holder's leftovers were reclaimed (kind: scheduler, transfer).",
+        help="Expired leases whose holder's leftovers were reclaimed (kind: scheduler, "
+        "transfer, subscriber).",
     ),
     MetricSpec(
         name="kvcm_rpc_duration_seconds",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, Final, TypeAlias
 
@@ -15,6 +17,8 @@ from kvcm.v1 import events_pb2, service_pb2_grpc
 from kvcm.wire import events_to_proto
 
 __all__ = ["EventServicer"]
+
+_LOG = logging.getLogger("kvcm.server.leases")
 
 # grpc ships no type information: its context is Any to mypy.
 Context: TypeAlias = Any
@@ -55,11 +59,33 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
                 "(limits.max_subscribers_per_pool)"
             )
         runtime.subscribers += 1
+        lease = self._state.subscriber_lease_s
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
         try:
             async for message in self._stream(request, pool, runtime, sequence):
-                yield message
+                if not lease or task is None:
+                    yield message
+                    continue
+                # A reader that takes longer than the lease to accept one message has
+                # stopped reading: its stream is ended, freeing what it holds.
+                expiry = loop.call_later(lease, self._expire, task, pool.name, lease)
+                try:
+                    yield message
+                finally:
+                    expiry.cancel()
         finally:
             runtime.subscribers -= 1
+
+    def _expire(self, task: asyncio.Task[Any], pool_id: str, lease: float) -> None:
+        key = (pool_id, "subscriber")
+        self._state.reclaims[key] = self._state.reclaims.get(key, 0) + 1
+        _LOG.info(
+            "subscriber lease expired: stream ended",
+            extra={"event": "lease_reclaimed", "pool": pool_id, "lease": "subscriber",
+                   "idle_s": lease, "requests": 0, "cleared": False},
+        )  # fmt: skip
+        task.cancel()
 
     async def _stream(
         self,

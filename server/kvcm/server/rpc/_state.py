@@ -115,6 +115,8 @@ class ServerState:
         transfers: Requests allocated with ``delay_cache_blocks``, by (pool, key): when, and
             the request object (a reused key is another request).
         transfer_lease_s: The transfer lease (0: transfers are not tracked).
+        subscriber_lease_s: How long an event stream may wait for its reader to accept one
+            message before it is ended (0: forever).
         reclaims: Lease reclaims so far, by (pool id, lease kind).
         tracing: The server's tracing (``None``: off; calls take no tracing path at all).
         lanes: Pools lent to a worker thread for a long call, by pool id, each with the
@@ -134,6 +136,7 @@ class ServerState:
     activity: dict[str, float] = field(default_factory=dict)
     transfers: dict[tuple[str, int], tuple[float, object]] = field(default_factory=dict)
     transfer_lease_s: float = 0.0
+    subscriber_lease_s: float = 0.0
     reclaims: dict[tuple[str, str], int] = field(default_factory=dict)
 
     async def pool(self, pool_id: str) -> Pool:
