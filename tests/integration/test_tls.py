@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,6 +166,18 @@ def test_a_rotated_certificate_is_served_without_a_restart(pki: Pki, tmp_path: P
         new_roots = TlsConfig(root_certificates=rotated_pki.ca_pem)
         with SchedulerClient(server.grpc_address, tls=new_roots) as client:
             assert client.list_pools() == []
+        # The HTTP side picks the new certificate up within its check interval.
+        new_ca = rotated_pki.write("rotated-ca.pem", rotated_pki.ca_pem)
+        context = ssl.create_default_context(cafile=new_ca)
+        url = f"https://{server.http_address}/healthz"
+        give_up_at = time.monotonic() + 10
+        while True:
+            try:
+                assert httpx.get(url, verify=context, timeout=2.0).status_code == 200
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < give_up_at, "HTTP kept the old certificate"
+                time.sleep(0.2)
         old_roots = TlsConfig(root_certificates=pki.ca_pem)
         with (
             SchedulerClient(server.grpc_address, tls=old_roots, timeout=2.0) as client,

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import signal
 import socket
+import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,12 +46,22 @@ from kvcm.server.rpc import (
 )
 from kvcm.server.settings import ServerSettings, split_address
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats
-from kvcm.server.tls import grpc_server_credentials, tls_files, uvicorn_ssl_options
+from kvcm.server.tls import (
+    TlsFiles,
+    grpc_server_credentials,
+    reload_ssl_context,
+    tls_files,
+    uvicorn_ssl_options,
+)
 from kvcm.server.tracing import build_tracing
 
 __all__ = ["KVCMServer", "run_until_signalled", "serve"]
 
 _LOG = logging.getLogger("kvcm.server")
+
+
+# How often the HTTP side looks at its TLS files (the gRPC side checks at each handshake).
+_TLS_WATCH_S = 2.0
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -111,6 +122,7 @@ class KVCMServer:
         self._http_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._draining = False
+        self._tls_watch: asyncio.Task[None] | None = None
         self.loop_lag = LoopLagMonitor()
         self.leases = LeaseMonitor(self.state)
 
@@ -216,6 +228,9 @@ class KVCMServer:
             loop_lag=self.loop_lag,
             reclaims=self.state.reclaims,
         )
+        # Taken before uvicorn reads the files: a change after it is seen (a change before
+        # only costs a reload of what is already loaded).
+        tls_stamp = self.tls.stamp() if self.tls is not None else ()
         config = uvicorn.Config(
             app,
             host=host,
@@ -237,6 +252,20 @@ class KVCMServer:
                 raise RuntimeError(f"the HTTP side did not start on {self.settings.http_address!r}")
             await asyncio.sleep(0.005)
         self.http_port = http.servers[0].sockets[0].getsockname()[1]
+        if self.tls is not None and isinstance(config.ssl, ssl.SSLContext):
+            self._tls_watch = asyncio.create_task(
+                self._watch_http_tls(config.ssl, self.tls, tls_stamp), name="kvcm-http-tls"
+            )
+
+    async def _watch_http_tls(
+        self, context: ssl.SSLContext, files: TlsFiles, stamp: tuple[float, ...]
+    ) -> None:
+        """Reload the HTTP side's certificates when their files change."""
+        while True:
+            await asyncio.sleep(_TLS_WATCH_S)
+            fresh = files.stamp()
+            if fresh != stamp and reload_ssl_context(context, files):
+                stamp = fresh
 
     async def stop(self, grace_s: float | None = None, delay_s: float = 0.0) -> None:
         """Stop gracefully: NOT_SERVING and /readyz 503 at once, keep serving ``delay_s``
@@ -257,6 +286,10 @@ class KVCMServer:
             await self._http_task
         self.loop_lag.stop()
         await self.leases.stop()
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tls_watch
         if self.journal is not None:  # compact: a checkpoint of every pool, an empty journal
             journal = self.journal
             journal.reset(checkpoint_of(self.state, journal.last_seq))

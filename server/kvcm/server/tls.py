@@ -5,7 +5,8 @@ refused. ``--tls-client-ca`` additionally requires every client to present a cer
 signed by that CA (mutual TLS). The gRPC side re-reads the three files whenever one of them
 changes on disk, at the next handshake (gRPC's dynamic server credentials): rotating a
 certificate needs no restart and drops no connection (established connections keep their
-session). The HTTP side (metrics, probes) loads them at start.
+session). The HTTP side (metrics, probes) checks the files every couple of seconds and loads
+changed ones into its TLS context, for new connections likewise.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from kvcm.common.errors import ConfigError
 if TYPE_CHECKING:
     from kvcm.server.settings import ServerSettings
 
-__all__ = ["TlsFiles", "grpc_server_credentials", "tls_files", "uvicorn_ssl_options"]
+__all__ = [
+    "TlsFiles",
+    "grpc_server_credentials",
+    "reload_ssl_context",
+    "tls_files",
+    "uvicorn_ssl_options",
+]
 
 _LOG = logging.getLogger("kvcm.server.tls")
 
@@ -125,3 +132,17 @@ def uvicorn_ssl_options(files: TlsFiles) -> dict[str, Any]:
         options["ssl_ca_certs"] = str(files.client_ca)
         options["ssl_cert_reqs"] = ssl.CERT_REQUIRED
     return options
+
+
+def reload_ssl_context(context: ssl.SSLContext, files: TlsFiles) -> bool:
+    """Load ``files`` into an HTTP server's ``context`` (new handshakes use them); ``False``
+    (and a warning) when they do not load, keeping the old ones."""
+    try:
+        context.load_cert_chain(str(files.cert), str(files.key))
+        if files.client_ca is not None:
+            context.load_verify_locations(str(files.client_ca))
+    except (OSError, ssl.SSLError) as exc:
+        _LOG.warning("HTTP TLS files changed but could not be loaded: %s", exc)
+        return False
+    _LOG.info("TLS certificates reloaded (HTTP)", extra={"event": "tls_reloaded_http"})
+    return True
