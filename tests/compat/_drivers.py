@@ -3,9 +3,9 @@
 Each side builds its own specs, config, requests and hashing from one neutral description
 (``Layout`` and ``RequestSpec``) and answers every manager call in one normalised form (block
 ids per group, hit tokens, ``None`` for "does not fit", events as plain tuples with their
-hashes in vLLM's external int form), so the workload in ``_workloads`` can compare the two
-answers with ``==``. Nothing here decides what the right answer is: both sides are driven the
-same way and must agree.
+hashes in vLLM's external int form: kvcm's full-width hashes are read as vLLM reads them), so
+the workload in ``_workloads`` can compare the two answers with ``==``. Nothing here decides
+what the right answer is: both sides are driven the same way and must agree.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
+
+from kvcm.common.hashing import external_block_hash
 
 # --------------------------------------------------------------------------- descriptions
 
@@ -118,6 +120,10 @@ def _event_fields(event: Any) -> tuple[str, dict[str, Any]]:
     values: dict[str, Any] = {}
     for field_name in names:
         value = getattr(event, field_name)
+        if field_name == "block_hashes":
+            value = [external_block_hash(h) if isinstance(h, bytes) else h for h in value]
+        elif field_name == "parent_block_hash" and isinstance(value, bytes):
+            value = external_block_hash(value)
         if isinstance(value, list):
             value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
         values[field_name] = value

@@ -39,9 +39,9 @@ def vllm_block_pool(vllm: ModuleType) -> ModuleType:
 
 
 @pytest.fixture(autouse=True)
-def _int_event_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
-    # vLLM's default; pinned so a stray environment cannot switch events to bytes.
-    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+def _full_event_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's full-width form, which kvcm's core publishes: the events compare digest for digest.
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
 
 
 class _Live:

@@ -193,12 +193,12 @@ def test_acknowledged_steps_survive_kill_9(server: Server) -> None:
                     events.extend(batch.events)
                     if len(events) >= reference.last_event_sequence:
                         break
-            # As the wire carries them (the stream's codec, hashes in vLLM's int form).
+            # As the wire carries them (the stream's codec).
             length = reference.hashing.hash_length_bytes
             expected = [
                 event_from_proto(message, length)
                 for message in events_to_proto(
-                    [event for event, _ in reference.event_log_contents()], length
+                    [event for event, _ in reference.event_log_contents()]
                 )
             ]
             assert events == expected, f"pool s{index}: the event streams differ"

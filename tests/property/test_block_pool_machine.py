@@ -34,7 +34,6 @@ from kvcm.common.hashing import (
     BlockHash,
     BlockHasher,
     BlockHashWithGroupId,
-    external_block_hash,
     get_block_hash,
     make_block_hash_with_group_id,
 )
@@ -188,7 +187,7 @@ class PoolModel:
         if not ids:
             del self.cached[key]
         self.key[block_id] = None
-        self.events.append(("removed", external_block_hash(get_block_hash(key))))
+        self.events.append(("removed", get_block_hash(key)))
 
     def get_new(self, n: int) -> list[int]:
         taken, self.free = self.free[:n], self.free[n:]
@@ -220,7 +219,7 @@ class PoolModel:
             key = make_block_hash_with_group_id(block_hash, GROUP_ID)
             self.key[block_id] = key
             self.cached.setdefault(key, []).append(block_id)
-        self.events.append(("stored", [external_block_hash(h) for h in hashes], parent))
+        self.events.append(("stored", list(hashes), parent))
 
     def evict(self, ids: Iterable[int]) -> None:
         for block_id in ids:
@@ -330,7 +329,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool.cache_full_blocks(
             request, table.blocks, num_cached, num_full, BLOCK_SIZE, GROUP_ID
         )
-        parent = external_block_hash(request.block_hashes[num_cached - 1]) if num_cached else None
+        parent = request.block_hashes[num_cached - 1] if num_cached else None
         self.model.cache([b.block_id for b in table.blocks[num_cached:num_full]], hashes, parent)
         table.num_cached = num_full
 

@@ -207,47 +207,76 @@ def test_pool_configs_round_trip(config: PoolConfig) -> None:
     assert pool_config_from_proto(message) == config
 
 
-hashes = st.integers(0, (1 << 64) - 1)
-events: st.SearchStrategy[KVCacheEvent] = st.one_of(
-    st.builds(
-        lambda hs, parent, tokens, bs, lora, medium, name, group, kind, window: BlockStored(
-            block_hashes=hs,
-            parent_block_hash=parent,
-            token_ids=tokens,
-            block_size=bs,
-            lora_id=lora,
-            medium=medium,
-            lora_name=name,
-            group_idx=group,
-            kv_cache_spec_kind=kind,
-            kv_cache_spec_sliding_window=window,
-        ),
-        st.lists(hashes, max_size=4),
-        st.none() | hashes,
-        st.lists(st.integers(0, 1 << 31), max_size=32),
-        block_sizes,
-        _maybe(st.integers(0, 100)),
-        st.sampled_from([None, MEDIUM_GPU, MEDIUM_CPU]),
-        st.none() | st.text(max_size=10),
-        _maybe(st.integers(0, 4)),
-        st.sampled_from([None, *sorted(SPEC_KIND_TO_PROTO)]),
-        _maybe(small),
-    ),
-    st.builds(
-        lambda hs, medium, group: BlockRemoved(block_hashes=hs, medium=medium, group_idx=group),
-        st.lists(hashes, max_size=4),
-        st.sampled_from([None, MEDIUM_GPU]),
-        _maybe(st.integers(0, 4)),
-    ),
-    st.just(AllBlocksCleared()),
+def _hashes(length: int) -> st.SearchStrategy[bytes]:
+    return st.binary(min_size=length, max_size=length)
+
+
+_extra_key = st.one_of(
+    st.text(max_size=8),
+    st.binary(min_size=32, max_size=32),
+    st.tuples(st.text(max_size=8), st.integers(0, 1 << 20)),
 )
 
 
+def _events(length: int) -> st.SearchStrategy[KVCacheEvent]:
+    hashes = _hashes(length)
+    return st.one_of(
+        st.builds(
+            lambda hs, parent, tokens, bs, lora, medium, name, group, kind, window, keys, more: (
+                BlockStored(
+                    block_hashes=hs,
+                    parent_block_hash=parent,
+                    token_ids=tokens,
+                    block_size=bs,
+                    lora_id=lora,
+                    medium=medium,
+                    lora_name=name,
+                    group_idx=group,
+                    kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window,
+                    extra_keys=keys,
+                    locality=more[0],
+                    session_id=more[1],
+                    lookahead_token_ids=more[2],
+                )
+            ),
+            st.lists(hashes, max_size=4),
+            st.none() | hashes,
+            st.lists(st.integers(0, 1 << 31), max_size=32),
+            block_sizes,
+            _maybe(st.integers(0, 100)),
+            st.sampled_from([None, MEDIUM_GPU, MEDIUM_CPU]),
+            st.none() | st.text(max_size=10),
+            _maybe(st.integers(0, 4)),
+            st.sampled_from([None, *sorted(SPEC_KIND_TO_PROTO)]),
+            _maybe(small),
+            st.none()
+            | st.lists(st.none() | st.lists(_extra_key, min_size=1, max_size=3).map(tuple)),
+            st.tuples(
+                st.sampled_from([None, "LOCAL", "REMOTE"]),
+                st.none() | st.text(max_size=6),
+                st.none() | st.lists(st.lists(st.integers(0, 1 << 31), max_size=3)),
+            ),
+        ),
+        st.builds(
+            lambda hs, medium, group, owner: BlockRemoved(
+                block_hashes=hs, medium=medium, group_idx=group, ownership=owner
+            ),
+            st.lists(hashes, max_size=4),
+            st.sampled_from([None, MEDIUM_GPU]),
+            _maybe(st.integers(0, 4)),
+            st.none() | st.text(max_size=6),
+        ),
+        st.just(AllBlocksCleared()),
+    )
+
+
 @FAST
-@given(st.lists(events, max_size=6), st.sampled_from([16, 32]), st.integers(0, 1 << 40))
-def test_events_round_trip(batch: list[KVCacheEvent], length: int, first: int) -> None:
+@given(st.data(), st.sampled_from([16, 32]), st.integers(0, 1 << 40))
+def test_events_round_trip(data: st.DataObject, length: int, first: int) -> None:
+    batch = data.draw(st.lists(_events(length), max_size=6))
     message = events_pb2.SubscribeEventsResponse(
-        first_sequence=first, events=events_to_proto(batch, length)
+        first_sequence=first, events=events_to_proto(batch)
     )
     wire = events_pb2.SubscribeEventsResponse.FromString(message.SerializeToString())
     decoded = decode_event_batch(wire, length)

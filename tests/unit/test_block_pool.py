@@ -9,7 +9,6 @@ from kvcm.common.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, Block
 from kvcm.common.hashing import (
     BlockHash,
     BlockHasher,
-    external_block_hash,
     make_block_hash_with_group_id,
 )
 from kvcm.core.block import KVCacheBlock
@@ -206,7 +205,7 @@ def test_reuse_of_cached_free_block_evicts_it() -> None:
     assert pool.num_cached_blocks == 1
     assert pool.take_events() == [
         BlockRemoved(
-            block_hashes=[external_block_hash(request.block_hashes[1])],
+            block_hashes=[request.block_hashes[1]],
             medium=MEDIUM_GPU,
             group_idx=0,
         )
@@ -224,7 +223,7 @@ def test_cache_full_blocks_skips_null_and_masked_and_is_incremental() -> None:
     assert blocks[3].block_hash is not None
     assert pool.null_block.block_hash is None
     first, second = pool.take_events()
-    hashes = [external_block_hash(h) for h in request.block_hashes]
+    hashes = list(request.block_hashes)
     assert first == BlockStored(
         block_hashes=[hashes[1]],
         parent_block_hash=None,
@@ -255,7 +254,7 @@ def test_cache_full_blocks_at_larger_block_size() -> None:
     assert blocks[1].block_hash == make_block_hash_with_group_id(hashes[3], 0)
     second = pool.take_events()[1]
     assert isinstance(second, BlockStored)
-    assert second.parent_block_hash == external_block_hash(hashes[1])
+    assert second.parent_block_hash == hashes[1]
     assert (second.block_size, second.token_ids) == (8, list(range(8, 16)))
 
 
@@ -290,8 +289,8 @@ def test_partial_entry_then_promotion_to_full() -> None:
     assert pool.cache_partial_block(request, pool.null_block, 12, 0, 8) is None
     stored_full, stored_partial = pool.take_events()
     assert stored_partial == BlockStored(
-        block_hashes=[external_block_hash(hashes[2])],
-        parent_block_hash=external_block_hash(hashes[1]),
+        block_hashes=[hashes[2]],
+        parent_block_hash=hashes[1],
         token_ids=[8, 9, 10, 11],
         block_size=4,
         lora_id=None,
@@ -307,9 +306,7 @@ def test_partial_entry_then_promotion_to_full() -> None:
     assert (blocks[1].block_hash, blocks[1].block_hash_num_tokens) == (full_key, 16)
     assert pool.get_cached_block(hashes[2], [0]) is None
     removed, stored = pool.take_events()
-    assert removed == BlockRemoved(
-        block_hashes=[external_block_hash(hashes[2])], medium=MEDIUM_GPU, group_idx=0
-    )
+    assert removed == BlockRemoved(block_hashes=[hashes[2]], medium=MEDIUM_GPU, group_idx=0)
     assert isinstance(stored, BlockStored)
     assert pool.num_evicted_blocks == 0
     assert pool.num_cached_blocks == 2
@@ -328,8 +325,8 @@ def test_secondary_entry_removed_with_block() -> None:
     pool.evict_blocks([blocks[0].block_id])
     assert pool.cached_block_ids() == {}
     assert [e.block_hashes for e in pool.take_events()] == [  # type: ignore[union-attr]
-        [external_block_hash(request.block_hashes[1])],
-        [external_block_hash(request.block_hashes[0])],
+        [request.block_hashes[1]],
+        [request.block_hashes[0]],
     ]
     assert pool.num_evicted_blocks == 1
     assert pool.num_cached_blocks == 0

@@ -175,7 +175,7 @@ def test_hashing_parameters_build_the_pools_hasher() -> None:
     assert len(hasher.hash_token_ids(list(range(32)))[0]) == 16
 
 
-def test_events_decode_with_vllm_int_hashes() -> None:
+def test_events_decode_full_width_hashes() -> None:
     first, second, parent = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
     message = events_pb2.SubscribeEventsResponse(
         first_sequence=7,
@@ -208,14 +208,15 @@ def test_events_decode_with_vllm_int_hashes() -> None:
     assert batch.oldest_sequence == 1
     stored, removed, cleared = batch.events
     assert isinstance(stored, BlockStored)
-    assert stored.block_hashes == [external_block_hash(first), external_block_hash(second)]
-    assert stored.parent_block_hash == external_block_hash(parent)
+    assert stored.block_hashes == [first, second]
+    assert stored.parent_block_hash == parent
+    assert external_block_hash(first) == int.from_bytes(first[-8:], "big")
     assert stored.token_ids == list(range(32))
     assert stored.medium == "GPU"
     assert stored.kv_cache_spec_kind == "full_attention"
     assert stored.lora_name is None
     assert isinstance(removed, BlockRemoved)
-    assert removed.block_hashes == [external_block_hash(first)]
+    assert removed.block_hashes == [first]
     assert isinstance(cleared, AllBlocksCleared)
 
 

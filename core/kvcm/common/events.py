@@ -1,9 +1,11 @@
 """KV-cache events: what a pool tells routers and indexers about its prefix cache.
 
 The records carry vLLM 0.33.0's field names and meanings (``vllm.distributed.kv_events``), so a
-consumer written for vLLM's event stream reads kvcm's unchanged. Block hashes are the ints vLLM
-publishes by default: the low 64 bits of the digest
-(:func:`kvcm.common.hashing.external_block_hash`).
+consumer written for vLLM's event stream reads kvcm's unchanged. Block hashes are full width: the
+block's digest as ``bytes`` (vLLM's form with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``); an
+edge that publishes vLLM's default int form converts each with
+:func:`kvcm.common.hashing.external_block_hash` (the low 64 bits), so nothing is lost in the
+core and the conversion costs nothing on the allocation path.
 
 A pool emits, in order of the changes it makes:
 
@@ -49,9 +51,9 @@ class BlockStored:
     """A run of consecutive full blocks of one group entered the prefix cache.
 
     Attributes:
-        block_hashes: External (int) hashes of the stored blocks, in token order. Blocks the
+        block_hashes: Digests of the stored blocks, in token order. Blocks the
             group does not cache (null or masked-out sliding-window blocks) are left out.
-        parent_block_hash: External hash of the block before the run; ``None`` at the start
+        parent_block_hash: Digest of the block before the run; ``None`` at the start
             of a sequence.
         token_ids: Token ids of the whole run, skipped blocks included.
         block_size: Tokens per block of the group.
@@ -72,8 +74,8 @@ class BlockStored:
             ``None`` unless lookahead hashing is on.
     """
 
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -118,14 +120,14 @@ class BlockRemoved:
     """Cached blocks lost their hash (evicted, or replaced by a longer entry).
 
     Attributes:
-        block_hashes: External (int) hashes removed; a pool removes one per event.
+        block_hashes: Digests removed; a pool removes one per event.
         medium: Where the blocks lived.
         group_idx: The KV-cache group of the blocks.
         locality: ``LOCAL`` or ``REMOTE`` relative to the publisher; ``None``: unspecified.
         ownership: Identifier of a secondary offloading tier that produced the event.
     """
 
-    block_hashes: list[int]
+    block_hashes: list[bytes]
     medium: str | None
     group_idx: int | None = None
     locality: str | None = None

@@ -32,7 +32,6 @@ from kvcm.common.events import (
 from kvcm.common.hashing import (
     BlockHash,
     BlockHashWithGroupId,
-    external_block_hash,
     generate_block_hash_extra_keys,
     generate_lookahead_block_hash_extra_keys,
     get_block_hash,
@@ -629,7 +628,7 @@ class BlockPool:
         for key in keys:
             append(
                 BlockRemoved(
-                    block_hashes=[external_block_hash(get_block_hash(key))],
+                    block_hashes=[get_block_hash(key)],
                     medium=medium,
                     group_idx=get_group_id(key),
                 )
@@ -661,9 +660,7 @@ class BlockPool:
     ) -> BlockStored:
         scale = block_size // self.hash_block_size
         parent = (
-            None
-            if num_cached_blocks == 0
-            else external_block_hash(request.block_hashes[num_cached_blocks * scale - 1])
+            None if num_cached_blocks == 0 else request.block_hashes[num_cached_blocks * scale - 1]
         )
         lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
         extra_keys: list[tuple[Any, ...] | None]
@@ -682,7 +679,7 @@ class BlockPool:
                 lookahead,
             )
         return BlockStored(
-            block_hashes=[external_block_hash(h) for h in stored],
+            block_hashes=list[bytes](stored),
             parent_block_hash=parent,
             token_ids=request.all_token_ids[
                 num_cached_blocks * block_size : num_full_blocks * block_size
@@ -728,16 +725,12 @@ class BlockPool:
         # The event describes the last hash block of the prefix, chained to the one before.
         hash_block_size = self.hash_block_size
         request_hashes = request.block_hashes
-        parent = (
-            external_block_hash(request_hashes[num_hash_blocks - 2])
-            if num_hash_blocks > 1
-            else None
-        )
+        parent = request_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None
         end = num_hash_blocks * hash_block_size
         start = end - hash_block_size
         keys, _ = self._extra_keys(request, start, end, 0)
         return BlockStored(
-            block_hashes=[external_block_hash(request_hashes[num_hash_blocks - 1])],
+            block_hashes=[request_hashes[num_hash_blocks - 1]],
             parent_block_hash=parent,
             token_ids=request.all_token_ids[start:end],
             block_size=hash_block_size,

@@ -4,6 +4,11 @@ Events get consecutive sequence numbers 1, 2, ... in publication order; the log 
 ``retention`` of them, so a subscriber that fell further behind than that learns it
 (:class:`OutOfRangeError`) instead of silently missing events. Pure: the caller stamps each
 published batch with its time.
+
+Each publication is also a *batch* (vLLM publishes one ``KVEventBatch`` per scheduler step, its
+ZMQ sequence number counting batches from 0): the log numbers batches 0, 1, ... and keeps those
+whose events are all still kept, so a ZMQ replay can send exactly the batches it published,
+also after a restart (the numbering is part of the pool's snapshot).
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from collections.abc import Sequence
 from kvcm.common.errors import InvalidArgumentError, KVCMError
 from kvcm.common.events import KVCacheEvent
 
-__all__ = ["EventLog", "OutOfRangeError"]
+__all__ = ["EventBatchRecord", "EventLog", "OutOfRangeError"]
+
+EventBatchRecord = tuple[int, int, int, float]
+"""One kept batch: (batch sequence, sequence of its first event, number of events, timestamp)."""
 
 
 class OutOfRangeError(KVCMError):
@@ -28,13 +36,50 @@ class EventLog:
     drops from the left, which advances ``oldest_sequence`` and keeps that identity.
     """
 
-    __slots__ = ("_events", "_next_sequence", "retention")
+    __slots__ = ("_batches", "_events", "_next_batch", "_next_sequence", "retention")
 
     def __init__(self, retention: int) -> None:
         """An empty log keeping at most ``retention`` (>= 1) events."""
         self.retention = retention
         self._events: deque[tuple[KVCacheEvent, float]] = deque(maxlen=retention)
         self._next_sequence = 1
+        self._batches: deque[EventBatchRecord] = deque()
+        self._next_batch = 0
+
+    @property
+    def next_batch(self) -> int:
+        """The batch sequence number the next publication gets (vLLM's ZMQ ``seq``)."""
+        return self._next_batch
+
+    def batches(self) -> list[EventBatchRecord]:
+        """The kept batches, oldest first (a copy)."""
+        return list(self._batches)
+
+    def restore_batches(self, next_batch: int, batches: Sequence[EventBatchRecord]) -> None:
+        """Install a saved batch numbering (after :meth:`restore`).
+
+        Raises:
+            InvalidArgumentError: The batches are not consecutive or not within the kept
+                events.
+        """
+        expected_event = self.oldest_sequence
+        kept: list[EventBatchRecord] = []
+        for record in batches:
+            seq, first, count, _ = record
+            if count < 1 or first < expected_event or first + count > self._next_sequence:
+                raise InvalidArgumentError(
+                    f"event batch {seq} ({count} events from {first}) is not within the kept "
+                    "events",
+                    field="data",
+                )
+            if kept and seq != kept[-1][0] + 1:
+                raise InvalidArgumentError(f"event batch {seq} does not follow", field="data")
+            expected_event = first + count
+            kept.append(record)
+        if kept and kept[-1][0] >= next_batch:
+            raise InvalidArgumentError(f"next_batch {next_batch} is not after the kept batches")
+        self._batches = deque(kept)
+        self._next_batch = next_batch
 
     @property
     def next_sequence(self) -> int:
@@ -69,12 +114,48 @@ class EventLog:
             )
         self._events = deque(entries, maxlen=self.retention)
         self._next_sequence = next_sequence
+        self._batches = deque()
+        self._next_batch = 0
 
     def append(self, events: Sequence[KVCacheEvent], now: float) -> int:
-        """Publish ``events`` in order, all stamped ``now``; returns how many."""
+        """Publish ``events`` in order as one batch, all stamped ``now``; returns how many."""
+        count = len(events)
+        if not count:
+            return 0
         self._events.extend([(event, now) for event in events])
-        self._next_sequence += len(events)
-        return len(events)
+        batches = self._batches
+        batches.append((self._next_batch, self._next_sequence, count, now))
+        self._next_batch += 1
+        self._next_sequence += count
+        # A batch is kept while all of its events are.
+        oldest = self._next_sequence - len(self._events)
+        while batches[0][1] < oldest:
+            batches.popleft()
+            if not batches:
+                break
+        return count
+
+    def last_batch(self) -> tuple[int, list[KVCacheEvent], float] | None:
+        """The batch just published: (batch sequence, its events, timestamp); ``None``: none
+        kept."""
+        if not self._batches:
+            return None
+        seq, first, count, now = self._batches[-1]
+        events = self._events
+        base = len(events) - (self._next_sequence - first)
+        return seq, [events[base + i][0] for i in range(count)], now
+
+    def batches_from(self, start: int) -> list[tuple[int, list[KVCacheEvent], float]]:
+        """Every kept batch numbered ``start`` or later: (batch sequence, events, timestamp)."""
+        events = self._events
+        oldest = self._next_sequence - len(events)
+        out = []
+        for seq, first, count, now in self._batches:
+            if seq < start:
+                continue
+            base = first - oldest
+            out.append((seq, [events[base + i][0] for i in range(count)], now))
+        return out
 
     def check_start(self, start: int | None) -> int:
         """The first sequence a subscription starting at ``start`` reads.

@@ -30,10 +30,10 @@ from kvcm.common.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from kvcm.common.events import KVCacheEvent
+from kvcm.common.events import AllBlocksCleared, KVCacheEvent
 from kvcm.common.hashing import BlockHash, resolve_none_hash_seed
 from kvcm.common.specs import UINT64_MAX, KVCacheSpec, check_plannable_spec
-from kvcm.core.event_log import EventLog, OutOfRangeError
+from kvcm.core.event_log import EventBatchRecord, EventLog, OutOfRangeError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits, check_pool_blocks
 from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
@@ -760,6 +760,13 @@ class Pool:
         events = manager.take_events()
         return self._events.append(events, now) if events else 0
 
+    def publish_cleared(self, now: float) -> int:
+        """Publish ``AllBlocksCleared`` as the last batch of a pool that is deleted or replaced:
+        whatever it cached is gone for its subscribers. How many events (0: it publishes none)."""
+        if self.manager is None or not self.options.enable_kv_cache_events:
+            return 0
+        return self._events.append([AllBlocksCleared()], now)
+
     def event_log_contents(self) -> list[tuple[KVCacheEvent, float]]:
         """The kept events with their timestamps, oldest first (for fingerprints)."""
         return self._events.contents()
@@ -774,10 +781,27 @@ class Pool:
         self._stats_untaken = untaken
 
     def restore_events(
-        self, next_sequence: int, entries: Sequence[tuple[KVCacheEvent, float]]
+        self,
+        next_sequence: int,
+        entries: Sequence[tuple[KVCacheEvent, float]],
+        batches: tuple[int, Sequence[EventBatchRecord]] = (0, ()),
     ) -> None:
-        """Install a saved event log: the kept events end right before ``next_sequence``."""
+        """Install a saved event log: the kept events end right before ``next_sequence``;
+        ``batches`` is the next batch number and the kept batches (:meth:`event_batches`)."""
         self._events.restore(next_sequence, entries)
+        self._events.restore_batches(*batches)
+
+    def event_batches(self) -> tuple[int, list[EventBatchRecord]]:
+        """The next batch number and the kept batches (for snapshots)."""
+        return self._events.next_batch, self._events.batches()
+
+    def last_event_batch(self) -> tuple[int, list[KVCacheEvent], float] | None:
+        """The batch the last publication made: (batch sequence, events, timestamp)."""
+        return self._events.last_batch()
+
+    def event_batches_from(self, start: int) -> list[tuple[int, list[KVCacheEvent], float]]:
+        """Every kept batch numbered ``start`` or later (a ZMQ replay)."""
+        return self._events.batches_from(start)
 
     @property
     def last_event_sequence(self) -> int:

@@ -228,9 +228,15 @@ def encode_pool(pool: Pool) -> bytes:
             "max_model_len": pool.max_model_len,
             "event_next_sequence": pool.last_event_sequence + 1,
             "events": [[event, now] for event, now in pool.event_log_contents()],
+            "event_batches": _batch_state(pool),
             "stats_totals": list(pool.stats_totals()),
         },
     )
+
+
+def _batch_state(pool: Pool) -> list[object]:
+    next_batch, batches = pool.event_batches()
+    return [next_batch, [list(record) for record in batches]]
 
 
 def fresh_extras(*, last_step_seq: int, max_model_len: int) -> dict[str, object]:
@@ -547,8 +553,12 @@ def _restore_extras(pool: Pool, extras: dict[str, Any]) -> None:
     pool.allocations_not_fit_total = extras["allocations_not_fit_total"]
     pool.failed_plans = extras["failed_plans"]
     pool.max_model_len = extras["max_model_len"]
+    # Snapshots written before batches were numbered have no "event_batches".
+    next_batch, batches = extras.get("event_batches", (0, ()))
     pool.restore_events(
-        extras["event_next_sequence"], [(event, now) for event, now in extras["events"]]
+        extras["event_next_sequence"],
+        [(event, now) for event, now in extras["events"]],
+        (next_batch, [tuple(record) for record in batches]),
     )
     total, untaken = extras["stats_totals"]
     pool.restore_stats_totals(total, untaken)

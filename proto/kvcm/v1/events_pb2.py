@@ -25,27 +25,39 @@ _sym_db = _symbol_database.Default()
 from kvcm.v1 import common_pb2 as kvcm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvcm/v1/events.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/common.proto\"\x95\x03\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x15\n\ttoken_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\tlora_name\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x1f\n\x06medium\x18\x07 \x01(\x0e\x32\x0f.kvcm.v1.Medium\x12\x16\n\tgroup_idx\x18\x08 \x01(\rH\x03\x88\x01\x01\x12\x34\n\x12kv_cache_spec_kind\x18\t \x01(\x0e\x32\x18.kvcm.v1.KVCacheSpecKind\x12)\n\x1ckv_cache_spec_sliding_window\x18\n \x01(\rH\x04\x88\x01\x01\x42\x14\n\x12_parent_block_hashB\n\n\x08_lora_idB\x0c\n\n_lora_nameB\x0c\n\n_group_idxB\x1f\n\x1d_kv_cache_spec_sliding_window\"k\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x1f\n\x06medium\x18\x02 \x01(\x0e\x32\x0f.kvcm.v1.Medium\x12\x16\n\tgroup_idx\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_group_idx\"\x12\n\x10\x41llBlocksCleared\"\xa9\x01\n\x07KVEvent\x12,\n\x0c\x62lock_stored\x18\x01 \x01(\x0b\x32\x14.kvcm.v1.BlockStoredH\x00\x12.\n\rblock_removed\x18\x02 \x01(\x0b\x32\x15.kvcm.v1.BlockRemovedH\x00\x12\x37\n\x12\x61ll_blocks_cleared\x18\x03 \x01(\x0b\x32\x19.kvcm.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xa9\x01\n\x16SubscribeEventsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x1b\n\x0estart_sequence\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x16max_events_per_message\x18\x03 \x01(\r\x12\x1b\n\x0e\x65xpected_epoch\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x11\n\x0f_start_sequenceB\x11\n\x0f_expected_epoch\"\xbb\x01\n\x17SubscribeEventsResponse\x12\x16\n\x0e\x66irst_sequence\x18\x01 \x01(\x04\x12 \n\x06\x65vents\x18\x02 \x03(\x0b\x32\x10.kvcm.v1.KVEvent\x12\x1e\n\x16timestamp_unix_seconds\x18\x03 \x01(\x01\x12\x19\n\x11hash_length_bytes\x18\x04 \x01(\r\x12\x17\n\x0foldest_sequence\x18\x05 \x01(\x04\x12\x12\n\npool_epoch\x18\x06 \x01(\x04*T\n\x06Medium\x12\x16\n\x12MEDIUM_UNSPECIFIED\x10\x00\x12\x0e\n\nMEDIUM_GPU\x10\x01\x12\x0e\n\nMEDIUM_CPU\x10\x02\x12\x12\n\x0eMEDIUM_STORAGE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvcm/v1/events.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/common.proto\"j\n\x08\x45xtraKey\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12$\n\x02mm\x18\x03 \x01(\x0b\x32\x16.kvcm.v1.MultiModalKeyH\x00\x12\x11\n\x07integer\x18\x04 \x01(\x12H\x00\x42\x05\n\x03key\"3\n\rMultiModalKey\x12\x12\n\nidentifier\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x12\"1\n\x0e\x42lockExtraKeys\x12\x1f\n\x04keys\x18\x01 \x03(\x0b\x32\x11.kvcm.v1.ExtraKey\"8\n\rExtraKeysList\x12\'\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x17.kvcm.v1.BlockExtraKeys\"(\n\x0fLookaheadTokens\x12\x15\n\ttoken_ids\x18\x01 \x03(\rB\x02\x10\x01\"\x9f\x05\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x15\n\ttoken_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\tlora_name\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x1f\n\x06medium\x18\x07 \x01(\x0e\x32\x0f.kvcm.v1.Medium\x12\x16\n\tgroup_idx\x18\x08 \x01(\rH\x03\x88\x01\x01\x12\x34\n\x12kv_cache_spec_kind\x18\t \x01(\x0e\x32\x18.kvcm.v1.KVCacheSpecKind\x12)\n\x1ckv_cache_spec_sliding_window\x18\n \x01(\rH\x04\x88\x01\x01\x12/\n\nextra_keys\x18\x0b \x01(\x0b\x32\x16.kvcm.v1.ExtraKeysListH\x05\x88\x01\x01\x12\x15\n\x08locality\x18\x0c \x01(\tH\x06\x88\x01\x01\x12\x16\n\townership\x18\r \x01(\tH\x07\x88\x01\x01\x12\x17\n\nsession_id\x18\x0e \x01(\tH\x08\x88\x01\x01\x12\x35\n\x13lookahead_token_ids\x18\x0f \x03(\x0b\x32\x18.kvcm.v1.LookaheadTokens\x12\x1f\n\x17has_lookahead_token_ids\x18\x10 \x01(\x08\x42\x14\n\x12_parent_block_hashB\n\n\x08_lora_idB\x0c\n\n_lora_nameB\x0c\n\n_group_idxB\x1f\n\x1d_kv_cache_spec_sliding_windowB\r\n\x0b_extra_keysB\x0b\n\t_localityB\x0c\n\n_ownershipB\r\n\x0b_session_id\"\xb5\x01\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x1f\n\x06medium\x18\x02 \x01(\x0e\x32\x0f.kvcm.v1.Medium\x12\x16\n\tgroup_idx\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08locality\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x16\n\townership\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x0c\n\n_group_idxB\x0b\n\t_localityB\x0c\n\n_ownership\"\x12\n\x10\x41llBlocksCleared\"\xa9\x01\n\x07KVEvent\x12,\n\x0c\x62lock_stored\x18\x01 \x01(\x0b\x32\x14.kvcm.v1.BlockStoredH\x00\x12.\n\rblock_removed\x18\x02 \x01(\x0b\x32\x15.kvcm.v1.BlockRemovedH\x00\x12\x37\n\x12\x61ll_blocks_cleared\x18\x03 \x01(\x0b\x32\x19.kvcm.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xa9\x01\n\x16SubscribeEventsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x1b\n\x0estart_sequence\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x16max_events_per_message\x18\x03 \x01(\r\x12\x1b\n\x0e\x65xpected_epoch\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x11\n\x0f_start_sequenceB\x11\n\x0f_expected_epoch\"\xbb\x01\n\x17SubscribeEventsResponse\x12\x16\n\x0e\x66irst_sequence\x18\x01 \x01(\x04\x12 \n\x06\x65vents\x18\x02 \x03(\x0b\x32\x10.kvcm.v1.KVEvent\x12\x1e\n\x16timestamp_unix_seconds\x18\x03 \x01(\x01\x12\x19\n\x11hash_length_bytes\x18\x04 \x01(\r\x12\x17\n\x0foldest_sequence\x18\x05 \x01(\x04\x12\x12\n\npool_epoch\x18\x06 \x01(\x04*T\n\x06Medium\x12\x16\n\x12MEDIUM_UNSPECIFIED\x10\x00\x12\x0e\n\nMEDIUM_GPU\x10\x01\x12\x0e\n\nMEDIUM_CPU\x10\x02\x12\x12\n\x0eMEDIUM_STORAGE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcm.v1.events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_LOOKAHEADTOKENS'].fields_by_name['token_ids']._loaded_options = None
+  _globals['_LOOKAHEADTOKENS'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_BLOCKSTORED'].fields_by_name['token_ids']._loaded_options = None
   _globals['_BLOCKSTORED'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_MEDIUM']._serialized_start=1126
-  _globals['_MEDIUM']._serialized_end=1210
-  _globals['_BLOCKSTORED']._serialized_start=56
-  _globals['_BLOCKSTORED']._serialized_end=461
-  _globals['_BLOCKREMOVED']._serialized_start=463
-  _globals['_BLOCKREMOVED']._serialized_end=570
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=572
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=590
-  _globals['_KVEVENT']._serialized_start=593
-  _globals['_KVEVENT']._serialized_end=762
-  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_start=765
-  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_end=934
-  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_start=937
-  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_end=1124
+  _globals['_MEDIUM']._serialized_start=1779
+  _globals['_MEDIUM']._serialized_end=1863
+  _globals['_EXTRAKEY']._serialized_start=55
+  _globals['_EXTRAKEY']._serialized_end=161
+  _globals['_MULTIMODALKEY']._serialized_start=163
+  _globals['_MULTIMODALKEY']._serialized_end=214
+  _globals['_BLOCKEXTRAKEYS']._serialized_start=216
+  _globals['_BLOCKEXTRAKEYS']._serialized_end=265
+  _globals['_EXTRAKEYSLIST']._serialized_start=267
+  _globals['_EXTRAKEYSLIST']._serialized_end=323
+  _globals['_LOOKAHEADTOKENS']._serialized_start=325
+  _globals['_LOOKAHEADTOKENS']._serialized_end=365
+  _globals['_BLOCKSTORED']._serialized_start=368
+  _globals['_BLOCKSTORED']._serialized_end=1039
+  _globals['_BLOCKREMOVED']._serialized_start=1042
+  _globals['_BLOCKREMOVED']._serialized_end=1223
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=1225
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=1243
+  _globals['_KVEVENT']._serialized_start=1246
+  _globals['_KVEVENT']._serialized_end=1415
+  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_start=1418
+  _globals['_SUBSCRIBEEVENTSREQUEST']._serialized_end=1587
+  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_start=1590
+  _globals['_SUBSCRIBEEVENTSRESPONSE']._serialized_end=1777
 # @@protoc_insertion_point(module_scope)

@@ -28,11 +28,12 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvcm.common.errors import ConfigError
+from kvcm.common.errors import ConfigError, NotFoundError
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.auth import AuthInterceptor, TokenTable
 from kvcm.server.http import build_app
 from kvcm.server.journal import Journal
+from kvcm.server.kv_events import KvEventStream, collect_batches, loop_collector
 from kvcm.server.logs import configure_logging
 from kvcm.server.rpc import (
     SERVICE_NAMES,
@@ -111,7 +112,9 @@ class KVCMServer:
             tracing=self.tracing,
             transfer_lease_s=settings.transfer_lease_s,
             subscriber_lease_s=settings.subscriber_lease_s,
+            kv_events_topic=settings.kv_events_topic,
         )
+        self.kv_events: KvEventStream | None = None
         self.grpc_port = 0
         self.http_port = 0
         self.interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
@@ -171,6 +174,11 @@ class KVCMServer:
             )
         if self.tracing is not None:  # outermost: its span covers the whole call
             interceptors.insert(0, self.tracing.interceptor())
+        if settings.kv_events_endpoint:  # after recovery: replayed batches are not re-sent
+            self.kv_events = KvEventStream(
+                settings, collect=loop_collector(asyncio.get_running_loop(), self._kept_batches)
+            )
+            self.state.kv_events = self.kv_events
         self.interceptors = tuple(interceptors)
         server = grpc.aio.server(
             interceptors=interceptors,
@@ -219,6 +227,21 @@ class KVCMServer:
             },
         )
 
+    async def _kept_batches(self, start: int, topic: str | None) -> list[Any]:
+        """Every kept ZMQ batch from ``start`` on, of the pool whose topic is ``topic`` or of
+        all pools publishing events (a replay request)."""
+        state = self.state
+        out: list[Any] = []
+        for listed in state.registry.list():
+            if not listed.options.enable_kv_cache_events:
+                continue
+            try:
+                pool = await state.pool(listed.name)  # waits while a worker thread holds it
+            except NotFoundError:
+                continue
+            out.extend(collect_batches([(pool, state.topic(pool))], start, topic))
+        return out
+
     async def _start_http(self, sock: socket.socket) -> None:
         host, port = split_address(self.settings.http_address)
         app = build_app(
@@ -227,6 +250,7 @@ class KVCMServer:
             lambda: self.state.serving and not self._draining,
             loop_lag=self.loop_lag,
             reclaims=self.state.reclaims,
+            zmq_counters=self.kv_events.counters if self.kv_events is not None else None,
         )
         # Taken before uvicorn reads the files: a change after it is seen (a change before
         # only costs a reload of what is already loaded).
@@ -290,6 +314,10 @@ class KVCMServer:
             self._tls_watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._tls_watch
+        if self.kv_events is not None:  # after the last call: every published batch is sent
+            await asyncio.to_thread(self.kv_events.close)
+            self.state.kv_events = None
+            self.kv_events = None
         if self.journal is not None:  # compact: a checkpoint of every pool, an empty journal
             journal = self.journal
             journal.reset(checkpoint_of(self.state, journal.last_seq))

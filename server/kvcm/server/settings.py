@@ -38,6 +38,7 @@ __all__ = [
 DEFAULT_GRPC_ADDRESS: Final = "127.0.0.1:50051"
 DEFAULT_HTTP_ADDRESS: Final = "127.0.0.1:8080"
 CONFIG_ENV: Final = "KVCM_CONFIG"
+DEFAULT_KV_EVENTS_TOPIC: Final = "kv@{pool}@{model}"
 _GRPC_MAX_MESSAGE_BYTES: Final = 2**31 - 1
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS: Final = ("text", "json")
@@ -71,6 +72,14 @@ class ServerSettings:
         otlp_endpoint: OTLP/gRPC endpoint for traces (``""``: off unless OpenTelemetry's
             ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set); needs ``kvcm[tracing]``.
         trace_sample_ratio: Fraction of root spans sampled, in [0, 1].
+        kv_events_endpoint: ZMQ endpoint of vLLM's KV-event stream (``""``: off); wildcard and
+            ipc/inproc endpoints are bound, others connected to (vLLM's rule).
+        kv_events_replay_endpoint: ZMQ endpoint the replay ROUTER binds (``""``: no replay).
+        kv_events_topic: Topic of each pool's batches, over ``{pool}`` and ``{model}``.
+        kv_events_hwm: The PUB socket's high-water mark (messages).
+        kv_events_max_queue_size: Batches waiting for the publisher thread; beyond, dropped.
+        kv_events_use_int_block_hashes: 1: hashes as vLLM's default 64-bit ints; 0: full
+            digests (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
         limits: The service's hard limits.
     """
 
@@ -90,6 +99,12 @@ class ServerSettings:
     data_dir: str = ""
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
+    kv_events_hwm: int = 100_000
+    kv_events_max_queue_size: int = 100_000
+    kv_events_use_int_block_hashes: int = 1
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
@@ -122,11 +137,36 @@ class ServerSettings:
             raise ConfigError(
                 f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}"
             )
+        self._check_kv_events()
         if self.limits.max_message_bytes > _GRPC_MAX_MESSAGE_BYTES:
             raise ConfigError(
                 f"max_message_bytes must be <= {_GRPC_MAX_MESSAGE_BYTES} (gRPC's int32), "
                 f"got {self.limits.max_message_bytes}"
             )
+
+    def _check_kv_events(self) -> None:
+        if self.kv_events_use_int_block_hashes not in (0, 1):
+            raise ConfigError(
+                "kv_events_use_int_block_hashes must be 0 or 1, got "
+                f"{self.kv_events_use_int_block_hashes}"
+            )
+        for name in ("kv_events_hwm", "kv_events_max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(
+                    f"{name} must be a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH), got {value!r}"
+                )
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
+        try:
+            self.kv_events_topic.format(pool="p", model="m")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(
+                f"kv_events_topic {self.kv_events_topic!r} may use only {{pool}} and {{model}}"
+            ) from exc
 
     @property
     def max_pools(self) -> int:
@@ -193,6 +233,17 @@ _HELP: Final = {
     "otlp_endpoint": "OTLP/gRPC endpoint for traces, e.g. http://otel-collector:4317 ('': off "
     "unless OTEL_EXPORTER_OTLP_ENDPOINT is set; needs kvcm[tracing])",
     "trace_sample_ratio": "fraction of root spans traced, in [0, 1] (traced callers always are)",
+    "kv_events_endpoint": "ZMQ endpoint of vLLM's KV-event stream, e.g. tcp://*:5557 (bound; "
+    "a tcp://HOST:PORT without a wildcard is connected to, as vLLM does; '': off)",
+    "kv_events_replay_endpoint": "ZMQ endpoint the replay socket binds, e.g. tcp://*:5558 "
+    "('': no replay)",
+    "kv_events_topic": "ZMQ topic of each pool's batches; {pool} is the pool id, {model} its "
+    "model label",
+    "kv_events_hwm": "high-water mark of the KV-event PUB socket (messages)",
+    "kv_events_max_queue_size": "KV-event batches waiting to be sent; beyond, a batch is dropped "
+    "(and counted) and subscribers replay the gap",
+    "kv_events_use_int_block_hashes": "1: block hashes as vLLM's default 64-bit ints; 0: full "
+    "digests (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)",
     "max_pools": "pools the server holds; CreatePool answers RESOURCE_EXHAUSTED beyond",
     "max_blocks_per_pool": "blocks of one pool (explicit or planned, the null block included)",
     "max_total_blocks": "blocks of all pools together (the server's memory budget)",

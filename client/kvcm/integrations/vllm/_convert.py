@@ -8,6 +8,7 @@ events become vLLM's event structs, and a vLLM ``Request`` is seen by kvcm's cor
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Final
 
 from kvcm.common import specs as kvcm_specs
@@ -184,23 +185,30 @@ _STORED_FIELDS: Final = tuple(field.name for field in dataclasses.fields(BlockSt
 _REMOVED_FIELDS: Final = tuple(field.name for field in dataclasses.fields(BlockRemoved))
 
 
-def to_vllm_events(events: list[Any], vllm_kv_events: Any) -> list[Any]:
+def to_vllm_events(
+    events: list[Any], vllm_kv_events: Any, convert_hash: Callable[[bytes], Any]
+) -> list[Any]:
     """vLLM's event structs for kvcm's events, field for field.
 
     Args:
-        events: kvcm's events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``).
+        events: kvcm's events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``), hashes
+            full width.
         vllm_kv_events: The ``vllm.distributed.kv_events`` module.
+        convert_hash: vLLM's ``maybe_convert_block_hash``: the form the engine publishes
+            (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
     """
     converted: list[Any] = []
     for event in events:
         if isinstance(event, BlockStored):
-            converted.append(
-                vllm_kv_events.BlockStored(**{f: getattr(event, f) for f in _STORED_FIELDS})
-            )
+            fields = {f: getattr(event, f) for f in _STORED_FIELDS}
+            fields["block_hashes"] = [convert_hash(h) for h in event.block_hashes]
+            if event.parent_block_hash is not None:
+                fields["parent_block_hash"] = convert_hash(event.parent_block_hash)
+            converted.append(vllm_kv_events.BlockStored(**fields))
         elif isinstance(event, BlockRemoved):
-            converted.append(
-                vllm_kv_events.BlockRemoved(**{f: getattr(event, f) for f in _REMOVED_FIELDS})
-            )
+            fields = {f: getattr(event, f) for f in _REMOVED_FIELDS}
+            fields["block_hashes"] = [convert_hash(h) for h in event.block_hashes]
+            converted.append(vllm_kv_events.BlockRemoved(**fields))
         elif isinstance(event, AllBlocksCleared):
             converted.append(vllm_kv_events.AllBlocksCleared())
         else:  # pragma: no cover - the core emits only the three kinds

@@ -17,11 +17,11 @@ would have produced.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcm.common.errors import ConfigError
-from kvcm.common.hashing import HashAlgorithm
+from kvcm.common.hashing import HashAlgorithm, external_block_hash
 from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
@@ -38,6 +38,11 @@ from kvcm.integrations.vllm._convert import RequestView, convert_kv_cache_config
 from kvcm.integrations.vllm._recorder import NullSink, StepRecorder, StepSink
 
 __all__ = ["MirrorKVCacheManager", "MirrorManagerConfig"]
+
+
+def _same_hash(block_hash: bytes) -> bytes:
+    return block_hash
+
 
 # Spec types whose blocks cover token ranges vLLM clips and estimates cached tokens over.
 _UNCLIPPED_KINDS = frozenset({"CrossAttentionSpec", "EncoderOnlyAttentionSpec"})
@@ -141,17 +146,15 @@ class MirrorKVCacheManager:
         Raises:
             ConfigError: The KV-cache config needs something kvcm does not do.
         """
+        from vllm import envs
         from vllm.distributed import kv_events
         from vllm.v1.metrics.stats import PrefixCacheStats
 
-        if config.enable_kv_cache_events:
-            from vllm import envs
-
-            if not envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
-                raise ConfigError(
-                    "kvcm publishes KV events with int block hashes: unset "
-                    "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0"
-                )
+        # The engine's event hash form, read once as vLLM reads it (its default: the low 64
+        # bits as an int; with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 the full digest).
+        self._convert_hash: Callable[[bytes], Any] = (
+            external_block_hash if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else _same_hash
+        )
         self._kv_events = kv_events
         self._stats_type = PrefixCacheStats
         self.kv_cache_config = config.kv_cache_config
@@ -389,7 +392,7 @@ class MirrorKVCacheManager:
     def take_events(self) -> list[Any]:
         """Drain the KV events as vLLM's event structs."""
         events = self.core.take_events()
-        return to_vllm_events(events, self._kv_events) if events else []
+        return to_vllm_events(events, self._kv_events, self._convert_hash) if events else []
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks (empty when it holds none, as vLLM answers)."""

@@ -8,6 +8,7 @@ the loop mutates it could see half an RPC. On the loop, a handler runs between R
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -24,6 +25,9 @@ from kvcm.common.errors import NotFoundError
 from kvcm.server.http._collector import KVCMCollector, kvcm_version
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats
+
+if TYPE_CHECKING:
+    from kvcm.server.kv_events import KvEventCounters
 
 __all__ = [
     "ErrorBody",
@@ -167,8 +171,10 @@ def build_app(
     registry: PoolRegistryLike,
     rpc_stats: RpcStats,
     is_ready: Callable[[], bool],
+    *,
     loop_lag: LoopLagMonitor | None = None,
     reclaims: Mapping[tuple[str, str], int] | None = None,
+    zmq_counters: KvEventCounters | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
@@ -188,12 +194,14 @@ def build_app(
         is_ready: answers whether the gRPC side is serving.
         loop_lag: the server's event-loop lag monitor (``None``: exported empty).
         reclaims: lease reclaims by (pool, lease kind) (``None``: exported empty).
+        zmq_counters: the ZMQ KV-event stream's counters (``None``: the stream is off).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
     """
     prometheus_registry = CollectorRegistry(auto_describe=False)
-    prometheus_registry.register(KVCMCollector(registry, rpc_stats, loop_lag, reclaims))
+    collector = KVCMCollector(registry, rpc_stats, loop_lag, reclaims, zmq_counters)
+    prometheus_registry.register(collector)
     _register_runtime_collectors(prometheus_registry)
 
     app = FastAPI(

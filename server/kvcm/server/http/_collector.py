@@ -15,6 +15,7 @@ import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -25,6 +26,9 @@ from prometheus_client.core import (
 
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, LoopLagSnapshot, RpcStats, RpcStatsSnapshot
+
+if TYPE_CHECKING:
+    from kvcm.server.kv_events import KvEventCounters
 
 __all__ = [
     "METRICS",
@@ -180,6 +184,19 @@ METRICS: tuple[MetricSpec, ...] = (
         labels=("pool", "kind"),
         help="Expired leases whose holder's leftovers were reclaimed (kind: scheduler, "
         "transfer, subscriber).",
+    ),
+    MetricSpec(
+        name="kvcm_zmq_event_batches_total",
+        kind="counter",
+        labels=("kind",),
+        help="KV-event batches of the ZMQ stream (kind: sent, dropped for a full queue, "
+        "replayed to a subscriber).",
+    ),
+    MetricSpec(
+        name="kvcm_zmq_event_peers",
+        kind="gauge",
+        labels=(),
+        help="Peers the ZMQ KV-event PUB socket is connected to.",
     ),
     MetricSpec(
         name="kvcm_rpc_duration_seconds",
@@ -342,7 +359,9 @@ class KVCMCollector:
         rpc_stats: RpcStats,
         loop_lag: LoopLagMonitor | None = None,
         reclaims: Mapping[tuple[str, str], int] | None = None,
+        zmq_counters: KvEventCounters | None = None,
     ) -> None:
+        self._zmq = zmq_counters
         self._reclaims = reclaims if reclaims is not None else {}
         self._registry = registry
         self._rpc_stats = rpc_stats
@@ -368,6 +387,19 @@ class KVCMCollector:
         for (pool, lease), count in sorted(self._reclaims.items()):
             reclaims.add_metric([pool, lease], count)
         yield reclaims
+        batches = _scalar_family("kvcm_zmq_event_batches_total")
+        peers = _scalar_family("kvcm_zmq_event_peers")
+        if self._zmq is not None:
+            counters = self._zmq
+            for kind, count in (
+                ("sent", counters.batches),
+                ("dropped", counters.dropped),
+                ("replayed", counters.replayed_batches),
+            ):
+                batches.add_metric([kind], count)
+            peers.add_metric([], counters.peers)
+        yield batches
+        yield peers
         build = _scalar_family("kvcm_build_info")
         build.add_metric(self._build_labels, 1)
         yield build

@@ -100,14 +100,11 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
     async def DeletePool(  # noqa: N802
         self, request: admin_pb2.DeletePoolRequest, context: Context
     ) -> admin_pb2.DeletePoolResponse:
-        """Delete a pool; its waiting registrations and event streams end with NOT_FOUND."""
+        """Delete a pool: it publishes AllBlocksCleared, then its waiting registrations and event
+        streams end with NOT_FOUND."""
         await self._state.pool(request.pool_id)  # waits while a worker thread holds it
         pool = self._state.registry.delete(request.pool_id)
-        runtime = self._state.runtimes.pop(pool.name, None)
-        if runtime is not None:
-            runtime.deleted = True
-            runtime.planned.set()
-            runtime.wake_subscribers()
+        self._state.retire(pool)
         log_pool_deleted(pool)
         manager = pool.manager
         if manager is not None and manager.block_pool.num_gpu_blocks >= OFF_LOOP_BLOCKS:

@@ -119,7 +119,7 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
             if events:
                 yield events_pb2.SubscribeEventsResponse(
                     first_sequence=sequence,
-                    events=events_to_proto(events, hash_length),
+                    events=events_to_proto(events),
                     timestamp_unix_seconds=stamp,
                     pool_epoch=pool.epoch,
                 )

@@ -103,13 +103,9 @@ async def resync_pool(
         registry.limits, pool_id, options.explicit_layout.num_blocks,
         registry.num_blocks() - old_blocks,
     )  # fmt: skip
-    if exists:
+    if old is not None:
         registry.delete(pool_id)
-        runtime = state.runtimes.pop(pool_id, None)
-        if runtime is not None:
-            runtime.deleted = True
-            runtime.planned.set()
-            runtime.wake_subscribers()
+        state.retire(old)
     registry.reserve(pool_id, options)
     registry.add(pool)
     runtime = PoolRuntime(config=admin_pb2.PoolConfig())

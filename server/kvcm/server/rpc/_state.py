@@ -13,12 +13,15 @@ from typing import TYPE_CHECKING, TypeVar
 from kvcm.common.errors import KVCMError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits
 from kvcm.core.pool import Pool, PoolRegistry
+from kvcm.server.kv_events import kv_events_topic
 from kvcm.server.rpc._offloop import OFF_LOOP_STEP, OFF_LOOP_WORK, OffLoopWork
+from kvcm.server.settings import DEFAULT_KV_EVENTS_TOPIC
 from kvcm.server.telemetry import RpcStats
 from kvcm.v1 import admin_pb2
 
 if TYPE_CHECKING:
     from kvcm.server.journal import Journal
+    from kvcm.server.kv_events import KvEventStream
     from kvcm.server.tracing import Tracing
 
 __all__ = ["CALL_TIME", "PRINCIPAL", "PoolRuntime", "Principal", "ServerState", "may_hash"]
@@ -118,6 +121,9 @@ class ServerState:
         subscriber_lease_s: How long an event stream may wait for its reader to accept one
             message before it is ended (0: forever).
         reclaims: Lease reclaims so far, by (pool id, lease kind).
+        kv_events: The ZMQ KV-event stream (``None``: off, or while a journal is replayed:
+            what was published before a restart is replayed on request, not re-sent).
+        kv_events_topic: The topic template of the ZMQ stream.
         tracing: The server's tracing (``None``: off; calls take no tracing path at all).
         lanes: Pools lent to a worker thread for a long call, by pool id, each with the
             event set when the call ends. Every call on such a pool waits for it
@@ -138,6 +144,8 @@ class ServerState:
     transfer_lease_s: float = 0.0
     subscriber_lease_s: float = 0.0
     reclaims: dict[tuple[str, str], int] = field(default_factory=dict)
+    kv_events: KvEventStream | None = None
+    kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
 
     async def pool(self, pool_id: str) -> Pool:
         """The pool called ``pool_id``, once no worker thread holds it.
@@ -193,7 +201,8 @@ class ServerState:
                 self.transfers[(pool.name, key)] = (now, request)
 
     def published(self, pool: Pool) -> None:
-        """Publish the events a mutating call left in the pool's core, waking subscribers.
+        """Publish the events a mutating call left in the pool's core, waking subscribers
+        and handing the batch to the ZMQ stream.
 
         They are stamped with the call's time (``CALL_TIME``, which a journal record keeps so
         that a replay stamps them alike), else now.
@@ -202,3 +211,20 @@ class ServerState:
             runtime = self.runtimes.get(pool.name)
             if runtime is not None:
                 runtime.wake_subscribers()
+            if self.kv_events is not None:
+                self.kv_events.publish(pool, self.topic(pool))
+
+    def topic(self, pool: Pool) -> str:
+        """The pool's ZMQ topic (``kv_events_topic``)."""
+        return kv_events_topic(self.kv_events_topic, pool)
+
+    def retire(self, pool: Pool) -> None:
+        """End a pool that was deleted or is being replaced: publish ``AllBlocksCleared`` as
+        its last batch, then end its registrations and event streams (NOT_FOUND)."""
+        if pool.publish_cleared(CALL_TIME.get() or time.time()) and self.kv_events is not None:
+            self.kv_events.publish(pool, self.topic(pool))
+        runtime = self.runtimes.pop(pool.name, None)
+        if runtime is not None:
+            runtime.deleted = True
+            runtime.planned.set()
+            runtime.wake_subscribers()
