@@ -19,6 +19,7 @@ in a block table, never changes. A lookup answers with the block inserted first.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError
@@ -98,8 +99,14 @@ class BlockPool:
     #   with secondary keys always has a primary key.
     # * Evicting a block removes all its keys; the map never points at a block whose
     #   block_hash is None.
+    # * _index, when set, is a cross-pool map key -> bitmask of the pools caching the key
+    #   (kvcm.core.lookup.PrefixIndex); this pool keeps its bit (_index_bit) set on exactly
+    #   the keys of _cached, updated where a key enters or leaves _cached.
     __slots__ = (
         "_cached",
+        "_index",
+        "_index_bit",
+        "_index_lock",
         "_num_cached_blocks",
         "_num_events_taken",
         "_secondary_keys",
@@ -156,6 +163,9 @@ class BlockPool:
         self._cached: dict[BlockHashWithGroupId, _CacheEntry] = {}
         self._secondary_keys: dict[int, dict[BlockHashWithGroupId, None]] = {}
         self._num_cached_blocks = 0
+        self._index: dict[BlockHashWithGroupId, int] | None = None
+        self._index_bit = 0
+        self._index_lock: AbstractContextManager[Any] = nullcontext()
         # NOTE: the null block's ref_cnt is not maintained; free_blocks and touch skip it.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -368,6 +378,7 @@ class BlockPool:
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         suffix = _group_suffix(kv_cache_group_id)
         cached = self._cached
+        new_keys: list[BlockHashWithGroupId] | None = None if self._index is None else []
         num_tokens = num_cached_blocks * block_size
         num_inserted = 0
         stored: list[BlockHash] | None = [] if self.enable_kv_cache_events else None
@@ -382,6 +393,8 @@ class BlockPool:
             entry = cached.get(key)
             if entry is None:
                 cached[key] = block
+                if new_keys is not None:
+                    new_keys.append(key)
             elif isinstance(entry, dict):
                 entry[block.block_id] = block
             else:
@@ -392,6 +405,8 @@ class BlockPool:
             if stored is not None:
                 stored.append(block_hash)
         self._num_cached_blocks += num_inserted
+        if new_keys:
+            self._index_keys(new_keys)
         if stored is not None:
             self.kv_event_queue.append(
                 self._full_blocks_stored_event(
@@ -507,6 +522,8 @@ class BlockPool:
         """
         if self.num_gpu_blocks - self.free_block_queue.num_free_blocks != 1:
             return False
+        if self._index is not None:
+            self._unindex_keys(self._cached)
         self._cached = {}
         self._secondary_keys.clear()
         for block in self.blocks:
@@ -555,7 +572,62 @@ class BlockPool:
             for key, entry in self._cached.items()
         }
 
+    def attach_index(
+        self,
+        index: dict[BlockHashWithGroupId, int],
+        bit: int,
+        lock: AbstractContextManager[Any],
+    ) -> None:
+        """Keep ``bit`` set in ``index[key]`` for exactly the keys this pool caches.
+
+        ``index`` maps a cache key to a bitmask of pools (:class:`kvcm.core.lookup.PrefixIndex`
+        owns it, and ``lock``, held for every change since pools change it from several
+        threads); the keys cached now are added at once (O(cache)), later changes as they
+        happen. A pool is attached to at most one index.
+        """
+        self.detach_index()
+        self._index = index
+        self._index_bit = bit
+        self._index_lock = lock
+        self._index_keys(self._cached)
+
+    def detach_index(self) -> None:
+        """Clear this pool's bit from its index (O(cache)) and stop maintaining it."""
+        if self._index is None:
+            return
+        self._unindex_keys(self._cached)
+        self._index = None
+        self._index_bit = 0
+        self._index_lock = nullcontext()
+
+    @property
+    def index_attached(self) -> bool:
+        """Whether :meth:`attach_index` maintains an index now."""
+        return self._index is not None
+
     # ---------------------------------------------------------------------- internals
+    def _index_keys(self, keys: Iterable[BlockHashWithGroupId]) -> None:
+        index = self._index
+        assert index is not None
+        bit = self._index_bit
+        get = index.get
+        with self._index_lock:
+            for key in keys:
+                holders = get(key)
+                index[key] = bit if holders is None else holders | bit
+
+    def _unindex_keys(self, keys: Iterable[BlockHashWithGroupId]) -> None:
+        index = self._index
+        assert index is not None
+        keep = ~self._index_bit
+        with self._index_lock:
+            for key in keys:
+                holders = index[key] & keep
+                if holders:
+                    index[key] = holders
+                else:
+                    del index[key]
+
     def _maps_to(self, key: BlockHashWithGroupId, block_id: int) -> bool:
         entry = self._cached.get(key)
         if entry is None:
@@ -578,6 +650,8 @@ class BlockPool:
         entry = cached.get(key)
         if entry is None:
             cached[key] = block
+            if self._index is not None:
+                self._index_keys((key,))
         elif isinstance(entry, dict):
             entry[block.block_id] = block
         else:
@@ -604,8 +678,12 @@ class BlockPool:
                     continue
                 if not entry:
                     del cached[key]
+                    if self._index is not None:
+                        self._unindex_keys((key,))
             elif entry.block_id == block_id:
                 del cached[key]
+                if self._index is not None:
+                    self._unindex_keys((key,))
             else:
                 continue
             removed.append(key)

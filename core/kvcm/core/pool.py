@@ -35,6 +35,7 @@ from kvcm.common.hashing import BlockHash, resolve_none_hash_seed
 from kvcm.common.specs import UINT64_MAX, KVCacheSpec, check_plannable_spec
 from kvcm.core.event_log import EventBatchRecord, EventLog, OutOfRangeError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits, check_pool_blocks
+from kvcm.core.lookup import LookupQuery, LookupResult, PrefixIndex, lookup, scope_pools
 from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
@@ -912,6 +913,7 @@ class PoolRegistry:
         self.max_pools = limits.max_pools
         self._pools: dict[str, Pool] = {}
         self._building: dict[str, int] = {}
+        self.index = PrefixIndex()
 
     def num_blocks(self) -> int:
         """Blocks the server's pools hold or are being built with."""
@@ -1002,7 +1004,17 @@ class PoolRegistry:
         """
         pool = self.get(name)
         del self._pools[name]
+        self.index.remove(name)
         return pool
+
+    def lookup(self, query: LookupQuery) -> LookupResult:
+        """Where ``query``'s prompt is cached, over its scope (:mod:`kvcm.core.lookup`).
+
+        Raises:
+            NotFoundError: The scope names a pool that does not exist.
+        """
+        pools = scope_pools(self._pools.values(), self._pools, query)
+        return lookup(pools, self.index, query)
 
     def __len__(self) -> int:
         return len(self._pools)

@@ -7,8 +7,10 @@ behaviour reads on its own. Everything here is immutable and validated on constr
 from __future__ import annotations
 
 import enum
+import re
+import types
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from kvcm.common.config import KVCacheConfig
@@ -27,11 +29,15 @@ __all__ = [
     "PoolSummary",
     "Registration",
     "Usage",
+    "check_labels",
     "check_pool_id",
     "hash_length_bytes",
 ]
 
 DEFAULT_EVENT_RETENTION: Final = 65536
+MAX_LABELS: Final = 32
+MAX_LABEL_VALUE_CHARS: Final = 256
+_LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}")
 _POOL_ID_CHARS: Final = frozenset(
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
 )
@@ -89,6 +95,41 @@ def check_pool_id(pool_id: str) -> None:
         )
 
 
+def check_labels(labels: Mapping[str, str], field_name: str = "config.labels") -> None:
+    """Reject labels a router could not match reliably.
+
+    At most 32 labels; each key 1-63 characters of ``[A-Za-z0-9._/-]`` starting with a letter
+    or digit; each value at most 256 printable characters (empty allowed).
+
+    Raises:
+        InvalidArgumentError: A label is out of its domain (the message names it).
+    """
+    if not isinstance(labels, Mapping):
+        raise InvalidArgumentError(f"{field_name} must be a mapping, got {labels!r}")
+    if len(labels) > MAX_LABELS:
+        raise InvalidArgumentError(
+            f"{field_name} has {len(labels)} labels, at most {MAX_LABELS} are allowed",
+            field=field_name,
+        )
+    for key, value in labels.items():
+        if not isinstance(key, str) or _LABEL_KEY.fullmatch(key) is None:
+            raise InvalidArgumentError(
+                f"{field_name}: key {shown(str(key))} must be 1-63 characters of [A-Za-z0-9._/-] "
+                "starting with a letter or digit",
+                field=field_name,
+            )
+        if (
+            not isinstance(value, str)
+            or len(value) > MAX_LABEL_VALUE_CHARS
+            or not value.isprintable()
+        ):
+            raise InvalidArgumentError(
+                f"{field_name}[{key}] must be at most {MAX_LABEL_VALUE_CHARS} printable "
+                f"characters, got {shown(str(value))}",
+                field=field_name,
+            )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PoolConfig:
     """Everything a pool is created with (the core's reading of ``kvcm.v1.PoolConfig``).
@@ -112,6 +153,8 @@ class PoolConfig:
         scheduler_lease_s: Seconds without a scheduler call (any SchedulerService call on the
             pool, or KeepAlive) after which the lease expires; 0: never.
         lease_expiry: What an expired lease reclaims.
+        labels: What the pool is, for routers' lookup scopes (``model``, ``role``,
+            ``tenant``, ``data_parallel_rank``...): fixed at creation, read-only afterwards.
     """
 
     max_model_len: int
@@ -131,8 +174,12 @@ class PoolConfig:
     watermark: float = 0.0
     scheduler_lease_s: float = 0.0
     lease_expiry: LeaseExpiry = LeaseExpiry.FREE_REQUESTS
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_labels(self.labels)
+        labels = types.MappingProxyType(dict(sorted(self.labels.items())))
+        object.__setattr__(self, "labels", labels)
         named: object = self.hash_algorithm
         if not isinstance(named, HashAlgorithm):
             # Callers may name the algorithm as the CLI and the wire docs do.

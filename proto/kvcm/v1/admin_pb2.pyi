@@ -35,7 +35,14 @@ class ExplicitLayout(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheGroupSpec, _Mapping]]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("world_size", "explicit_layout", "num_blocks_override", "max_model_len", "scheduler_block_size", "hash_block_size", "max_in_flight_tokens", "enable_caching", "hash_algorithm", "hash_seed", "verify_block_hashes", "enable_kv_cache_events", "event_retention_num_events", "log_stats", "watermark", "scheduler_lease_s", "lease_expiry")
+    __slots__ = ("world_size", "explicit_layout", "num_blocks_override", "max_model_len", "scheduler_block_size", "hash_block_size", "max_in_flight_tokens", "enable_caching", "hash_algorithm", "hash_seed", "verify_block_hashes", "enable_kv_cache_events", "event_retention_num_events", "log_stats", "watermark", "scheduler_lease_s", "lease_expiry", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXPLICIT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +60,7 @@ class PoolConfig(_message.Message):
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_LEASE_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     explicit_layout: ExplicitLayout
     num_blocks_override: int
@@ -70,7 +78,8 @@ class PoolConfig(_message.Message):
     watermark: float
     scheduler_lease_s: float
     lease_expiry: LeaseExpiry
-    def __init__(self, world_size: _Optional[int] = ..., explicit_layout: _Optional[_Union[ExplicitLayout, _Mapping]] = ..., num_blocks_override: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algorithm: _Optional[_Union[_common_pb2.HashAlgorithm, str]] = ..., hash_seed: _Optional[str] = ..., verify_block_hashes: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., event_retention_num_events: _Optional[int] = ..., log_stats: _Optional[bool] = ..., watermark: _Optional[float] = ..., scheduler_lease_s: _Optional[float] = ..., lease_expiry: _Optional[_Union[LeaseExpiry, str]] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, world_size: _Optional[int] = ..., explicit_layout: _Optional[_Union[ExplicitLayout, _Mapping]] = ..., num_blocks_override: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algorithm: _Optional[_Union[_common_pb2.HashAlgorithm, str]] = ..., hash_seed: _Optional[str] = ..., verify_block_hashes: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., event_retention_num_events: _Optional[int] = ..., log_stats: _Optional[bool] = ..., watermark: _Optional[float] = ..., scheduler_lease_s: _Optional[float] = ..., lease_expiry: _Optional[_Union[LeaseExpiry, str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("pool_id", "config")

@@ -83,6 +83,7 @@ def pool_config_to_proto(config: PoolConfig) -> admin_pb2.PoolConfig:
         message.enable_caching = False
     if not config.log_stats:
         message.log_stats = False
+    message.labels.update(config.labels)
     return message
 
 
@@ -120,6 +121,7 @@ def pool_config_from_proto(message: admin_pb2.PoolConfig, field: str = "config")
         watermark=message.watermark,
         scheduler_lease_s=message.scheduler_lease_s,
         lease_expiry=_lease_expiry(message.lease_expiry, f"{field}.lease_expiry"),
+        labels=dict(message.labels),
         **optional,
     )
 

@@ -1,0 +1,287 @@
+"""Exact lookup across pools (kvcm.core.lookup): answers equal each pool's own lookup."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.errors import InvalidArgumentError, NotFoundError
+from kvcm.common.hashing import BlockHasher, HashAlgorithm, MultiModalFeature
+from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvcm.core.lookup import LookupQuery, PoolHit, PrefixIndex
+from kvcm.core.pool import Pool, PoolConfig, PoolRegistry
+from kvcm.core.request import Request
+from kvcm.core.snapshot import decode_pool, encode_pool
+
+COMMON = {"num_kv_heads": 2, "head_size": 64, "dtype": DType.BFLOAT16}
+
+
+def _layout(specs: list[KVCacheSpec], num_blocks: int) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=(),
+        kv_cache_groups=tuple(
+            KVCacheGroupSpec(layer_names=(f"l{i}",), kv_cache_spec=spec)
+            for i, spec in enumerate(specs)
+        ),
+    )
+
+
+def _full(block_size: int = 4) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, **COMMON)  # type: ignore[arg-type]
+
+
+def _swa(block_size: int = 4, window: int = 8) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=block_size, sliding_window=window, **COMMON)  # type: ignore[arg-type]
+
+
+def _create(
+    registry: PoolRegistry,
+    name: str,
+    specs: list[KVCacheSpec],
+    *,
+    num_blocks: int = 48,
+    labels: dict[str, str] | None = None,
+    **options: object,
+) -> Pool:
+    config = PoolConfig(
+        max_model_len=512,
+        explicit_layout=_layout(specs, num_blocks),
+        labels=labels or {},
+        **options,  # type: ignore[arg-type]
+    )
+    return registry.create(name, config)
+
+
+def _hashes(pool: Pool, tokens: list[int], **extra: object) -> list[bytes]:
+    hashing = pool.hashing
+    hasher = BlockHasher(hashing.hash_block_size, hashing.algorithm, hashing.seed)
+    return list(hasher.hash_token_ids(tokens, **extra))  # type: ignore[arg-type]
+
+
+def _own_hit(pool: Pool, tokens: list[int], **extra: object) -> int:
+    """The pool's own get_computed_blocks for a probe request (read-only)."""
+    assert pool.manager is not None
+    request = Request("probe", tokens, **extra)  # type: ignore[arg-type]
+    request.block_hashes = _hashes(pool, tokens, **extra)
+    return pool.manager.get_computed_blocks(request).num_computed_tokens
+
+
+def _serve(pool: Pool, key: int, tokens: list[int], *, finish: bool = True) -> None:
+    hashes = b"".join(_hashes(pool, tokens)) if pool.options.enable_caching else b""
+    pool.add_request(key, f"r{key}", tokens, hashes)
+    hit = pool.get_computed_blocks(key, None)
+    request = pool.request(key)
+    if pool.allocate_slots(request, len(tokens) - hit.num_computed_tokens, hit) is None:
+        pool.free(key, preempt=False)
+        return
+    if finish:
+        pool.free(key, preempt=False)
+
+
+def _by_pool(hits: tuple[PoolHit, ...]) -> dict[str, int]:
+    return {hit.pool_id: hit.num_hit_tokens for hit in hits}
+
+
+def test_randomized_answers_equal_each_pools_own_lookup() -> None:
+    rng = random.Random(11)
+    registry = PoolRegistry()
+    kinds = [
+        lambda name: _create(registry, name, [_full()]),
+        lambda name: _create(registry, name, [_full()], num_blocks=12),  # evicts a lot
+        lambda name: _create(registry, name, [_full(8)]),
+        lambda name: _create(registry, name, [_full(), _swa()], scheduler_block_size=4),
+        lambda name: _create(registry, name, [_full()], hash_algorithm=HashAlgorithm.XXHASH),
+        lambda name: _create(registry, name, [_full()], enable_caching=False),
+    ]
+    pools = [kinds[i % len(kinds)](f"p{i}") for i in range(30)]
+    documents = [[rng.randrange(1000) for _ in range(rng.randrange(8, 120))] for _ in range(12)]
+    for key in range(1, 401):
+        pool = rng.choice(pools)
+        prompt = rng.choice(documents)[: rng.randrange(1, 120)] + [
+            rng.randrange(1000) for _ in range(rng.randrange(0, 9))
+        ]
+        _serve(pool, key, prompt, finish=rng.random() < 0.8)
+        if rng.random() < 0.02 and pool.manager is not None:
+            for held in list(pool.requests):
+                pool.free(held, preempt=False)
+            assert pool.manager.reset_prefix_cache()
+        if key % 20 == 0:
+            probe = rng.choice(documents)[: rng.randrange(1, 120)]
+            result = registry.lookup(LookupQuery(token_ids=probe))
+            assert result.num_pools_in_scope == len(pools)
+            assert not result.skipped
+            assert _by_pool(result.pools) == {p.name: _own_hit(p, probe) for p in pools}
+    assert registry.index.num_pools == 20  # the full-attention, caching pools
+
+
+def test_ranking_scope_labels_and_load() -> None:
+    registry = PoolRegistry()
+    a = _create(registry, "a", [_full()], labels={"role": "prefill", "model": "m"})
+    b = _create(registry, "b", [_full()], labels={"role": "decode", "model": "m"})
+    c = _create(registry, "c", [_full()], labels={"role": "prefill", "model": "other"})
+    prompt = list(range(40))
+    _serve(a, 1, prompt[:17])
+    _serve(b, 2, prompt)
+    _serve(c, 3, prompt)
+    _serve(c, 4, list(range(500, 540)), finish=False)  # c is busier
+    result = registry.lookup(LookupQuery(token_ids=prompt, load_weight=0.0))
+    assert [(h.pool_id, h.num_hit_tokens) for h in result.pools] == [
+        ("b", 36),
+        ("c", 36),
+        ("a", 16),
+    ]
+    assert result.pools[1].load.num_running == 1
+    assert result.pools[0].load.num_running == 0
+    assert result.pools[0].tier_hit_tokens == {"GPU": 36}
+    assert result.pools[0].group_hit_tokens == (36,)
+    assert result.pools[0].score == pytest.approx(36 / 40)
+    weighted = registry.lookup(LookupQuery(token_ids=prompt, load_weight=10.0))
+    assert weighted.pools[0].pool_id == "b"
+    assert weighted.pools[-1].pool_id == "c"  # the busy pool ranks last
+    prefill = registry.lookup(LookupQuery(token_ids=prompt, labels={"role": "prefill"}))
+    assert sorted(h.pool_id for h in prefill.pools) == ["a", "c"]
+    both = registry.lookup(
+        LookupQuery(token_ids=prompt, labels={"role": "prefill", "model": "m"}, max_results=5)
+    )
+    assert [h.pool_id for h in both.pools] == ["a"]
+    listed = registry.lookup(LookupQuery(token_ids=prompt, pool_ids=["c", "a"], max_results=1))
+    assert [h.pool_id for h in listed.pools] == ["c"]
+    assert listed.num_pools_in_scope == 2
+    with pytest.raises(NotFoundError, match=r"scope.pool_ids\[1\]"):
+        registry.lookup(LookupQuery(token_ids=prompt, pool_ids=["a", "nope"]))
+
+
+def test_hash_prompts_lora_salt_and_multimodal_keys() -> None:
+    registry = PoolRegistry()
+    pool = _create(registry, "p", [_full()])
+    _create(registry, "x", [_full()], hash_algorithm=HashAlgorithm.XXHASH)
+    prompt = list(range(33))
+    extra = {
+        "lora_name": "adapter",
+        "cache_salt": "tenant-a",
+        "mm_features": [MultiModalFeature("img", 4, 6)],
+    }
+    pool.add_request(1, "r1", prompt, b"".join(_hashes(pool, prompt, **extra)), lora_name="adapter")
+    assert pool.allocate_slots(pool.request(1), 33, None) is not None
+    plain = registry.lookup(LookupQuery(token_ids=prompt, pool_ids=["p"]))
+    assert plain.pools[0].num_hit_tokens == 0  # other keys: other hashes
+    keyed = registry.lookup(LookupQuery(token_ids=prompt, pool_ids=["p"], **extra))  # type: ignore[arg-type]
+    assert keyed.pools[0].num_hit_tokens == 32
+    raw = b"".join(_hashes(pool, prompt, **extra))
+    by_hash = registry.lookup(LookupQuery(block_hashes=raw, num_tokens=33))
+    assert _by_pool(by_hash.pools) == {"p": 32}
+    # Read as 16-byte xxhash hashes, the same bytes are twice as many blocks.
+    assert by_hash.skipped == (("x", "16 block hashes of 4 tokens exceed num_tokens 33"),)
+    odd = registry.lookup(LookupQuery(block_hashes=raw[:-8]))
+    assert {pool_id for pool_id, _ in odd.skipped} == {"p", "x"}
+    assert "whole number of 32-byte hashes" in dict(odd.skipped)["p"]
+    # Without num_tokens every hashed block may hit.
+    assert registry.lookup(LookupQuery(block_hashes=raw, pool_ids=["p"])).pools[0].num_tokens == 33
+    too_long = registry.lookup(LookupQuery(token_ids=list(range(600)), pool_ids=["p"]))
+    assert too_long.skipped == (("p", "prompt of 600 tokens exceeds max_model_len 512"),)
+
+
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [
+        ({}, "prompt"),
+        ({"token_ids": [1], "block_hashes": b"x" * 32}, "prompt"),
+        ({"token_ids": []}, "tokens.token_ids"),
+        ({"block_hashes": b""}, "hashes.block_hashes"),
+        ({"token_ids": [1], "num_tokens": 4}, "hashes.num_tokens"),
+        ({"token_ids": [1], "load_weight": float("nan")}, "load_weight"),
+        ({"token_ids": [1], "load_weight": -1.0}, "load_weight"),
+        ({"token_ids": [1], "max_results": -1}, "max_results"),
+        ({"token_ids": [1], "pool_ids": [""]}, r"scope.pool_ids\[0\]"),
+        ({"token_ids": [1], "labels": {"bad key": "v"}}, "scope.labels"),
+    ],
+)
+def test_bad_queries_name_the_field(query: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=field):
+        LookupQuery(**query)  # type: ignore[arg-type]
+
+
+def test_labels_are_checked_and_kept() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"config\.labels"):
+        PoolConfig(max_model_len=8, world_size=1, labels={"": "x"})
+    with pytest.raises(InvalidArgumentError, match=r"config\.labels"):
+        PoolConfig(max_model_len=8, world_size=1, labels={f"k{i}": "v" for i in range(33)})
+    with pytest.raises(InvalidArgumentError, match=r"config\.labels"):
+        PoolConfig(max_model_len=8, world_size=1, labels={"k": "line\nbreak"})
+    config = PoolConfig(max_model_len=8, world_size=1, labels={"role": "decode", "model": "m"})
+    assert dict(config.labels) == {"model": "m", "role": "decode"}
+
+
+def test_index_follows_delete_reset_restore_and_pending_pools() -> None:
+    registry = PoolRegistry()
+    pool = _create(registry, "p", [_full()])
+    prompt = list(range(20))
+    _serve(pool, 1, prompt)
+    assert registry.lookup(LookupQuery(token_ids=prompt)).pools[0].num_hit_tokens == 16
+    assert len(registry.index) == 5  # 20 tokens: five 4-token blocks
+    saved = encode_pool(pool)
+    assert pool.manager is not None
+    assert pool.manager.reset_prefix_cache()
+    assert len(registry.index) == 0
+    assert registry.lookup(LookupQuery(token_ids=prompt)).pools[0].num_hit_tokens == 0
+    # The pool replaced by a restored incarnation (ResyncPool, recovery) is indexed afresh.
+    registry.delete("p")
+    assert registry.index.num_pools == 0
+    registry.reserve("p", pool.options)
+    registry.add(decode_pool(saved, "p", pool.options))
+    assert registry.lookup(LookupQuery(token_ids=prompt)).pools[0].num_hit_tokens == 16
+    assert len(registry.index) == 5
+    registry.delete("p")
+    assert len(registry.index) == 0
+    assert registry.index.num_pools == 0
+    # A pool planned later (workers register) is indexed on its first lookup.
+    pending = registry.create("q", PoolConfig(max_model_len=64, world_size=1))
+    result = registry.lookup(LookupQuery(token_ids=prompt))
+    assert result.pools == ()
+    assert result.skipped == (("q", "not ready: workers have not registered"),)
+    assert pending.manager is None
+
+
+def test_concurrent_pools_keep_the_index_exact() -> None:
+    """Pools run in worker threads (a Step's lane) change the shared index concurrently."""
+    registry = PoolRegistry()
+    pools = [_create(registry, f"p{i}", [_full()], num_blocks=20) for i in range(8)]
+    registry.lookup(LookupQuery(token_ids=[1]))  # index them all
+    documents = [list(range(d * 1000, d * 1000 + 64)) for d in range(6)]
+
+    def drive(pool: Pool, seed: int) -> None:
+        rng = random.Random(seed)
+        for key in range(300):
+            _serve(pool, key, rng.choice(documents)[: rng.randrange(4, 64)])
+
+    threads = [threading.Thread(target=drive, args=(p, i)) for i, p in enumerate(pools)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    expected: dict[bytes, int] = {}
+    for slot, pool in enumerate(pools):
+        assert pool.manager is not None
+        for key in pool.manager.block_pool.cached_block_ids():
+            expected[key] = expected.get(key, 0) | (1 << slot)
+    assert registry.index._keys == expected
+    for document in documents:
+        result = registry.lookup(LookupQuery(token_ids=document))
+        assert _by_pool(result.pools) == {p.name: _own_hit(p, document) for p in pools}
+
+
+def test_index_slots_are_reused() -> None:
+    index = PrefixIndex()
+    registry = PoolRegistry()
+    first = _create(registry, "a", [_full()])
+    second = _create(registry, "b", [_full()])
+    assert (index.slot(first), index.slot(second)) == (0, 1)
+    index.remove("a")
+    third = _create(registry, "c", [_full()])
+    assert index.slot(third) == 0
+    assert index.slot(_create(registry, "h", [_full(), _swa()], scheduler_block_size=4)) is None
