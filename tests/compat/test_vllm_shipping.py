@@ -18,6 +18,7 @@ import pytest
 from _program_replay import pool_state
 from _vllm_engine import Setup, build_scheduler, plan_workload, run
 
+from kvcm.client import LookupQuery, SchedulerClient
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.settings import ServerSettings
 
@@ -113,7 +114,14 @@ def test_shipped_steps_equal_vllm_and_the_server_copy_converges(
     plans = plan_workload(seed, num_requests, setup)
     reference = build_scheduler(setup)
     sync_cls, async_cls = _classes()
-    config = {"kvcm": {"address": server.grpc_address, "pool_id": f"engine-{case}", "mode": mode}}
+    config = {
+        "kvcm": {
+            "address": server.grpc_address,
+            "pool_id": f"engine-{case}",
+            "mode": mode,
+            "labels": {"tenant": f"t-{case}-{mode}"},
+        }
+    }
     mirrored = build_scheduler(setup, async_cls if setup.async_scheduling else sync_cls, config)
     shipper = mirrored.kv_cache_manager.recorder.sink
     num_steps = 0
@@ -138,6 +146,14 @@ def test_shipped_steps_equal_vllm_and_the_server_copy_converges(
     if mode == "mirror":
         assert stats.steps_submitted <= num_steps + 1
     assert server_pool_state(server, f"engine-{case}") == mirror_state(mirrored)
+    # The pool carries the engine's labels; a router scoped by them finds it.
+    with SchedulerClient(server.grpc_address) as client:
+        labels = client.describe_pool(f"engine-{case}").config.labels
+        assert labels["tenant"] == f"t-{case}-{mode}"
+        assert labels["data_parallel_rank"] == "0"
+        assert labels["model"]
+        scoped = client.lookup(LookupQuery(token_ids=[1, 2, 3], labels=dict(labels)))
+        assert [hit.pool_id for hit in scoped.pools] == [f"engine-{case}"]
     # The server's kvcm_prefix_cache_* counters agree with vLLM's prefix-cache stats.
     if setup.log_stats and setup.enable_caching:
         assert vllm_stats["queries"] > 0

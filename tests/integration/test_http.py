@@ -298,4 +298,11 @@ def test_v1_pool_unknown_is_a_404_json_error(http: httpx.Client) -> None:
 
 def test_openapi_schema_lists_the_routes(http: httpx.Client) -> None:
     paths = set(http.get("/openapi.json").json()["paths"])
-    assert paths == {"/metrics", "/healthz", "/readyz", "/v1/pools", "/v1/pools/{pool}"}
+    assert paths == {
+        "/metrics",
+        "/healthz",
+        "/readyz",
+        "/v1/pools",
+        "/v1/pools/{pool}",
+        "/v1/lookup",
+    }

@@ -61,6 +61,13 @@ def test_settings_read_additional_config_before_environment() -> None:
     )
 
 
+def test_settings_read_pool_labels() -> None:
+    from_env = KvcmSettings.from_sources(None, {"KVCM_POOL_LABELS": "role=prefill, tenant=a"})
+    assert from_env.labels == {"role": "prefill", "tenant": "a"}
+    given = KvcmSettings.from_sources({"kvcm": {"labels": {"role": "decode"}}}, {})
+    assert given.labels == {"role": "decode"}
+
+
 def test_settings_default_without_kvcm_section() -> None:
     assert KvcmSettings.from_sources(None, {}) == KvcmSettings()
     assert KvcmSettings.from_sources({"other": 1}, {}) == KvcmSettings()
@@ -75,6 +82,8 @@ def test_settings_default_without_kvcm_section() -> None:
         ({"kvcm": {"step_timeout_s": 0}}, {}, "step_timeout_s must be > 0"),
         ({"kvcm": {"max_backlog": 0}}, {}, "max_backlog must be >= 1"),
         ({"kvcm": ["address"]}, {}, "must be a mapping"),
+        ({}, {"KVCM_POOL_LABELS": "role"}, "not key=value"),
+        ({"kvcm": {"labels": {"bad key": "x"}}}, {}, "kvcm labels"),
     ],
 )
 def test_settings_refuse_bad_values(additional: Any, environ: dict[str, str], message: str) -> None:

@@ -4,6 +4,7 @@
   and asyncio, with the Step RPC (``StepBuilder`` -> ``StepResult``) as the hot path.
 - ``RemoteKVCacheManager``: vLLM 0.33's ``KVCacheManager`` methods over a kvcm pool.
 - ``WorkerClient``: registers a rank's layers and builds its KV-cache tensors.
+- ``lookup(LookupQuery)`` on both scheduler clients: routers' exact prefix lookup across pools.
 
 Failures raise ``ServiceError`` subclasses (which are also the ``kvcm.common.errors`` classes
 the core raises), never ``grpc.RpcError``. Names are imported on first use, so importing the
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from kvcm.client.remote_manager import RemoteKVCacheManager, SchedulerRequest
     from kvcm.client.scheduler import EventStream, SchedulerClient
     from kvcm.client.worker import WorkerClient, WorkerRegistration
+    from kvcm.core.lookup import LookupAnswer, LookupQuery, PoolHit, PoolLoad
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -79,11 +81,15 @@ __all__ = [
     "InternalError",
     "ItemStatus",
     "KVCacheBlocks",
+    "LookupAnswer",
+    "LookupQuery",
     "LookupResult",
     "OutOfRangeError",
     "PermissionDeniedError",
     "PoolConfig",
+    "PoolHit",
     "PoolInfo",
+    "PoolLoad",
     "PoolState",
     "PoolSummary",
     "PrefixCacheStats",
@@ -127,7 +133,11 @@ _MODULE_OF = {
     "InternalError": "_errors",
     "ItemStatus": "_types",
     "KVCacheBlocks": "_types",
+    "LookupAnswer": "kvcm.core.lookup",
+    "LookupQuery": "kvcm.core.lookup",
     "LookupResult": "_step",
+    "PoolHit": "kvcm.core.lookup",
+    "PoolLoad": "kvcm.core.lookup",
     "OutOfRangeError": "_errors",
     "PermissionDeniedError": "_errors",
     "PoolConfig": "_types",
@@ -168,7 +178,8 @@ def __getattr__(name: str) -> object:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    qualified = module if module.startswith("kvcm.") else f"{__name__}.{module}"
+    value = getattr(importlib.import_module(qualified), name)
     globals()[name] = value
     return value
 

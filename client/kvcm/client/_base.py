@@ -95,6 +95,7 @@ _IDEMPOTENT_METHODS: Final = {
         "GetUsage",
     ),
     "kvcm.v1.EventService": ("SubscribeEvents",),
+    "kvcm.v1.LookupService": ("Lookup",),
 }
 
 

@@ -44,9 +44,11 @@ from kvcm.client._types import (
     Usage,
     UseClientDefault,
 )
+from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.core.program import StepProgram
 from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2, service_pb2_grpc
 from kvcm.wire import EventBatch, decode_event_batch, outcome_from_proto
+from kvcm.wire.lookup import lookup_query_to_proto, lookup_result_from_proto
 
 if TYPE_CHECKING:
     from kvcm.common.hashing import BlockHasher
@@ -143,6 +145,7 @@ class AsyncSchedulerClient:
         self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._lookup = service_pb2_grpc.LookupServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     # -------------------------------------------------------------------------- plumbing
     async def _unary(self, method: str, callable_: Any, request: Any, timeout: Timeout) -> Any:
@@ -172,6 +175,22 @@ class AsyncSchedulerClient:
         request = _base.build_create_pool(pool_id, config)
         response = await self._unary("CreatePool", self._admin.CreatePool, request, timeout)
         return _base.decode_pool_info(response.pool)
+
+    async def lookup(
+        self, query: LookupQuery, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> LookupAnswer:
+        """Where ``query``'s prompt is cached across pools: each pool's hit, load and rank.
+
+        Read-only and idempotent (retried on UNAVAILABLE). See docs/lookup.md.
+
+        Raises:
+            ServiceInvalidArgumentError: A field is out of its domain.
+            ServiceNotFoundError: ``query.pool_ids`` names an unknown pool.
+            PermissionDeniedError: It names a pool this token may not read.
+        """
+        request = lookup_query_to_proto(query)
+        response = await self._unary("Lookup", self._lookup.Lookup, request, timeout)
+        return lookup_result_from_proto(response)
 
     async def list_pools(self, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> list[PoolSummary]:
         """Every pool, sorted by id."""

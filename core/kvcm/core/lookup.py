@@ -52,7 +52,7 @@ __all__ = [
     "MAX_LOOKUP_HASH_BYTES",
     "MAX_LOOKUP_TOKENS",
     "LookupQuery",
-    "LookupResult",
+    "LookupAnswer",
     "PoolHit",
     "PoolLoad",
     "PrefixIndex",
@@ -282,7 +282,7 @@ class PoolHit:
 
 
 @dataclass(frozen=True, slots=True)
-class LookupResult:
+class LookupAnswer:
     """The answer to a :class:`LookupQuery`.
 
     Attributes:
@@ -328,7 +328,7 @@ def scope_pools(
     return chosen
 
 
-def lookup(pools: Sequence[Pool], index: PrefixIndex, query: LookupQuery) -> LookupResult:
+def lookup(pools: Sequence[Pool], index: PrefixIndex, query: LookupQuery) -> LookupAnswer:
     """Answer ``query`` over ``pools`` (its scope, already resolved); changes no pool.
 
     A pool being changed in another thread (a Step in its lane) is answered from the index at
@@ -376,7 +376,7 @@ def lookup(pools: Sequence[Pool], index: PrefixIndex, query: LookupQuery) -> Loo
     answers.sort(key=_rank)
     if query.max_results:
         del answers[query.max_results :]
-    return LookupResult(tuple(answers), tuple(skipped), len(pools))
+    return LookupAnswer(tuple(answers), tuple(skipped), len(pools))
 
 
 # ------------------------------------------------------------------------------- internals

@@ -35,7 +35,7 @@ from kvcm.common.hashing import BlockHash, resolve_none_hash_seed
 from kvcm.common.specs import UINT64_MAX, KVCacheSpec, check_plannable_spec
 from kvcm.core.event_log import EventBatchRecord, EventLog, OutOfRangeError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits, check_pool_blocks
-from kvcm.core.lookup import LookupQuery, LookupResult, PrefixIndex, lookup, scope_pools
+from kvcm.core.lookup import LookupAnswer, LookupQuery, PrefixIndex, lookup, scope_pools
 from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
@@ -1007,7 +1007,7 @@ class PoolRegistry:
         self.index.remove(name)
         return pool
 
-    def lookup(self, query: LookupQuery) -> LookupResult:
+    def lookup(self, query: LookupQuery) -> LookupAnswer:
         """Where ``query``'s prompt is cached, over its scope (:mod:`kvcm.core.lookup`).
 
         Raises:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import re
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -178,8 +177,8 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         check_labels(self.labels)
-        labels = types.MappingProxyType(dict(sorted(self.labels.items())))
-        object.__setattr__(self, "labels", labels)
+        # A plain dict (sorted by key) so that configs copy and pickle; treat it as read-only.
+        object.__setattr__(self, "labels", dict(sorted(self.labels.items())))
         named: object = self.hash_algorithm
         if not isinstance(named, HashAlgorithm):
             # Callers may name the algorithm as the CLI and the wire docs do.

@@ -5,6 +5,7 @@ import warnings
 
 from kvcm.v1 import admin_pb2 as kvcm_dot_v1_dot_admin__pb2
 from kvcm.v1 import events_pb2 as kvcm_dot_v1_dot_events__pb2
+from kvcm.v1 import lookup_pb2 as kvcm_dot_v1_dot_lookup__pb2
 from kvcm.v1 import scheduler_pb2 as kvcm_dot_v1_dot_scheduler__pb2
 from kvcm.v1 import worker_pb2 as kvcm_dot_v1_dot_worker__pb2
 
@@ -1280,6 +1281,86 @@ class EventService:
             '/kvcm.v1.EventService/SubscribeEvents',
             kvcm_dot_v1_dot_events__pb2.SubscribeEventsRequest.SerializeToString,
             kvcm_dot_v1_dot_events__pb2.SubscribeEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class LookupServiceStub:
+    """For KV-aware routers: where a prompt is cached, across pools.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Lookup = channel.unary_unary(
+                '/kvcm.v1.LookupService/Lookup',
+                request_serializer=kvcm_dot_v1_dot_lookup__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_lookup__pb2.LookupResponse.FromString,
+                _registered_method=True)
+
+
+class LookupServiceServicer:
+    """For KV-aware routers: where a prompt is cached, across pools.
+    """
+
+    def Lookup(self, request, context):
+        """Each pool's longest prefix hit for one prompt, its load and a ranking (see lookup.proto).
+        Read-only. INVALID_ARGUMENT: no prompt or both, an empty or too long prompt, a bad label,
+        load_weight out of range. NOT_FOUND: scope.pool_ids names an unknown pool. With
+        authentication the answer covers only pools the caller may read (reader, worker, scheduler
+        or admin); naming another in scope.pool_ids is PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LookupServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=kvcm_dot_v1_dot_lookup__pb2.LookupRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_lookup__pb2.LookupResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvcm.v1.LookupService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvcm.v1.LookupService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class LookupService:
+    """For KV-aware routers: where a prompt is cached, across pools.
+    """
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcm.v1.LookupService/Lookup',
+            kvcm_dot_v1_dot_lookup__pb2.LookupRequest.SerializeToString,
+            kvcm_dot_v1_dot_lookup__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

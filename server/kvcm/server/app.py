@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import socket
@@ -43,6 +44,7 @@ from kvcm.server.rpc import (
     TelemetryInterceptor,
     add_servicers,
     checkpoint_of,
+    lookup_as,
     recover,
 )
 from kvcm.server.settings import ServerSettings, split_address
@@ -251,6 +253,8 @@ class KVCMServer:
             loop_lag=self.loop_lag,
             reclaims=self.state.reclaims,
             zmq_counters=self.kv_events.counters if self.kv_events is not None else None,
+            lookup=functools.partial(lookup_as, self.state.registry),
+            authenticate=self.tokens.principal if self.tokens is not None else None,
         )
         # Taken before uvicorn reads the files: a change after it is seen (a change before
         # only costs a reload of what is already loaded).

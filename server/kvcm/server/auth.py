@@ -17,7 +17,9 @@ Roles, each on the pools its glob matches:
 * ``worker``: RegisterWorker, DescribePool;
 * ``reader``: DescribePool, SubscribeEvents.
 
-ListPools needs any valid token. A call without a token, or with one not in the file, is
+ListPools needs any valid token; so does Lookup, whose answer covers only the pools the token
+may read (reader, worker, scheduler or admin), and which is PERMISSION_DENIED when its scope
+names another. A call without a token, or with one not in the file, is
 UNAUTHENTICATED; a token whose roles do not cover the call on that pool is PERMISSION_DENIED;
 neither changes anything. A pool's NONE_HASH seed (DescribePool's ``hashing.seed``) is shown
 only to principals that drive the pool (scheduler or admin): others see it empty. Every
@@ -106,8 +108,8 @@ class TokenTable:
 
 
 def _allowed(principal: Principal, method: str, pool_id: str) -> bool:
-    if method == "ListPools":
-        return True
+    if method in ("ListPools", "Lookup"):
+        return True  # Lookup narrows its scope to the pools the principal may read
     if method in _ADMIN_METHODS:
         return principal.has("admin", pool_id)
     if method == "RegisterWorker":

@@ -34,7 +34,13 @@ from vllm.v1.core.sched.scheduler import Scheduler
 if TYPE_CHECKING:
     from kvcm.integrations.vllm._recorder import StepSink
 
-__all__ = ["KvcmAsyncScheduler", "KvcmScheduler", "check_supported", "default_pool_id"]
+__all__ = [
+    "KvcmAsyncScheduler",
+    "KvcmScheduler",
+    "check_supported",
+    "default_labels",
+    "default_pool_id",
+]
 
 # Blocks of the pool vLLM's constructor builds and the subclass throws away (null block + 1).
 _PLACEHOLDER_NUM_BLOCKS = 2
@@ -95,6 +101,27 @@ def default_pool_id(vllm_config: Any) -> str:
     host = socket.gethostname().split(".")[0].lower() or "host"
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in host)
     return f"vllm-{safe}-dp{rank}"
+
+
+def default_labels(vllm_config: Any) -> dict[str, str]:
+    """The labels every engine's pool carries: ``model`` (the served name) and
+    ``data_parallel_rank``, so routers can scope lookups to one model's engines."""
+    if vllm_config is None:
+        return {}
+    labels = {
+        "data_parallel_rank": str(
+            int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        )
+    }
+    model_config = getattr(vllm_config, "model_config", None)
+    served = getattr(model_config, "served_model_name", None) or getattr(
+        model_config, "model", None
+    )
+    if isinstance(served, list | tuple):
+        served = served[0] if served else None
+    if isinstance(served, str) and served:
+        labels["model"] = served[:256]
+    return labels
 
 
 class _KvcmSchedulerMixin:
@@ -180,7 +207,9 @@ class _KvcmSchedulerMixin:
             address=settings.address,
             pool_id=pool_id,
             pool_config=lambda: dataclasses.replace(
-                manager.pool_config(), scheduler_lease_s=settings.lease_s
+                manager.pool_config(),
+                scheduler_lease_s=settings.lease_s,
+                labels={**default_labels(vllm_config), **settings.labels},
             ),
             step_timeout_s=settings.step_timeout_s,
             max_backlog=settings.max_backlog,

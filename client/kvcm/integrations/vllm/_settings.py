@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kvcm.common.errors import ConfigError
+from kvcm.common.errors import ConfigError, InvalidArgumentError
+from kvcm.core.pool_types import check_labels
 
 __all__ = ["MODES", "KvcmSettings"]
 
@@ -26,6 +27,7 @@ _ENV: Final = {
     "tls_cert": "KVCM_TLS_CERT",
     "tls_key": "KVCM_TLS_KEY",
     "token": "KVCM_TOKEN",
+    "labels": "KVCM_POOL_LABELS",
 }
 
 
@@ -51,6 +53,10 @@ class KvcmSettings:
         tls_key: Its key.
         token: Bearer token for a server with ``auth_tokens`` (prefer ``KVCM_TOKEN``: the
             additional config is part of vLLM's compile-cache hash and its logs).
+        labels: Labels the pool is created with, for routers' lookup scopes (``role``,
+            ``tenant``...), on top of ``model`` and ``data_parallel_rank``, which the
+            integration sets from the engine's config. ``KVCM_POOL_LABELS`` reads
+            ``key=value,key=value``.
     """
 
     address: str | None = None
@@ -64,6 +70,7 @@ class KvcmSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     token: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_sources(
@@ -100,6 +107,8 @@ class KvcmSettings:
                     values[name] = float(values[name])
             if "max_backlog" in values:
                 values["max_backlog"] = int(values["max_backlog"])
+            if isinstance(values.get("labels"), str):
+                values["labels"] = _parse_labels(values["labels"])
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"kvcm settings: {exc}") from exc
         settings = cls(**values)
@@ -120,5 +129,19 @@ class KvcmSettings:
             )
         if not self.lease_s >= 0:
             raise ConfigError(f"kvcm lease_s must be >= 0, got {self.lease_s}")
+        try:
+            check_labels(self.labels, "kvcm labels")
+        except InvalidArgumentError as exc:
+            raise ConfigError(str(exc)) from None
         if self.mode == "remote" and self.address is None:
             raise ConfigError("kvcm mode 'remote' needs an address (the server answers)")
+
+
+def _parse_labels(text: str) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"KVCM_POOL_LABELS: {item!r} is not key=value")
+        labels[key.strip()] = value.strip()
+    return labels

@@ -21,13 +21,17 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel
 
-from kvcm.common.errors import NotFoundError
+from kvcm.common.errors import InvalidArgumentError, NotFoundError
+from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.server.http._collector import KVCMCollector, kvcm_version
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats
 
 if TYPE_CHECKING:
     from kvcm.server.kv_events import KvEventCounters
+    from kvcm.server.rpc import Principal
+
+MAX_LOOKUP_BODY_BYTES = 16 * 1024 * 1024
 
 __all__ = [
     "ErrorBody",
@@ -175,13 +179,17 @@ def build_app(
     loop_lag: LoopLagMonitor | None = None,
     reclaims: Mapping[tuple[str, str], int] | None = None,
     zmq_counters: KvEventCounters | None = None,
+    lookup: Callable[[LookupQuery, Principal | None], LookupAnswer] | None = None,
+    authenticate: Callable[[str], Principal | None] | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
     Routes: ``GET /metrics`` (Prometheus text, or OpenMetrics when the scraper asks for it),
     ``GET /healthz`` (200 while the process serves HTTP), ``GET /readyz`` (200 once
     ``is_ready()`` is true, 503 before), ``GET /v1/pools`` and ``GET /v1/pools/{pool}`` (JSON
-    summaries; 404 with an :class:`ErrorBody` for an unknown pool).
+    summaries; 404 with an :class:`ErrorBody` for an unknown pool), and with ``lookup``
+    ``POST /v1/lookup`` (a ``kvcm.v1.LookupRequest`` in protobuf's JSON mapping, answered as a
+    ``LookupResponse``; errors as :class:`ErrorBody` with 400, 401, 403, 404 or 413).
 
     Each app gets its own ``CollectorRegistry``, so two servers in one process (tests) do not
     share or clash over metrics. Beside kvcm's own families it holds prometheus_client's
@@ -195,6 +203,9 @@ def build_app(
         loop_lag: the server's event-loop lag monitor (``None``: exported empty).
         reclaims: lease reclaims by (pool, lease kind) (``None``: exported empty).
         zmq_counters: the ZMQ KV-event stream's counters (``None``: the stream is off).
+        lookup: answers a lookup as a principal (``None``: no ``/v1/lookup`` route).
+        authenticate: the principal of a bearer token, ``None`` for an unknown one (``None``:
+            authentication is off and lookups need no token).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
@@ -262,4 +273,66 @@ def build_app(
             return JSONResponse(busy.model_dump(), status_code=503)
         return summarize(found.snapshot())
 
+    if lookup is not None:
+        _add_lookup_route(app, lookup, authenticate)
     return app
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    body = ErrorBody(error=ErrorDetail(code=code, message=message))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _add_lookup_route(
+    app: FastAPI,
+    lookup: Callable[[LookupQuery, Principal | None], LookupAnswer],
+    authenticate: Callable[[str], Principal | None] | None,
+) -> None:
+    from kvcm.server.rpc import LookupDeniedError
+    from kvcm.wire.lookup import lookup_query_from_json, lookup_result_to_json
+
+    too_large = f"the body exceeds {MAX_LOOKUP_BODY_BYTES} bytes"
+
+    @app.post(
+        "/v1/lookup",
+        tags=["routing"],
+        responses={
+            400: {"model": ErrorBody, "description": "a field is out of its domain"},
+            401: {"model": ErrorBody, "description": "authentication is on: no valid token"},
+            403: {"model": ErrorBody, "description": "scope names a pool the token may not read"},
+            404: {"model": ErrorBody, "description": "scope names an unknown pool"},
+            413: {"model": ErrorBody, "description": "the body exceeds 16 MiB"},
+        },
+    )
+    async def lookup_route(request: Request) -> Response:
+        """Each pool's prefix hit for a prompt, its load and a ranking (see docs/lookup.md).
+
+        The body is a ``kvcm.v1.LookupRequest`` in protobuf's JSON mapping; the answer a
+        ``LookupResponse`` (snake_case names, every field present).
+        """
+        principal = None
+        if authenticate is not None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            token = token.strip()
+            principal = authenticate(token) if scheme.lower() == "bearer" and token else None
+            if principal is None:
+                return _error(
+                    401, "UNAUTHENTICATED", "a valid 'Authorization: Bearer <token>' is required"
+                )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_LOOKUP_BODY_BYTES:
+            return _error(413, "RESOURCE_EXHAUSTED", too_large)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_LOOKUP_BODY_BYTES:
+                return _error(413, "RESOURCE_EXHAUSTED", too_large)
+        try:
+            result = lookup(lookup_query_from_json(bytes(body)), principal)
+        except InvalidArgumentError as exc:
+            return _error(400, "INVALID_ARGUMENT", str(exc))
+        except NotFoundError as exc:
+            return _error(404, "NOT_FOUND", str(exc.args[0]) if exc.args else str(exc))
+        except LookupDeniedError as exc:
+            return _error(403, "PERMISSION_DENIED", str(exc))
+        return JSONResponse(lookup_result_to_json(result))

@@ -1,6 +1,6 @@
 """kvcm's gRPC layer: thin servicers over the core, one error table, the Step codec.
 
-``add_servicers`` registers the four kvcm.v1 services on a ``grpc.aio`` server;
+``add_servicers`` registers the five kvcm.v1 services on a ``grpc.aio`` server;
 ``TelemetryInterceptor`` maps errors to statuses and observes every call.
 """
 
@@ -14,6 +14,7 @@ from kvcm.server.rpc._events import EventServicer
 from kvcm.server.rpc._handlers import UndecodableRequest, register_services
 from kvcm.server.rpc._interceptor import MethodInterceptor, TelemetryInterceptor
 from kvcm.server.rpc._leases import LeaseMonitor
+from kvcm.server.rpc._lookup import LookupDeniedError, LookupServicer, lookup_as
 from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import PRINCIPAL, PoolRuntime, Principal, ServerState, may_hash
 from kvcm.server.rpc._status import (
@@ -28,6 +29,8 @@ from kvcm.server.rpc._worker import WorkerServicer
 from kvcm.v1 import service_pb2
 
 __all__ = [
+    "LookupDeniedError",
+    "lookup_as",
     "PRINCIPAL",
     "Principal",
     "may_hash",
@@ -60,7 +63,7 @@ SERVICE_NAMES: tuple[str, ...] = tuple(
 
 
 def add_servicers(server: grpc.aio.Server, state: ServerState) -> None:
-    """Register the four kvcm.v1 services on ``server``, all serving ``state``.
+    """Register the five kvcm.v1 services on ``server``, all serving ``state``.
 
     Requests decode through :mod:`~kvcm.server.rpc._handlers`: undecodable bytes end the call
     with INVALID_ARGUMENT (via the interceptor) instead of grpc's uncounted UNKNOWN.
@@ -72,5 +75,6 @@ def add_servicers(server: grpc.aio.Server, state: ServerState) -> None:
             "WorkerService": WorkerServicer(state),
             "SchedulerService": SchedulerServicer(state),
             "EventService": EventServicer(state),
+            "LookupService": LookupServicer(state),
         },
     )
