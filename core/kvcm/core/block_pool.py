@@ -105,6 +105,7 @@ class BlockPool:
     __slots__ = (
         "_cached",
         "_index",
+        "_index_batch",
         "_index_bit",
         "_index_lock",
         "_num_cached_blocks",
@@ -166,6 +167,7 @@ class BlockPool:
         self._index: dict[BlockHashWithGroupId, int] | None = None
         self._index_bit = 0
         self._index_lock: AbstractContextManager[Any] = nullcontext()
+        self._index_batch: list[BlockHashWithGroupId] | None = None  # keys gone, not yet cleared
         # NOTE: the null block's ref_cnt is not maintained; free_blocks and touch skip it.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -227,10 +229,16 @@ class BlockPool:
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
+            # Evicted keys leave the cross-pool index in one batch (one lock round).
+            batch = self._index_batch = None if self._index is None else []
             for block in blocks:
                 if block.block_hash is not None:
                     self._evict_cached_block(block)
                 block.ref_cnt = 1
+            if batch is not None:
+                self._index_batch = None
+                if batch:
+                    self._unindex_keys(batch)
         else:
             for block in blocks:
                 block.ref_cnt = 1
@@ -508,10 +516,15 @@ class BlockPool:
                     f"block_ids must be ints in [0, {num_blocks}), got {block_id!r}"
                 )
         blocks = self.blocks
+        batch = self._index_batch = None if self._index is None else []
         for block_id in ids:
             block = blocks[block_id]
             if block.block_hash is not None:
                 self._evict_cached_block(block)
+        if batch is not None:
+            self._index_batch = None
+            if batch:
+                self._unindex_keys(batch)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, if no block is in use.
@@ -616,6 +629,13 @@ class BlockPool:
                 holders = get(key)
                 index[key] = bit if holders is None else holders | bit
 
+    def _key_gone(self, key: BlockHashWithGroupId) -> None:
+        batch = self._index_batch
+        if batch is None:
+            self._unindex_keys((key,))
+        else:
+            batch.append(key)
+
     def _unindex_keys(self, keys: Iterable[BlockHashWithGroupId]) -> None:
         index = self._index
         assert index is not None
@@ -679,11 +699,11 @@ class BlockPool:
                 if not entry:
                     del cached[key]
                     if self._index is not None:
-                        self._unindex_keys((key,))
+                        self._key_gone(key)
             elif entry.block_id == block_id:
                 del cached[key]
                 if self._index is not None:
-                    self._unindex_keys((key,))
+                    self._key_gone(key)
             else:
                 continue
             removed.append(key)

@@ -24,18 +24,18 @@ ties broken by fewer waiting requests, then lower usage, then pool id.
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 from kvcm.common.errors import InvalidArgumentError, NotFoundError
 from kvcm.common.hashing import (
     BlockHash,
     BlockHasher,
     BlockHashWithGroupId,
-    HashAlgorithm,
     MultiModalFeature,
     make_block_hash_with_group_id,
 )
@@ -239,8 +239,7 @@ class LookupQuery:
             )
 
 
-@dataclass(frozen=True, slots=True)
-class PoolLoad:
+class PoolLoad(NamedTuple):
     """How busy a pool is now.
 
     Attributes:
@@ -256,8 +255,7 @@ class PoolLoad:
     num_waiting: int
 
 
-@dataclass(frozen=True, slots=True)
-class PoolHit:
+class PoolHit(NamedTuple):
     """One pool's answer.
 
     Attributes:
@@ -335,13 +333,17 @@ def lookup(pools: Sequence[Pool], index: PrefixIndex, query: LookupQuery) -> Loo
     some point of that change when it is indexed, and skipped as busy otherwise.
     """
     skipped: list[tuple[str, str]] = []
-    hits: dict[str, tuple[int, tuple[int, ...], int]] = {}
+    # name -> (pool, hit tokens, per-group hits, prompt tokens)
+    hits: dict[str, tuple[Pool, int, tuple[int, ...], int]] = {}
     # Pools sharing hashing parameters share the prompt's hashes (hashed or split once).
-    profiles: dict[tuple[HashAlgorithm, str, int, int], list[BlockHash]] = {}
-    walks: dict[tuple[HashAlgorithm, str, int, int], list[tuple[int, Pool, int]]] = {}
+    profiles: dict[object, tuple[list[BlockHash], int]] = {}
+    walks: dict[object, list[tuple[int, Pool]]] = {}
+    ready = PoolState.READY
+    by_tokens = query.token_ids is not None
+    slot_of = index.slot
     for pool in pools:
         manager = pool.manager
-        if pool.state is not PoolState.READY or manager is None:
+        if manager is None or pool.state is not ready:
             skipped.append((pool.name, "not ready: workers have not registered"))
             continue
         hashing = pool.hashing
@@ -351,32 +353,32 @@ def lookup(pools: Sequence[Pool], index: PrefixIndex, query: LookupQuery) -> Loo
             hashing.hash_block_size,
             hashing.hash_length_bytes,
         )
-        hashes = profiles.get(profile)
-        if hashes is None:
+        known = profiles.get(profile)
+        if known is None:
             hashes = _prompt_hashes(pool, query)
-            profiles[profile] = hashes
-        num_tokens = _num_tokens(query, len(hashes), hashing.hash_block_size)
-        reason = _unanswerable(pool, query, num_tokens, len(hashes))
-        if reason:
-            skipped.append((pool.name, reason))
-            continue
-        slot = index.slot(pool)
+            known = profiles[profile] = (
+                hashes,
+                _num_tokens(query, len(hashes), hashing.hash_block_size),
+            )
+        hashes, num_tokens = known
+        if not by_tokens or num_tokens > pool.max_model_len:
+            reason = _unanswerable(pool, query, num_tokens, len(hashes))
+            if reason:
+                skipped.append((pool.name, reason))
+                continue
+        slot = slot_of(pool)
         if slot is not None:
-            walks.setdefault(profile, []).append((slot, pool, num_tokens))
+            walks.setdefault(profile, []).append((slot, pool))
             continue
         if pool.lent:
             skipped.append((pool.name, "busy: a long call is running on it"))
             continue
-        hits[pool.name] = _coordinator_hit(manager, hashes, num_tokens)
-    for profile, members in walks.items():
-        _walk(index, profiles[profile], members, hits)
-    answers = [
-        _answer(pool, hits[pool.name], query.load_weight) for pool in pools if pool.name in hits
-    ]
-    answers.sort(key=_rank)
-    if query.max_results:
-        del answers[query.max_results :]
-    return LookupAnswer(tuple(answers), tuple(skipped), len(pools))
+        hits[pool.name] = (pool, *_coordinator_hit(manager, hashes, num_tokens))
+    for shared, members in walks.items():
+        hashes, num_tokens = profiles[shared]
+        _walk(index, hashes, num_tokens, members, hits)
+    ranked = _ranked(hits.values(), query.load_weight, query.max_results)
+    return LookupAnswer(tuple(ranked), tuple(skipped), len(pools))
 
 
 # ------------------------------------------------------------------------------- internals
@@ -444,19 +446,18 @@ def _coordinator_hit(
 def _walk(
     index: PrefixIndex,
     hashes: Sequence[BlockHash],
-    members: list[tuple[int, Pool, int]],
-    hits: dict[str, tuple[int, tuple[int, ...], int]],
+    num_tokens: int,
+    members: list[tuple[int, Pool]],
+    hits: dict[str, tuple[Pool, int, tuple[int, ...], int]],
 ) -> None:
     """Hits of indexed pools sharing ``hashes``: one pass over the blocks, bitmask per block.
 
-    Pools differ only in their prompt cap when hash prompts carry no length (they do not:
-    the cap is the same for pools of one profile), so one bound serves them all.
+    Indexed pools hash at their block size, so one profile means one block size and one cap.
     """
-    num_tokens = members[0][2]
     block_size = members[0][1].hashing.hash_block_size
     max_blocks = min((num_tokens - 1) // block_size, len(hashes))
     mask = 0
-    for slot, _, _ in members:
+    for slot, _ in members:
         mask |= 1 << slot
     # NOTE: a pool leaves the mask at the first block it misses; its hit is the blocks before.
     reached: dict[int, int] = {}
@@ -478,35 +479,50 @@ def _walk(
         low = mask & -mask
         reached[low.bit_length() - 1] = i
         mask ^= low
-    for slot, pool, _ in members:
+    for slot, pool in members:
         num_hit = reached.get(slot, 0) * block_size
-        hits[pool.name] = (num_hit, (num_hit,), num_tokens)
+        hits[pool.name] = (pool, num_hit, (num_hit,), num_tokens)
 
 
-def _answer(pool: Pool, hit: tuple[int, tuple[int, ...], int], load_weight: float) -> PoolHit:
-    manager = pool.manager
-    assert manager is not None
-    block_pool = manager.block_pool
-    num_hit, per_group, num_tokens = hit
-    usage = block_pool.get_usage()
-    num_running = len(manager.coordinator.single_type_managers[0].req_to_blocks)
-    load = PoolLoad(
-        usage=usage,
-        num_free_blocks=block_pool.get_num_free_blocks(),
-        num_running=num_running,
-        num_waiting=max(0, len(pool.requests) - num_running),
-    )
-    score = num_hit / num_tokens - load_weight * usage
-    return PoolHit(
-        pool_id=pool.name,
-        num_hit_tokens=num_hit,
-        group_hit_tokens=per_group,
-        tier_hit_tokens={block_pool.medium: num_hit},
-        num_tokens=num_tokens,
-        load=load,
-        score=score,
-    )
+def _ranked(
+    hits: Iterable[tuple[Pool, int, tuple[int, ...], int]], load_weight: float, limit: int
+) -> list[PoolHit]:
+    """Answers, best first (at most ``limit``; 0: all); only returned ones are built."""
+    rows = []
+    for pool, num_hit, per_group, num_tokens in hits:
+        block_pool = pool.manager.block_pool  # type: ignore[union-attr]
+        usage = block_pool.get_usage()
+        score = num_hit / num_tokens - load_weight * usage
+        num_running = len(pool.manager.coordinator.single_type_managers[0].req_to_blocks)  # type: ignore[union-attr]
+        num_waiting = len(pool.requests) - num_running
+        rows.append((-score, num_waiting, usage, pool.name, pool, num_hit, per_group, num_tokens))
+    if limit and limit < len(rows):
+        chosen = heapq.nsmallest(limit, rows, key=_rank_key)
+    else:
+        rows.sort(key=_rank_key)
+        chosen = rows
+    answers = []
+    for negative, num_waiting, usage, name, pool, num_hit, per_group, num_tokens in chosen:
+        block_pool = pool.manager.block_pool  # type: ignore[union-attr]
+        load = PoolLoad(
+            usage,
+            block_pool.get_num_free_blocks(),
+            len(pool.requests) - num_waiting,
+            max(0, num_waiting),
+        )
+        answers.append(
+            PoolHit(
+                name,
+                num_hit,
+                per_group,
+                {block_pool.medium: num_hit},
+                num_tokens,
+                load,
+                -negative,
+            )
+        )
+    return answers
 
 
-def _rank(hit: PoolHit) -> tuple[float, int, float, str]:
-    return (-hit.score, hit.load.num_waiting, hit.load.usage, hit.pool_id)
+def _rank_key(row: tuple[object, ...]) -> tuple[object, ...]:
+    return row[:4]

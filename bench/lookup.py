@@ -1,0 +1,335 @@
+"""Benchmark: exact lookup across pools against asking every engine's vLLM manager.
+
+Setup (untimed): ``--pools`` pools (default 1,000) of ``--blocks-per-pool`` blocks (default
+10,000: 10M cached blocks in all), each full of cached blocks: a prefix of one of 20 shared
+8,192-block documents (a random length from 256 blocks up: the shared system prompts and
+documents of a real fleet) and unique blocks for the rest. vLLM 0.33.0 gets the same pools, one
+``KVCacheManager`` per engine, filled by the same calls.
+
+Rows (median and p99; ratio = vLLM / kvcm, above 1 means kvcm is faster):
+
+1. lookup of a 1k-block and an 8k-block prompt (a random document's prefix plus one token),
+   already hashed (``HashPrompt``): kvcm's ``PoolRegistry.lookup`` over every pool (every
+   pool answered, and ``max_results=5`` as a router asks), against
+   vLLM's ``get_computed_blocks`` called on each of the managers (what a router would have to
+   do with vLLM's own code; the request is hashed once, outside the timing);
+2. the same prompts as token ids: kvcm hashes them itself (sha256, once for all pools);
+3. the index's cost on the allocation path: admitting and freeing 64-block requests in a pool
+   whose cache is full (each admission evicts and caches 64 blocks), index attached or not.
+
+Every timed kvcm answer is checked against vLLM's per-manager answers of the same sample.
+
+    python bench/lookup.py [--pools N] [--blocks-per-pool N] [--repeats N] [--no-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+from _common import Row, Timing, frozen_gc, import_vllm, init_vllm_none_hash, print_table
+
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.hashing import BlockHasher, HashAlgorithm
+from kvcm.common.specs import FullAttentionSpec
+from kvcm.core.limits import Limits
+from kvcm.core.lookup import LookupQuery
+from kvcm.core.pool import Pool, PoolConfig, PoolRegistry
+
+BLOCK_SIZE = 16
+HASH_SEED = "kvcm-bench"
+NUM_DOCUMENTS = 20
+DOCUMENT_BLOCKS = 8192
+MAX_MODEL_LEN = DOCUMENT_BLOCKS * BLOCK_SIZE + 1024
+FILL_BLOCKS = 1000  # blocks per filling request
+VLLM_MODULES = (
+    "vllm.utils.hashing",
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.request",
+    "vllm.sampling_params",
+)
+
+
+class Fleet:
+    """What every pool caches: (document, prefix blocks, filler hash chunks) per pool."""
+
+    def __init__(self, num_pools: int, blocks_per_pool: int, seed: int) -> None:
+        rng = random.Random(seed)
+        self.hasher = BlockHasher(BLOCK_SIZE, HashAlgorithm.SHA256, HASH_SEED)
+        self.documents = [
+            [rng.randrange(32_000) for _ in range(DOCUMENT_BLOCKS * BLOCK_SIZE)]
+            for _ in range(NUM_DOCUMENTS)
+        ]
+        self.document_hashes = [self.hasher.hash_token_ids(doc) for doc in self.documents]
+        self.filler_tokens = [0] * (FILL_BLOCKS * BLOCK_SIZE)
+        self.pools: list[tuple[int, int, list[bytes]]] = []
+        for index in range(num_pools):
+            prefix = rng.randint(256, min(DOCUMENT_BLOCKS, blocks_per_pool))
+            rest = blocks_per_pool - prefix
+            fillers = []
+            while rest > 0:
+                size = min(FILL_BLOCKS, rest)
+                fillers.append(os.urandom(32 * size))
+                rest -= size
+            self.pools.append((index % NUM_DOCUMENTS, prefix, fillers))
+        self.num_blocks = blocks_per_pool + 1
+
+    def requests(self, index: int) -> list[tuple[list[int], list[bytes]]]:
+        """The (tokens, hashes) of the requests that fill pool ``index``, in order."""
+        document, prefix, fillers = self.pools[index]
+        out = [
+            (
+                self.documents[document][: prefix * BLOCK_SIZE],
+                self.document_hashes[document][:prefix],
+            )
+        ]
+        for chunk in fillers:
+            size = len(chunk) // 32
+            hashes = [chunk[i * 32 : (i + 1) * 32] for i in range(size)]
+            out.append((self.filler_tokens[: size * BLOCK_SIZE], hashes))
+        return out
+
+
+# --------------------------------------------------------------------------------- kvcm
+def _layout(num_blocks: int) -> KVCacheConfig:
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=DType.BFLOAT16
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=(),
+        kv_cache_groups=(KVCacheGroupSpec(layer_names=("layer.0",), kv_cache_spec=spec),),
+    )
+
+
+def _fill(pool: Pool, requests: Sequence[tuple[list[int], list[bytes]]], first_key: int) -> None:
+    for key, (tokens, hashes) in enumerate(requests, start=first_key):
+        request = pool.add_request(key, str(key), tokens, b"".join(hashes))
+        if pool.allocate_slots(request, len(tokens), None) is None:
+            raise RuntimeError(f"pool {pool.name}: filling request {key} did not fit")
+        pool.free(key, preempt=False)
+
+
+def build_kvcm(fleet: Fleet) -> PoolRegistry:
+    limits = Limits(max_pools=max(1024, len(fleet.pools)), max_total_blocks=1 << 40)
+    registry = PoolRegistry(limits=limits)
+    config = PoolConfig(
+        max_model_len=MAX_MODEL_LEN,
+        explicit_layout=_layout(fleet.num_blocks),
+        hash_seed=HASH_SEED,
+        log_stats=False,
+    )
+    for index in range(len(fleet.pools)):
+        pool = registry.create(f"engine-{index:04d}", config)
+        _fill(pool, fleet.requests(index), 0)
+    return registry
+
+
+# --------------------------------------------------------------------------------- vLLM
+class VllmFleet:
+    """One vLLM 0.33.0 KVCacheManager per engine, filled like kvcm's pools."""
+
+    def __init__(self, ref: dict[str, ModuleType], fleet: Fleet) -> None:
+        import torch
+
+        kci = ref["vllm.v1.kv_cache_interface"]
+        kcu = ref["vllm.v1.core.kv_cache_utils"]
+        init_vllm_none_hash(kcu, ref["vllm.utils.hashing"].get_hash_fn_by_name("sha256"), HASH_SEED)
+        self._request_cls = ref["vllm.v1.request"].Request
+        self._params = ref["vllm.sampling_params"].SamplingParams(max_tokens=1)
+        spec = kci.FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+        )
+        config = kci.KVCacheConfig(
+            num_blocks=fleet.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[kci.KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
+        )
+        manager_cls = ref["vllm.v1.core.kv_cache_manager"].KVCacheManager
+        self.managers = []
+        for index in range(len(fleet.pools)):
+            manager = manager_cls(
+                kv_cache_config=config,
+                max_model_len=MAX_MODEL_LEN,
+                scheduler_block_size=BLOCK_SIZE,
+                hash_block_size=BLOCK_SIZE,
+                enable_caching=True,
+                log_stats=False,
+            )
+            for key, (tokens, hashes) in enumerate(fleet.requests(index)):
+                request = self.request(f"{index}-{key}", tokens, hashes)
+                if manager.allocate_slots(request, len(tokens)) is None:
+                    raise RuntimeError(f"vLLM engine {index}: request {key} did not fit")
+                manager.free(request)
+            self.managers.append(manager)
+
+    def request(self, request_id: str, tokens: list[int], hashes: list[bytes]) -> Any:
+        request = self._request_cls(
+            request_id=request_id,
+            prompt_token_ids=tokens,
+            sampling_params=self._params,
+            pooling_params=None,
+        )
+        request.block_hashes = list(hashes)
+        return request
+
+    def hits(self, request: Any) -> list[int]:
+        return [manager.get_computed_blocks(request)[1] for manager in self.managers]
+
+
+# ------------------------------------------------------------------------------ timing
+def _prompt(fleet: Fleet, rng: random.Random, num_blocks: int) -> tuple[list[int], list[bytes]]:
+    document = rng.randrange(NUM_DOCUMENTS)
+    tokens = [*fleet.documents[document][: num_blocks * BLOCK_SIZE], 7]
+    return tokens, fleet.document_hashes[document][:num_blocks]
+
+
+def bench_lookups(
+    fleet: Fleet,
+    registry: PoolRegistry,
+    vllm: VllmFleet | None,
+    num_blocks: int,
+    repeats: int,
+    seed: int,
+) -> list[Row]:
+    rng = random.Random(seed)
+    perf = time.perf_counter
+    names = [f"engine-{index:04d}" for index in range(len(fleet.pools))]
+    by_hash: list[float] = []
+    top_five: list[float] = []
+    by_tokens: list[float] = []
+    baseline: list[float] = []
+    registry.lookup(LookupQuery(token_ids=[1, 2, 3]))  # index every pool (untimed)
+    with frozen_gc():
+        for _ in range(repeats):
+            tokens, hashes = _prompt(fleet, rng, num_blocks)
+            hash_query = LookupQuery(block_hashes=b"".join(hashes), num_tokens=len(tokens))
+            token_query = LookupQuery(token_ids=tokens)
+            start = perf()
+            answer = registry.lookup(hash_query)
+            by_hash.append(perf() - start)
+            start = perf()
+            best = registry.lookup(dataclasses.replace(hash_query, max_results=5))
+            top_five.append(perf() - start)
+            assert best.pools == answer.pools[:5]
+            start = perf()
+            again = registry.lookup(token_query)
+            by_tokens.append(perf() - start)
+            got = {hit.pool_id: hit.num_hit_tokens for hit in answer.pools}
+            assert got == {hit.pool_id: hit.num_hit_tokens for hit in again.pools}
+            if vllm is not None:
+                request = vllm.request("probe", tokens, hashes)
+                start = perf()
+                expected = vllm.hits(request)
+                baseline.append(perf() - start)
+                assert got == dict(zip(names, expected, strict=True)), "answers differ"
+    vllm_timing = Timing.of(baseline) if baseline else None
+    label = f"{num_blocks // 1024}k-block prompt"
+    return [
+        Row.of_timings(f"lookup, {label}, hashed", Timing.of(by_hash), vllm_timing),
+        Row.of_timings(f"lookup, {label}, hashed, best 5", Timing.of(top_five), vllm_timing),
+        Row.of_timings(f"lookup, {label}, token ids", Timing.of(by_tokens), vllm_timing),
+    ]
+
+
+def bench_index_cost(repeats: int, seed: int) -> Row:
+    """Admit + free 64-block requests in a full pool, with and without the index."""
+    rng = random.Random(seed)
+    timings = []
+    for attached in (True, False):
+        registry = PoolRegistry()
+        pool = registry.create(
+            "p",
+            PoolConfig(
+                max_model_len=MAX_MODEL_LEN,
+                explicit_layout=_layout(4097),
+                hash_seed=HASH_SEED,
+                log_stats=False,
+            ),
+        )
+        tokens = [0] * (64 * BLOCK_SIZE)
+        _fill(pool, [(tokens, [os.urandom(32) for _ in range(64)]) for _ in range(64)], 0)
+        if attached:
+            assert registry.index.slot(pool) is not None
+        samples = []
+        perf = time.perf_counter
+        with frozen_gc():
+            for key in range(1000, 1000 + repeats):
+                hashes = b"".join(rng.randbytes(32) for _ in range(64))
+                start = perf()
+                request = pool.add_request(key, "r", tokens, hashes)
+                pool.allocate_slots(request, len(tokens), None)
+                pool.free(key, preempt=False)
+                samples.append(perf() - start)
+        timings.append(Timing.of(samples))
+    with_index, without = timings
+    # The "vLLM" column is kvcm without the index here: the ratio is the index's overhead.
+    return Row(
+        "admit+free 64 blocks (evicting 64), index on (vs off)",
+        "ms",
+        with_index.median_ms,
+        with_index.p99_ms,
+        without.median_ms,
+        without.p99_ms,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--pools", type=int, default=1000)
+    parser.add_argument("--blocks-per-pool", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=30, help="timed lookups per prompt size")
+    parser.add_argument("--no-vllm", action="store_true", help="kvcm figures only")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    fleet = Fleet(args.pools, args.blocks_per_pool, args.seed)
+    registry = build_kvcm(fleet)
+    total = sum(pool.snapshot().num_cached_blocks for pool in registry.list())
+    print(
+        f"kvcm: {len(registry)} pools, {total:,} cached blocks "
+        f"({time.perf_counter() - started:.0f} s to build)",
+        file=sys.stderr,
+    )
+    ref = None if args.no_vllm else import_vllm(*VLLM_MODULES)
+    vllm = None
+    if ref is not None:
+        started = time.perf_counter()
+        vllm = VllmFleet(ref, fleet)
+        print(
+            f"vLLM: {len(vllm.managers)} managers ({time.perf_counter() - started:.0f} s)",
+            file=sys.stderr,
+        )
+    rows = []
+    for num_blocks in (1024, 8192):
+        rows += bench_lookups(fleet, registry, vllm, num_blocks, args.repeats, args.seed)
+    print(
+        f"index: {len(registry.index):,} distinct keys over {registry.index.num_pools} pools",
+        file=sys.stderr,
+    )
+    rows.append(bench_index_cost(max(200, args.repeats * 10), args.seed))
+    print_table(
+        rows,
+        f"lookup across {len(registry)} pools holding {total:,} cached blocks "
+        "(vLLM: get_computed_blocks on every engine's manager; last row: vLLM column = "
+        "kvcm with the index off)",
+    )
+
+
+if __name__ == "__main__":
+    main()
