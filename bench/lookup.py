@@ -15,11 +15,14 @@ Rows (median and p99; ratio = vLLM / kvcm, above 1 means kvcm is faster):
    do with vLLM's own code; the request is hashed once, outside the timing);
 2. the same prompts as token ids: kvcm hashes them itself (sha256, once for all pools);
 3. the index's cost on the allocation path: admitting and freeing 64-block requests in a pool
-   whose cache is full (each admission evicts and caches 64 blocks), index attached or not.
+   whose cache is full (each admission evicts and caches 64 blocks), index attached or not;
+4. the KV events routers read instead: events per second on vLLM's ZMQ wire and the stream's
+   cost on the Step RPC (``bench/kv_events.py``'s measurement; ``--no-events`` skips it).
 
 Every timed kvcm answer is checked against vLLM's per-manager answers of the same sample.
 
     python bench/lookup.py [--pools N] [--blocks-per-pool N] [--repeats N] [--no-vllm]
+                           [--no-events]
 """
 
 from __future__ import annotations
@@ -294,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--blocks-per-pool", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=30, help="timed lookups per prompt size")
     parser.add_argument("--no-vllm", action="store_true", help="kvcm figures only")
+    parser.add_argument("--no-events", action="store_true", help="skip the ZMQ stream rows")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -329,6 +333,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "(vLLM: get_computed_blocks on every engine's manager; last row: vLLM column = "
         "kvcm with the index off)",
     )
+    if not args.no_events:
+        from kv_events import bench_step_path
+
+        print()
+        bench_step_path(300)
 
 
 if __name__ == "__main__":

@@ -339,3 +339,42 @@ def test_a_deleted_pool_publishes_all_blocks_cleared_last(
     finally:
         server.stop()
         sub.close(linger=0)
+
+
+def test_a_resynced_pool_clears_its_old_incarnation(
+    kv_events: ModuleType, zmq_context: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    """An engine that restarts resynchronises its pool (ResyncPool over the existing one): the
+    old incarnation's last batch is AllBlocksCleared, the new one numbers from 0 again."""
+    from kvcm.core.pool import Pool
+    from kvcm.core.snapshot import encode_pool
+
+    sub = zmq_context.socket(zmq.SUB)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    server = _server(f"tcp://127.0.0.1:{port}", "", None, 1)
+    config = PoolConfig(
+        max_model_len=LAYOUT.max_model_len,
+        explicit_layout=_kvcm_layout(),
+        hash_algorithm=LAYOUT.hash_algorithm,
+        enable_kv_cache_events=True,
+    )
+    try:
+        with SchedulerClient(server.grpc_address, timeout=10.0) as client:
+            client.create_pool(POOL, config)
+            _wait_connected(server, sub)
+            steps = Lockstep(client, seed=4)
+            steps.run(10)
+            # The restarted engine comes back empty: an empty snapshot of the same config.
+            client.resync_pool(POOL, encode_pool(Pool(POOL, config)), config, step_seq=0)
+            steps.vllm = VllmSide(LAYOUT)
+            steps.live.clear()
+            steps.expected.append([kv_events.AllBlocksCleared()])
+            cleared_at = len(steps.expected)
+            steps.run(5)
+            messages = _receive(sub, len(steps.expected))
+        _check_batches(messages[:cleared_at], steps.expected[:cleared_at], 0, kv_events)
+        _check_batches(messages[cleared_at:], steps.expected[cleared_at:], 0, kv_events)
+    finally:
+        server.stop()
+        sub.close(linger=0)
