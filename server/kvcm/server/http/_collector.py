@@ -199,6 +199,20 @@ METRICS: tuple[MetricSpec, ...] = (
         help="Peers the ZMQ KV-event PUB socket is connected to.",
     ),
     MetricSpec(
+        name="kvcm_lookup_index_keys",
+        kind="gauge",
+        labels=(),
+        help="Distinct prefix-cache keys in the cross-pool lookup index (one per cached key "
+        "of every indexed pool, shared keys counted once).",
+    ),
+    MetricSpec(
+        name="kvcm_lookup_index_pools",
+        kind="gauge",
+        labels=(),
+        help="Pools the lookup index holds (single full-attention pools looked up at least "
+        "once; others are answered by their own coordinator).",
+    ),
+    MetricSpec(
         name="kvcm_rpc_duration_seconds",
         kind="histogram",
         labels=("method",),
@@ -400,6 +414,14 @@ class KVCMCollector:
             peers.add_metric([], counters.peers)
         yield batches
         yield peers
+        keys = _scalar_family("kvcm_lookup_index_keys")
+        indexed = _scalar_family("kvcm_lookup_index_pools")
+        index = getattr(self._registry, "index", None)
+        if index is not None:
+            keys.add_metric([], len(index))
+            indexed.add_metric([], index.num_pools)
+        yield keys
+        yield indexed
         build = _scalar_family("kvcm_build_info")
         build.add_metric(self._build_labels, 1)
         yield build
