@@ -6,7 +6,9 @@ each pool's own GetComputedBlocks answers for the same prompt, asked over the sa
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
 import hashlib
 import random
 from collections.abc import Iterator
@@ -255,3 +257,33 @@ def test_lookup_sees_only_pools_the_token_may_read(tmp_path: Path) -> None:
             assert denied.json()["error"]["code"] == "PERMISSION_DENIED"
     finally:
         running.stop(grace_s=1.0)
+
+
+def test_long_prompts_over_many_seeds_are_hashed_off_the_loop(server: EmbeddedServer) -> None:
+    """xxhash pools each draw their own seed, so a prompt is hashed once per pool: past
+    OFF_LOOP_HASH_BLOCKS blocks that runs in a worker thread; the answer is the same."""
+    from kvcm.core.lookup import hashing_work
+    from kvcm.core.pool import PoolRegistry
+    from kvcm.server.rpc import lookup_as
+    from kvcm.server.rpc._lookup import OFF_LOOP_HASH_BLOCKS
+
+    rng = random.Random(9)
+    prompt = [rng.randrange(30000) for _ in range(4000)]
+    config = _config([_full()], 300, hash_algorithm=HashAlgorithm.XXHASH)
+    pool_ids = [f"seeded-{i}" for i in range(20)]
+    with SchedulerClient(server.grpc_address) as client:
+        for index, pool_id in enumerate(pool_ids):
+            client.create_pool(pool_id, dataclasses.replace(config, max_model_len=8192))
+            _serve(client, pool_id, 4, prompt[: 500 + 150 * index])
+        registry: PoolRegistry = server.server.state.registry
+        query = LookupQuery(token_ids=prompt, pool_ids=pool_ids)
+        assert hashing_work(registry.scope(query), query) >= OFF_LOOP_HASH_BLOCKS
+        answer = client.lookup(query)
+        expected = {
+            pool_id: _own_hit(client, pool_id, 100 + i, prompt)
+            for i, pool_id in enumerate(pool_ids)
+        }
+    assert {hit.pool_id: hit.num_hit_tokens for hit in answer.pools} == expected
+    assert len(set(expected.values())) > 10  # every pool holds a different prefix
+    # The same through the coroutine itself, on a registry the server does not run.
+    assert asyncio.run(lookup_as(PoolRegistry(), LookupQuery(token_ids=[1]), None)).pools == ()

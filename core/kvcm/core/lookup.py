@@ -29,13 +29,14 @@ import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias
 
 from kvcm.common.errors import InvalidArgumentError, NotFoundError
 from kvcm.common.hashing import (
     BlockHash,
     BlockHasher,
     BlockHashWithGroupId,
+    HashAlgorithm,
     MultiModalFeature,
     make_block_hash_with_group_id,
 )
@@ -56,6 +57,9 @@ __all__ = [
     "PoolHit",
     "PoolLoad",
     "PrefixIndex",
+    "Profile",
+    "hash_prompt",
+    "hashing_work",
     "lookup",
     "scope_pools",
 ]
@@ -65,6 +69,9 @@ MAX_LOOKUP_TOKENS: Final = 4 * 1024 * 1024
 MAX_LOOKUP_HASH_BYTES: Final = 8 * 1024 * 1024
 _MAX_LOAD_WEIGHT: Final = 1e6
 _GROUP0_SUFFIX: Final = make_block_hash_with_group_id(BlockHash(b""), 0)
+
+Profile: TypeAlias = tuple[HashAlgorithm, str, int, int]
+"""Hashing parameters that give a prompt the same hashes: algorithm, seed, block size, length."""
 
 
 def _indexable(manager: KVCacheManager) -> bool:
@@ -326,42 +333,88 @@ def scope_pools(
     return chosen
 
 
-def lookup(pools: Sequence[Pool], index: PrefixIndex, query: LookupQuery) -> LookupAnswer:
+def _profile(pool: Pool) -> Profile:
+    hashing = pool.hashing
+    return (hashing.algorithm, hashing.seed, hashing.hash_block_size, hashing.hash_length_bytes)
+
+
+def _takes(pool: Pool, query: LookupQuery) -> bool:
+    """Whether the pool is READY and, for a token prompt, long enough to take it."""
+    if pool.manager is None or pool.state is not PoolState.READY:
+        return False
+    return query.token_ids is None or len(query.token_ids) <= pool.max_model_len
+
+
+def hashing_work(pools: Iterable[Pool], query: LookupQuery) -> int:
+    """Blocks :func:`hash_prompt` would hash for ``query`` over ``pools`` (0 for hashes)."""
+    if query.token_ids is None:
+        return 0
+    seen = {_profile(pool) for pool in pools if _takes(pool, query)}
+    return sum(len(query.token_ids) // profile[2] for profile in seen)
+
+
+def hash_prompt(pools: Iterable[Pool], query: LookupQuery) -> dict[Profile, list[BlockHash]]:
+    """The prompt's block hashes per distinct hashing parameters among ``pools``.
+
+    Pure (reads only the pools' fixed hashing parameters), so a server runs it in a worker
+    thread when the prompt is long or the scope spans many parameter sets (xxhash pools have
+    a seed each), then hands the result to :func:`lookup`.
+    """
+    hashed: dict[Profile, list[BlockHash]] = {}
+    for pool in pools:
+        if _takes(pool, query):
+            profile = _profile(pool)
+            if profile not in hashed:
+                hashed[profile] = _prompt_hashes(pool, query)
+    return hashed
+
+
+def lookup(
+    pools: Sequence[Pool],
+    index: PrefixIndex,
+    query: LookupQuery,
+    hashed: Mapping[Profile, Sequence[BlockHash]] | None = None,
+) -> LookupAnswer:
     """Answer ``query`` over ``pools`` (its scope, already resolved); changes no pool.
 
-    A pool being changed in another thread (a Step in its lane) is answered from the index at
-    some point of that change when it is indexed, and skipped as busy otherwise.
+    ``hashed``: the prompt's hashes from :func:`hash_prompt` (parameter sets it lacks are
+    hashed here). A pool being changed in another thread (a Step in its lane) is answered from
+    the index at some point of that change when it is indexed, and skipped as busy otherwise.
     """
     skipped: list[tuple[str, str]] = []
     # name -> (pool, hit tokens, per-group hits, prompt tokens)
     hits: dict[str, tuple[Pool, int, tuple[int, ...], int]] = {}
     # Pools sharing hashing parameters share the prompt's hashes (hashed or split once).
-    profiles: dict[object, tuple[list[BlockHash], int]] = {}
-    walks: dict[object, list[tuple[int, Pool]]] = {}
+    profiles: dict[Profile, tuple[Sequence[BlockHash], int]] = {}
+    walks: dict[Profile, list[tuple[int, Pool]]] = {}
     ready = PoolState.READY
-    by_tokens = query.token_ids is not None
+    token_ids = query.token_ids
     slot_of = index.slot
     for pool in pools:
         manager = pool.manager
         if manager is None or pool.state is not ready:
             skipped.append((pool.name, "not ready: workers have not registered"))
             continue
-        hashing = pool.hashing
-        profile = (
-            hashing.algorithm,
-            hashing.seed,
-            hashing.hash_block_size,
-            hashing.hash_length_bytes,
-        )
+        if token_ids is not None and len(token_ids) > pool.max_model_len:
+            skipped.append(
+                (
+                    pool.name,
+                    f"prompt of {len(token_ids)} tokens exceeds max_model_len {pool.max_model_len}",
+                )
+            )
+            continue
+        profile = _profile(pool)
         known = profiles.get(profile)
         if known is None:
-            hashes = _prompt_hashes(pool, query)
+            hashes = None if hashed is None else hashed.get(profile)
+            if hashes is None:
+                hashes = _prompt_hashes(pool, query)
             known = profiles[profile] = (
                 hashes,
-                _num_tokens(query, len(hashes), hashing.hash_block_size),
+                _num_tokens(query, len(hashes), profile[2]),
             )
         hashes, num_tokens = known
-        if not by_tokens or num_tokens > pool.max_model_len:
+        if token_ids is None:
             reason = _unanswerable(pool, query, num_tokens, len(hashes))
             if reason:
                 skipped.append((pool.name, reason))

@@ -35,7 +35,14 @@ from kvcm.common.hashing import BlockHash, resolve_none_hash_seed
 from kvcm.common.specs import UINT64_MAX, KVCacheSpec, check_plannable_spec
 from kvcm.core.event_log import EventBatchRecord, EventLog, OutOfRangeError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits, check_pool_blocks
-from kvcm.core.lookup import LookupAnswer, LookupQuery, PrefixIndex, lookup, scope_pools
+from kvcm.core.lookup import (
+    LookupAnswer,
+    LookupQuery,
+    PrefixIndex,
+    Profile,
+    lookup,
+    scope_pools,
+)
 from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
@@ -1007,14 +1014,30 @@ class PoolRegistry:
         self.index.remove(name)
         return pool
 
-    def lookup(self, query: LookupQuery) -> LookupAnswer:
-        """Where ``query``'s prompt is cached, over its scope (:mod:`kvcm.core.lookup`).
+    def scope(self, query: LookupQuery) -> Sequence[Pool]:
+        """The pools ``query``'s scope matches.
 
         Raises:
             NotFoundError: The scope names a pool that does not exist.
         """
-        pools = scope_pools(self._pools.values(), self._pools, query)
-        return lookup(pools, self.index, query)
+        return scope_pools(self._pools.values(), self._pools, query)
+
+    def lookup(
+        self, query: LookupQuery, hashed: Mapping[Profile, Sequence[BlockHash]] | None = None
+    ) -> LookupAnswer:
+        """Where ``query``'s prompt is cached, over its scope (:mod:`kvcm.core.lookup`).
+
+        ``hashed``: the prompt's hashes, from :func:`~kvcm.core.lookup.hash_prompt` over
+        :meth:`scope` (a server computes them off its event loop for long prompts).
+
+        Raises:
+            NotFoundError: The scope names a pool that does not exist.
+        """
+        return lookup(self.scope(query), self.index, query, hashed)
 
     def __len__(self) -> int:
         return len(self._pools)
+
+    def __contains__(self, name: object) -> bool:
+        """Whether a pool called ``name`` is registered (being built does not count)."""
+        return name in self._pools

@@ -7,7 +7,7 @@ the loop mutates it could see half an RPC. On the loop, a handler runs between R
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
@@ -179,7 +179,7 @@ def build_app(
     loop_lag: LoopLagMonitor | None = None,
     reclaims: Mapping[tuple[str, str], int] | None = None,
     zmq_counters: KvEventCounters | None = None,
-    lookup: Callable[[LookupQuery, Principal | None], LookupAnswer] | None = None,
+    lookup: Callable[[LookupQuery, Principal | None], Awaitable[LookupAnswer]] | None = None,
     authenticate: Callable[[str], Principal | None] | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
@@ -285,7 +285,7 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 
 def _add_lookup_route(
     app: FastAPI,
-    lookup: Callable[[LookupQuery, Principal | None], LookupAnswer],
+    lookup: Callable[[LookupQuery, Principal | None], Awaitable[LookupAnswer]],
     authenticate: Callable[[str], Principal | None] | None,
 ) -> None:
     from kvcm.server.rpc import LookupDeniedError
@@ -328,7 +328,7 @@ def _add_lookup_route(
             if len(body) > MAX_LOOKUP_BODY_BYTES:
                 return _error(413, "RESOURCE_EXHAUSTED", too_large)
         try:
-            result = lookup(lookup_query_from_json(bytes(body)), principal)
+            result = await lookup(lookup_query_from_json(bytes(body)), principal)
         except InvalidArgumentError as exc:
             return _error(400, "INVALID_ARGUMENT", str(exc))
         except NotFoundError as exc:

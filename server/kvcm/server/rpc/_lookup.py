@@ -7,22 +7,26 @@ authentication on, the scope is narrowed to the pools the caller may read.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import grpc
 
-from kvcm.core.lookup import LookupAnswer, LookupQuery
+from kvcm.core.lookup import LookupAnswer, LookupQuery, hash_prompt, hashing_work
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.rpc._state import PRINCIPAL, Principal, ServerState
 from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import lookup_pb2, service_pb2_grpc
 from kvcm.wire.lookup import lookup_query_from_proto, lookup_result_to_proto
 
-__all__ = ["LookupServicer", "LookupDeniedError", "lookup_as"]
+__all__ = ["OFF_LOOP_HASH_BLOCKS", "LookupDeniedError", "LookupServicer", "lookup_as"]
 
 Context: TypeAlias = Any
 _READ_ROLES = ("reader", "worker", "scheduler")
+OFF_LOOP_HASH_BLOCKS: Final = 4096
+"""Token prompts needing this many block hashes or more are hashed off the event loop
+(about 4 ms of sha256)."""
 
 
 class LookupDeniedError(Exception):
@@ -33,29 +37,48 @@ def _readable(principal: Principal, pool_id: str) -> bool:
     return any(principal.has(role, pool_id) for role in _READ_ROLES)
 
 
-def lookup_as(
+async def lookup_as(
     registry: PoolRegistry, query: LookupQuery, principal: Principal | None
 ) -> LookupAnswer:
     """``registry.lookup(query)`` as ``principal`` sees it (``None``: authentication off).
+
+    A token prompt whose hashing is long (``OFF_LOOP_HASH_BLOCKS`` blocks or more over the
+    scope's distinct hashing parameters: a long prompt, or many xxhash pools, each with its own
+    seed) is hashed in a worker thread, so the event loop keeps serving meanwhile; the walk
+    runs on the loop, over the pools that still exist then.
 
     Raises:
         LookupDeniedError: ``query.pool_ids`` names a pool the principal may not read.
         NotFoundError, InvalidArgumentError: As :meth:`PoolRegistry.lookup`.
     """
-    if principal is None:
-        return registry.lookup(query)
-    for index, pool_id in enumerate(query.pool_ids):
-        if not _readable(principal, pool_id):
-            raise LookupDeniedError(
-                f"scope.pool_ids[{index}]: principal {principal.name!r} may not read pool "
-                f"{pool_id!r}"
+    if principal is not None:
+        for index, pool_id in enumerate(query.pool_ids):
+            if not _readable(principal, pool_id):
+                raise LookupDeniedError(
+                    f"scope.pool_ids[{index}]: principal {principal.name!r} may not read pool "
+                    f"{pool_id!r}"
+                )
+        if not query.pool_ids:
+            readable = tuple(
+                pool.name for pool in registry.list() if _readable(principal, pool.name)
             )
-    if query.pool_ids:
-        return registry.lookup(query)
-    readable = tuple(pool.name for pool in registry.list() if _readable(principal, pool.name))
-    if not readable:
-        return LookupAnswer((), (), 0)
-    return registry.lookup(dataclasses.replace(query, pool_ids=readable))
+            if not readable:
+                return LookupAnswer((), (), 0)
+            query = dataclasses.replace(query, pool_ids=readable)
+    hashed = None
+    if query.token_ids is not None:
+        pools = registry.scope(query)
+        if hashing_work(pools, query) >= OFF_LOOP_HASH_BLOCKS:
+            hashed = await asyncio.to_thread(hash_prompt, pools, query)
+            if query.pool_ids:
+                # Pools deleted meanwhile are no longer asked about (not NOT_FOUND: they were
+                # there when the call came).
+                query = dataclasses.replace(
+                    query, pool_ids=tuple(p for p in query.pool_ids if p in registry)
+                )
+                if not query.pool_ids:
+                    return LookupAnswer((), (), 0)
+    return registry.lookup(query, hashed)
 
 
 class LookupServicer(service_pb2_grpc.LookupServiceServicer):
@@ -71,7 +94,7 @@ class LookupServicer(service_pb2_grpc.LookupServiceServicer):
         """Each pool's hit for the prompt, its load and the ranking."""
         query = lookup_query_from_proto(request)
         try:
-            result = lookup_as(self._state.registry, query, PRINCIPAL.get())
+            result = await lookup_as(self._state.registry, query, PRINCIPAL.get())
         except LookupDeniedError as exc:
             raise AbortRpc(grpc.StatusCode.PERMISSION_DENIED, f"Lookup: {exc}") from None
         return lookup_result_to_proto(result)
