@@ -285,3 +285,18 @@ def test_index_slots_are_reused() -> None:
     third = _create(registry, "c", [_full()])
     assert index.slot(third) == 0
     assert index.slot(_create(registry, "h", [_full(), _swa()], scheduler_block_size=4)) is None
+
+
+def test_a_lent_pool_is_not_indexed_until_it_is_back() -> None:
+    """A pool lent to a worker thread (a long Step) changes meanwhile: its keys are not copied
+    into the index then; the lookup answers it as busy, and indexes it once it is back."""
+    registry = PoolRegistry()
+    pool = _create(registry, "p", [_full()])
+    _serve(pool, 1, list(range(20)))
+    pool.lent = True
+    answer = registry.lookup(LookupQuery(token_ids=list(range(20))))
+    assert answer.skipped == (("p", "busy: a long call is running on it"),)
+    assert registry.index.num_pools == 0
+    pool.lent = False
+    assert registry.lookup(LookupQuery(token_ids=list(range(20)))).pools[0].num_hit_tokens == 16
+    assert registry.index.num_pools == 1

@@ -111,7 +111,8 @@ class PrefixIndex:
         return len(self._by_name)
 
     def slot(self, pool: Pool) -> int | None:
-        """The pool's slot, indexing it first if it can be (READY, one full-attention group).
+        """The pool's slot, indexing it first if it can be (READY, one full-attention group,
+        not lent to another thread).
 
         ``None``: the pool is not indexed (it is answered by its own coordinator).
         """
@@ -119,7 +120,9 @@ class PrefixIndex:
         if slot is not None and self._slots[slot] is pool:
             return slot
         manager = pool.manager
-        if manager is None or not _indexable(manager):
+        if manager is None or pool.lent or not _indexable(manager):
+            # A lent pool changes in another thread: its keys cannot be copied now (it is
+            # indexed at a later lookup; this one answers it as busy).
             return None
         if slot is not None:
             self.remove(pool.name)  # a new incarnation under the same name
