@@ -10,7 +10,9 @@ Rows (median and p99; ratio = vLLM / kvcm, above 1 means kvcm is faster):
 
 1. lookup of a 1k-block and an 8k-block prompt (a random document's prefix plus one token),
    already hashed (``HashPrompt``): kvcm's ``PoolRegistry.lookup`` over every pool (every
-   pool answered, and ``max_results=5`` as a router asks), against
+   pool answered, and ``max_results=5`` as a router asks; on the server's event loop, as the
+   servicer runs it), then the same as a ``Lookup`` RPC through the SDK to that server (the
+   client shares the process), against
    vLLM's ``get_computed_blocks`` called on each of the managers (what a router would have to
    do with vLLM's own code; the request is hashed once, outside the timing);
 2. the same prompts as token ids: kvcm hashes them itself (sha256, once for all pools);
@@ -41,15 +43,27 @@ from typing import Any
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import Row, Timing, frozen_gc, import_vllm, init_vllm_none_hash, print_table
+from _common import (
+    Row,
+    Sample,
+    Timing,
+    frozen_gc,
+    import_vllm,
+    init_vllm_none_hash,
+    measure,
+    print_table,
+)
 
+from kvcm.client import SchedulerClient
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.hashing import BlockHasher, HashAlgorithm
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.limits import Limits
-from kvcm.core.lookup import LookupQuery
+from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.core.pool import Pool, PoolConfig, PoolRegistry
+from kvcm.server.embedded import EmbeddedServer, start_embedded_server
+from kvcm.server.settings import ServerSettings
 
 BLOCK_SIZE = 16
 HASH_SEED = "kvcm-bench"
@@ -127,9 +141,7 @@ def _fill(pool: Pool, requests: Sequence[tuple[list[int], list[bytes]]], first_k
         pool.free(key, preempt=False)
 
 
-def build_kvcm(fleet: Fleet) -> PoolRegistry:
-    limits = Limits(max_pools=max(1024, len(fleet.pools)), max_total_blocks=1 << 40)
-    registry = PoolRegistry(limits=limits)
+def build_kvcm(fleet: Fleet, registry: PoolRegistry) -> PoolRegistry:
     config = PoolConfig(
         max_model_len=MAX_MODEL_LEN,
         explicit_layout=_layout(fleet.num_blocks),
@@ -203,83 +215,108 @@ def _prompt(fleet: Fleet, rng: random.Random, num_blocks: int) -> tuple[list[int
 
 def bench_lookups(
     fleet: Fleet,
-    registry: PoolRegistry,
+    server: EmbeddedServer,
     vllm: VllmFleet | None,
     num_blocks: int,
     repeats: int,
     seed: int,
 ) -> list[Row]:
+    """Core lookups (run on the server's loop, between calls, as the servicer runs them), the
+    same over gRPC through the SDK, and vLLM's per-manager loop; every answer cross-checked."""
+    registry: PoolRegistry = server.server.state.registry
     rng = random.Random(seed)
     perf = time.perf_counter
     names = [f"engine-{index:04d}" for index in range(len(fleet.pools))]
-    by_hash: list[float] = []
-    top_five: list[float] = []
-    by_tokens: list[float] = []
-    baseline: list[float] = []
-    registry.lookup(LookupQuery(token_ids=[1, 2, 3]))  # index every pool (untimed)
-    with frozen_gc():
+    timings: dict[str, list[float]] = {
+        "hashed": [],
+        "best5": [],
+        "tokens": [],
+        "grpc": [],
+        "grpc5": [],
+        "vllm": [],
+    }
+
+    async def core(hash_query: LookupQuery, token_query: LookupQuery) -> list[LookupAnswer]:
+        start = perf()
+        answer = registry.lookup(hash_query)
+        timings["hashed"].append(perf() - start)
+        start = perf()
+        best = registry.lookup(dataclasses.replace(hash_query, max_results=5))
+        timings["best5"].append(perf() - start)
+        start = perf()
+        again = registry.lookup(token_query)
+        timings["tokens"].append(perf() - start)
+        return [answer, best, again]
+
+    warm = LookupQuery(token_ids=[1, 2, 3])
+    server.call(core(warm, warm))  # indexes every pool
+    for values in timings.values():
+        values.clear()
+    with SchedulerClient(server.grpc_address, timeout=60) as client, frozen_gc():
         for _ in range(repeats):
             tokens, hashes = _prompt(fleet, rng, num_blocks)
             hash_query = LookupQuery(block_hashes=b"".join(hashes), num_tokens=len(tokens))
-            token_query = LookupQuery(token_ids=tokens)
-            start = perf()
-            answer = registry.lookup(hash_query)
-            by_hash.append(perf() - start)
-            start = perf()
-            best = registry.lookup(dataclasses.replace(hash_query, max_results=5))
-            top_five.append(perf() - start)
-            assert best.pools == answer.pools[:5]
-            start = perf()
-            again = registry.lookup(token_query)
-            by_tokens.append(perf() - start)
+            answer, best, again = server.call(core(hash_query, LookupQuery(token_ids=tokens)))
             got = {hit.pool_id: hit.num_hit_tokens for hit in answer.pools}
             assert got == {hit.pool_id: hit.num_hit_tokens for hit in again.pools}
+            assert best.pools == answer.pools[:5]
+            start = perf()
+            remote = client.lookup(hash_query)
+            timings["grpc"].append(perf() - start)
+            start = perf()
+            remote5 = client.lookup(dataclasses.replace(hash_query, max_results=5))
+            timings["grpc5"].append(perf() - start)
+            assert {hit.pool_id: hit.num_hit_tokens for hit in remote.pools} == got
+            assert [hit.pool_id for hit in remote5.pools] == [hit.pool_id for hit in best.pools]
             if vllm is not None:
                 request = vllm.request("probe", tokens, hashes)
                 start = perf()
                 expected = vllm.hits(request)
-                baseline.append(perf() - start)
+                timings["vllm"].append(perf() - start)
                 assert got == dict(zip(names, expected, strict=True)), "answers differ"
-    vllm_timing = Timing.of(baseline) if baseline else None
+    base = Timing.of(timings["vllm"]) if timings["vllm"] else None
     label = f"{num_blocks // 1024}k-block prompt"
-    return [
-        Row.of_timings(f"lookup, {label}, hashed", Timing.of(by_hash), vllm_timing),
-        Row.of_timings(f"lookup, {label}, hashed, best 5", Timing.of(top_five), vllm_timing),
-        Row.of_timings(f"lookup, {label}, token ids", Timing.of(by_tokens), vllm_timing),
+    rows = [
+        ("hashed", f"lookup, {label}, hashed, all pools"),
+        ("best5", f"lookup, {label}, hashed, best 5"),
+        ("tokens", f"lookup, {label}, token ids, all pools"),
+        ("grpc", f"Lookup RPC, {label}, hashed, all pools"),
+        ("grpc5", f"Lookup RPC, {label}, hashed, best 5"),
     ]
+    return [Row.of_timings(name, Timing.of(timings[key]), base) for key, name in rows]
 
 
 def bench_index_cost(repeats: int, seed: int) -> Row:
-    """Admit + free 64-block requests in a full pool, with and without the index."""
+    """Admit + free 64-block requests in a full pool, with and without the index (two pools,
+    samples interleaved)."""
     rng = random.Random(seed)
-    timings = []
-    for attached in (True, False):
-        registry = PoolRegistry()
-        pool = registry.create(
-            "p",
-            PoolConfig(
-                max_model_len=MAX_MODEL_LEN,
-                explicit_layout=_layout(4097),
-                hash_seed=HASH_SEED,
-                log_stats=False,
-            ),
-        )
-        tokens = [0] * (64 * BLOCK_SIZE)
+    tokens = [0] * (64 * BLOCK_SIZE)
+    config = PoolConfig(
+        max_model_len=MAX_MODEL_LEN,
+        explicit_layout=_layout(4097),
+        hash_seed=HASH_SEED,
+        log_stats=False,
+    )
+    registry = PoolRegistry()
+    pools = [registry.create(name, config) for name in ("indexed", "plain")]
+    for pool in pools:
         _fill(pool, [(tokens, [os.urandom(32) for _ in range(64)]) for _ in range(64)], 0)
-        if attached:
-            assert registry.index.slot(pool) is not None
-        samples = []
-        perf = time.perf_counter
-        with frozen_gc():
-            for key in range(1000, 1000 + repeats):
-                hashes = b"".join(rng.randbytes(32) for _ in range(64))
-                start = perf()
-                request = pool.add_request(key, "r", tokens, hashes)
-                pool.allocate_slots(request, len(tokens), None)
-                pool.free(key, preempt=False)
-                samples.append(perf() - start)
-        timings.append(Timing.of(samples))
-    with_index, without = timings
+    assert registry.index.slot(pools[0]) is not None
+    keys = iter(range(1000, 1000 + 4 * repeats))
+
+    def churn(pool: Pool) -> Sample:
+        def sample() -> float:
+            key = next(keys)
+            hashes = b"".join(rng.randbytes(32) for _ in range(64))
+            start = time.perf_counter()
+            request = pool.add_request(key, "r", tokens, hashes)
+            pool.allocate_slots(request, len(tokens), None)
+            pool.free(key, preempt=False)
+            return time.perf_counter() - start
+
+        return sample
+
+    with_index, without = measure([churn(pools[0]), churn(pools[1])], repeats)
     # The "vLLM" column is kvcm without the index here: the ratio is the index's overhead.
     return Row(
         "admit+free 64 blocks (evicting 64), index on (vs off)",
@@ -303,7 +340,19 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     started = time.perf_counter()
     fleet = Fleet(args.pools, args.blocks_per_pool, args.seed)
-    registry = build_kvcm(fleet)
+    settings = ServerSettings(
+        grpc_address="127.0.0.1:0",
+        http_address="",
+        log_level="WARNING",
+        limits=Limits(max_pools=max(1024, args.pools), max_total_blocks=1 << 40),
+    )
+    server = start_embedded_server(settings)
+    registry: PoolRegistry = server.server.state.registry
+
+    async def build() -> None:
+        build_kvcm(fleet, registry)
+
+    server.call(build(), timeout=3600)
     total = sum(pool.snapshot().num_cached_blocks for pool in registry.list())
     print(
         f"kvcm: {len(registry)} pools, {total:,} cached blocks "
@@ -320,8 +369,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             file=sys.stderr,
         )
     rows = []
-    for num_blocks in (1024, 8192):
-        rows += bench_lookups(fleet, registry, vllm, num_blocks, args.repeats, args.seed)
+    try:
+        for num_blocks in (1024, 8192):
+            rows += bench_lookups(fleet, server, vllm, num_blocks, args.repeats, args.seed)
+    finally:
+        server.stop()
     print(
         f"index: {len(registry.index):,} distinct keys over {registry.index.num_pools} pools",
         file=sys.stderr,

@@ -313,39 +313,13 @@ def test_replay_fills_a_gap_and_survives_a_restart(
         sub.close(linger=0)
 
 
-def test_a_deleted_pool_publishes_all_blocks_cleared_last(
-    kv_events: ModuleType, zmq_context: zmq.Context[zmq.Socket[bytes]]
+@pytest.mark.parametrize("ending", ["DeletePool", "ResyncPool"])
+def test_an_ended_incarnation_publishes_all_blocks_cleared_last(
+    ending: str, kv_events: ModuleType, zmq_context: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
-    sub = zmq_context.socket(zmq.SUB)
-    port = sub.bind_to_random_port("tcp://127.0.0.1")
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    server = _server(f"tcp://127.0.0.1:{port}", "", None, 1)
-    try:
-        with SchedulerClient(server.grpc_address, timeout=10.0) as client:
-            _create_pool(client)
-            _wait_connected(server, sub)
-            steps = Lockstep(client, seed=3)
-            steps.run(10)
-            client.delete_pool(POOL)
-            _create_pool(client)  # a new incarnation numbers its batches from 0 again
-            steps.vllm = VllmSide(LAYOUT)
-            steps.live.clear()
-            steps.expected.append([kv_events.AllBlocksCleared()])
-            cleared_at = len(steps.expected)
-            steps.run(5)
-            messages = _receive(sub, len(steps.expected))
-        _check_batches(messages[:cleared_at], steps.expected[:cleared_at], 0, kv_events)
-        _check_batches(messages[cleared_at:], steps.expected[cleared_at:], 0, kv_events)
-    finally:
-        server.stop()
-        sub.close(linger=0)
-
-
-def test_a_resynced_pool_clears_its_old_incarnation(
-    kv_events: ModuleType, zmq_context: zmq.Context[zmq.Socket[bytes]]
-) -> None:
-    """An engine that restarts resynchronises its pool (ResyncPool over the existing one): the
-    old incarnation's last batch is AllBlocksCleared, the new one numbers from 0 again."""
+    """A deleted pool, or one an engine restart resynchronises (ResyncPool over the existing
+    pool, from an empty snapshot): the old incarnation's last batch is AllBlocksCleared, and
+    the new one numbers its batches from 0 again."""
     from kvcm.core.pool import Pool
     from kvcm.core.snapshot import encode_pool
 
@@ -363,10 +337,13 @@ def test_a_resynced_pool_clears_its_old_incarnation(
         with SchedulerClient(server.grpc_address, timeout=10.0) as client:
             client.create_pool(POOL, config)
             _wait_connected(server, sub)
-            steps = Lockstep(client, seed=4)
+            steps = Lockstep(client, seed=3)
             steps.run(10)
-            # The restarted engine comes back empty: an empty snapshot of the same config.
-            client.resync_pool(POOL, encode_pool(Pool(POOL, config)), config, step_seq=0)
+            if ending == "DeletePool":
+                client.delete_pool(POOL)
+                client.create_pool(POOL, config)
+            else:
+                client.resync_pool(POOL, encode_pool(Pool(POOL, config)), config, step_seq=0)
             steps.vllm = VllmSide(LAYOUT)
             steps.live.clear()
             steps.expected.append([kv_events.AllBlocksCleared()])

@@ -160,7 +160,7 @@ def _to_structs(events: Iterable[KVCacheEvent], int_hashes: bool) -> list[Any]:
 def kv_events_topic(template: str, pool: Pool) -> str:
     """The ZMQ topic of ``pool`` under ``template`` (``{pool}``: its id; ``{model}``: its
     ``model`` label, empty without one)."""
-    labels = getattr(pool.options, "labels", None) or {}
+    labels = pool.options.labels
     return template.format(pool=pool.name, model=labels.get("model", ""))
 
 
@@ -388,7 +388,7 @@ class KvEventStream:
 def _dp_rank(pool: Pool) -> int:
     """The ``data_parallel_rank`` a pool's batches carry: its ``data_parallel_rank`` label
     (an engine's DP rank), else 0 as a vLLM engine without data parallelism sends."""
-    labels = getattr(pool.options, "labels", None) or {}
+    labels = pool.options.labels
     value = labels.get("data_parallel_rank")
     return int(value) if value is not None and str(value).isdigit() else _DEFAULT_DP_RANK
 
