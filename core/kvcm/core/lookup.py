@@ -147,13 +147,8 @@ class PrefixIndex:
             pool.manager.block_pool.detach_index()
 
     def holders(self, key: BlockHashWithGroupId) -> int:
-        """Bitmask of the indexed pools caching ``key`` (0: none)."""
+        """Bitmask of the indexed pools caching ``key`` (0: none); bit ``slot(pool)``."""
         return self._keys.get(key, 0)
-
-    def _pool(self, slot: int) -> Pool:
-        pool = self._slots[slot]
-        assert pool is not None
-        return pool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -76,8 +76,8 @@ def lookup_query_from_proto(message: lookup_pb2.LookupRequest) -> LookupQuery:
     if kind == "tokens":
         tokens = message.tokens
         features = [_mm_feature(item, i) for i, item in enumerate(tokens.mm_features)]
-        ends = [feature.offset for feature in features]
-        if ends != sorted(ends):
+        offsets = [feature.offset for feature in features]
+        if offsets != sorted(offsets):
             raise InvalidArgumentError(
                 "tokens.mm_features must be sorted by offset_tokens", field="tokens.mm_features"
             )
