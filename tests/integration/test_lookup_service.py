@@ -23,6 +23,7 @@ from kvcm.client import (
     SchedulerClient,
     ServiceInvalidArgumentError,
     ServiceNotFoundError,
+    ServiceResourceExhaustedError,
 )
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
@@ -285,5 +286,12 @@ def test_long_prompts_over_many_seeds_are_hashed_off_the_loop(server: EmbeddedSe
         }
     assert {hit.pool_id: hit.num_hit_tokens for hit in answer.pools} == expected
     assert len(set(expected.values())) > 10  # every pool holds a different prefix
+    # A 4M-token prompt over those 20 seeds would take 5M block hashes: refused up front.
+    with SchedulerClient(server.grpc_address) as client:
+        long_pools = [f"long-{i}" for i in range(5)]
+        for pool_id in long_pools:
+            client.create_pool(pool_id, dataclasses.replace(config, max_model_len=1 << 22))
+        with pytest.raises(ServiceResourceExhaustedError, match="narrow the scope"):
+            client.lookup(LookupQuery(token_ids=[1] * (1 << 22), pool_ids=long_pools))
     # The same through the coroutine itself, on a registry the server does not run.
     assert asyncio.run(lookup_as(PoolRegistry(), LookupQuery(token_ids=[1]), None)).pools == ()

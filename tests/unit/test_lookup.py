@@ -300,3 +300,28 @@ def test_a_lent_pool_is_not_indexed_until_it_is_back() -> None:
     pool.lent = False
     assert registry.lookup(LookupQuery(token_ids=list(range(20)))).pools[0].num_hit_tokens == 16
     assert registry.index.num_pools == 1
+
+
+def test_token_prompts_hashed_for_too_many_seeds_are_refused() -> None:
+    """xxhash pools draw a seed each, so a prompt is hashed once per pool: beyond
+    MAX_LOOKUP_HASH_WORK block hashes the lookup is refused before hashing anything."""
+    from kvcm.common.errors import ResourceExhaustedError
+    from kvcm.core.lookup import MAX_LOOKUP_HASH_WORK, MAX_LOOKUP_TOKENS
+
+    registry = PoolRegistry()
+    for index in range(5):
+        registry.create(
+            f"x{index}",
+            PoolConfig(
+                max_model_len=MAX_LOOKUP_TOKENS,
+                explicit_layout=_layout([_full()], 16),
+                hash_algorithm=HashAlgorithm.XXHASH,
+            ),
+        )
+    prompt = [1] * MAX_LOOKUP_TOKENS
+    assert 5 * MAX_LOOKUP_TOKENS // 4 > MAX_LOOKUP_HASH_WORK
+    with pytest.raises(ResourceExhaustedError, match="narrow the scope"):
+        registry.lookup(LookupQuery(token_ids=prompt))
+    # One pool's worth is fine (a prompt of 4M tokens: 1M hashes of 4 tokens).
+    answer = registry.lookup(LookupQuery(token_ids=prompt[:400_000], pool_ids=["x0"]))
+    assert answer.pools[0].num_hit_tokens == 0

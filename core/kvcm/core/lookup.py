@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias
 
-from kvcm.common.errors import InvalidArgumentError, NotFoundError
+from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcm.common.hashing import (
     BlockHash,
     BlockHasher,
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_LOAD_WEIGHT",
     "MAX_LOOKUP_HASH_BYTES",
+    "MAX_LOOKUP_HASH_WORK",
     "MAX_LOOKUP_TOKENS",
     "LookupQuery",
     "LookupAnswer",
@@ -67,6 +68,8 @@ __all__ = [
 DEFAULT_LOAD_WEIGHT: Final = 0.5
 MAX_LOOKUP_TOKENS: Final = 4 * 1024 * 1024
 MAX_LOOKUP_HASH_BYTES: Final = 8 * 1024 * 1024
+MAX_LOOKUP_HASH_WORK: Final = 1024 * 1024
+"""Block hashes one token lookup may compute (about 1-3 s of CPU, off the server's loop)."""
 _MAX_LOAD_WEIGHT: Final = 1e6
 _GROUP0_SUFFIX: Final = make_block_hash_with_group_id(BlockHash(b""), 0)
 
@@ -344,11 +347,23 @@ def _takes(pool: Pool, query: LookupQuery) -> bool:
 
 
 def hashing_work(pools: Iterable[Pool], query: LookupQuery) -> int:
-    """Blocks :func:`hash_prompt` would hash for ``query`` over ``pools`` (0 for hashes)."""
+    """Blocks :func:`hash_prompt` would hash for ``query`` over ``pools`` (0 for hashes).
+
+    Raises:
+        ResourceExhaustedError: More than ``MAX_LOOKUP_HASH_WORK`` (one prompt hashed once per
+            distinct seed: many xxhash pools, each with its own seed, multiply it).
+    """
     if query.token_ids is None:
         return 0
     seen = {_profile(pool) for pool in pools if _takes(pool, query)}
-    return sum(len(query.token_ids) // profile[2] for profile in seen)
+    work = sum(len(query.token_ids) // profile[2] for profile in seen)
+    if work > MAX_LOOKUP_HASH_WORK:
+        raise ResourceExhaustedError(
+            f"tokens.token_ids: hashing the prompt for the {len(seen)} hashing parameter sets "
+            f"of the scope takes {work} block hashes, more than {MAX_LOOKUP_HASH_WORK}; "
+            "narrow the scope or send block hashes"
+        )
+    return work
 
 
 def hash_prompt(pools: Iterable[Pool], query: LookupQuery) -> dict[Profile, list[BlockHash]]:

@@ -40,6 +40,7 @@ from kvcm.core.lookup import (
     LookupQuery,
     PrefixIndex,
     Profile,
+    hashing_work,
     lookup,
     scope_pools,
 )
@@ -1032,8 +1033,13 @@ class PoolRegistry:
 
         Raises:
             NotFoundError: The scope names a pool that does not exist.
+            ResourceExhaustedError: Hashing a token prompt for the scope is too much work
+                (:func:`~kvcm.core.lookup.hashing_work`).
         """
-        return lookup(self.scope(query), self.index, query, hashed)
+        pools = self.scope(query)
+        if hashed is None:
+            hashing_work(pools, query)
+        return lookup(pools, self.index, query, hashed)
 
     def __len__(self) -> int:
         return len(self._pools)

@@ -1316,7 +1316,9 @@ class LookupServiceServicer:
     def Lookup(self, request, context):
         """Each pool's longest prefix hit for one prompt, its load and a ranking (see lookup.proto).
         Read-only. INVALID_ARGUMENT: no prompt or both, an empty or too long prompt, a bad label,
-        load_weight out of range. NOT_FOUND: scope.pool_ids names an unknown pool. With
+        load_weight out of range. NOT_FOUND: scope.pool_ids names an unknown pool.
+        RESOURCE_EXHAUSTED: hashing a token prompt for the scope's distinct hashing parameters
+        would take more than 1,048,576 block hashes (send hashes or narrow the scope). With
         authentication the answer covers only pools the caller may read (reader, worker, scheduler
         or admin); naming another in scope.pool_ids is PERMISSION_DENIED.
         """

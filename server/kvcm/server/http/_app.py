@@ -21,7 +21,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel
 
-from kvcm.common.errors import InvalidArgumentError, NotFoundError
+from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.server.http._collector import KVCMCollector, kvcm_version
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
@@ -189,7 +189,7 @@ def build_app(
     ``is_ready()`` is true, 503 before), ``GET /v1/pools`` and ``GET /v1/pools/{pool}`` (JSON
     summaries; 404 with an :class:`ErrorBody` for an unknown pool), and with ``lookup``
     ``POST /v1/lookup`` (a ``kvcm.v1.LookupRequest`` in protobuf's JSON mapping, answered as a
-    ``LookupResponse``; errors as :class:`ErrorBody` with 400, 401, 403, 404 or 413).
+    ``LookupResponse``; errors as :class:`ErrorBody` with 400, 401, 403, 404, 413 or 429).
 
     Each app gets its own ``CollectorRegistry``, so two servers in one process (tests) do not
     share or clash over metrics. Beside kvcm's own families it holds prometheus_client's
@@ -302,6 +302,10 @@ def _add_lookup_route(
             403: {"model": ErrorBody, "description": "scope names a pool the token may not read"},
             404: {"model": ErrorBody, "description": "scope names an unknown pool"},
             413: {"model": ErrorBody, "description": "the body exceeds 16 MiB"},
+            429: {
+                "model": ErrorBody,
+                "description": "hashing the prompt for the scope is too much",
+            },
         },
     )
     async def lookup_route(request: Request) -> Response:
@@ -335,4 +339,6 @@ def _add_lookup_route(
             return _error(404, "NOT_FOUND", str(exc.args[0]) if exc.args else str(exc))
         except LookupDeniedError as exc:
             return _error(403, "PERMISSION_DENIED", str(exc))
+        except ResourceExhaustedError as exc:
+            return _error(429, "RESOURCE_EXHAUSTED", str(exc))
         return JSONResponse(lookup_result_to_json(result))
