@@ -109,7 +109,7 @@ class TelemetryInterceptor(MethodInterceptor):
 
         async def wrapped(request: Any, context: Any) -> Any:
             started = time.perf_counter()
-            code = "OK"
+            code: str | None = "OK"
             try:
                 if type(request) is UndecodableRequest:
                     raise request.error()
@@ -122,9 +122,14 @@ class TelemetryInterceptor(MethodInterceptor):
                     raise  # the servicer aborted itself
                 code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
                 log_call_rejected(method, code, exc)
+                # Counted before the status leaves: a client that reads /metrics right after
+                # its error must find the call there.
+                stats.observe(method, code, time.perf_counter() - started)
+                code = None
                 await _abort(context, exc)
             finally:
-                stats.observe(method, code, time.perf_counter() - started)
+                if code is not None:
+                    stats.observe(method, code, time.perf_counter() - started)
 
         return wrapped
 
@@ -133,7 +138,7 @@ class TelemetryInterceptor(MethodInterceptor):
 
         async def wrapped(request: Any, context: Any) -> AsyncIterator[Any]:
             started = time.perf_counter()
-            code = "OK"
+            code: str | None = "OK"
             try:
                 if type(request) is UndecodableRequest:
                     raise request.error()
@@ -147,8 +152,11 @@ class TelemetryInterceptor(MethodInterceptor):
                     raise
                 code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
                 log_call_rejected(method, code, exc)
+                stats.observe(method, code, time.perf_counter() - started)  # before the status
+                code = None
                 await _abort(context, exc)
             finally:
-                stats.observe(method, code, time.perf_counter() - started)
+                if code is not None:
+                    stats.observe(method, code, time.perf_counter() - started)
 
         return wrapped
