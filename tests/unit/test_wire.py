@@ -296,3 +296,55 @@ def test_pool_config_accepts_algorithm_names_and_refuses_unknown_ones() -> None:
     with pytest.raises(InvalidArgumentError) as e:
         PoolConfig(max_model_len=16, world_size=1, hash_algorithm="md5")  # type: ignore[arg-type]
     assert e.value.field == "config.hash_algorithm"
+
+
+def test_lookup_messages_round_trip() -> None:
+    import dataclasses
+
+    from kvcm.common.hashing import MultiModalFeature
+    from kvcm.core.lookup import LookupAnswer, LookupQuery, PoolHit, PoolLoad
+    from kvcm.v1 import lookup_pb2
+    from kvcm.wire.lookup import (
+        lookup_query_from_json,
+        lookup_query_from_proto,
+        lookup_query_to_proto,
+        lookup_result_from_proto,
+        lookup_result_to_json,
+        lookup_result_to_proto,
+    )
+
+    tokens = LookupQuery(
+        token_ids=[5, 6, 7, 8],
+        lora_name="adapter",
+        lora_path="/loras/a",
+        cache_salt="tenant",
+        mm_features=(MultiModalFeature("img", 1, 2),),
+        pool_ids=("a", "b"),
+        labels={"role": "decode"},
+        load_weight=0.0,
+        max_results=3,
+    )
+    hashed = LookupQuery(block_hashes=b"h" * 64, num_tokens=40)
+    for query in (tokens, hashed):
+        wire = lookup_pb2.LookupRequest.FromString(lookup_query_to_proto(query).SerializeToString())
+        back = lookup_query_from_proto(wire)
+        assert back == dataclasses.replace(query, token_ids=back.token_ids)
+        assert list(back.token_ids or []) == list(query.token_ids or [])
+    parsed = lookup_query_from_json(b'{"tokens": {"tokenIds": [1, 2]}, "maxResults": 1}')
+    assert (list(parsed.token_ids or []), parsed.max_results) == ([1, 2], 1)
+    request = lookup_query_to_proto(tokens)
+    request.tokens.mm_features.add(identifier="x", offset_tokens=0, length_tokens=1)
+    with pytest.raises(InvalidArgumentError, match="mm_features must be sorted"):
+        lookup_query_from_proto(request)
+    answer = LookupAnswer(
+        (PoolHit("a", 32, (32, 16), {"GPU": 32}, 40, PoolLoad(0.25, 7, 2, 1), 0.675),),
+        (("b", "not ready: workers have not registered"),),
+        2,
+    )
+    wire_answer = lookup_pb2.LookupResponse.FromString(
+        lookup_result_to_proto(answer).SerializeToString()
+    )
+    assert lookup_result_from_proto(wire_answer) == answer
+    document = lookup_result_to_json(answer)
+    assert document["pools"][0]["num_hit_tokens"] == 32  # a JSON number, snake_case
+    assert document["skipped"][0]["pool_id"] == "b"

@@ -149,22 +149,25 @@ def lookup_result_to_json(result: LookupAnswer) -> dict[str, Any]:
 
 def lookup_result_from_proto(message: lookup_pb2.LookupResponse) -> LookupAnswer:
     """The answer of a wire response."""
-    pools = tuple(
-        PoolHit(
-            pool_id=item.pool_id,
-            num_hit_tokens=item.num_hit_tokens,
-            group_hit_tokens=tuple(item.group_hit_tokens),
-            tier_hit_tokens=dict(item.tier_hit_tokens),
-            num_tokens=item.num_tokens,
-            load=PoolLoad(
-                usage=item.load.usage,
-                num_free_blocks=item.load.num_free_blocks,
-                num_running=item.load.num_running,
-                num_waiting=item.load.num_waiting,
-            ),
-            score=item.score,
+    new_hit = PoolHit._make
+    new_load = PoolLoad._make
+    pools = []
+    for item in message.pools:  # positional construction: a 1,000-pool answer is common
+        load = item.load
+        pools.append(
+            new_hit(
+                (
+                    item.pool_id,
+                    item.num_hit_tokens,
+                    tuple(item.group_hit_tokens),
+                    dict(item.tier_hit_tokens),
+                    item.num_tokens,
+                    new_load(
+                        (load.usage, load.num_free_blocks, load.num_running, load.num_waiting)
+                    ),
+                    item.score,
+                )
+            )
         )
-        for item in message.pools
-    )
     skipped = tuple((item.pool_id, item.reason) for item in message.skipped)
-    return LookupAnswer(pools, skipped, message.num_pools_in_scope)
+    return LookupAnswer(tuple(pools), skipped, message.num_pools_in_scope)
