@@ -187,6 +187,8 @@ class AsyncSchedulerClient:
             ServiceInvalidArgumentError: A field is out of its domain.
             ServiceNotFoundError: ``query.pool_ids`` names an unknown pool.
             PermissionDeniedError: It names a pool this token may not read.
+            ServiceResourceExhaustedError: Hashing the token prompt for the scope would take
+                more than 1,048,576 block hashes (send hashes or narrow the scope).
         """
         request = lookup_query_to_proto(query)
         response = await self._unary("Lookup", self._lookup.Lookup, request, timeout)
