@@ -613,11 +613,6 @@ class BlockPool:
         self._index_bit = 0
         self._index_lock = nullcontext()
 
-    @property
-    def index_attached(self) -> bool:
-        """Whether :meth:`attach_index` maintains an index now."""
-        return self._index is not None
-
     # ---------------------------------------------------------------------- internals
     def _index_keys(self, keys: Iterable[BlockHashWithGroupId]) -> None:
         index = self._index

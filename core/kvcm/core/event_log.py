@@ -141,21 +141,21 @@ class EventLog:
         if not self._batches:
             return None
         seq, first, count, now = self._batches[-1]
-        events = self._events
-        base = len(events) - (self._next_sequence - first)
-        return seq, [events[base + i][0] for i in range(count)], now
+        return seq, self._events_of(first, count), now
 
     def batches_from(self, start: int) -> list[tuple[int, list[KVCacheEvent], float]]:
         """Every kept batch numbered ``start`` or later: (batch sequence, events, timestamp)."""
+        return [
+            (seq, self._events_of(first, count), now)
+            for seq, first, count, now in self._batches
+            if seq >= start
+        ]
+
+    def _events_of(self, first: int, count: int) -> list[KVCacheEvent]:
+        # The kept events numbered first .. first + count - 1.
         events = self._events
-        oldest = self._next_sequence - len(events)
-        out = []
-        for seq, first, count, now in self._batches:
-            if seq < start:
-                continue
-            base = first - oldest
-            out.append((seq, [events[base + i][0] for i in range(count)], now))
-        return out
+        base = first - (self._next_sequence - len(events))
+        return [events[base + i][0] for i in range(count)]
 
     def check_start(self, start: int | None) -> int:
         """The first sequence a subscription starting at ``start`` reads.

@@ -149,10 +149,6 @@ class PrefixIndex:
         if pool is not None and pool.manager is not None:
             pool.manager.block_pool.detach_index()
 
-    def holders(self, key: BlockHashWithGroupId) -> int:
-        """Bitmask of the indexed pools caching ``key`` (0: none); bit ``slot(pool)``."""
-        return self._keys.get(key, 0)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LookupQuery:

@@ -446,8 +446,6 @@ def _restore_block_pool(manager: KVCacheManager, state: dict[str, Any]) -> None:
 
     pool = manager.block_pool
     blocks = pool.blocks
-    index, index_bit, index_lock = pool._index, pool._index_bit, pool._index_lock
-    pool.detach_index()
     if state["num_blocks"] != len(blocks):
         raise InvalidArgumentError(
             f"the snapshot has {state['num_blocks']} blocks, the config {len(blocks)}",
@@ -493,8 +491,6 @@ def _restore_block_pool(manager: KVCacheManager, state: dict[str, Any]) -> None:
     pool.kv_event_queue = list(state["kv_event_queue"])
     pool._num_events_taken = state["num_events_taken"]
     pool.num_evicted_blocks = state["num_evicted_blocks"]
-    if index is not None:
-        pool.attach_index(index, index_bit, index_lock)
 
 
 def _restore_manager(manager: KVCacheManager, state: dict[str, Any]) -> None:

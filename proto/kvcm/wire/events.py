@@ -180,16 +180,12 @@ def event_from_proto(message: events_pb2.KVEvent, hash_length_bytes: int) -> KVC
             parent_block_hash=_optional(stored, "parent_block_hash"),
             token_ids=list(stored.token_ids),
             block_size=stored.block_size,
-            lora_id=stored.lora_id if stored.HasField("lora_id") else None,
+            lora_id=_optional(stored, "lora_id"),
             medium=medium_from_proto(stored.medium),
-            lora_name=stored.lora_name if stored.HasField("lora_name") else None,
-            group_idx=stored.group_idx if stored.HasField("group_idx") else None,
+            lora_name=_optional(stored, "lora_name"),
+            group_idx=_optional(stored, "group_idx"),
             kv_cache_spec_kind=spec_kind_from_proto(stored.kv_cache_spec_kind),
-            kv_cache_spec_sliding_window=(
-                stored.kv_cache_spec_sliding_window
-                if stored.HasField("kv_cache_spec_sliding_window")
-                else None
-            ),
+            kv_cache_spec_sliding_window=_optional(stored, "kv_cache_spec_sliding_window"),
             extra_keys=_extra_keys_from_proto(stored),
             locality=_optional(stored, "locality"),
             ownership=_optional(stored, "ownership"),
@@ -205,7 +201,7 @@ def event_from_proto(message: events_pb2.KVEvent, hash_length_bytes: int) -> KVC
         return BlockRemoved(
             block_hashes=_split_hashes(removed.block_hashes, hash_length_bytes),
             medium=medium_from_proto(removed.medium),
-            group_idx=removed.group_idx if removed.HasField("group_idx") else None,
+            group_idx=_optional(removed, "group_idx"),
             locality=_optional(removed, "locality"),
             ownership=_optional(removed, "ownership"),
         )

@@ -43,6 +43,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvcm.common.errors import ConfigError
 from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvcm.common.hashing import external_block_hash
 
 if TYPE_CHECKING:
     from kvcm.core.pool import Pool
@@ -104,12 +105,17 @@ class EventBatchStruct(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     data_parallel_rank: int | None = None
 
 
-def _wire_hashes(hashes: list[Any], int_hashes: bool) -> list[Any]:
+def _wire_hash(block_hash: Any, int_hashes: bool) -> Any:
     # Events restored from a snapshot older than full-width hashes hold vLLM's ints already.
-    if not int_hashes or not hashes or isinstance(hashes[0], int):
+    if int_hashes and isinstance(block_hash, bytes):
+        return external_block_hash(block_hash)
+    return block_hash
+
+
+def _wire_hashes(hashes: list[Any], int_hashes: bool) -> list[Any]:
+    if not int_hashes or not hashes or not isinstance(hashes[0], bytes):
         return hashes
-    from_bytes = int.from_bytes
-    return [from_bytes(h[-8:], "big") for h in hashes]
+    return [external_block_hash(h) for h in hashes]
 
 
 def _to_structs(events: Iterable[KVCacheEvent], int_hashes: bool) -> list[Any]:
@@ -119,7 +125,7 @@ def _to_structs(events: Iterable[KVCacheEvent], int_hashes: bool) -> list[Any]:
         if type(event) is BlockStored:
             parent = event.parent_block_hash
             if parent is not None:
-                parent = _wire_hashes([parent], int_hashes)[0]
+                parent = _wire_hash(parent, int_hashes)
             # Positional, in the struct's field order: the cheapest construction.
             append(
                 BlockStoredStruct(

@@ -13,7 +13,7 @@ from typing import Any, Final, TypeAlias
 
 import grpc
 
-from kvcm.core.lookup import LookupAnswer, LookupQuery, hash_prompt, hashing_work
+from kvcm.core.lookup import LookupAnswer, LookupQuery, hash_prompt, hashing_work, lookup
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.rpc._state import PRINCIPAL, Principal, ServerState
 from kvcm.server.rpc._status import AbortRpc
@@ -49,7 +49,8 @@ async def lookup_as(
 
     Raises:
         LookupDeniedError: ``query.pool_ids`` names a pool the principal may not read.
-        NotFoundError, InvalidArgumentError: As :meth:`PoolRegistry.lookup`.
+        NotFoundError, InvalidArgumentError, ResourceExhaustedError: As
+            :meth:`PoolRegistry.lookup`.
     """
     if principal is not None:
         for index, pool_id in enumerate(query.pool_ids):
@@ -65,20 +66,16 @@ async def lookup_as(
             if not readable:
                 return LookupAnswer((), (), 0)
             query = dataclasses.replace(query, pool_ids=readable)
+    pools = registry.scope(query)
     hashed = None
-    if query.token_ids is not None:
-        pools = registry.scope(query)
-        if hashing_work(pools, query) >= OFF_LOOP_HASH_BLOCKS:
-            hashed = await asyncio.to_thread(hash_prompt, pools, query)
-            if query.pool_ids:
-                # Pools deleted meanwhile are no longer asked about (not NOT_FOUND: they were
-                # there when the call came).
-                query = dataclasses.replace(
-                    query, pool_ids=tuple(p for p in query.pool_ids if p in registry)
-                )
-                if not query.pool_ids:
-                    return LookupAnswer((), (), 0)
-    return registry.lookup(query, hashed)
+    if hashing_work(pools, query) >= OFF_LOOP_HASH_BLOCKS:  # 0 for hash prompts
+        hashed = await asyncio.to_thread(hash_prompt, pools, query)
+        # Pools deleted or replaced meanwhile are no longer asked about (not NOT_FOUND: they
+        # were there when the call came).
+        pools = [
+            pool for pool in pools if pool.name in registry and registry.get(pool.name) is pool
+        ]
+    return lookup(pools, registry.index, query, hashed)
 
 
 class LookupServicer(service_pb2_grpc.LookupServiceServicer):
