@@ -442,7 +442,8 @@ class SchedulerServiceServicer:
     def Step(self, request, context):
         """A whole scheduler step: see StepRequest. INVALID_ARGUMENT / NOT_FOUND / ALREADY_EXISTS:
         the op named in the message (and in the kvcm-step-rejection-bin trailer) failed
-        validation; nothing ran. FAILED_PRECONDITION: step_seq out of sequence.
+        validation; nothing ran. FAILED_PRECONDITION: step_seq out of sequence, or an ALLOCATE's
+        hit is stale (a block no longer holds the request's block hash; nothing ran).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -502,8 +503,10 @@ class SchedulerServiceServicer:
 
     def AllocateSlots(self, request, context):
         """allocate_slots. Does not fit: status DOES_NOT_FIT, nothing changed. NOT_FOUND: unknown key.
-        INVALID_ARGUMENT: token counts beyond the request or max_model_len, a stale or foreign
-        `new_computed` hit.
+        INVALID_ARGUMENT: token counts beyond the request or max_model_len, a `new_computed` hit
+        of the wrong shape (groups, lengths, a block id outside the pool). FAILED_PRECONDITION: a
+        stale `new_computed` hit (a block no longer holds the request's block hash, or the null
+        block where its group skips none): look the request up again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
