@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvcm.common.config import KVCacheConfig
+from kvcm.common.config import KVCacheConfig, pool_bytes_per_block
 from kvcm.common.errors import InvalidArgumentError, shown
 from kvcm.common.hashing import BlockHasher, HashAlgorithm
-from kvcm.common.specs import KVCacheSpec
+from kvcm.common.specs import UINT64_MAX, KVCacheSpec
 
 __all__ = [
     "DEFAULT_EVENT_RETENTION",
@@ -212,6 +212,15 @@ class PoolConfig:
                     raise InvalidArgumentError(
                         f"config.explicit_layout.kv_cache_groups[{index}].layer_names is empty"
                     )
+            # A worker's tensor spans every block: its byte size must fit the wire's uint64.
+            bytes_per_block = pool_bytes_per_block(layout.kv_cache_groups)
+            if bytes_per_block * layout.num_blocks > UINT64_MAX:
+                raise InvalidArgumentError(
+                    f"config.explicit_layout: {layout.num_blocks} blocks of {bytes_per_block} "
+                    f"bytes need a {bytes_per_block * layout.num_blocks}-byte tensor, more than "
+                    "a uint64 holds (fewer blocks or smaller pages)",
+                    field="config.explicit_layout.num_blocks",
+                )
         for name in ("num_blocks_override",):
             value = getattr(self, name)
             if value is not None and value < 2:
