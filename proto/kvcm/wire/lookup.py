@@ -98,18 +98,31 @@ def lookup_query_from_proto(message: lookup_pb2.LookupRequest) -> LookupQuery:
     return LookupQuery(**common)  # raises: no prompt
 
 
+_MAX_REASON_CHARS = 300
+
+
 def lookup_query_from_json(body: bytes) -> LookupQuery:
     """The query of a JSON body (``LookupRequest`` in protobuf's JSON mapping).
 
     Raises:
-        InvalidArgumentError: Not JSON, an unknown field, a wrong type, or a value out of its
-            domain (the message names it).
+        InvalidArgumentError: Not UTF-8, not JSON, an unknown field, a wrong type, or a value
+            out of its domain (the message names it).
     """
     message = lookup_pb2.LookupRequest()
     try:
-        json_format.Parse(body, message)
-    except json_format.ParseError as exc:
-        raise InvalidArgumentError(f"request body: {exc}", field="body") from None
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(
+            f"request body: not UTF-8 JSON (byte {exc.start} is {body[exc.start]:#04x})",
+            field="body",
+        ) from None
+    try:
+        json_format.Parse(text, message)
+    except (json_format.ParseError, RecursionError) as exc:
+        reason = str(exc)  # may quote the body: kept short
+        if len(reason) > _MAX_REASON_CHARS:
+            reason = f"{reason[:_MAX_REASON_CHARS]}... ({len(reason)} characters)"
+        raise InvalidArgumentError(f"request body: {reason}", field="body") from None
     return lookup_query_from_proto(message)
 
 
