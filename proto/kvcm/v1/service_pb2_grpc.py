@@ -455,7 +455,9 @@ class SchedulerServiceServicer:
         when it is missing. The pool becomes a new incarnation (a new epoch: event streams of the
         old one end with NOT_FOUND, as after DeletePool) whose last step_seq is the chunk's.
         INVALID_ARGUMENT: a damaged or mismatched snapshot (nothing changed). RESOURCE_EXHAUSTED:
-        beyond max_snapshot_bytes or the block limits.
+        beyond max_snapshot_bytes or the block limits. With authentication on, replacing a pool
+        needs the scheduler role on it and creating one the admin role (as CreatePool does):
+        PERMISSION_DENIED otherwise (nothing changed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,37 +1,29 @@
-"""Bearer tokens with roles per pool, and the audit log of admin actions.
+"""Bearer tokens with roles per pool, and the gRPC side of their checks.
 
 ``--auth-tokens FILE`` turns authentication on: every kvcm.v1 call must carry
-``authorization: Bearer <token>`` metadata naming a token of the file, whose roles allow the
-call on its pool. The file (TOML) stores only SHA-256 digests of the tokens::
+``authorization: Bearer <token>`` metadata (every HTTP route but the probes the same
+``Authorization`` header) naming a token of the file, whose roles allow the call on its pool.
+The file (TOML) stores only SHA-256 digests of the tokens::
 
     [[tokens]]
     name = "engine-0-scheduler"                 # the principal, in the audit log
     sha256 = "9f86d081884c7d659a2feaa0c55ad015..."  # hex digest of the token
     roles = ["scheduler:engine-0", "reader:*"]  # role:pool-id glob (fnmatch)
 
-Roles, each on the pools its glob matches:
-
-* ``admin``: CreatePool, DeletePool, and everything the other roles may;
-* ``scheduler``: every SchedulerService call (Step, the manager calls, KeepAlive,
-  ResyncPool) and what ``reader`` may;
-* ``worker``: RegisterWorker, DescribePool;
-* ``reader``: DescribePool, SubscribeEvents.
-
-ListPools needs any valid token; so does Lookup, whose answer covers only the pools the token
-may read (reader, worker, scheduler or admin), and which is PERMISSION_DENIED when its scope
-names another. A call without a token, or with one not in the file, is
+Who may call what is one table for gRPC and HTTP, :data:`kvcm.server.access.RULES` (the roles
+are described there). A call without a token, or with one not in the file, is
 UNAUTHENTICATED; a token whose roles do not cover the call on that pool is PERMISSION_DENIED;
-neither changes anything. A pool's NONE_HASH seed (DescribePool's ``hashing.seed``) is shown
-only to principals that drive the pool (scheduler or admin): others see it empty. Every
-CreatePool, DeletePool and ResyncPool is logged at INFO on the ``kvcm.audit`` logger with
-the principal, the pool and the outcome. SIGHUP re-reads the file.
+neither changes anything, and both are audited (rate-limited) on the ``kvcm.audit`` logger. A
+pool's NONE_HASH seed (DescribePool's ``hashing.seed``) is shown only to principals that drive
+the pool (scheduler or admin): others see it empty. Every CreatePool, DeletePool and
+ResyncPool is logged at INFO on ``kvcm.audit`` with the principal, the pool and the outcome.
+SIGHUP re-reads the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import time
 import tomllib
 from pathlib import Path
@@ -40,19 +32,39 @@ from typing import Any, Final
 import grpc
 
 from kvcm.common.errors import ConfigError
+from kvcm.server.access import (
+    AUDIT_LOG,
+    ROLES,
+    RULES,
+    SERVER_WIDE_ROLES,
+    PoolFrom,
+    RefusalLog,
+    Rule,
+    bearer_token,
+    refusal,
+)
 from kvcm.server.rpc import PRINCIPAL, AbortRpc, MethodInterceptor, Principal
 
 __all__ = ["AuthInterceptor", "TokenTable"]
 
-AUDIT_LOG = logging.getLogger("kvcm.audit")
-ROLES: Final = ("admin", "scheduler", "worker", "reader")
-_ADMIN_METHODS: Final = frozenset({"CreatePool", "DeletePool"})
-_READER_METHODS: Final = frozenset({"DescribePool", "SubscribeEvents"})
-_AUDITED: Final = frozenset({"CreatePool", "DeletePool", "ResyncPool"})
+_AUDITED: Final = frozenset(
+    {
+        "/kvcm.v1.AdminService/CreatePool",
+        "/kvcm.v1.AdminService/DeletePool",
+        "/kvcm.v1.SchedulerService/ResyncPool",
+    }
+)
+_NO_RULE: Final = Rule(roles=("admin",), pool=PoolFrom.SERVER)
+"""A method without a row in the table: refused to all but ``admin:*`` (and a test fails)."""
 
 
 class TokenTable:
-    """The tokens file, by SHA-256 digest."""
+    """The tokens file, by SHA-256 digest, and the audit of refusals made against it.
+
+    Attributes:
+        path: The file.
+        refusals: The rate-limited audit of refused calls (shared by gRPC and HTTP).
+    """
 
     def __init__(self, path: str) -> None:
         """Load ``path``.
@@ -62,6 +74,7 @@ class TokenTable:
         """
         self.path = path
         self._by_digest = self._load(path)
+        self.refusals = RefusalLog()
 
     @staticmethod
     def _load(path: str) -> dict[str, Principal]:
@@ -70,7 +83,7 @@ class TokenTable:
             document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except OSError as exc:
             raise ConfigError(f"{where}: {exc.strerror or exc}") from exc
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{where}: {exc}") from exc
         entries = document.get("tokens", [])
         if not isinstance(entries, list) or not entries:
@@ -78,6 +91,8 @@ class TokenTable:
         table: dict[str, Principal] = {}
         for index, entry in enumerate(entries):
             at = f"{where} tokens[{index}]"
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{at}: must be a table")
             digest = str(entry.get("sha256", "")).lower()
             if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                 raise ConfigError(f"{at}: sha256 must be 64 hex digits")
@@ -86,6 +101,8 @@ class TokenTable:
                 role, _, glob = str(granted).partition(":")
                 if role not in ROLES or not glob:
                     raise ConfigError(f"{at}: role {granted!r} is not one of {ROLES} ':' glob")
+                if role in SERVER_WIDE_ROLES and glob != "*":
+                    raise ConfigError(f"{at}: role {granted!r} spans every pool: write '{role}:*'")
                 roles.append((role, glob))
             table[digest] = Principal(str(entry.get("name") or f"tokens[{index}]"), tuple(roles))
         return table
@@ -100,97 +117,136 @@ class TokenTable:
 
     def principal(self, token: str) -> Principal | None:
         """The principal of a presented token, or ``None``."""
-        digest = hashlib.sha256(token.encode()).hexdigest()
+        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
         for known, principal in self._by_digest.items():
             if hmac.compare_digest(known, digest):
                 return principal
         return None
 
 
-def _allowed(principal: Principal, method: str, pool_id: str) -> bool:
-    if method in ("ListPools", "Lookup"):
-        return True  # Lookup narrows its scope to the pools the principal may read
-    if method in _ADMIN_METHODS:
-        return principal.has("admin", pool_id)
-    if method == "RegisterWorker":
-        return principal.has("worker", pool_id)
-    if method in _READER_METHODS:
-        return any(principal.has(role, pool_id) for role in ("reader", "worker", "scheduler"))
-    return principal.has("scheduler", pool_id)  # SchedulerService
-
-
 class AuthInterceptor(MethodInterceptor):
-    """Authenticates and authorizes every kvcm.v1 call; audits admin actions."""
+    """Authenticates and authorizes every kvcm.v1 call by :data:`~kvcm.server.access.RULES`;
+    audits refusals and admin actions."""
 
     def __init__(self, tokens: TokenTable) -> None:
         """Check calls against ``tokens``."""
         super().__init__()
         self.tokens = tokens
 
-    def _check(self, method: str, context: Any, pool_id: str) -> Principal:
+    def _check(self, full_name: str, rule: Rule, context: Any, pool_id: str) -> Principal:
+        """The caller's principal, once allowed.
+
+        A call that may create its pool (ResyncPool) passes here with the roles that may make
+        it on an existing pool; the servicer asks again, with ``exists=False``, at the moment
+        it would create the pool (no await between that check and the creation).
+
+        Raises:
+            AbortRpc: UNAUTHENTICATED or PERMISSION_DENIED (audited).
+        """
+        method = full_name.rsplit("/", 1)[-1]
         token = ""
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and isinstance(value, str):
-                scheme, _, token = value.partition(" ")
-                token = token.strip() if scheme.lower() == "bearer" else ""
+                token = bearer_token(value)
         principal = self.tokens.principal(token) if token else None
         if principal is None:
+            reason = "no token" if not token else "a token not in the tokens file"
+            self._refused(
+                context,
+                principal="",
+                method=full_name,
+                pool=pool_id,
+                code="UNAUTHENTICATED",
+                reason=reason,
+            )
             raise AbortRpc(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{method}: a valid 'authorization: Bearer <token>' is required",
             )
-        if not _allowed(principal, method, pool_id):
+        why = refusal(principal, rule, pool_id)
+        if why is not None:
+            self._refused(
+                context,
+                principal=principal.name,
+                method=full_name,
+                pool=pool_id,
+                code="PERMISSION_DENIED",
+                reason=why,
+            )
             raise AbortRpc(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"{method}: principal {principal.name!r} has no role for pool {pool_id!r}",
+                f"{method}: principal {principal.name!r} {why}",
             )
         PRINCIPAL.set(principal)
         return principal
 
-    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def _refused(self, context: Any, **refusal: str) -> None:
+        """Audit a refusal (``principal``, ``method``, ``pool``, ``code``, ``reason``)."""
+        self.tokens.refusals.refused(peer=str(context.peer() or ""), **refusal)
+
+    def _wrap_full(self, full_name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         kwargs = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
         }
+        rule = RULES.get(full_name, _NO_RULE)
+        method = full_name.rsplit("/", 1)[-1]
         check = self._check
-        audited = method in _AUDITED
+        refused = self._refused
+        audited = full_name in _AUDITED
 
-        async def audit(principal: Principal, pool_id: str, call: Any) -> Any:
-            if not audited:
-                return await call
+        def pool_of(request: Any) -> str:
+            if rule.pool is not PoolFrom.REQUEST:
+                return ""
+            return str(getattr(request, "pool_id", ""))
+
+        async def guarded(principal: Principal, pool_id: str, context: Any, call: Any) -> Any:
             outcome = "OK"
             try:
                 return await call
+            except AbortRpc as exc:  # a refusal decided by the servicer (scope, creation)
+                outcome = type(exc).__name__
+                if exc.code == grpc.StatusCode.PERMISSION_DENIED:
+                    refused(
+                        context,
+                        principal=principal.name,
+                        method=full_name,
+                        pool=pool_id,
+                        code=exc.code.name,
+                        reason=exc.details,
+                    )
+                raise
             except BaseException as exc:
                 outcome = type(exc).__name__
                 raise
             finally:
-                AUDIT_LOG.info(
-                    "admin action",
-                    extra={
-                        "event": "audit",
-                        "principal": principal.name,
-                        "method": method,
-                        "pool": pool_id,
-                        "outcome": outcome,
-                        "time": time.time(),
-                    },
-                )
+                if audited:
+                    AUDIT_LOG.info(
+                        "admin action",
+                        extra={
+                            "event": "audit",
+                            "principal": principal.name,
+                            "method": method,
+                            "pool": pool_id,
+                            "outcome": outcome,
+                            "time": time.time(),
+                        },
+                    )
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             async def unary(request: Any, context: Any) -> Any:
-                pool_id = str(getattr(request, "pool_id", ""))
-                principal = check(method, context, pool_id)
-                return await audit(principal, pool_id, inner(request, context))
+                pool_id = pool_of(request)
+                principal = check(full_name, rule, context, pool_id)
+                return await guarded(principal, pool_id, context, inner(request, context))
 
             return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
         if handler.unary_stream is not None:
             producer = handler.unary_stream
 
             async def stream(request: Any, context: Any) -> Any:
-                check(method, context, str(getattr(request, "pool_id", "")))
+                check(full_name, rule, context, pool_of(request))
                 async for item in producer(request, context):
                     yield item
 
@@ -199,16 +255,17 @@ class AuthInterceptor(MethodInterceptor):
             consumer = handler.stream_unary
 
             async def stream_unary(requests: Any, context: Any) -> Any:
-                first = await anext(aiter(requests))
-                pool_id = str(getattr(first, "pool_id", ""))
-                principal = check(method, context, pool_id)
+                first = await anext(aiter(requests), None)
+                pool_id = pool_of(first)
+                principal = check(full_name, rule, context, pool_id)
 
                 async def again() -> Any:
-                    yield first
+                    if first is not None:
+                        yield first
                     async for item in requests:
                         yield item
 
-                return await audit(principal, pool_id, consumer(again(), context))
+                return await guarded(principal, pool_id, context, consumer(again(), context))
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
         return handler

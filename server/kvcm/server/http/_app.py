@@ -23,7 +23,9 @@ from pydantic import BaseModel
 
 from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcm.core.lookup import LookupAnswer, LookupQuery
+from kvcm.server.access import RefusalLog, may_read
 from kvcm.server.http._collector import KVCMCollector, kvcm_version
+from kvcm.server.http._guard import TokenGuard, check_routes
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats
 
@@ -181,6 +183,7 @@ def build_app(
     zmq_counters: KvEventCounters | None = None,
     lookup: Callable[[LookupQuery, Principal | None], Awaitable[LookupAnswer]] | None = None,
     authenticate: Callable[[str], Principal | None] | None = None,
+    refusals: RefusalLog | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
@@ -190,6 +193,11 @@ def build_app(
     summaries; 404 with an :class:`ErrorBody` for an unknown pool), and with ``lookup``
     ``POST /v1/lookup`` (a ``kvcm.v1.LookupRequest`` in protobuf's JSON mapping, answered as a
     ``LookupResponse``; errors as :class:`ErrorBody` with 400, 401, 403, 404, 413 or 429).
+
+    With ``authenticate``, every route but the probes needs an ``Authorization: Bearer``
+    token whose roles allow it (:data:`kvcm.server.access.RULES`, the table the gRPC side
+    uses): 401 without a valid token, 403 without the role, both audited; ``/v1/pools`` and
+    ``/v1/lookup`` answer about the pools the token may read only.
 
     Each app gets its own ``CollectorRegistry``, so two servers in one process (tests) do not
     share or clash over metrics. Beside kvcm's own families it holds prometheus_client's
@@ -205,11 +213,14 @@ def build_app(
         zmq_counters: the ZMQ KV-event stream's counters (``None``: the stream is off).
         lookup: answers a lookup as a principal (``None``: no ``/v1/lookup`` route).
         authenticate: the principal of a bearer token, ``None`` for an unknown one (``None``:
-            authentication is off and lookups need no token).
+            authentication is off and no route needs a token).
+        refusals: where refused requests are audited (``None``: a log of the app's own).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
     """
+    if refusals is None:
+        refusals = RefusalLog()
     prometheus_registry = CollectorRegistry(auto_describe=False)
     collector = KVCMCollector(registry, rpc_stats, loop_lag, reclaims, zmq_counters)
     prometheus_registry.register(collector)
@@ -224,7 +235,15 @@ def build_app(
     )
     app.state.prometheus_registry = prometheus_registry
 
-    @app.get("/metrics", response_class=Response, tags=["operations"])
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        tags=["operations"],
+        responses={
+            401: {"model": ErrorBody, "description": "authentication is on: no valid token"},
+            403: {"model": ErrorBody, "description": "the token has no scrape:* (or admin:*)"},
+        },
+    )
     async def metrics(request: Request) -> Response:
         """Prometheus exposition of every kvcm metric, read from the pools now."""
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
@@ -246,18 +265,34 @@ def build_app(
             return JSONResponse(Status(status="ready").model_dump())
         return JSONResponse(Status(status="not ready").model_dump(), status_code=503)
 
-    @app.get("/v1/pools", tags=["pools"])
-    async def list_pools() -> PoolList:
-        """Every pool's summary (a pool busy with a long call is left out until it ends)."""
+    @app.get(
+        "/v1/pools",
+        tags=["pools"],
+        responses={
+            401: {"model": ErrorBody, "description": "authentication is on: no valid token"},
+        },
+    )
+    async def list_pools(request: Request) -> PoolList:
+        """The summary of every pool the token may read (a pool busy with a long call is left
+        out until it ends)."""
+        principal = getattr(request.state, "principal", None)
         return PoolList(
-            pools=[summarize(pool.snapshot()) for pool in registry.list() if not pool.lent]
+            pools=[
+                summarize(pool.snapshot())
+                for pool in registry.list()
+                if not pool.lent and may_read(principal, pool.name)
+            ]
         )
 
     @app.get(
         "/v1/pools/{pool}",
         tags=["pools"],
         response_model=PoolSummary,
-        responses={404: {"model": ErrorBody, "description": "no pool has this name"}},
+        responses={
+            401: {"model": ErrorBody, "description": "authentication is on: no valid token"},
+            403: {"model": ErrorBody, "description": "the token may not read this pool"},
+            404: {"model": ErrorBody, "description": "no pool has this name"},
+        },
     )
     async def get_pool(pool: str) -> Response | PoolSummary:
         """One pool's summary."""
@@ -274,7 +309,15 @@ def build_app(
         return summarize(found.snapshot())
 
     if lookup is not None:
-        _add_lookup_route(app, lookup, authenticate)
+        _add_lookup_route(app, lookup, refusals)
+    check_routes(app.routes)
+    if authenticate is not None:
+        app.add_middleware(
+            TokenGuard,
+            routes=app.router.routes,
+            authenticate=authenticate,
+            refusals=refusals,
+        )
     return app
 
 
@@ -286,7 +329,7 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 def _add_lookup_route(
     app: FastAPI,
     lookup: Callable[[LookupQuery, Principal | None], Awaitable[LookupAnswer]],
-    authenticate: Callable[[str], Principal | None] | None,
+    refusals: RefusalLog,
 ) -> None:
     from kvcm.server.rpc import LookupDeniedError
     from kvcm.wire.lookup import lookup_query_from_json, lookup_result_to_json
@@ -314,15 +357,7 @@ def _add_lookup_route(
         The body is a ``kvcm.v1.LookupRequest`` in protobuf's JSON mapping; the answer a
         ``LookupResponse`` (snake_case names, every field present).
         """
-        principal = None
-        if authenticate is not None:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            token = token.strip()
-            principal = authenticate(token) if scheme.lower() == "bearer" and token else None
-            if principal is None:
-                return _error(
-                    401, "UNAUTHENTICATED", "a valid 'Authorization: Bearer <token>' is required"
-                )
+        principal: Principal | None = getattr(request.state, "principal", None)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_LOOKUP_BODY_BYTES:
             return _error(413, "RESOURCE_EXHAUSTED", too_large)
@@ -338,6 +373,16 @@ def _add_lookup_route(
         except NotFoundError as exc:
             return _error(404, "NOT_FOUND", str(exc.args[0]) if exc.args else str(exc))
         except LookupDeniedError as exc:
+            if principal is not None:
+                client = request.client
+                refusals.refused(
+                    principal=principal.name,
+                    peer=f"{client.host}:{client.port}" if client else "",
+                    method="POST /v1/lookup",
+                    pool="",
+                    code="403",
+                    reason=str(exc),
+                )
             return _error(403, "PERMISSION_DENIED", str(exc))
         except ResourceExhaustedError as exc:
             return _error(429, "RESOURCE_EXHAUSTED", str(exc))

@@ -65,9 +65,11 @@ class PoolLike(Protocol):
     """A pool as the HTTP side sees it: something that can be snapshotted.
 
     Attributes:
+        name: The pool's id (what the tokens' globs match).
         lent: True while a worker thread runs a long call on the pool (skip it meanwhile).
     """
 
+    name: str
     lent: bool
 
     def snapshot(self) -> PoolSnapshotLike:

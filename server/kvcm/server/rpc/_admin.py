@@ -17,9 +17,10 @@ from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
 from kvcm.core.pool import Pool, PoolConfig
+from kvcm.server.access import may_read
 from kvcm.server.rpc._log import log_pool_created, log_pool_deleted
 from kvcm.server.rpc._offloop import OFF_LOOP_WORK
-from kvcm.server.rpc._state import PoolRuntime, ServerState, may_hash
+from kvcm.server.rpc._state import PRINCIPAL, PoolRuntime, ServerState, may_hash
 from kvcm.v1 import admin_pb2, service_pb2_grpc
 from kvcm.wire import pool_config_from_proto, pool_info_to_proto, pool_state_to_proto
 
@@ -72,9 +73,13 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
     async def ListPools(  # noqa: N802
         self, request: admin_pb2.ListPoolsRequest, context: Context
     ) -> admin_pb2.ListPoolsResponse:
-        """Every pool, sorted by id (a pool lent to a worker thread shows its last counts)."""
+        """Every pool the caller may read, sorted by id (a pool lent to a worker thread shows
+        its last counts)."""
         response = admin_pb2.ListPoolsResponse()
+        principal = PRINCIPAL.get()
         for pool in self._state.registry.list():
+            if not may_read(principal, pool.name):
+                continue
             manager = pool.manager
             response.pools.add(
                 pool_id=pool.name,

@@ -66,9 +66,16 @@ class MethodInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(handler_call_details)
         if handler is None or not full_name.startswith(_PREFIX):
             return handler
-        wrapped = self._wrap(full_name.rsplit("/", 1)[-1], handler)
+        wrapped = self._wrap_full(full_name, handler)
         self._wrapped[full_name] = wrapped
         return wrapped
+
+    def _wrap_full(self, full_name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` of ``full_name`` (``"/kvcm.v1.SchedulerService/Step"``) wrapped.
+
+        By default :meth:`_wrap` with the short name; override where the service matters.
+        """
+        return self._wrap(full_name.rsplit("/", 1)[-1], handler)
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """``handler`` of ``method`` (``"Step"``) wrapped, or as it is."""

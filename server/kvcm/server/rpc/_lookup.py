@@ -15,6 +15,7 @@ import grpc
 
 from kvcm.core.lookup import LookupAnswer, LookupQuery, hash_prompt, hashing_work, lookup
 from kvcm.core.pool import PoolRegistry
+from kvcm.server.access import may_read
 from kvcm.server.rpc._state import PRINCIPAL, Principal, ServerState
 from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import lookup_pb2, service_pb2_grpc
@@ -23,7 +24,6 @@ from kvcm.wire.lookup import lookup_query_from_proto, lookup_result_to_proto
 __all__ = ["OFF_LOOP_HASH_BLOCKS", "LookupDeniedError", "LookupServicer", "lookup_as"]
 
 Context: TypeAlias = Any
-_READ_ROLES = ("reader", "worker", "scheduler")
 OFF_LOOP_HASH_BLOCKS: Final = 4096
 """Token prompts needing this many block hashes or more are hashed off the event loop
 (about 4 ms of sha256)."""
@@ -31,10 +31,6 @@ OFF_LOOP_HASH_BLOCKS: Final = 4096
 
 class LookupDeniedError(Exception):
     """The caller named a pool in scope it may not read."""
-
-
-def _readable(principal: Principal, pool_id: str) -> bool:
-    return any(principal.has(role, pool_id) for role in _READ_ROLES)
 
 
 async def lookup_as(
@@ -54,14 +50,14 @@ async def lookup_as(
     """
     if principal is not None:
         for index, pool_id in enumerate(query.pool_ids):
-            if not _readable(principal, pool_id):
+            if not may_read(principal, pool_id):
                 raise LookupDeniedError(
                     f"scope.pool_ids[{index}]: principal {principal.name!r} may not read pool "
                     f"{pool_id!r}"
                 )
         if not query.pool_ids:
             readable = tuple(
-                pool.name for pool in registry.list() if _readable(principal, pool.name)
+                pool.name for pool in registry.list() if may_read(principal, pool.name)
             )
             if not readable:
                 return LookupAnswer((), (), 0)

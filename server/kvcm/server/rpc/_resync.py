@@ -16,21 +16,26 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Final, TypeAlias
 
+import grpc
+
 from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcm.core.limits import Limits, check_pool_blocks
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import PoolConfig
 from kvcm.core.snapshot import decode_pool
+from kvcm.server.access import RULES, refusal
 from kvcm.server.rpc._handlers import UndecodableRequest
 from kvcm.server.rpc._log import log_pool_resynced
 from kvcm.server.rpc._offloop import OFF_LOOP_WORK
-from kvcm.server.rpc._state import PoolRuntime, ServerState
+from kvcm.server.rpc._state import PRINCIPAL, PoolRuntime, ServerState
+from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import admin_pb2, scheduler_pb2
 from kvcm.wire import pool_config_from_proto
 
 __all__ = ["MAX_SNAPSHOT_BYTES", "resync_pool"]
 
 Context: TypeAlias = Any
+_METHOD: Final = "/kvcm.v1.SchedulerService/ResyncPool"
 
 MAX_SNAPSHOT_BYTES: Final = 4 << 30
 """The largest snapshot one ResyncPool takes (a 16M-block pool's snapshot is well under)."""
@@ -74,6 +79,22 @@ def _decode(data: bytes, pool_id: str, options: PoolConfig, step_seq: int, limit
     return pool
 
 
+def _check_may_create(pool_id: str) -> None:
+    """Creating a pool by ResyncPool needs what CreatePool needs (authentication on).
+
+    Raises:
+        AbortRpc: PERMISSION_DENIED.
+    """
+    principal = PRINCIPAL.get()
+    if principal is None:
+        return
+    why = refusal(principal, RULES[_METHOD], pool_id, exists=False)
+    if why is not None:
+        raise AbortRpc(
+            grpc.StatusCode.PERMISSION_DENIED, f"ResyncPool: principal {principal.name!r} {why}"
+        )
+
+
 async def resync_pool(
     state: ServerState, chunks: AsyncIterator[scheduler_pb2.ResyncPoolRequest]
 ) -> scheduler_pb2.ResyncPoolResponse:
@@ -95,6 +116,8 @@ async def resync_pool(
     except NotFoundError:
         old = None
     exists = old is not None
+    if not exists:
+        _check_may_create(pool_id)  # no await from here to the pool's creation
     old_blocks = 0
     if old is not None and old.manager is not None:
         old_blocks = old.manager.block_pool.num_gpu_blocks
