@@ -36,6 +36,43 @@ def _check_epoch(request: events_pb2.SubscribeEventsRequest, pool: Pool) -> None
         )
 
 
+class _ReadDeadline:
+    """Ends a stream whose reader took a lease of the server's awake time to accept a message.
+
+    Counted in awake time (``ServerState.clock``): when the server itself stalled, the reader
+    could not read either, so the timer fires again for what is left of the lease.
+    """
+
+    __slots__ = ("_deadline", "_handle", "_lease", "_pool_id", "_state", "_task")
+
+    def __init__(
+        self, state: ServerState, task: asyncio.Task[Any], pool_id: str, lease: float
+    ) -> None:
+        self._state = state
+        self._task = task
+        self._pool_id = pool_id
+        self._lease = lease
+        self._deadline = state.clock.awake() + lease
+        self._handle = asyncio.get_running_loop().call_later(lease, self._fire)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+    def _fire(self) -> None:
+        left = self._deadline - self._state.clock.awake()
+        if left > 0:
+            self._handle = asyncio.get_running_loop().call_later(left, self._fire)
+            return
+        key = (self._pool_id, "subscriber")
+        self._state.reclaims[key] = self._state.reclaims.get(key, 0) + 1
+        _LOG.info(
+            "subscriber lease expired: stream ended",
+            extra={"event": "lease_reclaimed", "pool": self._pool_id, "lease": "subscriber",
+                   "idle_s": self._lease, "requests": 0, "cleared": False},
+        )  # fmt: skip
+        self._task.cancel()
+
+
 class EventServicer(service_pb2_grpc.EventServiceServicer):
     """SubscribeEvents."""
 
@@ -61,7 +98,6 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
         runtime.subscribers += 1
         lease = self._state.subscriber_lease_s
         task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
         try:
             async for message in self._stream(request, pool, runtime, sequence):
                 if not lease or task is None:
@@ -69,23 +105,13 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
                     continue
                 # A reader that takes longer than the lease to accept one message has
                 # stopped reading: its stream is ended, freeing what it holds.
-                expiry = loop.call_later(lease, self._expire, task, pool.name, lease)
+                deadline = _ReadDeadline(self._state, task, pool.name, lease)
                 try:
                     yield message
                 finally:
-                    expiry.cancel()
+                    deadline.cancel()
         finally:
             runtime.subscribers -= 1
-
-    def _expire(self, task: asyncio.Task[Any], pool_id: str, lease: float) -> None:
-        key = (pool_id, "subscriber")
-        self._state.reclaims[key] = self._state.reclaims.get(key, 0) + 1
-        _LOG.info(
-            "subscriber lease expired: stream ended",
-            extra={"event": "lease_reclaimed", "pool": pool_id, "lease": "subscriber",
-                   "idle_s": lease, "requests": 0, "cleared": False},
-        )  # fmt: skip
-        task.cancel()
 
     async def _stream(
         self,

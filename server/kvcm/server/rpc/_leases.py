@@ -11,6 +11,11 @@ blocks) is reclaimed once, by its ``lease_expiry`` policy:
 * ``CLEAR``: the same, then the prefix cache is reset (AllBlocksCleared: routers drop the
   pool's blocks), for an engine that will come back empty.
 
+Leases count the server's awake time, not wall time: a stall of the server itself (the
+process paused or starved, the event loop blocked) is detected by the monitor's beat
+(:class:`~kvcm.server.rpc._state.AwakeClock`, every 0.1 s) and moves every lease deadline
+later by as much, so after a stall each holder still has its whole lease to call again.
+
 A reclaim is an ordinary Step program run by the interpreter, published and journaled like
 any Step (so a restart replays it), counted in ``kvcm_lease_reclaims_total{pool, kind}`` and
 logged at INFO. A scheduler that calls again renews the lease; nothing else is touched.
@@ -65,10 +70,9 @@ class LeaseMonitor:
         state: The server's shared state.
     """
 
-    def __init__(self, state: ServerState, clock: object = time.monotonic) -> None:
-        """Watch ``state``'s pools; ``clock`` is a monotonic clock (tests pass their own)."""
+    def __init__(self, state: ServerState) -> None:
+        """Watch ``state``'s pools (their lease times come from ``state.clock``)."""
         self.state = state
-        self._clock = clock
         self._reclaimed: set[tuple[str, int]] = set()  # (pool, epoch) reclaimed since activity
         self._task: asyncio.Task[None] | None = None
 
@@ -84,26 +88,35 @@ class LeaseMonitor:
                 await self._task
             self._task = None
 
+    def _interval(self) -> float:
+        leases = [
+            p.options.scheduler_lease_s
+            for p in self.state.registry.list()
+            if p.options.scheduler_lease_s > 0
+        ]
+        if self.state.transfer_lease_s:
+            leases.append(self.state.transfer_lease_s)
+        return min([_MAX_INTERVAL_S, *(lease / 4 for lease in leases)])
+
     async def _run(self) -> None:
+        clock = self.state.clock
+        next_check = clock.now() + self._interval()
         while True:
-            leases = [
-                p.options.scheduler_lease_s
-                for p in self.state.registry.list()
-                if p.options.scheduler_lease_s > 0
-            ]
-            if self.state.transfer_lease_s:
-                leases.append(self.state.transfer_lease_s)
-            interval = min([_MAX_INTERVAL_S, *(lease / 4 for lease in leases)])
-            await asyncio.sleep(interval)
+            # The beat: a gap in it is a stall of the server (see AwakeClock).
+            await asyncio.sleep(clock.beat_s)
+            now = clock.now()
+            if now < next_check:
+                continue
             try:
                 await self.check()
             except Exception:  # a check must never stop the monitor
                 _LOG.exception("lease check failed")
+            next_check = clock.now() + self._interval()
 
     async def check(self) -> int:
         """Reclaim every pool whose lease expired; returns how many were reclaimed."""
         state = self.state
-        now = self._clock()  # type: ignore[operator]
+        now = state.clock.now()  # first: a stall just ended moves the deadlines
         reclaimed = 0
         for pool in state.registry.list():
             lease = pool.options.scheduler_lease_s

@@ -24,7 +24,15 @@ if TYPE_CHECKING:
     from kvcm.server.kv_events import KvEventStream
     from kvcm.server.tracing import Tracing
 
-__all__ = ["CALL_TIME", "PRINCIPAL", "PoolRuntime", "Principal", "ServerState", "may_hash"]
+__all__ = [
+    "CALL_TIME",
+    "PRINCIPAL",
+    "AwakeClock",
+    "PoolRuntime",
+    "Principal",
+    "ServerState",
+    "may_hash",
+]
 
 CALL_TIME: ContextVar[float] = ContextVar("kvcm_call_time", default=0.0)
 """The time the current call stamps its events with (0: now); set by the journal."""
@@ -61,6 +69,63 @@ T = TypeVar("T")
 def _off_loop(work: Callable[[], T], context: OffLoopWork) -> T:
     with context:
         return work()
+
+
+class AwakeClock:
+    """Monotonic time during which the server was awake: leases count it, not stalls.
+
+    A lease measures its holder's silence. When the server itself stalls (the process was
+    paused or starved, or its event loop was blocked), its holders could not reach it, so
+    the stall must not count against them. :meth:`now` is called at least every ``beat_s``
+    (``LeaseMonitor`` beats it) and by every lease check: a gap between two calls longer than
+    ``beat_s + tolerance_s`` is a stall, whose length beyond ``beat_s`` is added to
+    :attr:`stalled_s` and reported to ``on_stall`` (which extends every lease deadline).
+
+    Attributes:
+        stalled_s: Stalls detected so far, in seconds.
+        stalls: Stalls detected so far.
+    """
+
+    __slots__ = ("_beat_s", "_clock", "_last", "_max_gap_s", "on_stall", "stalled_s", "stalls")
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        beat_s: float = 0.1,
+        tolerance_s: float = 0.05,
+    ) -> None:
+        """Read ``clock`` (monotonic seconds), expecting a call at least every ``beat_s``."""
+        self._clock = clock
+        self._beat_s = beat_s
+        self._max_gap_s = beat_s + tolerance_s
+        self._last = clock()
+        self.stalled_s = 0.0
+        self.stalls = 0
+        self.on_stall: Callable[[float, float], None] | None = None
+
+    @property
+    def beat_s(self) -> float:
+        """How often :meth:`now` is expected to be called, at the least."""
+        return self._beat_s
+
+    def now(self) -> float:
+        """``clock()`` now, after accounting any stall since the previous call."""
+        now = self._clock()
+        gap = now - self._last
+        self._last = now
+        if gap > self._max_gap_s:
+            stall = gap - self._beat_s
+            self.stalled_s += stall
+            self.stalls += 1
+            if self.on_stall is not None:
+                self.on_stall(stall, now)
+        return now
+
+    def awake(self) -> float:
+        """Awake seconds so far (``now() - stalled_s``): differences are lease time."""
+        now = self.now()
+        return now - self.stalled_s
 
 
 @dataclass(slots=True)
@@ -114,9 +179,12 @@ class ServerState:
         serving: Whether the gRPC side serves (False before start and while shutting down).
         limits: The service's hard limits (pending registrations, registration timeout).
         journal: The data directory's journal (``None``: in memory only).
-        activity: When (``time.monotonic``) each pool's scheduler last called.
-        transfers: Requests allocated with ``delay_cache_blocks``, by (pool, key): when, and
-            the request object (a reused key is another request).
+        activity: When (``time.monotonic``) each pool's scheduler last called; moved later
+            by every stall of the server (:class:`AwakeClock`), so a lease counts awake time.
+        transfers: Requests allocated with ``delay_cache_blocks``, by (pool, key): when
+            (moved later by stalls, as ``activity``), and the request object (a reused key
+            is another request).
+        clock: The awake clock every lease reads (beaten by ``LeaseMonitor``).
         transfer_lease_s: The transfer lease (0: transfers are not tracked).
         subscriber_lease_s: How long an event stream may wait for its reader to accept one
             message before it is ended (0: forever).
@@ -144,8 +212,22 @@ class ServerState:
     transfer_lease_s: float = 0.0
     subscriber_lease_s: float = 0.0
     reclaims: dict[tuple[str, str], int] = field(default_factory=dict)
+    clock: AwakeClock = field(default_factory=AwakeClock)
     kv_events: KvEventStream | None = None
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
+
+    def __post_init__(self) -> None:
+        self.clock.on_stall = self._extend_leases
+
+    def _extend_leases(self, stall_s: float, now: float) -> None:
+        """Move every lease's last renewal ``stall_s`` later (not past ``now``): the server
+        stalled, and its holders could not call meanwhile."""
+        activity = self.activity
+        for pool_id, last in activity.items():
+            activity[pool_id] = min(last + stall_s, now)
+        transfers = self.transfers
+        for key, (started, request) in transfers.items():
+            transfers[key] = (min(started + stall_s, now), request)
 
     async def pool(self, pool_id: str) -> Pool:
         """The pool called ``pool_id``, once no worker thread holds it.
@@ -160,7 +242,7 @@ class ServerState:
     async def scheduler_pool(self, pool_id: str) -> Pool:
         """:meth:`pool` for a scheduler's call: it renews the pool's scheduler lease."""
         pool = await self.pool(pool_id)
-        self.activity[pool_id] = time.monotonic()
+        self.activity[pool_id] = self.clock.now()
         return pool
 
     async def run_in_lane(
@@ -194,7 +276,7 @@ class ServerState:
 
     def track_transfers(self, pool: Pool, keys: list[int]) -> None:
         """Start the transfer lease of requests just allocated with ``delay_cache_blocks``."""
-        now = time.monotonic()
+        now = self.clock.now()
         for key in keys:
             request = pool.requests.get(key)
             if request is not None:
@@ -220,7 +302,8 @@ class ServerState:
 
     def retire(self, pool: Pool) -> None:
         """End a pool that was deleted or is being replaced: publish ``AllBlocksCleared`` as
-        its last batch, then end its registrations and event streams (NOT_FOUND)."""
+        its last batch, then end its registrations and event streams (NOT_FOUND). The pool
+        id's next incarnation numbers its ZMQ batches after that one."""
         if pool.publish_cleared(CALL_TIME.get() or time.time()) and self.kv_events is not None:
             self.kv_events.publish(pool, self.topic(pool))
         runtime = self.runtimes.pop(pool.name, None)
