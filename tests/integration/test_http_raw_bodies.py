@@ -7,13 +7,17 @@ The routes are taken from the app itself, so a route added later is swept too.
 from __future__ import annotations
 
 import functools
+import hashlib
+from pathlib import Path
 
 import httpx
 import pytest
 
 from kvcm.core.pool import PoolRegistry
+from kvcm.server.embedded import start_embedded_server
 from kvcm.server.http import build_app
 from kvcm.server.rpc import lookup_as
+from kvcm.server.settings import ServerSettings
 from kvcm.server.telemetry import RpcStats
 
 # Bodies no JSON decoder should take, and JSON that is hostile in its content.
@@ -82,3 +86,46 @@ def test_lookup_names_what_is_wrong_with_the_body(kvcm_http_address: str, name: 
     assert len(error["message"]) < 1000  # the body is not echoed whole
     if name in ("latin-1", "invalid-utf8", "utf-16"):
         assert "not UTF-8" in error["message"]
+
+
+RAW_AUTHORIZATIONS: tuple[bytes, ...] = (
+    b"Bearer \xff\xfe",
+    b"Bearer " + b"\xe9" * 10_000,
+    b"bearer",
+    b"Bearer \t x",
+    b"Basic dXNlcjpwYXNz",
+    b"\x80\xff \xff",
+)
+
+
+def test_raw_authorization_headers_and_bodies_with_tokens_on(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    digest = hashlib.sha256(b"reader-token").hexdigest()
+    tokens.write_text(
+        f'[[tokens]]\nname = "router"\nsha256 = "{digest}"\nroles = ["reader:*"]\n',
+        encoding="utf-8",
+    )
+    running = start_embedded_server(
+        ServerSettings(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            auth_tokens=str(tokens),
+            log_level="ERROR",
+        )
+    )
+    try:
+        with httpx.Client(base_url=f"http://{running.http_address}", timeout=10.0) as http:
+            for method, path in ROUTES:
+                for header in RAW_AUTHORIZATIONS:
+                    answer = http.request(
+                        method, path, headers={"authorization": header}, content=b"\xff"
+                    )
+                    open_route = path in ("/healthz", "/readyz")
+                    assert answer.status_code == (200 if open_route else 401), (method, path)
+            for name, body in RAW_BODIES.items():
+                answer = http.post(
+                    "/v1/lookup", headers={"authorization": "Bearer reader-token"}, content=body
+                )
+                assert answer.status_code == 400, (name, answer.text[:200])
+    finally:
+        running.stop()
