@@ -197,6 +197,12 @@ def pool_configs(draw: st.DrawFn) -> PoolConfig:
         event_retention_num_events=draw(st.integers(1, 1 << 20)),
         log_stats=draw(st.booleans()),
         watermark=draw(st.floats(0.0, 0.99, allow_nan=False)),
+        disable_hybrid_kv_cache_manager=draw(st.none() | st.booleans()),
+        max_num_batched_tokens=draw(_maybe(st.integers(1, (1 << 32) - 1))),
+        max_num_encoder_input_tokens=draw(st.none() | st.integers(0, (1 << 32) - 1)),
+        kv_cache_memory_bytes=draw(_maybe(st.integers(1, (1 << 64) - 1))),
+        auto_fit_max_model_len=draw(st.booleans()),
+        kv_cache_layout=draw(st.sampled_from(list(KVCacheLayout))),
     )
 
 

@@ -86,7 +86,9 @@ class KVCacheLayout(enum.Enum):
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls[value.upper()]
         known = ", ".join(cls.__members__)
-        raise InvalidArgumentError(f"{field}: unknown KV-cache layout {value!r} (known: {known})")
+        raise InvalidArgumentError(
+            f"{field}: unknown KV-cache layout {value!r} (known: {known})", field=field
+        )
 
 
 def page_shape(spec: KVCacheSpec) -> tuple[int, int, int]:

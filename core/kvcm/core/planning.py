@@ -37,6 +37,7 @@ from kvcm.common.config import (
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import (
     UINT64_MAX,
+    CrossAttentionSpec,
     KVCacheSpec,
     SizingLimits,
     UniformTypeKVCacheSpecs,
@@ -68,6 +69,7 @@ __all__ = [
     "pool_bytes_per_block",
     "project_groups_to_rank",
     "resolve_kv_cache_block_sizes",
+    "resolve_planning_options",
     "scheduler_kv_cache_config",
     "unify_hybrid_kv_cache_specs",
     "unify_kv_cache_spec_page_size",
@@ -96,10 +98,19 @@ class PlanningOptions:
         max_in_flight_tokens: Tokens scheduled but not yet settled (vLLM's
             ``max_in_flight_tokens``, at least ``max_num_batched_tokens``); sizes
             sliding-window and chunked-local layers. ``None``: ``max_model_len``.
-        max_num_encoder_input_tokens: Encoder length cross-attention layers cache.
+        max_num_encoder_input_tokens: Encoder length cross-attention layers cache (vLLM's
+            ``scheduler_config.max_num_encoder_input_tokens``, which vLLM sets to
+            ``max_num_batched_tokens``). ``None``: unknown, and a model with cross-attention
+            layers is refused (vLLM never plans them without an encoder budget).
         num_gpu_blocks_override: Plan exactly this many blocks per rank, whatever the memory.
+        kv_cache_memory_bytes: Every rank gives exactly this many bytes, whatever it offered
+            (vLLM's ``cache_config.kv_cache_memory_bytes``, which replaces each worker's
+            profiled memory). ``None``: each rank's own figure.
         enable_hybrid_manager: ``False`` promotes local-attention layers to full attention
-            (vLLM's ``--disable-hybrid-kv-cache-manager``).
+            (vLLM's ``scheduler_config.disable_hybrid_kv_cache_manager`` as the engine
+            resolved it: ``--disable-hybrid-kv-cache-manager``, or turned off by vLLM for a
+            platform without hybrid support, a KV connector without it, or chunked local
+            attention with EAGLE or ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0``).
         auto_fit_max_model_len: Shrink ``max_model_len`` to what the memory of every rank
             holds (vLLM's ``max_model_len=-1``).
         kv_cache_layout: Physical axis order of the workers' KV cache.
@@ -111,8 +122,9 @@ class PlanningOptions:
 
     max_model_len: int
     max_in_flight_tokens: int | None = None
-    max_num_encoder_input_tokens: int = 0
+    max_num_encoder_input_tokens: int | None = None
     num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
     enable_hybrid_manager: bool = True
     auto_fit_max_model_len: bool = False
     kv_cache_layout: KVCacheLayout = KVCacheLayout.LBNHC
@@ -125,17 +137,23 @@ class PlanningOptions:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigError(f"PlanningOptions.{name} must be a positive int, got {value!r}")
-        for name in ("max_in_flight_tokens", "num_gpu_blocks_override", "prefix_match_unit"):
+        for name in (
+            "max_in_flight_tokens",
+            "num_gpu_blocks_override",
+            "kv_cache_memory_bytes",
+            "prefix_match_unit",
+        ):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ConfigError(
                     f"PlanningOptions.{name} must be a positive int or None, got {value!r}"
                 )
         encoder = self.max_num_encoder_input_tokens
-        if type(encoder) is not int or encoder < 0:
+        if encoder is not None and (type(encoder) is not int or encoder < 0):
             raise ConfigError(
-                "PlanningOptions.max_num_encoder_input_tokens must be a non-negative int, "
-                f"got {encoder!r}"
+                "PlanningOptions.max_num_encoder_input_tokens must be a non-negative int or "
+                f"None, got {encoder!r}",
+                field="max_num_encoder_input_tokens",
             )
         object.__setattr__(
             self,
@@ -148,7 +166,7 @@ class PlanningOptions:
         return SizingLimits(
             max_model_len=self.max_model_len if max_model_len is None else max_model_len,
             max_in_flight_tokens=self.max_in_flight_tokens,
-            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens or 0,
         )
 
 
@@ -439,6 +457,33 @@ def get_kv_cache_capacity(
 
 
 # ----------------------------------------------------------------------------- the whole plan
+def resolve_planning_options(
+    options: PlanningOptions, specs: Mapping[str, KVCacheSpec]
+) -> PlanningOptions:
+    """``options`` resolved for this model (every rank's layers).
+
+    ``max_num_encoder_input_tokens=None`` becomes 0 for a model without cross attention
+    (its value changes nothing there).
+
+    Raises:
+        ConfigError: The model has cross-attention layers and no encoder budget
+            (``max_num_encoder_input_tokens``): vLLM sizes their blocks by it.
+    """
+    encoder = options.max_num_encoder_input_tokens
+    if encoder is None:
+        cross = next((n for n, s in specs.items() if isinstance(s, CrossAttentionSpec)), None)
+        if cross is not None:
+            raise ConfigError(
+                f"layer {cross!r} is cross attention, whose blocks vLLM sizes by the encoder "
+                "budget (scheduler_config.max_num_encoder_input_tokens, which vLLM sets to "
+                "max_num_batched_tokens); the pool has none: set max_num_encoder_input_tokens "
+                "(or max_num_batched_tokens) to the engine's value",
+                field="max_num_encoder_input_tokens",
+            )
+        encoder = 0
+    return replace(options, max_num_encoder_input_tokens=encoder)
+
+
 def _validate_ranks(
     rank_specs: Sequence[Mapping[str, KVCacheSpec]], available_memory: Sequence[int]
 ) -> None:
@@ -503,22 +548,26 @@ def plan_kv_cache(
         rank_specs: Each rank's layers and their specs (vLLM's ``get_kv_cache_spec()``).
             Tensor-parallel ranks list the same layers; pipeline stages list their own.
         available_memory: Bytes each rank gives the KV cache.
-        options: Planning options.
+        options: Planning options (resolved by :func:`resolve_planning_options`).
 
     Returns:
         The plan; every rank's ``num_blocks`` is the minimum over the ranks.
 
     Raises:
         ConfigError: Inconsistent specs (a layer differs between ranks), specs that cannot
-            be grouped, no memory left after the null block, a model that cannot hold
-            one request of ``max_model_len`` tokens (vLLM's message), or a tensor whose
-            byte count does not fit a uint64.
+            be grouped, cross attention without an encoder budget, no memory left after the
+            null block, a model that cannot hold one request of ``max_model_len`` tokens
+            (vLLM's message), or a tensor whose byte count does not fit a uint64.
     """
     _validate_ranks(rank_specs, available_memory)
     merged = merge_rank_specs(rank_specs)
+    options = resolve_planning_options(options, merged)
     groups = get_kv_cache_groups(merged, options)
     rank_groups = [project_groups_to_rank(groups, specs) for specs in rank_specs]
     memory = list(available_memory)
+    if options.kv_cache_memory_bytes is not None:
+        # vLLM's workers report kv_cache_memory_bytes instead of what they profiled.
+        memory = [options.kv_cache_memory_bytes] * len(memory)
     override = options.num_gpu_blocks_override
     if override is not None:
         # The override decouples the pool from the profiled memory: plan, fit-check and

@@ -53,7 +53,6 @@ from kvcm.core.manager import (
     SlotOptions,
 )
 from kvcm.core.planning import (
-    PlanningOptions,
     UnifiedPlan,
     get_kv_cache_config_from_groups,
     layer_spec,
@@ -362,12 +361,7 @@ class Pool:
         plan = plan_kv_cache(
             [registered[r].specs for r in ranks],
             [registered[r].available_memory_bytes for r in ranks],
-            PlanningOptions(
-                max_model_len=options.max_model_len,
-                max_in_flight_tokens=options.max_in_flight_tokens,
-                num_gpu_blocks_override=options.num_blocks_override,
-                enable_caching=options.enable_caching,
-            ),
+            options.planning_options(),
         )
         if plan.num_blocks < 2:
             raise ResourceExhaustedError(
@@ -403,12 +397,13 @@ class Pool:
             raise FailedPreconditionError(f"pool {self.name!r} is not READY")
         groups = project_groups_to_rank(config.kv_cache_groups, registration.specs)
         placed = get_kv_cache_config_from_groups(
-            groups, config.num_blocks, PlanningOptions(max_model_len=1).kv_cache_layout
+            groups, config.num_blocks, self.options.kv_cache_layout
         )
         return KVCacheConfig(
             num_blocks=config.num_blocks,
             kv_cache_tensors=placed.kv_cache_tensors,
             kv_cache_groups=config.kv_cache_groups,
+            kv_cache_layout=placed.kv_cache_layout,
         )
 
     # ------------------------------------------------------------------------ requests

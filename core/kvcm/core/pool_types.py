@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvcm.common.config import KVCacheConfig, pool_bytes_per_block
+from kvcm.common.config import KVCacheConfig, KVCacheLayout, pool_bytes_per_block
 from kvcm.common.errors import InvalidArgumentError, shown
 from kvcm.common.hashing import BlockHasher, HashAlgorithm
 from kvcm.common.specs import UINT64_MAX, KVCacheSpec
+from kvcm.core.planning import PlanningOptions
 
 __all__ = [
     "DEFAULT_EVENT_RETENTION",
@@ -154,6 +155,17 @@ class PoolConfig:
         lease_expiry: What an expired lease reclaims.
         labels: What the pool is, for routers' lookup scopes (``model``, ``role``,
             ``tenant``, ``data_parallel_rank``...): fixed at creation, read-only afterwards.
+        disable_hybrid_kv_cache_manager: Planning: local attention next to full attention
+            planned as full attention, as the engine resolved vLLM's flag; ``None``: unset,
+            vLLM's default on every real platform (the hybrid manager on).
+        max_num_batched_tokens: Planning: vLLM's scheduler token budget, the encoder budget
+            when ``max_num_encoder_input_tokens`` is ``None``.
+        max_num_encoder_input_tokens: Planning: encoder tokens a cross-attention layer
+            caches per request; ``None``: ``max_num_batched_tokens`` (neither: a model with
+            cross attention is refused).
+        kv_cache_memory_bytes: Planning: bytes every rank gives, replacing what it offers.
+        auto_fit_max_model_len: Planning: shrink ``max_model_len`` to what every rank holds.
+        kv_cache_layout: Planning: the workers' KV-cache axis order.
     """
 
     max_model_len: int
@@ -174,9 +186,20 @@ class PoolConfig:
     scheduler_lease_s: float = 0.0
     lease_expiry: LeaseExpiry = LeaseExpiry.FREE_REQUESTS
     labels: Mapping[str, str] = field(default_factory=dict)
+    disable_hybrid_kv_cache_manager: bool | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_encoder_input_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    auto_fit_max_model_len: bool = False
+    kv_cache_layout: KVCacheLayout = KVCacheLayout.LBNHC
 
     def __post_init__(self) -> None:
         check_labels(self.labels)
+        object.__setattr__(
+            self,
+            "kv_cache_layout",
+            KVCacheLayout.parse(self.kv_cache_layout, "config.kv_cache_layout"),
+        )
         # A plain dict (sorted by key) so that configs copy and pickle; treat it as read-only.
         object.__setattr__(self, "labels", dict(sorted(self.labels.items())))
         named: object = self.hash_algorithm
@@ -225,10 +248,30 @@ class PoolConfig:
             value = getattr(self, name)
             if value is not None and value < 2:
                 raise InvalidArgumentError(f"config.{name} must be >= 2, got {value}")
-        for name in ("scheduler_block_size", "hash_block_size", "max_in_flight_tokens"):
+        for name in (
+            "scheduler_block_size",
+            "hash_block_size",
+            "max_in_flight_tokens",
+            "max_num_batched_tokens",
+            "kv_cache_memory_bytes",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise InvalidArgumentError(f"config.{name} must be >= 1, got {value}")
+                raise InvalidArgumentError(
+                    f"config.{name} must be >= 1, got {value}", field=f"config.{name}"
+                )
+        memory = self.kv_cache_memory_bytes
+        if memory is not None and memory > UINT64_MAX:
+            raise InvalidArgumentError(
+                f"config.kv_cache_memory_bytes must be < 2**64, got {memory}",
+                field="config.kv_cache_memory_bytes",
+            )
+        encoder = self.max_num_encoder_input_tokens
+        if encoder is not None and encoder < 0:
+            raise InvalidArgumentError(
+                f"config.max_num_encoder_input_tokens must be >= 0, got {encoder}",
+                field="config.max_num_encoder_input_tokens",
+            )
         if self.event_retention_num_events < 1:
             raise InvalidArgumentError(
                 "config.event_retention_num_events must be >= 1, "
@@ -241,6 +284,27 @@ class PoolConfig:
                 f"config.scheduler_lease_s must be in [0, 1e9], got {self.scheduler_lease_s}",
                 field="config.scheduler_lease_s",
             )
+
+    def planning_options(self) -> PlanningOptions:
+        """What planning reads of this config, vLLM's defaults left to planning.
+
+        The encoder budget falls back to ``max_num_batched_tokens``, as vLLM's
+        ``SchedulerConfig`` sets one to the other.
+        """
+        encoder = self.max_num_encoder_input_tokens
+        if encoder is None:
+            encoder = self.max_num_batched_tokens
+        return PlanningOptions(
+            max_model_len=self.max_model_len,
+            max_in_flight_tokens=self.max_in_flight_tokens,
+            max_num_encoder_input_tokens=encoder,
+            num_gpu_blocks_override=self.num_blocks_override,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_hybrid_manager=not self.disable_hybrid_kv_cache_manager,
+            auto_fit_max_model_len=self.auto_fit_max_model_len,
+            kv_cache_layout=self.kv_cache_layout,
+            enable_caching=self.enable_caching,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvcm.v1 import common_pb2 as kvcm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvcm/v1/admin.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/common.proto\"X\n\x0e\x45xplicitLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x32\n\x0fkv_cache_groups\x18\x02 \x03(\x0b\x32\x19.kvcm.v1.KVCacheGroupSpec\"\xd1\x06\n\nPoolConfig\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x35\n\x0f\x65xplicit_layout\x18\x02 \x01(\x0b\x32\x17.kvcm.v1.ExplicitLayoutH\x00\x88\x01\x01\x12 \n\x13num_blocks_override\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12!\n\x14scheduler_block_size\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fhash_block_size\x18\x06 \x01(\rH\x03\x88\x01\x01\x12!\n\x14max_in_flight_tokens\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x0e\x65nable_caching\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12.\n\x0ehash_algorithm\x18\t \x01(\x0e\x32\x16.kvcm.v1.HashAlgorithm\x12\x16\n\thash_seed\x18\n \x01(\tH\x06\x88\x01\x01\x12\x1b\n\x13verify_block_hashes\x18\x0b \x01(\x08\x12\x1e\n\x16\x65nable_kv_cache_events\x18\x0c \x01(\x08\x12\'\n\x1a\x65vent_retention_num_events\x18\r \x01(\rH\x07\x88\x01\x01\x12\x16\n\tlog_stats\x18\x0e \x01(\x08H\x08\x88\x01\x01\x12\x11\n\twatermark\x18\x0f \x01(\x01\x12\x19\n\x11scheduler_lease_s\x18\x10 \x01(\x01\x12*\n\x0clease_expiry\x18\x11 \x01(\x0e\x32\x14.kvcm.v1.LeaseExpiry\x12/\n\x06labels\x18\x12 \x03(\x0b\x32\x1f.kvcm.v1.PoolConfig.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_explicit_layoutB\x16\n\x14_num_blocks_overrideB\x17\n\x15_scheduler_block_sizeB\x12\n\x10_hash_block_sizeB\x17\n\x15_max_in_flight_tokensB\x11\n\x0f_enable_cachingB\x0c\n\n_hash_seedB\x1d\n\x1b_event_retention_num_eventsB\x0c\n\n_log_stats\"I\n\x11\x43reatePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12#\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x13.kvcm.v1.PoolConfig\"5\n\x12\x43reatePoolResponse\x12\x1f\n\x04pool\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.PoolInfo\"\x12\n\x10ListPoolsRequest\"8\n\x11ListPoolsResponse\x12#\n\x05pools\x18\x01 \x03(\x0b\x32\x14.kvcm.v1.PoolSummary\"&\n\x13\x44\x65scribePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"7\n\x14\x44\x65scribePoolResponse\x12\x1f\n\x04pool\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.PoolInfo\"$\n\x11\x44\x65letePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65letePoolResponse\"\x84\x01\n\x0bPoolSummary\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.kvcm.v1.PoolState\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x14\n\x0cnum_requests\x18\x05 \x01(\r\"\xde\x02\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.kvcm.v1.PoolState\x12#\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x13.kvcm.v1.PoolConfig\x12\x34\n\x0fkv_cache_config\x18\x04 \x01(\x0b\x32\x16.kvcm.v1.KVCacheConfigH\x00\x88\x01\x01\x12+\n\x07hashing\x18\x05 \x01(\x0b\x32\x1a.kvcm.v1.HashingParameters\x12\x18\n\x10registered_ranks\x18\x06 \x03(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x14\n\x0cnum_requests\x18\x08 \x01(\r\x12\r\n\x05usage\x18\t \x01(\x01\x12\x1b\n\x13last_event_sequence\x18\n \x01(\x04\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x42\x12\n\x10_kv_cache_config*]\n\tPoolState\x12\x1a\n\x16POOL_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPOOL_STATE_PENDING_WORKERS\x10\x01\x12\x14\n\x10POOL_STATE_READY\x10\x02*c\n\x0bLeaseExpiry\x12\x1c\n\x18LEASE_EXPIRY_UNSPECIFIED\x10\x00\x12\x1e\n\x1aLEASE_EXPIRY_FREE_REQUESTS\x10\x01\x12\x16\n\x12LEASE_EXPIRY_CLEAR\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvcm/v1/admin.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/common.proto\"X\n\x0e\x45xplicitLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x32\n\x0fkv_cache_groups\x18\x02 \x03(\x0b\x32\x19.kvcm.v1.KVCacheGroupSpec\"\xa6\t\n\nPoolConfig\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x35\n\x0f\x65xplicit_layout\x18\x02 \x01(\x0b\x32\x17.kvcm.v1.ExplicitLayoutH\x00\x88\x01\x01\x12 \n\x13num_blocks_override\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12!\n\x14scheduler_block_size\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fhash_block_size\x18\x06 \x01(\rH\x03\x88\x01\x01\x12!\n\x14max_in_flight_tokens\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x0e\x65nable_caching\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12.\n\x0ehash_algorithm\x18\t \x01(\x0e\x32\x16.kvcm.v1.HashAlgorithm\x12\x16\n\thash_seed\x18\n \x01(\tH\x06\x88\x01\x01\x12\x1b\n\x13verify_block_hashes\x18\x0b \x01(\x08\x12\x1e\n\x16\x65nable_kv_cache_events\x18\x0c \x01(\x08\x12\'\n\x1a\x65vent_retention_num_events\x18\r \x01(\rH\x07\x88\x01\x01\x12\x16\n\tlog_stats\x18\x0e \x01(\x08H\x08\x88\x01\x01\x12\x11\n\twatermark\x18\x0f \x01(\x01\x12\x19\n\x11scheduler_lease_s\x18\x10 \x01(\x01\x12*\n\x0clease_expiry\x18\x11 \x01(\x0e\x32\x14.kvcm.v1.LeaseExpiry\x12/\n\x06labels\x18\x12 \x03(\x0b\x32\x1f.kvcm.v1.PoolConfig.LabelsEntry\x12,\n\x1f\x64isable_hybrid_kv_cache_manager\x18\x13 \x01(\x08H\t\x88\x01\x01\x12#\n\x16max_num_batched_tokens\x18\x14 \x01(\rH\n\x88\x01\x01\x12)\n\x1cmax_num_encoder_input_tokens\x18\x15 \x01(\rH\x0b\x88\x01\x01\x12\"\n\x15kv_cache_memory_bytes\x18\x16 \x01(\x04H\x0c\x88\x01\x01\x12\x1e\n\x16\x61uto_fit_max_model_len\x18\x17 \x01(\x08\x12\x17\n\x0fkv_cache_layout\x18\x18 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_explicit_layoutB\x16\n\x14_num_blocks_overrideB\x17\n\x15_scheduler_block_sizeB\x12\n\x10_hash_block_sizeB\x17\n\x15_max_in_flight_tokensB\x11\n\x0f_enable_cachingB\x0c\n\n_hash_seedB\x1d\n\x1b_event_retention_num_eventsB\x0c\n\n_log_statsB\"\n _disable_hybrid_kv_cache_managerB\x19\n\x17_max_num_batched_tokensB\x1f\n\x1d_max_num_encoder_input_tokensB\x18\n\x16_kv_cache_memory_bytes\"I\n\x11\x43reatePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12#\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x13.kvcm.v1.PoolConfig\"5\n\x12\x43reatePoolResponse\x12\x1f\n\x04pool\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.PoolInfo\"\x12\n\x10ListPoolsRequest\"8\n\x11ListPoolsResponse\x12#\n\x05pools\x18\x01 \x03(\x0b\x32\x14.kvcm.v1.PoolSummary\"&\n\x13\x44\x65scribePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"7\n\x14\x44\x65scribePoolResponse\x12\x1f\n\x04pool\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.PoolInfo\"$\n\x11\x44\x65letePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65letePoolResponse\"\x84\x01\n\x0bPoolSummary\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.kvcm.v1.PoolState\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x14\n\x0cnum_requests\x18\x05 \x01(\r\"\xde\x02\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.kvcm.v1.PoolState\x12#\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x13.kvcm.v1.PoolConfig\x12\x34\n\x0fkv_cache_config\x18\x04 \x01(\x0b\x32\x16.kvcm.v1.KVCacheConfigH\x00\x88\x01\x01\x12+\n\x07hashing\x18\x05 \x01(\x0b\x32\x1a.kvcm.v1.HashingParameters\x12\x18\n\x10registered_ranks\x18\x06 \x03(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x14\n\x0cnum_requests\x18\x08 \x01(\r\x12\r\n\x05usage\x18\t \x01(\x01\x12\x1b\n\x13last_event_sequence\x18\n \x01(\x04\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x42\x12\n\x10_kv_cache_config*]\n\tPoolState\x12\x1a\n\x16POOL_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPOOL_STATE_PENDING_WORKERS\x10\x01\x12\x14\n\x10POOL_STATE_READY\x10\x02*c\n\x0bLeaseExpiry\x12\x1c\n\x18LEASE_EXPIRY_UNSPECIFIED\x10\x00\x12\x1e\n\x1aLEASE_EXPIRY_FREE_REQUESTS\x10\x01\x12\x16\n\x12LEASE_EXPIRY_CLEAR\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_POOLCONFIG_LABELSENTRY']._loaded_options = None
   _globals['_POOLCONFIG_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_POOLSTATE']._serialized_start=1849
-  _globals['_POOLSTATE']._serialized_end=1942
-  _globals['_LEASEEXPIRY']._serialized_start=1944
-  _globals['_LEASEEXPIRY']._serialized_end=2043
+  _globals['_POOLSTATE']._serialized_start=2190
+  _globals['_POOLSTATE']._serialized_end=2283
+  _globals['_LEASEEXPIRY']._serialized_start=2285
+  _globals['_LEASEEXPIRY']._serialized_end=2384
   _globals['_EXPLICITLAYOUT']._serialized_start=54
   _globals['_EXPLICITLAYOUT']._serialized_end=142
   _globals['_POOLCONFIG']._serialized_start=145
-  _globals['_POOLCONFIG']._serialized_end=994
-  _globals['_POOLCONFIG_LABELSENTRY']._serialized_start=757
-  _globals['_POOLCONFIG_LABELSENTRY']._serialized_end=802
-  _globals['_CREATEPOOLREQUEST']._serialized_start=996
-  _globals['_CREATEPOOLREQUEST']._serialized_end=1069
-  _globals['_CREATEPOOLRESPONSE']._serialized_start=1071
-  _globals['_CREATEPOOLRESPONSE']._serialized_end=1124
-  _globals['_LISTPOOLSREQUEST']._serialized_start=1126
-  _globals['_LISTPOOLSREQUEST']._serialized_end=1144
-  _globals['_LISTPOOLSRESPONSE']._serialized_start=1146
-  _globals['_LISTPOOLSRESPONSE']._serialized_end=1202
-  _globals['_DESCRIBEPOOLREQUEST']._serialized_start=1204
-  _globals['_DESCRIBEPOOLREQUEST']._serialized_end=1242
-  _globals['_DESCRIBEPOOLRESPONSE']._serialized_start=1244
-  _globals['_DESCRIBEPOOLRESPONSE']._serialized_end=1299
-  _globals['_DELETEPOOLREQUEST']._serialized_start=1301
-  _globals['_DELETEPOOLREQUEST']._serialized_end=1337
-  _globals['_DELETEPOOLRESPONSE']._serialized_start=1339
-  _globals['_DELETEPOOLRESPONSE']._serialized_end=1359
-  _globals['_POOLSUMMARY']._serialized_start=1362
-  _globals['_POOLSUMMARY']._serialized_end=1494
-  _globals['_POOLINFO']._serialized_start=1497
-  _globals['_POOLINFO']._serialized_end=1847
+  _globals['_POOLCONFIG']._serialized_end=1335
+  _globals['_POOLCONFIG_LABELSENTRY']._serialized_start=976
+  _globals['_POOLCONFIG_LABELSENTRY']._serialized_end=1021
+  _globals['_CREATEPOOLREQUEST']._serialized_start=1337
+  _globals['_CREATEPOOLREQUEST']._serialized_end=1410
+  _globals['_CREATEPOOLRESPONSE']._serialized_start=1412
+  _globals['_CREATEPOOLRESPONSE']._serialized_end=1465
+  _globals['_LISTPOOLSREQUEST']._serialized_start=1467
+  _globals['_LISTPOOLSREQUEST']._serialized_end=1485
+  _globals['_LISTPOOLSRESPONSE']._serialized_start=1487
+  _globals['_LISTPOOLSRESPONSE']._serialized_end=1543
+  _globals['_DESCRIBEPOOLREQUEST']._serialized_start=1545
+  _globals['_DESCRIBEPOOLREQUEST']._serialized_end=1583
+  _globals['_DESCRIBEPOOLRESPONSE']._serialized_start=1585
+  _globals['_DESCRIBEPOOLRESPONSE']._serialized_end=1640
+  _globals['_DELETEPOOLREQUEST']._serialized_start=1642
+  _globals['_DELETEPOOLREQUEST']._serialized_end=1678
+  _globals['_DELETEPOOLRESPONSE']._serialized_start=1680
+  _globals['_DELETEPOOLRESPONSE']._serialized_end=1700
+  _globals['_POOLSUMMARY']._serialized_start=1703
+  _globals['_POOLSUMMARY']._serialized_end=1835
+  _globals['_POOLINFO']._serialized_start=1838
+  _globals['_POOLINFO']._serialized_end=2188
 # @@protoc_insertion_point(module_scope)

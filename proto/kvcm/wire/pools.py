@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
+from kvcm.common.config import KVCacheLayout
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.pool_types import (
     DEFAULT_EVENT_RETENTION,
@@ -44,12 +45,16 @@ __all__ = [
     "usage_from_proto",
 ]
 
+_DEFAULT_LAYOUT: Final = KVCacheLayout.LBNHC
 # Optional ints of PoolConfig that travel only when set.
 _OPTIONAL_INTS: Final = (
     "num_blocks_override",
     "scheduler_block_size",
     "hash_block_size",
     "max_in_flight_tokens",
+    "max_num_batched_tokens",
+    "max_num_encoder_input_tokens",
+    "kv_cache_memory_bytes",
 )
 
 
@@ -84,6 +89,11 @@ def pool_config_to_proto(config: PoolConfig) -> admin_pb2.PoolConfig:
     if not config.log_stats:
         message.log_stats = False
     message.labels.update(config.labels)
+    if config.disable_hybrid_kv_cache_manager is not None:
+        message.disable_hybrid_kv_cache_manager = config.disable_hybrid_kv_cache_manager
+    message.auto_fit_max_model_len = config.auto_fit_max_model_len
+    if config.kv_cache_layout is not _DEFAULT_LAYOUT:
+        message.kv_cache_layout = config.kv_cache_layout.name
     return message
 
 
@@ -122,6 +132,15 @@ def pool_config_from_proto(message: admin_pb2.PoolConfig, field: str = "config")
         scheduler_lease_s=message.scheduler_lease_s,
         lease_expiry=_lease_expiry(message.lease_expiry, f"{field}.lease_expiry"),
         labels=dict(message.labels),
+        disable_hybrid_kv_cache_manager=(
+            message.disable_hybrid_kv_cache_manager
+            if message.HasField("disable_hybrid_kv_cache_manager")
+            else None
+        ),
+        auto_fit_max_model_len=message.auto_fit_max_model_len,
+        kv_cache_layout=KVCacheLayout.parse(
+            message.kv_cache_layout or _DEFAULT_LAYOUT.name, f"{field}.kv_cache_layout"
+        ),
         **optional,
     )
 
