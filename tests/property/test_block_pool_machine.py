@@ -39,6 +39,7 @@ from kvcm.common.hashing import (
 )
 from kvcm.core.block import KVCacheBlock
 from kvcm.core.block_pool import BlockPool
+from kvcm.core.invariants import block_pool_violations
 from kvcm.core.request import Request
 
 BLOCK_SIZE = 2
@@ -434,6 +435,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @invariant()
     def pool_invariants(self) -> None:
         check_pool_invariants(self.pool, (t.blocks for t in self.live))
+        assert list(block_pool_violations(self.pool)) == []  # the core's own checker agrees
 
     @invariant()
     def pool_equals_model(self) -> None:

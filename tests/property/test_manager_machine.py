@@ -35,6 +35,7 @@ from kvcm.common.hashing import BlockHasher, make_block_hash_with_group_id
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvcm.core.block import KVCacheBlock
 from kvcm.core.block_pool import BlockPool
+from kvcm.core.invariants import manager_violations
 from kvcm.core.manager import (
     CacheHit,
     KVCacheManager,
@@ -437,6 +438,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def pool_invariants(self) -> None:
         check_pool_invariants(self.pool, self._tables())
         assert 0.0 <= self.manager.usage <= 1.0
+        assert list(manager_violations(self.manager)) == []  # the core's own checker agrees
 
     @invariant()
     def tables_match_the_model(self) -> None:

@@ -11,7 +11,11 @@ refused with INVALID_ARGUMENT.
 from __future__ import annotations
 
 import dataclasses
+import struct
 import time
+import zlib
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -22,9 +26,11 @@ from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, KVCMError
 from kvcm.common.specs import FullAttentionSpec, SlidingWindowSpec
+from kvcm.core.invariants import pool_violations
 from kvcm.core.pool import Pool, PoolConfig
 from kvcm.core.program import OpKind, StepOutcome, StepProgram
-from kvcm.core.snapshot import decode_pool, encode_pool
+from kvcm.core.snapshot import decode_pool, decode_sections, encode_pool, encode_sections
+from kvcm.core.stats import PrefixCacheStats
 
 FULL = dataclasses.replace(OPTIONS, enable_kv_cache_events=True, log_stats=True)
 _SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
@@ -71,6 +77,7 @@ def test_a_restored_pool_is_the_same_pool(data: st.DataObject) -> None:
             st.lists(st.one_of(_sane_op(live), _sane_op(live), ops), min_size=1, max_size=6)
         )
         answer = _run(original, _build(original, program_ops))
+        assert list(pool_violations(original)) == []
         if restored is not None:
             assert _run(restored, _build(restored, program_ops)) == answer
             assert restored.state_fingerprint() == original.state_fingerprint()
@@ -134,3 +141,145 @@ def test_a_large_pool_round_trips_in_seconds() -> None:
     elapsed = time.perf_counter() - started
     assert restored.ready_manager().num_free_blocks == pool.ready_manager().num_free_blocks
     assert elapsed < 30
+
+
+# ---------------------------------------------------------------------------- forgeries
+# A snapshot is checked like a Step: hostile content behind a valid frame and CRC is refused
+# with INVALID_ARGUMENT naming where, and nothing but a pool that keeps every invariant is
+# built. (tests/integration/test_snapshot_forgery.py forges them at random against a server.)
+def _reframe(body: bytes) -> bytes:
+    """A snapshot frame (magic, version, CRC, length) around ``body``."""
+    return struct.pack("<8sIIQ", b"KVCMSNAP", 1, zlib.crc32(body), len(body)) + body
+
+
+def _forged(edit: Callable[[list[Any]], None], pool: Pool | None = None) -> bytes:
+    sections = decode_sections(encode_pool(pool or _busy_pool()))
+    edit(sections)
+    return encode_sections(sections)
+
+
+def _spliced(raw: bytes) -> bytes:
+    """The busy pool's snapshot with ``extras.failed_plans`` encoded as ``raw``."""
+    marker = 0x5EED_F00D_5EED_F00D
+
+    def mark(sections: list[Any]) -> None:
+        sections[3]["failed_plans"] = marker
+
+    data = _forged(mark)
+    encoded = b"I" + struct.pack("<q", marker)
+    assert data.count(encoded) == 1
+    return _reframe(data[struct.calcsize("<8sIIQ") :].replace(encoded, raw))
+
+
+def _blob(tag: bytes, payload: bytes) -> bytes:
+    return tag + struct.pack("<Q", len(payload)) + payload
+
+
+def _set(path: tuple[Any, ...], value: object) -> Callable[[list[Any]], None]:
+    def edit(sections: list[Any]) -> None:
+        node: Any = sections
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = value
+
+    return edit
+
+
+def _free_twice(sections: list[Any]) -> None:
+    free = sections[0]["free"]
+    free.append(free[0])
+
+
+def _held_and_free(sections: list[Any]) -> None:
+    state = sections[0]
+    held = next(i for i, ref in enumerate(state["ref_cnts"]) if ref > 0)
+    state["free"].append(held)
+
+
+def _request_field(index: int, value: object) -> Callable[[list[Any]], None]:
+    def edit(sections: list[Any]) -> None:
+        sections[2][0][index] = value
+
+    return edit
+
+
+FORGERIES: dict[str, tuple[Callable[[list[Any]], None], str]] = {
+    "free queue names block -1": (_set((0, "free", 0), -1), "block_pool.free[0]"),
+    "free queue names a block twice": (_free_twice, "block_pool.free["),
+    "negative ref count": (_set((0, "ref_cnts", 3), -1), "block_pool.ref_cnts[3]"),
+    "a block both held and free": (_held_and_free, "free_queue"),
+    "ref count off by one": (_set((0, "ref_cnts", 1), 7), "blocks[1].ref_cnt"),
+    "request key is a string": (_request_field(0, "1"), "requests[0].key"),
+    "request key is 2**70": (_request_field(0, 2**70), "requests[0].key"),
+    "computed tokens past the prompt": (_request_field(7, 10_000), "num_computed_tokens"),
+    "token id beyond uint32": (_request_field(3, [2**40] * 40), "all_token_ids"),
+    "garbage statistics": (
+        _set((3, "stats_totals", 0), PrefixCacheStats(requests=-5)),
+        "stats_total.requests",
+    ),
+    "more hits than queries": (
+        _set((3, "stats_totals", 0), PrefixCacheStats(requests=1, queries=1, hits=9)),
+        "stats_total",
+    ),
+    "statistics of the wrong type": (_set((3, "stats_totals"), "lots"), "extras.stats_totals"),
+    "max_model_len overrides the config": (_set((3, "max_model_len"), 10**6), "max_model_len"),
+    "a table names a foreign block": (
+        _set((1, "groups", 0, "req_to_blocks", "1", 0), 99),
+        "req_to_blocks['1'][0]",
+    ),
+    "a cached block id out of range": (_set((0, "cache_entries", 0), 10**6), "cache_entries"),
+    "an event of the wrong shape": (
+        _set((3, "events", 0, 0), PrefixCacheStats()),
+        "events[0]",
+    ),
+    "unknown section key": (_set((3, "surprise"), 1), "extras"),
+    "fewer blocks than the config": (_set((0, "num_blocks"), 3), "block_pool.num_blocks"),
+}
+
+ENCODINGS: dict[str, tuple[bytes, str]] = {
+    "non-digit integer": (_blob(b"J", b"12a"), "extras.failed_plans"),
+    "5,000-digit integer": (_blob(b"J", b"9" * 5000), "extras.failed_plans"),
+    "invalid UTF-8": (_blob(b"S", b"\xff\xfe"), "extras.failed_plans"),
+    "unknown enum value": (
+        _blob(b"E", b"RequestStatus") + b"I" + struct.pack("<q", 99),
+        "extras.failed_plans",
+    ),
+    "unknown enum": (_blob(b"E", b"os.system") + b"N", "extras.failed_plans"),
+    "unknown class": (_blob(b"C", b"Popen") + b"M" + struct.pack("<Q", 0), "extras.failed_plans"),
+    "a list as a key": (
+        b"M" + struct.pack("<Q", 1) + b"L" + struct.pack("<Q", 0) + b"N",
+        "extras.failed_plans",
+    ),
+    "200k-deep nesting": (
+        (b"L" + struct.pack("<Q", 1)) * 200_000 + b"N",
+        "extras.failed_plans[0]",
+    ),
+    "7-byte array": (_blob(b"A", b"\x01" * 7), "extras.failed_plans"),
+    "a count beyond the data": (b"L" + struct.pack("<Q", 2**62), "extras.failed_plans"),
+    "unknown tag": (b"Z", "extras.failed_plans"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_forged_content_is_refused_naming_where(name: str) -> None:
+    edit, where = FORGERIES[name]
+    with pytest.raises(InvalidArgumentError) as caught:
+        decode_pool(_forged(edit), "p", FULL)
+    assert caught.value.field == "data"
+    assert where in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("name", sorted(ENCODINGS))
+def test_damaged_encodings_are_refused_naming_where(name: str) -> None:
+    raw, where = ENCODINGS[name]
+    with pytest.raises(InvalidArgumentError) as caught:
+        decode_pool(_spliced(raw), "p", FULL)
+    assert caught.value.field == "data"
+    assert where in str(caught.value), str(caught.value)
+
+
+def test_an_unchanged_round_trip_of_the_sections_is_accepted() -> None:
+    pool = _busy_pool()
+    restored = decode_pool(_forged(lambda sections: None, pool), "p", FULL)
+    assert restored.state_fingerprint() == pool.state_fingerprint()
+    assert list(pool_violations(restored)) == []

@@ -21,6 +21,7 @@ from kvcm.common.dtypes import DType
 from kvcm.common.errors import KVCMError
 from kvcm.common.hashing import BlockHasher
 from kvcm.common.specs import FullAttentionSpec
+from kvcm.core.invariants import pool_violations
 from kvcm.core.pool import Pool, PoolConfig
 from kvcm.core.program import ItemStatus, NewRequestSpec, OpKind, StepProgram
 
@@ -194,6 +195,7 @@ def test_rejected_programs_change_nothing_accepted_ones_equal_unary_calls(
             rejected = True
         else:
             rejected = False
+        assert list(pool_violations(stepped)) == []
         if rejected:
             assert stepped.state_fingerprint() == before
             continue

@@ -14,8 +14,14 @@ Uses: the vLLM mirror repairs a server's copy of its pool (``ResyncPool``); the 
 directory keeps pools across restarts. A snapshot holds no configuration (the caller keeps the
 pool's config beside it) and nothing executable: the format is a small tagged encoding of
 ints, floats, strings, bytes, lists and a fixed allow-list of kvcm value classes, with packed
-integer columns for the per-block state, behind a magic, a version and a CRC-32. Decoding
-never builds anything outside that allow-list, so a snapshot is safe to take from a client.
+integer columns for the per-block state, behind a magic, a version and a CRC-32
+(:mod:`kvcm.core._snapshot_codec`). Decoding never builds anything outside that allow-list.
+
+A snapshot is client input (``ResyncPool``) and is checked like a Step: a malformed encoding
+or a value out of its type or range is refused with an error naming where it is
+(``block_pool.free[3]``), the pool's config wins over the snapshot (its blocks, groups and
+``max_model_len`` must match), and the state built must keep every invariant of
+:mod:`kvcm.core.invariants` before anyone sees the pool.
 
 Cost: one pass over blocks and requests; per-block columns are packed arrays, so a pool of a
 million blocks encodes and decodes in about a second.
@@ -23,18 +29,27 @@ million blocks encodes and decodes in about a second.
 
 from __future__ import annotations
 
-import enum
 import struct
 import zlib
 from array import array
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import fields, is_dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError
-from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcm.common.hashing import BlockHash, BlockHashWithGroupId
+from kvcm.core._snapshot_codec import (
+    Reader,
+    Writer,
+    as_int,
+    as_ints,
+    as_list,
+    as_type,
+    bad,
+    fields_of,
+    short,
+)
+from kvcm.core.invariants import COUNTER_LIMIT, REQUEST_KEY_LIMIT, TOKEN_ID_LIMIT, check_pool
 from kvcm.core.limits import DEFAULT_LIMITS, Limits
 from kvcm.core.pool_types import PoolState
 from kvcm.core.program import StepOutcome
@@ -47,162 +62,19 @@ if TYPE_CHECKING:
     from kvcm.core.pool import Pool
     from kvcm.core.pool_types import PoolConfig
 
-__all__ = ["SNAPSHOT_VERSION", "decode_pool", "encode_pool", "encode_state", "fresh_extras"]
+__all__ = [
+    "SNAPSHOT_VERSION",
+    "decode_pool",
+    "decode_sections",
+    "encode_pool",
+    "encode_sections",
+    "encode_state",
+    "fresh_extras",
+]
 
 _MAGIC: Final = b"KVCMSNAP"
 SNAPSHOT_VERSION: Final = 1
 _HEADER: Final = struct.Struct("<8sIIQ")  # magic, version, crc32 of the body, body length
-
-# The value classes a snapshot may name (decoding builds nothing else).
-_DATACLASSES: Final[Mapping[str, type]] = {
-    cls.__name__: cls
-    for cls in (BlockStored, BlockRemoved, AllBlocksCleared, PrefixCacheStats, StepOutcome)
-}
-_ENUMS: Final[Mapping[str, type[enum.Enum]]] = {RequestStatus.__name__: RequestStatus}
-
-
-# ---------------------------------------------------------------------------- the codec
-class _Writer:
-    """Tagged values: N none, T/F bool, I int64, J big int, D float, B bytes, S str, L list,
-    U tuple, M dict (pairs), A packed int64 array, C dataclass, E enum."""
-
-    __slots__ = ("out",)
-
-    def __init__(self) -> None:
-        self.out = bytearray()
-
-    def value(self, value: object) -> None:
-        out = self.out
-        if value is None:
-            out += b"N"
-        elif value is True:
-            out += b"T"
-        elif value is False:
-            out += b"F"
-        elif isinstance(value, enum.Enum):
-            self._named(b"E", type(value).__name__)
-            self.value(value.value)
-        elif isinstance(value, int):
-            if -(1 << 63) <= value < (1 << 63):
-                out += b"I"
-                out += struct.pack("<q", value)
-            else:
-                self._blob(b"J", str(value).encode())
-        elif isinstance(value, float):
-            out += b"D"
-            out += struct.pack("<d", value)
-        elif isinstance(value, (bytes, bytearray)):
-            self._blob(b"B", bytes(value))
-        elif isinstance(value, str):
-            self._blob(b"S", value.encode())
-        elif isinstance(value, array):
-            self._blob(b"A", value.tobytes())
-        elif isinstance(value, (list, tuple, deque)):
-            out += b"U" if isinstance(value, tuple) else b"L"
-            out += struct.pack("<Q", len(value))
-            for item in value:
-                self.value(item)
-        elif isinstance(value, dict):
-            out += b"M"
-            out += struct.pack("<Q", len(value))
-            for key, item in value.items():
-                self.value(key)
-                self.value(item)
-        elif is_dataclass(value) and type(value).__name__ in _DATACLASSES:
-            self._named(b"C", type(value).__name__)
-            self.value({f.name: getattr(value, f.name) for f in fields(value)})
-        else:
-            raise TypeError(f"a snapshot cannot hold {type(value).__name__}")
-
-    def ints(self, values: list[int]) -> None:
-        self.value(array("q", values))
-
-    def _blob(self, tag: bytes, data: bytes) -> None:
-        self.out += tag
-        self.out += struct.pack("<Q", len(data))
-        self.out += data
-
-    def _named(self, tag: bytes, name: str) -> None:
-        self._blob(tag, name.encode())
-
-
-class _Reader:
-    """Reads what :class:`_Writer` wrote; any inconsistency is InvalidArgumentError."""
-
-    __slots__ = ("at", "data")
-
-    def __init__(self, data: bytes) -> None:
-        self.data = memoryview(data)
-        self.at = 0
-
-    def _take(self, size: int) -> memoryview:
-        end = self.at + size
-        if size < 0 or end > len(self.data):
-            raise InvalidArgumentError("the snapshot is truncated", field="data")
-        chunk = self.data[self.at : end]
-        self.at = end
-        return chunk
-
-    def _length(self) -> int:
-        (size,) = struct.unpack("<Q", self._take(8))
-        return int(size)
-
-    def value(self) -> Any:
-        tag = bytes(self._take(1))
-        if tag == b"N":
-            return None
-        if tag == b"T":
-            return True
-        if tag == b"F":
-            return False
-        if tag == b"I":
-            return struct.unpack("<q", self._take(8))[0]
-        if tag == b"J":
-            return int(bytes(self._take(self._length())).decode())
-        if tag == b"D":
-            return struct.unpack("<d", self._take(8))[0]
-        if tag == b"B":
-            return bytes(self._take(self._length()))
-        if tag == b"S":
-            return bytes(self._take(self._length())).decode()
-        if tag == b"A":
-            packed = array("q")
-            packed.frombytes(self._take(self._length()))
-            return packed.tolist()
-        if tag == b"L":
-            return [self.value() for _ in range(self._length())]
-        if tag == b"U":
-            return tuple([self.value() for _ in range(self._length())])
-        if tag == b"M":
-            count = self._length()
-            result = {}
-            for _ in range(count):
-                key = self.value()
-                result[key] = self.value()
-            return result
-        if tag == b"E":
-            name = bytes(self._take(self._length())).decode()
-            cls = _ENUMS.get(name)
-            if cls is None:
-                raise InvalidArgumentError(f"the snapshot names unknown enum {name!r}")
-            return cls(self.value())
-        if tag == b"C":
-            name = bytes(self._take(self._length())).decode()
-            dataclass_type = _DATACLASSES.get(name)
-            if dataclass_type is None:
-                raise InvalidArgumentError(f"the snapshot names unknown class {name!r}")
-            values = self.value()
-            if not isinstance(values, dict):
-                raise InvalidArgumentError(f"the snapshot's {name} is malformed")
-            return _build(dataclass_type, values)
-        raise InvalidArgumentError(f"the snapshot has an unknown tag {tag!r}", field="data")
-
-
-def _build(cls: type, values: dict[Any, Any]) -> object:
-    try:
-        return cls(**values)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"the snapshot's {cls.__name__} is malformed: {exc}") from None
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -270,18 +142,49 @@ def encode_state(
     manager recorded but nobody took yet (a server's copy publishes them after every call).
     """
     rename = {request.request_id: str(key) for key, request in requests.items()}
-    body = _Writer()
     block_state = _block_pool_state(manager)
     if drop_pending_events:
         block_state["num_events_taken"] = manager.block_pool.num_events_emitted
         block_state["kv_event_queue"] = []
-    body.value(block_state)
-    body.value(_manager_state(manager, rename))
-    body.value(_requests_state(requests, request_ids))
-    body.value(dict(extras))
+    return encode_sections(
+        [
+            block_state,
+            _manager_state(manager, rename),
+            _requests_state(requests, request_ids),
+            dict(extras),
+        ]
+    )
+
+
+def encode_sections(sections: Sequence[object]) -> bytes:
+    """A snapshot of the four sections :func:`decode_sections` returns (block pool, manager,
+    requests, extras), framed with the magic, version and CRC (for tools and tests that edit
+    a snapshot; :func:`decode_pool` checks whatever they wrote)."""
+    body = Writer()
+    for section in sections:
+        body.value(section)
     payload = bytes(body.out)
     header = _HEADER.pack(_MAGIC, SNAPSHOT_VERSION, zlib.crc32(payload), len(payload))
     return header + payload
+
+
+def decode_sections(data: bytes) -> list[Any]:
+    """The snapshot's four sections as plain values (maps, lists, ints, bytes, the allow-listed
+    value classes), without building a pool.
+
+    Raises:
+        InvalidArgumentError: Not a snapshot, a damaged one, or a malformed encoding (names
+            where); ``field`` is ``"data"``.
+    """
+    body = _check_header(data)
+    reader = Reader(body)
+    sections = []
+    for section in _SECTIONS:
+        reader.path = [section]
+        sections.append(reader.value())
+    if reader.at != len(body):
+        raise InvalidArgumentError("the snapshot has trailing bytes", field="data")
+    return sections
 
 
 def _block_pool_state(manager: KVCacheManager) -> dict[str, object]:
@@ -394,35 +297,40 @@ def decode_pool(
 ) -> Pool:
     """A READY pool called ``name``, created with ``options``, in the snapshot's state.
 
+    The snapshot is checked like a Step: every value must have its type and range (an error
+    names its place, ``block_pool.free[3]``), ``options`` wins over the snapshot (its blocks,
+    groups and ``max_model_len`` must match), and the state built must keep every invariant
+    of :mod:`kvcm.core.invariants`. Nothing outside the new pool is touched.
+
     Raises:
-        InvalidArgumentError: Not a snapshot, a damaged one (CRC), another version, or one
-            whose blocks or groups do not match ``options``; ``field`` is ``"data"``.
+        InvalidArgumentError: Not a snapshot, a damaged one (CRC), another version, a value
+            out of its type or range, a state that breaks an invariant, or one that does not
+            match ``options``; ``field`` is ``"data"``.
         ConfigError: ``options`` cannot build a pool.
     """
     from kvcm.core.pool import Pool
 
-    body = _check_header(data)
-    reader = _Reader(body)
-    block_state = reader.value()
-    manager_state = reader.value()
-    request_state = reader.value()
-    extras = reader.value()
-    if reader.at != len(body):
-        raise InvalidArgumentError("the snapshot has trailing bytes", field="data")
+    sections = decode_sections(data)
     pool = Pool(name, options, limits=limits, blocks_in_use=blocks_in_use)
     manager = pool.ready_manager()
+    block_state, manager_state, request_state, extras = sections
     try:
         _restore_block_pool(manager, block_state)
         _restore_manager(manager, manager_state)
         _restore_requests(pool, request_state)
         _restore_extras(pool, extras)
-    except (KeyError, IndexError, TypeError, ValueError, struct.error) as exc:
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         if isinstance(exc, InvalidArgumentError):
             raise
+        # The checks below name the place of every fault they foresee; this is the net.
         raise InvalidArgumentError(
-            f"the snapshot does not fit pool {name!r}'s config: {exc!r}", field="data"
+            f"the snapshot is malformed for pool {name!r}: {exc!r}", field="data"
         ) from None
+    check_pool(pool, field="data")
     return pool
+
+
+_SECTIONS: Final = ("block_pool", "manager", "requests", "extras")
 
 
 def _check_header(data: bytes) -> bytes:
@@ -441,124 +349,237 @@ def _check_header(data: bytes) -> bytes:
     return body
 
 
-def _restore_block_pool(manager: KVCacheManager, state: dict[str, Any]) -> None:
+# ------------------------------------------------------------------------- restoring
+_BLOCK_POOL_FIELDS: Final = (
+    "num_blocks", "ref_cnts", "hash_lengths", "hashed_tokens", "hashes", "free", "cache_keys",
+    "cache_key_lengths", "cache_entries", "secondary_keys", "num_cached_blocks",
+    "kv_event_queue", "num_events_taken", "num_evicted_blocks",
+)  # fmt: skip
+
+
+def _restore_block_pool(manager: KVCacheManager, state: object) -> None:
     from kvcm.core.block import FreeKVCacheBlockQueue
 
     pool = manager.block_pool
     blocks = pool.blocks
-    if state["num_blocks"] != len(blocks):
-        raise InvalidArgumentError(
-            f"the snapshot has {state['num_blocks']} blocks, the config {len(blocks)}",
-            field="data",
-        )
-    hashes: bytes = state["hashes"]
+    n = len(blocks)
+    s = fields_of(state, "block_pool", _BLOCK_POOL_FIELDS)
+    if s["num_blocks"] != n:
+        raise bad("block_pool.num_blocks", f"is {short(s['num_blocks'])}, the config's {n}")
+    ref_cnts = as_ints(s["ref_cnts"], "block_pool.ref_cnts", 0, COUNTER_LIMIT, n)
+    lengths = as_ints(s["hash_lengths"], "block_pool.hash_lengths", -1, 1 << 16, n)
+    tokens = as_ints(s["hashed_tokens"], "block_pool.hashed_tokens", -1, COUNTER_LIMIT, n)
+    hashes = as_type(s["hashes"], "block_pool.hashes", bytes)
+    if sum(length for length in lengths if length > 0) != len(hashes):
+        raise bad("block_pool.hashes", "must hold exactly the hash_lengths' bytes")
     at = 0
-    for block, ref_cnt, length, tokens in zip(
-        blocks, state["ref_cnts"], state["hash_lengths"], state["hashed_tokens"], strict=True
-    ):
+    for block, ref_cnt, length, num_tokens in zip(blocks, ref_cnts, lengths, tokens, strict=True):
         block.ref_cnt = ref_cnt
         if length < 0:
             block.block_hash = None
         else:
             block.block_hash = BlockHashWithGroupId(hashes[at : at + length])
             at += length
-        block.block_hash_num_tokens = None if tokens < 0 else tokens
-    free = [blocks[i] for i in state["free"]]
+        block.block_hash_num_tokens = None if num_tokens < 0 else num_tokens
+    free_ids = as_ints(s["free"], "block_pool.free", 1, n)
+    if len(set(free_ids)) != len(free_ids):
+        twice = next(i for i, b in enumerate(free_ids) if b in free_ids[:i])
+        raise bad(f"block_pool.free[{twice}]", f"queues block {free_ids[twice]} twice")
     for block in blocks:
         block.prev_free_block = block.next_free_block = None
-    pool.free_block_queue = FreeKVCacheBlockQueue(free)
+    pool.free_block_queue = FreeKVCacheBlockQueue([blocks[i] for i in free_ids])
+    pool._cached = _cache_map(s, blocks)
+    secondary = as_type(s["secondary_keys"], "block_pool.secondary_keys", dict)
+    pool._secondary_keys = {}
+    for block_id, keys in secondary.items():
+        where = f"block_pool.secondary_keys[{block_id!r}]"
+        as_int(block_id, where, 1, n)
+        pool._secondary_keys[block_id] = {
+            BlockHashWithGroupId(as_type(k, f"{where}[{i}]", bytes)): None
+            for i, k in enumerate(as_list(keys, where))
+        }
+    pool._num_cached_blocks = as_int(
+        s["num_cached_blocks"], "block_pool.num_cached_blocks", 0, COUNTER_LIMIT
+    )
+    pool.kv_event_queue = as_list(s["kv_event_queue"], "block_pool.kv_event_queue")
+    pool._num_events_taken = as_int(
+        s["num_events_taken"], "block_pool.num_events_taken", 0, COUNTER_LIMIT
+    )
+    pool.num_evicted_blocks = as_int(
+        s["num_evicted_blocks"], "block_pool.num_evicted_blocks", 0, COUNTER_LIMIT
+    )
+
+
+def _cache_map(
+    s: Mapping[str, Any], blocks: Sequence[KVCacheBlock]
+) -> dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]]:
+    n = len(blocks)
+    keys = as_type(s["cache_keys"], "block_pool.cache_keys", bytes)
+    lengths = as_ints(s["cache_key_lengths"], "block_pool.cache_key_lengths", 0, 1 << 16)
+    entries = as_ints(s["cache_entries"], "block_pool.cache_entries", -n, n)
+    if sum(lengths) != len(keys):
+        raise bad("block_pool.cache_keys", "must hold exactly the cache_key_lengths' bytes")
     cached: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
-    keys: bytes = state["cache_keys"]
-    entries: list[int] = state["cache_entries"]
     at = cursor = 0
-    for length in state["cache_key_lengths"]:
+    for index, length in enumerate(lengths):
+        where = f"block_pool.cache_entries[{cursor}]"
         key = BlockHashWithGroupId(keys[at : at + length])
         at += length
+        if key in cached:
+            raise bad(f"block_pool.cache_keys[{index}]", "repeats a key")
+        if cursor >= len(entries):
+            raise bad(where, "is missing")
         head = entries[cursor]
         cursor += 1
         if head >= 0:
-            cached[key] = blocks[head]
-        else:
-            count = -1 - head
-            cached[key] = {i: blocks[i] for i in entries[cursor : cursor + count]}
-            cursor += count
-    pool._cached = cached
-    pool._secondary_keys = {
-        int(block_id): dict.fromkeys(BlockHashWithGroupId(k) for k in keys_)
-        for block_id, keys_ in state["secondary_keys"].items()
-    }
-    pool._num_cached_blocks = state["num_cached_blocks"]
-    pool.kv_event_queue = list(state["kv_event_queue"])
-    pool._num_events_taken = state["num_events_taken"]
-    pool.num_evicted_blocks = state["num_evicted_blocks"]
+            cached[key] = blocks[as_int(head, where, 1, n)]
+            continue
+        ids = entries[cursor : cursor + (-1 - head)]
+        if len(ids) != -1 - head or len(set(ids)) != len(ids) or min(ids) < 1:
+            raise bad(where, f"must be followed by {-1 - head} distinct block ids")
+        cached[key] = {i: blocks[i] for i in ids}
+        cursor += len(ids)
+    if cursor != len(entries):
+        raise bad("block_pool.cache_entries", f"has {len(entries) - cursor} entries too many")
+    return cached
 
 
-def _restore_manager(manager: KVCacheManager, state: dict[str, Any]) -> None:
+def _restore_manager(manager: KVCacheManager, state: object) -> None:
     blocks = manager.block_pool.blocks
+    n = len(blocks)
     groups = manager.coordinator.single_type_managers
-    if len(state["groups"]) != len(groups):
-        raise InvalidArgumentError(
-            f"the snapshot has {len(state['groups'])} groups, the config {len(groups)}",
-            field="data",
-        )
-    for group, saved in zip(groups, state["groups"], strict=True):
+    s = fields_of(state, "manager", ("groups", "requests", "prefix_cache_stats", "metrics"))
+    saved_groups = as_list(s["groups"], "manager.groups")
+    if len(saved_groups) != len(groups):
+        raise bad("manager.groups", f"has {len(saved_groups)} groups, the config {len(groups)}")
+    for index, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
+        where = f"manager.groups[{index}]"
+        g = fields_of(saved, where, ("req_to_blocks", "num_cached_block", "new_block_ids"))
+        tables = as_type(g["req_to_blocks"], f"{where}.req_to_blocks", dict)
         group.req_to_blocks = {
-            rid: [blocks[i] for i in ids] for rid, ids in saved["req_to_blocks"].items()
+            as_type(rid, f"{where}.req_to_blocks", str): [
+                blocks[i] for i in as_ints(ids, f"{where}.req_to_blocks[{rid!r}]", 0, n)
+            ]
+            for rid, ids in tables.items()
         }
-        group.num_cached_block = dict(saved["num_cached_block"])
-        group.new_block_ids = list(saved["new_block_ids"])
-    manager._requests = set(state["requests"])
-    stats = state["prefix_cache_stats"]
+        counts = as_type(g["num_cached_block"], f"{where}.num_cached_block", dict)
+        group.num_cached_block = {
+            as_type(rid, f"{where}.num_cached_block", str): as_int(
+                count, f"{where}.num_cached_block[{rid!r}]", 0, n + 1
+            )
+            for rid, count in counts.items()
+        }
+        group.new_block_ids = as_ints(g["new_block_ids"], f"{where}.new_block_ids", 0, n)
+    holders = as_list(s["requests"], "manager.requests")
+    manager._requests = {as_type(rid, "manager.requests", str) for rid in holders}
+    stats = as_type(s["prefix_cache_stats"], "manager.prefix_cache_stats",
+                   PrefixCacheStats, type(None))  # fmt: skip
     if manager.log_stats:  # a snapshot of a copy that kept no stats starts them afresh
         manager.prefix_cache_stats = stats if stats is not None else PrefixCacheStats()
+    requests, queries, hits, intervals = as_list(s["metrics"], "manager.metrics", 4)
     metrics = manager.prefix_caching_metrics
-    requests, queries, hits, intervals = state["metrics"]
-    metrics.aggregated_requests = requests
-    metrics.aggregated_query_total = queries
-    metrics.aggregated_query_hit = hits
-    metrics._intervals = deque(tuple(i) for i in intervals)
+    metrics.aggregated_requests = as_int(requests, "manager.metrics[0]", 0, COUNTER_LIMIT)
+    metrics.aggregated_query_total = as_int(queries, "manager.metrics[1]", 0, COUNTER_LIMIT)
+    metrics.aggregated_query_hit = as_int(hits, "manager.metrics[2]", 0, COUNTER_LIMIT)
+    metrics._intervals = deque()
+    for k, interval in enumerate(as_list(intervals, "manager.metrics[3]")):
+        where = f"manager.metrics[3][{k}]"
+        counts = as_ints(as_list(interval, where), where, 0, COUNTER_LIMIT, 3)
+        metrics._intervals.append((counts[0], counts[1], counts[2]))
 
 
-def _restore_requests(pool: Pool, state: list[list[Any]]) -> None:
-    for entry in state:
+def _restore_requests(pool: Pool, state: object) -> None:
+    size = pool.hashing.hash_length_bytes
+    for index, entry in enumerate(as_list(state, "requests")):
+        where = f"requests[{index}]"
         (
             key, request_id, prompt, tokens, hashes, num_hashes, status, computed,
             in_flight, preemptions, lora_id, lora_name, lora_path, cache_salt, skip,
-        ) = entry  # fmt: skip
-        request = Request(
-            str(key),
-            prompt,
-            lora_id=lora_id,
-            lora_name=lora_name,
-            lora_path=lora_path,
-            cache_salt=cache_salt,
-            status=status,
-            skip_reading_prefix_cache=skip,
+        ) = as_list(entry, where, 15)  # fmt: skip
+        as_int(key, f"{where}.key", 0, REQUEST_KEY_LIMIT)
+        if key in pool.requests:
+            raise bad(f"{where}.key", f"repeats request key {key}")
+        as_type(request_id, f"{where}.request_id", str)
+        as_ints(tokens, f"{where}.all_token_ids", 0, TOKEN_ID_LIMIT)
+        as_type(hashes, f"{where}.block_hashes", bytes)
+        if len(hashes) != as_int(num_hashes, f"{where}.num_block_hashes", 0, COUNTER_LIMIT) * size:
+            raise bad(f"{where}.block_hashes", f"must hold {num_hashes} hashes of {size} bytes")
+        for offset, name, value in (
+            (10, "lora_id", lora_id),
+            (11, "lora_name", lora_name),
+            (12, "lora_path", lora_path),
+            (13, "cache_salt", cache_salt),
+        ):
+            as_type(value, f"{where}.{name}", int if offset == 10 else str, type(None))
+        try:
+            request = Request(
+                str(key),
+                as_ints(prompt, f"{where}.prompt_token_ids", 0, TOKEN_ID_LIMIT),
+                lora_id=lora_id,
+                lora_name=lora_name,
+                lora_path=lora_path,
+                cache_salt=cache_salt,
+                status=as_type(status, f"{where}.status", RequestStatus),
+                skip_reading_prefix_cache=as_type(skip, f"{where}.skip_reading_prefix_cache", bool),
+            )
+        except InvalidArgumentError as exc:
+            raise bad(where, str(exc)) from None
+        request.all_token_ids = tokens
+        request.block_hashes = [BlockHash(hashes[i * size : (i + 1) * size]) for i in
+                                range(num_hashes)]  # fmt: skip
+        request.num_computed_tokens = as_int(
+            computed, f"{where}.num_computed_tokens", 0, REQUEST_KEY_LIMIT
         )
-        request.all_token_ids = list(tokens)
-        size = len(hashes) // num_hashes if num_hashes else 0
-        request.block_hashes = [
-            BlockHash(hashes[i * size : (i + 1) * size]) for i in range(num_hashes)
-        ]
-        request.num_computed_tokens = computed
-        request.num_in_flight_tokens = in_flight
-        request.num_preemptions = preemptions
+        request.num_in_flight_tokens = as_int(
+            in_flight, f"{where}.num_in_flight_tokens", 0, REQUEST_KEY_LIMIT
+        )
+        request.num_preemptions = as_int(
+            preemptions, f"{where}.num_preemptions", 0, REQUEST_KEY_LIMIT
+        )
         pool.requests[key] = request
         pool.request_ids[key] = request_id
 
 
-def _restore_extras(pool: Pool, extras: dict[str, Any]) -> None:
-    pool.last_step_seq = extras["last_step_seq"]
-    pool.last_step_outcome = extras["last_step_outcome"]
-    pool.allocations_not_fit_total = extras["allocations_not_fit_total"]
-    pool.failed_plans = extras["failed_plans"]
-    pool.max_model_len = extras["max_model_len"]
-    # Snapshots written before batches were numbered have no "event_batches".
-    next_batch, batches = extras.get("event_batches", (0, ()))
-    pool.restore_events(
-        extras["event_next_sequence"],
-        [(event, now) for event, now in extras["events"]],
-        (next_batch, [tuple(record) for record in batches]),
+_EXTRAS_FIELDS: Final = (
+    "last_step_seq", "last_step_outcome", "allocations_not_fit_total", "failed_plans",
+    "max_model_len", "event_next_sequence", "events", "stats_totals",
+)  # fmt: skip
+
+
+def _restore_extras(pool: Pool, extras: object) -> None:
+    e = fields_of(extras, "extras", _EXTRAS_FIELDS, optional=("event_batches",))
+    if e["max_model_len"] != pool.max_model_len:
+        # The pool's config wins: a snapshot never changes how long a request may be.
+        raise bad("extras.max_model_len", f"is {short(e['max_model_len'])}, the pool's "
+                   f"config says {pool.max_model_len}")  # fmt: skip
+    pool.last_step_seq = as_int(e["last_step_seq"], "extras.last_step_seq", 0, REQUEST_KEY_LIMIT)
+    pool.last_step_outcome = as_type(
+        e["last_step_outcome"], "extras.last_step_outcome", StepOutcome, type(None)
     )
-    total, untaken = extras["stats_totals"]
-    pool.restore_stats_totals(total, untaken)
+    pool.allocations_not_fit_total = as_int(
+        e["allocations_not_fit_total"], "extras.allocations_not_fit_total", 0, COUNTER_LIMIT
+    )
+    pool.failed_plans = as_int(e["failed_plans"], "extras.failed_plans", 0, COUNTER_LIMIT)
+    events = []
+    for index, entry in enumerate(as_list(e["events"], "extras.events")):
+        event, now = as_list(entry, f"extras.events[{index}]", 2)
+        events.append((event, as_type(now, f"extras.events[{index}][1]", float)))
+    # Snapshots written before batches were numbered have no "event_batches".
+    next_batch, batches = as_list(e.get("event_batches", [0, []]), "extras.event_batches", 2)
+    records = []
+    for index, record in enumerate(as_list(batches, "extras.event_batches[1]")):
+        where = f"extras.event_batches[1][{index}]"
+        seq, first, count, now = as_list(record, where, 4)
+        for value in (seq, first, count):
+            as_int(value, where, 0, COUNTER_LIMIT)
+        records.append((seq, first, count, as_type(now, f"{where}[3]", float)))
+    pool.restore_events(
+        as_int(e["event_next_sequence"], "extras.event_next_sequence", 1, COUNTER_LIMIT),
+        events,
+        (as_int(next_batch, "extras.event_batches[0]", 0, COUNTER_LIMIT), records),
+    )
+    total, untaken = as_list(e["stats_totals"], "extras.stats_totals", 2)
+    pool.restore_stats_totals(
+        as_type(total, "extras.stats_totals[0]", PrefixCacheStats),
+        as_type(untaken, "extras.stats_totals[1]", PrefixCacheStats),
+    )
