@@ -42,5 +42,7 @@ if [ -x scripts/gen-proto.sh ]; then
   echo "== generated protobuf code is up to date" >&2
   bash scripts/gen-proto.sh --check
 fi
+echo "== the sync scheduler client is generated from the async one" >&2
+python scripts/gen_sync_client.py --check
 echo "== pytest" >&2
 python -m pytest "$@"

@@ -1,32 +1,45 @@
-"""AsyncSchedulerClient: the asyncio SDK, with the same methods as ``SchedulerClient``.
+"""AsyncSchedulerClient: the asyncio SDK for schedulers and engine launchers.
 
-Each method builds the same request and decodes the same answer as its synchronous twin
-(``_base.py``); only the waiting differs. Create the client inside the event loop that uses it.
+One client talks to one server over one gRPC channel and may drive many pools. It covers the
+scheduler service (``step`` and one method per ``KVCacheManager`` operation), pool
+administration and the event stream. Every call has a deadline (the client's ``timeout`` unless
+the call gives its own); failures raise ``ServiceError`` subclasses, never ``grpc.RpcError``.
+
+This module is the source of both scheduler clients: ``kvcm.client.scheduler``
+(``SchedulerClient``) is generated from it by ``scripts/gen_sync_client.py``, which drops the
+``async``/``await`` keywords and swaps the asyncio names for their synchronous twins (its table
+says which), so the two cannot drift. ``bash scripts/test.sh`` fails when the generated module
+is stale. Edit this file, then run ``python scripts/gen_sync_client.py``.
 
 ::
 
     async with AsyncSchedulerClient("127.0.0.1:50051") as client:
-        result = await client.step("engine-0", builder)
-        async for batch in client.subscribe_events("engine-0", start_sequence=1):
-            ...
+        hasher = await client.block_hasher("engine-0")  # the pool's algorithm, seed, block size
+        await client.add_request("engine-0", 1, prompt, hasher.hash_token_ids(prompt))
+        hit = await client.get_computed_blocks("engine-0", 1)
+        blocks = await client.allocate_slots(
+            "engine-0", 1, len(prompt) - hit.num_computed_tokens, 0, hit=hit
+        )
 """
 
 from __future__ import annotations
 
-import asyncio
+import asyncio  # sync: import time
 import random
-import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+import time  # async-only-line
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import grpc.aio
 
 from kvcm.client import _base
 from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy, TlsConfig
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
-from kvcm.client._tracing import aio_interceptors
+from kvcm.client._streams import AsyncEventStream
+from kvcm.client._tracing import aio_interceptors  # async-only-line
+
+# sync: from kvcm.client._tracing import intercept
 from kvcm.client._types import (
     DEFAULT_SLOT_OPTIONS,
     DEFAULT_TIMEOUT_S,
@@ -47,7 +60,7 @@ from kvcm.client._types import (
 from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.core.program import StepProgram
 from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2, service_pb2_grpc
-from kvcm.wire import EventBatch, decode_event_batch, outcome_from_proto
+from kvcm.wire import outcome_from_proto
 from kvcm.wire.lookup import lookup_query_to_proto, lookup_result_from_proto
 
 if TYPE_CHECKING:
@@ -58,51 +71,10 @@ __all__ = ["AsyncEventStream", "AsyncSchedulerClient"]
 Timeout = float | UseClientDefault
 
 
-class AsyncEventStream:
-    """An open ``SubscribeEvents`` stream: ``async for`` it; close to stop.
-
-    Attributes:
-        pool_id: The pool.
-    """
-
-    __slots__ = ("_call", "_closed", "_hash_length_bytes", "pool_id")
-
-    def __init__(self, pool_id: str, call: Any) -> None:
-        """Wrap a server-streaming call."""
-        self.pool_id = pool_id
-        self._call = call
-        self._hash_length_bytes = 0
-        self._closed = False
-
-    async def __aiter__(self) -> AsyncIterator[EventBatch]:
-        try:
-            async for message in self._call:
-                if message.hash_length_bytes:
-                    self._hash_length_bytes = message.hash_length_bytes
-                yield decode_event_batch(message, self._hash_length_bytes)
-        except asyncio.CancelledError:
-            if self._closed:
-                return
-            raise
-        except grpc.RpcError as exc:
-            if self._closed:
-                return  # closed by us: the end of the stream, not an error
-            raise error_from_rpc(exc, "SubscribeEvents") from exc
-
-    def close(self) -> None:
-        """Cancel the stream (iteration then ends quietly)."""
-        self._closed = True
-        self._call.cancel()
-
-    async def __aenter__(self) -> AsyncEventStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-
 class AsyncSchedulerClient:
-    """Asyncio client of a kvcm server; see ``SchedulerClient`` for every method's contract.
+    """Asyncio client of a kvcm server (scheduler, admin and event services).
+
+    Create it inside the event loop that uses it.
 
     Attributes:
         target: The server's address.
@@ -124,7 +96,7 @@ class AsyncSchedulerClient:
             target: ``host:port`` of the server.
             timeout: Deadline of every call that does not give its own, in seconds.
             retry_policy: Retries of idempotent calls on UNAVAILABLE.
-            channel_options: Extra gRPC channel options.
+            channel_options: Extra gRPC channel options (``("grpc.keepalive_time_ms", ...)``).
             tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
             token: A bearer token sent with every call (a server with ``auth_tokens``).
 
@@ -139,9 +111,11 @@ class AsyncSchedulerClient:
             tls=tls,
         )
         self.target = target
-        self._channel = self._settings.aio_channel(
-            aio_interceptors((("authorization", f"Bearer {token}"),) if token else ())
-        )
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        # async-only
+        self._channel = self._settings.aio_channel(aio_interceptors(metadata))
+        # end-async-only
+        # sync: self._channel = intercept(self._settings.channel(), metadata)
         self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]
@@ -171,7 +145,13 @@ class AsyncSchedulerClient:
     async def create_pool(
         self, pool_id: str, config: PoolConfig, *, timeout: Timeout = USE_CLIENT_DEFAULT
     ) -> PoolInfo:
-        """Create a pool (see ``SchedulerClient.create_pool``)."""
+        """Create a pool (one per engine instance).
+
+        Raises:
+            ServiceAlreadyExistsError: The id is taken.
+            ServiceInvalidArgumentError: The config is inconsistent.
+            ServiceResourceExhaustedError: The server's pool limit is reached.
+        """
         request = _base.build_create_pool(pool_id, config)
         response = await self._unary("CreatePool", self._admin.CreatePool, request, timeout)
         return _base.decode_pool_info(response.pool)
@@ -203,27 +183,37 @@ class AsyncSchedulerClient:
     async def describe_pool(
         self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
     ) -> PoolInfo:
-        """Everything about a pool, its hashing parameters included."""
+        """Everything about a pool, its hashing parameters included.
+
+        Raises:
+            ServiceNotFoundError: No such pool.
+        """
         request = admin_pb2.DescribePoolRequest(pool_id=pool_id)
         response = await self._unary("DescribePool", self._admin.DescribePool, request, timeout)
         return _base.decode_pool_info(response.pool)
 
     async def delete_pool(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> None:
-        """Delete a pool and its requests."""
+        """Delete a pool and its requests.
+
+        Raises:
+            ServiceNotFoundError: No such pool.
+        """
         request = admin_pb2.DeletePoolRequest(pool_id=pool_id)
         await self._unary("DeletePool", self._admin.DeletePool, request, timeout)
 
     async def hashing(
         self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
     ) -> HashingParameters:
-        """The pool's hashing parameters."""
-        return (await self.describe_pool(pool_id, timeout=timeout)).hashing
+        """The pool's hashing parameters (algorithm, seed, hash block size)."""
+        info = await self.describe_pool(pool_id, timeout=timeout)
+        return info.hashing
 
     async def block_hasher(
         self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
     ) -> BlockHasher:
-        """A ``BlockHasher`` whose hashes equal the pool's."""
-        return (await self.hashing(pool_id, timeout=timeout)).block_hasher()
+        """A ``BlockHasher`` whose hashes equal the pool's, for hashing requests client-side."""
+        hashing = await self.hashing(pool_id, timeout=timeout)
+        return hashing.block_hasher()
 
     # ------------------------------------------------------------------------------ step
     async def step(
@@ -233,7 +223,24 @@ class AsyncSchedulerClient:
         *,
         timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> StepResult:
-        """Run a whole scheduler step in one round trip (see ``SchedulerClient.step``)."""
+        """Run a whole scheduler step in one round trip.
+
+        A Step with a ``step_seq`` is retried on UNAVAILABLE (the server runs it once); the
+        retries share the call's deadline.
+
+        Args:
+            pool_id: The pool.
+            step: The recorded operations: a ``StepBuilder`` or a core ``StepProgram``.
+            timeout: Deadline for the call and its retries, in seconds.
+
+        Returns:
+            One outcome per allocation.
+
+        Raises:
+            ServiceInvalidArgumentError: An op failed validation (``rejection`` names it);
+                nothing ran. Also ServiceNotFoundError / ServiceAlreadyExistsError.
+            ServiceFailedPreconditionError: step_seq out of sequence, or the pool not READY.
+        """
         if isinstance(step, StepProgram):
             step = StepBuilder.from_program(step)
         request = step.to_proto(pool_id)
@@ -254,6 +261,32 @@ class AsyncSchedulerClient:
                 continue
             return StepResult.of(step, outcome_from_proto(response))
 
+    async def resync_pool(
+        self,
+        pool_id: str,
+        snapshot: bytes,
+        config: PoolConfig,
+        *,
+        step_seq: int,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> int:
+        """Replace a pool's state with ``snapshot`` (``kvcm.core.snapshot``'s format).
+
+        Creates the pool with ``config`` when it is missing. The pool's last step_seq becomes
+        ``step_seq``; it is a new incarnation (its event streams end).
+
+        Returns:
+            The pool's new epoch.
+
+        Raises:
+            ServiceInvalidArgumentError: A damaged snapshot, or one ``config`` does not
+                describe; nothing changed.
+            ServiceResourceExhaustedError: Beyond the server's snapshot or block limits.
+        """
+        chunks = _base.build_resync_chunks(pool_id, snapshot, config, step_seq)
+        response = await self._unary("ResyncPool", self._scheduler.ResyncPool, chunks, timeout)
+        return int(response.epoch)
+
     # ------------------------------------------------------------------ request lifecycle
     async def add_request(
         self,
@@ -269,7 +302,24 @@ class AsyncSchedulerClient:
         skip_reading_prefix_cache: bool = False,
         timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> None:
-        """Start tracking a request under ``request_key``."""
+        """Start tracking a request under ``request_key``.
+
+        Args:
+            pool_id: The pool.
+            request_key: The scheduler's key (unique among the pool's live requests).
+            prompt_token_ids: The prompt.
+            block_hashes: The prompt's full hash-block hashes (``BlockHasher``), in order.
+            request_id: vLLM's request id, for logs.
+            lora_id: LoRA id (events).
+            lora_name: LoRA name (events).
+            cache_salt: Only used by pools that verify hashes.
+            skip_reading_prefix_cache: Never look the request up in the prefix cache.
+            timeout: Deadline in seconds.
+
+        Raises:
+            ServiceAlreadyExistsError: The key is live.
+            ServiceInvalidArgumentError: Empty or too long prompt, wrong hashes.
+        """
         request = _base.build_add_request(
             pool_id,
             request_key,
@@ -304,7 +354,7 @@ class AsyncSchedulerClient:
         *,
         timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> None:
-        """Free a request's blocks, finishing or preempting it."""
+        """Free a request's blocks, finishing (forgetting) or preempting (keeping) it."""
         request = _base.build_free(pool_id, request_key, mode)
         await self._unary("Free", self._scheduler.Free, request, timeout)
 
@@ -317,7 +367,7 @@ class AsyncSchedulerClient:
         *,
         timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> CacheHit:
-        """The request's longest prefix-cache hit."""
+        """The request's longest prefix-cache hit (changes nothing but the hit statistics)."""
         request = _base.build_get_computed_blocks(pool_id, request_key, max_cache_hit_length)
         response = await self._unary(
             "GetComputedBlocks", self._scheduler.GetComputedBlocks, request, timeout
@@ -335,7 +385,17 @@ class AsyncSchedulerClient:
         options: SlotOptions = DEFAULT_SLOT_OPTIONS,
         timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> KVCacheBlocks | None:
-        """``allocate_slots``: the newly allocated blocks, or ``None`` when they do not fit."""
+        """``allocate_slots``: the newly allocated blocks, or ``None`` when they do not fit.
+
+        Args:
+            pool_id: The pool.
+            request_key: A live request.
+            num_new_tokens: Tokens to allocate slots for and compute this step.
+            num_computed_tokens: The request's computed tokens before this call.
+            hit: The prefix hit of a waiting request (from ``get_computed_blocks``).
+            options: The rarely used knobs.
+            timeout: Deadline in seconds.
+        """
         request = _base.build_allocate_slots(
             pool_id,
             request_key,
@@ -371,7 +431,7 @@ class AsyncSchedulerClient:
         *,
         timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> None:
-        """Free the request's blocks outside the attention window."""
+        """Free the request's blocks outside the attention window (block 0 in their place)."""
         request = scheduler_pb2.RemoveSkippedBlocksRequest(
             pool_id=pool_id, request_key=request_key, total_computed_tokens=total_computed_tokens
         )
@@ -382,9 +442,20 @@ class AsyncSchedulerClient:
     async def evict_blocks(
         self, pool_id: str, block_ids: Iterable[int], *, timeout: Timeout = USE_CLIENT_DEFAULT
     ) -> None:
-        """Drop blocks from the prefix cache."""
+        """Drop blocks from the prefix cache (e.g. blocks a KV connector failed to load)."""
         request = scheduler_pb2.EvictBlocksRequest(pool_id=pool_id, block_ids=list(block_ids))
         await self._unary("EvictBlocks", self._scheduler.EvictBlocks, request, timeout)
+
+    async def keep_alive(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> float:
+        """Renew the pool's scheduler lease (every scheduler call does; this is for a
+        scheduler with nothing to send); returns the lease in seconds (0: the pool has none).
+
+        Raises:
+            ServiceNotFoundError: No such pool.
+        """
+        request = scheduler_pb2.KeepAliveRequest(pool_id=pool_id)
+        response = await self._unary("KeepAlive", self._scheduler.KeepAlive, request, timeout)
+        return float(response.scheduler_lease_s)
 
     async def reset_prefix_cache(
         self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
@@ -395,12 +466,6 @@ class AsyncSchedulerClient:
             "ResetPrefixCache", self._scheduler.ResetPrefixCache, request, timeout
         )
         return bool(response.reset)
-
-    async def keep_alive(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> float:
-        """Renew the pool's scheduler lease; returns the lease in seconds (0: none)."""
-        request = scheduler_pb2.KeepAliveRequest(pool_id=pool_id)
-        response = await self._unary("KeepAlive", self._scheduler.KeepAlive, request, timeout)
-        return float(response.scheduler_lease_s)
 
     async def get_blocks(
         self, pool_id: str, request_key: int, *, timeout: Timeout = USE_CLIENT_DEFAULT
@@ -433,7 +498,7 @@ class AsyncSchedulerClient:
     async def take_new_block_ids(
         self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
     ) -> list[int]:
-        """Drain the attention blocks allocated since the last take."""
+        """Drain the attention blocks allocated since the last take (for zeroing)."""
         request = scheduler_pb2.TakeNewBlockIdsRequest(pool_id=pool_id)
         response = await self._unary(
             "TakeNewBlockIds", self._scheduler.TakeNewBlockIds, request, timeout
@@ -471,7 +536,26 @@ class AsyncSchedulerClient:
         timeout: float | None = None,
         expected_epoch: int | None = None,
     ) -> AsyncEventStream:
-        """Open the pool's KV-event stream (see ``SchedulerClient.subscribe_events``)."""
+        """Open the pool's KV-event stream.
+
+        Args:
+            pool_id: The pool.
+            start_sequence: First sequence wanted (resume: last seen + 1); ``None``: only
+                events published from now on.
+            max_events_per_message: Events per batch at most; 0: the server's choice.
+            timeout: Deadline of the whole stream in seconds; ``None``: none (a stream is
+                meant to last; close it to stop).
+            expected_epoch: The pool epoch ``start_sequence`` belongs to (an earlier
+                batch's ``pool_epoch``, or ``PoolInfo.epoch``); ``None``: any. When the pool
+                was re-created since, iteration raises ``FailedPreconditionError`` naming
+                both epochs: drop the pool's index and subscribe from the live edge.
+
+        Returns:
+            The stream; its iteration raises ``OutOfRangeError`` when ``start_sequence`` is
+            no longer kept, ``ServiceNotFoundError`` when the pool is deleted (also when it
+            is deleted while the reader lags behind), ``ResourceExhaustedError`` beyond the
+            server's subscriptions per pool.
+        """
         if timeout is not None:
             _base.check_timeout("timeout", timeout)
         request = events_pb2.SubscribeEventsRequest(

@@ -5,21 +5,28 @@ scheduler service (``step`` and one method per ``KVCacheManager`` operation), po
 administration and the event stream. Every call has a deadline (the client's ``timeout`` unless
 the call gives its own); failures raise ``ServiceError`` subclasses, never ``grpc.RpcError``.
 
+Generated from ``kvcm.client.aio`` (the source of both scheduler clients) by
+``scripts/gen_sync_client.py``: every method has the same signature, docstring, request
+and decoding as its asyncio twin. Edit that module, not this one.
+
 ::
 
     with SchedulerClient("127.0.0.1:50051") as client:
-        hasher = client.block_hasher("engine-0")      # the pool's algorithm, seed, block size
+        hasher = client.block_hasher("engine-0")  # the pool's algorithm, seed, block size
         client.add_request("engine-0", 1, prompt, hasher.hash_token_ids(prompt))
         hit = client.get_computed_blocks("engine-0", 1)
-        blocks = client.allocate_slots("engine-0", 1, len(prompt) - hit.num_computed_tokens,
-                                       0, hit=hit)
+        blocks = client.allocate_slots(
+            "engine-0", 1, len(prompt) - hit.num_computed_tokens, 0, hit=hit
+        )
 """
 
+# Generated from client/kvcm/client/aio.py by scripts/gen_sync_client.py: do not edit.
+# Edit aio.py (the source of both scheduler clients) and run the script again.
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -28,6 +35,7 @@ from kvcm.client import _base
 from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy, TlsConfig
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
+from kvcm.client._streams import EventStream
 from kvcm.client._tracing import intercept
 from kvcm.client._types import (
     DEFAULT_SLOT_OPTIONS,
@@ -49,7 +57,7 @@ from kvcm.client._types import (
 from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.core.program import StepProgram
 from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2, service_pb2_grpc
-from kvcm.wire import EventBatch, decode_event_batch, outcome_from_proto
+from kvcm.wire import outcome_from_proto
 from kvcm.wire.lookup import lookup_query_to_proto, lookup_result_from_proto
 
 if TYPE_CHECKING:
@@ -58,43 +66,6 @@ if TYPE_CHECKING:
 __all__ = ["EventStream", "SchedulerClient"]
 
 Timeout = float | UseClientDefault
-
-
-class EventStream:
-    """An open ``SubscribeEvents`` stream: iterate it for ``EventBatch`` es; close to stop.
-
-    Attributes:
-        pool_id: The pool.
-    """
-
-    __slots__ = ("_call", "_hash_length_bytes", "pool_id")
-
-    def __init__(self, pool_id: str, call: Any) -> None:
-        """Wrap a server-streaming call."""
-        self.pool_id = pool_id
-        self._call = call
-        self._hash_length_bytes = 0
-
-    def __iter__(self) -> Iterator[EventBatch]:
-        try:
-            for message in self._call:
-                if message.hash_length_bytes:
-                    self._hash_length_bytes = message.hash_length_bytes
-                yield decode_event_batch(message, self._hash_length_bytes)
-        except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.CANCELLED and self._call.cancelled():
-                return  # closed by us: the end of the stream, not an error
-            raise error_from_rpc(exc, "SubscribeEvents") from exc
-
-    def close(self) -> None:
-        """Cancel the stream (iteration then ends quietly)."""
-        self._call.cancel()
-
-    def __enter__(self) -> EventStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 class SchedulerClient:
@@ -137,9 +108,8 @@ class SchedulerClient:
             tls=tls,
         )
         self.target = target
-        self._channel = intercept(
-            self._settings.channel(), (("authorization", f"Bearer {token}"),) if token else ()
-        )
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = intercept(self._settings.channel(), metadata)
         self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]
@@ -223,11 +193,13 @@ class SchedulerClient:
 
     def hashing(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> HashingParameters:
         """The pool's hashing parameters (algorithm, seed, hash block size)."""
-        return self.describe_pool(pool_id, timeout=timeout).hashing
+        info = self.describe_pool(pool_id, timeout=timeout)
+        return info.hashing
 
     def block_hasher(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> BlockHasher:
         """A ``BlockHasher`` whose hashes equal the pool's, for hashing requests client-side."""
-        return self.hashing(pool_id, timeout=timeout).block_hasher()
+        hashing = self.hashing(pool_id, timeout=timeout)
+        return hashing.block_hasher()
 
     # ------------------------------------------------------------------------------ step
     def step(
