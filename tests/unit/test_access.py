@@ -1,16 +1,24 @@
-"""The authorization table's decisions and the refusal audit's rate limit, without a server.
+"""The authorization table's decisions, the refusal audit's rate limit and the HTTP guard's
+edges, without a server.
 
 (tests/integration/test_auth.py checks the same table through a real server, call by call.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from typing import Any
 
 import pytest
+from fastapi.routing import APIRoute
 
+from kvcm.core.pool import PoolRegistry
 from kvcm.server.access import RULES, PoolFrom, RefusalLog, bearer_token, may_read, refusal
+from kvcm.server.http import build_app
+from kvcm.server.http._guard import check_routes
 from kvcm.server.rpc import Principal
+from kvcm.server.telemetry import RpcStats
 
 RESYNC = RULES["/kvcm.v1.SchedulerService/ResyncPool"]
 METRICS = RULES["GET /metrics"]
@@ -99,3 +107,25 @@ def test_refusals_are_rate_limited_and_the_rest_counted(caplog: pytest.LogCaptur
         assert "\n" not in record.getMessage()  # a caller's newline cannot forge a line
         if vars(record)["event"] == "auth_refused":
             assert vars(record)["pool"].startswith("'p\\n")
+
+
+def test_the_http_guard_closes_websockets_and_serves_probes() -> None:
+    registry = PoolRegistry()
+    app = build_app(registry, RpcStats(), lambda: True, authenticate=lambda token: None)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/metrics", "headers": [], "query_string": b""}
+    asyncio.run(app(scope, receive, send))
+    assert sent == [{"type": "websocket.close", "code": 1008}]
+
+
+def test_an_app_with_a_route_without_a_row_is_not_built() -> None:
+    routes = [APIRoute("/v1/secret", endpoint=lambda: None, methods=["GET"])]
+    with pytest.raises(RuntimeError, match="GET /v1/secret"):
+        check_routes(routes)

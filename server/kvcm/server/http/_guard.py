@@ -85,8 +85,11 @@ class TokenGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer 401/403 or pass the request on with its principal."""
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # a WebSocket: kvcm serves none, so none gets through
+            await send({"type": "websocket.close", "code": 1008})
             return
         key, rule, params = self._route(scope)
         if rule.pool is PoolFrom.OPEN:
