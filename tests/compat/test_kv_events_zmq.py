@@ -319,14 +319,16 @@ def test_an_ended_incarnation_publishes_all_blocks_cleared_last(
 ) -> None:
     """A deleted pool, or one an engine restart resynchronises (ResyncPool over the existing
     pool, from an empty snapshot): the old incarnation's last batch is AllBlocksCleared, and
-    the new one numbers its batches from 0 again."""
+    the new one's batches go on after it (a consumer that drops batches numbered at or below
+    the last it saw follows it); a replay across the boundary sends that AllBlocksCleared,
+    then the new incarnation's batches."""
     from kvcm.core.pool import Pool
     from kvcm.core.snapshot import encode_pool
 
     sub = zmq_context.socket(zmq.SUB)
     port = sub.bind_to_random_port("tcp://127.0.0.1")
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    server = _server(f"tcp://127.0.0.1:{port}", "", None, 1)
+    server = _server(f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:0", None, 1)
     config = PoolConfig(
         max_model_len=LAYOUT.max_model_len,
         explicit_layout=_kvcm_layout(),
@@ -350,8 +352,12 @@ def test_an_ended_incarnation_publishes_all_blocks_cleared_last(
             cleared_at = len(steps.expected)
             steps.run(5)
             messages = _receive(sub, len(steps.expected))
+            replay_endpoint = server.server.kv_events.replay_endpoint  # type: ignore[union-attr]
+            replayed = _replay(zmq_context, replay_endpoint, 0)
         _check_batches(messages[:cleared_at], steps.expected[:cleared_at], 0, kv_events)
-        _check_batches(messages[cleared_at:], steps.expected[cleared_at:], 0, kv_events)
+        _check_batches(messages[cleared_at:], steps.expected[cleared_at:], cleared_at, kv_events)
+        # The old incarnation's log went with it; its AllBlocksCleared is kept.
+        assert replayed == messages[cleared_at - 1 :]
     finally:
         server.stop()
         sub.close(linger=0)

@@ -9,21 +9,22 @@ from kvcm.client import (
     CallCancelledError,
     DeadlineExceededError,
     InternalError,
-    OutOfRangeError,
     PermissionDeniedError,
     ServiceAlreadyExistsError,
     ServiceError,
     ServiceFailedPreconditionError,
     ServiceInvalidArgumentError,
     ServiceNotFoundError,
+    ServiceOutOfRangeError,
     ServiceResourceExhaustedError,
     StatusCode,
     UnavailableError,
     UnimplementedError,
 )
-from kvcm.client._errors import STEP_REJECTION_TRAILER, error_from_rpc
+from kvcm.client._errors import error_from_rpc
 from kvcm.common import errors
 from kvcm.v1 import scheduler_pb2
+from kvcm.wire import STEP_REJECTION_TRAILER
 
 
 class _FakeRpcError(grpc.RpcError):
@@ -56,7 +57,7 @@ EXPECTED = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ServiceResourceExhaustedError,
     grpc.StatusCode.FAILED_PRECONDITION: ServiceFailedPreconditionError,
     grpc.StatusCode.ABORTED: InternalError,
-    grpc.StatusCode.OUT_OF_RANGE: OutOfRangeError,
+    grpc.StatusCode.OUT_OF_RANGE: ServiceOutOfRangeError,
     grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
     grpc.StatusCode.INTERNAL: InternalError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
@@ -91,6 +92,7 @@ def test_code_maps_to_its_class_with_the_mirrored_code(code: grpc.StatusCode) ->
         (grpc.StatusCode.ALREADY_EXISTS, errors.AlreadyExistsError),
         (grpc.StatusCode.FAILED_PRECONDITION, errors.FailedPreconditionError),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhaustedError),
+        (grpc.StatusCode.OUT_OF_RANGE, errors.OutOfRangeError),
     ],
 )
 def test_domain_codes_are_the_core_classes(

@@ -12,7 +12,7 @@ contract violation, so code written against the core catches the same classes re
         ├── ServiceAlreadyExistsError           ALREADY_EXISTS      (+ AlreadyExistsError)
         ├── ServiceFailedPreconditionError      FAILED_PRECONDITION (+ FailedPreconditionError)
         ├── ServiceResourceExhaustedError       RESOURCE_EXHAUSTED  (+ ResourceExhaustedError)
-        ├── OutOfRangeError                     OUT_OF_RANGE (event resume point dropped)
+        ├── ServiceOutOfRangeError              OUT_OF_RANGE        (+ OutOfRangeError)
         ├── DeadlineExceededError               DEADLINE_EXCEEDED   (+ TimeoutError)
         ├── UnavailableError                    UNAVAILABLE         (+ ConnectionError)
         ├── CallCancelledError                  CANCELLED
@@ -36,6 +36,7 @@ from kvcm.common.errors import (
     InvalidArgumentError,
     KVCMError,
     NotFoundError,
+    OutOfRangeError,
     ResourceExhaustedError,
 )
 
@@ -53,6 +54,7 @@ __all__ = [
     "ServiceFailedPreconditionError",
     "ServiceInvalidArgumentError",
     "ServiceNotFoundError",
+    "ServiceOutOfRangeError",
     "ServiceResourceExhaustedError",
     "StatusCode",
     "StepRejection",
@@ -60,9 +62,6 @@ __all__ = [
     "UnimplementedError",
     "error_from_rpc",
 ]
-
-# The trailer a rejected Step carries its StepRejection in (scheduler.proto).
-STEP_REJECTION_TRAILER = "kvcm-step-rejection-bin"
 
 
 @enum.unique
@@ -167,7 +166,7 @@ class ServiceResourceExhaustedError(ServiceError, ResourceExhaustedError):
     """Raised on RESOURCE_EXHAUSTED: a hard limit (never "does not fit"); nothing changed."""
 
 
-class OutOfRangeError(ServiceError):
+class ServiceOutOfRangeError(ServiceError, OutOfRangeError):
     """Raised on OUT_OF_RANGE: an event subscription's start sequence is no longer kept."""
 
 
@@ -209,7 +208,7 @@ _ERROR_FOR_CODE: dict[StatusCode, type[ServiceError]] = {
     StatusCode.RESOURCE_EXHAUSTED: ServiceResourceExhaustedError,
     StatusCode.FAILED_PRECONDITION: ServiceFailedPreconditionError,
     StatusCode.ABORTED: InternalError,
-    StatusCode.OUT_OF_RANGE: OutOfRangeError,
+    StatusCode.OUT_OF_RANGE: ServiceOutOfRangeError,
     StatusCode.UNIMPLEMENTED: UnimplementedError,
     StatusCode.INTERNAL: InternalError,
     StatusCode.UNAVAILABLE: UnavailableError,
@@ -230,22 +229,13 @@ def _status_code(code: object) -> StatusCode:
 
 
 def _step_rejection(trailers: object) -> StepRejection | None:
-    if not trailers:
-        return None
-    from kvcm.v1 import scheduler_pb2
+    from kvcm.wire import step_rejection_from_trailers
 
-    for item in trailers:  # type: ignore[attr-defined]
-        key, value = item[0], item[1]
-        if key != STEP_REJECTION_TRAILER or not isinstance(value, bytes):
-            continue
-        message = scheduler_pb2.StepRejection()
-        try:
-            message.ParseFromString(value)
-        except Exception:  # a malformed trailer must not hide the status itself
-            return None
-        op_index = message.op_index if message.HasField("op_index") else None
-        return StepRejection(op_index=op_index, field=message.field, reason=message.reason)
-    return None
+    decoded = step_rejection_from_trailers(trailers)
+    if decoded is None:
+        return None
+    op_index, field, reason = decoded
+    return StepRejection(op_index=op_index, field=field, reason=reason)
 
 
 def error_from_rpc(exc: grpc.RpcError, method: str) -> ServiceError:

@@ -13,10 +13,12 @@ state changes, so a rejected call leaves the pool exactly as it was.
     ├── NotFoundError            an id (request, pool, layer, rank) is unknown
     ├── AlreadyExistsError       an id is taken
     ├── FailedPreconditionError  the call is valid but not in the current state
-    └── ResourceExhaustedError   a hard capacity limit (not "does not fit this step")
+    ├── ResourceExhaustedError   a hard capacity limit (not "does not fit this step")
+    └── OutOfRangeError          events asked for from a sequence number no longer kept
 
 The service maps each class to one gRPC status code (INVALID_ARGUMENT, NOT_FOUND,
-ALREADY_EXISTS, FAILED_PRECONDITION, RESOURCE_EXHAUSTED).
+ALREADY_EXISTS, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, OUT_OF_RANGE); the SDK raises
+subclasses of the same classes, so one ``except`` works in-process and remotely.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "InvalidArgumentError",
     "KVCMError",
     "NotFoundError",
+    "OutOfRangeError",
     "ResourceExhaustedError",
     "shown",
 ]
@@ -97,3 +100,7 @@ class FailedPreconditionError(KVCMError):
 
 class ResourceExhaustedError(KVCMError):
     """Raised when a hard capacity limit is hit (too many pools, requests or subscribers)."""
+
+
+class OutOfRangeError(KVCMError):
+    """Raised when events are asked for from a sequence number no longer kept."""

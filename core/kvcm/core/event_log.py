@@ -16,17 +16,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from kvcm.common.errors import InvalidArgumentError, KVCMError
+from kvcm.common.errors import InvalidArgumentError, OutOfRangeError
 from kvcm.common.events import KVCacheEvent
 
 __all__ = ["EventBatchRecord", "EventLog", "OutOfRangeError"]
 
 EventBatchRecord = tuple[int, int, int, float]
 """One kept batch: (batch sequence, sequence of its first event, number of events, timestamp)."""
-
-
-class OutOfRangeError(KVCMError):
-    """Raised when events are asked for from a sequence number no longer kept."""
 
 
 class EventLog:

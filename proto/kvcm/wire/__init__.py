@@ -65,19 +65,25 @@ from kvcm.wire.specs import (
     spec_to_proto,
 )
 from kvcm.wire.step import (
+    STEP_REJECTION_TRAILER,
     alloc_options_from_proto,
     outcome_from_proto,
     outcome_to_proto,
     program_from_proto,
     program_to_proto,
+    step_rejection_from_trailers,
+    step_rejection_to_trailer,
 )
 
 __all__ = [
+    "STEP_REJECTION_TRAILER",
     "alloc_options_from_proto",
     "outcome_from_proto",
     "outcome_to_proto",
     "program_from_proto",
     "program_to_proto",
+    "step_rejection_from_trailers",
+    "step_rejection_to_trailer",
     "DTYPE_TO_PROTO",
     "FREE_MODE_TO_PROTO",
     "HASH_ALGORITHM_TO_PROTO",

@@ -22,12 +22,49 @@ from kvcm.v1 import scheduler_pb2
 from kvcm.wire.blocks import grouped_from_proto, slot_options_from_proto
 
 __all__ = [
+    "STEP_REJECTION_TRAILER",
     "alloc_options_from_proto",
     "outcome_from_proto",
     "outcome_to_proto",
     "program_from_proto",
     "program_to_proto",
+    "step_rejection_from_trailers",
+    "step_rejection_to_trailer",
 ]
+
+# The trailing-metadata key a rejected Step carries its kvcm.v1.StepRejection in.
+STEP_REJECTION_TRAILER = "kvcm-step-rejection-bin"
+
+
+def step_rejection_to_trailer(
+    op_index: int | None, field: str, reason: str
+) -> tuple[tuple[str, bytes], ...]:
+    """The trailing metadata of a rejected Step (the caller makes the strings safe to send)."""
+    rejection = scheduler_pb2.StepRejection(field=field, reason=reason)
+    if op_index is not None:
+        rejection.op_index = op_index
+    return ((STEP_REJECTION_TRAILER, rejection.SerializeToString()),)
+
+
+def step_rejection_from_trailers(trailers: object) -> tuple[int | None, str, str] | None:
+    """``(op_index, field, reason)`` from a failed call's trailing metadata, if it has one.
+
+    A malformed trailer answers ``None``: it must never hide the status it came with.
+    """
+    if not trailers:
+        return None
+    for item in trailers:  # type: ignore[attr-defined]
+        key, value = item[0], item[1]
+        if key != STEP_REJECTION_TRAILER or not isinstance(value, bytes):
+            continue
+        message = scheduler_pb2.StepRejection()
+        try:
+            message.ParseFromString(value)
+        except Exception:
+            return None
+        op_index = message.op_index if message.HasField("op_index") else None
+        return op_index, message.field, message.reason
+    return None
 
 
 def _new_request(new: scheduler_pb2.NewRequest) -> NewRequestSpec:

@@ -34,7 +34,12 @@ from kvcm.core.pool import PoolRegistry
 from kvcm.server.auth import AuthInterceptor, TokenTable
 from kvcm.server.http import build_app
 from kvcm.server.journal import Journal
-from kvcm.server.kv_events import KvEventStream, collect_batches, loop_collector
+from kvcm.server.kv_events import (
+    KvEventNumbering,
+    KvEventStream,
+    collect_batches,
+    loop_collector,
+)
 from kvcm.server.logs import configure_logging
 from kvcm.server.rpc import (
     SERVICE_NAMES,
@@ -115,6 +120,7 @@ class KVCMServer:
             transfer_lease_s=settings.transfer_lease_s,
             subscriber_lease_s=settings.subscriber_lease_s,
             kv_events_topic=settings.kv_events_topic,
+            kv_numbering=KvEventNumbering(settings.kv_events_port_label),
         )
         self.kv_events: KvEventStream | None = None
         self.grpc_port = 0
@@ -178,7 +184,9 @@ class KVCMServer:
             interceptors.insert(0, self.tracing.interceptor())
         if settings.kv_events_endpoint:  # after recovery: replayed batches are not re-sent
             self.kv_events = KvEventStream(
-                settings, collect=loop_collector(asyncio.get_running_loop(), self._kept_batches)
+                settings,
+                collect=loop_collector(asyncio.get_running_loop(), self._kept_batches),
+                numbering=self.state.kv_numbering,
             )
             self.state.kv_events = self.kv_events
         self.interceptors = tuple(interceptors)
@@ -229,19 +237,24 @@ class KVCMServer:
             },
         )
 
-    async def _kept_batches(self, start: int, topic: str | None) -> list[Any]:
-        """Every kept ZMQ batch from ``start`` on, of the pool whose topic is ``topic`` or of
-        all pools publishing events (a replay request)."""
+    async def _kept_batches(self, start: int, topic: str | None, offset: int) -> list[Any]:
+        """Every kept ZMQ batch of stream ``offset`` whose wire ``seq`` is ``start`` or later,
+        of the pool id whose topic is ``topic`` or of all (a replay request): the cleared
+        batches of ended incarnations first, then the live pools'."""
         state = self.state
-        out: list[Any] = []
+        stream = self.kv_events
+        numbering = state.kv_numbering
+        out: list[Any] = numbering.cleared_batches(start, topic, offset)
         for listed in state.registry.list():
             if not listed.options.enable_kv_cache_events:
+                continue
+            if stream is not None and stream.stream_offset(listed) != offset:
                 continue
             try:
                 pool = await state.pool(listed.name)  # waits while a worker thread holds it
             except NotFoundError:
                 continue
-            out.extend(collect_batches([(pool, state.topic(pool))], start, topic))
+            out.extend(collect_batches(pool, state.topic(pool), numbering, start, topic))
         return out
 
     async def _start_http(self, sock: socket.socket) -> None:

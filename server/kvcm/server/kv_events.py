@@ -1,6 +1,6 @@
 """vLLM's ZMQ KV-event stream, published by the server for every pool.
 
-A consumer written for a vLLM 0.33 engine (``--kv-events-config``) reads kvcm unchanged: one
+A consumer written for a vLLM 0.33 engine (``--kv-events-config``) reads kvcm unchanged: a
 PUB socket sends each publication as the multipart message ``(topic, seq, payload)`` where
 ``seq`` is an 8-byte big-endian batch number and ``payload`` is vLLM's msgpack ``KVEventBatch``
 ``[ts, events, data_parallel_rank]``, every event a map tagged with its class name, byte for
@@ -12,17 +12,32 @@ What differs from one engine's publisher, and why:
 
 * One server holds many pools, so each pool is its own topic (``kv_events_topic``, a template
   over ``{pool}`` and ``{model}``, by default ``kv@{pool}@{model}``, llm-d's convention of
-  ``kv@<engine>@<model>``) with its own batch numbers from 0, as each vLLM engine has its own.
+  ``kv@<engine>@<model>``) with its own batch numbers, as each vLLM engine has its own.
   A replay request may add the topic as a fourth frame to replay one pool; without it every
-  pool's batches from ``seq`` on are sent (exactly vLLM's answer when the server holds one pool).
+  pool of the socket is replayed (exactly vLLM's answer when the socket carries one pool).
+* Streams: with ``kv_events_port_label`` unset every pool shares one PUB socket (and one
+  replay socket); with it set (``data_parallel_rank``, vLLM's own rule) a pool publishes on
+  the endpoint's port plus the label's value, and is replayed on the replay port plus it, so
+  a consumer that ignores topics (Dynamo's) sees one pool per socket.
+* Numbering per pool *id* never goes backwards on the wire (:class:`KvEventNumbering`): a pool
+  deleted or replaced publishes ``AllBlocksCleared`` as the last batch of its incarnation and
+  the next incarnation goes on after it, so a consumer that drops batches numbered at or below
+  the last one it saw follows the new incarnation; the numbering is checkpointed with
+  ``--data-dir`` and the cleared batch stays replayable.
 * Batches come from the pool's own event log (one batch per call that changed the cache),
   which survives a restart with ``--data-dir``: a replay after a restart sends the same bytes.
-* The event loop never waits for ZMQ: it hands each batch to the publisher thread, which owns
-  both sockets and encodes there. A full queue (``kv_events_max_queue_size``) drops the batch
-  and counts it; the consumer sees the gap in ``seq`` and replays it.
-* A deleted or replaced pool (DeletePool; ResyncPool over an existing pool, as when its engine
-  restarts) publishes ``AllBlocksCleared`` as the last batch of its old incarnation, so a
-  router drops what it learnt; the new incarnation numbers its batches from 0 again.
+* The event loop never waits for ZMQ: it puts each batch on a bounded ``queue.Queue`` that the
+  publisher thread drains (a queue's own condition variable: no wake-up can be lost), and
+  that thread owns the PUB sockets and encodes there. A second thread owns the replay and
+  monitor sockets. A full queue (``kv_events_max_queue_size``) drops the batch and counts it;
+  the consumer sees the gap in ``seq`` and replays it.
+
+::
+
+    event loop: publish() --put_nowait--> queue.Queue --get(timeout)--> publisher thread
+                                                                         encode, PUB.send
+    replay ROUTERs, PUB monitors <--poll-- service thread --collect()--> event loop (kept
+                                                                         batches) -> ROUTER
 """
 
 from __future__ import annotations
@@ -31,10 +46,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import queue
 import threading
-from collections import deque
-from collections.abc import Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
@@ -49,12 +65,27 @@ if TYPE_CHECKING:
     from kvcm.core.pool import Pool
     from kvcm.server.settings import ServerSettings
 
-__all__ = ["KvEventCounters", "KvEventStream", "collect_batches", "kv_events_topic"]
+__all__ = [
+    "KvEventCounters",
+    "KvEventNumbering",
+    "KvEventStream",
+    "collect_batches",
+    "kv_events_topic",
+    "offset_endpoint",
+    "stream_offset",
+]
 
 _LOG = logging.getLogger("kvcm.server.kv_events")
 _END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 _REPLAY_TIMEOUT_S: Final = 10.0
 _DEFAULT_DP_RANK: Final = 0
+# How long the publisher waits on an empty queue before it looks at the closing flag, and the
+# service thread's poll timeout (its stop flag and newly opened streams): bounds shutdown only.
+_IDLE_WAIT_S: Final = 0.2
+_SERVICE_POLL_MS: Final = 100
+# A stream whose endpoint could not be bound is tried again after this long.
+_REOPEN_AFTER_S: Final = 5.0
+_MAX_RETIRED_IDS: Final = 100_000
 
 
 # vLLM 0.33's event structs, declared alike (names, field order, options) so that msgspec
@@ -175,13 +206,168 @@ def _is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def offset_endpoint(endpoint: str, offset: int) -> str:
+    """``endpoint`` for the stream ``offset`` (vLLM's rule for a data-parallel rank): a tcp
+    port plus ``offset``, an ipc/inproc path with ``_dp<offset>`` appended. Port 0 stays 0:
+    each stream then binds its own ephemeral port (DescribePool tells which)."""
+    if offset == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{offset}"
+    head, _, port = endpoint.rpartition(":")
+    number = int(port)
+    return endpoint if number == 0 else f"{head}:{number + offset}"
+
+
+def _label_int(pool: Pool, label: str) -> int | None:
+    value = pool.options.labels.get(label) if label else None
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
+def stream_offset(pool: Pool, port_label: str) -> int:
+    """The stream ``pool`` publishes on: its ``port_label`` label's value (a decimal integer),
+    else 0 (also when ``port_label`` is empty: one stream for every pool)."""
+    value = _label_int(pool, port_label)
+    return 0 if value is None else value
+
+
+def _dp_rank(pool: Pool) -> int:
+    """The ``data_parallel_rank`` a pool's batches carry: its ``data_parallel_rank`` label
+    (an engine's DP rank), else 0 as a vLLM engine without data parallelism sends."""
+    value = _label_int(pool, "data_parallel_rank")
+    return _DEFAULT_DP_RANK if value is None else value
+
+
 @dataclass(slots=True)
 class _Batch:
     topic: bytes
-    seq: int
+    seq: int  # on the wire
     ts: float
     events: list[KVCacheEvent]
     dp_rank: int
+    pool_id: str = ""
+    stream: _Stream | None = None
+    queued_at: float = 0.0  # time.monotonic() when queued
+
+
+# ------------------------------------------------------------------ numbering per pool id
+@dataclass(slots=True)
+class _Retired:
+    """The last incarnation of a pool id: the first wire ``seq`` of the next one, and its
+    ``AllBlocksCleared`` batch (numbered ``next_seq - 1``), kept for replay."""
+
+    next_seq: int
+    ts: float
+    topic: bytes
+    dp_rank: int
+    offset: int
+
+
+class KvEventNumbering:
+    """The wire ``seq`` of every pool id: ``base(pool id) + the pool's own batch number``.
+
+    A pool numbers its batches from 0 per incarnation (its event log, checkpointed with it).
+    When an incarnation ends (DeletePool, ResyncPool over it) its last batch is
+    ``AllBlocksCleared``; :meth:`retire` then moves the id's base past it, so the next
+    incarnation's batch 0 goes out as the number after that clear, and keeps the clear for
+    replay. The table is checkpointed (:meth:`encode`); records replayed from the journal
+    call :meth:`retire` again, so it survives a crash too.
+
+    NOTE: at most ``max_retired`` ids are remembered (the most recently retired); when one
+    that no pool uses is forgotten, ``floor`` rises to its next ``seq``, and every id not in
+    the table starts there, so no id ever goes backwards (a forgotten id only jumps forward).
+    """
+
+    __slots__ = ("_floor", "_retired", "max_retired", "port_label")
+
+    def __init__(self, port_label: str = "", max_retired: int = _MAX_RETIRED_IDS) -> None:
+        """An empty table; ``port_label`` picks each pool's stream (:func:`stream_offset`)."""
+        self.port_label = port_label
+        self.max_retired = max_retired
+        self._retired: dict[str, _Retired] = {}
+        self._floor = 0
+
+    def base(self, pool_id: str) -> int:
+        """The wire ``seq`` of batch 0 of ``pool_id``'s current incarnation."""
+        retired = self._retired.get(pool_id)
+        return self._floor if retired is None else retired.next_seq
+
+    def last_seq(self, pool: Pool) -> int:
+        """The wire ``seq`` of the last batch published under ``pool``'s id (-1: none)."""
+        return self.base(pool.name) + pool.event_batches()[0] - 1
+
+    def retire(self, pool: Pool, topic: str, in_use: Callable[[str], bool]) -> None:
+        """``pool``'s incarnation ended after publishing its ``AllBlocksCleared`` (if any).
+
+        ``in_use`` tells whether a pool id has a pool now (not forgotten when over the cap).
+        """
+        next_batch = pool.event_batches()[0]
+        last = pool.last_event_batch()
+        if next_batch == 0 or last is None:
+            return  # it published nothing: the next incarnation starts where this one did
+        base = self.base(pool.name) + next_batch
+        self._retired.pop(pool.name, None)  # re-inserted last: the most recently retired
+        offset = stream_offset(pool, self.port_label)
+        self._retired[pool.name] = _Retired(base, last[2], topic.encode(), _dp_rank(pool), offset)
+        if len(self._retired) > self.max_retired:
+            for pool_id in list(self._retired):
+                if len(self._retired) <= self.max_retired:
+                    break
+                if pool_id != pool.name and not in_use(pool_id):
+                    forgotten = self._retired.pop(pool_id)
+                    self._floor = max(self._floor, forgotten.next_seq)
+
+    def cleared_batches(self, start: int, topic: str | None, offset: int) -> list[_Batch]:
+        """The kept ``AllBlocksCleared`` batches of retired incarnations on stream ``offset``
+        numbered ``start`` or later (of the one whose topic is ``topic``, or all)."""
+        wanted = None if topic is None else topic.encode()
+        return [
+            _Batch(r.topic, r.next_seq - 1, r.ts, [AllBlocksCleared()], r.dp_rank)
+            for r in self._retired.values()
+            if r.offset == offset and r.next_seq - 1 >= start and wanted in (None, r.topic)
+        ]
+
+    def encode(self) -> bytes:
+        """The table as bytes (for a checkpoint)."""
+        rows = [
+            [pool_id, r.next_seq, r.ts, r.topic, r.dp_rank, r.offset]
+            for pool_id, r in self._retired.items()
+        ]
+        return msgspec.msgpack.encode([self._floor, rows])
+
+    def restore(self, data: bytes) -> None:
+        """Install a table saved by :meth:`encode` (``b""``: an empty one).
+
+        Raises:
+            ConfigError: ``data`` is not such a table.
+        """
+        if not data:
+            return
+        try:
+            floor, rows = msgspec.msgpack.decode(data)
+            retired = {
+                str(pool_id): _Retired(int(seq), float(ts), bytes(topic), int(rank), int(offset))
+                for pool_id, seq, ts, topic, rank, offset in rows
+            }
+        except (msgspec.DecodeError, TypeError, ValueError) as exc:
+            raise ConfigError(f"data_dir: the KV-event numbering is damaged: {exc}") from exc
+        self._floor = int(floor)
+        self._retired = retired
+
+
+# ------------------------------------------------------------------ the sockets
+@dataclass(slots=True, eq=False)
+class _Stream:
+    """One PUB socket (owned by the publisher thread) and its replay ROUTER and monitor
+    (owned by the service thread); opened on the event loop, handed over through queues."""
+
+    offset: int
+    endpoint: str
+    replay_endpoint: str
+    pub: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+    replay: zmq.Socket[bytes] | None
+    peers: int = 0
 
 
 @dataclass(slots=True)
@@ -189,13 +375,17 @@ class KvEventCounters:
     """What the publisher did (read by /metrics).
 
     Attributes:
-        batches: Batches sent on the PUB socket.
+        batches: Batches sent on the PUB sockets.
         events: Events in them.
-        dropped: Batches dropped because the publisher's queue was full.
+        dropped: Batches dropped because the publisher's queue was full (or their stream's
+            endpoint could not be opened).
         replays: Replay requests answered.
         replayed_batches: Batches sent in answer to them.
-        errors: Sends or replays that failed (logged).
-        peers: Subscribers (or, connecting, endpoints) the PUB socket is connected to now.
+        errors: Sends, replays or stream openings that failed (logged).
+        peers: Subscribers (or, connecting, endpoints) the PUB sockets are connected to now.
+        last_sent: The wire ``seq`` of the last batch sent, by pool id.
+        pending: The publisher's queue (``None``: none yet), read by :meth:`queue_depth` and
+            :meth:`oldest_unsent_age_s`.
     """
 
     batches: int = 0
@@ -205,165 +395,276 @@ class KvEventCounters:
     replays: int = 0
     replayed_batches: int = 0
     errors: int = 0
+    last_sent: dict[str, int] = field(default_factory=dict)
+    pending: queue.Queue[_Batch | None] | None = None
+
+    def queue_depth(self) -> int:
+        """Batches queued and not yet taken by the publisher thread."""
+        return 0 if self.pending is None else self.pending.qsize()
+
+    def oldest_unsent_age_s(self) -> float:
+        """Seconds the oldest queued batch has waited (0: none queued)."""
+        if self.pending is None:
+            return 0.0
+        try:
+            head = self.pending.queue[0]  # a peek: the thread may take it meanwhile
+        except IndexError:
+            return 0.0
+        return 0.0 if head is None else max(0.0, time.monotonic() - head.queued_at)
+
+
+Collect = Callable[[int, str | None, int], concurrent.futures.Future[list[_Batch]]]
+"""Asks the event loop for the kept batches of a stream (see :class:`KvEventStream`)."""
 
 
 class KvEventStream:
-    """The server's vLLM-wire publisher: a PUB socket and an optional replay ROUTER.
+    """The server's vLLM-wire publisher: PUB sockets and optional replay ROUTERs.
 
-    ``publish`` is called on the event loop and only queues; one thread owns the sockets.
+    ``publish`` is called on the event loop and only queues; two threads own the sockets.
 
     Attributes:
-        endpoint: The PUB endpoint (bound or connected to, vLLM's rule).
-        replay_endpoint: The bound replay endpoint (``""``: no replay), port resolved.
         counters: What was published.
+        numbering: The wire numbering per pool id (shared with the server state).
     """
 
     def __init__(
-        self,
-        settings: ServerSettings,
-        *,
-        collect: Callable[[int, str | None], concurrent.futures.Future[list[_Batch]]],
+        self, settings: ServerSettings, *, collect: Collect, numbering: KvEventNumbering
     ) -> None:
-        """Open the sockets (bind errors surface here) and start the thread.
+        """Open the shared stream's sockets (bind errors surface here) and start the threads.
 
         Args:
             settings: ``kv_events_*`` settings.
-            collect: Asks the event loop for every kept batch from a ``seq`` on (of one topic,
-                or all); the future resolves to them in publication order per pool.
+            collect: Asks the event loop for every kept batch of stream ``offset`` from a
+                wire ``seq`` on (of one topic, or all); the future resolves to them in
+                publication order per pool.
+            numbering: The wire numbering per pool id.
 
         Raises:
             ConfigError: An endpoint cannot be bound or connected to.
         """
         self.counters = KvEventCounters()
+        self.numbering = numbering
         self._int_hashes = bool(settings.kv_events_use_int_block_hashes)
         self._collect = collect
-        self._max_queue = settings.kv_events_max_queue_size
-        self._queue: deque[_Batch | None] = deque()
-        self._signalled = False
+        self._endpoint = settings.kv_events_endpoint
+        self._replay_endpoint = settings.kv_events_replay_endpoint
+        self._hwm = settings.kv_events_hwm
+        self._port_label = settings.kv_events_port_label
+        self._queue: queue.Queue[_Batch | None] = queue.Queue(settings.kv_events_max_queue_size)
+        self.counters.pending = self._queue
+        self._opened: queue.SimpleQueue[_Stream] = queue.SimpleQueue()
+        self._streams: dict[int, _Stream] = {}
+        self._failed: dict[int, float] = {}
+        self._closing = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._wake_address = f"inproc://kvcm-kv-events-{id(self)}"
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(self._wake_address)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(self._wake_address)
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.set_hwm(settings.kv_events_hwm)
-        # Before bind/connect, so that no connection goes uncounted.
-        self._monitor = self._pub.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-        )
-        self._replay: zmq.Socket[bytes] | None = None
-        self.endpoint = settings.kv_events_endpoint
-        self.replay_endpoint = ""
         try:
-            if _is_bind_endpoint(self.endpoint):
-                self._pub.bind(self.endpoint)
-                self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self._pub.connect(self.endpoint)
-            if settings.kv_events_replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.bind(settings.kv_events_replay_endpoint)
-                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._shared = self._open(0)
         except zmq.ZMQError as exc:
-            self._close_sockets()
             raise ConfigError(f"kv_events_endpoint / kv_events_replay_endpoint: {exc}") from exc
-        self._thread = threading.Thread(target=self._run, name="kvcm-kv-events", daemon=True)
-        self._thread.start()
+        self._publisher = threading.Thread(
+            target=self._publish_loop, name="kvcm-kv-events", daemon=True
+        )
+        self._service = threading.Thread(
+            target=self._service_loop, name="kvcm-kv-events-replay", daemon=True
+        )
+        self._publisher.start()
+        self._service.start()
+
+    @property
+    def endpoint(self) -> str:
+        """The shared (offset 0) PUB endpoint, port resolved when bound."""
+        return self._shared.endpoint
+
+    @property
+    def replay_endpoint(self) -> str:
+        """The shared (offset 0) replay endpoint, port resolved (``""``: no replay)."""
+        return self._shared.replay_endpoint
 
     # -------------------------------------------------------------- on the event loop
+    def stream_offset(self, pool: Pool) -> int:
+        """The stream ``pool`` publishes on (:func:`stream_offset`)."""
+        return stream_offset(pool, self._port_label)
+
+    def endpoints(self, pool: Pool) -> tuple[str, str] | None:
+        """The PUB and replay endpoints ``pool`` publishes and replays on (opening its stream
+        when it has not published yet); ``None``: its stream could not be opened."""
+        stream = self._stream(self.stream_offset(pool))
+        return None if stream is None else (stream.endpoint, stream.replay_endpoint)
+
     def publish(self, pool: Pool, topic: str) -> None:
         """Queue the batch ``pool`` published last (called right after it published)."""
         last = pool.last_event_batch()
         if last is None:
             return
         seq, events, ts = last
-        if len(self._queue) >= self._max_queue:
+        stream = self._stream(stream_offset(pool, self._port_label))
+        batch = _Batch(
+            topic.encode(),
+            self.numbering.base(pool.name) + seq,
+            ts,
+            events,
+            _dp_rank(pool),
+            pool.name,
+            stream,
+            time.monotonic(),
+        )
+        if stream is None:
             self.counters.dropped += 1
             return
-        self._queue.append(_Batch(topic.encode(), seq, ts, events, _dp_rank(pool)))
-        self._wake()
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self.counters.dropped += 1
 
     def close(self, timeout: float = 2.0) -> None:
-        """Send what is queued (up to ``timeout``), stop the thread and close the sockets."""
-        self._queue.append(None)
-        self._wake()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        """Send what is queued (up to ``timeout``), stop the threads and close the sockets."""
+        self._closing.set()
+        deadline = time.monotonic() + timeout
+        # On a full queue the thread still exits once it is empty: it sees the closing flag.
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=timeout)
+        self._publisher.join(max(0.0, deadline - time.monotonic()))
+        self._service.join(max(0.0, deadline - time.monotonic()) + 2 * _IDLE_WAIT_S)
+        if self._publisher.is_alive() or self._service.is_alive():
             _LOG.warning("the KV-event publisher did not stop within %.1f s", timeout)
             return
-        self._close_sockets()
+        for stream in self._streams.values():
+            _close_stream(stream)
 
-    def _wake(self) -> None:
-        if not self._signalled:
-            self._signalled = True
-            # zmq.Again: the thread has unread wake-ups already.
-            with contextlib.suppress(zmq.Again):
-                self._wake_tx.send(b"", zmq.NOBLOCK)
+    def _stream(self, offset: int) -> _Stream | None:
+        stream = self._streams.get(offset)
+        if stream is not None:
+            return stream
+        failed = self._failed.get(offset)
+        if failed is not None and time.monotonic() - failed < _REOPEN_AFTER_S:
+            return None
+        try:
+            return self._open(offset)
+        except zmq.ZMQError as exc:
+            self._failed[offset] = time.monotonic()
+            self.counters.errors += 1
+            _LOG.error(
+                "KV-event stream %d cannot be opened on %s: %s",
+                offset,
+                offset_endpoint(self._endpoint, offset),
+                exc,
+            )
+            return None
+
+    def _open(self, offset: int) -> _Stream:
+        """Bind or connect stream ``offset``'s sockets and hand them to the threads."""
+        pub = self._ctx.socket(zmq.PUB)
+        pub.set_hwm(self._hwm)
+        # Before bind/connect, so that no connection goes uncounted.
+        monitor = pub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        )
+        replay: zmq.Socket[bytes] | None = None
+        try:
+            endpoint = offset_endpoint(self._endpoint, offset)
+            if _is_bind_endpoint(endpoint):
+                pub.bind(endpoint)
+                endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                pub.connect(endpoint)
+            replay_endpoint = ""
+            if self._replay_endpoint:
+                replay = self._ctx.socket(zmq.ROUTER)
+                # A replay is sent whole or not at all: a peer whose queue stays full (or that
+                # left) makes the send fail instead of ZMQ dropping batches silently.
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                replay.setsockopt(zmq.SNDHWM, self._hwm)
+                replay.setsockopt(zmq.SNDTIMEO, int(_REPLAY_TIMEOUT_S * 1000))
+                replay.bind(offset_endpoint(self._replay_endpoint, offset))
+                replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            pub.disable_monitor()
+            monitor.close(linger=0)
+            pub.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+            raise
+        stream = _Stream(offset, endpoint, replay_endpoint, pub, monitor, replay)
+        self._streams[offset] = stream
+        self._failed.pop(offset, None)
+        self._opened.put(stream)  # the service thread registers its monitor and ROUTER
+        return stream
 
     # -------------------------------------------------------------- the publisher thread
-    def _run(self) -> None:
+    def _publish_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()
-        poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
-        while True:
-            ready = dict(poller.poll())
-            if self._monitor in ready:
-                self._count_peers()
-            if self._wake_rx in ready:
-                self._signalled = False
-                while True:
-                    try:
-                        self._wake_rx.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                if not self._send_queued(encoder):
-                    return
-            if self._replay is not None and self._replay in ready:
-                try:
-                    self._serve_replay(encoder)
-                except Exception:
-                    self.counters.errors += 1
-                    _LOG.exception("KV-event replay failed")
-
-    def _count_peers(self) -> None:
+        get = self._queue.get
+        counters = self.counters
+        last_sent = counters.last_sent
         while True:
             try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self.counters.peers = max(0, self.counters.peers - 1)
-            else:
-                self.counters.peers += 1
-
-    def _send_queued(self, encoder: msgspec.msgpack.Encoder) -> bool:
-        queue = self._queue
-        while queue:
-            batch = queue.popleft()
+                batch = get(timeout=_IDLE_WAIT_S)
+            except queue.Empty:
+                if self._closing.is_set():
+                    return
+                continue
             if batch is None:
-                return False
+                return
+            assert batch.stream is not None
             try:
                 payload = self._encode(encoder, batch)
-                self._pub.send_multipart((batch.topic, batch.seq.to_bytes(8, "big"), payload))
+                batch.stream.pub.send_multipart(
+                    (batch.topic, batch.seq.to_bytes(8, "big"), payload)
+                )
             except Exception:
-                self.counters.errors += 1
+                counters.errors += 1
                 _LOG.exception("KV-event batch %d not published", batch.seq)
                 continue
-            self.counters.batches += 1
-            self.counters.events += len(batch.events)
-        return True
+            counters.batches += 1
+            counters.events += len(batch.events)
+            last_sent[batch.pool_id] = batch.seq
 
     def _encode(self, encoder: msgspec.msgpack.Encoder, batch: _Batch) -> bytes:
         structs = _to_structs(batch.events, self._int_hashes)
         return encoder.encode(EventBatchStruct(batch.ts, structs, batch.dp_rank))
 
-    def _serve_replay(self, encoder: msgspec.msgpack.Encoder) -> None:
-        assert self._replay is not None
-        frames = self._replay.recv_multipart()
+    # -------------------------------------------------------------- the service thread
+    def _service_loop(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        poller = zmq.Poller()
+        monitors: dict[zmq.Socket[bytes], _Stream] = {}
+        routers: dict[zmq.Socket[bytes], _Stream] = {}
+        while not self._closing.is_set() or self._publisher.is_alive():
+            while True:
+                try:
+                    stream = self._opened.get_nowait()
+                except queue.Empty:
+                    break
+                monitors[stream.monitor] = stream
+                poller.register(stream.monitor, zmq.POLLIN)
+                if stream.replay is not None:
+                    routers[stream.replay] = stream
+                    poller.register(stream.replay, zmq.POLLIN)
+            for sock, _ in poller.poll(_SERVICE_POLL_MS):
+                if sock in monitors:
+                    self._count_peers(monitors[sock])
+                else:
+                    try:
+                        self._serve_replay(encoder, routers[sock])
+                    except Exception:
+                        self.counters.errors += 1
+                        _LOG.exception("KV-event replay failed")
+
+    def _count_peers(self, stream: _Stream) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(stream.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            change = -1 if event["event"] == zmq.EVENT_DISCONNECTED else 1
+            if stream.peers + change >= 0:
+                stream.peers += change
+                self.counters.peers += change
+
+    def _serve_replay(self, encoder: msgspec.msgpack.Encoder, stream: _Stream) -> None:
+        sock = stream.replay
+        assert sock is not None
+        frames = sock.recv_multipart()
         if len(frames) not in (3, 4) or frames[1] != b"" or len(frames[2]) != 8:
             self.counters.errors += 1
             _LOG.warning("invalid KV-event replay request (%d frames)", len(frames))
@@ -371,60 +672,49 @@ class KvEventStream:
         client, _, start_bytes = frames[:3]
         start = int.from_bytes(start_bytes, "big")
         topic = frames[3].decode() if len(frames) == 4 else None
-        batches = self._collect(start, topic).result(_REPLAY_TIMEOUT_S)
+        batches = self._collect(start, topic, stream.offset).result(_REPLAY_TIMEOUT_S)
         for batch in batches:
             payload = self._encode(encoder, batch)
-            self._replay.send_multipart(
-                (client, b"", batch.topic, batch.seq.to_bytes(8, "big"), payload)
-            )
-        self._replay.send_multipart((client, b"", b"", _END_SEQ, b""))
+            sock.send_multipart((client, b"", batch.topic, batch.seq.to_bytes(8, "big"), payload))
+        sock.send_multipart((client, b"", b"", _END_SEQ, b""))
         self.counters.replays += 1
         self.counters.replayed_batches += len(batches)
 
-    def _close_sockets(self) -> None:
-        monitor = getattr(self, "_monitor", None)
-        if monitor is not None:
-            self._pub.disable_monitor()
-            monitor.close(linger=0)
-        for sock in (self._pub, self._replay, self._wake_rx, self._wake_tx):
-            if sock is not None:
-                sock.close(linger=0 if sock is not self._pub else 1000)
 
-
-def _dp_rank(pool: Pool) -> int:
-    """The ``data_parallel_rank`` a pool's batches carry: its ``data_parallel_rank`` label
-    (an engine's DP rank), else 0 as a vLLM engine without data parallelism sends."""
-    labels = pool.options.labels
-    value = labels.get("data_parallel_rank")
-    return int(value) if value is not None and str(value).isdigit() else _DEFAULT_DP_RANK
+def _close_stream(stream: _Stream) -> None:
+    stream.pub.disable_monitor()
+    stream.monitor.close(linger=0)
+    stream.pub.close(linger=1000)
+    if stream.replay is not None:
+        stream.replay.close(linger=0)
 
 
 def collect_batches(
-    pools: Sequence[tuple[Pool, str]], start: int, topic: str | None
+    pool: Pool, topic: str, numbering: KvEventNumbering, start: int, wanted: str | None
 ) -> list[_Batch]:
-    """Every kept batch numbered ``start`` or later of ``pools`` (each with its topic), or of
-    the one whose topic is ``topic``."""
-    out: list[_Batch] = []
-    for pool, pool_topic in pools:
-        if topic is not None and pool_topic != topic:
-            continue
-        encoded = pool_topic.encode()
-        rank = _dp_rank(pool)
-        out.extend(
-            _Batch(encoded, seq, ts, events, rank)
-            for seq, events, ts in pool.event_batches_from(start)
-        )
-    return out
+    """Every kept batch of ``pool`` (publishing as ``topic``) whose wire ``seq`` is ``start``
+    or later, unless ``wanted`` names another topic."""
+    if wanted is not None and wanted != topic:
+        return []
+    base = numbering.base(pool.name)
+    encoded = topic.encode()
+    rank = _dp_rank(pool)
+    return [
+        _Batch(encoded, base + seq, ts, events, rank)
+        for seq, events, ts in pool.event_batches_from(max(0, start - base))
+    ]
 
 
 def loop_collector(
     loop: asyncio.AbstractEventLoop,
-    gather: Callable[[int, str | None], Coroutine[Any, Any, list[_Batch]]],
-) -> Callable[[int, str | None], concurrent.futures.Future[list[_Batch]]]:
-    """A ``collect`` for :class:`KvEventStream` that runs ``gather(start, topic)`` (a
+    gather: Callable[[int, str | None, int], Coroutine[Any, Any, list[_Batch]]],
+) -> Collect:
+    """A ``collect`` for :class:`KvEventStream` that runs ``gather(start, topic, offset)`` (a
     coroutine function returning the batches) on ``loop``."""
 
-    def collect(start: int, topic: str | None) -> concurrent.futures.Future[list[_Batch]]:
-        return asyncio.run_coroutine_threadsafe(gather(start, topic), loop)
+    def collect(
+        start: int, topic: str | None, offset: int
+    ) -> concurrent.futures.Future[list[_Batch]]:
+        return asyncio.run_coroutine_threadsafe(gather(start, topic, offset), loop)
 
     return collect

@@ -21,8 +21,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Final
 
-from kvcm.common.errors import ConfigError
+from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits
+from kvcm.core.pool_types import check_labels
 
 __all__ = [
     "CONFIG_ENV",
@@ -76,6 +77,9 @@ class ServerSettings:
             ipc/inproc endpoints are bound, others connected to (vLLM's rule).
         kv_events_replay_endpoint: ZMQ endpoint the replay ROUTER binds (``""``: no replay).
         kv_events_topic: Topic of each pool's batches, over ``{pool}`` and ``{model}``.
+        kv_events_port_label: A pool label whose integer value offsets the ports of the pool's
+            stream (``data_parallel_rank``: vLLM's port + rank); ``""``: every pool on the
+            one endpoint, told apart by topic.
         kv_events_hwm: The PUB socket's high-water mark (messages).
         kv_events_max_queue_size: Batches waiting for the publisher thread; beyond, dropped.
         kv_events_use_int_block_hashes: 1: hashes as vLLM's default 64-bit ints; 0: full
@@ -102,6 +106,7 @@ class ServerSettings:
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
+    kv_events_port_label: str = ""
     kv_events_hwm: int = 100_000
     kv_events_max_queue_size: int = 100_000
     kv_events_use_int_block_hashes: int = 1
@@ -161,12 +166,27 @@ class ServerSettings:
                 )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_port_label:
+            self._check_kv_events_port_label()
         try:
             self.kv_events_topic.format(pool="p", model="m")
         except (KeyError, IndexError, ValueError) as exc:
             raise ConfigError(
                 f"kv_events_topic {self.kv_events_topic!r} may use only {{pool}} and {{model}}"
             ) from exc
+
+    def _check_kv_events_port_label(self) -> None:
+        try:
+            check_labels({self.kv_events_port_label: ""}, "kv_events_port_label")
+        except InvalidArgumentError as exc:
+            raise ConfigError(str(exc)) from None
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value.startswith("tcp://") and not value.rpartition(":")[2].isdigit():
+                raise ConfigError(
+                    f"{name} must end in a port number when kv_events_port_label is set "
+                    f"(each stream adds its offset to it), got {value!r}"
+                )
 
     @property
     def max_pools(self) -> int:
@@ -239,6 +259,9 @@ _HELP: Final = {
     "('': no replay)",
     "kv_events_topic": "ZMQ topic of each pool's batches; {pool} is the pool id, {model} its "
     "model label",
+    "kv_events_port_label": "pool label whose integer value offsets the ports of the pool's "
+    "KV-event stream and its replay socket, e.g. data_parallel_rank (vLLM's port + rank, one "
+    "socket per pool for consumers that ignore topics); '': one socket for every pool",
     "kv_events_hwm": "high-water mark of the KV-event PUB socket (messages)",
     "kv_events_max_queue_size": "KV-event batches waiting to be sent; beyond, a batch is dropped "
     "(and counted) and subscribers replay the gap",

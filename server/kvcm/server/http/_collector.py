@@ -24,6 +24,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from kvcm.common.errors import NotFoundError
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, LoopLagSnapshot, RpcStats, RpcStatsSnapshot
 
@@ -197,6 +198,26 @@ METRICS: tuple[MetricSpec, ...] = (
         kind="gauge",
         labels=(),
         help="Peers the ZMQ KV-event PUB socket is connected to.",
+    ),
+    MetricSpec(
+        name="kvcm_zmq_event_queue_batches",
+        kind="gauge",
+        labels=(),
+        help="KV-event batches queued for the ZMQ publisher thread and not sent yet.",
+    ),
+    MetricSpec(
+        name="kvcm_zmq_event_oldest_unsent_age_seconds",
+        kind="gauge",
+        labels=(),
+        help="How long the oldest queued KV-event batch has waited for the ZMQ publisher "
+        "(0: none queued).",
+    ),
+    MetricSpec(
+        name="kvcm_zmq_event_last_sent_sequence",
+        kind="gauge",
+        labels=("pool",),
+        help="Wire seq of the last KV-event batch the ZMQ publisher sent for the pool id "
+        "(never goes backwards, also across re-creations of the pool).",
     ),
     MetricSpec(
         name="kvcm_lookup_index_keys",
@@ -382,6 +403,26 @@ class KVCMCollector:
         self._loop_lag = LoopLagMonitor() if loop_lag is None else loop_lag
         self._build_labels = [kvcm_version(), platform.python_version()]
 
+    def _zmq_wire_families(self) -> Iterator[Metric]:
+        """The publisher's queue and the last seq it sent per pool (of pools that exist)."""
+        depth = _scalar_family("kvcm_zmq_event_queue_batches")
+        age = _scalar_family("kvcm_zmq_event_oldest_unsent_age_seconds")
+        last_sent = _scalar_family("kvcm_zmq_event_last_sent_sequence")
+        counters = self._zmq
+        if counters is not None:
+            depth.add_metric([], counters.queue_depth())
+            age.add_metric([], counters.oldest_unsent_age_s())
+            sent = dict(counters.last_sent)  # a copy: the publisher thread writes it
+            for pool_id, seq in sorted(sent.items()):
+                try:
+                    self._registry.get(pool_id)
+                except NotFoundError:
+                    continue  # deleted: no series until a pool of that id exists again
+                last_sent.add_metric([pool_id], seq)
+        yield depth
+        yield age
+        yield last_sent
+
     def describe(self) -> Iterator[Metric]:
         """Empty families naming every metric, so the registry knows them without a scrape."""
         for spec in METRICS:
@@ -414,6 +455,7 @@ class KVCMCollector:
             peers.add_metric([], counters.peers)
         yield batches
         yield peers
+        yield from self._zmq_wire_families()
         keys = _scalar_family("kvcm_lookup_index_keys")
         indexed = _scalar_family("kvcm_lookup_index_pools")
         index = getattr(self._registry, "index", None)

@@ -19,7 +19,6 @@ from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import PRINCIPAL, PoolRuntime, Principal, ServerState, may_hash
 from kvcm.server.rpc._status import (
     STATUS_FOR_ERROR,
-    STEP_REJECTION_TRAILER,
     AbortRpc,
     StepRejectedError,
     status_details,
@@ -36,7 +35,6 @@ __all__ = [
     "may_hash",
     "SERVICE_NAMES",
     "STATUS_FOR_ERROR",
-    "STEP_REJECTION_TRAILER",
     "AbortRpc",
     "AdminServicer",
     "EventServicer",

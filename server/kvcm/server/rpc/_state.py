@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvcm.common.errors import KVCMError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits
 from kvcm.core.pool import Pool, PoolRegistry
-from kvcm.server.kv_events import kv_events_topic
+from kvcm.server.kv_events import KvEventNumbering, kv_events_topic
 from kvcm.server.rpc._offloop import OFF_LOOP_STEP, OFF_LOOP_WORK, OffLoopWork
 from kvcm.server.settings import DEFAULT_KV_EVENTS_TOPIC
 from kvcm.server.telemetry import RpcStats
@@ -192,6 +192,9 @@ class ServerState:
         kv_events: The ZMQ KV-event stream (``None``: off, or while a journal is replayed:
             what was published before a restart is replayed on request, not re-sent).
         kv_events_topic: The topic template of the ZMQ stream.
+        kv_numbering: The ZMQ stream's numbering per pool id (kept, and checkpointed, also
+            while the stream is off: a pool id's numbering must not go backwards when it is
+            turned on).
         tracing: The server's tracing (``None``: off; calls take no tracing path at all).
         lanes: Pools lent to a worker thread for a long call, by pool id, each with the
             event set when the call ends. Every call on such a pool waits for it
@@ -215,6 +218,7 @@ class ServerState:
     clock: AwakeClock = field(default_factory=AwakeClock)
     kv_events: KvEventStream | None = None
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
+    kv_numbering: KvEventNumbering = field(default_factory=KvEventNumbering)
 
     def __post_init__(self) -> None:
         self.clock.on_stall = self._extend_leases
@@ -306,6 +310,7 @@ class ServerState:
         id's next incarnation numbers its ZMQ batches after that one."""
         if pool.publish_cleared(CALL_TIME.get() or time.time()) and self.kv_events is not None:
             self.kv_events.publish(pool, self.topic(pool))
+        self.kv_numbering.retire(pool, self.topic(pool), self.registry.__contains__)
         runtime = self.runtimes.pop(pool.name, None)
         if runtime is not None:
             runtime.deleted = True

@@ -23,12 +23,11 @@ from kvcm.common.errors import (
     ResourceExhaustedError,
 )
 from kvcm.core.pool import OutOfRangeError
-from kvcm.v1 import scheduler_pb2
+from kvcm.wire import step_rejection_to_trailer
 
 __all__ = [
     "STATUS_FOR_ERROR",
     "AbortRpc",
-    "STEP_REJECTION_TRAILER",
     "StepRejectedError",
     "status_details",
     "status_of",
@@ -40,8 +39,6 @@ __all__ = [
 MAX_DETAILS_CHARS: Final = 512
 # Printable ASCII stays; everything else is escaped before the cap is applied.
 _UNSAFE: Final = re.compile(r"[^\x20-\x7e]")
-
-STEP_REJECTION_TRAILER: Final = "kvcm-step-rejection-bin"
 
 # Most specific first: the first class the exception is an instance of decides.
 STATUS_FOR_ERROR: Final[tuple[tuple[type[BaseException], grpc.StatusCode], ...]] = (
@@ -73,12 +70,9 @@ class StepRejectedError(KVCMError):
 
     def trailer(self) -> tuple[tuple[str, bytes], ...]:
         """The ``kvcm-step-rejection-bin`` trailing metadata."""
-        rejection = scheduler_pb2.StepRejection(
-            field=status_details(self.field or ""), reason=status_details(str(self))
+        return step_rejection_to_trailer(
+            self.op_index, status_details(self.field or ""), status_details(str(self))
         )
-        if self.op_index is not None:
-            rejection.op_index = self.op_index
-        return ((STEP_REJECTION_TRAILER, rejection.SerializeToString()),)
 
 
 def _escape(match: re.Match[str]) -> str:
