@@ -5,7 +5,8 @@ Hypothesis draws a route the app declares (or a path none serves), a verb, a poo
 a lookup, JSON mangled at the byte level, or raw bytes), and checks each answer: never a 5xx,
 a refusal only as the tokens say (401 without a valid token on a route that needs one), and
 the pools unchanged by any request (the HTTP side only reads). CI runs a small budget;
-``KVCM_FUZZ_EXAMPLES=5000`` runs more (tests/README.md's long fuzz run sets it).
+``KVCM_FUZZ_EXAMPLES=5000 python -m pytest tests/integration/test_http_fuzz.py`` runs more
+(about 45 ms an example).
 """
 
 from __future__ import annotations
