@@ -2,8 +2,9 @@
 
 Each seeded case draws a model (layer kinds and counts, heads, head sizes, dtypes, windows,
 chunks, block sizes, Mamba states), a parallel layout (1-8 tensor-parallel ranks or pipeline
-stages), memory per rank, and engine options (max_model_len, in-flight tokens, block-count
-override, auto-fit, hybrid manager on/off, KV-cache layout). Both planners run on the same
+stages), memory per rank, and engine options (max_model_len, in-flight tokens, encoder budget
+(or none), block-count override, ``kv_cache_memory_bytes``, auto-fit, hybrid manager on/off,
+KV-cache layout). Both planners run on the same
 input; they must agree on failure (and, for memory failures, on vLLM's message) or on the
 groups, block counts, every rank's tensors (size, layers, strides, offsets), the auto-fitted
 max_model_len, the capacity report and the scheduler/hash block sizes. On a small re-plan
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -164,6 +165,13 @@ def draw_case(seed: int) -> Case:
         auto_fit_max_model_len=rng.random() < 0.2,
         kv_cache_layout=rng.choice(list(KVCacheLayout)),
     )
+    # The pool-level inputs added later draw from their own stream, so the seeds above keep
+    # drawing the models they always drew.
+    extra = random.Random(seed ^ 0x9E3779B9)
+    if extra.random() < 0.15:
+        options = replace(options, kv_cache_memory_bytes=max(1, max(memory) + extra.randint(-9, 9)))
+    if extra.random() < 0.1:
+        options = replace(options, max_num_encoder_input_tokens=None)
     return Case(rank_specs=rank_specs, memory=memory, options=options)
 
 
@@ -200,7 +208,8 @@ class VllmPlanner:
         return SimpleNamespace(
             scheduler_config=SimpleNamespace(
                 disable_hybrid_kv_cache_manager=not options.enable_hybrid_manager,
-                max_num_encoder_input_tokens=options.max_num_encoder_input_tokens,
+                # Unset only for models without cross attention (see _compare): unread.
+                max_num_encoder_input_tokens=options.max_num_encoder_input_tokens or 0,
             ),
             attention_config=SimpleNamespace(hisparse_config=None),
             cache_config=cache,
@@ -299,9 +308,13 @@ def _run_kvcm(case: Case) -> tuple[str, Any]:
 def _run_vllm(planner: VllmPlanner, case: Case) -> tuple[str, Any]:
     cfg = planner.config(case.options)
     specs = [{n: planner.spec(s) for n, s in rank.items()} for rank in case.rank_specs]
+    memory = case.memory
+    if case.options.kv_cache_memory_bytes is not None:
+        # vLLM's workers report cache_config.kv_cache_memory_bytes instead of profiling.
+        memory = [case.options.kv_cache_memory_bytes] * len(memory)
     try:
         groups = planner.planning.get_global_kv_cache_groups(cfg, specs)
-        configs = planner.planning.get_kv_cache_configs(cfg, specs, case.memory, groups)
+        configs = planner.planning.get_kv_cache_configs(cfg, specs, memory, groups)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         return "error", str(exc)
     except StopIteration:  # an empty group when a state bucket of unequal pages is cut
@@ -347,6 +360,14 @@ def _compare_views(
 
 def _compare(planner: VllmPlanner, case: Case) -> str:
     kind, ours = _run_kvcm(case)
+    if case.options.max_num_encoder_input_tokens is None and any(
+        isinstance(spec, CrossAttentionSpec) for rank in case.rank_specs for spec in rank.values()
+    ):
+        # vLLM always has an encoder budget (max_num_batched_tokens); a pool without one
+        # cannot size cross attention and says which input is missing.
+        assert kind == "error", ours
+        assert "max_num_encoder_input_tokens" in ours, ours
+        return "rejected: no encoder budget"
     vkind, theirs = _run_vllm(planner, case)
     if kind == "error" and _NOT_IMPLEMENTED in ours:
         # kvcm refuses to cut such a bucket; vLLM crashes or loses layers doing it.
