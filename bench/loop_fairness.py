@@ -1,30 +1,36 @@
-"""Event-loop fairness: how long a cheap call waits while other clients send the biggest work.
+"""Event-loop fairness: how long a neighbour pool's calls wait while another pool does big work.
 
-Starts ``kvcm serve`` on a free loopback port (its own process), then for each phase one
-client (a thread of this process) calls ``DescribePool`` back to back and records each round
-trip, while a second client (another process, so the two do not share an interpreter lock)
-sends the phase's load:
+Starts ``kvcm serve`` on a free loopback port (its own process). A probe client (a thread of
+this process) calls its own pool, ``neighbour``, back to back and records each round trip,
+while a load client (another process, so the two share no interpreter lock) works on another
+pool. The probe's call (``--probe``):
 
-* ``idle``: no load.
-* ``pool``: CreatePool of a ``--pool-blocks`` explicit-layout pool, then DeletePool, in a loop.
-* ``step``: the largest Step the limits allow: ADD_REQUEST + ALLOCATE (with lookup) of
-  requests whose prompts total ``max_step_tokens`` tokens (``--step-tokens``, in prompts of
-  ``--prompt-tokens``), then a Step finishing them all,
-  in a loop (three sets of prompts in turn, so every admission misses the prefix cache).
-* ``ops``: the Step with the most ops the limits allow: ``max_step_ops`` / 2 one-block
-  requests (ADD_REQUEST + ALLOCATE each), then a Step finishing them all, in a loop.
+* ``step`` (default): a small Step on the neighbour pool (ADD_REQUEST + ALLOCATE with lookup
+  + FINISH of one 16-token prompt), what a neighbour scheduler sends;
+* ``describe``: ``DescribePool`` of the neighbour pool.
 
-Prints p50 / p99 / max of the probe's round trips per phase (target: p99 under 20 ms), and
-the load client's own round trips. ``--server-src DIR`` runs the server from another checkout
-(``DIR/{core,server,client,proto}``), to measure a revision before a change::
+The load (``--load``):
 
-    python bench/loop_fairness.py                 # about 30 s
-    python bench/loop_fairness.py --phases pool --seconds 10
+* ``ops`` (default): the Step with the most admissions the limits allow, ``max_step_ops`` / 2
+  (4,096) one-block requests (ADD_REQUEST + ALLOCATE with lookup each), then a Step finishing
+  them all, in a loop (three sets of prompts in turn, so every admission misses the cache);
+* ``tokens``: the same with prompts of ``--prompt-tokens`` totalling ``max_step_tokens``;
+* ``pool``: CreatePool of a ``--pool-blocks`` explicit-layout pool, then DeletePool.
+
+The load's messages are encoded once, before timing, and sent as bytes, so the load client
+spends no CPU on the 2-core machines this runs on. Windows without and with the load
+alternate (``--rounds`` of ``--seconds`` each) so that machine drift hits both alike; the run
+ends with one line per condition (p50 / p99 / max of the probe) and the p99 the load added::
+
+    python bench/loop_fairness.py                      # about 40 s
+    python bench/loop_fairness.py --load pool --pool-blocks 1048576
+    python bench/loop_fairness.py --server-src ../old  # a checkout before a change
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import random
 import statistics
@@ -39,18 +45,19 @@ if str(Path(__file__).parent) not in sys.path:
 
 from _common import kvcm_server
 
-from kvcm.client import ItemStatus, PoolConfig, SchedulerClient, StepBuilder
+from kvcm.client import PoolConfig, SchedulerClient, StepBuilder
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.limits import DEFAULT_LIMITS
+from kvcm.v1 import scheduler_pb2
 
 BLOCK_SIZE = 16
-PROMPT_TOKENS = 16384
 VOCAB = 32000
+_STEP_METHOD = "/kvcm.v1.SchedulerService/Step"
 
 
-def _config(num_blocks: int, max_model_len: int = PROMPT_TOKENS) -> PoolConfig:
+def _config(num_blocks: int, max_model_len: int = 1024) -> PoolConfig:
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=DType.BFLOAT16
     )
@@ -63,151 +70,176 @@ def _config(num_blocks: int, max_model_len: int = PROMPT_TOKENS) -> PoolConfig:
 
 
 # ------------------------------------------------------------------------------- loads
-def _pool_load(target: str, ready: EventType, stop: EventType, pool_blocks: int) -> None:
-    with SchedulerClient(target, timeout=120.0) as client:
-        ready.set()
-        samples = []
-        while not stop.is_set():
-            started = time.perf_counter()
-            client.create_pool("big", _config(pool_blocks))
-            created = time.perf_counter()
-            client.delete_pool("big")
-            samples.append((created - started, time.perf_counter() - created))
-        _print_load("CreatePool", [s[0] for s in samples])
-        _print_load("DeletePool", [s[1] for s in samples])
-
-
-def _step_sets(
-    hash_size: int, step_tokens: int, prompt_tokens: int
-) -> list[list[tuple[list[int], bytes]]]:
+def _encoded_steps(
+    hash_size: int, num_requests: int, prompt_tokens: int
+) -> tuple[list[bytes], bytes]:
+    """Three admitting Steps (distinct prompts) and the Step finishing them, as bytes."""
     rng = random.Random(0)
-    num_requests = max(1, step_tokens // prompt_tokens)
     blocks_per_prompt = prompt_tokens // BLOCK_SIZE
-    sets = []
+    admits = []
     for _ in range(3):
-        requests = []
-        for _ in range(num_requests):
+        builder = StepBuilder()
+        for key in range(num_requests):
             prompt = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
-            requests.append((prompt, rng.randbytes(hash_size * blocks_per_prompt)))
-        sets.append(requests)
-    return sets
+            builder.add_request(key, prompt, rng.randbytes(hash_size * blocks_per_prompt))
+            builder.allocate(key, prompt_tokens, 0, lookup=True)
+        admits.append(builder.to_proto("load").SerializeToString())
+    finish = StepBuilder()
+    for key in range(num_requests):
+        finish.finish(key)
+    return admits, finish.to_proto("load").SerializeToString()
 
 
 def _step_load(
-    target: str, ready: EventType, stop: EventType, total_tokens: int, prompt_tokens: int
-) -> None:
-    num_blocks = total_tokens // BLOCK_SIZE + 1024
+    target: str, ready: EventType, go: EventType, idle: EventType, stop: EventType,
+    num_requests: int, prompt_tokens: int,
+) -> None:  # fmt: skip
+    import grpc
+
+    num_blocks = num_requests * (prompt_tokens // BLOCK_SIZE) + 1024
     with SchedulerClient(target, timeout=120.0) as client:
-        info = client.create_pool("steps", _config(num_blocks, max(prompt_tokens, 1024)))
-        sets = _step_sets(info.hashing.hash_length_bytes, total_tokens, prompt_tokens)
-        ready.set()
-        admit, finish = [], []
+        info = client.create_pool("load", _config(num_blocks, max(prompt_tokens, 1024)))
+    admits, finish = _encoded_steps(info.hashing.hash_length_bytes, num_requests, prompt_tokens)
+    gc.collect()
+    gc.freeze()  # this client's own collections must not slow its Steps
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    with grpc.insecure_channel(target, options=options) as channel:
+        step = channel.unary_unary(_STEP_METHOD)
+        times: list[float] = []
         turn = 0
+        ready.set()
         while not stop.is_set():
-            builder = StepBuilder()
-            for key, (prompt, hashes) in enumerate(sets[turn % len(sets)]):
-                builder.add_request(key, prompt, hashes)
-                builder.allocate(key, len(prompt), 0, lookup=True)
+            if not go.is_set():
+                idle.set()
+                go.wait(0.05)
+                continue
+            idle.clear()
             started = time.perf_counter()
-            result = client.step("steps", builder)
-            admit.append(time.perf_counter() - started)
-            if any(status is not ItemStatus.OK for status in result.statuses):
-                raise RuntimeError("admission did not fit")
-            builder = StepBuilder()
-            for key in range(len(sets[0])):
-                builder.finish(key)
-            started = time.perf_counter()
-            client.step("steps", builder)
-            finish.append(time.perf_counter() - started)
+            answer = scheduler_pb2.StepResponse.FromString(step(admits[turn % 3], timeout=120))
+            times.append(time.perf_counter() - started)
+            if list(answer.alloc_statuses).count(1) != num_requests:  # ITEM_STATUS_OK
+                raise RuntimeError("an admission did not fit")
+            step(finish, timeout=120)
             turn += 1
-        client.delete_pool("steps")
-        _print_load(f"Step admit {total_tokens} tokens", admit)
-        _print_load("Step finish all", finish)
+    if times:
+        print(
+            f"load: {len(times)} Steps admitting {num_requests} requests, mean "
+            f"{statistics.mean(times) * 1e3:.0f} ms each",
+            flush=True,
+        )
 
 
-def _print_load(name: str, samples_s: list[float]) -> None:
-    if samples_s:
-        mean = statistics.mean(samples_s) * 1e3
-        print(f"    load: {name:<28} n={len(samples_s):<4} mean {mean:8.1f} ms", flush=True)
+def _pool_load(
+    target: str, ready: EventType, go: EventType, idle: EventType, stop: EventType,
+    pool_blocks: int,
+) -> None:  # fmt: skip
+    with SchedulerClient(target, timeout=120.0) as client:
+        ready.set()
+        while not stop.is_set():
+            if not go.is_set():
+                idle.set()
+                go.wait(0.05)
+                continue
+            idle.clear()
+            client.create_pool("big", _config(pool_blocks))
+            client.delete_pool("big")
 
 
 # ------------------------------------------------------------------------------- probe
-def _probe(target: str, seconds: float) -> list[float]:
+def _probe(client: SchedulerClient, kind: str, seconds: float) -> list[float]:
+    hasher = client.block_hasher("neighbour")
+    prompt = list(range(BLOCK_SIZE))
+    hashes = hasher.hash_token_ids(prompt)
     samples = []
-    with SchedulerClient(target, timeout=60.0) as client:
-        give_up_at = time.monotonic() + seconds
-        while time.monotonic() < give_up_at:
-            started = time.perf_counter()
-            client.describe_pool("probe")
-            samples.append(time.perf_counter() - started)
+    give_up_at = time.monotonic() + seconds
+    while time.monotonic() < give_up_at:
+        started = time.perf_counter()
+        if kind == "describe":
+            client.describe_pool("neighbour")
+        else:
+            step = StepBuilder()
+            step.add_request(1, prompt, hashes)
+            step.allocate(1, BLOCK_SIZE, 0, lookup=True)
+            step.finish(1)
+            client.step("neighbour", step)
+        samples.append(time.perf_counter() - started)
     return samples
 
 
-def _run_phase(target: str, phase: str, args: argparse.Namespace) -> None:
-    context = multiprocessing.get_context("spawn")
-    ready, stop = context.Event(), context.Event()
-    load = None
-    if phase == "pool":
-        load = context.Process(target=_pool_load, args=(target, ready, stop, args.pool_blocks))
-    elif phase == "step":
-        load = context.Process(
-            target=_step_load,
-            args=(target, ready, stop, args.step_tokens, args.prompt_tokens),
-        )
-    elif phase == "ops":
-        ops_tokens = args.step_ops // 2 * BLOCK_SIZE
-        load = context.Process(
-            target=_step_load, args=(target, ready, stop, ops_tokens, BLOCK_SIZE)
-        )
-    if load is not None:
-        load.start()
-        if not ready.wait(120):
-            raise RuntimeError(f"the {phase} load did not start")
-        time.sleep(0.2)
-    samples: list[float] = []
-    thread = threading.Thread(target=lambda: samples.extend(_probe(target, args.seconds)))
-    thread.start()
-    thread.join()
-    stop.set()
+def _summary(name: str, samples: list[float]) -> float:
     ordered = sorted(samples)
     p50 = statistics.median(ordered) * 1e3
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))] * 1e3
     print(
-        f"{phase:<5} DescribePool n={len(ordered):<6} p50 {p50:6.2f} ms  p99 {p99:8.2f} ms  "
-        f"max {ordered[-1] * 1e3:8.1f} ms",
+        f"{name:<22} n={len(ordered):<6} p50 {p50:6.2f} ms  p99 {p99:7.2f} ms  "
+        f"max {ordered[-1] * 1e3:7.1f} ms",
         flush=True,
     )
-    if load is not None:
-        load.join(timeout=300)
+    return p99
 
 
 def main() -> None:
-    """Run the phases and print one line per phase."""
+    """Alternate windows without and with the load; print the probe's figures for each."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=8.0, help="probe time per phase")
+    parser.add_argument("--seconds", type=float, default=4.0, help="length of one window")
+    parser.add_argument("--rounds", type=int, default=4, help="window pairs (without, with)")
+    parser.add_argument("--probe", choices=("step", "describe"), default="step")
+    parser.add_argument("--load", choices=("ops", "tokens", "pool"), default="ops")
+    parser.add_argument(
+        "--admissions",
+        type=int,
+        default=DEFAULT_LIMITS.max_step_ops // 2,
+        help="requests one ops-load Step admits (default: max_step_ops / 2)",
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=16384, help="for --load tokens")
     parser.add_argument("--pool-blocks", type=int, default=4 * 1024 * 1024)
-    parser.add_argument(
-        "--step-tokens",
-        type=int,
-        default=DEFAULT_LIMITS.max_step_tokens,
-        help="prompt tokens one Step adds (default: max_step_tokens)",
-    )
-    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
-    parser.add_argument(
-        "--step-ops",
-        type=int,
-        default=DEFAULT_LIMITS.max_step_ops,
-        help="ops of the ops phase's Steps (default: max_step_ops)",
-    )
-    parser.add_argument("--phases", default="idle,pool,step,ops", help="comma-separated phases")
     parser.add_argument("--server-src", default=None, help="run the server from this checkout")
     args = parser.parse_args()
+    context = multiprocessing.get_context("spawn")
+    ready, go, idle, stop = (context.Event() for _ in range(4))
     with kvcm_server(server_src=args.server_src) as target:
-        with SchedulerClient(target, timeout=10.0) as client:
-            client.create_pool("probe", _config(64, max_model_len=1024))
-        for phase in args.phases.split(","):
-            _run_phase(target, phase, args)
+        if args.load == "pool":
+            load_args: tuple[object, ...] = (args.pool_blocks,)
+            load = context.Process(
+                target=_pool_load, args=(target, ready, go, idle, stop, *load_args)
+            )
+        else:
+            if args.load == "ops":
+                load_args = (args.admissions, BLOCK_SIZE)
+            else:
+                load_args = (
+                    max(1, DEFAULT_LIMITS.max_step_tokens // args.prompt_tokens),
+                    args.prompt_tokens,
+                )
+            load = context.Process(
+                target=_step_load, args=(target, ready, go, idle, stop, *load_args)
+            )
+        load.start()
+        if not ready.wait(300):
+            raise RuntimeError("the load did not start")
+        alone: list[float] = []
+        beside: list[float] = []
+        with SchedulerClient(target, timeout=60.0) as client:
+            client.create_pool("neighbour", _config(64))
+            _probe(client, args.probe, 0.5)  # warm up
+            gc.collect()
+            gc.freeze()  # the probe's own collections are not the server's latency
+            for _ in range(args.rounds):
+                idle.wait(300)
+                alone.extend(_probe(client, args.probe, args.seconds))
+                go.set()
+                time.sleep(0.2)  # the load's first big Step is under way
+                beside.extend(_probe(client, args.probe, args.seconds))
+                go.clear()
+        stop.set()
+        load.join(timeout=300)
+    probe = "Step" if args.probe == "step" else "DescribePool"
+    print(f"neighbour {probe} round trips, {args.rounds} x {args.seconds:g} s each:")
+    quiet = _summary("  without the load", alone)
+    busy = _summary(f"  beside the {args.load} load", beside)
+    print(f"  added p99: {busy - quiet:.2f} ms")
 
 
 if __name__ == "__main__":
+    threading.current_thread().name = "probe"
     main()

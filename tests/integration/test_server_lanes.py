@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcm.client import PoolConfig, SchedulerClient, StepBuilder
+from kvcm.client import ItemStatus, PoolConfig, SchedulerClient, StepBuilder
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec
@@ -120,3 +120,75 @@ def test_a_lent_pool_answers_like_the_core_and_serializes_its_calls(
         assert config.explicit_layout is not None
         initial_free = config.explicit_layout.num_blocks - 1  # all but the null block
         assert usage_during.num_free_blocks in (initial_free, free_after_first)
+
+
+def test_a_neighbours_small_calls_complete_while_a_big_step_is_in_flight(
+    server: EmbeddedServer,
+) -> None:
+    """Decoding, running and encoding a big Step all happen in its pool's lane: a neighbour
+    pool's calls are answered, in order, while the big Step is still in flight."""
+    state = server.server.state
+    with SchedulerClient(server.grpc_address) as client:
+        client.create_pool("big", _config())
+        client.create_pool("neighbour", _config())
+        big = _admit_many(0)
+        order: list[str] = []
+        answers: list[object] = []
+
+        def send() -> None:
+            with SchedulerClient(server.grpc_address) as own:
+                answers.append(own.step("big", big))
+            order.append("big done")
+
+        busy = threading.Thread(target=send)
+        busy.start()
+        while "big" not in state.lanes and busy.is_alive():
+            time.sleep(0.0005)
+        lent_seen = "big" in state.lanes
+        key = 0
+        done_while_lent = 0
+        while busy.is_alive():  # small Steps on the neighbour, one after the other
+            key += 1
+            step = StepBuilder()
+            step.add_request(key, [key] * 16, request_id=f"n{key}")
+            step.allocate(key, 16, 0, lookup=True)
+            result = client.step("neighbour", step)
+            still_lent = "big" in state.lanes
+            order.append(f"neighbour {key}")
+            assert result.statuses == [ItemStatus.OK]
+            done_while_lent += still_lent
+        busy.join()
+        assert lent_seen, "the big Step never ran in its lane"
+        assert done_while_lent >= 1, order  # answered while the big Step was running
+        # The neighbour's calls were answered in the order sent, and each one whole.
+        neighbour_keys = [int(entry.split()[1]) for entry in order if entry != "big done"]
+        assert neighbour_keys == list(range(1, key + 1))
+        assert client.get_usage("neighbour").num_requests == key
+        reference = Pool("big", _config())
+        assert answers[0].outcome == reference.run_step(big.build())  # type: ignore[attr-defined]
+
+
+def test_a_big_step_that_does_not_decode_is_refused_in_its_lane_and_changes_nothing(
+    server: EmbeddedServer,
+) -> None:
+    import grpc
+
+    from kvcm.v1 import scheduler_pb2, service_pb2_grpc
+
+    with SchedulerClient(server.grpc_address) as client:
+        client.create_pool("bad", _config())
+        before = client.describe_pool("bad")
+        request = _admit_many(0).to_proto("bad")
+        entry = scheduler_pb2.StepAllocOptions(alloc_index=0)  # not increasing: refused
+        request.alloc_options.append(entry)
+        options = [("grpc.max_send_message_length", -1)]
+        with grpc.insecure_channel(server.grpc_address, options=options) as channel:
+            stub = service_pb2_grpc.SchedulerServiceStub(channel)  # type: ignore[no-untyped-call]
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Step(request, timeout=60)
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "alloc_index" in (caught.value.details() or "")
+        assert not server.server.state.lanes  # the lane was given back
+        after = client.describe_pool("bad")
+        assert (after.num_requests, after.num_free_blocks) == (0, before.num_free_blocks)
+        assert client.step("bad", _admit_many(0)).statuses[0] is ItemStatus.OK

@@ -9,7 +9,7 @@ from kvcm.common.hashing import get_block_hash
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import FreeMode
-from kvcm.core.program import HitSpec, ItemStatus, OpKind, StepProgram
+from kvcm.core.program import HitSpec, ItemStatus, OpKind, StepOutcome, StepProgram
 from kvcm.core.request import Request
 from kvcm.server.rpc._resync import resync_pool
 from kvcm.server.rpc._state import ServerState
@@ -36,9 +36,11 @@ _MAX_EVENTS_PER_MESSAGE: Final = 1024
 _DEADLINE_MARGIN_S: Final = 0.02
 
 
-# A Step estimated to cost more than this runs in a worker thread (see ServerState.lanes), so
-# no Step holds the loop for long. The per-item costs were measured on a 2-core VM
-# (docs/server.md, "Event-loop fairness"): a 256-request decode step (~1.3 ms) stays inline.
+# A Step estimated to cost more than this (decoding, running and encoding it) runs in a worker
+# thread (see ServerState.lanes), so no Step holds the loop for long. The estimate reads only
+# the message's lengths: decoding a 4,096-admission Step costs ~50 ms, so it must not happen on
+# the loop either. The per-item costs were measured on a 2-core VM (docs/server.md,
+# "Event-loop fairness"): a 256-request decode step (~1.3 ms) stays inline.
 _INLINE_STEP_US: Final = 4000
 _KEYLESS_OPS: Final = frozenset(
     {
@@ -51,23 +53,54 @@ _KEYLESS_OPS: Final = frozenset(
 _ALLOCATE_OP: Final = int(OpKind.ALLOCATE)
 _OK_STATUS: Final = int(ItemStatus.OK)
 _OP_US: Final = 2.5
+_ALLOC_OPTIONS_US: Final = 25.0
 _NEW_REQUEST_US: Final = 150.0
 _TOKEN_US: Final = 0.4
 
 
-def _estimated_cost_us(program: StepProgram) -> float:
-    """A cheap upper estimate of a program's cost on the loop, in microseconds."""
-    num_ops = len(program.ops)
-    if num_ops * _OP_US + len(program.append_token_ids) * _TOKEN_US < _INLINE_STEP_US / 2 and (
-        not program.new_requests
-    ):
-        return 0.0  # the decode-step fast answer: no prompt to count
-    prompt_tokens = sum(len(new.prompt_token_ids) for new in program.new_requests)
-    return (
-        num_ops * _OP_US
-        + len(program.new_requests) * _NEW_REQUEST_US
-        + (len(program.append_token_ids) + prompt_tokens) * _TOKEN_US
+def _estimated_cost_us(request: scheduler_pb2.StepRequest) -> float:
+    """A cheap upper estimate of a Step's cost (decode, run, encode), in microseconds.
+
+    Read from the still-encoded message's repeated-field lengths (constant time each); the
+    prompts are summed only when there are few admissions (a long prompt alone can be costly).
+    """
+    cost = (
+        len(request.ops) * _OP_US
+        + len(request.alloc_options) * _ALLOC_OPTIONS_US
+        + len(request.append_token_ids) * _TOKEN_US
     )
+    num_new = len(request.new_requests)
+    if num_new:
+        cost += num_new * _NEW_REQUEST_US
+        if cost <= _INLINE_STEP_US:  # at most ~26 admissions to sum
+            cost += sum(len(new.prompt_token_ids) for new in request.new_requests) * _TOKEN_US
+    return cost
+
+
+def _answer_step(
+    pool: Pool, request: scheduler_pb2.StepRequest, tracing: Tracing | None
+) -> tuple[StepProgram, StepOutcome, scheduler_pb2.StepResponse]:
+    """Decode, run and encode one Step (on the loop, or in the pool's lane).
+
+    Raises:
+        KVCMError: The message does not decode (as is: it names its field).
+        StepRejectedError: The program was rejected; nothing changed.
+    """
+    phase = None
+    if tracing is None:
+        program = program_from_proto(request)
+    else:
+        with tracing.span("kvcm.step.decode", **{"kvcm.step.num_ops": len(request.ops)}):
+            program = program_from_proto(request)
+        phase = tracing.phase_hook()
+    try:
+        outcome = pool.run_step(program, phase=phase)
+    except KVCMError as exc:
+        raise StepRejectedError(exc, exc.op_index, exc.field or "") from exc
+    if tracing is None:
+        return program, outcome, outcome_to_proto(outcome)
+    with tracing.span("kvcm.step.encode"):
+        return program, outcome, outcome_to_proto(outcome)
 
 
 def _delayed_allocations(program: StepProgram, statuses: list[int]) -> list[int]:
@@ -121,46 +154,21 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.StepRequest, context: Context
     ) -> scheduler_pb2.StepResponse:
         """A whole scheduler step (see scheduler.proto)."""
-        pool = await self._state.scheduler_pool(request.pool_id)
-        tracing = self._state.tracing
-        if tracing is not None:
-            return await self._traced_step(pool, request, tracing)
-        program = program_from_proto(request)
+        state = self._state
+        pool = await state.scheduler_pool(request.pool_id)
+        tracing = state.tracing
         try:
-            if _estimated_cost_us(program) <= _INLINE_STEP_US:
-                outcome = pool.run_step(program)
+            if _estimated_cost_us(request) <= _INLINE_STEP_US:
+                program, outcome, response = _answer_step(pool, request, tracing)
             else:
-                outcome = await self._state.run_in_lane(pool, lambda: pool.run_step(program))
-        except KVCMError as exc:
-            raise StepRejectedError(exc, exc.op_index, exc.field or "") from exc
-        finally:
-            self._state.published(pool)
-        if self._state.transfer_lease_s and program.alloc_options:
-            self._state.track_transfers(pool, _delayed_allocations(program, outcome.alloc_statuses))
-        return outcome_to_proto(outcome)
-
-    async def _traced_step(
-        self, pool: Pool, request: scheduler_pb2.StepRequest, tracing: Tracing
-    ) -> scheduler_pb2.StepResponse:
-        """Step with a span per phase (decode, validate, execute, encode)."""
-        with tracing.span("kvcm.step.decode", **{"kvcm.step.num_ops": len(request.ops)}):
-            program = program_from_proto(request)
-        phase = tracing.phase_hook()
-        try:
-            if _estimated_cost_us(program) <= _INLINE_STEP_US:
-                outcome = pool.run_step(program, phase=phase)
-            else:
-                outcome = await self._state.run_in_lane(
-                    pool, lambda: pool.run_step(program, phase=phase)
+                program, outcome, response = await state.run_in_lane(
+                    pool, lambda: _answer_step(pool, request, tracing)
                 )
-        except KVCMError as exc:
-            raise StepRejectedError(exc, exc.op_index, exc.field or "") from exc
         finally:
-            self._state.published(pool)
-        if self._state.transfer_lease_s and program.alloc_options:
-            self._state.track_transfers(pool, _delayed_allocations(program, outcome.alloc_statuses))
-        with tracing.span("kvcm.step.encode"):
-            return outcome_to_proto(outcome)
+            state.published(pool)
+        if state.transfer_lease_s and program.alloc_options:
+            state.track_transfers(pool, _delayed_allocations(program, outcome.alloc_statuses))
+        return response
 
     async def AddRequest(  # noqa: N802
         self, request: scheduler_pb2.AddRequestRequest, context: Context
