@@ -430,7 +430,7 @@ def test_a_bad_tokens_file_is_refused(tmp_path: Path) -> None:
 def test_a_flood_of_refusals_is_rate_limited_and_counted(
     server: EmbeddedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Last in the module: the flood empties the audit's bucket."""
+    """Last in the module: the flood empties the audit's bucket, which gRPC and HTTP share."""
     caplog.set_level(logging.INFO, logger="kvcm.audit")
     tokens = server.server.tokens
     assert tokens is not None
@@ -441,9 +441,17 @@ def test_a_flood_of_refusals_is_rate_limited_and_counted(
     caplog.clear()
     flood = 300
     started = time.monotonic()
-    with httpx.Client(base_url=f"http://{server.http_address}") as http:
-        for _ in range(flood):
-            assert http.get("/v1/pools").status_code == 401
+    with (
+        httpx.Client(base_url=f"http://{server.http_address}") as http,
+        grpc.insecure_channel(server.grpc_address) as channel,
+    ):
+        for index in range(flood):
+            if index % 2:
+                assert http.get("/v1/pools").status_code == 401
+            else:
+                assert _call_grpc(channel, "/kvcm.v1.AdminService/ListPools", None, "") == (
+                    "UNAUTHENTICATED"
+                )
     elapsed = time.monotonic() - started
 
     def tally() -> tuple[int, list[int]]:

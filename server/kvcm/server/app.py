@@ -268,6 +268,7 @@ class KVCMServer:
             zmq_counters=self.kv_events.counters if self.kv_events is not None else None,
             lookup=functools.partial(lookup_as, self.state.registry),
             authenticate=self.tokens.principal if self.tokens is not None else None,
+            refusals=self.tokens.refusals if self.tokens is not None else None,
         )
         # Taken before uvicorn reads the files: a change after it is seen (a change before
         # only costs a reload of what is already loaded).
