@@ -318,6 +318,13 @@ def test_refusals_are_audited_with_who_what_and_why(
     base = f"http://{server.http_address}"
     httpx.get(f"{base}/v1/pools/{OTHER_POOL}", headers=_bearer("reader-a-token"))
     httpx.get(f"{base}/metrics", headers=_bearer("secret-unknown-token"))
+    with _client(server, "reader-a-token") as reader, pytest.raises(PermissionDeniedError):
+        reader.lookup(LookupQuery(token_ids=(1, 2, 3), pool_ids=(OTHER_POOL,)))
+    httpx.post(
+        f"{base}/v1/lookup",
+        headers=_bearer("reader-a-token"),
+        json={"tokens": {"tokenIds": [1, 2, 3]}, "scope": {"poolIds": [OTHER_POOL]}},
+    )
     lines = [
         tuple(vars(r)[key] for key in ("principal", "method", "pool", "code"))
         for r in _audit(caplog, "auth_refused")
@@ -327,6 +334,8 @@ def test_refusals_are_audited_with_who_what_and_why(
         ("", "/kvcm.v1.AdminService/DescribePool", OWN_POOL, "UNAUTHENTICATED"),
         ("router-a", "GET /v1/pools/{pool}", OTHER_POOL, "403"),
         ("", "GET /metrics", "", "401"),
+        ("router-a", "/kvcm.v1.LookupService/Lookup", "", "PERMISSION_DENIED"),
+        ("router-a", "POST /v1/lookup", "", "403"),
     ]
     for record in _audit(caplog, "auth_refused"):
         assert record.levelno == logging.WARNING
@@ -337,6 +346,8 @@ def test_refusals_are_audited_with_who_what_and_why(
     assert "scheduler" in reasons[0]
     assert OTHER_POOL in reasons[0]
     assert reasons[1] == reasons[3] == "a token not in the tokens file"
+    assert OTHER_POOL in reasons[4]
+    assert OTHER_POOL in reasons[5]
 
 
 def _snapshot() -> bytes:
