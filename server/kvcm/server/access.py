@@ -101,7 +101,8 @@ class Rule:
     """Who may make one call.
 
     Attributes:
-        roles: Any of these on the call's pool allows it (admin always does).
+        roles: Any of these on the call's pool allows it (admin always does); for a call
+            naming no pool (:attr:`PoolFrom.NONE`), the roles that put a pool in its answer.
         pool: Where the pool is found.
         create_roles: When the call would create its pool (it does not exist yet), the roles
             needed instead (empty: the call never creates).
