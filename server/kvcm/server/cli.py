@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from importlib import metadata
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvcm.server.settings import CONFIG_ENV, SETTINGS, ServerSettings
 
@@ -59,7 +59,72 @@ def _build_parser() -> argparse.ArgumentParser:
             metavar=spec.kind.__name__.upper(),
             help=f"{spec.help} (env {spec.env}; default {spec.default!r})",
         )
+    _add_data_dir_commands(commands)
     return parser
+
+
+def _add_data_dir_commands(commands: Any) -> None:
+    """``kvcm data-dir check|recover`` (docs/durability.md)."""
+    data_dir = commands.add_parser(
+        "data-dir",
+        help="verify a data directory offline, or cut its journal at damage",
+        description="Inspect a stopped server's data directory (docs/durability.md).",
+    )
+    actions = data_dir.add_subparsers(dest="action", required=True, metavar="ACTION")
+    check = actions.add_parser(
+        "check",
+        help="verify the checkpoint and the journal; change nothing",
+        description=(
+            "Verify DIR's checkpoint (every pool's snapshot decoded) and journal (every "
+            "record's frame and CRC). Exit code 0: a server starts on it (a torn last record "
+            "is trimmed at start); 1: a start would be refused (damage); 2: not a directory."
+        ),
+    )
+    check.add_argument("dir", metavar="DIR")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    recover = actions.add_parser(
+        "recover",
+        help="cut the journal at its damage (only with --drop-after-damage)",
+        description=(
+            "Cut DIR's journal at its first damage, dropping every record from there on "
+            "(saved to journal.log.dropped-OFFSET first), and say exactly what was dropped. "
+            "Without --drop-after-damage it only says what it would drop (exit code 2)."
+        ),
+    )
+    recover.add_argument("dir", metavar="DIR")
+    recover.add_argument(
+        "--drop-after-damage",
+        action="store_true",
+        help="really drop the damaged part of the journal and every record after it",
+    )
+    recover.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _data_dir(args: argparse.Namespace) -> int:
+    import json
+
+    from kvcm.server.datadir import DAMAGED, check_data_dir, recover_data_dir
+
+    prog = f"kvcm data-dir {args.action}"
+    try:
+        if args.action == "check":
+            report, _ = check_data_dir(args.dir)
+            lines: list[str] = []
+        else:
+            report, lines = recover_data_dir(args.dir, drop_after_damage=args.drop_after_damage)
+    except FileNotFoundError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except PermissionError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**report.as_dict(), "actions": lines}, indent=2))
+    else:
+        print("\n".join([*report.lines(), *lines]))
+    if args.action == "check":
+        return 1 if report.status == DAMAGED else 0
+    return 1 if report.checkpoint["error"] else 0
 
 
 def _log_configuration(config_file: str | None, settings: ServerSettings) -> None:
@@ -114,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "data-dir":
+        return _data_dir(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse guards this
 
 

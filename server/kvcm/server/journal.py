@@ -1,60 +1,134 @@
-"""The data directory: a write-ahead journal of acknowledged mutations, and checkpoints.
+"""The data directory: a write-ahead journal of mutations, and checkpoints.
 
-With ``--data-dir DIR`` every call that changed a pool is appended to ``DIR/journal.log``
-before its answer leaves the server, and its answer waits until the record is on disk (fsync;
-calls waiting at the same time share one fsync: group commit). The core is deterministic, so
-replaying the records in order, each with the time its events were stamped with, rebuilds
-every pool exactly, event log and sequence numbers included. A checkpoint
-(``DIR/checkpoint.bin``: every pool's config, epoch and :mod:`kvcm.core.snapshot`) is written at
-start-up after the replay and at a graceful stop, after which the journal starts empty.
+With ``--data-dir DIR`` every call that may change a pool is appended to ``DIR/journal.log``
+*before* it runs, and runs only once its record is on disk (fsync; calls waiting at the same
+time share one fsync: group commit). A record that cannot be written or made durable (disk
+full, I/O error) fails its call with :class:`JournalUnavailableError` before anything changed,
+and the file is cut back to what is durable. The core is deterministic, so replaying the
+records in order, each with the time its events were stamped with, rebuilds every pool
+exactly, event log and sequence numbers included. A call the core refused after its record
+was written is marked by a ``Void`` record naming its sequence number (replay skips it; were
+the mark lost, the replay refuses the call again as it was refused live). A checkpoint
+(``DIR/checkpoint.bin``: every pool's config, epoch and :mod:`kvcm.core.snapshot`) is written
+at start-up after the replay, while serving, and at a graceful stop; the journal then keeps
+only the records after it.
 
-Record framing (little-endian; a record a crash tore is detected and dropped: it was never
-acknowledged)::
+Record framing (little-endian)::
 
     u32 body length | u32 CRC-32 of body | body
     body = u64 seq | f64 time | u16 len + method | u16 len + pool id | request bytes
 
-``seq`` is server-wide and never reused (a checkpoint carries the last one), so the journal can
-be shipped to a standby replica and applied in order there.
+``seq`` is server-wide, increasing and never reused (a checkpoint carries the last one), so
+the journal can be shipped to a standby replica and applied in order there. A ``Void``
+record's request bytes are the u64 sequence numbers it voids.
 
-Checkpoint file: ``KVCMCKPT`` magic, u32 version, u32 CRC-32 of the rest, u64 last seq, u64
-registry epoch, u32 pool count, then per pool: u16 + id, u32 + config (``kvcm.v1.PoolConfig``
-bytes), u64 epoch, u64 + snapshot bytes (empty for a pool still waiting for its workers).
+Damage (see :func:`scan_journal`): only a *torn tail*, the last record left incomplete by a
+crash while it was written (never acknowledged), is trimmed at start-up. Any other damage
+stops the start with :class:`JournalDamagedError` naming the file and byte offset, and
+nothing is changed; ``kvcm data-dir check|recover`` (:mod:`kvcm.server.datadir`) inspect it and,
+only when asked, cut the journal at the damage.
+
+Checkpoint file: ``KVCMCKPT`` magic, u32 version (2; 1 is still read), u32 CRC-32 of the
+rest, u64 last seq, u64 registry epoch, u32 pool count, then per pool: u16 + id, u32 + config
+(``kvcm.v1.PoolConfig`` bytes), u64 epoch, u64 + snapshot bytes (empty for a pool still
+waiting for its workers); version 2 ends with u64 + the KV-event numbering table.
+
+Test hook (off unless set): ``KVCM_JOURNAL_FAULT_FILE=PATH``. While ``PATH`` exists, its
+content (``"write ENOSPC"``, ``"fsync EIO"``, ``"any ENOSPC"``, ...) makes every journal and
+checkpoint write, fsync or both raise that ``OSError``, as a full or failing disk does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import errno
 import logging
 import os
 import struct
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Final
+from typing import Final
 
 from kvcm.common.errors import ConfigError
 
-__all__ = ["Checkpoint", "CheckpointPool", "Journal", "JournalRecord", "read_checkpoint"]
+__all__ = [
+    "CHECKPOINT_FILE",
+    "JOURNAL_FILE",
+    "Checkpoint",
+    "CheckpointPool",
+    "Journal",
+    "JournalDamagedError",
+    "JournalRecord",
+    "JournalScan",
+    "JournalUnavailableError",
+    "Ticket",
+    "read_checkpoint",
+    "scan_journal",
+]
 
 _LOG = logging.getLogger("kvcm.server.journal")
 _FRAME: Final = struct.Struct("<II")
 _HEAD: Final = struct.Struct("<Qd")
+_U16: Final = struct.Struct("<H")
+_SEQ: Final = struct.Struct("<Q")
 _CHECKPOINT_MAGIC: Final = b"KVCMCKPT"
-_CHECKPOINT_VERSION: Final = 1
+_CHECKPOINT_VERSION: Final = 2
 JOURNAL_FILE: Final = "journal.log"
 CHECKPOINT_FILE: Final = "checkpoint.bin"
+VOID: Final = "Void"
+PLAN_POOL: Final = "PlanPool"
+FAULT_ENV: Final = "KVCM_JOURNAL_FAULT_FILE"
+# Every method a record may carry: a damaged journal is searched for intact records by them.
+RECORD_METHODS: Final = frozenset(
+    {
+        "CreatePool",
+        "DeletePool",
+        "Step",
+        "ResyncPool",
+        "AddRequest",
+        "AppendTokens",
+        "Free",
+        "GetComputedBlocks",
+        "AllocateSlots",
+        "CacheBlocks",
+        "RemoveSkippedBlocks",
+        "EvictBlocks",
+        "ResetPrefixCache",
+        "TakeNewBlockIds",
+        "NewStepStarts",
+        "TakePrefixCacheStats",
+        PLAN_POOL,
+        VOID,
+    }
+)
+# A record body's smallest size: seq, time and two empty length-prefixed strings.
+_MIN_BODY: Final = _HEAD.size + 2 * _U16.size
+_METHOD_AT: Final = _FRAME.size + _HEAD.size  # where a frame's method length is
+_REGISTRY_KEY: Final = "\x00registry"
+
+
+class JournalDamagedError(ConfigError):
+    """Raised at start-up when the journal is damaged other than by a torn tail (see
+    :func:`scan_journal`): the server refuses to start and changes nothing."""
+
+
+class JournalUnavailableError(Exception):
+    """Raised when a record cannot be written or made durable (disk full, I/O error). The
+    call it was for has not run: nothing changed. The message says why."""
 
 
 @dataclass(frozen=True, slots=True)
 class JournalRecord:
-    """One acknowledged mutation.
+    """One journaled mutation.
 
     Attributes:
-        seq: Server-wide sequence number (1, 2, ...; never reused).
+        seq: Server-wide sequence number (1, 2, ...; increasing, never reused).
         time: The wall-clock time the call stamped its events with.
-        method: The RPC (``"Step"``, ``"CreatePool"``, ...).
+        method: The RPC (``"Step"``, ``"CreatePool"``, ...), ``"PlanPool"`` or ``"Void"``.
         pool_id: The pool it changed.
         request: The request message's bytes.
     """
@@ -64,6 +138,11 @@ class JournalRecord:
     method: str
     pool_id: str
     request: bytes
+
+    def voided(self) -> list[int]:
+        """The sequence numbers a ``Void`` record voids."""
+        data = self.request
+        return [_SEQ.unpack_from(data, at)[0] for at in range(0, len(data) - 7, _SEQ.size)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +157,17 @@ class CheckpointPool:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """Every pool as of journal sequence ``seq``."""
+    """Every pool as of journal sequence ``seq``.
+
+    Attributes:
+        kv_event_numbering: The ZMQ KV-event stream's numbering per pool id
+            (``KvEventNumbering.encode``; empty in a version-1 checkpoint).
+    """
 
     seq: int
     registry_epoch: int
     pools: tuple[CheckpointPool, ...]
+    kv_event_numbering: bytes = b""
 
 
 def _encode_record(record: JournalRecord) -> bytes:
@@ -91,9 +176,9 @@ def _encode_record(record: JournalRecord) -> bytes:
     body = b"".join(
         (
             _HEAD.pack(record.seq, record.time),
-            struct.pack("<H", len(method)),
+            _U16.pack(len(method)),
             method,
-            struct.pack("<H", len(pool)),
+            _U16.pack(len(pool)),
             pool,
             record.request,
         )
@@ -102,56 +187,242 @@ def _encode_record(record: JournalRecord) -> bytes:
 
 
 def _decode_body(body: bytes) -> JournalRecord:
+    """Raises ValueError or struct.error on a body that is no record."""
+    if len(body) < _MIN_BODY:
+        raise ValueError("too short")
     seq, when = _HEAD.unpack_from(body)
     at = _HEAD.size
-    (size,) = struct.unpack_from("<H", body, at)
+    (size,) = _U16.unpack_from(body, at)
     method = body[at + 2 : at + 2 + size].decode()
     at += 2 + size
-    (size,) = struct.unpack_from("<H", body, at)
+    (size,) = _U16.unpack_from(body, at)
+    if at + 2 + size > len(body):
+        raise ValueError("pool id past the body")
     pool_id = body[at + 2 : at + 2 + size].decode()
     at += 2 + size
     return JournalRecord(seq, when, method, pool_id, body[at:])
 
 
-def read_records(path: Path) -> tuple[list[JournalRecord], int]:
-    """The intact records of a journal file and the byte length they span (a torn or
-    damaged tail after them is ignored: it was never acknowledged)."""
-    if not path.exists():
-        return [], 0
-    data = path.read_bytes()
-    records: list[JournalRecord] = []
+# --- reading and checking a journal ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class JournalScan:
+    """What :func:`scan_journal` found in a journal file.
+
+    Attributes:
+        records: The intact records before any damage, in order.
+        intact: Byte length of those records (the offset of the damage, if any).
+        size: The file's size.
+        damage: Why the bytes from ``intact`` on are no record (``None``: no damage).
+        torn: Whether that damage is a torn tail (trimmed at start-up) rather than damage
+            that stops the start.
+        after: Intact records found after the damage (what cutting there would drop).
+    """
+
+    records: list[JournalRecord] = field(default_factory=list)
+    intact: int = 0
+    size: int = 0
+    damage: str | None = None
+    torn: bool = False
+    after: list[JournalRecord] = field(default_factory=list)
+
+    @property
+    def damaged(self) -> bool:
+        """Damage other than a torn tail: a start is refused."""
+        return self.damage is not None and not self.torn
+
+
+def _frame_at(data: bytes, at: int, previous_seq: int) -> JournalRecord | str:
+    """The record whose frame starts at ``at``, or why there is none."""
+    left = len(data) - at
+    if left < _FRAME.size:
+        return f"a partial frame header ({left} bytes)"
+    size, crc = _FRAME.unpack_from(data, at)
+    if size > left - _FRAME.size:
+        return f"a frame of {size} bytes with {left - _FRAME.size} bytes left in the file"
+    body = data[at + _FRAME.size : at + _FRAME.size + size]
+    if zlib.crc32(body) != crc:
+        return "a CRC-32 mismatch"
+    try:
+        record = _decode_body(body)
+    except (ValueError, struct.error):
+        return "a record body that does not decode"
+    if record.seq <= previous_seq:
+        return f"sequence number {record.seq} after {previous_seq}"
+    return record
+
+
+def _next_intact(data: bytes, start: int, previous_seq: int) -> int:
+    """The offset of the first intact frame after ``start`` (-1: none).
+
+    Every record names its method right after its fixed header, so the candidates are the
+    places a known method name appears: this costs a few ``bytes.find`` passes, not a CRC at
+    every byte offset.
+    """
+    best = -1
+    for method in RECORD_METHODS:
+        name = method.encode()
+        tag = _U16.pack(len(name)) + name
+        found = data.find(tag, start + 1 + _METHOD_AT)
+        while found != -1 and (best == -1 or found - _METHOD_AT < best):
+            frame = found - _METHOD_AT
+            if isinstance(_frame_at(data, frame, previous_seq), JournalRecord):
+                best = frame
+                break
+            found = data.find(tag, found + 1)
+    return best
+
+
+def _records_after(data: bytes, start: int, previous_seq: int) -> list[JournalRecord]:
+    """Every intact record found after a damaged frame at ``start``."""
+    found: list[JournalRecord] = []
+    at = _next_intact(data, start, previous_seq)
+    while at != -1:
+        record = _frame_at(data, at, previous_seq)
+        if isinstance(record, JournalRecord):
+            found.append(record)
+            previous_seq = record.seq
+            at += _FRAME.size + _FRAME.unpack_from(data, at)[0]
+            if at == len(data):
+                break
+        else:
+            at = _next_intact(data, at, previous_seq)
+    return found
+
+
+def scan_journal(data: bytes) -> JournalScan:
+    """Read a journal's bytes: its intact records and the first damage, classified.
+
+    A *torn tail* is the last record left incomplete by a crash while it was written; its
+    call was never answered (an answer waits for the fsync of the whole record). Precisely,
+    the first frame that is not an intact record, at offset ``intact``, is a torn tail when
+
+    * fewer than 8 bytes (a frame header) are left, or
+    * its header's body length reaches past the end of the file, and no intact record
+      starts anywhere after it (a damaged length field in the middle would otherwise hide
+      every record after it), or
+    * its body ends exactly at the end of the file (it is the last frame) and fails its
+      CRC-32 or does not decode.
+
+    Anything else (a bad CRC or a broken body with bytes after it, sequence numbers out of
+    order, garbage) is damage that must not be dropped silently: ``scan.damaged`` is true and
+    ``scan.after`` lists the intact records found after it.
+    """
+    scan = JournalScan(size=len(data))
     at = 0
-    while at + _FRAME.size <= len(data):
-        size, crc = _FRAME.unpack_from(data, at)
-        start = at + _FRAME.size
-        body = data[start : start + size]
-        if len(body) != size or zlib.crc32(body) != crc:
+    previous = 0
+    while at < len(data):
+        record = _frame_at(data, at, previous)
+        if isinstance(record, str):
+            scan.damage = record
             break
-        records.append(_decode_body(body))
-        at = start + size
-    if at != len(data):
-        _LOG.warning(
-            "journal: dropped a torn record at byte %d of %s (never acknowledged)", at, path
+        scan.records.append(record)
+        previous = record.seq
+        at += _FRAME.size + _FRAME.unpack_from(data, at)[0]
+    scan.intact = at
+    if scan.damage is None:
+        return scan
+    left = len(data) - at
+    if left < _FRAME.size:
+        scan.torn = True
+        return scan
+    size, _ = _FRAME.unpack_from(data, at)
+    end = at + _FRAME.size + size
+    scan.after = _records_after(data, at, previous)
+    if end > len(data):
+        scan.torn = not scan.after
+    elif end == len(data):
+        scan.torn = not scan.after and scan.damage in (
+            "a CRC-32 mismatch",
+            "a record body that does not decode",
         )
-    return records, at
+    return scan
+
+
+def read_journal(path: Path) -> JournalScan:
+    """:func:`scan_journal` of the file at ``path`` (an empty scan when there is none)."""
+    if not path.exists():
+        return JournalScan()
+    return scan_journal(path.read_bytes())
+
+
+def damage_message(path: Path, scan: JournalScan) -> str:
+    """One line saying where and how ``path`` is damaged and what a start would lose."""
+    last = scan.records[-1].seq if scan.records else 0
+    after = scan.after
+    lost = (
+        f"{len(after)} intact records (seq {after[0].seq}..{after[-1].seq}) follow it"
+        if after
+        else "no intact record follows it"
+    )
+    return (
+        f"data_dir: {path} is damaged at byte {scan.intact} of {scan.size} ({scan.damage}, "
+        f"after record seq {last}); {lost}. Nothing was changed: inspect it with "
+        f"'kvcm data-dir check {path.parent}', and only to drop everything from byte "
+        f"{scan.intact} on run 'kvcm data-dir recover {path.parent} --drop-after-damage'"
+    )
+
+
+def read_records(path: Path) -> tuple[list[JournalRecord], int]:
+    """The intact records of a journal file and the byte length they span.
+
+    Raises:
+        JournalDamagedError: Damage other than a torn tail.
+    """
+    scan = read_journal(path)
+    if scan.damaged:
+        raise JournalDamagedError(damage_message(path, scan))
+    return scan.records, scan.intact
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+def _fault(operation: str) -> None:
+    """The test hook (module docstring): raise the configured error for ``operation``."""
+    path = os.environ.get(FAULT_ENV)
+    if not path:
+        return
+    try:
+        with open(path) as spec:
+            words = spec.read().split()
+    except OSError:
+        return  # no fault file: the disk is fine
+    if len(words) != 2 or words[0] not in (operation, "any"):
+        return
+    code = getattr(errno, words[1], errno.EIO)
+    raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_ENV})")
 
 
 def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
-    """Write ``checkpoint`` atomically (temporary file, fsync, rename, fsync the directory)."""
+    """Write ``checkpoint`` atomically (temporary file, fsync, rename, fsync the directory).
+
+    Raises:
+        OSError: It could not be written (the previous checkpoint is left as it was).
+    """
     parts = [struct.pack("<QQI", checkpoint.seq, checkpoint.registry_epoch, len(checkpoint.pools))]
     for pool in checkpoint.pools:
         name = pool.pool_id.encode()
         parts.append(struct.pack("<H", len(name)) + name)
         parts.append(struct.pack("<I", len(pool.config)) + pool.config)
         parts.append(struct.pack("<QQ", pool.epoch, len(pool.snapshot)) + pool.snapshot)
+    numbering = checkpoint.kv_event_numbering
+    parts.append(struct.pack("<Q", len(numbering)) + numbering)
     body = b"".join(parts)
     header = _CHECKPOINT_MAGIC + struct.pack("<II", _CHECKPOINT_VERSION, zlib.crc32(body))
     temporary = directory / (CHECKPOINT_FILE + ".tmp")
-    with temporary.open("wb") as out:
-        out.write(header)
-        out.write(body)
-        out.flush()
-        os.fsync(out.fileno())
+    try:
+        with temporary.open("wb") as out:
+            _fault("write")
+            out.write(header)
+            out.write(body)
+            out.flush()
+            _fault("fsync")
+            os.fsync(out.fileno())
+    except OSError:
+        temporary.unlink(missing_ok=True)  # a partial file would only take space
+        raise
     temporary.replace(directory / CHECKPOINT_FILE)
     _fsync_directory(directory)
 
@@ -171,23 +442,33 @@ def read_checkpoint(directory: Path) -> Checkpoint | None:
         raise ConfigError(f"data_dir: {path} is not a kvcm checkpoint")
     version, crc = struct.unpack_from("<II", data, 8)
     body = data[16:]
-    if version != _CHECKPOINT_VERSION or zlib.crc32(body) != crc:
+    if version not in (1, _CHECKPOINT_VERSION) or zlib.crc32(body) != crc:
         raise ConfigError(f"data_dir: {path} is damaged or of version {version}")
-    seq, registry_epoch, count = struct.unpack_from("<QQI", body)
-    at = 20
-    pools = []
-    for _ in range(count):
-        (size,) = struct.unpack_from("<H", body, at)
-        pool_id = body[at + 2 : at + 2 + size].decode()
-        at += 2 + size
-        (size,) = struct.unpack_from("<I", body, at)
-        config = body[at + 4 : at + 4 + size]
-        at += 4 + size
-        epoch, size = struct.unpack_from("<QQ", body, at)
-        snapshot = body[at + 16 : at + 16 + size]
-        at += 16 + size
-        pools.append(CheckpointPool(pool_id, config, epoch, snapshot))
-    return Checkpoint(seq, registry_epoch, tuple(pools))
+    try:
+        seq, registry_epoch, count = struct.unpack_from("<QQI", body)
+        at = 20
+        pools = []
+        for _ in range(count):
+            (size,) = struct.unpack_from("<H", body, at)
+            pool_id = body[at + 2 : at + 2 + size].decode()
+            at += 2 + size
+            (size,) = struct.unpack_from("<I", body, at)
+            config = body[at + 4 : at + 4 + size]
+            at += 4 + size
+            epoch, size = struct.unpack_from("<QQ", body, at)
+            snapshot = body[at + 16 : at + 16 + size]
+            at += 16 + size
+            pools.append(CheckpointPool(pool_id, config, epoch, snapshot))
+        numbering = b""
+        if version >= 2:
+            (size,) = struct.unpack_from("<Q", body, at)
+            numbering = body[at + 8 : at + 8 + size]
+            at += 8 + size
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ConfigError(f"data_dir: {path} is damaged (its pool table: {exc})") from None
+    if at != len(body):
+        raise ConfigError(f"data_dir: {path} is damaged ({len(body) - at} bytes after its pools)")
+    return Checkpoint(seq, registry_epoch, tuple(pools), numbering)
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -198,128 +479,411 @@ def _fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
+def _os_reason(action: str, path: Path, exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "error")
+    return f"the journal cannot {action} {path}: {exc.strerror or exc} ({name})"
+
+
+# --- the journal -------------------------------------------------------------------------------
+
+
+class Ticket:
+    """A record written ahead of its call (:meth:`Journal.write_ahead`).
+
+    Attributes:
+        seq: The record's sequence number.
+        pool_id: The pool the call is on.
+        waits: Earlier calls on the same pool (and, for calls that add or remove pools,
+            earlier such calls) that must finish first: calls run in journal order.
+        done: Set when the call has finished, whichever way.
+        started: The call began running (from then on only the call itself decides).
+        void_reason: Why the call must not run after all (``None``: it may).
+    """
+
+    __slots__ = ("done", "pool_id", "seq", "started", "void_reason", "waits")
+
+    def __init__(self, seq: int, pool_id: str, done: asyncio.Future[None]) -> None:
+        """A ticket for record ``seq`` on ``pool_id``."""
+        self.seq = seq
+        self.pool_id = pool_id
+        self.done = done
+        self.waits: list[asyncio.Future[None]] = []
+        self.started = False
+        self.void_reason: str | None = None
+
+
 class Journal:
     """The append-only journal with group commit (see the module docstring).
 
     Attributes:
         directory: The data directory.
-        last_seq: The last sequence number handed out.
+        last_seq: The last sequence number written.
         durable_seq: The last sequence number known to be on disk.
         num_records: Records appended since the journal was opened.
         num_fsyncs: fsyncs made (each commits every record appended before it).
+        num_failures: Writes and fsyncs that failed (each failed the calls waiting on it).
         records_since_checkpoint: Records the journal holds after the last checkpoint.
     """
 
     def __init__(self, directory: Path, last_seq: int) -> None:
-        """Open ``directory/journal.log`` for appending after ``last_seq``."""
+        """Open ``directory/journal.log`` (intact: see :func:`open_data_dir`) after
+        ``last_seq``."""
         self.directory = directory
+        self.path = directory / JOURNAL_FILE
         self.last_seq = last_seq
         self.durable_seq = last_seq
         self.num_records = 0
         self.num_fsyncs = 0
+        self.num_failures = 0
         self.records_since_checkpoint = 0
-        self._file: BinaryIO = (directory / JOURNAL_FILE).open("ab")
+        self._fd = self._open()
+        self._size = os.fstat(self._fd).st_size  # bytes of whole records written
+        self._durable_size = self._size
+        self._dirty = False  # bytes past _size may be in the file (a failed write)
+        self._generation = 0  # files this journal replaced (reset, truncate_through)
         self._syncing: asyncio.Task[None] | None = None
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self._futures: dict[int, asyncio.Future[None]] = {}
+        self._retired: list[int] = []  # descriptors to close once no fsync uses them
+        self._tails: dict[str, Ticket] = {}
+        self._open_tickets: dict[str, list[Ticket]] = {}
+        self._in_flight = 0
+        self._drained: asyncio.Event | None = None
+        self.gate: asyncio.Event | None = None  # set while calls may write; None: open
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+
+    # -- writing --
+
+    def _cut(self) -> None:
+        """Cut the file back to its whole records (after a failed write or fsync)."""
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError as exc:
+            self._dirty = True
+            reason = _os_reason("cut a failed write from", self.path, exc)
+            raise JournalUnavailableError(reason) from None
+        self._dirty = False
+
+    def _write(self, data: bytes) -> None:
+        """Write whole records at the end of the file, or raise leaving it as it was."""
+        if self._dirty:
+            self._cut()
+        view = memoryview(data)
+        written = 0
+        try:
+            _fault("write")
+            while written < len(data):
+                count = os.write(self._fd, view[written:])
+                if count <= 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                written += count
+        except OSError as exc:
+            self.num_failures += 1
+            if written:
+                self._dirty = True
+                with contextlib.suppress(JournalUnavailableError):
+                    self._cut()  # else _dirty: cut again before the next write
+            raise JournalUnavailableError(_os_reason("write to", self.path, exc)) from None
+        self._size += len(data)
+
+    def _records(self, entries: list[tuple[str, str, bytes, float]]) -> tuple[bytes, int]:
+        """Encode ``entries`` (method, pool, request, time) after ``last_seq``."""
+        seq = self.last_seq
+        parts = []
+        for method, pool_id, request, when in entries:
+            seq += 1
+            parts.append(_encode_record(JournalRecord(seq, when, method, pool_id, request)))
+        return b"".join(parts), seq
+
+    def _wrote(self, last: int, count: int, durable: bool) -> None:
+        self.last_seq = last
+        self.num_records += count
+        self.records_since_checkpoint += count
+        if durable:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._futures[last] = future
+            self._waiting.append((last, future))
+            if self._syncing is None:
+                self._syncing = asyncio.create_task(self._sync_loop(), name="kvcm-journal")
+
+    def write_ahead(self, method: str, pool_id: str, request: bytes, when: float) -> Ticket:
+        """Write a call's record before it runs (await :meth:`commit`, then run it after the
+        ticket's ``waits``, then :meth:`finish`).
+
+        ``CreatePool``, ``DeletePool`` and ``ResyncPool`` also wait for every earlier call of
+        those three (they hand out pool epochs and share the registry's budget).
+
+        Raises:
+            JournalUnavailableError: It could not be written; the call must not run.
+        """
+        data, seq = self._records([(method, pool_id, request, when)])
+        self._write(data)
+        self._wrote(seq, 1, durable=True)
+        loop = asyncio.get_running_loop()
+        ticket = Ticket(seq, pool_id, loop.create_future())
+        keys: tuple[str, ...] = (pool_id,)
+        if method in ("CreatePool", "DeletePool", "ResyncPool"):
+            keys = (pool_id, _REGISTRY_KEY)
+        for key in keys:
+            previous = self._tails.get(key)
+            if previous is not None and not previous.done.done():
+                ticket.waits.append(previous.done)
+            self._tails[key] = ticket
+        self._open_tickets.setdefault(pool_id, []).append(ticket)
+        self._in_flight += 1
+        return ticket
+
+    def finish(self, ticket: Ticket) -> None:
+        """The ticket's call has finished (run, refused or failed): later calls may run."""
+        if not ticket.done.done():
+            ticket.done.set_result(None)
+        for key in (ticket.pool_id, _REGISTRY_KEY):
+            if self._tails.get(key) is ticket:
+                del self._tails[key]
+        tickets = self._open_tickets.get(ticket.pool_id)
+        if tickets is not None and ticket in tickets:
+            tickets.remove(ticket)
+            if not tickets:
+                del self._open_tickets[ticket.pool_id]
+            self._in_flight -= 1
+            if not self._in_flight and self._drained is not None:
+                self._drained.set()
+
+    def void(self, ticket: Ticket) -> None:
+        """Mark a written call that the core refused as not run (best effort: were the mark
+        lost, a replay refuses the call again)."""
+        data, seq = self._records([(VOID, ticket.pool_id, _SEQ.pack(ticket.seq), 0.0)])
+        try:
+            self._write(data)
+        except JournalUnavailableError:
+            return
+        self._wrote(seq, 1, durable=False)
 
     def append(self, method: str, pool_id: str, request: bytes, when: float) -> int:
-        """Append one record (buffered, not yet durable); returns its sequence number."""
-        self.last_seq += 1
-        self._file.write(
-            _encode_record(JournalRecord(self.last_seq, when, method, pool_id, request))
-        )
-        self.num_records += 1
-        self.records_since_checkpoint += 1
-        return self.last_seq
+        """Append the record of a change already made (a lease reclaim, a registration round
+        that planned a pool); returns its sequence number (await :meth:`commit`).
+
+        Calls on the pool written ahead but not started yet were written before this change
+        though they would run after it: they are voided in the same write (and answer
+        UNAVAILABLE), so the journal's order stays the order things happened in.
+
+        Raises:
+            JournalUnavailableError: It could not be written.
+        """
+        stale = [
+            ticket
+            for ticket in self._open_tickets.get(pool_id, ())
+            if not ticket.started and ticket.void_reason is None
+        ]
+        entries = []
+        if stale:
+            voided = b"".join(_SEQ.pack(ticket.seq) for ticket in stale)
+            entries.append((VOID, pool_id, voided, when))
+        entries.append((method, pool_id, request, when))
+        data, seq = self._records(entries)
+        self._write(data)
+        for ticket in stale:
+            ticket.void_reason = (
+                f"pool {pool_id!r} changed while this call waited for its journal record "
+                f"({method}): nothing was done, retry"
+            )
+        self._wrote(seq, len(entries), durable=True)
+        return seq
 
     async def commit(self, seq: int) -> None:
-        """Return once record ``seq`` is on disk (sharing fsyncs with concurrent callers)."""
-        if seq <= self.durable_seq:
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((seq, future))
-        if self._syncing is None:
-            self._syncing = asyncio.create_task(self._sync_loop())
+        """Return once record ``seq`` is on disk (sharing fsyncs with concurrent callers).
+
+        Raises:
+            JournalUnavailableError: The fsync failed: the record was cut from the file.
+        """
+        future = self._futures.pop(seq, None)
+        if future is None:
+            return  # durable already (or not written by append/write_ahead)
         await future
 
     async def _sync_loop(self) -> None:
         try:
-            while self._waiters:
-                target = self.last_seq
-                self._file.flush()
-                await asyncio.to_thread(os.fsync, self._file.fileno())
+            while self._waiting:
+                target, size, generation = self.last_seq, self._size, self._generation
+                try:
+                    await asyncio.to_thread(self._fsync, self._fd)
+                except OSError as exc:
+                    if generation == self._generation:
+                        self._lose(exc)
+                    continue  # else a new file replaced this one, durable already
                 self.num_fsyncs += 1
-                self.durable_seq = target
-                waiting, self._waiters = self._waiters, []
-                for seq, future in waiting:
-                    if seq <= target:
-                        if not future.done():
-                            future.set_result(None)
-                    else:
-                        self._waiters.append((seq, future))
-        except BaseException as exc:
-            for _, future in self._waiters:
-                if not future.done():
-                    future.set_exception(exc)
-            self._waiters = []
-            raise
+                if generation != self._generation:
+                    continue  # the new file's records were made durable when it was made
+                self.durable_seq = max(self.durable_seq, target)
+                self._durable_size = max(self._durable_size, size)
+                while self._waiting and self._waiting[0][0] <= target:
+                    _, future = self._waiting.popleft()
+                    if not future.done():
+                        future.set_result(None)
         finally:
             self._syncing = None
+            for descriptor in self._retired:
+                os.close(descriptor)
+            self._retired.clear()
 
-    def records(self) -> Iterator[JournalRecord]:
-        """The records on disk (for replay, before any append)."""
-        records, _ = read_records(self.directory / JOURNAL_FILE)
-        yield from records
+    @staticmethod
+    def _fsync(descriptor: int) -> None:
+        _fault("fsync")
+        os.fsync(descriptor)
 
-    def reset(self, checkpoint: Checkpoint) -> None:
-        """Write ``checkpoint`` and start an empty journal after it."""
-        self._file.flush()
-        write_checkpoint(self.directory, checkpoint)
-        self._file.close()
-        path = self.directory / JOURNAL_FILE
-        with path.open("wb") as out:
+    def _lose(self, exc: OSError) -> None:
+        """An fsync failed: what it covered may or may not be on disk. Cut the file back to
+        what is known durable (the next good fsync makes the cut durable too) and fail every
+        call waiting on a record after it; none of them has run."""
+        self.num_failures += 1
+        reason = _os_reason("make durable", self.path, exc)
+        _LOG.error("journal: %s; the calls waiting on it answer UNAVAILABLE", reason)
+        self._size = self._durable_size
+        with contextlib.suppress(JournalUnavailableError):
+            self._cut()  # else _dirty: cut again before the next write
+        self._fail_waiting(reason)
+
+    def _fail_waiting(self, reason: str) -> None:
+        while self._waiting:
+            _, future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(JournalUnavailableError(reason))
+                future.exception()  # retrieved here: a caller may have gone
+
+    # -- checkpoints --
+
+    async def pause(self, timeout_s: float) -> bool:
+        """Hold new calls at :attr:`gate` and wait until every call written ahead has
+        finished; ``False`` (gate open again) when that takes longer than ``timeout_s``."""
+        self.gate = asyncio.Event()
+        if not self._in_flight:
+            return True
+        self._drained = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+        except TimeoutError:
+            self.resume()
+            return False
+        finally:
+            self._drained = None
+        return True
+
+    def resume(self) -> None:
+        """Let calls write again (after :meth:`pause`)."""
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate.set()
+
+    def _void_all(self, reason: str) -> None:
+        for tickets in self._open_tickets.values():
+            for ticket in tickets:
+                if not ticket.started and ticket.void_reason is None:
+                    ticket.void_reason = reason
+
+    def _swap(self, descriptor: int) -> None:
+        old, self._fd = self._fd, descriptor
+        self._generation += 1
+        if self._syncing is not None:
+            self._retired.append(old)  # an fsync in a worker thread may still use it
+        else:
+            os.close(old)
+
+    def reset(self, checkpoint: Checkpoint, *, quiet: bool = False) -> OSError | None:
+        """Write ``checkpoint`` and start an empty journal after it.
+
+        Calls written ahead and not started are dropped with the old journal (they answer
+        UNAVAILABLE).
+
+        Returns:
+            ``None``, or the error that kept the checkpoint from being written (a full or
+            failing disk; logged as one line unless ``quiet``): the journal is then left as
+            it was, holding every answered call.
+        """
+        try:
+            write_checkpoint(self.directory, checkpoint)
+        except OSError as exc:
+            if quiet:
+                return exc
+            _LOG.error(
+                "journal: no checkpoint written: %s; %s keeps every answered call",
+                _os_reason("write a checkpoint to", self.directory, exc),
+                self.path,
+            )
+            return exc
+        self._void_all("the server compacted its journal while this call waited: retry")
+        with self.path.open("wb") as out:
             os.fsync(out.fileno())
-        self._file = path.open("ab")
-        self.durable_seq = self.last_seq = checkpoint.seq
+        self._swap(self._open())
+        self._size = self._durable_size = 0
+        self._dirty = False
+        self.durable_seq = self.last_seq = max(self.last_seq, checkpoint.seq)
         self.records_since_checkpoint = 0
+        while self._waiting:  # every record written is in the checkpoint or voided
+            _, future = self._waiting.popleft()
+            if not future.done():
+                future.set_result(None)
+        return None
 
     def truncate_through(self, seq: int) -> None:
         """Drop the records up to ``seq`` (a checkpoint written for ``seq`` holds them).
 
-        For a checkpoint taken while the server runs: records appended meanwhile (calls on
-        pools the checkpoint does not hold) have larger sequence numbers and stay. The new
-        journal is written beside the old one, fsynced and renamed over it.
+        For a checkpoint taken while the server runs: records appended meanwhile have larger
+        sequence numbers and stay. The new journal is written beside the old one, fsynced and
+        renamed over it; every record written so far is then durable.
+
+        Raises:
+            OSError: The new journal could not be written (the old one stays).
         """
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        path = self.directory / JOURNAL_FILE
-        records, _ = read_records(path)
+        if self._dirty:
+            self._cut()
+        os.fsync(self._fd)
+        records, _ = read_records(self.path)
         temporary = self.directory / (JOURNAL_FILE + ".tmp")
-        with temporary.open("wb") as out:
-            for record in records:
-                if record.seq > seq:
-                    out.write(_encode_record(record))
-            out.flush()
-            os.fsync(out.fileno())
-        self._file.close()
-        temporary.replace(path)
+        kept = b"".join(_encode_record(record) for record in records if record.seq > seq)
+        try:
+            with temporary.open("wb") as out:
+                _fault("write")
+                out.write(kept)
+                out.flush()
+                _fault("fsync")
+                os.fsync(out.fileno())
+        except OSError:
+            temporary.unlink(missing_ok=True)
+            raise
+        temporary.replace(self.path)
         _fsync_directory(self.directory)
-        self._file = path.open("ab")
-        self.records_since_checkpoint = self.last_seq - seq
+        self._swap(self._open())
+        self._size = self._durable_size = len(kept)
+        self.durable_seq = self.last_seq
+        self.records_since_checkpoint = sum(1 for record in records if record.seq > seq)
+        while self._waiting:
+            _, future = self._waiting.popleft()
+            if not future.done():
+                future.set_result(None)
 
     def close(self) -> None:
-        """Flush, fsync and close."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        """fsync and close; calls still waiting answer UNAVAILABLE (an fsync that fails is
+        logged: what it covered was never answered)."""
+        self._void_all("the server is stopping")
+        self._fail_waiting("the server is stopping")
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            _LOG.error("journal: %s", _os_reason("make durable", self.path, exc))
+        finally:
+            self._swap(-1)
 
 
 def open_data_dir(path: str) -> tuple[Path, Checkpoint | None, list[JournalRecord], int]:
     """Create or open a data directory: its checkpoint, the journal records after it, and
-    the byte length of the intact journal (a torn tail is cut off here).
+    the byte length of the intact journal (a torn tail is cut off here, and only that).
 
     Raises:
         ConfigError: Not a usable directory, or a damaged checkpoint.
+        JournalDamagedError: The journal is damaged other than by a torn tail (nothing was
+            changed).
     """
     directory = Path(path)
     try:
@@ -330,10 +894,28 @@ def open_data_dir(path: str) -> tuple[Path, Checkpoint | None, list[JournalRecor
         raise ConfigError(f"data_dir: {path!r} is not writable")
     checkpoint = read_checkpoint(directory)
     journal_path = directory / JOURNAL_FILE
-    records, intact = read_records(journal_path)
-    if journal_path.exists() and intact != journal_path.stat().st_size:
+    scan = read_journal(journal_path)
+    if scan.damaged:
+        raise JournalDamagedError(damage_message(journal_path, scan))
+    if scan.torn:
+        _LOG.warning(
+            "journal: trimmed a torn last record at byte %d of %s (%s; %d bytes; its call "
+            "was never answered)",
+            scan.intact,
+            journal_path,
+            scan.damage,
+            scan.size - scan.intact,
+        )
         with journal_path.open("r+b") as out:
-            out.truncate(intact)
+            out.truncate(scan.intact)
             os.fsync(out.fileno())
     after = 0 if checkpoint is None else checkpoint.seq
-    return directory, checkpoint, [r for r in records if r.seq > after], intact
+    records = [r for r in scan.records if r.seq > after]
+    return directory, checkpoint, records, scan.intact
+
+
+def iter_voided(records: list[JournalRecord]) -> Iterator[int]:
+    """The sequence numbers the ``Void`` records among ``records`` void."""
+    for record in records:
+        if record.method == VOID:
+            yield from record.voided()

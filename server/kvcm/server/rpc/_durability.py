@@ -1,15 +1,17 @@
-"""Durability in the rpc layer: journal every acknowledged mutation, replay it at start-up.
+"""Durability in the rpc layer: write each mutation ahead, run it once durable, replay.
 
-:class:`JournalInterceptor` (innermost, with ``--data-dir``) appends each call that changed a
-pool to the journal once its handler returned, and holds the answer until the record is on
-disk: an answered call survives a crash; a rejected call is not journaled (it changed
-nothing). Each call stamps its events with one time (``CALL_TIME``), which the record keeps, so
-a replay republishes the same events with the same timestamps and sequence numbers.
+:class:`JournalInterceptor` (innermost, with ``--data-dir``) writes each call that may change
+a pool to the journal before it runs, and runs it once the record is on disk, in journal
+order: an answered call survives a crash, and a record the disk refuses (full, failing)
+answers UNAVAILABLE having changed nothing. A call the core refuses is marked void. Each call
+stamps its events with one time (``CALL_TIME``), which the record keeps, so a replay
+republishes the same events with the same timestamps and sequence numbers.
 
 :func:`recover` rebuilds the registry from the checkpoint and the journal before the server
 serves: the codec servicers run each record's request again (``RegisterWorker`` at the core
 level: its barrier belongs to live calls), then a new checkpoint is written and the journal
-starts empty.
+starts empty. A journal damaged anywhere but its torn last record stops the start (one line,
+nothing changed; see ``kvcm data-dir``).
 
 Worker registrations are journaled per round, not per call: the rank whose registration plans
 the pool appends one ``PlanPool`` record holding every rank's registration, before the pool is
@@ -19,32 +21,40 @@ seen READY, so that every later call on the pool follows it in the journal.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass  # type: ignore[import-untyped]
 
-from kvcm.common.errors import KVCMError
+from kvcm.common.errors import ConfigError, KVCMError
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import PoolState
 from kvcm.core.snapshot import decode_pool, encode_pool
 from kvcm.server.journal import (
+    PLAN_POOL,
+    VOID,
     Checkpoint,
     CheckpointPool,
     Journal,
     JournalRecord,
+    JournalUnavailableError,
+    Ticket,
+    iter_voided,
     open_data_dir,
     write_checkpoint,
 )
 from kvcm.server.rpc._admin import AdminServicer
+from kvcm.server.rpc._handlers import UndecodableRequest
 from kvcm.server.rpc._interceptor import MethodInterceptor
-from kvcm.server.rpc._resync import resync_pool
+from kvcm.server.rpc._resync import MAX_SNAPSHOT_BYTES, resync_pool
 from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import CALL_TIME, PoolRuntime, ServerState
+from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import admin_pb2, scheduler_pb2, service_pb2, worker_pb2
 from kvcm.wire import layer_specs_from_proto, layer_specs_to_proto, pool_config_from_proto
 
@@ -59,6 +69,11 @@ __all__ = [
 
 _LOG = logging.getLogger("kvcm.server.journal")
 _PREFIX = "/kvcm.v1."
+# How long a live checkpoint waits for the calls written ahead to finish before it is
+# postponed (calls wait at the gate meanwhile), and how often a PlanPool record the disk
+# refused is tried again.
+_DRAIN_S: Final = 1.0
+_RETRY_S: Final = 0.5
 
 MUTATING_METHODS: Final = frozenset(
     {
@@ -83,7 +98,16 @@ MUTATING_METHODS: Final = frozenset(
 
 
 class JournalInterceptor(MethodInterceptor):
-    """Journals answered mutations and holds each answer until it is durable."""
+    """Writes each mutating call's record ahead, runs the call once the record is durable.
+
+    A call that may change a pool is written to the journal (on the event loop, so a full
+    disk is seen at once), waits for its fsync (group commit), then for the calls written
+    before it on the same pool, then runs. A record that cannot be written or made durable
+    answers UNAVAILABLE with the reason, before the call ran: nothing changed in memory, and
+    the next call tries the disk again. A call the core refuses (it changed nothing) is
+    marked void in the journal. Once written, a call runs even if its caller goes away
+    (cancellation would leave a durable record that never ran live).
+    """
 
     def __init__(
         self, journal: Journal, state: ServerState | None = None, checkpoint_every: int = 0
@@ -112,14 +136,52 @@ class JournalInterceptor(MethodInterceptor):
         def finished(done: asyncio.Task[None]) -> None:
             self._checkpointing = None
             if not done.cancelled() and done.exception() is not None:
-                _LOG.error("checkpoint failed: %r", done.exception())
+                _LOG.error("checkpoint failed: %s", _why(done.exception()))
 
         task.add_done_callback(finished)
+
+    async def _write_ahead(self, method: str, pool_id: str, request: bytes, when: float) -> Ticket:
+        journal = self._journal
+        while journal.gate is not None:  # a checkpoint is being taken
+            await journal.gate.wait()
+        try:
+            return journal.write_ahead(method, pool_id, request, when)
+        except JournalUnavailableError as exc:
+            raise AbortRpc(grpc.StatusCode.UNAVAILABLE, _unavailable(exc)) from None
+
+    async def _run(self, ticket: Ticket, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Run a written call in its turn (see the class docstring)."""
+        journal = self._journal
+        try:
+            try:
+                await journal.commit(ticket.seq)
+            except JournalUnavailableError as exc:
+                raise AbortRpc(grpc.StatusCode.UNAVAILABLE, _unavailable(exc)) from None
+            for earlier in ticket.waits:
+                await earlier
+            state = self._state
+            if state is not None:  # the handler then takes the pool without waiting
+                while (busy := state.lanes.get(ticket.pool_id)) is not None:
+                    await busy.wait()
+            if ticket.void_reason is not None:
+                raise AbortRpc(grpc.StatusCode.UNAVAILABLE, ticket.void_reason)
+            ticket.started = True
+            try:
+                return await call()
+            except (KVCMError, AbortRpc):
+                journal.void(ticket)  # refused: it changed nothing
+                raise
+        finally:
+            journal.finish(ticket)
+
+    async def _shielded(self, ticket: Ticket, call: Callable[[], Awaitable[Any]]) -> Any:
+        task = asyncio.ensure_future(self._run(ticket, call))
+        task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if method not in MUTATING_METHODS:
             return handler
-        journal = self._journal
         kwargs = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
@@ -128,23 +190,30 @@ class JournalInterceptor(MethodInterceptor):
             inner_stream = handler.stream_unary
 
             async def stream_unary(requests: Any, context: Any) -> Any:
-                CALL_TIME.set(time.time())
-                chunks: list[Any] = []
-
-                async def recorded() -> AsyncIterator[Any]:
-                    async for chunk in requests:
-                        chunks.append(chunk)
-                        yield chunk
-
-                response = await inner_stream(recorded(), context)
-                whole = scheduler_pb2.ResyncPoolRequest()
-                whole.CopyFrom(chunks[0])
-                whole.data = b"".join(c.data for c in chunks)
-                seq = journal.append(
-                    method, whole.pool_id, whole.SerializeToString(), CALL_TIME.get()
+                now = time.time()
+                CALL_TIME.set(now)
+                chunks, whole = await _collect_upload(requests)
+                if whole is None:  # refused by the handler itself: no record
+                    return await inner_stream(_replayed(chunks, requests), context)
+                ticket = await self._write_ahead(
+                    method, whole.pool_id, whole.SerializeToString(), now
                 )
-                await journal.commit(seq)
-                return response
+
+                async def call() -> Any:
+                    # Lease reclaims leave the old pool alone while the snapshot decodes
+                    # (they would change it after this call's record).
+                    state = self._state
+                    old = None
+                    if state is not None and whole.pool_id in state.registry:
+                        old = state.registry.get(whole.pool_id)
+                        old.lent = True
+                    try:
+                        return await inner_stream(_replayed(chunks, None), context)
+                    finally:
+                        if old is not None:
+                            old.lent = False
+
+                return await self._shielded(ticket, call)
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
         inner = handler.unary_unary
@@ -152,13 +221,60 @@ class JournalInterceptor(MethodInterceptor):
         async def unary(request: Any, context: Any) -> Any:
             now = time.time()
             CALL_TIME.set(now)
-            response = await inner(request, context)
-            seq = journal.append(method, request.pool_id, request.SerializeToString(), now)
-            await journal.commit(seq)
+            ticket = await self._write_ahead(
+                method, request.pool_id, request.SerializeToString(), now
+            )
+            response = await self._shielded(ticket, lambda: inner(request, context))
             self._maybe_checkpoint()
             return response
 
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Retrieve a written call's outcome (its caller may have gone)."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _why(exc: BaseException | None) -> str:
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, 'error')})"
+    return repr(exc)
+
+
+def _unavailable(exc: JournalUnavailableError) -> str:
+    return f"{exc}: nothing was changed; retry once the data directory can be written"
+
+
+async def _collect_upload(
+    requests: AsyncIterator[Any],
+) -> tuple[list[Any], scheduler_pb2.ResyncPoolRequest | None]:
+    """Read a ResyncPool upload whole before writing its record; ``None`` when it is one the
+    handler refuses by its shape (an undecodable chunk, too large, empty)."""
+    chunks: list[Any] = []
+    size = 0
+    async for chunk in requests:
+        chunks.append(chunk)
+        if type(chunk) is UndecodableRequest:
+            return chunks, None
+        size += len(chunk.data)
+        if size > MAX_SNAPSHOT_BYTES:
+            return chunks, None
+    if not chunks:
+        return chunks, None
+    whole = scheduler_pb2.ResyncPoolRequest()
+    whole.CopyFrom(chunks[0])
+    whole.data = b"".join(c.data for c in chunks)
+    return chunks, whole
+
+
+async def _replayed(chunks: list[Any], rest: AsyncIterator[Any] | None) -> AsyncIterator[Any]:
+    for chunk in chunks:
+        yield chunk
+    if rest is not None:
+        async for chunk in rest:
+            yield chunk
 
 
 class _ReplayContext:
@@ -221,12 +337,44 @@ def encode_round(pool: Pool) -> bytes:
 
 
 async def journal_planned(state: ServerState, pool: Pool) -> None:
-    """Journal the registration round that just planned ``pool`` (no-op without a journal)."""
+    """Journal the registration round that just planned ``pool`` (no-op without a journal).
+
+    The plan is already made (it runs in the pool's lane), so the pool stays lent until its
+    record is durable: no call sees it READY before. While the disk refuses the record (full,
+    failing) it is tried again every ``_RETRY_S``; the rank's call waits, calls on other pools
+    go on. Calls on the pool written while it was pending are voided by the record (they
+    would run after the plan though written before it).
+
+    Raises:
+        AbortRpc: UNAVAILABLE when the server stops before the record is durable.
+    """
     journal = state.journal
     if journal is None:
         return
-    seq = journal.append("PlanPool", pool.name, encode_round(pool), CALL_TIME.get() or time.time())
-    await journal.commit(seq)
+    payload = encode_round(pool)
+    when = CALL_TIME.get() or time.time()
+    while (busy := state.lanes.get(pool.name)) is not None:
+        await busy.wait()
+    done = asyncio.Event()
+    state.lanes[pool.name] = done
+    pool.lent = True
+    try:
+        failed = False
+        while True:
+            try:
+                await journal.commit(journal.append(PLAN_POOL, pool.name, payload, when))
+                break
+            except JournalUnavailableError as exc:
+                if not failed:
+                    _LOG.error("pool %r is planned but %s; retrying", pool.name, exc)
+                    failed = True
+                if not state.serving:
+                    raise AbortRpc(grpc.StatusCode.UNAVAILABLE, _unavailable(exc)) from None
+                await asyncio.sleep(_RETRY_S)
+    finally:
+        pool.lent = False
+        state.lanes.pop(pool.name, None)
+        done.set()
 
 
 def _replay_round(state: ServerState, record: JournalRecord) -> None:
@@ -252,8 +400,20 @@ async def recover(state: ServerState, data_dir: str) -> Journal:
     """Rebuild ``state`` from ``data_dir``; returns the journal to append to.
 
     Raises:
-        ConfigError: The directory is unusable or its checkpoint damaged.
+        ConfigError: The directory is unusable, its checkpoint damaged, its journal damaged
+            other than by a torn tail (:class:`JournalDamagedError`: nothing was changed), or
+            the compacting checkpoint cannot be written (a full disk): one line each.
     """
+    try:
+        return await _recover(state, data_dir)
+    except OSError as exc:
+        raise ConfigError(
+            f"data_dir: {data_dir}: {_why(exc)} while recovering"
+            f"{f' ({exc.filename})' if exc.filename else ''}; nothing acknowledged was lost"
+        ) from None
+
+
+async def _recover(state: ServerState, data_dir: str) -> Journal:
     started = time.perf_counter()
     directory, checkpoint, records, _ = open_data_dir(data_dir)
     if checkpoint is not None:
@@ -261,29 +421,17 @@ async def recover(state: ServerState, data_dir: str) -> Journal:
     last_seq = records[-1].seq if records else (checkpoint.seq if checkpoint else 0)
     journal = Journal(directory, last_seq)
     state.journal = journal
-    classes = _request_classes()
-    admin, scheduler = AdminServicer(state), SchedulerServicer(state)
-    failed = 0
-    for record in records:
-        CALL_TIME.set(record.time)
-        try:
-            if record.method == "PlanPool":
-                _replay_round(state, record)
-            elif record.method == "ResyncPool":
-                chunk = scheduler_pb2.ResyncPoolRequest.FromString(record.request)
-                await resync_pool(state, _one(chunk))
-            else:
-                servicer = admin if hasattr(admin, record.method) else scheduler
-                request = classes[record.method].FromString(record.request)
-                await getattr(servicer, record.method)(request, _ReplayContext())
-        except KVCMError as exc:  # a record that ran once must run again: a kvcm bug
-            failed += 1
-            _LOG.error(
-                "journal: record %d (%s) failed on replay: %s", record.seq, record.method, exc
-            )
+    voided = set(iter_voided(records))
+    failed = await _replay(state, [r for r in records if r.seq not in voided and r.method != VOID])
     CALL_TIME.set(0.0)
     if records:  # compact; with nothing replayed the checkpoint already says it all
-        journal.reset(checkpoint_of(state, journal.last_seq))
+        failure = journal.reset(checkpoint_of(state, journal.last_seq), quiet=True)
+        if failure is not None:
+            journal.close()
+            raise ConfigError(
+                f"data_dir: cannot write a checkpoint to {directory}: {_why(failure)}; the journal "
+                "was left as it was (free space, then start again)"
+            ) from None
     _LOG.info(
         "recovered from the data directory",
         extra={
@@ -292,6 +440,7 @@ async def recover(state: ServerState, data_dir: str) -> Journal:
             "pools": len(state.registry),
             "checkpoint_seq": 0 if checkpoint is None else checkpoint.seq,
             "replayed": len(records),
+            "voided": len(voided),
             "failed": failed,
             "seconds": round(time.perf_counter() - started, 3),
         },
@@ -299,9 +448,46 @@ async def recover(state: ServerState, data_dir: str) -> Journal:
     return journal
 
 
+async def _replay(state: ServerState, records: list[JournalRecord]) -> int:
+    """Run ``records`` again; returns how many were refused."""
+    classes = _request_classes()
+    admin, scheduler = AdminServicer(state), SchedulerServicer(state)
+    failed = 0
+    for record in records:
+        CALL_TIME.set(record.time)
+        try:
+            if record.method == PLAN_POOL:
+                _replay_round(state, record)
+            elif record.method == "ResyncPool":
+                chunk = scheduler_pb2.ResyncPoolRequest.FromString(record.request)
+                await resync_pool(state, _one(chunk))
+            else:
+                servicer = admin if hasattr(admin, record.method) else scheduler
+                request = classes[record.method].FromString(record.request)
+                await getattr(servicer, record.method)(request, _ReplayContext())
+        except KVCMError as exc:
+            # Refused as it was refused live (its Void mark lost in a crash): it changes
+            # nothing either way. Were it a record that ran live, that would be a kvcm bug.
+            failed += 1
+            _LOG.warning(
+                "journal: record %d (%s) is refused on replay: %s", record.seq, record.method, exc
+            )
+        except Exception:  # a record that failed live with a kvcm bug fails alike
+            failed += 1
+            _LOG.exception("journal: record %d (%s) failed on replay", record.seq, record.method)
+    return failed
+
+
 async def checkpoint_live(state: ServerState, journal: Journal) -> None:
     """Checkpoint while serving: every pool is held (its calls wait, others go on) while its
-    snapshot is encoded off the loop, then the journal drops what the checkpoint holds."""
+    snapshot is encoded off the loop, then the journal drops what the checkpoint holds.
+
+    New calls wait at the journal's gate until every call written ahead has finished and
+    every pool is held (a few milliseconds; the checkpoint is postponed when that takes more
+    than ``_DRAIN_S``)."""
+    if not await journal.pause(_DRAIN_S):  # every call written ahead has finished
+        _LOG.info("checkpoint postponed: calls written ahead did not finish in time")
+        return
     held: dict[str, tuple[Pool, asyncio.Event]] = {}
     try:
         while missing := [p for p in state.registry.list() if p.name not in held]:
@@ -318,8 +504,11 @@ async def checkpoint_live(state: ServerState, journal: Journal) -> None:
                 state.lanes[pool.name] = done
                 pool.lent = True
                 held[pool.name] = (pool, done)
-        # No await since the last pool was held: no call has changed them since seq.
+        # No await since the last pool was held, and no call written ahead is unfinished:
+        # the pools are exactly the records up to seq. Calls written from now on run once
+        # the pools are released, after their snapshots were encoded.
         seq = journal.last_seq
+        journal.resume()
         pools = [pool for pool, _ in held.values()]
         configs = {
             pool.name: state.runtimes[pool.name].config.SerializeToString() for pool in pools
@@ -327,6 +516,7 @@ async def checkpoint_live(state: ServerState, journal: Journal) -> None:
         epoch = state.registry.epoch
         checkpoint = await asyncio.to_thread(_encode_checkpoint, pools, configs, epoch, seq)
     finally:
+        journal.resume()
         for pool, done in held.values():
             pool.lent = False
             state.lanes.pop(pool.name, None)
