@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,8 @@ from kvcm.server.http import build_app
 from kvcm.server.rpc import lookup_as
 from kvcm.server.settings import ServerSettings
 from kvcm.server.telemetry import RpcStats
-from kvcm.v1 import service_pb2
+from kvcm.v1 import scheduler_pb2, service_pb2, service_pb2_grpc
+from kvcm.wire import pool_config_to_proto
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
 CONFIG = PoolConfig(
@@ -377,6 +379,69 @@ def test_resync_creates_a_pool_only_with_the_admin_role(
         assert admin.describe_pool("a-fresh").num_requests == 0
         admin.delete_pool("a-fresh")
         assert "b-fresh" not in [p.pool_id for p in admin.list_pools()]
+
+
+def test_a_pool_deleted_during_a_resync_upload_is_not_recreated(server: EmbeddedServer) -> None:
+    """The creation check runs again when the pool would be created, after the upload."""
+    with _client(server, "admin-token") as admin:
+        admin.create_pool("a-racing", CONFIG)
+    snapshot = _snapshot()
+    first_sent, go_on = threading.Event(), threading.Event()
+
+    def chunks() -> Iterator[scheduler_pb2.ResyncPoolRequest]:
+        yield scheduler_pb2.ResyncPoolRequest(
+            pool_id="a-racing",
+            config=pool_config_to_proto(CONFIG),
+            step_seq=1,
+            data=snapshot[:8],
+        )
+        first_sent.set()
+        go_on.wait(10)
+        yield scheduler_pb2.ResyncPoolRequest(data=snapshot[8:])
+
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = service_pb2_grpc.SchedulerServiceStub(channel)
+        call = stub.ResyncPool.future(
+            chunks(), metadata=(("authorization", "Bearer sched-a-token"),), timeout=20
+        )
+        assert first_sent.wait(10)
+        time.sleep(0.3)  # the server has read the first chunk: the pool existed then
+        with _client(server, "admin-token") as admin:
+            admin.delete_pool("a-racing")
+        go_on.set()
+        with pytest.raises(grpc.RpcError) as caught:
+            call.result()
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "does not exist" in (caught.value.details() or "")
+    with _client(server, "admin-token") as admin:
+        assert "a-racing" not in [p.pool_id for p in admin.list_pools()]
+
+
+def test_a_resync_that_would_create_is_refused_before_its_upload(
+    server: EmbeddedServer,
+) -> None:
+    """The rest of the upload is never waited for: the first chunk names a missing pool."""
+    go_on = threading.Event()
+
+    def chunks() -> Iterator[scheduler_pb2.ResyncPoolRequest]:
+        yield scheduler_pb2.ResyncPoolRequest(
+            pool_id="a-never", config=pool_config_to_proto(CONFIG), step_seq=1, data=b"x"
+        )
+        go_on.wait(10)
+        yield scheduler_pb2.ResyncPoolRequest(data=b"y")
+
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = service_pb2_grpc.SchedulerServiceStub(channel)
+        call = stub.ResyncPool.future(
+            chunks(), metadata=(("authorization", "Bearer sched-a-token"),), timeout=20
+        )
+        try:
+            with pytest.raises(grpc.RpcError) as caught:
+                call.result(timeout=5)  # while the client still holds back its last chunk
+        finally:
+            go_on.set()
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "does not exist" in (caught.value.details() or "")
 
 
 def test_roles_decide_what_a_call_changes(server: EmbeddedServer) -> None:

@@ -168,7 +168,9 @@ class KVCMServer:
             TelemetryInterceptor(self.state.rpc_stats)
         ]
         if self.tokens is not None:  # inside telemetry: refusals are counted and mapped
-            interceptors.append(AuthInterceptor(self.tokens))
+            interceptors.append(
+                AuthInterceptor(self.tokens, pool_exists=self.state.registry.__contains__)
+            )
         else:
             _LOG.warning(
                 "authentication is off: any client that reaches the ports may call every RPC "

@@ -26,6 +26,7 @@ import hashlib
 import hmac
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -128,17 +129,27 @@ class AuthInterceptor(MethodInterceptor):
     """Authenticates and authorizes every kvcm.v1 call by :data:`~kvcm.server.access.RULES`;
     audits refusals and admin actions."""
 
-    def __init__(self, tokens: TokenTable) -> None:
-        """Check calls against ``tokens``."""
+    def __init__(
+        self, tokens: TokenTable, *, pool_exists: Callable[[str], bool] | None = None
+    ) -> None:
+        """Check calls against ``tokens``.
+
+        Args:
+            tokens: The tokens file.
+            pool_exists: Whether a pool exists, so that a call that would create its pool
+                (ResyncPool) is refused before its upload is read (``None``: only when the
+                servicer is about to create it).
+        """
         super().__init__()
         self.tokens = tokens
+        self.pool_exists = pool_exists
 
     def _check(self, full_name: str, rule: Rule, context: Any, pool_id: str) -> Principal:
         """The caller's principal, once allowed.
 
-        A call that may create its pool (ResyncPool) passes here with the roles that may make
-        it on an existing pool; the servicer asks again, with ``exists=False``, at the moment
-        it would create the pool (no await between that check and the creation).
+        A call that may create its pool (ResyncPool) is checked here against the pool as it
+        is now; the servicer asks again at the moment it would create the pool (no await
+        between that check and the creation), since the pool may be deleted meanwhile.
 
         Raises:
             AbortRpc: UNAUTHENTICATED or PERMISSION_DENIED (audited).
@@ -163,7 +174,10 @@ class AuthInterceptor(MethodInterceptor):
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{method}: a valid 'authorization: Bearer <token>' is required",
             )
-        why = refusal(principal, rule, pool_id)
+        exists = True
+        if rule.create_roles and self.pool_exists is not None:
+            exists = self.pool_exists(pool_id)
+        why = refusal(principal, rule, pool_id, exists=exists)
         if why is not None:
             self._refused(
                 context,
