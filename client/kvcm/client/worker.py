@@ -3,7 +3,10 @@
 Every rank of a pool calls ``register`` with its layers' specs and the memory it can give the
 KV cache. The call returns once every rank has registered, with the same unified
 ``KVCacheConfig`` for all (groups, ``num_blocks`` = the minimum over ranks) and this rank's
-tensors; ``allocate`` then builds the torch tensors locally (``kvcm.client.tensors``).
+tensors; ``allocate`` then builds the torch tensors locally (``kvcm.client.tensors``). The
+engine settings planning reads (the hybrid manager's switch, the encoder budget,
+``kv_cache_memory_bytes``, auto-fit, the layout) are the pool's, set when the launcher
+creates it (``PoolConfig``; docs/planning.md, "Planning inputs").
 
 ::
 
@@ -140,8 +143,9 @@ class WorkerClient:
             ServiceAlreadyExistsError: This rank registered before with other specs, layer
                 order or memory.
             ServiceInvalidArgumentError: Bad rank, world size, memory or specs, or the ranks'
-                specs cannot be planned together (every waiting rank gets the error and must
-                register again).
+                specs cannot be planned together, or not with the pool's planning inputs
+                (e.g. cross attention in a pool without an encoder budget): every waiting
+                rank gets the error and must register again.
             ServiceFailedPreconditionError: The specs disagree with the pool's layout or other
                 ranks.
             ServiceResourceExhaustedError: The memory holds fewer than 2 blocks or more than
