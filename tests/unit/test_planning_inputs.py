@@ -132,7 +132,9 @@ def test_cross_attention_needs_an_encoder_budget() -> None:
     assert caught.value.field == "max_num_encoder_input_tokens"
     assert pool.state is PoolState.PENDING_WORKERS
     assert not pool.registrations
-    assert pool.failed_plans == 1
+    assert pool.failed_plans == 0  # refused before it was recorded, no round to drop
+    pool.register_worker(0, 1, {"decoder.layers.0.self_attn.attn": FULL}, 1000 * PAGE)
+    assert pool.state is PoolState.READY  # a decoder-only rank needs no encoder budget
     # With the budget (vLLM's max_num_batched_tokens), one request needs 448 decoder tokens
     # (28 blocks) and 1,500 encoder tokens (94 blocks) in groups of 4-page blocks.
     budget = _plan(

@@ -58,6 +58,7 @@ from kvcm.core.planning import (
     layer_spec,
     plan_kv_cache,
     project_groups_to_rank,
+    resolve_planning_options,
 )
 from kvcm.core.pool_types import (
     DEFAULT_EVENT_RETENTION,
@@ -235,8 +236,9 @@ class Pool:
         Raises:
             InvalidArgumentError: rank or world_size out of range, no layers, memory or a
                 page that does not fit a uint64 (names the field).
-            ConfigError: A layer kvcm cannot plan yet (Mamba "align" mode), or planning
-                rejected the specs (the round is dropped).
+            ConfigError: A layer kvcm cannot plan yet (Mamba "align" mode) or cannot plan
+                with the pool's inputs (cross attention without an encoder budget), or
+                planning rejected the specs (the round is dropped).
             AlreadyExistsError: The rank registered before with other specs or memory.
             FailedPreconditionError: Specs disagree with another rank or the explicit layout.
             ResourceExhaustedError: More ranks than ``limits.max_pending_registrations``; or
@@ -313,6 +315,10 @@ class Pool:
             raise InvalidArgumentError("layer_specs must not be empty", field="layer_specs")
         for name, spec in specs.items():
             check_plannable_spec(name, spec)
+        if self.options.explicit_layout is None:
+            # What the specs need of the pool's planning inputs (an encoder budget for
+            # cross attention) is refused before anything is recorded.
+            resolve_planning_options(self.options.planning_options(), specs)
 
     def withdraw_worker(self, rank: int) -> bool:
         """Drop a pending rank's registration (its call ended before the pool was planned).
