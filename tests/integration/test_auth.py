@@ -444,6 +444,36 @@ def test_a_resync_that_would_create_is_refused_before_its_upload(
     assert "does not exist" in (caught.value.details() or "")
 
 
+def test_refused_calls_leave_nothing_in_the_journal(tokens_file: Path, tmp_path: Path) -> None:
+    """With a data directory: refusals are never written, so a restart does not replay them."""
+    settings = ServerSettings(
+        grpc_address="127.0.0.1:0",
+        http_address="",
+        auth_tokens=str(tokens_file),
+        data_dir=str(tmp_path / "data"),
+        log_level="ERROR",
+    )
+    running = start_embedded_server(settings)
+    try:
+        with _client(running, "admin-token") as admin:
+            admin.create_pool("a-kept", CONFIG)
+        with _client(running, "sched-a-token") as scheduler:
+            with pytest.raises(PermissionDeniedError):
+                scheduler.resync_pool("a-made", _snapshot(), CONFIG, step_seq=1)
+            with pytest.raises(PermissionDeniedError):
+                scheduler.delete_pool("a-kept")
+            with pytest.raises(PermissionDeniedError):
+                scheduler.create_pool("a-made", CONFIG)
+    finally:
+        running.stop()
+    running = start_embedded_server(settings)
+    try:
+        with _client(running, "admin-token") as admin:
+            assert [p.pool_id for p in admin.list_pools()] == ["a-kept"]
+    finally:
+        running.stop()
+
+
 def test_roles_decide_what_a_call_changes(server: EmbeddedServer) -> None:
     """Allowed calls act, refused ones change nothing; the seed is for those who hash."""
     with _client(server, "admin-token") as admin:
