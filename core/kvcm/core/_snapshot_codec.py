@@ -222,7 +222,10 @@ class Reader:
         names = {f.name for f in fields(dataclass_type)}
         if type(values) is not dict or not set(values) <= names:
             raise self.fail(f"is a malformed {name}")
-        return dataclass_type(**values)
+        try:
+            return dataclass_type(**values)
+        except TypeError:  # a field without a default is missing
+            raise self.fail(f"is a {name} without all its fields") from None
 
     def _map(self) -> dict[Any, Any]:
         result: dict[Any, Any] = {}

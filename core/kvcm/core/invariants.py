@@ -739,6 +739,8 @@ def _event_log(pool: Pool, hash_length: int) -> Iterator[Violation]:
     if not _int_in(next_batch, 0, COUNTER_LIMIT):
         yield Violation("events.next_batch", _range(0, COUNTER_LIMIT))
         return
+    # NOTE: each publication is one batch: kept batches tile the newest events, the last one
+    # ends at the last event and is numbered next_batch - 1.
     expected = log.oldest_sequence
     previous = None
     for index, record in enumerate(log._batches):
@@ -750,8 +752,8 @@ def _event_log(pool: Pool, hash_length: int) -> Iterator[Violation]:
         if (
             not _int_in(seq, 0, next_batch)
             or not _int_in(first, expected, next_sequence)
+            or (previous is not None and (seq != previous + 1 or first != expected))
             or not _int_in(count, 1, next_sequence - first + 1)
-            or (previous is not None and seq != previous + 1)
             or type(now) is not float
             or not math.isfinite(now)
         ):
@@ -759,3 +761,5 @@ def _event_log(pool: Pool, hash_length: int) -> Iterator[Violation]:
             return
         previous = seq
         expected = first + count
+    if previous is not None and (previous != next_batch - 1 or expected != next_sequence):
+        yield Violation("events.batches", "the last kept batch is the last one published")

@@ -573,11 +573,14 @@ def _restore_extras(pool: Pool, extras: object) -> None:
         for value in (seq, first, count):
             as_int(value, where, 0, COUNTER_LIMIT)
         records.append((seq, first, count, as_type(now, f"{where}[3]", float)))
-    pool.restore_events(
-        as_int(e["event_next_sequence"], "extras.event_next_sequence", 1, COUNTER_LIMIT),
-        events,
-        (as_int(next_batch, "extras.event_batches[0]", 0, COUNTER_LIMIT), records),
-    )
+    try:
+        pool.restore_events(
+            as_int(e["event_next_sequence"], "extras.event_next_sequence", 1, COUNTER_LIMIT),
+            events,
+            (as_int(next_batch, "extras.event_batches[0]", 0, COUNTER_LIMIT), records),
+        )
+    except InvalidArgumentError as exc:
+        raise bad("extras.event_batches", f"do not fit the events: {exc}") from None
     total, untaken = as_list(e["stats_totals"], "extras.stats_totals", 2)
     pool.restore_stats_totals(
         as_type(total, "extras.stats_totals[0]", PrefixCacheStats),

@@ -276,13 +276,8 @@ def build_app(
         """The summary of every pool the token may read (a pool busy with a long call is left
         out until it ends)."""
         principal = getattr(request.state, "principal", None)
-        return PoolList(
-            pools=[
-                summarize(pool.snapshot())
-                for pool in registry.list()
-                if not pool.lent and may_read(principal, pool.name)
-            ]
-        )
+        readable = (pool for pool in registry.list() if may_read(principal, pool.name))
+        return PoolList(pools=collector.reader.read(readable, summarize))
 
     @app.get(
         "/v1/pools/{pool}",
@@ -292,6 +287,7 @@ def build_app(
             401: {"model": ErrorBody, "description": "authentication is on: no valid token"},
             403: {"model": ErrorBody, "description": "the token may not read this pool"},
             404: {"model": ErrorBody, "description": "no pool has this name"},
+            500: {"model": ErrorBody, "description": "the pool's state could not be read"},
         },
     )
     async def get_pool(pool: str) -> Response | PoolSummary:
@@ -306,7 +302,11 @@ def build_app(
                 error=ErrorDetail(code="UNAVAILABLE", message=f"pool {pool!r} is busy; retry")
             )
             return JSONResponse(busy.model_dump(), status_code=503)
-        return summarize(found.snapshot())
+        summaries = collector.reader.read([found], summarize)
+        if not summaries:  # logged and counted (kvcm_pool_read_errors_total)
+            broken = ErrorDetail(code="INTERNAL", message=f"pool {pool!r} could not be read")
+            return JSONResponse(ErrorBody(error=broken).model_dump(), status_code=500)
+        return summaries[0]
 
     if lookup is not None:
         _add_lookup_route(app, lookup, refusals)

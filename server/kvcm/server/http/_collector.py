@@ -25,7 +25,7 @@ from prometheus_client.core import (
 )
 
 from kvcm.common.errors import NotFoundError
-from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
+from kvcm.server.http._views import PoolReader, PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, LoopLagSnapshot, RpcStats, RpcStatsSnapshot
 
 if TYPE_CHECKING:
@@ -220,6 +220,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "(never goes backwards, also across re-creations of the pool).",
     ),
     MetricSpec(
+        name="kvcm_pool_read_errors_total",
+        kind="counter",
+        labels=_POOL,
+        help="Reads of a pool's state that failed (the pool was left out of that scrape or "
+        "listing; the others were answered).",
+    ),
+    MetricSpec(
         name="kvcm_lookup_index_keys",
         kind="gauge",
         labels=(),
@@ -386,6 +393,10 @@ class KVCMCollector:
         rpc_stats: the server's RPC statistics.
         loop_lag: the server's loop-lag monitor; ``None``: the family is exported empty.
         reclaims: lease reclaims by (pool, lease kind); ``None``: exported empty.
+
+    Attributes:
+        reader: reads the pools (one pool that cannot be read is left out and counted); the
+            app's ``/v1/pools`` routes read through it too.
     """
 
     def __init__(
@@ -402,6 +413,7 @@ class KVCMCollector:
         self._rpc_stats = rpc_stats
         self._loop_lag = LoopLagMonitor() if loop_lag is None else loop_lag
         self._build_labels = [kvcm_version(), platform.python_version()]
+        self.reader = PoolReader()
 
     def _zmq_wire_families(self) -> Iterator[Metric]:
         """The publisher's queue and the last seq it sent per pool (of pools that exist)."""
@@ -435,7 +447,12 @@ class KVCMCollector:
         """Every family in :data:`METRICS`, read from the current state."""
         # A pool lent to a worker thread for a long call is skipped for this scrape: reading
         # it would race the thread (and a snapshot drains the manager's stats).
-        yield from pool_families(pool.snapshot() for pool in self._registry.list() if not pool.lent)
+        reader = self.reader
+        yield from pool_families(reader.read(self._registry.list(), lambda snapshot: snapshot))
+        read_errors = _scalar_family("kvcm_pool_read_errors_total")
+        for pool, count in sorted(reader.failures.items()):
+            read_errors.add_metric([pool], count)
+        yield read_errors
         yield from rpc_families(self._rpc_stats.snapshot())
         yield loop_lag_family(self._loop_lag.snapshot())
         reclaims = _scalar_family("kvcm_lease_reclaims_total")

@@ -1,15 +1,22 @@
 """What the HTTP side reads from the server: the pool registry and each pool's snapshot.
 
 The HTTP side depends on these read-only shapes, not on the core's classes, so it never reaches
-into a pool's internals and a test can hand it anything with the same fields.
+into a pool's internals and a test can hand it anything with the same fields. It reads pools
+through one :class:`PoolReader`, so no single pool's state can fail a scrape or a listing for
+the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
 
-__all__ = ["PoolLike", "PoolRegistryLike", "PoolSnapshotLike"]
+__all__ = ["PoolLike", "PoolReader", "PoolRegistryLike", "PoolSnapshotLike"]
+
+_LOG = logging.getLogger("kvcm.server.http")
+_T = TypeVar("_T")
 
 
 class PoolSnapshotLike(Protocol):
@@ -87,3 +94,62 @@ class PoolRegistryLike(Protocol):
     def get(self, name: str) -> PoolLike:
         """The pool called ``name``; raises ``kvcm.common.errors.NotFoundError`` if unknown."""
         ...
+
+
+# The numbers a snapshot carries; each must be a finite int or float for the exposition.
+_NUMBERS = (
+    "world_size", "registered_workers", "num_blocks", "num_free_blocks", "num_cached_blocks",
+    "usage", "num_requests", "requests", "queries", "hits", "preempted_requests",
+    "preempted_queries", "preempted_hits", "recent_hit_rate", "evicted_blocks_total",
+    "events_emitted_total", "allocations_not_fit_total",
+)  # fmt: skip
+
+
+def checked_snapshot(snapshot: PoolSnapshotLike) -> PoolSnapshotLike:
+    """``snapshot``, once every number in it is a finite int or float and its groups are
+    ``(int, str, int, int)`` (what the exposition and the JSON summaries write).
+
+    Raises:
+        ValueError: A field is not.
+    """
+    for name in _NUMBERS:
+        value = getattr(snapshot, name)
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ValueError(f"{name} is {value!r}")
+    for group in snapshot.groups:
+        if [type(v) for v in group] != [int, str, int, int]:
+            raise ValueError(f"group {group!r}")
+    if type(snapshot.name) is not str:
+        raise ValueError("name")
+    return snapshot
+
+
+class PoolReader:
+    """Reads pools for the HTTP side, one pool at a time: a pool whose state cannot be read is
+    left out of the answer (logged, and counted in ``kvcm_pool_read_errors_total``) instead of
+    failing ``/metrics`` or ``/v1/pools`` for every pool.
+
+    Attributes:
+        failures: Failed reads by pool id, since the server started.
+    """
+
+    def __init__(self) -> None:
+        """No failure yet."""
+        self.failures: dict[str, int] = {}
+
+    def read(
+        self, pools: Iterable[PoolLike], convert: Callable[[PoolSnapshotLike], _T]
+    ) -> list[_T]:
+        """``convert(checked_snapshot(pool.snapshot()))`` of each pool not lent to a worker
+        thread, leaving out (and counting) the pools where that raises."""
+        out: list[_T] = []
+        for pool in pools:
+            if pool.lent:
+                continue
+            try:
+                out.append(convert(checked_snapshot(pool.snapshot())))
+            except Exception:  # any fault of one pool stays that pool's
+                name = str(pool.name)
+                self.failures[name] = self.failures.get(name, 0) + 1
+                _LOG.exception("pool %r could not be read; it is left out of the answer", name)
+        return out
