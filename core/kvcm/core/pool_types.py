@@ -29,6 +29,7 @@ __all__ = [
     "PoolSummary",
     "Registration",
     "Usage",
+    "ZmqEventStream",
     "check_labels",
     "check_pool_id",
     "hash_length_bytes",
@@ -393,6 +394,30 @@ class PoolSummary:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ZmqEventStream:
+    """Where a pool's KV-event batches go out on vLLM's ZMQ wire (``kvcm.v1.ZmqEventStream``;
+    docs/kv-events.md).
+
+    Attributes:
+        endpoint: The PUB endpoint (bound, port resolved; or the peer kvcm connects to).
+        replay_endpoint: The ROUTER endpoint answering vLLM's replay request (``""``: none).
+        topic: The ZMQ topic of the pool's batches.
+        last_seq: Wire seq of the last batch published under the pool id, across its
+            incarnations (-1: none yet).
+        data_parallel_rank: The ``data_parallel_rank`` its batches carry.
+        dedicated: Whether no other pool publishes on ``endpoint`` (a consumer that ignores
+            topics reads the pool alone).
+    """
+
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    last_seq: int
+    data_parallel_rank: int
+    dedicated: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PoolInfo:
     """Everything about a pool (``DescribePool``, ``kvcm.v1.PoolInfo``).
 
@@ -408,6 +433,8 @@ class PoolInfo:
         usage: Fraction of blocks in use, 0..1.
         last_event_sequence: Sequence number of the last published event (0: none yet).
         epoch: The pool's incarnation (larger for a pool created later; 0: unknown).
+        zmq_events: The pool's stream on vLLM's ZMQ wire (``None``: the server publishes
+            none for it).
     """
 
     pool_id: str
@@ -421,6 +448,7 @@ class PoolInfo:
     usage: float
     last_event_sequence: int
     epoch: int = 0
+    zmq_events: ZmqEventStream | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

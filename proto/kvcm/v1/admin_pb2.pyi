@@ -154,7 +154,7 @@ class PoolSummary(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "state", "config", "kv_cache_config", "hashing", "registered_ranks", "num_free_blocks", "num_requests", "usage", "last_event_sequence", "epoch")
+    __slots__ = ("pool_id", "state", "config", "kv_cache_config", "hashing", "registered_ranks", "num_free_blocks", "num_requests", "usage", "last_event_sequence", "epoch", "zmq_events")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class PoolInfo(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ZMQ_EVENTS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     state: PoolState
     config: PoolConfig
@@ -177,4 +178,21 @@ class PoolInfo(_message.Message):
     usage: float
     last_event_sequence: int
     epoch: int
-    def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., kv_cache_config: _Optional[_Union[_common_pb2.KVCacheConfig, _Mapping]] = ..., hashing: _Optional[_Union[_common_pb2.HashingParameters, _Mapping]] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., last_event_sequence: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    zmq_events: ZmqEventStream
+    def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., kv_cache_config: _Optional[_Union[_common_pb2.KVCacheConfig, _Mapping]] = ..., hashing: _Optional[_Union[_common_pb2.HashingParameters, _Mapping]] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., last_event_sequence: _Optional[int] = ..., epoch: _Optional[int] = ..., zmq_events: _Optional[_Union[ZmqEventStream, _Mapping]] = ...) -> None: ...
+
+class ZmqEventStream(_message.Message):
+    __slots__ = ("endpoint", "replay_endpoint", "topic", "last_seq", "data_parallel_rank", "dedicated")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    DEDICATED_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    last_seq: int
+    data_parallel_rank: int
+    dedicated: bool
+    def __init__(self, endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., topic: _Optional[str] = ..., last_seq: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ..., dedicated: _Optional[bool] = ...) -> None: ...

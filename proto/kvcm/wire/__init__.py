@@ -55,6 +55,8 @@ from kvcm.wire.pools import (
     prefix_cache_stats_from_proto,
     prefix_cache_stats_to_proto,
     usage_from_proto,
+    zmq_event_stream_from_proto,
+    zmq_event_stream_to_proto,
 )
 from kvcm.wire.specs import (
     kv_cache_config_from_proto,
@@ -127,4 +129,6 @@ __all__ = [
     "spec_kind_to_proto",
     "spec_to_proto",
     "usage_from_proto",
+    "zmq_event_stream_from_proto",
+    "zmq_event_stream_to_proto",
 ]

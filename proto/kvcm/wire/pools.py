@@ -18,6 +18,7 @@ from kvcm.core.pool_types import (
     PoolInfo,
     PoolSummary,
     Usage,
+    ZmqEventStream,
 )
 from kvcm.core.stats import PrefixCacheStats
 from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2
@@ -43,6 +44,8 @@ __all__ = [
     "prefix_cache_stats_from_proto",
     "prefix_cache_stats_to_proto",
     "usage_from_proto",
+    "zmq_event_stream_from_proto",
+    "zmq_event_stream_to_proto",
 ]
 
 _DEFAULT_LAYOUT: Final = KVCacheLayout.LBNHC
@@ -217,6 +220,35 @@ def pool_info_from_proto(message: admin_pb2.PoolInfo) -> PoolInfo:
         usage=message.usage,
         last_event_sequence=message.last_event_sequence,
         epoch=message.epoch,
+        zmq_events=(
+            zmq_event_stream_from_proto(message.zmq_events)
+            if message.HasField("zmq_events")
+            else None
+        ),
+    )
+
+
+def zmq_event_stream_to_proto(stream: ZmqEventStream) -> admin_pb2.ZmqEventStream:
+    """``kvcm.v1.ZmqEventStream`` of a pool's ZMQ stream."""
+    return admin_pb2.ZmqEventStream(
+        endpoint=stream.endpoint,
+        replay_endpoint=stream.replay_endpoint,
+        topic=stream.topic,
+        last_seq=stream.last_seq,
+        data_parallel_rank=stream.data_parallel_rank,
+        dedicated=stream.dedicated,
+    )
+
+
+def zmq_event_stream_from_proto(message: admin_pb2.ZmqEventStream) -> ZmqEventStream:
+    """The ``ZmqEventStream`` of a wire one."""
+    return ZmqEventStream(
+        endpoint=message.endpoint,
+        replay_endpoint=message.replay_endpoint,
+        topic=message.topic,
+        last_seq=message.last_seq,
+        data_parallel_rank=message.data_parallel_rank,
+        dedicated=message.dedicated,
     )
 
 

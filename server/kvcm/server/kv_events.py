@@ -60,6 +60,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvcm.common.errors import ConfigError
 from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvcm.common.hashing import external_block_hash
+from kvcm.core.pool_types import ZmqEventStream
 
 if TYPE_CHECKING:
     from kvcm.core.pool import Pool
@@ -485,11 +486,28 @@ class KvEventStream:
         """The stream ``pool`` publishes on (:func:`stream_offset`)."""
         return stream_offset(pool, self._port_label)
 
-    def endpoints(self, pool: Pool) -> tuple[str, str] | None:
-        """The PUB and replay endpoints ``pool`` publishes and replays on (opening its stream
-        when it has not published yet); ``None``: its stream could not be opened."""
-        stream = self._stream(self.stream_offset(pool))
-        return None if stream is None else (stream.endpoint, stream.replay_endpoint)
+    def describe(self, pool: Pool, topic: str, pools: Iterable[Pool]) -> ZmqEventStream | None:
+        """Where ``pool`` (publishing as ``topic``; ``pools``: every pool of the server)
+        publishes and replays, and its last wire ``seq``; ``None``: its stream cannot be
+        opened."""
+        offset = self.stream_offset(pool)
+        stream = self._stream(offset)
+        if stream is None:
+            return None
+        dedicated = not any(
+            other is not pool
+            and other.options.enable_kv_cache_events
+            and self.stream_offset(other) == offset
+            for other in pools
+        )
+        return ZmqEventStream(
+            endpoint=stream.endpoint,
+            replay_endpoint=stream.replay_endpoint,
+            topic=topic,
+            last_seq=self.numbering.last_seq(pool),
+            data_parallel_rank=_dp_rank(pool),
+            dedicated=dedicated,
+        )
 
     def publish(self, pool: Pool, topic: str) -> None:
         """Queue the batch ``pool`` published last (called right after it published)."""

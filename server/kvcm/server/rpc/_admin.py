@@ -22,7 +22,12 @@ from kvcm.server.rpc._log import log_pool_created, log_pool_deleted
 from kvcm.server.rpc._offloop import OFF_LOOP_WORK
 from kvcm.server.rpc._state import PRINCIPAL, PoolRuntime, ServerState, may_hash
 from kvcm.v1 import admin_pb2, service_pb2_grpc
-from kvcm.wire import pool_config_from_proto, pool_info_to_proto, pool_state_to_proto
+from kvcm.wire import (
+    pool_config_from_proto,
+    pool_info_to_proto,
+    pool_state_to_proto,
+    zmq_event_stream_to_proto,
+)
 
 __all__ = ["OFF_LOOP_BLOCKS", "AdminServicer"]
 
@@ -100,6 +105,9 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         if not may_hash(pool.name):  # the seed is for those who hash for the pool
             response.pool.hashing.seed = ""
             response.pool.config.ClearField("hash_seed")
+        zmq_events = self._state.zmq_events(pool)
+        if zmq_events is not None:
+            response.pool.zmq_events.CopyFrom(zmq_event_stream_to_proto(zmq_events))
         return response
 
     async def DeletePool(  # noqa: N802

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvcm.common.errors import KVCMError
 from kvcm.core.limits import DEFAULT_LIMITS, Limits
 from kvcm.core.pool import Pool, PoolRegistry
+from kvcm.core.pool_types import ZmqEventStream
 from kvcm.server.kv_events import KvEventNumbering, kv_events_topic
 from kvcm.server.rpc._offloop import OFF_LOOP_STEP, OFF_LOOP_WORK, OffLoopWork
 from kvcm.server.settings import DEFAULT_KV_EVENTS_TOPIC
@@ -303,6 +304,13 @@ class ServerState:
     def topic(self, pool: Pool) -> str:
         """The pool's ZMQ topic (``kv_events_topic``)."""
         return kv_events_topic(self.kv_events_topic, pool)
+
+    def zmq_events(self, pool: Pool) -> ZmqEventStream | None:
+        """Where ``pool``'s batches go out on the ZMQ wire (``None``: it publishes none)."""
+        stream = self.kv_events
+        if stream is None or not pool.options.enable_kv_cache_events:
+            return None
+        return stream.describe(pool, self.topic(pool), self.registry.list())
 
     def retire(self, pool: Pool) -> None:
         """End a pool that was deleted or is being replaced: publish ``AllBlocksCleared`` as
