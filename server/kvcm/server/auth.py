@@ -194,9 +194,9 @@ class AuthInterceptor(MethodInterceptor):
         PRINCIPAL.set(principal)
         return principal
 
-    def _refused(self, context: Any, **refusal: str) -> None:
+    def _refused(self, context: Any, **fields: str) -> None:
         """Audit a refusal (``principal``, ``method``, ``pool``, ``code``, ``reason``)."""
-        self.tokens.refusals.refused(peer=str(context.peer() or ""), **refusal)
+        self.tokens.refusals.refused(peer=str(context.peer() or ""), **fields)
 
     def _wrap_full(self, full_name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         kwargs = {
