@@ -247,3 +247,52 @@ def test_a_subscriber_that_stops_reading_is_ended() -> None:
             stream.cancel()
     finally:
         running.stop()
+
+
+_FROZEN_READER = """
+import sys, time
+from kvcm.client import SchedulerClient
+with SchedulerClient(sys.argv[1]) as client:
+    with client.subscribe_events("quiet", start_sequence=1) as stream:
+        for batch in stream:
+            print("read", flush=True)
+"""
+
+
+def test_a_reader_whose_process_stopped_is_ended_though_no_write_blocks() -> None:
+    """A reader process that is paused (or hung, or its host gone) answers no HTTP/2 PING: its
+    stream ends within about the subscriber lease even on a quiet pool, where the server
+    writes nothing that could block."""
+    import signal
+    import subprocess
+    import sys
+
+    running = start_embedded_server(
+        ServerSettings(grpc_address="127.0.0.1:0", http_address="", subscriber_lease_s=1.0)
+    )
+    reader = None
+    try:
+        with SchedulerClient(running.grpc_address) as client:
+            client.create_pool("quiet", dataclasses.replace(BASE, scheduler_lease_s=0.0))
+            _admit(client, "quiet", range(1, 2))  # one batch of events to read
+        reader = subprocess.Popen(
+            [sys.executable, "-c", _FROZEN_READER, running.grpc_address],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert reader.stdout is not None
+        assert reader.stdout.readline() == "read\n"  # it reads while it runs
+        runtime = running.server.state.runtimes["quiet"]
+        assert runtime.subscribers == 1
+        reader.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _wait_until(lambda: runtime.subscribers == 0, 10.0)
+        ended_after = time.monotonic() - stopped
+        print(f"a stopped reader's stream ended {ended_after:.2f} s after it stopped (lease 1 s)")
+        assert ended_after < 1.0 + 2.0
+    finally:
+        if reader is not None:
+            reader.send_signal(signal.SIGCONT)
+            reader.kill()
+            reader.wait(timeout=10)
+        running.stop()

@@ -51,6 +51,7 @@ from kvcm.server.rpc import (
     checkpoint_of,
     lookup_as,
     recover,
+    subscriber_keepalive,
 )
 from kvcm.server.settings import ServerSettings, split_address
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats
@@ -198,6 +199,7 @@ class KVCMServer:
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
+                *subscriber_keepalive(settings.subscriber_lease_s),
             ],
         )
         add_servicers(server, self.state)

@@ -65,7 +65,9 @@ class ServerSettings:
         transfer_lease_s: Seconds a request allocated with ``delay_cache_blocks`` (a P/D KV
             transfer in flight) may stay neither cached nor freed before it is freed; 0: never.
         subscriber_lease_s: Seconds an event stream may wait for its reader to accept one
-            message before the server ends it (0: forever).
+            message before the server ends it; every connection is also pinged after half
+            of it without traffic and closed when the answer takes longer than half of it
+            (0: forever, no pings).
         checkpoint_every_records: With ``data_dir``: take a checkpoint while serving after
             this many journal records (0: only at start-up and graceful stop).
         data_dir: Directory of the journal and checkpoints (``""``: pools live in memory only
@@ -245,7 +247,8 @@ _HELP: Final = {
     "transfer_lease_s": "seconds a request allocated with delay_cache_blocks (a P/D transfer) "
     "may stay neither cached nor freed before the server frees it (0: never)",
     "subscriber_lease_s": "seconds an event stream may wait for its reader to accept one "
-    "message before the server ends it, freeing its resources (0: forever)",
+    "message before the server ends it, freeing its resources; connections are pinged every "
+    "half of it (0: forever, no pings)",
     "checkpoint_every_records": "with data_dir: checkpoint while serving after this many journal "
     "records, bounding the journal and the restart time (0: only at start-up and stop)",
     "data_dir": "directory for the write-ahead journal and checkpoints: every answered "

@@ -10,7 +10,7 @@ import grpc
 
 from kvcm.server.rpc._admin import AdminServicer
 from kvcm.server.rpc._durability import JournalInterceptor, checkpoint_of, recover
-from kvcm.server.rpc._events import EventServicer
+from kvcm.server.rpc._events import EventServicer, subscriber_keepalive
 from kvcm.server.rpc._handlers import UndecodableRequest, register_services
 from kvcm.server.rpc._interceptor import MethodInterceptor, TelemetryInterceptor
 from kvcm.server.rpc._leases import LeaseMonitor
@@ -53,6 +53,7 @@ __all__ = [
     "recover",
     "status_details",
     "status_of",
+    "subscriber_keepalive",
 ]
 
 SERVICE_NAMES: tuple[str, ...] = tuple(

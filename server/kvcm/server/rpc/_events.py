@@ -16,13 +16,33 @@ from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import events_pb2, service_pb2_grpc
 from kvcm.wire import events_to_proto
 
-__all__ = ["EventServicer"]
+__all__ = ["EventServicer", "subscriber_keepalive"]
 
 _LOG = logging.getLogger("kvcm.server.leases")
 
 # grpc ships no type information: its context is Any to mypy.
 Context: TypeAlias = Any
 _MAX_EVENTS_PER_MESSAGE: Final = 1024
+
+
+def subscriber_keepalive(lease_s: float) -> list[tuple[str, int]]:
+    """gRPC server options that end a stopped reader's streams within about ``lease_s``.
+
+    A reader whose process stopped (paused, hung, its host gone) answers no HTTP/2 PING:
+    the server pings every connection after ``lease_s / 2`` without traffic and closes it
+    when the answer takes longer than ``lease_s / 2``, ending its streams whether or not a
+    write was blocked. Pings are sent whatever data the connection carries
+    (``max_pings_without_data`` 0: an idle event stream sends none). Empty for 0 (off).
+    """
+    if not lease_s > 0:
+        return []
+    half_ms = max(int(lease_s * 500), 1)
+    return [
+        ("grpc.keepalive_time_ms", half_ms),
+        ("grpc.keepalive_timeout_ms", half_ms),
+        ("grpc.http2.ping_timeout_ms", half_ms),  # what enforces the timeout (grpc 1.85)
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 def _check_epoch(request: events_pb2.SubscribeEventsRequest, pool: Pool) -> None:
