@@ -281,15 +281,26 @@ class MirrorKVCacheManager:
         """vLLM's ``allocate_slots`` (same arguments, same answer), recorded as one ALLOCATE."""
         del skip_zeroing_group_ids  # async KV loads (connectors) are refused at construction
         view = self._view(request)
-        options = self._options(
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
-        )
+        if (
+            num_lookahead_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_encoder_tokens == 0
+            and reserved_blocks == 0
+            and has_scheduled_reqs is True
+            and delay_cache_blocks is False
+            and full_sequence_must_fit is False
+        ):
+            options = DEFAULT_SLOT_OPTIONS  # what vLLM passes for every running request
+        else:
+            options = self._options(
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
         hit: CacheHit | None = None
         hit_spec: HitSpec | None = None
         if new_computed_blocks is not None and (
@@ -305,7 +316,7 @@ class MirrorKVCacheManager:
             num_new_tokens,
             hit_spec,
             None if options is DEFAULT_SLOT_OPTIONS else options,
-            None if result is None else result.get_block_ids(),
+            result,
         )
         if self.acknowledge_each_answer:
             self.close_step()  # remote mode: the server acknowledges before vLLM sees it

@@ -1,22 +1,37 @@
 """Recording a scheduler step's manager mutations as one kvcm Step program.
 
-The mirror answers every KV-cache manager call locally and appends the calls that change the
-pool to a :class:`~kvcm.core.program.StepProgram`; once per ``schedule()`` (and once per
-``update_from_output()`` that changed anything) the program is closed and handed, with the
-answers the mirror gave (a :class:`~kvcm.core.program.StepOutcome`), to a :class:`StepSink`.
-Sinks are pluggable: the local ones here keep or drop programs; the gRPC shipper (next stage)
-sends them to the kvcm server, which runs the same interpreter on the authoritative copy and
-verifies the answers.
+The mirror answers every KV-cache manager call locally and notes the calls that change the
+pool; once per ``schedule()`` (and once per ``update_from_output()`` that changed anything) the
+step is closed and handed to a :class:`StepSink` as a :class:`RecordedStep`: a
+:class:`~kvcm.core.program.StepProgram` with the answers the mirror gave (a
+:class:`~kvcm.core.program.StepOutcome`). Sinks are pluggable: the local ones here keep or
+drop steps; the gRPC shipper sends them to the kvcm server, which runs the same interpreter on
+the authoritative copy and verifies the answers.
+
+Recording is split in two so that it costs the scheduler's thread next to nothing:
+
+* **noting** (the scheduler thread, inside each manager call): one tuple per call, holding
+  the call's arguments, the request's counters and the lengths of its token and block-hash
+  lists at that moment (vLLM only appends to both), and the mirror's answer as the core
+  returned it;
+* **building** (whoever first reads ``RecordedStep.program``: the shipping thread, or a
+  snapshot at a step boundary): the notes of every step up to that one are turned into
+  columnar programs, in step order, under one lock.
 
 Requests are keyed by small ints in order of first appearance; a request's prompt and vLLM's
 block hashes go out once (ADD_REQUEST), and later tokens and hashes as deltas (APPEND_TOKENS).
+A recorder whose sink is a :class:`NullSink` notes nothing (nothing would read it).
 """
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from kvcm.core.manager import KVCacheBlocks
 from kvcm.core.program import (
     AllocOptions,
     HitSpec,
@@ -54,23 +69,59 @@ _RESET_PREFIX_CACHE = int(OpKind.RESET_PREFIX_CACHE)
 _RECORD_PREFIX_STATS = int(OpKind.RECORD_PREFIX_STATS)
 _OK = int(ItemStatus.OK)
 _DOES_NOT_FIT = int(ItemStatus.DOES_NOT_FIT)
+_NEW_STEP_NOTE: tuple[Any, ...] = (_NEW_STEP_STARTS,)
 
 
-@dataclass(slots=True, kw_only=True)
 class RecordedStep:
     """One closed step: the program and what the mirror answered.
 
+    A step closed by a :class:`StepRecorder` is built when ``program`` or ``expected`` is
+    first read (in step order, together with every earlier step not built yet); one made
+    from a ready program is built already.
+
     Attributes:
-        program: The ops, in call order.
-        expected: The mirror's answers (the remote copy must answer the same).
+        step_seq: The program's ``step_seq`` (``None`` for a ready program without one).
+        closed_at: ``time.monotonic()`` when the step was closed (0.0: unknown).
     """
 
-    program: StepProgram
-    expected: StepOutcome
+    __slots__ = ("_expected", "_notes", "_program", "_recorder", "closed_at", "step_seq")
+
+    def __init__(
+        self,
+        *,
+        program: StepProgram | None = None,
+        expected: StepOutcome | None = None,
+        closed_at: float = 0.0,
+    ) -> None:
+        """A built step (``program`` and ``expected`` given), or an empty one to fill."""
+        self._program = program
+        self._expected = expected
+        self._notes: list[tuple[Any, ...]] = []
+        self._recorder: StepRecorder | None = None
+        self.step_seq = None if program is None else program.step_seq
+        self.closed_at = closed_at
+
+    @property
+    def program(self) -> StepProgram:
+        """The ops, in call order."""
+        if self._program is None:
+            assert self._recorder is not None
+            self._recorder.build_through(self)
+        assert self._program is not None
+        return self._program
+
+    @property
+    def expected(self) -> StepOutcome:
+        """The mirror's answers (the remote copy must answer the same)."""
+        if self._expected is None:
+            assert self._recorder is not None
+            self._recorder.build_through(self)
+        assert self._expected is not None
+        return self._expected
 
 
 class StepSink(Protocol):
-    """Where closed steps go (a local sink, or the gRPC shipper of the next stage)."""
+    """Where closed steps go (a local sink, or the gRPC shipper)."""
 
     def submit(self, step: RecordedStep) -> None:
         """Take one closed step; must not block the scheduler for long (ship asynchronously)."""
@@ -112,7 +163,7 @@ class CollectingSink:
 
 
 class _Tracked:
-    # What the program has told the pool about one request so far.
+    # What the programs built so far have told the pool about one request.
     __slots__ = ("key", "num_hashes_sent", "num_tokens_sent")
 
     def __init__(self, key: int, num_tokens_sent: int, num_hashes_sent: int) -> None:
@@ -122,23 +173,29 @@ class _Tracked:
 
 
 class StepRecorder:
-    """Builds one :class:`StepProgram` per step from the mirror's mutating calls.
+    """Notes the mirror's mutating calls and builds one :class:`StepProgram` per step.
+
+    The note methods (``allocate`` ... ``reset_prefix_cache``, ``close_step``) run on the
+    scheduler thread; building (``RecordedStep.program``, :meth:`tracked`, :meth:`key_of`)
+    may run on any thread.
 
     Attributes:
-        sink: Where closed steps go.
         num_steps: Steps closed so far (the next program's ``step_seq`` is this + 1).
     """
 
     __slots__ = (
-        "_expected",
         "_hash_block_size",
+        "_lock",
         "_next_key",
+        "_notes",
         "_num_groups",
-        "_program",
+        "_off",
         "_send_hashes",
+        "_sink",
         "_tracked",
+        "_unbuilt",
+        "clock",
         "num_steps",
-        "sink",
     )
 
     def __init__(
@@ -148,6 +205,7 @@ class StepRecorder:
         num_groups: int,
         hash_block_size: int,
         send_hashes: bool = True,
+        clock: Any = None,
     ) -> None:
         """Record into fresh programs handed to ``sink``.
 
@@ -156,30 +214,226 @@ class StepRecorder:
             num_groups: KV-cache groups of the pool (per-group answer counts).
             hash_block_size: Tokens per block hash (which hashes belong to the prompt).
             send_hashes: Ship block hashes (``False`` for a pool without prefix caching).
+            clock: Stamps ``RecordedStep.closed_at`` (``None``: ``time.monotonic``).
         """
         self._send_hashes = send_hashes
-        self.sink = sink
         self._num_groups = num_groups
         self._hash_block_size = hash_block_size
+        self.clock = clock if clock is not None else time.monotonic
         self.num_steps = 0
         self._next_key = 1
         self._tracked: dict[str, _Tracked] = {}
-        self._program = StepProgram(continue_on_does_not_fit=True)
-        self._expected = StepOutcome()
+        self._notes: list[tuple[Any, ...]] = []
+        self._unbuilt: collections.deque[RecordedStep] = collections.deque()
+        self._lock = threading.Lock()
+        self._sink: StepSink = sink
+        self._off = isinstance(sink, NullSink)
 
-    # ------------------------------------------------------------------ requests
-    def _sync_request(self, view: RequestView) -> int:
-        # ADD_REQUEST on first sight, then APPEND_TOKENS for whatever grew since.
-        tracked = self._tracked.get(view.request_id)
-        program = self._program
+    @property
+    def sink(self) -> StepSink:
+        """Where closed steps go (a :class:`NullSink` turns noting off)."""
+        return self._sink
+
+    @sink.setter
+    def sink(self, sink: StepSink) -> None:
+        self._sink = sink
+        self._off = isinstance(sink, NullSink)
+
+    # ------------------------------------------------------------------ notes (scheduler thread)
+    def allocate(
+        self,
+        view: RequestView,
+        num_new_tokens: int,
+        hit: HitSpec | None,
+        slot_options: SlotOptions | None,
+        result: KVCacheBlocks | Sequence[Sequence[int]] | None,
+    ) -> None:
+        """Note one allocate_slots call and the mirror's answer.
+
+        Args:
+            view: The request as the core saw it.
+            num_new_tokens: The call's num_new_tokens.
+            hit: The adopted prefix hit, if any.
+            slot_options: Non-default knobs, if any.
+            result: The new blocks (or their ids per group), or ``None`` when they did not fit.
+        """
+        if self._off:
+            return
         tokens = view.all_token_ids
-        # A pool without prefix caching takes no block hashes (the interpreter refuses them).
-        hashes = view.block_hashes if self._send_hashes else ()
+        hashes = view.block_hashes
+        self._notes.append(
+            (
+                _ALLOCATE,
+                view,
+                tokens,
+                len(tokens),
+                hashes,
+                len(hashes),
+                num_new_tokens,
+                view.num_computed_tokens,
+                view.num_in_flight_tokens,
+                hit,
+                slot_options,
+                result,
+            )
+        )
+
+    def cache_blocks(self, view: RequestView, num_computed_tokens: int) -> None:
+        """Note one cache_blocks call."""
+        if self._off:
+            return
+        tokens = view.all_token_ids
+        hashes = view.block_hashes
+        self._notes.append(
+            (_CACHE_BLOCKS, view, tokens, len(tokens), hashes, len(hashes), num_computed_tokens)
+        )
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Note one remove_skipped_blocks call (the request must be known)."""
+        if not self._off:
+            self._notes.append((_REMOVE_SKIPPED, request_id, total_computed_tokens))
+
+    def free(self, request_id: str, *, finished: bool) -> None:
+        """Note a free: FINISH forgets the request, PREEMPT keeps its tokens in the pool."""
+        if not self._off:
+            self._notes.append((_FINISH if finished else _PREEMPT, request_id))
+
+    def record_prefix_stats(self, view: RequestView, num_hits: int) -> None:
+        """Note RECORD_PREFIX_STATS (vLLM counted an admitted request's lookup)."""
+        if self._off:
+            return
+        tokens = view.all_token_ids
+        hashes = view.block_hashes
+        self._notes.append(
+            (_RECORD_PREFIX_STATS, view, tokens, len(tokens), hashes, len(hashes), num_hits)
+        )
+
+    def new_step_starts(self) -> None:
+        """Note NEW_STEP_STARTS."""
+        if not self._off:
+            self._notes.append(_NEW_STEP_NOTE)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Note EVICT_BLOCKS (ids sorted, so the program does not depend on set order)."""
+        if not self._off:
+            self._notes.append((_EVICT_BLOCKS, sorted(block_ids)))
+
+    def reset_prefix_cache(self, reset: bool) -> None:
+        """Note RESET_PREFIX_CACHE and whether the mirror reset."""
+        if not self._off:
+            self._notes.append((_RESET_PREFIX_CACHE, reset))
+
+    @property
+    def pending(self) -> bool:
+        """Whether calls were noted since the last close."""
+        return bool(self._notes)
+
+    def close_step(self) -> RecordedStep | None:
+        """Close the current step and submit it; ``None`` (nothing sent) when empty."""
+        notes = self._notes
+        if not notes:
+            return None
+        self.num_steps += 1
+        step = RecordedStep(closed_at=self.clock())
+        step.step_seq = self.num_steps
+        step._notes = notes
+        step._recorder = self
+        self._notes = []
+        self._unbuilt.append(step)
+        self._sink.submit(step)
+        return step
+
+    # ------------------------------------------------------------------ building (any thread)
+    def build_through(self, step: RecordedStep | None = None) -> None:
+        """Build every closed step up to ``step`` (``None``: all of them), in order."""
+        with self._lock:
+            unbuilt = self._unbuilt
+            while unbuilt:
+                if step is not None and step._program is not None:
+                    return
+                self._build(unbuilt.popleft())
+
+    def tracked(self) -> dict[str, tuple[int, int, int]]:
+        """Requests the pool holds after the last closed step: request id -> (key, tokens
+        sent, block hashes sent)."""
+        self.build_through()
+        with self._lock:
+            return {
+                request_id: (t.key, t.num_tokens_sent, t.num_hashes_sent)
+                for request_id, t in self._tracked.items()
+            }
+
+    def key_of(self, request_id: str) -> int | None:
+        """The key the programs use for a live request (after the last closed step)."""
+        self.build_through()
+        tracked = self._tracked.get(request_id)
+        return None if tracked is None else tracked.key
+
+    def _build(self, step: RecordedStep) -> None:
+        program = StepProgram(continue_on_does_not_fit=True)
+        expected = StepOutcome()
+        ops = program.ops
+        keys = program.request_keys
+        tracked_by_id = self._tracked
+        for note in step._notes:
+            op = note[0]
+            if op == _ALLOCATE:
+                key = self._sync_request(program, note)
+                self._add_allocate(program, expected, key, note)
+            elif op == _CACHE_BLOCKS:
+                key = self._sync_request(program, note)
+                ops.append(_CACHE_BLOCKS)
+                keys.append(key)
+                program.cache_num_computed_tokens.append(note[6])
+            elif op == _RECORD_PREFIX_STATS:
+                key = self._sync_request(program, note)
+                ops.append(_RECORD_PREFIX_STATS)
+                keys.append(key)
+                program.record_hit_tokens.append(note[6])
+            elif op == _NEW_STEP_STARTS:
+                ops.append(_NEW_STEP_STARTS)
+            elif op in (_FINISH, _PREEMPT):
+                # FINISH forgets the request; PREEMPT keeps its tokens in the pool.
+                found = (
+                    tracked_by_id.pop(note[1], None)
+                    if op == _FINISH
+                    else tracked_by_id.get(note[1])
+                )
+                if found is not None:  # else never shown to the pool: nothing to free there
+                    ops.append(op)
+                    keys.append(found.key)
+            elif op == _REMOVE_SKIPPED:
+                ops.append(_REMOVE_SKIPPED)
+                keys.append(tracked_by_id[note[1]].key)
+                program.remove_skipped_total_computed_tokens.append(note[2])
+            elif op == _EVICT_BLOCKS:
+                ids = note[1]
+                ops.append(_EVICT_BLOCKS)
+                program.evict_num_block_ids.append(len(ids))
+                program.evict_block_ids.extend(ids)
+            else:  # _RESET_PREFIX_CACHE
+                ops.append(_RESET_PREFIX_CACHE)
+                expected.reset.append(note[1])
+        program.step_seq = step.step_seq
+        expected.num_ops_executed = len(ops)
+        expected.step_seq = step.step_seq
+        step._expected = expected
+        step._program = program
+        step._notes = []
+
+    def _sync_request(self, program: StepProgram, note: tuple[Any, ...]) -> int:
+        # ADD_REQUEST on first sight, then APPEND_TOKENS for whatever grew since; the lengths
+        # are the ones the call saw (the lists may have grown since).
+        _, view, tokens, num_tokens, hashes, num_hashes = note[:6]
+        if not self._send_hashes:  # a pool without prefix caching takes no block hashes
+            hashes = ()
+            num_hashes = 0
+        tracked = self._tracked.get(view.request_id)
         if tracked is None:
             key = self._next_key
             self._next_key += 1
             num_prompt = view.num_prompt_tokens
-            num_prompt_hashes = min(len(hashes), num_prompt // self._hash_block_size)
+            num_prompt_hashes = min(num_hashes, num_prompt // self._hash_block_size)
             program.ops.append(_ADD_REQUEST)
             program.new_requests.append(
                 NewRequestSpec(
@@ -195,145 +449,45 @@ class StepRecorder:
             )
             tracked = _Tracked(key, num_prompt, num_prompt_hashes)
             self._tracked[view.request_id] = tracked
-        num_tokens = len(tokens)
-        num_hashes = len(hashes)
-        if num_tokens != tracked.num_tokens_sent or num_hashes != tracked.num_hashes_sent:
-            new_tokens = tokens[tracked.num_tokens_sent :]
-            new_hashes = hashes[tracked.num_hashes_sent :]
+        sent_tokens = tracked.num_tokens_sent
+        sent_hashes = tracked.num_hashes_sent
+        if num_tokens != sent_tokens or num_hashes != sent_hashes:
             program.ops.append(_APPEND_TOKENS)
             program.request_keys.append(tracked.key)
-            program.append_num_tokens.append(len(new_tokens))
-            program.append_token_ids.extend(new_tokens)
-            program.append_num_block_hashes.append(len(new_hashes))
-            program.append_block_hashes += b"".join(new_hashes)
+            program.append_num_tokens.append(num_tokens - sent_tokens)
+            program.append_token_ids.extend(tokens[sent_tokens:num_tokens])
+            program.append_num_block_hashes.append(num_hashes - sent_hashes)
+            program.append_block_hashes += b"".join(hashes[sent_hashes:num_hashes])
             tracked.num_tokens_sent = num_tokens
             tracked.num_hashes_sent = num_hashes
         return tracked.key
 
-    # ------------------------------------------------------------------ ops
-    def allocate(
-        self,
-        view: RequestView,
-        num_new_tokens: int,
-        hit: HitSpec | None,
-        slot_options: SlotOptions | None,
-        result: Sequence[Sequence[int]] | None,
+    def _add_allocate(
+        self, program: StepProgram, expected: StepOutcome, key: int, note: tuple[Any, ...]
     ) -> None:
-        """Record one allocate_slots call and the mirror's answer.
-
-        Args:
-            view: The request as the core saw it.
-            num_new_tokens: The call's num_new_tokens.
-            hit: The adopted prefix hit, if any.
-            slot_options: Non-default knobs, if any.
-            result: New block ids per group, or ``None`` when it did not fit.
-        """
-        key = self._sync_request(view)
-        program = self._program
+        num_new_tokens, num_computed, in_flight, hit, slot_options, result = note[6:]
         index = len(program.alloc_num_new_tokens)
         program.ops.append(_ALLOCATE)
         program.request_keys.append(key)
         program.alloc_num_new_tokens.append(num_new_tokens)
-        program.alloc_num_computed_tokens.append(view.num_computed_tokens)
-        if hit is not None or slot_options is not None or view.num_in_flight_tokens:
-            options = AllocOptions(hit=hit, num_in_flight_tokens=view.num_in_flight_tokens)
-            if slot_options is not None:
-                options = AllocOptions(
-                    hit=hit,
-                    slot_options=slot_options,
-                    num_in_flight_tokens=view.num_in_flight_tokens,
+        program.alloc_num_computed_tokens.append(num_computed)
+        if hit is not None or slot_options is not None or in_flight:
+            if slot_options is None:
+                program.alloc_options[index] = AllocOptions(hit=hit, num_in_flight_tokens=in_flight)
+            else:
+                program.alloc_options[index] = AllocOptions(
+                    hit=hit, slot_options=slot_options, num_in_flight_tokens=in_flight
                 )
-            program.alloc_options[index] = options
-        expected = self._expected
         if result is None:
             expected.alloc_statuses.append(_DOES_NOT_FIT)
             expected.alloc_num_block_ids.extend([0] * self._num_groups)
             return
         expected.alloc_statuses.append(_OK)
-        for group in result:
-            expected.alloc_num_block_ids.append(len(group))
-            expected.alloc_block_ids.extend(group)
-
-    def cache_blocks(self, view: RequestView, num_computed_tokens: int) -> None:
-        """Record one cache_blocks call."""
-        key = self._sync_request(view)
-        self._program.ops.append(_CACHE_BLOCKS)
-        self._program.request_keys.append(key)
-        self._program.cache_num_computed_tokens.append(num_computed_tokens)
-
-    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        """Record one remove_skipped_blocks call (the request must be known)."""
-        tracked = self._tracked[request_id]
-        self._program.ops.append(_REMOVE_SKIPPED)
-        self._program.request_keys.append(tracked.key)
-        self._program.remove_skipped_total_computed_tokens.append(total_computed_tokens)
-
-    def free(self, request_id: str, *, finished: bool) -> None:
-        """Record a free: FINISH forgets the request, PREEMPT keeps its tokens in the pool."""
-        if finished:
-            tracked = self._tracked.pop(request_id, None)
-            op = _FINISH
-        else:
-            tracked = self._tracked.get(request_id)
-            op = _PREEMPT
-        if tracked is None:
-            return  # never shown to the pool: nothing to free there
-        self._program.ops.append(op)
-        self._program.request_keys.append(tracked.key)
-
-    def record_prefix_stats(self, view: RequestView, num_hits: int) -> None:
-        """Record RECORD_PREFIX_STATS (vLLM counted an admitted request's lookup)."""
-        key = self._sync_request(view)
-        self._program.ops.append(_RECORD_PREFIX_STATS)
-        self._program.request_keys.append(key)
-        self._program.record_hit_tokens.append(num_hits)
-
-    def new_step_starts(self) -> None:
-        """Record NEW_STEP_STARTS."""
-        self._program.ops.append(_NEW_STEP_STARTS)
-
-    def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Record EVICT_BLOCKS (ids sorted, so the program does not depend on set order)."""
-        ids = sorted(block_ids)
-        self._program.ops.append(_EVICT_BLOCKS)
-        self._program.evict_num_block_ids.append(len(ids))
-        self._program.evict_block_ids.extend(ids)
-
-    def reset_prefix_cache(self, reset: bool) -> None:
-        """Record RESET_PREFIX_CACHE and whether the mirror reset."""
-        self._program.ops.append(_RESET_PREFIX_CACHE)
-        self._expected.reset.append(reset)
-
-    # ------------------------------------------------------------------ steps
-    @property
-    def pending(self) -> bool:
-        """Whether ops were recorded since the last close."""
-        return bool(self._program.ops)
-
-    def close_step(self) -> RecordedStep | None:
-        """Close the current program and submit it; ``None`` (nothing sent) when empty."""
-        program = self._program
-        if not program.ops:
-            return None
-        self.num_steps += 1
-        program.step_seq = self.num_steps
-        expected = self._expected
-        expected.num_ops_executed = len(program.ops)
-        expected.step_seq = self.num_steps
-        step = RecordedStep(program=program, expected=expected)
-        self._program = StepProgram(continue_on_does_not_fit=True)
-        self._expected = StepOutcome()
-        self.sink.submit(step)
-        return step
-
-    def tracked(self) -> dict[str, tuple[int, int, int]]:
-        """Requests the pool holds: request id -> (key, tokens sent, block hashes sent)."""
-        return {
-            request_id: (t.key, t.num_tokens_sent, t.num_hashes_sent)
-            for request_id, t in self._tracked.items()
-        }
-
-    def key_of(self, request_id: str) -> int | None:
-        """The key the programs use for a live request, or ``None``."""
-        tracked = self._tracked.get(request_id)
-        return None if tracked is None else tracked.key
+        if isinstance(result, KVCacheBlocks):
+            for blocks in result.blocks:
+                expected.alloc_num_block_ids.append(len(blocks))
+                expected.alloc_block_ids.extend([block.block_id for block in blocks])
+            return
+        for ids in result:
+            expected.alloc_num_block_ids.append(len(ids))
+            expected.alloc_block_ids.extend(ids)
