@@ -175,10 +175,10 @@ def _draw_program(data: st.DataObject, pool: Pool, step_seq: int) -> StepBuilder
             program.allocate(key, max(count, 1), min(max(num_tokens - 1, 0), 60))
         elif op == "append":
             tokens = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=6), label="t")
-            hashes = b""
+            hashes: list[bytes] = []
             if request is not None and len(request.block_hashes) == num_tokens // 4:
                 every = HASHER.hash_token_ids(request.all_token_ids + tokens)
-                hashes = b"".join(every[len(request.block_hashes) :])
+                hashes = list(every[len(request.block_hashes) :])
             program.append_tokens(key, tokens, hashes)
         elif op == "cache":
             program.cache_blocks(key, max(count, 0))

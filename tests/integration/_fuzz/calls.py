@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
+from _fuzz.snapshots import draw_forgery
 from kvcm.common.hashing import BlockHasher
 from kvcm.core.pool import Pool
+from kvcm.core.snapshot import encode_pool
 from kvcm.v1 import admin_pb2, common_pb2, events_pb2, scheduler_pb2, worker_pb2
 
 __all__ = [
@@ -495,13 +497,35 @@ def _other_call(data: st.DataObject, target: Target) -> Call:
     return Call("admin", method, getattr(admin_pb2, f"{method}Request")(pool_id=pool_id))
 
 
+def _resync(data: st.DataObject, target: Target) -> Call:
+    """ResyncPool of the fuzzed pool (or a new one) with a forged snapshot of the reference
+    (valid frame and CRC, hostile content: see ``_fuzz.snapshots``), sometimes an unforged one
+    or one under a config it does not match."""
+    snapshot = encode_pool(target.reference)
+    if data.draw(st.integers(0, 5), label="forge?"):
+        snapshot, _ = draw_forgery(data, snapshot)
+    config = fuzz_pool_config()
+    if not data.draw(st.integers(0, 7), label="config?"):
+        config.max_model_len = data.draw(st.sampled_from([MAX_MODEL_LEN - 4, U32_MAX]))
+    pool_id = data.draw(st.sampled_from([target.pool_id] * 3 + [f"{target.pool_id}-new"]))
+    message = scheduler_pb2.ResyncPoolRequest(
+        pool_id=pool_id,
+        config=config,
+        step_seq=data.draw(st.sampled_from([0, 1, 7, U64_MAX]), label="step_seq"),
+        data=snapshot,
+    )
+    return Call("scheduler", "ResyncPool", message)
+
+
 def draw_call(data: st.DataObject, target: Target) -> Call:
     """One hostile or valid call (scheduler calls most often)."""
-    kind = data.draw(st.sampled_from(["scheduler"] * 12 + ["other", "other", "garbage"]))
+    kind = data.draw(st.sampled_from(["scheduler"] * 12 + ["other", "other", "garbage", "resync"]))
     if kind == "scheduler":
         return _scheduler_call(data, target)
     if kind == "other":
         return _other_call(data, target)
+    if kind == "resync":
+        return _resync(data, target)
     return draw_garbage(data, target)
 
 
@@ -545,6 +569,7 @@ _METHODS = (
             "NewStepStarts",
             "GetUsage",
             "TakePrefixCacheStats",
+            "ResyncPool",
         ]
     ]
 )

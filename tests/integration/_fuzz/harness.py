@@ -15,9 +15,12 @@ from google.protobuf.message import DecodeError, Message
 from _fuzz.calls import Call, Target, fuzz_pool_config
 from _fuzz.reference import REFERENCE_METHODS, Reference, RefusedError
 from _fuzz.state import registry_state, untimed_fingerprint
+from kvcm.common.errors import KVCMError
 from kvcm.core.pool import Pool
+from kvcm.core.snapshot import decode_pool
 from kvcm.server.embedded import EmbeddedServer
 from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2, service_pb2_grpc, worker_pb2
+from kvcm.wire import pool_config_from_proto
 
 __all__ = ["Finding", "FuzzStats", "Harness"]
 
@@ -152,6 +155,13 @@ class Harness:
                 finally:
                     stream.cancel()
                 return grpc.StatusCode.OK, None, ""
+            if call.method == "ResyncPool" and not raw:  # a client stream of one chunk
+                response = self.channel.stream_unary(
+                    call.path,
+                    request_serializer=serializer,
+                    response_deserializer=response_type.FromString,
+                )(iter([call.request]), timeout=call.timeout_s)
+                return grpc.StatusCode.OK, response, ""
             response = self.channel.unary_unary(
                 call.path,
                 request_serializer=serializer,
@@ -215,6 +225,9 @@ class Harness:
                 return findings
             call = Call(call.service, call.method, decoded, call.timeout_s)
         request_pool = getattr(call.request, "pool_id", None)
+        if call.method == "ResyncPool" and request_pool == target.pool_id:
+            findings.extend(self._follow_resync(call, target, text))
+            return findings
         if call.method not in REFERENCE_METHODS or request_pool != target.pool_id:
             return findings
         findings.extend(self._compare(call, target, response, text))
@@ -239,6 +252,28 @@ class Harness:
         if code != grpc.StatusCode.OK:
             self.stats.rejections += 1
         return code != grpc.StatusCode.OK and code not in _UNDECIDED
+
+    def _follow_resync(self, call: Call, target: Target, text: str) -> list[Finding]:
+        """An accepted ResyncPool of the fuzzed pool: the core decodes the same bytes into the
+        same pool (else ``refused``), which the reference follows from now on."""
+        request = call.request
+        assert isinstance(request, scheduler_pb2.ResyncPoolRequest)
+        try:
+            pool = decode_pool(request.data, target.pool_id, pool_config_from_proto(request.config))
+        except KVCMError as exc:
+            self.stats.reference_mismatches += 1
+            return [Finding("refused", text, "OK", f"the core refuses it: {exc}")]
+        pool.last_step_seq, pool.last_step_outcome = request.step_seq, None
+        target.reference = pool
+        served = self._served_pool(target.pool_id)
+
+        async def read() -> bytes:
+            return untimed_fingerprint(served)
+
+        if self.server.call(read()) != untimed_fingerprint(pool):
+            self.stats.reference_mismatches += 1
+            return [Finding("diverged", text, "OK", "served and decoded pools differ")]
+        return []
 
     def _compare(
         self, call: Call, target: Target, response: Message | None, text: str
