@@ -283,3 +283,26 @@ def test_an_unchanged_round_trip_of_the_sections_is_accepted() -> None:
     restored = decode_pool(_forged(lambda sections: None, pool), "p", FULL)
     assert restored.state_fingerprint() == pool.state_fingerprint()
     assert list(pool_violations(restored)) == []
+
+
+def test_a_pool_planned_by_its_workers_is_rebuilt_from_its_registrations() -> None:
+    """A checkpoint of a pool its workers planned (no explicit layout) restores it: the
+    snapshot carries each rank's registration and decoding plans the pool again."""
+    options = PoolConfig(max_model_len=256, world_size=2, enable_kv_cache_events=True)
+    pool = Pool("w", options)
+    specs = {"full": _SPEC, "window": _WINDOW}
+    for rank in (0, 1):
+        pool.register_worker(rank, 2, specs, 1 << 22)
+    pool.run_step(_build(pool, [("add", 1, 40, True), ("alloc", 1, 40, 0)]))
+    pool.publish_events(1.0)
+    restored = decode_pool(encode_pool(pool), "w", options)
+    assert restored.state_fingerprint() == pool.state_fingerprint()
+    assert restored.rank_config(1) == pool.rank_config(1)
+
+    def other_spec(sections: list[Any]) -> None:
+        sections[3]["registrations"][1][2][0][1] = dataclasses.replace(_SPEC, block_size=32)
+
+    with pytest.raises(InvalidArgumentError, match=r"extras.registrations\[1\]"):
+        decode_pool(_forged(other_spec, pool), "w", options)
+    with pytest.raises(InvalidArgumentError, match="do not plan the pool"):
+        decode_pool(_forged(_set((3, "registrations"), []), pool), "w", options)

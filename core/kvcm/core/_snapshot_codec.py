@@ -18,8 +18,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from typing import Any, Final
 
+from kvcm.common.dtypes import DType
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcm.common.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
 from kvcm.core.program import StepOutcome
 from kvcm.core.request import RequestStatus
 from kvcm.core.stats import PrefixCacheStats
@@ -39,9 +50,14 @@ __all__ = [
 # The value classes a snapshot may name (decoding builds nothing else).
 _DATACLASSES: Final[Mapping[str, type]] = {
     cls.__name__: cls
-    for cls in (BlockStored, BlockRemoved, AllBlocksCleared, PrefixCacheStats, StepOutcome)
-}
-_ENUMS: Final[Mapping[str, type[enum.Enum]]] = {RequestStatus.__name__: RequestStatus}
+    for cls in (
+        BlockStored, BlockRemoved, AllBlocksCleared, PrefixCacheStats, StepOutcome,
+        # A rank's registered layer specs (a pool planned by its workers).
+        FullAttentionSpec, MLAAttentionSpec, SinkFullAttentionSpec, SlidingWindowSpec,
+        ChunkedLocalAttentionSpec, CrossAttentionSpec, EncoderOnlyAttentionSpec, MambaSpec,
+    )
+}  # fmt: skip
+_ENUMS: Final[Mapping[str, type[enum.Enum]]] = {cls.__name__: cls for cls in (RequestStatus, DType)}
 # Decoding bounds: no value of a real snapshot nests deeper or needs a longer integer.
 _MAX_DEPTH: Final = 32
 _BIG_INT: Final = re.compile(rb"-?[0-9]{1,40}")
@@ -224,8 +240,8 @@ class Reader:
             raise self.fail(f"is a malformed {name}")
         try:
             return dataclass_type(**values)
-        except TypeError:  # a field without a default is missing
-            raise self.fail(f"is a {name} without all its fields") from None
+        except (TypeError, ValueError) as exc:  # a field missing, or out of its domain
+            raise self.fail(f"is not a valid {name}: {exc}") from None
 
     def _map(self) -> dict[Any, Any]:
         result: dict[Any, Any] = {}

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError
+from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, KVCMError
 from kvcm.common.hashing import BlockHash, BlockHashWithGroupId
 from kvcm.core._snapshot_codec import (
     Reader,
@@ -102,8 +102,19 @@ def encode_pool(pool: Pool) -> bytes:
             "events": [[event, now] for event, now in pool.event_log_contents()],
             "event_batches": _batch_state(pool),
             "stats_totals": list(pool.stats_totals()),
+            "registrations": _registrations(pool),
         },
     )
+
+
+def _registrations(pool: Pool) -> list[object]:
+    # Each rank as register_worker takes it; a pool planned by its workers is rebuilt from
+    # them (the plan is deterministic), so a checkpoint restores it.
+    world_size = pool.options.world_size or max(pool.registrations, default=-1) + 1
+    return [
+        [rank, world_size, [[n, s] for n, s in reg.specs.items()], reg.available_memory_bytes]
+        for rank, reg in sorted(pool.registrations.items())
+    ]
 
 
 def _batch_state(pool: Pool) -> list[object]:
@@ -312,8 +323,9 @@ def decode_pool(
 
     sections = decode_sections(data)
     pool = Pool(name, options, limits=limits, blocks_in_use=blocks_in_use)
-    manager = pool.ready_manager()
     block_state, manager_state, request_state, extras = sections
+    _register_workers(pool, extras, limits)
+    manager = pool.ready_manager()
     try:
         _restore_block_pool(manager, block_state)
         _restore_manager(manager, manager_state)
@@ -540,6 +552,31 @@ def _restore_requests(pool: Pool, state: object) -> None:
         pool.request_ids[key] = request_id
 
 
+def _register_workers(pool: Pool, extras: object, limits: Limits) -> None:
+    """Register the snapshot's ranks as they registered (planning a pool planned by them)."""
+    if type(extras) is not dict:
+        raise bad("extras", f"must be a map, got {type(extras).__name__}")
+    for index, entry in enumerate(as_list(extras.get("registrations", []), "registrations")):
+        where = f"extras.registrations[{index}]"
+        rank, world_size, layers, memory = as_list(entry, where, 4)
+        specs = {}
+        for position, layer in enumerate(as_list(layers, f"{where}[2]")):
+            name, spec = as_list(layer, f"{where}[2][{position}]", 2)
+            specs[as_type(name, f"{where}[2][{position}][0]", str)] = spec
+        try:
+            pool.register_worker(
+                as_int(rank, f"{where}[0]", 0, 1 << 32),
+                as_int(world_size, f"{where}[1]", 0, 1 << 32),
+                specs,
+                as_int(memory, f"{where}[3]", 0, REQUEST_KEY_LIMIT),
+                limits=limits,
+            )
+        except KVCMError as exc:
+            raise bad(where, f"does not register: {exc}") from None
+    if pool.manager is None:
+        raise bad("extras.registrations", "do not plan the pool (its config has no layout)")
+
+
 _EXTRAS_FIELDS: Final = (
     "last_step_seq", "last_step_outcome", "allocations_not_fit_total", "failed_plans",
     "max_model_len", "event_next_sequence", "events", "stats_totals",
@@ -547,7 +584,7 @@ _EXTRAS_FIELDS: Final = (
 
 
 def _restore_extras(pool: Pool, extras: object) -> None:
-    e = fields_of(extras, "extras", _EXTRAS_FIELDS, optional=("event_batches",))
+    e = fields_of(extras, "extras", _EXTRAS_FIELDS, optional=("event_batches", "registrations"))
     if e["max_model_len"] != pool.max_model_len:
         # The pool's config wins: a snapshot never changes how long a request may be.
         raise bad("extras.max_model_len", f"is {short(e['max_model_len'])}, the pool's "
