@@ -74,10 +74,12 @@ class PoolLike(Protocol):
     Attributes:
         name: The pool's id (what the tokens' globs match).
         lent: True while a worker thread runs a long call on the pool (skip it meanwhile).
+        last_step_seq: The last applied Step's step_seq (0: none).
     """
 
     name: str
     lent: bool
+    last_step_seq: int
 
     def snapshot(self) -> PoolSnapshotLike:
         """Copy the pool's state out."""
@@ -126,8 +128,9 @@ def checked_snapshot(snapshot: PoolSnapshotLike) -> PoolSnapshotLike:
 
 class PoolReader:
     """Reads pools for the HTTP side, one pool at a time: a pool whose state cannot be read is
-    left out of the answer (logged, and counted in ``kvcm_pool_read_errors_total``) instead of
-    failing ``/metrics`` or ``/v1/pools`` for every pool.
+    left out of the answer (counted in ``kvcm_pool_read_errors_total``, logged with its
+    traceback the 1st, 2nd, 4th, 8th... time) instead of failing ``/metrics`` or ``/v1/pools``
+    for every pool.
 
     Attributes:
         failures: Failed reads by pool id, since the server started.
@@ -150,6 +153,11 @@ class PoolReader:
                 out.append(convert(checked_snapshot(pool.snapshot())))
             except Exception:  # any fault of one pool stays that pool's
                 name = str(pool.name)
-                self.failures[name] = self.failures.get(name, 0) + 1
-                _LOG.exception("pool %r could not be read; it is left out of the answer", name)
+                count = self.failures[name] = self.failures.get(name, 0) + 1
+                if count & (count - 1) == 0:  # the 1st, 2nd, 4th, ... time: scrapes repeat
+                    _LOG.exception(
+                        "pool %r could not be read (%d times); it is left out of the answer",
+                        name,
+                        count,
+                    )
         return out
