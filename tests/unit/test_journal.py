@@ -186,3 +186,39 @@ def test_calls_on_a_pool_wait_for_the_earlier_ones(tmp_path: Path) -> None:
         ("Void", [6]),
         ("Step", 8),
     ]
+
+
+@pytest.mark.parametrize("fault", ["write ENOSPC", "fsync EIO"])
+def test_the_record_of_a_change_already_made_is_never_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """A lease reclaim (or a planning round) changed a pool before its record was written:
+    while the disk refuses the record it is kept, written before any later record, and its
+    commit returns once it is durable; calls written meanwhile fail and change nothing."""
+    switch = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_ENV, str(switch))
+
+    async def scenario() -> None:
+        journal = Journal(tmp_path, 0)
+        switch.write_text(fault)
+        change = journal.append("Step", "p", b"reclaim", 1.0)
+        committed = asyncio.ensure_future(journal.commit(change))
+        await asyncio.sleep(0.05)
+
+        async def call() -> None:
+            ticket = journal.write_ahead("Step", "q", b"refused", 2.0)
+            await journal.commit(ticket.seq)
+
+        with pytest.raises(JournalUnavailableError):
+            await call()
+        assert not committed.done()
+        switch.unlink()
+        await asyncio.wait_for(committed, 5)
+        later = journal.write_ahead("Step", "q", b"later", 3.0)
+        await journal.commit(later.seq)
+        journal.finish(later)
+        journal.close()
+
+    _run(scenario())
+    records = scan_journal((tmp_path / JOURNAL_FILE).read_bytes()).records
+    assert [r.request for r in records] == [b"reclaim", b"later"]

@@ -109,6 +109,8 @@ RECORD_METHODS: Final = frozenset(
 _MIN_BODY: Final = _HEAD.size + 2 * _U16.size
 _METHOD_AT: Final = _FRAME.size + _HEAD.size  # where a frame's method length is
 _REGISTRY_KEY: Final = "\x00registry"
+RETRY_S: Final = 0.5
+"""How often a record the disk refused is tried again while something waits for it."""
 
 
 class JournalDamagedError(ConfigError):
@@ -540,6 +542,12 @@ class Journal:
         self._size = os.fstat(self._fd).st_size  # bytes of whole records written
         self._durable_size = self._size
         self._dirty = False  # bytes past _size may be in the file (a failed write)
+        self._written_seq = last_seq  # the last record in the file
+        # Records of changes already made (append) that are not durable yet, by their last
+        # sequence number; those not in the file yet are in _pending, written before any
+        # later record.
+        self._changes: dict[int, bytes] = {}
+        self._pending: dict[int, bytes] = {}
         self._generation = 0  # files this journal replaced (reset, truncate_through)
         self._syncing: asyncio.Task[None] | None = None
         self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
@@ -566,10 +574,14 @@ class Journal:
             raise JournalUnavailableError(reason) from None
         self._dirty = False
 
-    def _write(self, data: bytes) -> None:
-        """Write whole records at the end of the file, or raise leaving it as it was."""
+    def _write(self, data: bytes, last: int) -> None:
+        """Write the pending changes, then ``data`` (whole records up to seq ``last``) at the
+        end of the file, or raise leaving it as it was."""
         if self._dirty:
             self._cut()
+        if self._pending:
+            data = b"".join(self._pending.values()) + data
+            last = max(last, *self._pending)
         view = memoryview(data)
         written = 0
         try:
@@ -587,6 +599,8 @@ class Journal:
                     self._cut()  # else _dirty: cut again before the next write
             raise JournalUnavailableError(_os_reason("write to", self.path, exc)) from None
         self._size += len(data)
+        self._written_seq = max(self._written_seq, last)
+        self._pending.clear()
 
     def _records(self, entries: list[tuple[str, str, bytes, float]]) -> tuple[bytes, int]:
         """Encode ``entries`` (method, pool, request, time) after ``last_seq``."""
@@ -619,7 +633,7 @@ class Journal:
             JournalUnavailableError: It could not be written; the call must not run.
         """
         data, seq = self._records([(method, pool_id, request, when)])
-        self._write(data)
+        self._write(data, seq)
         self._wrote(seq, 1, durable=True)
         loop = asyncio.get_running_loop()
         ticket = Ticket(seq, pool_id, loop.create_future())
@@ -656,7 +670,7 @@ class Journal:
         lost, a replay refuses the call again)."""
         data, seq = self._records([(VOID, ticket.pool_id, _SEQ.pack(ticket.seq), 0.0)])
         try:
-            self._write(data)
+            self._write(data, seq)
         except JournalUnavailableError:
             return
         self._wrote(seq, 1, durable=False)
@@ -669,8 +683,9 @@ class Journal:
         though they would run after it: they are voided in the same write (and answer
         UNAVAILABLE), so the journal's order stays the order things happened in.
 
-        Raises:
-            JournalUnavailableError: It could not be written.
+        The change is made, so its record is never dropped: when the disk refuses it (or the
+        fsync that covered it fails), it is kept and written before any later record, tried
+        again every ``RETRY_S``; :meth:`commit` returns once it is durable.
         """
         stale = [
             ticket
@@ -683,7 +698,18 @@ class Journal:
             entries.append((VOID, pool_id, voided, when))
         entries.append((method, pool_id, request, when))
         data, seq = self._records(entries)
-        self._write(data)
+        try:
+            self._write(data, seq)
+        except JournalUnavailableError as exc:
+            self._pending[seq] = data
+            _LOG.error(
+                "journal: %s; the record of %s on pool %r (already made) is kept and written "
+                "before any later record",
+                exc,
+                method,
+                pool_id,
+            )
+        self._changes[seq] = data
         for ticket in stale:
             ticket.void_reason = (
                 f"pool {pool_id!r} changed while this call waited for its journal record "
@@ -696,7 +722,8 @@ class Journal:
         """Return once record ``seq`` is on disk (sharing fsyncs with concurrent callers).
 
         Raises:
-            JournalUnavailableError: The fsync failed: the record was cut from the file.
+            JournalUnavailableError: The fsync failed: the record was cut from the file (a
+                change's record is kept instead, see :meth:`append`); or the journal closed.
         """
         future = self._futures.pop(seq, None)
         if future is None:
@@ -706,27 +733,41 @@ class Journal:
     async def _sync_loop(self) -> None:
         try:
             while self._waiting:
-                target, size, generation = self.last_seq, self._size, self._generation
+                if self._pending:
+                    with contextlib.suppress(JournalUnavailableError):
+                        self._write(b"", 0)
+                target, size, generation = self._written_seq, self._size, self._generation
+                if self._waiting[0][0] > target:  # only pending records are waited for
+                    await asyncio.sleep(RETRY_S)
+                    continue
                 try:
                     await asyncio.to_thread(self._fsync, self._fd)
                 except OSError as exc:
                     if generation == self._generation:
                         self._lose(exc)
+                        if self._waiting:  # changes' records: try again in a while
+                            await asyncio.sleep(RETRY_S)
                     continue  # else a new file replaced this one, durable already
                 self.num_fsyncs += 1
                 if generation != self._generation:
                     continue  # the new file's records were made durable when it was made
-                self.durable_seq = max(self.durable_seq, target)
-                self._durable_size = max(self._durable_size, size)
-                while self._waiting and self._waiting[0][0] <= target:
-                    _, future = self._waiting.popleft()
-                    if not future.done():
-                        future.set_result(None)
+                self._synced(target, size)
         finally:
             self._syncing = None
             for descriptor in self._retired:
                 os.close(descriptor)
             self._retired.clear()
+
+    def _synced(self, target: int, size: int) -> None:
+        """Records up to ``target`` (``size`` bytes) are durable."""
+        self.durable_seq = max(self.durable_seq, target)
+        self._durable_size = max(self._durable_size, size)
+        while self._waiting and self._waiting[0][0] <= target:
+            _, future = self._waiting.popleft()
+            if not future.done():
+                future.set_result(None)
+        for seq in [seq for seq in self._changes if seq <= target]:
+            del self._changes[seq]
 
     @staticmethod
     def _fsync(descriptor: int) -> None:
@@ -741,16 +782,23 @@ class Journal:
         reason = _os_reason("make durable", self.path, exc)
         _LOG.error("journal: %s; the calls waiting on it answer UNAVAILABLE", reason)
         self._size = self._durable_size
+        self._written_seq = self.durable_seq
         with contextlib.suppress(JournalUnavailableError):
             self._cut()  # else _dirty: cut again before the next write
-        self._fail_waiting(reason)
+        self._pending = dict(self._changes)  # changes made are written again, in order
+        self._fail_waiting(reason, keep=self._changes)
 
-    def _fail_waiting(self, reason: str) -> None:
+    def _fail_waiting(self, reason: str, keep: dict[int, bytes] | None = None) -> None:
+        """Fail the futures waiting for records (but those in ``keep``)."""
+        kept: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
         while self._waiting:
-            _, future = self._waiting.popleft()
-            if not future.done():
+            seq, future = self._waiting.popleft()
+            if keep is not None and seq in keep:
+                kept.append((seq, future))
+            elif not future.done():
                 future.set_exception(JournalUnavailableError(reason))
                 future.exception()  # retrieved here: a caller may have gone
+        self._waiting = kept
 
     # -- checkpoints --
 
@@ -819,6 +867,9 @@ class Journal:
         self._size = self._durable_size = 0
         self._dirty = False
         self.durable_seq = self.last_seq = max(self.last_seq, checkpoint.seq)
+        self._written_seq = self.last_seq
+        self._pending.clear()  # the checkpoint holds the changes made
+        self._changes.clear()
         self.records_since_checkpoint = 0
         while self._waiting:  # every record written is in the checkpoint or voided
             _, future = self._waiting.popleft()
@@ -855,13 +906,13 @@ class Journal:
         temporary.replace(self.path)
         _fsync_directory(self.directory)
         self._swap(self._open())
+        for covered in [covered for covered in self._pending if covered <= seq]:
+            del self._pending[covered]  # the checkpoint holds these changes
         self._size = self._durable_size = len(kept)
-        self.durable_seq = self.last_seq
         self.records_since_checkpoint = sum(1 for record in records if record.seq > seq)
-        while self._waiting:
-            _, future = self._waiting.popleft()
-            if not future.done():
-                future.set_result(None)
+        self._synced(self._written_seq, len(kept))
+        self._synced(seq, len(kept))
+        self._durable_size = len(kept)
 
     def close(self) -> None:
         """fsync and close; calls still waiting answer UNAVAILABLE (an fsync that fails is

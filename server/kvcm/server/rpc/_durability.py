@@ -70,10 +70,8 @@ __all__ = [
 _LOG = logging.getLogger("kvcm.server.journal")
 _PREFIX = "/kvcm.v1."
 # How long a live checkpoint waits for the calls written ahead to finish before it is
-# postponed (calls wait at the gate meanwhile), and how often a PlanPool record the disk
-# refused is tried again.
+# postponed (calls wait at the gate meanwhile).
 _DRAIN_S: Final = 1.0
-_RETRY_S: Final = 0.5
 
 MUTATING_METHODS: Final = frozenset(
     {
@@ -341,9 +339,9 @@ async def journal_planned(state: ServerState, pool: Pool) -> None:
 
     The plan is already made (it runs in the pool's lane), so the pool stays lent until its
     record is durable: no call sees it READY before. While the disk refuses the record (full,
-    failing) it is tried again every ``_RETRY_S``; the rank's call waits, calls on other pools
-    go on. Calls on the pool written while it was pending are voided by the record (they
-    would run after the plan though written before it).
+    failing) the journal keeps it and tries again (:meth:`Journal.append`); the rank's call
+    waits, calls on other pools go on. Calls on the pool written while it was pending are
+    voided by the record (they would run after the plan though written before it).
 
     Raises:
         AbortRpc: UNAVAILABLE when the server stops before the record is durable.
@@ -359,18 +357,9 @@ async def journal_planned(state: ServerState, pool: Pool) -> None:
     state.lanes[pool.name] = done
     pool.lent = True
     try:
-        failed = False
-        while True:
-            try:
-                await journal.commit(journal.append(PLAN_POOL, pool.name, payload, when))
-                break
-            except JournalUnavailableError as exc:
-                if not failed:
-                    _LOG.error("pool %r is planned but %s; retrying", pool.name, exc)
-                    failed = True
-                if not state.serving:
-                    raise AbortRpc(grpc.StatusCode.UNAVAILABLE, _unavailable(exc)) from None
-                await asyncio.sleep(_RETRY_S)
+        await journal.commit(journal.append(PLAN_POOL, pool.name, payload, when))
+    except JournalUnavailableError as exc:
+        raise AbortRpc(grpc.StatusCode.UNAVAILABLE, _unavailable(exc)) from None
     finally:
         pool.lent = False
         state.lanes.pop(pool.name, None)
