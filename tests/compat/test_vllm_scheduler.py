@@ -1,24 +1,32 @@
-"""vLLM 0.33's real Scheduler and AsyncScheduler on kvcm's mirror, step for step against vLLM.
+"""vLLM 0.33's real engine on kvcm's mirror, turn for turn against vLLM's own scheduler.
 
-Each case builds vLLM's scheduler twice from the same config, once as vLLM ships it and once
-through ``scheduler_cls`` (KvcmScheduler / KvcmAsyncScheduler), drives both with the same
-seeded workload through a simulated engine (tests/compat/_vllm_engine.py), and compares every
-step's SchedulerOutput, engine outputs (stats included) and published KV events. The kvcm side
-also runs every Step program it recorded through kvcm's one interpreter (``Pool.run_step``) on
-a fresh pool with the same explicit layout, and checks after every step that it answered what
-the mirror answered and that the pool's blocks, free queue, prefix cache and block tables equal
-the mirror's.
+Every case builds vLLM's ``EngineCore`` twice from the same config (tests/compat/_engine_core.py:
+a simulated executor reports the ranks' layer specs, memory and layouts; EngineCore plans the
+KV cache and resolves the block sizes, hash block size and cache-hit alignment itself), once
+with vLLM's scheduler and once with ``scheduler_cls`` naming ``KvcmScheduler`` /
+``KvcmAsyncScheduler``, drives both with the same seeded workload through EngineCore's own
+``step()`` / ``step_with_batch_queue()``, and compares every turn's ``SchedulerOutput``,
+``EngineCoreOutputs`` (``SchedulerStats`` included) and KV events. The kvcm side also runs every
+Step program it recorded through kvcm's one interpreter (``Pool.run_step``) on a fresh pool
+with the same explicit layout, and checks after every step that it answered what the mirror
+answered and that the pool's blocks, free queue, prefix cache and block tables equal the
+mirror's. ``KVCM_LONG=1`` runs four times the requests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from types import ModuleType
 from typing import Any
 
 import pytest
+from _engine_core import (
+    Setup,
+    assert_same_runs,
+    build_engine,
+    plan_workload,
+    workload_scale,
+)
 from _program_replay import ProgramReplayer, pool_state
-from _vllm_engine import Setup, build_scheduler, plan_workload, run
 
 from kvcm.common.errors import ConfigError
 from kvcm.core.manager import KVCacheManager
@@ -106,13 +114,9 @@ class ReplayCheckingSink:
 @pytest.fixture(scope="module")
 def kvcm_classes(vllm: ModuleType) -> tuple[type, type]:
     """Test subclasses of kvcm's schedulers whose programs go to a ReplayCheckingSink."""
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import init_none_hash
-
     from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
 
     del vllm
-    init_none_hash(sha256)
 
     def make_step_sink(self: Any, settings: Any) -> ReplayCheckingSink:
         del self, settings
@@ -125,80 +129,146 @@ def kvcm_classes(vllm: ModuleType) -> tuple[type, type]:
     return sync_cls, async_cls
 
 
-# Prefix-cache resets (step -> reset_running_requests) made in every case: one that fails
+# Prefix-cache resets (turn -> reset_running_requests) made in every case: one that fails
 # while requests hold blocks, one that preempts everything and succeeds.
 RESETS = {40: False, 120: True}
 
+_SMALL = {"max_model_len": 512}
 CASES = {
     # name: (setup, seed, number of requests)
     "prefix-hits-chunked": (Setup(), 1, 120),
-    "preemption": (Setup(num_blocks=40), 2, 120),
-    "async-preemption": (Setup(num_blocks=40, async_scheduling=True), 3, 120),
-    "lora-salts": (Setup(lora=True, num_blocks=60), 4, 100),
-    "hybrid-swa": (Setup(sliding_window=64, num_blocks=80), 5, 100),
+    "preemption": (Setup(num_blocks=40, **_SMALL), 2, 120),
+    "async-preemption": (Setup(num_blocks=40, async_scheduling=True, **_SMALL), 3, 120),
+    "async-lora-salts": (Setup(lora=True, num_blocks=60, async_scheduling=True, **_SMALL), 4, 100),
+    "hybrid-swa": (
+        Setup(sliding_window=64, num_blocks=80, retention_interval=None, **_SMALL),
+        5,
+        100,
+    ),
     "hybrid-swa-async-watermark": (
-        Setup(sliding_window=32, num_blocks=100, async_scheduling=True, watermark=0.05),
+        Setup(
+            sliding_window=32,
+            num_blocks=100,
+            async_scheduling=True,
+            watermark=0.05,
+            retention_interval=32,  # dense for a 32-token window: every block is reachable
+            **_SMALL,
+        ),
         6,
         100,
     ),
-    "caching-off": (Setup(enable_caching=False, num_blocks=50), 7, 100),
-    "no-stats": (Setup(log_stats=False, num_blocks=48, max_num_batched_tokens=128), 8, 100),
+    "caching-off": (Setup(enable_caching=False, num_blocks=50, **_SMALL), 7, 100),
+    "no-stats": (
+        Setup(log_stats=False, num_blocks=48, max_num_batched_tokens=128, **_SMALL),
+        8,
+        100,
+    ),
+    # Several ranks report specs; the pool is planned from the memory they report.
+    "tp2-planned": (
+        Setup(tensor_parallel_size=2, num_blocks=None, memory_blocks=90, **_SMALL),
+        9,
+        100,
+    ),
+    "pp2-hybrid-planned": (
+        Setup(
+            pipeline_parallel_size=2,
+            sliding_window=64,
+            retention_interval=None,
+            num_blocks=None,
+            memory_blocks=90,
+            **_SMALL,
+        ),
+        10,
+        100,
+    ),
+    "tp2-pp2-async": (
+        Setup(
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+            async_scheduling=True,
+            num_blocks=None,
+            memory_blocks=60,
+            **_SMALL,
+        ),
+        11,
+        100,
+    ),
+    # `vllm serve MODEL --scheduler-cls ...`: async scheduling, 2048-token batches, 256
+    # sequences, the model's 8192-token context, the pool planned from memory.
+    "serve-defaults": (Setup(serve_defaults=True, num_blocks=None, memory_blocks=600), 12, 100),
 }
 
 
+def _kvcm_class(engine_async: bool, classes: tuple[type, type]) -> type:
+    return classes[1] if engine_async else classes[0]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_schedules_equal_vllm(case: str, kvcm_classes: tuple[type, type]) -> None:
-    """Every step's output, engine output and events equal vLLM's; programs replay exactly."""
+def test_engine_turns_equal_vllm(case: str, kvcm_classes: tuple[type, type]) -> None:
+    """Every turn's batches, engine outputs and events equal vLLM's; programs replay exactly."""
     setup, seed, num_requests = CASES[case]
-    plans = plan_workload(seed, num_requests, setup)
-    reference = build_scheduler(setup)
-    mirrored = build_scheduler(setup, kvcm_classes[1 if setup.async_scheduling else 0])
-    sink = mirrored.kv_cache_manager.recorder.sink
-    sink.mirror = mirrored.kv_cache_manager
-    num_steps = num_events = 0
-    preempted = hits = 0
-    for expected, actual in zip(
-        run(reference, plans, resets=RESETS), run(mirrored, plans, resets=RESETS), strict=True
-    ):
-        step, output, engine, events = expected
-        assert actual[0] == step
-        assert actual[1] == output, f"step {step}: SchedulerOutput differs"
-        assert actual[2] == engine, f"step {step}: engine outputs differ"
-        assert actual[3] == events, f"step {step}: KV events differ"
-        num_steps += 1
-        num_events += len(events)
-        preempted += len(output["preempted_req_ids"] or ())
-        hits += sum(r["num_computed_tokens"] > 0 for r in output["scheduled_new_reqs"])
-    mirrored.shutdown()
-    reference.shutdown()
+    plans = plan_workload(seed, num_requests * workload_scale(), setup)
+    reference = build_engine(setup)
+    engine_async = reference.core.vllm_config.scheduler_config.async_scheduling
+    mirrored = build_engine(setup, _kvcm_class(engine_async, kvcm_classes))
+    try:
+        # EngineCore resolved the same pool for both, and read kvcm's manager as vLLM's.
+        assert mirrored.scheduler.kv_cache_config == reference.scheduler.kv_cache_config
+        ref_cache = reference.core.vllm_config.cache_config
+        kvcm_cache = mirrored.core.vllm_config.cache_config
+        assert (kvcm_cache.num_gpu_blocks, kvcm_cache.block_size) == (
+            ref_cache.num_gpu_blocks,
+            ref_cache.block_size,
+        )
+        assert kvcm_cache.effective_attention_block_size == ref_cache.effective_attention_block_size
+        sink = mirrored.scheduler.kv_cache_manager.recorder.sink
+        sink.mirror = mirrored.scheduler.kv_cache_manager
+        tally = assert_same_runs(reference, mirrored, plans, resets=RESETS)
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
     assert sink.closed
+    print(
+        f"{case}: {tally.turns} turns, {tally.batches} batches, {tally.events} events; "
+        f"{sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step"
+    )
     # Pool.run_step (the server's interpreter) ran every recorded program and agreed with the
     # mirror after every step.
-    print(f"{case}: {sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step")
     assert sink.interpreter_error is None, sink.interpreter_error
     assert sink.num_interpreted == sink.num_steps
-    # The workload exercised what the case is about, and the replay saw every step.
-    assert num_steps > 50
-    assert sink.num_steps >= num_steps
+    # The workload exercised what the case is about, and the replay saw every batch.
+    assert tally.batches > 50
+    # Every request finished, but those the client aborted (no output for an abort).
+    num_aborted = sum(p.abort_step >= 0 for p in plans)
+    assert len(plans) - num_aborted <= tally.finished <= len(plans)
+    assert sink.num_steps >= tally.batches
     if setup.enable_caching:
-        assert hits > 0
-        assert num_events > 0
-    if case.endswith("preemption"):
-        assert preempted > 0
+        assert tally.hits > 0
+        assert tally.events > 0
+    if setup.log_stats and setup.enable_caching:
+        assert tally.prefix_stats["hits"] > 0
+    if "preemption" in case:
+        assert tally.preempted > 0
 
 
 def test_kvcm_manager_replaces_vllms(kvcm_classes: tuple[type, type]) -> None:
-    """The scheduler holds kvcm's mirror of the real size; vLLM's placeholder was tiny."""
+    """The scheduler EngineCore built holds kvcm's mirror of the planned size."""
     from kvcm.integrations.vllm import MirrorKVCacheManager
 
-    setup = Setup(num_blocks=321)
-    scheduler = build_scheduler(setup, kvcm_classes[0])
-    manager = scheduler.kv_cache_manager
-    assert isinstance(manager, MirrorKVCacheManager)
-    assert scheduler.kv_cache_config.num_blocks == 321
-    assert manager.core.kv_cache_config.num_blocks == 321
-    assert manager.block_pool.get_num_free_blocks() == 320
-    assert [m.block_size for m in manager.coordinator.single_type_managers] == [16]
+    engine = build_engine(Setup(num_blocks=321), kvcm_classes[0])
+    try:
+        scheduler = engine.scheduler
+        manager = scheduler.kv_cache_manager
+        assert isinstance(manager, MirrorKVCacheManager)
+        assert scheduler.kv_cache_config.num_blocks == 321
+        # EngineCore's resolution reached kvcm as vLLM resolved it.
+        assert scheduler.kv_cache_config.hash_block_size == 16
+        assert scheduler.kv_cache_config.cache_hit_alignment_tokens == 16
+        assert manager.core.kv_cache_config.num_blocks == 321
+        assert manager.block_pool.get_num_free_blocks() == 320
+        assert [m.block_size for m in manager.coordinator.single_type_managers] == [16]
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -208,35 +278,91 @@ def test_kvcm_manager_replaces_vllms(kvcm_classes: tuple[type, type]) -> None:
         ({"additional_config": {"kvcm": {"mode": "later"}}}, "mode must be one of"),
         ({"additional_config": {"kvcm": {"pool": "x"}}}, "unknown keys"),
         ({"async_scheduling": True}, "KvcmAsyncScheduler, or pass --no-async-scheduling"),
+        (
+            # A hybrid model under vLLM's default retention (sparse sliding-window caching).
+            {"setup": Setup(sliding_window=32, num_blocks=100, max_model_len=512)},
+            r"prefix_cache_retention_interval=0: .* pass --prefix-cache-retention-interval None",
+        ),
     ],
 )
-def test_refused_at_construction(
+def test_refused_when_engine_core_builds_it(
     change: dict[str, Any], message: str, kvcm_classes: tuple[type, type]
 ) -> None:
-    """Settings kvcm cannot honour are refused when vLLM constructs the scheduler."""
+    """What kvcm cannot honour is refused when vLLM's EngineCore constructs the scheduler."""
     from kvcm.integrations.vllm import KvcmScheduler
 
     del kvcm_classes
+    setup = change.get("setup", Setup(async_scheduling=change.get("async_scheduling", False)))
     with pytest.raises(ConfigError, match=message):
-        build_scheduler(
-            Setup(async_scheduling=change.get("async_scheduling", False)),
-            KvcmScheduler,
-            change.get("additional_config"),
+        build_engine(setup, KvcmScheduler, change.get("additional_config"))
+
+
+def _vllm_config_with(**fields: Any) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    attn = {"block_size": 16, "num_kv_heads": 2, "head_size": 8, "dtype": torch.float16}
+    groups = [
+        KVCacheGroupSpec(["full"], FullAttentionSpec(**attn)),
+        KVCacheGroupSpec(["swa"], SlidingWindowSpec(**attn, sliding_window=fields.pop("window"))),
+    ]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups, **fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        # Partial hash hits (vLLM's Mamba align mode) land hits on hash blocks.
+        ({"window": 64, "cache_hit_alignment_tokens": 8}, "--prefix-match-unit 16"),
+        ({"window": 64, "hash_block_size": 8}, "differs from the scheduler's hash_block_size=16"),
+        # Retention every 128 tokens caches only 4 of every 8 blocks of a 64-token window.
+        ({"window": 64, "prefix_cache_retention_interval": 128}, "up to 64"),
+    ],
+)
+def test_engine_resolution_kvcm_would_compute_differently_is_refused(
+    fields: dict[str, Any], message: str, vllm: ModuleType
+) -> None:
+    """The resolved fields are accepted only where kvcm computes the same."""
+    from kvcm.integrations.vllm._convert import check_engine_resolution
+
+    del vllm
+    config = _vllm_config_with(**fields)
+    with pytest.raises(ConfigError, match=message):
+        check_engine_resolution(
+            config, scheduler_block_size=16, hash_block_size=16, enable_caching=True
+        )
+    # The same values pass where they are what kvcm computes, or where caching is off.
+    accepted = _vllm_config_with(
+        window=64,
+        hash_block_size=16,
+        cache_hit_alignment_tokens=16,
+        prefix_cache_retention_interval=64,
+    )
+    check_engine_resolution(
+        accepted, scheduler_block_size=16, hash_block_size=16, enable_caching=True
+    )
+    if "prefix_cache_retention_interval" in fields:
+        check_engine_resolution(
+            config, scheduler_block_size=16, hash_block_size=16, enable_caching=False
         )
 
 
-def test_unsupported_spec_refused(kvcm_classes: tuple[type, type]) -> None:
+def test_unsupported_spec_refused(vllm: ModuleType) -> None:
     """A KV-cache spec kvcm does not model (Mamba) is refused before vLLM builds anything."""
     import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     from kvcm.integrations.vllm._convert import convert_kv_cache_config
 
-    del kvcm_classes
+    del vllm
     spec = MambaSpec(block_size=16, shapes=((2, 4),), dtypes=(torch.float16,))
     config = KVCacheConfig(
         num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["m"], spec)]
     )
     with pytest.raises(ConfigError, match="MambaSpec"):
         convert_kv_cache_config(config)
-    assert dataclasses.is_dataclass(config)

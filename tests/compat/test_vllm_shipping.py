@@ -1,12 +1,14 @@
-"""vLLM 0.33's real schedulers on kvcm with a server: the mirror ships one Step per step.
+"""vLLM 0.33's real engine on kvcm with a server: the mirror ships one Step per step.
 
-Each case runs vLLM's scheduler as it ships and ``KvcmScheduler`` / ``KvcmAsyncScheduler``
-configured with the address of a real kvcm server on 127.0.0.1 (``additional_config``), on the
-same seeded workload, and checks every step's output against vLLM's. The server runs the
-shipped programs through its interpreter; the shipper checks every answer against the
-mirror's. At the end the server's pool (blocks, free queue, prefix cache, block tables) must
-equal the mirror's. Faults: the pool deleted mid-run and the server restarted mid-run; the
-engine keeps scheduling exactly as vLLM, and the server's copy converges.
+Each case builds vLLM's ``EngineCore`` (tests/compat/_engine_core.py) with vLLM's scheduler and
+with ``KvcmScheduler`` / ``KvcmAsyncScheduler`` configured with the address of a real kvcm
+server on 127.0.0.1 (``additional_config``), runs the same seeded workload through EngineCore's
+own loop, and checks every turn's batches, engine outputs and KV events against vLLM's. The
+server runs the shipped programs through its interpreter; the shipper checks every answer
+against the mirror's. At the end the server's pool (blocks, free queue, prefix cache, block
+tables) must equal the mirror's. Faults: the pool deleted mid-run and the server restarted
+mid-run; the engine keeps scheduling exactly as vLLM, and the server's copy converges.
+``KVCM_LONG=1`` runs four times the requests.
 """
 
 from __future__ import annotations
@@ -15,20 +17,52 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from _engine_core import (
+    Engine,
+    Setup,
+    assert_same_runs,
+    build_engine,
+    plan_workload,
+    run,
+    workload_scale,
+)
 from _program_replay import pool_state
-from _vllm_engine import Setup, build_scheduler, plan_workload, run
 
 from kvcm.client import LookupQuery, SchedulerClient
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.settings import ServerSettings
 
+_SMALL = {"max_model_len": 512}
 CASES = {
     # name: (setup, seed, number of requests)
-    "prefix-hits-chunked": (Setup(), 11, 80),
-    "async-preemption": (Setup(num_blocks=40, async_scheduling=True), 12, 80),
-    "hybrid-swa": (Setup(sliding_window=64, num_blocks=80), 13, 60),
-    "caching-off": (Setup(enable_caching=False, num_blocks=50), 14, 60),
-    "lora-salts-no-stats": (Setup(lora=True, num_blocks=60, log_stats=False), 15, 60),
+    "prefix-hits-chunked": (Setup(), 11, 60),
+    "async-preemption": (Setup(num_blocks=40, async_scheduling=True, **_SMALL), 12, 60),
+    "hybrid-swa": (
+        Setup(sliding_window=64, num_blocks=80, retention_interval=None, **_SMALL),
+        13,
+        60,
+    ),
+    "caching-off": (Setup(enable_caching=False, num_blocks=50, **_SMALL), 14, 60),
+    "async-lora-salts-no-stats": (
+        Setup(lora=True, num_blocks=60, log_stats=False, async_scheduling=True, **_SMALL),
+        15,
+        60,
+    ),
+    # Two pipeline stages: the scheduler's config is the first stage's, whose
+    # sliding-window group has no layer of its own.
+    "pp2-hybrid-planned": (
+        Setup(
+            pipeline_parallel_size=2,
+            sliding_window=64,
+            retention_interval=None,
+            num_blocks=None,
+            memory_blocks=90,
+            **_SMALL,
+        ),
+        16,
+        60,
+    ),
+    "serve-defaults": (Setup(serve_defaults=True, num_blocks=None, memory_blocks=600), 17, 60),
 }
 
 
@@ -42,15 +76,11 @@ def server() -> Iterator[EmbeddedServer]:
         embedded.stop()
 
 
-def _classes() -> tuple[type, type]:
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import init_none_hash
-
+def _kvcm_class(reference: Engine) -> type:
     from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
 
-    init_none_hash(sha256)  # EngineCore does, once the scheduler is built
-
-    return KvcmScheduler, KvcmAsyncScheduler
+    engine_async = reference.core.vllm_config.scheduler_config.async_scheduling
+    return KvcmAsyncScheduler if engine_async else KvcmScheduler
 
 
 def server_pool_state(server: EmbeddedServer, pool_id: str) -> dict[str, Any]:
@@ -70,20 +100,6 @@ def server_pool_state(server: EmbeddedServer, pool_id: str) -> dict[str, Any]:
     return server.call(read())
 
 
-def vllm_prefix_stats(engine_output: Any, totals: dict[str, int]) -> None:
-    """Add the prefix-cache stats an engine output reports (vLLM's manager's) to ``totals``."""
-    if isinstance(engine_output, dict):
-        for key, value in engine_output.items():
-            if key == "prefix_cache_stats" and isinstance(value, dict):
-                for name in ("requests", "queries", "hits"):
-                    totals[name] += int(value.get(name) or 0)
-            else:
-                vllm_prefix_stats(value, totals)
-    elif isinstance(engine_output, (list, tuple)):
-        for item in engine_output:
-            vllm_prefix_stats(item, totals)
-
-
 def server_prefix_stats(server: EmbeddedServer, pool_id: str) -> dict[str, int]:
     """The server pool's cumulative prefix-cache counters."""
 
@@ -96,104 +112,121 @@ def server_prefix_stats(server: EmbeddedServer, pool_id: str) -> dict[str, int]:
     return server.call(read())
 
 
-def mirror_state(scheduler: Any) -> dict[str, Any]:
+def mirror_state(engine: Engine) -> dict[str, Any]:
     """The mirror's state in the same form."""
-    core = scheduler.kv_cache_manager.core
-    ids = sorted(scheduler.requests)
-    return pool_state(core, ids)
+    scheduler = engine.scheduler
+    return pool_state(scheduler.kv_cache_manager.core, sorted(scheduler.requests))
 
 
-@pytest.mark.parametrize("mode", ["mirror", "remote"])
-@pytest.mark.parametrize("case", sorted(CASES))
+def _shipper(engine: Engine) -> Any:
+    return engine.scheduler.kv_cache_manager.recorder.sink
+
+
+# Remote mode (a round trip per allocate_slots) runs the cases whose layouts differ from
+# the others' only where the mirror already ships them.
+PARAMS = [
+    (case, mode)
+    for case in sorted(CASES)
+    for mode in ("mirror", "remote")
+    if mode == "mirror" or case not in {"pp2-hybrid-planned", "serve-defaults"}
+]
+
+
+@pytest.mark.parametrize(("case", "mode"), PARAMS)
 def test_shipped_steps_equal_vllm_and_the_server_copy_converges(
     case: str, mode: str, server: EmbeddedServer, vllm: Any
 ) -> None:
-    """Every step equals vLLM's; every shipped step is verified; the copies end equal."""
+    """Every turn equals vLLM's; every shipped step is verified; the copies end equal."""
     del vllm
     setup, seed, num_requests = CASES[case]
-    plans = plan_workload(seed, num_requests, setup)
-    reference = build_scheduler(setup)
-    sync_cls, async_cls = _classes()
+    plans = plan_workload(seed, num_requests * workload_scale(), setup)
+    pool_id = f"engine-{case}"
     config = {
         "kvcm": {
             "address": server.grpc_address,
-            "pool_id": f"engine-{case}",
+            "pool_id": pool_id,
             "mode": mode,
             "labels": {"tenant": f"t-{case}-{mode}"},
         }
     }
-    mirrored = build_scheduler(setup, async_cls if setup.async_scheduling else sync_cls, config)
-    shipper = mirrored.kv_cache_manager.recorder.sink
-    num_steps = 0
-    vllm_stats = {"requests": 0, "queries": 0, "hits": 0}
-    for expected, actual in zip(run(reference, plans), run(mirrored, plans), strict=True):
-        vllm_prefix_stats(expected[2], vllm_stats)
-        assert actual[1] == expected[1], f"step {expected[0]}: SchedulerOutput differs"
-        assert actual[2] == expected[2], f"step {expected[0]}: engine outputs differ"
-        assert actual[3] == expected[3], f"step {expected[0]}: KV events differ"
-        num_steps += 1
-    assert mirrored.kv_cache_manager.flush(30.0), shipper.stats
-    stats = shipper.stats
-    print(f"{case} {mode}: {num_steps} steps, {stats}")
-    assert stats.mismatches == 0
-    assert stats.resyncs == 0
-    assert stats.steps_verified == stats.steps_submitted == stats.steps_shipped
-    assert stats.steps_submitted >= num_steps > 50
-    # One Step RPC per closed program, plus attaching (DescribePool, CreatePool). Mirror
-    # mode closes at most one per schedule() (update_from_output()'s changes join the next
-    # one); remote mode also one per allocate_slots (each answer waits for the server).
-    assert stats.rpcs == stats.steps_submitted + 2
-    if mode == "mirror":
-        assert stats.steps_submitted <= num_steps + 1
-    assert server_pool_state(server, f"engine-{case}") == mirror_state(mirrored)
-    # The pool carries the engine's labels; a router scoped by them finds it.
-    with SchedulerClient(server.grpc_address) as client:
-        labels = client.describe_pool(f"engine-{case}").config.labels
-        assert labels["tenant"] == f"t-{case}-{mode}"
-        assert labels["data_parallel_rank"] == "0"
-        assert labels["model"]
-        scoped = client.lookup(LookupQuery(token_ids=[1, 2, 3], labels=dict(labels)))
-        assert [hit.pool_id for hit in scoped.pools] == [f"engine-{case}"]
-    # The server's kvcm_prefix_cache_* counters agree with vLLM's prefix-cache stats.
-    if setup.log_stats and setup.enable_caching:
-        assert vllm_stats["queries"] > 0
-        assert server_prefix_stats(server, f"engine-{case}") == vllm_stats
-    mirrored.shutdown()
-    reference.shutdown()
+    reference = build_engine(setup)
+    mirrored = build_engine(setup, _kvcm_class(reference), config)
+    try:
+        tally = assert_same_runs(reference, mirrored, plans)
+        manager = mirrored.scheduler.kv_cache_manager
+        shipper = _shipper(mirrored)
+        assert manager.flush(30.0), shipper.stats
+        stats = shipper.stats
+        print(f"{case} {mode}: {tally.turns} turns, {tally.batches} batches, {stats}")
+        assert stats.mismatches == 0
+        assert stats.resyncs == 0
+        assert stats.steps_verified == stats.steps_submitted == stats.steps_shipped
+        assert stats.steps_submitted >= tally.batches > 50
+        # At most one Step RPC per closed program, plus attaching (DescribePool, CreatePool).
+        # Mirror mode closes at most one per schedule() (update_from_output()'s changes join
+        # the next one) and coalesces what queued while a call was out; remote mode sends
+        # one per allocate_slots (each answer waits).
+        assert stats.rpcs == stats.step_rpcs + 2
+        assert stats.step_rpcs <= stats.steps_submitted
+        if mode == "remote":
+            assert stats.step_rpcs == stats.steps_submitted
+        if mode == "mirror":
+            assert stats.steps_submitted <= tally.batches + 1
+        assert server_pool_state(server, pool_id) == mirror_state(mirrored)
+        # The pool carries the engine's labels; a router scoped by them finds it.
+        with SchedulerClient(server.grpc_address) as client:
+            labels = client.describe_pool(pool_id).config.labels
+            assert labels["tenant"] == f"t-{case}-{mode}"
+            assert labels["data_parallel_rank"] == "0"
+            assert labels["model"]
+            scoped = client.lookup(LookupQuery(token_ids=[1, 2, 3], labels=dict(labels)))
+            assert [hit.pool_id for hit in scoped.pools] == [pool_id]
+        # The server's kvcm_prefix_cache_* counters agree with vLLM's prefix-cache stats.
+        if setup.log_stats and setup.enable_caching:
+            assert tally.prefix_stats["queries"] > 0
+            assert server_prefix_stats(server, pool_id) == tally.prefix_stats
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
 
 
 def test_the_server_copy_equals_the_mirror_after_every_step(
     server: EmbeddedServer, vllm: Any
 ) -> None:
-    """Flushed after each step, the server's pool equals the mirror's, step for step."""
+    """Flushed after each turn, the server's pool equals the mirror's, turn for turn."""
+    from kvcm.integrations.vllm import KvcmScheduler
+
     del vllm
-    setup = Setup(num_blocks=100, sliding_window=32)
+    setup = Setup(num_blocks=100, sliding_window=32, retention_interval=None, max_model_len=512)
     plans = plan_workload(21, 40, setup)
-    sync_cls, _ = _classes()
     config = {"kvcm": {"address": server.grpc_address, "pool_id": "engine-every-step"}}
-    mirrored = build_scheduler(setup, sync_cls, config)
-    shipper = mirrored.kv_cache_manager.recorder.sink
-    compared = 0
-    for step, *_ in run(mirrored, plans, max_steps=2000):
-        assert mirrored.kv_cache_manager.flush(10.0), shipper.stats  # update_from_output's too
-        assert server_pool_state(server, "engine-every-step") == mirror_state(mirrored), step
-        compared += 1
-    print(f"{compared} steps compared, {shipper.stats}")
-    assert compared > 50
-    assert shipper.stats.mismatches == 0
-    mirrored.shutdown()
+    mirrored = build_engine(setup, KvcmScheduler, config)
+    try:
+        shipper = _shipper(mirrored)
+        compared = 0
+        for record in run(mirrored, plans, record=False, max_steps=2000):
+            # update_from_output()'s changes ship with the next step: flush them too.
+            assert mirrored.scheduler.kv_cache_manager.flush(10.0), shipper.stats
+            state = server_pool_state(server, "engine-every-step")
+            assert state == mirror_state(mirrored), record.step
+            compared += 1
+        print(f"{compared} turns compared, {shipper.stats}")
+        assert compared > 50
+        assert shipper.stats.mismatches == 0
+    finally:
+        mirrored.shutdown()
 
 
 def _fault_run(
-    server_address: str, faults: dict[int, Callable[[Any], None]], *, max_backlog: int = 4096
-) -> tuple[Any, int]:
-    """Run vLLM's scheduler and kvcm's side by side; after step ``n`` call ``faults[n]``
-    with kvcm's scheduler. Every step must stay identical to vLLM's. Returns kvcm's scheduler
-    (not shut down) and the number of steps."""
-    setup = Setup(num_blocks=60)
+    server_address: str, faults: dict[int, Callable[[Engine], None]], *, max_backlog: int = 4096
+) -> tuple[Engine, int]:
+    """Run vLLM's engine and kvcm's side by side; after turn ``n`` call ``faults[n]`` with
+    kvcm's engine. Every turn must stay identical to vLLM's. Returns kvcm's engine (not shut
+    down) and the number of turns."""
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    setup = Setup(num_blocks=60, max_model_len=512)
     plans = plan_workload(31, 50, setup)
-    reference = build_scheduler(setup)
-    sync_cls, _ = _classes()
     config = {
         "kvcm": {
             "address": server_address,
@@ -202,45 +235,47 @@ def _fault_run(
             "step_timeout_s": 2,
         }
     }
-    mirrored = build_scheduler(setup, sync_cls, config)
-    num_steps = 0
-    for expected, actual in zip(run(reference, plans), run(mirrored, plans), strict=True):
-        assert actual[1:] == expected[1:], f"step {expected[0]} differs from vLLM"
-        num_steps += 1
-        fault = faults.get(num_steps)
+    reference = build_engine(setup)
+    mirrored = build_engine(setup, KvcmScheduler, config)
+
+    def after_turn(turns: int, engine: Engine) -> None:
+        fault = faults.get(turns)
         if fault is not None:
-            fault(mirrored)
-    reference.shutdown()
-    assert num_steps > max(faults)
-    return mirrored, num_steps
+            fault(engine)
 
-
-def _shipper(scheduler: Any) -> Any:
-    return scheduler.kv_cache_manager.recorder.sink
+    try:
+        tally = assert_same_runs(reference, mirrored, plans, after_turn=after_turn)
+    except BaseException:
+        mirrored.shutdown()
+        raise
+    finally:
+        reference.shutdown()
+    assert tally.turns > max(faults)
+    return mirrored, tally.turns
 
 
 def test_a_pool_deleted_mid_run_is_recreated_from_the_mirror(
     server: EmbeddedServer, vllm: Any
 ) -> None:
     """An operator deletes the pool twice: the engine never notices, the server converges."""
-    from kvcm.client import SchedulerClient
-
     del vllm
     with SchedulerClient(server.grpc_address) as client:
 
-        def delete(scheduler: Any) -> None:
-            assert scheduler.kv_cache_manager.flush(10.0)  # the pool exists by now
+        def delete(engine: Engine) -> None:
+            assert engine.scheduler.kv_cache_manager.flush(10.0)  # the pool exists by now
             client.delete_pool("engine-faults")
 
-        mirrored, num_steps = _fault_run(server.grpc_address, {40: delete, 120: delete})
-    shipper = _shipper(mirrored)
-    assert mirrored.kv_cache_manager.flush(30.0), shipper.stats
-    stats = shipper.stats
-    print(f"{num_steps} steps, {stats}")
-    assert stats.resyncs == 2
-    assert stats.mismatches == 0
-    assert server_pool_state(server, "engine-faults") == mirror_state(mirrored)
-    mirrored.shutdown()
+        mirrored, num_turns = _fault_run(server.grpc_address, {40: delete, 120: delete})
+    try:
+        shipper = _shipper(mirrored)
+        assert mirrored.scheduler.kv_cache_manager.flush(30.0), shipper.stats
+        stats = shipper.stats
+        print(f"{num_turns} turns, {stats}")
+        assert stats.resyncs == 2
+        assert stats.mismatches == 0
+        assert server_pool_state(server, "engine-faults") == mirror_state(mirrored)
+    finally:
+        mirrored.shutdown()
 
 
 def test_a_server_restarted_mid_run_is_resynchronised_and_a_backlog_overflow_too(
@@ -252,31 +287,33 @@ def test_a_server_restarted_mid_run_is_resynchronised_and_a_backlog_overflow_too
     servers = [start_embedded_server(ServerSettings(grpc_address="127.0.0.1:0", http_address=""))]
     address = servers[0].grpc_address
 
-    def restart(scheduler: Any) -> None:
-        assert scheduler.kv_cache_manager.flush(10.0)
+    def restart(engine: Engine) -> None:
+        assert engine.scheduler.kv_cache_manager.flush(10.0)
         servers[0].stop()
         servers[0] = start_embedded_server(ServerSettings(grpc_address=address, http_address=""))
 
-    def stop(scheduler: Any) -> None:
-        assert scheduler.kv_cache_manager.flush(10.0)
+    def stop(engine: Engine) -> None:
+        assert engine.scheduler.kv_cache_manager.flush(10.0)
         servers[0].stop()
 
-    def start(scheduler: Any) -> None:
-        del scheduler
+    def start(engine: Engine) -> None:
+        del engine
         servers[0] = start_embedded_server(ServerSettings(grpc_address=address, http_address=""))
 
     try:
-        mirrored, num_steps = _fault_run(
+        mirrored, num_turns = _fault_run(
             address, {30: restart, 80: stop, 100: start}, max_backlog=8
         )
-        shipper = _shipper(mirrored)
-        assert mirrored.kv_cache_manager.flush(30.0), shipper.stats
-        stats = shipper.stats
-        print(f"{num_steps} steps, {stats}")
-        assert stats.backlog_overflows >= 1
-        assert stats.resyncs >= 2
-        assert stats.mismatches == 0
-        assert server_pool_state(servers[0], "engine-faults") == mirror_state(mirrored)
-        mirrored.shutdown()
+        try:
+            shipper = _shipper(mirrored)
+            assert mirrored.scheduler.kv_cache_manager.flush(30.0), shipper.stats
+            stats = shipper.stats
+            print(f"{num_turns} turns, {stats}")
+            assert stats.backlog_overflows >= 1
+            assert stats.resyncs >= 2
+            assert stats.mismatches == 0
+            assert server_pool_state(servers[0], "engine-faults") == mirror_state(mirrored)
+        finally:
+            mirrored.shutdown()
     finally:
         servers[0].stop()

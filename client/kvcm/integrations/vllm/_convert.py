@@ -20,6 +20,7 @@ from kvcm.core.request import Request, RequestStatus
 
 __all__ = [
     "RequestView",
+    "check_engine_resolution",
     "convert_kv_cache_config",
     "to_vllm_events",
 ]
@@ -104,22 +105,114 @@ def convert_spec(spec: Any, where: str = "kv_cache_spec") -> kvcm_specs.KVCacheS
 def convert_kv_cache_config(config: Any) -> KVCacheConfig:
     """kvcm's KV-cache config for vLLM's (groups in order; tensors are the workers' business).
 
+    The fields EngineCore resolves (``hash_block_size``, ``cache_hit_alignment_tokens``,
+    ``prefix_cache_retention_interval``) are checked against the scheduler's block sizes by
+    :func:`check_engine_resolution`; the worker-side ones (``kv_cache_tensors``,
+    ``kv_cache_layout``, ``kv_tp_replicas``) do not concern the manager.
+
     Raises:
-        ConfigError: A group's spec is not supported (see :func:`convert_spec`), or the config
-            uses a feature kvcm does not model (HiSparse host blocks, cache-hit alignment).
+        ConfigError: A group's spec is not supported (see :func:`convert_spec`), a group has a
+            role kvcm does not model (EAGLE draft, HiSparse, host resident), or the config
+            uses HiSparse host blocks.
     """
     if getattr(config, "hisparse_host_num_blocks", None) is not None:
         raise ConfigError("kv_cache_config: HiSparse host blocks are not supported")
-    if getattr(config, "cache_hit_alignment_tokens", None) is not None:
-        raise ConfigError("kv_cache_config: cache_hit_alignment_tokens is not supported")
-    groups = [
-        KVCacheGroupSpec(
-            layer_names=tuple(group.layer_names),
-            kv_cache_spec=convert_spec(group.kv_cache_spec, f"kv_cache_groups[{index}]"),
+    groups = []
+    for index, group in enumerate(config.kv_cache_groups):
+        where = f"kv_cache_groups[{index}]"
+        role = getattr(getattr(group, "role", None), "value", "default")
+        if role != "default":
+            raise ConfigError(f"{where}: HiSparse groups (role {role!r}) are not supported")
+        if getattr(group, "is_eagle_group", False):
+            raise ConfigError(f"{where}: EAGLE draft groups are not supported")
+        if getattr(group, "host_resident", False):
+            raise ConfigError(f"{where}: host-resident groups are not supported")
+        # Under pipeline parallelism the scheduler's config is the first stage's: a group
+        # whose layers all live on later stages has no names there. The manager never reads
+        # them; a pool's layout needs one, so name the group by its place.
+        names = tuple(group.layer_names) or (f"{where} (layers on later pipeline stages)",)
+        groups.append(
+            KVCacheGroupSpec(
+                layer_names=names,
+                kv_cache_spec=convert_spec(group.kv_cache_spec, where),
+            )
         )
-        for index, group in enumerate(config.kv_cache_groups)
-    ]
     return KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=(), kv_cache_groups=groups)
+
+
+def check_engine_resolution(
+    config: Any, *, scheduler_block_size: int, hash_block_size: int, enable_caching: bool
+) -> None:
+    """Accept what vLLM's EngineCore resolved into ``config`` where kvcm computes the same.
+
+    EngineCore resolves, before it builds the scheduler, the block sizes
+    (``resolve_kv_cache_block_sizes``: the scheduler's ``block_size`` and ``hash_block_size``
+    arguments), the granularity prefix-cache hits land on
+    (``resolve_cache_hit_alignment_tokens``) and, through its planning, the sliding-window
+    retention policy (``CacheConfig.prefix_cache_retention_interval``), and writes them into
+    every KV-cache config. kvcm's core hashes at ``hash_block_size``, lands every hit on the
+    scheduler block size and caches every full block of a sliding-window group; a value that
+    asks for anything else is refused, naming it and the setting that avoids it.
+
+    Args:
+        config: vLLM's (scheduler's) ``KVCacheConfig``.
+        scheduler_block_size: The scheduler's ``block_size`` argument.
+        hash_block_size: The scheduler's ``hash_block_size`` argument.
+        enable_caching: ``CacheConfig.enable_prefix_caching`` (as EngineCore left it).
+
+    Raises:
+        ConfigError: The message names the field, vLLM's value, what kvcm would use, and the fix.
+    """
+    resolved_hash = getattr(config, "hash_block_size", None)
+    if resolved_hash is not None and resolved_hash != hash_block_size:
+        raise ConfigError(
+            f"kv_cache_config.hash_block_size={resolved_hash} differs from the scheduler's "
+            f"hash_block_size={hash_block_size}: construct the scheduler with the sizes "
+            "EngineCore resolves (resolve_kv_cache_block_sizes)"
+        )
+    alignment = getattr(config, "cache_hit_alignment_tokens", None)
+    if alignment is not None and alignment != scheduler_block_size:
+        raise ConfigError(
+            f"kv_cache_config.cache_hit_alignment_tokens={alignment}: vLLM lands prefix-cache "
+            f"hits on {alignment}-token hash blocks (partial hash hits, Mamba 'align' mode); "
+            f"kvcm lands them on the scheduler block size ({scheduler_block_size}) and does not "
+            f"serve partial hash hits yet: pass --prefix-match-unit {scheduler_block_size}, or "
+            "run this model on vLLM's own scheduler"
+        )
+    if enable_caching:
+        _check_retention(config, scheduler_block_size)
+
+
+def _check_retention(config: Any, scheduler_block_size: int) -> None:
+    # vLLM's sliding-window manager caches a full block only where a later hit can reach it:
+    # the last `need` blocks before each retention boundary (every `scheduler_block_size`
+    # tokens when the interval is None, every `interval` tokens when positive, none but the
+    # replay and shared-prefix boundaries when 0). When a boundary comes every `need` blocks
+    # or sooner, every block is reachable and vLLM caches densely, as kvcm's core does.
+    interval = getattr(config, "prefix_cache_retention_interval", None)
+    for index, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec).__name__ != "SlidingWindowSpec":
+            continue
+        need = -(-(spec.sliding_window - 1) // spec.block_size)
+        segment = scheduler_block_size if interval is None else interval
+        if segment and need >= segment // spec.block_size:
+            continue
+        dense = need * spec.block_size // scheduler_block_size * scheduler_block_size
+        if dense:
+            fix = (
+                f"pass --prefix-cache-retention-interval None (or a multiple of "
+                f"{scheduler_block_size} up to {dense}) to cache every block, or run this "
+            )
+        else:  # blocks smaller than the scheduler's: no interval makes vLLM cache densely
+            fix = "run this "
+        raise ConfigError(
+            f"kv_cache_config.prefix_cache_retention_interval={interval}: vLLM caches only "
+            f"the reachable blocks of sliding-window group {index} (window "
+            f"{spec.sliding_window}, blocks of {spec.block_size} tokens; sparse retention), "
+            f"which kvcm does not model yet: {fix}"
+            "model on vLLM's own scheduler"
+        )
 
 
 class RequestView(Request):

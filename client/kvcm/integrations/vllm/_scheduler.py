@@ -147,10 +147,21 @@ class _KvcmSchedulerMixin:
         settings = KvcmSettings.from_sources(vllm_config.additional_config)
         check_supported(vllm_config)
         self._check_loop(vllm_config)
-        # Fail on unsupported specs before vLLM builds anything.
-        from kvcm.integrations.vllm._convert import convert_kv_cache_config
+        # Fail on unsupported specs, and on what EngineCore resolved that kvcm would compute
+        # differently, before vLLM builds anything.
+        from kvcm.integrations.vllm._convert import (
+            check_engine_resolution,
+            convert_kv_cache_config,
+        )
 
         convert_kv_cache_config(kv_cache_config)
+        block_size = arguments["block_size"]
+        check_engine_resolution(
+            kv_cache_config,
+            scheduler_block_size=block_size,
+            hash_block_size=arguments["hash_block_size"] or block_size,
+            enable_caching=vllm_config.cache_config.enable_prefix_caching,
+        )
         arguments["kv_cache_config"] = dataclasses.replace(
             kv_cache_config, num_blocks=min(kv_cache_config.num_blocks, _PLACEHOLDER_NUM_BLOCKS)
         )
