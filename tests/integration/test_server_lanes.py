@@ -7,6 +7,7 @@ calls on the same pool wait for it, and the outcome is exactly the in-process co
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -192,3 +193,32 @@ def test_a_big_step_that_does_not_decode_is_refused_in_its_lane_and_changes_noth
         after = client.describe_pool("bad")
         assert (after.num_requests, after.num_free_blocks) == (0, before.num_free_blocks)
         assert client.step("bad", _admit_many(0)).statuses[0] is ItemStatus.OK
+
+
+def test_a_subscriber_reads_a_lane_steps_events_as_the_core_publishes_them(
+    server: EmbeddedServer,
+) -> None:
+    """A long Step publishes its events in its lane; its subscribers read them after it,
+    every event as the in-process core publishes it, in order."""
+    config = dataclasses.replace(_config(), hash_seed="lanes")
+    reference = Pool("evented", config)
+    hasher = reference.hashing.block_hasher()
+    big = StepBuilder()
+    for key in range(NUM_REQUESTS):
+        prompt = [(key * 7 + i) % 50000 for i in range(PROMPT_TOKENS)]
+        big.add_request(key, prompt, hasher.hash_token_ids(prompt))
+        big.allocate(key, PROMPT_TOKENS, 0, lookup=True)
+    reference.run_step(big.build())
+    reference.publish_events(0.0)
+    expected, _ = reference.events_from(1, 1 << 20) or ([], 0.0)
+    assert len(expected) >= NUM_REQUESTS  # a BlockStored per admitted prompt
+    with SchedulerClient(server.grpc_address) as client:
+        client.create_pool("evented", config)
+        with client.subscribe_events("evented", start_sequence=1) as stream:
+            client.step("evented", big)  # well above the inline budget: in its lane
+            received: list[object] = []
+            for batch in stream:
+                received.extend(batch.events)
+                if len(received) >= len(expected):
+                    break
+    assert received == expected

@@ -149,7 +149,11 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
             oldest_sequence=pool.oldest_event_sequence,
             pool_epoch=pool.epoch,
         )
+        lanes = self._state.lanes
         while True:
+            # A long Step publishes its events in its lane: the log is read between calls.
+            while (busy := lanes.get(pool.name)) is not None:
+                await busy.wait()
             # Checked after every write too: a reader that was backed up when the pool was
             # deleted gets NOT_FOUND next, not the deleted pool's remaining events.
             self._check_live(pool, runtime, sequence)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from kvcm.common.errors import FailedPreconditionError, KVCMError
@@ -12,7 +14,7 @@ from kvcm.core.pool_types import FreeMode
 from kvcm.core.program import HitSpec, ItemStatus, OpKind, StepOutcome, StepProgram
 from kvcm.core.request import Request
 from kvcm.server.rpc._resync import resync_pool
-from kvcm.server.rpc._state import ServerState
+from kvcm.server.rpc._state import CALL_TIME, ServerState
 from kvcm.server.rpc._status import StepRejectedError
 from kvcm.v1 import common_pb2, scheduler_pb2, service_pb2_grpc
 from kvcm.wire import (
@@ -77,10 +79,21 @@ def _estimated_cost_us(request: scheduler_pb2.StepRequest) -> float:
     return cost
 
 
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """A Step's program, outcome and response, and whether it published a batch of events."""
+
+    program: StepProgram
+    outcome: StepOutcome
+    response: scheduler_pb2.StepResponse
+    published: bool
+
+
 def _answer_step(
     pool: Pool, request: scheduler_pb2.StepRequest, tracing: Tracing | None
-) -> tuple[StepProgram, StepOutcome, scheduler_pb2.StepResponse]:
-    """Decode, run and encode one Step (on the loop, or in the pool's lane).
+) -> _Answer:
+    """Decode, run, publish the events of and encode one Step (on the loop, or in the pool's
+    lane: all but waking the subscribers, which the loop does after).
 
     Raises:
         KVCMError: The message does not decode (as is: it names its field).
@@ -97,10 +110,11 @@ def _answer_step(
         outcome = pool.run_step(program, phase=phase)
     except KVCMError as exc:
         raise StepRejectedError(exc, exc.op_index, exc.field or "") from exc
+    published = pool.publish_events(CALL_TIME.get() or time.time()) > 0
     if tracing is None:
-        return program, outcome, outcome_to_proto(outcome)
+        return _Answer(program, outcome, outcome_to_proto(outcome), published)
     with tracing.span("kvcm.step.encode"):
-        return program, outcome, outcome_to_proto(outcome)
+        return _Answer(program, outcome, outcome_to_proto(outcome), published)
 
 
 def _delayed_allocations(program: StepProgram, statuses: list[int]) -> list[int]:
@@ -159,16 +173,19 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         tracing = state.tracing
         try:
             if _estimated_cost_us(request) <= _INLINE_STEP_US:
-                program, outcome, response = _answer_step(pool, request, tracing)
+                answer = _answer_step(pool, request, tracing)
             else:
-                program, outcome, response = await state.run_in_lane(
-                    pool, lambda: _answer_step(pool, request, tracing)
-                )
-        finally:
-            state.published(pool)
+                answer = await state.run_in_lane(pool, lambda: _answer_step(pool, request, tracing))
+        except BaseException:
+            state.published(pool)  # a rejected Step changed nothing; published for safety
+            raise
+        if answer.published:
+            state.announce(pool)
+        program = answer.program
         if state.transfer_lease_s and program.alloc_options:
-            state.track_transfers(pool, _delayed_allocations(program, outcome.alloc_statuses))
-        return response
+            statuses = answer.outcome.alloc_statuses
+            state.track_transfers(pool, _delayed_allocations(program, statuses))
+        return answer.response
 
     async def AddRequest(  # noqa: N802
         self, request: scheduler_pb2.AddRequestRequest, context: Context
