@@ -31,7 +31,9 @@ full rules; docs/api.md the atomicity guarantee):
 * "does not fit" and "no token budget" are values (:class:`ItemStatus`), and by default the
   program stops at the first one: the ops after it do not run;
 * ``step_seq`` is an exactly-once guard: the pool's last applied seq + 1 runs, the same seq
-  again answers the remembered outcome without running anything.
+  again answers the remembered outcome without running anything. A program that is
+  ``num_steps`` consecutive scheduler steps concatenated (a shipper catching up) carries the
+  last one's seq: its first step must be the pool's last applied seq + 1.
 
 Nothing here does I/O or imports protobuf: the scheduler process runs the same interpreter.
 """
@@ -170,6 +172,11 @@ class StepProgram:
     token_budget: int | None = None
     continue_on_does_not_fit: bool = False
     step_seq: int | None = None
+    num_steps: int = 1
+    # What the sender reports about its own progress (not interpreted; the server's lag
+    # metrics): the newest step its scheduler had closed, and the age of step_seq, when sent.
+    scheduler_step_seq: int = 0
+    step_age_s: float = 0.0
 
 
 @dataclass(slots=True, kw_only=True)

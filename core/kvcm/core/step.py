@@ -42,7 +42,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Final, TypeAlias
 
-from kvcm.common.errors import FailedPreconditionError, KVCMError
+from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, KVCMError
 from kvcm.common.hashing import BlockHash
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, CacheHit, KVCacheBlocks, SlotOptions
 from kvcm.core.program import (
@@ -128,13 +128,24 @@ def run_step(pool: Pool, program: StepProgram, *, phase: PhaseHook | None = None
     manager = pool.ready_manager()
     check_limits(pool.limits, program)
     seq = program.step_seq
+    num_steps = program.num_steps
+    if num_steps != 1 and (seq is None or not 1 <= num_steps <= seq):
+        raise InvalidArgumentError(
+            f"num_steps {num_steps} needs a step_seq of at least num_steps (got {seq})",
+            field="num_steps",
+        )
     if seq is not None:
         last = pool.last_step_seq
         if seq == last and seq > 0 and pool.last_step_outcome is not None:
             return pool.last_step_outcome
-        if seq != last + 1:
+        if seq - num_steps != last:
+            what = (
+                f"step_seq {seq} is"
+                if num_steps == 1
+                else f"steps {seq - num_steps + 1}-{seq} (step_seq {seq}) are"
+            )
             raise FailedPreconditionError(
-                f"step_seq {seq} is out of sequence: pool {pool.name!r} last applied {last}, "
+                f"{what} out of sequence: pool {pool.name!r} last applied {last}, "
                 f"expects {last + 1}",
                 field="step_seq",
             )

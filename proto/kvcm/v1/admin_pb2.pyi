@@ -154,7 +154,7 @@ class PoolSummary(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "state", "config", "kv_cache_config", "hashing", "registered_ranks", "num_free_blocks", "num_requests", "usage", "last_event_sequence", "epoch", "zmq_events")
+    __slots__ = ("pool_id", "state", "config", "kv_cache_config", "hashing", "registered_ranks", "num_free_blocks", "num_requests", "usage", "last_event_sequence", "epoch", "zmq_events", "step_progress")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class PoolInfo(_message.Message):
     LAST_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ZMQ_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     state: PoolState
     config: PoolConfig
@@ -179,7 +180,22 @@ class PoolInfo(_message.Message):
     last_event_sequence: int
     epoch: int
     zmq_events: ZmqEventStream
-    def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., kv_cache_config: _Optional[_Union[_common_pb2.KVCacheConfig, _Mapping]] = ..., hashing: _Optional[_Union[_common_pb2.HashingParameters, _Mapping]] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., last_event_sequence: _Optional[int] = ..., epoch: _Optional[int] = ..., zmq_events: _Optional[_Union[ZmqEventStream, _Mapping]] = ...) -> None: ...
+    step_progress: StepProgress
+    def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., kv_cache_config: _Optional[_Union[_common_pb2.KVCacheConfig, _Mapping]] = ..., hashing: _Optional[_Union[_common_pb2.HashingParameters, _Mapping]] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., last_event_sequence: _Optional[int] = ..., epoch: _Optional[int] = ..., zmq_events: _Optional[_Union[ZmqEventStream, _Mapping]] = ..., step_progress: _Optional[_Union[StepProgress, _Mapping]] = ...) -> None: ...
+
+class StepProgress(_message.Message):
+    __slots__ = ("last_step_seq", "last_step_age_s", "scheduler_step_seq", "steps_behind", "since_applied_s")
+    LAST_STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BEHIND_FIELD_NUMBER: _ClassVar[int]
+    SINCE_APPLIED_S_FIELD_NUMBER: _ClassVar[int]
+    last_step_seq: int
+    last_step_age_s: float
+    scheduler_step_seq: int
+    steps_behind: int
+    since_applied_s: float
+    def __init__(self, last_step_seq: _Optional[int] = ..., last_step_age_s: _Optional[float] = ..., scheduler_step_seq: _Optional[int] = ..., steps_behind: _Optional[int] = ..., since_applied_s: _Optional[float] = ...) -> None: ...
 
 class ZmqEventStream(_message.Message):
     __slots__ = ("endpoint", "replay_endpoint", "topic", "last_seq", "data_parallel_rank", "dedicated")

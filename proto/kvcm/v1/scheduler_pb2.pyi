@@ -378,7 +378,7 @@ class StepAllocOptions(_message.Message):
     def __init__(self, alloc_index: _Optional[int] = ..., lookup: _Optional[_Union[LookupOptions, _Mapping]] = ..., options: _Optional[_Union[SlotOptions, _Mapping]] = ..., hit: _Optional[_Union[ComputedBlocks, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit", "evict_num_block_ids", "evict_block_ids", "record_hit_tokens")
+    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit", "evict_num_block_ids", "evict_block_ids", "record_hit_tokens", "num_steps", "scheduler_step_seq", "step_age_s")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +399,9 @@ class StepRequest(_message.Message):
     EVICT_NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     EVICT_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RECORD_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     step_seq: int
     ops: _containers.RepeatedScalarFieldContainer[StepOpKind]
@@ -419,7 +422,10 @@ class StepRequest(_message.Message):
     evict_num_block_ids: _containers.RepeatedScalarFieldContainer[int]
     evict_block_ids: _containers.RepeatedScalarFieldContainer[int]
     record_hit_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ..., evict_num_block_ids: _Optional[_Iterable[int]] = ..., evict_block_ids: _Optional[_Iterable[int]] = ..., record_hit_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_steps: int
+    scheduler_step_seq: int
+    step_age_s: float
+    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ..., evict_num_block_ids: _Optional[_Iterable[int]] = ..., evict_block_ids: _Optional[_Iterable[int]] = ..., record_hit_tokens: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., scheduler_step_seq: _Optional[int] = ..., step_age_s: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("num_ops_executed", "alloc_statuses", "alloc_num_block_ids", "alloc_block_ids", "lookup_num_computed_tokens", "lookup_num_new_tokens", "token_budget_left", "step_seq", "reset")

@@ -140,6 +140,9 @@ def program_from_proto(msg: scheduler_pb2.StepRequest) -> StepProgram:
         token_budget=msg.token_budget if msg.HasField("token_budget") else None,
         continue_on_does_not_fit=msg.continue_on_does_not_fit,
         step_seq=msg.step_seq if msg.HasField("step_seq") else None,
+        num_steps=msg.num_steps or 1,
+        scheduler_step_seq=msg.scheduler_step_seq,
+        step_age_s=msg.step_age_s,
     )
 
 
@@ -184,6 +187,11 @@ def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRe
         msg.token_budget = program.token_budget
     if program.step_seq is not None:
         msg.step_seq = program.step_seq
+    if program.num_steps != 1:
+        msg.num_steps = program.num_steps
+    if program.scheduler_step_seq:
+        msg.scheduler_step_seq = program.scheduler_step_seq
+        msg.step_age_s = program.step_age_s
     for new in program.new_requests:
         wire = msg.new_requests.add(
             request_key=new.key,

@@ -20,7 +20,8 @@ import asyncio
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "MethodLatency",
     "RpcStats",
     "RpcStatsSnapshot",
+    "StepProgress",
+    "StepProgressBook",
 ]
 
 # Upper bounds in seconds. A scheduler step on loopback takes tens to hundreds of microseconds,
@@ -282,3 +285,78 @@ class LoopLagMonitor:
         now = self._loop.time()
         self.observe(now - self._due)
         self._schedule(now)
+
+
+# ------------------------------------------------------------------------- step progress
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepProgress:
+    """How far a pool's copy is behind its scheduler, at one instant (``kvcm.v1.StepProgress``).
+
+    Attributes:
+        last_step_seq: The last applied Step's step_seq (or a ResyncPool's).
+        last_step_age_s: Seconds since the scheduler closed that step (its reported age when
+            sent, plus the time since the server applied it).
+        scheduler_step_seq: The newest step the scheduler had closed when it sent it (0: not
+            reported).
+        steps_behind: ``scheduler_step_seq - last_step_seq`` then (0: up to date or unknown).
+        since_applied_s: Seconds since the server applied the last Step or ResyncPool.
+    """
+
+    last_step_seq: int
+    last_step_age_s: float
+    scheduler_step_seq: int
+    steps_behind: int
+    since_applied_s: float
+
+
+class StepProgressBook:
+    """Each pool's step progress, noted by the Step handler on the loop.
+
+    A note costs one small tuple; ages are computed when read (DescribePool, ``/metrics``,
+    ``GET /v1/pools/{pool}``), on the server's monotonic clock.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """An empty book; ``clock``: monotonic seconds (tests)."""
+        self._clock = clock
+        # pool id -> (step_seq, scheduler_step_seq, reported age, applied at)
+        self._notes: dict[str, tuple[int, int, float, float]] = {}
+
+    def note_step(
+        self, pool_id: str, step_seq: int | None, scheduler_step_seq: int, step_age_s: float
+    ) -> None:
+        """A Step with ``step_seq`` was applied to ``pool_id`` (``None``: not sequenced)."""
+        if step_seq is None:
+            return
+        age = step_age_s if math.isfinite(step_age_s) and step_age_s > 0 else 0.0
+        self._notes[pool_id] = (step_seq, max(scheduler_step_seq, step_seq), age, self._clock())
+
+    def forget(self, pool_id: str) -> None:
+        """The pool is gone."""
+        self._notes.pop(pool_id, None)
+
+    def get(self, pool_id: str, last_step_seq: int) -> StepProgress | None:
+        """The pool's progress now, or ``None`` when no sequenced Step was applied to it since
+        the server started.
+
+        Args:
+            pool_id: The pool.
+            last_step_seq: The pool's last applied step_seq now: a note of another one (the
+                pool was resynchronised or re-created since) is not answered.
+        """
+        note = self._notes.get(pool_id)
+        if note is None or note[0] != last_step_seq:
+            return None
+        step_seq, scheduler_step_seq, reported_age, applied_at = note
+        since = max(0.0, self._clock() - applied_at)
+        return StepProgress(
+            last_step_seq=step_seq,
+            last_step_age_s=reported_age + since,
+            scheduler_step_seq=scheduler_step_seq,
+            steps_behind=scheduler_step_seq - step_seq,
+            since_applied_s=since,
+        )
+
+    def pool_ids(self) -> list[str]:
+        """Pools with a note, sorted."""
+        return sorted(self._notes)

@@ -36,6 +36,7 @@ from kvcm.core.request import Request
 from kvcm.core.snapshot import encode_state, fresh_extras
 from kvcm.integrations.vllm._convert import RequestView, convert_kv_cache_config, to_vllm_events
 from kvcm.integrations.vllm._recorder import NullSink, StepRecorder, StepSink
+from kvcm.integrations.vllm._shipper import GrpcStepShipper, ShippingLag
 
 __all__ = ["MirrorKVCacheManager", "MirrorManagerConfig"]
 
@@ -350,6 +351,10 @@ class MirrorKVCacheManager:
         self.recorder.free(request_id, finished=finished)
         if finished:
             self._views.pop(request_id, None)
+            if not self._views:
+                # The engine may go idle now (EngineCore stops calling schedule() when no
+                # request is left): ship the last frees at once, not with a later step.
+                self.close_step()
 
     def remove_skipped_blocks(
         self,
@@ -540,6 +545,15 @@ class MirrorKVCacheManager:
         )
 
     # ------------------------------------------------------------------ steps
+    def shipping_lag(self) -> ShippingLag | None:
+        """How far the server's copy is behind this mirror (``None``: nothing is shipped).
+
+        See :class:`~kvcm.integrations.vllm._shipper.ShippingLag`: steps not acknowledged
+        yet, the age of the oldest, close-to-acknowledgement percentiles.
+        """
+        sink = self.recorder.sink
+        return sink.lag() if isinstance(sink, GrpcStepShipper) else None
+
     def flush(self, timeout_s: float) -> bool:
         """Close the current program and wait until the sink shipped everything (taking the
         snapshots it asks for meanwhile); ``False`` if that took longer than ``timeout_s``.

@@ -12,17 +12,29 @@ answered differently (a divergence), the server is at another ``step_seq``, or t
 outgrew its bound while the server was unreachable (then it is dropped, not shipped). The
 shipper asks for a snapshot of the mirror at the next step boundary (``wants_snapshot``; the
 scheduler thread answers with :meth:`submit_snapshot`), uploads it with ``ResyncPool``, and
-ships the steps recorded after it.
+ships the steps recorded after it. While the server cannot be reached, no snapshot is asked
+for (taking one costs the scheduler thread a copy of the pool): the shipper probes the server
+with backoff and asks for one once it answers.
+
+A server that falls behind is caught up by **coalescing**: every Step RPC carries all the
+steps queued when it is sent (up to :data:`MAX_COALESCED_OPS` ops and
+:data:`MAX_COALESCED_TOKENS` tokens), concatenated into one program whose ``num_steps`` tells
+the server which steps it covers; the answers are verified as one. So the shipper's
+throughput grows with the backlog, and the lag stays bounded while the engine steps faster
+than one round trip. Every Step also reports the newest step the scheduler closed and the
+shipped step's age, which the server exports as the pool's step progress. The engine side's
+view is :meth:`GrpcStepShipper.lag` (logged when the oldest unshipped step gets old).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from kvcm.client import (
     CallCancelledError,
@@ -36,15 +48,22 @@ from kvcm.client import (
     UnavailableError,
     UnimplementedError,
 )
+from kvcm.core.program import StepOutcome, StepProgram
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvcm.core.pool_types import PoolConfig
-    from kvcm.core.program import StepOutcome
     from kvcm.integrations.vllm._recorder import RecordedStep
 
-__all__ = ["GrpcStepShipper", "ShipperStats"]
+__all__ = [
+    "MAX_COALESCED_OPS",
+    "MAX_COALESCED_TOKENS",
+    "GrpcStepShipper",
+    "ShipperStats",
+    "ShippingLag",
+    "coalesce",
+]
 
 _LOG = logging.getLogger("kvcm.integrations.vllm")
 
@@ -61,6 +80,15 @@ _TRANSIENT = (
 # Backoff between attempts while the server is unreachable, in seconds.
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
+MAX_COALESCED_OPS: Final = 4096
+"""Most ops one coalesced Step carries (half the server's default ``max_step_ops``)."""
+MAX_COALESCED_TOKENS: Final = 32 * 1024
+"""Most token ids one coalesced Step carries (a quarter of ``max_step_tokens``)."""
+# The lag is logged when the oldest unshipped step is this old, at most once per interval.
+_LAG_WARN_S = 2.0
+_LAG_LOG_INTERVAL_S = 30.0
+# Per-step lags kept for lag() percentiles.
+_LAG_SAMPLES = 4096
 
 
 @dataclass(slots=True)
@@ -80,6 +108,9 @@ class ShipperStats:
         retries: Calls repeated after UNAVAILABLE or a deadline.
         snapshot_bytes: Snapshot bytes uploaded.
         backlog_high_water: The largest backlog seen.
+        step_rpcs: Step calls that the server answered (one per coalesced batch).
+        max_steps_per_rpc: The most steps one Step call carried.
+        probes: Calls made only to learn whether an unreachable server answers again.
     """
 
     steps_submitted: int = 0
@@ -93,6 +124,91 @@ class ShipperStats:
     retries: int = 0
     snapshot_bytes: int = 0
     backlog_high_water: int = 0
+    step_rpcs: int = 0
+    max_steps_per_rpc: int = 0
+    probes: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShippingLag:
+    """How far the server's copy is behind the mirror, as the shipper sees it now.
+
+    Attributes:
+        backlog_steps: Closed steps the server has not acknowledged (in flight included).
+        oldest_unshipped_age_s: Seconds since the oldest of them was closed (0: none).
+        last_closed_step_seq: The newest step the scheduler closed.
+        last_acked_step_seq: The newest step the server acknowledged (or a resync covered).
+        lag_p50_s: Median, over the last acknowledged steps, of close-to-acknowledgement time.
+        lag_p99_s: Their 99th percentile.
+        reachable: Whether the last call reached the server.
+    """
+
+    backlog_steps: int
+    oldest_unshipped_age_s: float
+    last_closed_step_seq: int
+    last_acked_step_seq: int
+    lag_p50_s: float
+    lag_p99_s: float
+    reachable: bool
+
+
+def coalesce(steps: list[RecordedStep]) -> tuple[StepProgram, StepOutcome]:
+    """One program (and the mirror's answers) for consecutive steps, concatenated.
+
+    The steps must be consecutive, recorded with ``continue_on_does_not_fit`` and no token
+    budget (a recorder's steps are): run as one, the ops do exactly what they do one step at
+    a time. The program carries the last step's ``step_seq`` and ``num_steps``.
+    """
+    program = StepProgram(continue_on_does_not_fit=True)
+    expected = StepOutcome()
+    hashes: list[bytes] = []
+    for step in steps:
+        part = step.program
+        answers = step.expected
+        offset = len(program.alloc_num_new_tokens)
+        program.ops += part.ops
+        program.request_keys += part.request_keys
+        program.new_requests += part.new_requests
+        program.alloc_num_new_tokens += part.alloc_num_new_tokens
+        program.alloc_num_computed_tokens += part.alloc_num_computed_tokens
+        for index, options in part.alloc_options.items():
+            program.alloc_options[offset + index] = options
+        program.append_num_tokens += part.append_num_tokens
+        program.append_token_ids += part.append_token_ids
+        program.append_num_block_hashes += part.append_num_block_hashes
+        hashes.append(part.append_block_hashes)
+        program.cache_num_computed_tokens += part.cache_num_computed_tokens
+        program.remove_skipped_total_computed_tokens += part.remove_skipped_total_computed_tokens
+        program.evict_num_block_ids += part.evict_num_block_ids
+        program.evict_block_ids += part.evict_block_ids
+        program.record_hit_tokens += part.record_hit_tokens
+        expected.alloc_statuses += answers.alloc_statuses
+        expected.alloc_num_block_ids += answers.alloc_num_block_ids
+        expected.alloc_block_ids += answers.alloc_block_ids
+        expected.reset += answers.reset
+    program.append_block_hashes = b"".join(hashes)
+    program.step_seq = steps[-1].program.step_seq
+    program.num_steps = len(steps)
+    expected.num_ops_executed = len(program.ops)
+    expected.step_seq = program.step_seq
+    return program, expected
+
+
+def _coalescible(step: RecordedStep) -> bool:
+    program = step.program
+    return (
+        program.continue_on_does_not_fit
+        and program.token_budget is None
+        and program.default_num_lookahead_tokens == 0
+        and program.step_seq is not None
+        and program.num_steps == 1
+    )
+
+
+def _num_tokens(program: StepProgram) -> int:
+    return len(program.append_token_ids) + sum(
+        len(new.prompt_token_ids) for new in program.new_requests
+    )
 
 
 def outcomes_agree(expected: StepOutcome, actual: StepOutcome) -> bool:
@@ -176,6 +292,14 @@ class GrpcStepShipper:
         self._keepalive_s = lease_s / 3 if lease_s > 0 else None
         self._last_call = clock()
         self._snapshot_source = snapshot_source
+        # The batch sent and not yet acknowledged: a retry sends exactly it again.
+        self._inflight: tuple[list[RecordedStep], StepProgram, StepOutcome] | None = None
+        self._reachable = True
+        self._last_closed_seq = 0
+        self._last_acked_seq = 0
+        self._lags: collections.deque[float] = collections.deque(maxlen=_LAG_SAMPLES)
+        self._lag_logged_at = -_LAG_LOG_INTERVAL_S
+        self._lag_warned = False
         self._thread: threading.Thread | None = None
         if not synchronous:
             self._thread = threading.Thread(target=self._run, name="kvcm-step-shipper", daemon=True)
@@ -189,6 +313,8 @@ class GrpcStepShipper:
             UnavailableError: Synchronous mode only: the server did not acknowledge the step
                 within ``step_timeout_s``.
         """
+        if step.step_seq is not None:
+            self._last_closed_seq = step.step_seq
         if self._synchronous:
             self._backlog.append(step)
             self.stats.steps_submitted += 1
@@ -209,14 +335,37 @@ class GrpcStepShipper:
 
     @property
     def wants_snapshot(self) -> bool:
-        """Whether the shipper needs a snapshot of the mirror (taken at a step boundary)."""
-        return self._need_snapshot and self._snapshot is None
+        """Whether the shipper needs a snapshot of the mirror (taken at a step boundary).
+
+        Not while the server is unreachable: the snapshot would only wait, and taking one
+        costs the scheduler thread a copy of the pool.
+        """
+        return self._need_snapshot and self._snapshot is None and self._reachable
 
     def submit_snapshot(self, step_seq: int, data: bytes) -> None:
         """Hand over a snapshot of the mirror after step ``step_seq`` was closed."""
         with self._cond:
             self._snapshot = (step_seq, data)
             self._cond.notify()
+
+    def lag(self) -> ShippingLag:
+        """How far the server's copy is behind the mirror now (any thread)."""
+        with self._cond:
+            backlog = self._backlog
+            oldest = backlog[0].closed_at if backlog else 0.0
+            num_steps = len(backlog)
+            lags = sorted(self._lags)
+        if self._need_snapshot:
+            num_steps = max(num_steps, self._last_closed_seq - self._last_acked_seq)
+        return ShippingLag(
+            backlog_steps=num_steps,
+            oldest_unshipped_age_s=max(0.0, self._clock() - oldest) if oldest else 0.0,
+            last_closed_step_seq=self._last_closed_seq,
+            last_acked_step_seq=self._last_acked_seq,
+            lag_p50_s=lags[len(lags) // 2] if lags else 0.0,
+            lag_p99_s=lags[min(len(lags) - 1, (99 * len(lags)) // 100)] if lags else 0.0,
+            reachable=self._reachable,
+        )
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every submitted step was shipped (or dropped); ``False`` on timeout."""
@@ -290,12 +439,14 @@ class GrpcStepShipper:
             try:
                 self._work()
                 backoff = _BACKOFF_MIN_S
+                self._reachable = True
                 if self._last_error:
                     _LOG.info("kvcm: pool %r: the server answers again", self.pool_id)
                     self._last_error = ""
             except _TRANSIENT as exc:
                 if not self._last_error:
                     _LOG.warning("kvcm: pool %r: %s; retrying", self.pool_id, exc)
+                self._reachable = False
                 self._note_error(exc)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
@@ -310,6 +461,29 @@ class GrpcStepShipper:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+                self._log_lag()
+
+    def _log_lag(self) -> None:
+        # One line when the oldest unshipped step gets old (then at most one per interval),
+        # and one when the server caught up again.
+        with self._cond:
+            oldest = self._backlog[0].closed_at if self._backlog else 0.0
+        now = self._clock()
+        age = now - oldest if oldest else 0.0
+        if age >= _LAG_WARN_S and now - self._lag_logged_at >= _LAG_LOG_INTERVAL_S:
+            self._lag_logged_at = now
+            self._lag_warned = True
+            lag = self.lag()
+            _LOG.warning(
+                "kvcm: pool %r is %d steps (%.1f s) behind the engine%s",
+                self.pool_id,
+                lag.backlog_steps,
+                age,
+                "" if self._reachable else f" ({self._last_error})",
+            )
+        elif self._lag_warned and not oldest and not self._need_snapshot:
+            self._lag_warned = False
+            _LOG.info("kvcm: pool %r caught up with the engine", self.pool_id)
 
     def _keepalive_due(self) -> bool:
         return (
@@ -320,7 +494,8 @@ class GrpcStepShipper:
 
     def _ready_to_work(self) -> bool:
         if self._need_snapshot:
-            return self._snapshot is not None
+            # A snapshot to upload, or an unreachable server to probe until it answers.
+            return self._snapshot is not None or not self._reachable
         return bool(self._backlog)
 
     def _note_error(self, exc: BaseException) -> None:
@@ -330,6 +505,7 @@ class GrpcStepShipper:
         with self._cond:
             self._need_snapshot = True
             self._snapshot = None
+            self._inflight = None
 
     def _work(self) -> None:
         self._last_call = self._clock()
@@ -340,18 +516,56 @@ class GrpcStepShipper:
             self._client.keep_alive(self.pool_id, timeout=self._timeout_s)
             return
         if self._need_snapshot:
-            if self._snapshot is not None:  # else the next step boundary takes one
+            if self._snapshot is not None:
                 self._resync()
+            elif not self._reachable:  # the next step boundary takes one once it answers
+                self._probe()
             return
+        batch = self._inflight
+        if batch is None:
+            batch = self._next_batch()
+            self._inflight = batch
+        self._ship(batch)
         with self._cond:
-            step = self._backlog[0]
-        self._ship(step)
-        with self._cond:
-            if self._backlog and self._backlog[0] is step:
-                self._backlog.popleft()
+            if self._inflight is batch:
+                self._inflight = None
+            shipped = set(map(id, batch[0]))
+            backlog = self._backlog
+            while backlog and id(backlog[0]) in shipped:
+                backlog.popleft()
             if self._synchronous and self._snapshot_needed():
                 # Remote mode repairs at once; the step is in the mirror's snapshot.
-                self._backlog.clear()
+                backlog.clear()
+
+    def _next_batch(self) -> tuple[list[RecordedStep], StepProgram, StepOutcome]:
+        # Every queued step that fits in one coalesced Step (at least the first one).
+        with self._cond:
+            queued = list(self._backlog)
+        first = queued[0]
+        steps = [first]
+        if len(queued) > 1 and _coalescible(first):
+            num_ops = len(first.program.ops)
+            num_tokens = _num_tokens(first.program)
+            for step in queued[1:]:
+                program = step.program
+                num_ops += len(program.ops)
+                num_tokens += _num_tokens(program)
+                if (
+                    num_ops > MAX_COALESCED_OPS
+                    or num_tokens > MAX_COALESCED_TOKENS
+                    or not _coalescible(step)
+                    or program.step_seq != _seq(steps[-1]) + 1
+                ):
+                    break
+                steps.append(step)
+        if len(steps) == 1:
+            program, expected = first.program, first.expected
+        else:
+            program, expected = coalesce(steps)
+        if program.step_seq is not None:
+            program.scheduler_step_seq = max(self._last_closed_seq, program.step_seq)
+            program.step_age_s = max(0.0, self._clock() - steps[-1].closed_at)
+        return steps, program, expected
 
     def _snapshot_needed(self) -> bool:
         return self._need_snapshot  # read anew: the call just made may have set it
@@ -360,6 +574,14 @@ class GrpcStepShipper:
         if self._config is None:
             self._config = self._config_source()
         return self._config
+
+    def _probe(self) -> None:
+        # Whether the server answers again (then a snapshot repairs the pool).
+        self.stats.rpcs += 1
+        self.stats.probes += 1
+        with contextlib.suppress(ServiceNotFoundError):  # it answers; a resync creates it
+            self._client.describe_pool(self.pool_id, timeout=self._timeout_s)
+        self._reachable = True
 
     def _attach(self) -> None:
         """Create the pool when missing; an existing one is repaired from the mirror."""
@@ -381,10 +603,11 @@ class GrpcStepShipper:
             self._want_snapshot()
         self._attached = True
 
-    def _ship(self, step: RecordedStep) -> None:
+    def _ship(self, batch: tuple[list[RecordedStep], StepProgram, StepOutcome]) -> None:
+        steps, program, expected = batch
         self.stats.rpcs += 1
         try:
-            result = self._client.step(self.pool_id, step.program, timeout=self._timeout_s)
+            result = self._client.step(self.pool_id, program, timeout=self._timeout_s)
         except ServiceNotFoundError:
             _LOG.warning("kvcm: pool %r is gone on the server; re-creating it", self.pool_id)
             self._attached = False
@@ -397,21 +620,28 @@ class GrpcStepShipper:
         except _TRANSIENT:
             raise
         except ServiceError as exc:
-            self.stats.mismatches += 1
-            _LOG.error(
-                "kvcm: pool %r refused step %s: %s", self.pool_id, step.program.step_seq, exc
-            )
+            self.stats.mismatches += len(steps)
+            _LOG.error("kvcm: pool %r refused step %s: %s", self.pool_id, program.step_seq, exc)
             self._want_snapshot()
             return
-        self.stats.steps_shipped += 1
-        if outcomes_agree(step.expected, result.outcome):
-            self.stats.steps_verified += 1
+        stats = self.stats
+        stats.step_rpcs += 1
+        stats.steps_shipped += len(steps)
+        stats.max_steps_per_rpc = max(stats.max_steps_per_rpc, len(steps))
+        now = self._clock()
+        for step in steps:
+            self._lags.append(now - step.closed_at)
+        if program.step_seq is not None:
+            self._last_acked_seq = program.step_seq
+        if outcomes_agree(expected, result.outcome):
+            stats.steps_verified += len(steps)
             return
-        self.stats.mismatches += 1
+        stats.mismatches += len(steps)
         _LOG.error(
-            "kvcm: pool %r answered step %s differently from the mirror; resynchronising",
+            "kvcm: pool %r answered steps %s-%s differently from the mirror; resynchronising",
             self.pool_id,
-            step.program.step_seq,
+            steps[0].step_seq,
+            program.step_seq,
         )
         self._want_snapshot()
 
@@ -427,6 +657,7 @@ class GrpcStepShipper:
         )
         self.stats.resyncs += 1
         self._attached = True
+        self._last_acked_seq = step_seq
         with self._cond:
             backlog = self._backlog
             while backlog and _seq(backlog[0]) <= step_seq:
@@ -435,10 +666,11 @@ class GrpcStepShipper:
             if self._snapshot is snapshot:  # else the backlog overflowed meanwhile: again
                 self._need_snapshot = False
                 self._snapshot = None
+            self._inflight = None
         _LOG.info("kvcm: pool %r resynchronised from the mirror at step %d", self.pool_id, step_seq)
 
 
 def _seq(step: Any) -> int:
-    seq = step.program.step_seq
+    seq = step.step_seq
     assert isinstance(seq, int)
     return seq

@@ -27,7 +27,7 @@ from kvcm.server.access import RefusalLog, may_read
 from kvcm.server.http._collector import KVCMCollector, kvcm_version
 from kvcm.server.http._guard import TokenGuard, check_routes
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
-from kvcm.server.telemetry import LoopLagMonitor, RpcStats
+from kvcm.server.telemetry import LoopLagMonitor, RpcStats, StepProgressBook
 
 if TYPE_CHECKING:
     from kvcm.server.kv_events import KvEventCounters
@@ -42,6 +42,7 @@ __all__ = [
     "PoolList",
     "PoolSummary",
     "PrefixCacheSummary",
+    "StepProgressSummary",
     "Status",
     "build_app",
     "summarize",
@@ -75,6 +76,16 @@ class PrefixCacheSummary(BaseModel):
     preempted_hits: int
 
 
+class StepProgressSummary(BaseModel):
+    """How far the pool's copy is behind its scheduler (``kvcm.v1.StepProgress``)."""
+
+    last_step_seq: int
+    last_step_age_s: float
+    scheduler_step_seq: int
+    steps_behind: int
+    since_applied_s: float
+
+
 class PoolSummary(BaseModel):
     """A pool at one instant, as ``/v1/pools`` shows it."""
 
@@ -92,6 +103,7 @@ class PoolSummary(BaseModel):
     evicted_blocks_total: int
     events_emitted_total: int
     allocations_not_fit_total: int
+    step_progress: StepProgressSummary | None = None
 
 
 class PoolList(BaseModel):
@@ -184,6 +196,7 @@ def build_app(
     lookup: Callable[[LookupQuery, Principal | None], Awaitable[LookupAnswer]] | None = None,
     authenticate: Callable[[str], Principal | None] | None = None,
     refusals: RefusalLog | None = None,
+    progress: StepProgressBook | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
@@ -215,6 +228,8 @@ def build_app(
         authenticate: the principal of a bearer token, ``None`` for an unknown one (``None``:
             authentication is off and no route needs a token).
         refusals: where refused requests are audited (``None``: a log of the app's own).
+        progress: each pool's step progress (``None``: exported empty; ``GET
+            /v1/pools/{pool}`` shows it as ``step_progress``).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
@@ -222,7 +237,9 @@ def build_app(
     if refusals is None:
         refusals = RefusalLog()
     prometheus_registry = CollectorRegistry(auto_describe=False)
-    collector = KVCMCollector(registry, rpc_stats, loop_lag, reclaims, zmq_counters)
+    collector = KVCMCollector(
+        registry, rpc_stats, loop_lag, reclaims, zmq_counters, progress=progress
+    )
     prometheus_registry.register(collector)
     _register_runtime_collectors(prometheus_registry)
 
@@ -306,7 +323,17 @@ def build_app(
         if not summaries:  # logged and counted (kvcm_pool_read_errors_total)
             broken = ErrorDetail(code="INTERNAL", message=f"pool {pool!r} could not be read")
             return JSONResponse(ErrorBody(error=broken).model_dump(), status_code=500)
-        return summaries[0]
+        summary = summaries[0]
+        noted = progress.get(pool, found.last_step_seq) if progress is not None else None
+        if noted is not None:
+            summary.step_progress = StepProgressSummary(
+                last_step_seq=noted.last_step_seq,
+                last_step_age_s=noted.last_step_age_s,
+                scheduler_step_seq=noted.scheduler_step_seq,
+                steps_behind=noted.steps_behind,
+                since_applied_s=noted.since_applied_s,
+            )
+        return summary
 
     if lookup is not None:
         _add_lookup_route(app, lookup, refusals)

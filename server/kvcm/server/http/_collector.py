@@ -26,7 +26,13 @@ from prometheus_client.core import (
 
 from kvcm.common.errors import NotFoundError
 from kvcm.server.http._views import PoolReader, PoolRegistryLike, PoolSnapshotLike
-from kvcm.server.telemetry import LoopLagMonitor, LoopLagSnapshot, RpcStats, RpcStatsSnapshot
+from kvcm.server.telemetry import (
+    LoopLagMonitor,
+    LoopLagSnapshot,
+    RpcStats,
+    RpcStatsSnapshot,
+    StepProgressBook,
+)
 
 if TYPE_CHECKING:
     from kvcm.server.kv_events import KvEventCounters
@@ -178,6 +184,26 @@ METRICS: tuple[MetricSpec, ...] = (
         labels=("pool", "group", "kind", "block_size", "num_layers"),
         help="Always 1; one series per KV-cache group with its attention kind, block size in "
         "tokens and layer count.",
+    ),
+    MetricSpec(
+        name="kvcm_pool_last_step_seq",
+        kind="gauge",
+        labels=_POOL,
+        help="step_seq of the last Step applied to the pool (the newest step a coalesced Step "
+        "carried).",
+    ),
+    MetricSpec(
+        name="kvcm_pool_last_step_age_seconds",
+        kind="gauge",
+        labels=_POOL,
+        help="Seconds since the pool's scheduler closed the last applied step (its age when "
+        "sent plus the time since it was applied).",
+    ),
+    MetricSpec(
+        name="kvcm_pool_steps_behind",
+        kind="gauge",
+        labels=_POOL,
+        help="Steps the pool's scheduler had closed beyond the last applied one when it sent it.",
     ),
     MetricSpec(
         name="kvcm_lease_reclaims_total",
@@ -393,6 +419,7 @@ class KVCMCollector:
         rpc_stats: the server's RPC statistics.
         loop_lag: the server's loop-lag monitor; ``None``: the family is exported empty.
         reclaims: lease reclaims by (pool, lease kind); ``None``: exported empty.
+        progress: each pool's step progress; ``None``: exported empty.
 
     Attributes:
         reader: reads the pools (one pool that cannot be read is left out and counted); the
@@ -406,7 +433,10 @@ class KVCMCollector:
         loop_lag: LoopLagMonitor | None = None,
         reclaims: Mapping[tuple[str, str], int] | None = None,
         zmq_counters: KvEventCounters | None = None,
+        *,
+        progress: StepProgressBook | None = None,
     ) -> None:
+        self._progress = progress
         self._zmq = zmq_counters
         self._reclaims = reclaims if reclaims is not None else {}
         self._registry = registry
@@ -435,6 +465,27 @@ class KVCMCollector:
         yield age
         yield last_sent
 
+    def _progress_families(self) -> Iterator[Metric]:
+        """Each live pool's step progress (pools a Step was applied to since the start)."""
+        seq = _scalar_family("kvcm_pool_last_step_seq")
+        age = _scalar_family("kvcm_pool_last_step_age_seconds")
+        behind = _scalar_family("kvcm_pool_steps_behind")
+        book = self._progress
+        for pool_id in book.pool_ids() if book is not None else ():
+            try:
+                pool = self._registry.get(pool_id)
+            except NotFoundError:
+                continue
+            progress = book.get(pool_id, pool.last_step_seq) if book is not None else None
+            if progress is None:
+                continue
+            seq.add_metric([pool_id], progress.last_step_seq)
+            age.add_metric([pool_id], progress.last_step_age_s)
+            behind.add_metric([pool_id], progress.steps_behind)
+        yield seq
+        yield age
+        yield behind
+
     def describe(self) -> Iterator[Metric]:
         """Empty families naming every metric, so the registry knows them without a scrape."""
         for spec in METRICS:
@@ -455,6 +506,7 @@ class KVCMCollector:
         yield read_errors
         yield from rpc_families(self._rpc_stats.snapshot())
         yield loop_lag_family(self._loop_lag.snapshot())
+        yield from self._progress_families()
         reclaims = _scalar_family("kvcm_lease_reclaims_total")
         for (pool, lease), count in sorted(self._reclaims.items()):
             reclaims.add_metric([pool, lease], count)

@@ -108,6 +108,17 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         zmq_events = self._state.zmq_events(pool)
         if zmq_events is not None:
             response.pool.zmq_events.CopyFrom(zmq_event_stream_to_proto(zmq_events))
+        progress = self._state.progress.get(pool.name, pool.last_step_seq)
+        if progress is not None:
+            response.pool.step_progress.CopyFrom(
+                admin_pb2.StepProgress(
+                    last_step_seq=progress.last_step_seq,
+                    last_step_age_s=progress.last_step_age_s,
+                    scheduler_step_seq=progress.scheduler_step_seq,
+                    steps_behind=progress.steps_behind,
+                    since_applied_s=progress.since_applied_s,
+                )
+            )
         return response
 
     async def DeletePool(  # noqa: N802
@@ -117,6 +128,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         streams end with NOT_FOUND."""
         await self._state.pool(request.pool_id)  # waits while a worker thread holds it
         pool = self._state.registry.delete(request.pool_id)
+        self._state.progress.forget(pool.name)
         self._state.retire(pool)
         log_pool_deleted(pool)
         manager = pool.manager

@@ -182,6 +182,9 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         if answer.published:
             state.announce(pool)
         program = answer.program
+        state.progress.note_step(
+            pool.name, program.step_seq, program.scheduler_step_seq, program.step_age_s
+        )
         if state.transfer_lease_s and program.alloc_options:
             statuses = answer.outcome.alloc_statuses
             state.track_transfers(pool, _delayed_allocations(program, statuses))

@@ -17,7 +17,7 @@ from kvcm.core.pool_types import ZmqEventStream
 from kvcm.server.kv_events import KvEventNumbering, kv_events_topic
 from kvcm.server.rpc._offloop import OFF_LOOP_STEP, OFF_LOOP_WORK, OffLoopWork
 from kvcm.server.settings import DEFAULT_KV_EVENTS_TOPIC
-from kvcm.server.telemetry import RpcStats
+from kvcm.server.telemetry import RpcStats, StepProgressBook
 from kvcm.v1 import admin_pb2
 
 if TYPE_CHECKING:
@@ -190,6 +190,7 @@ class ServerState:
         subscriber_lease_s: How long an event stream may wait for its reader to accept one
             message before it is ended (0: forever).
         reclaims: Lease reclaims so far, by (pool id, lease kind).
+        progress: Each pool's step progress (the last applied Step's step_seq and age).
         kv_events: The ZMQ KV-event stream (``None``: off, or while a journal is replayed:
             what was published before a restart is replayed on request, not re-sent).
         kv_events_topic: The topic template of the ZMQ stream.
@@ -216,6 +217,7 @@ class ServerState:
     transfer_lease_s: float = 0.0
     subscriber_lease_s: float = 0.0
     reclaims: dict[tuple[str, str], int] = field(default_factory=dict)
+    progress: StepProgressBook = field(default_factory=StepProgressBook)
     clock: AwakeClock = field(default_factory=AwakeClock)
     kv_events: KvEventStream | None = None
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
