@@ -12,6 +12,12 @@ sequence 1 (every block stored and removed, in order), the same free blocks, req
 The server checkpoints every 300 journal records while it serves, so kills land before,
 during and after live checkpoints too. ``KVCM_CRASH_KILLS`` sets the number of kills (3
 here; ``scripts/crash-long.sh`` runs 50).
+
+The second run adds a failing disk: through the journal's test hook
+(``KVCM_JOURNAL_FAULT_FILE``) journal writes and fsyncs fail with ENOSPC or EIO at random
+moments between the kills (live checkpoints fail too). A Step refused that way answers
+UNAVAILABLE and changed nothing; its scheduler retries it; the end state is still exactly the
+acknowledged Steps.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from kvcm.common.hashing import BlockHasher
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.pool import Pool, PoolConfig
 from kvcm.core.program import StepProgram
+from kvcm.server.journal import FAULT_ENV
 from kvcm.wire.events import event_from_proto, events_to_proto
 
 KILLS = int(os.environ.get("KVCM_CRASH_KILLS", "3"))
@@ -72,9 +79,10 @@ def _free_port() -> int:
 class Server:
     """``kvcm serve --data-dir`` in a subprocess, killable and restartable on one port."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, fault_file: Path | None = None) -> None:
         self.address = f"127.0.0.1:{_free_port()}"
         self.data_dir = data_dir
+        self.fault_file = fault_file
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> float:
@@ -84,6 +92,7 @@ class Server:
              "--http-address", "", "--data-dir", str(self.data_dir), "--log-level", "WARNING",
              "--checkpoint-every-records", "300"],
             stdout=subprocess.DEVNULL,
+            env={**os.environ, FAULT_ENV: str(self.fault_file or "")},
         )  # fmt: skip
         with SchedulerClient(self.address, timeout=2.0) as client:
             while True:
@@ -106,9 +115,10 @@ class Server:
             self.process.wait(timeout=15)
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    running = Server(tmp_path / "data")
+@pytest.fixture(params=["healthy disk", "failing disk"])
+def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    faults = tmp_path / "fault" if request.param == "failing disk" else None
+    running = Server(tmp_path / "data", faults)
     running.start()
     try:
         yield running
@@ -147,6 +157,20 @@ def drive(server: Server, scheduler: int, stop: threading.Event, acked: list[int
             give_up_at = time.monotonic() + 120
 
 
+def _run_for(server: Server, rng: random.Random, seconds: float) -> None:
+    """Let the schedulers run ``seconds``; with a fault file, the disk fails now and then
+    (and works again before the server is killed: a start on a failing disk is refused)."""
+    if server.fault_file is None:
+        time.sleep(seconds)
+        return
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        server.fault_file.write_text(rng.choice(["write ENOSPC", "fsync EIO", "any ENOSPC"]))
+        time.sleep(min(left, rng.uniform(0.01, 0.1)))
+        server.fault_file.unlink()
+        time.sleep(min(max(end - time.monotonic(), 0), rng.uniform(0.02, 0.2)))
+
+
 def test_acknowledged_steps_survive_kill_9(server: Server) -> None:
     with SchedulerClient(server.address) as client:
         for index in range(SCHEDULERS):
@@ -162,10 +186,10 @@ def test_acknowledged_steps_survive_kill_9(server: Server) -> None:
     rng = random.Random(7)
     restarts = []
     for _ in range(KILLS):
-        time.sleep(rng.uniform(0.2, 0.8))
+        _run_for(server, rng, rng.uniform(0.2, 0.8))
         server.kill()
         restarts.append(server.start())
-    time.sleep(0.5)
+    _run_for(server, rng, 0.5)
     stop.set()
     for thread in threads:
         thread.join(timeout=60)
