@@ -12,7 +12,7 @@ from kvcm.common.dtypes import DType
 from kvcm.common.errors import InvalidArgumentError, NotFoundError
 from kvcm.common.hashing import BlockHasher, HashAlgorithm, MultiModalFeature
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from kvcm.core.lookup import LookupQuery, PoolHit, PrefixIndex
+from kvcm.core.lookup import LookupQuery, PoolHit, PoolLoad, PrefixIndex
 from kvcm.core.pool import Pool, PoolConfig, PoolRegistry
 from kvcm.core.request import Request
 from kvcm.core.snapshot import decode_pool, encode_pool
@@ -325,3 +325,156 @@ def test_token_prompts_hashed_for_too_many_seeds_are_refused() -> None:
     # One pool's worth is fine (a prompt of 4M tokens: 1M hashes of 4 tokens).
     answer = registry.lookup(LookupQuery(token_ids=prompt[:400_000], pool_ids=["x0"]))
     assert answer.pools[0].num_hit_tokens == 0
+
+
+def _brute_force(
+    pools: list[Pool], prompt: list[int], weight: float, limit: int
+) -> list[tuple[object, ...]]:
+    """The answer by definition: each pool's own hit and load, scored and ranked one by one."""
+    rows = []
+    for pool in pools:
+        assert pool.manager is not None
+        num_hit = _own_hit(pool, prompt)
+        block_pool = pool.manager.block_pool
+        usage = block_pool.get_usage()
+        score = num_hit / len(prompt) - weight * usage
+        num_running = len(pool.manager.coordinator.single_type_managers[0].req_to_blocks)
+        num_waiting = len(pool.requests) - num_running
+        load = PoolLoad(usage, block_pool.get_num_free_blocks(), num_running, max(0, num_waiting))
+        rows.append(((-score, num_waiting, usage, pool.name), (pool.name, num_hit, load, score)))
+    rows.sort(key=lambda row: row[0])
+    return [row[1] for row in rows[: limit or None]]
+
+
+def test_property_answers_equal_a_brute_force_ranking() -> None:
+    """Randomized workloads (evictions by id and by allocation, resets, deletes and
+    re-creations under the same name with another kind, labels): every answer, all pools or
+    the best k, whole or partial scopes, equals the ranking computed pool by pool from each
+    pool's own get_computed_blocks and load, ties included."""
+    rng = random.Random(26)
+    registry = PoolRegistry()
+    kinds = [
+        lambda name, labels: _create(registry, name, [_full()], labels=labels),
+        lambda name, labels: _create(registry, name, [_full()], num_blocks=10, labels=labels),
+        lambda name, labels: _create(registry, name, [_full(8)], labels=labels),
+        lambda name, labels: _create(
+            registry, name, [_full(), _swa()], scheduler_block_size=4, labels=labels
+        ),
+        lambda name, labels: _create(
+            registry, name, [_full()], hash_algorithm=HashAlgorithm.XXHASH, labels=labels
+        ),
+        lambda name, labels: _create(
+            registry, name, [_full()], enable_caching=False, labels=labels
+        ),
+    ]
+    names = [f"p{i:02d}" for i in range(24)]
+
+    def make(name: str) -> Pool:
+        labels = {"role": rng.choice(["prefill", "decode"])}
+        return rng.choice(kinds[:3] if rng.random() < 0.7 else kinds)(name, labels)
+
+    pools = {name: make(name) for name in names}
+    documents = [[rng.randrange(500) for _ in range(rng.randrange(8, 100))] for _ in range(6)]
+    for key in range(1, 601):
+        pool = pools[rng.choice(names)]
+        prompt = rng.choice(documents)[: rng.randrange(1, 100)] + [
+            rng.randrange(500) for _ in range(rng.randrange(0, 6))
+        ]
+        _serve(pool, key, prompt, finish=rng.random() < 0.7)
+        roll = rng.random()
+        if roll < 0.03:  # a pool deleted and re-created (maybe of another kind)
+            name = rng.choice(names)
+            registry.delete(name)
+            pools[name] = make(name)
+        elif roll < 0.08 and pool.manager is not None:  # evictions by block id
+            pool.evict_blocks(rng.sample(range(1, pool.manager.block_pool.num_gpu_blocks), 4))
+        elif roll < 0.09 and pool.manager is not None:
+            for held in list(pool.requests):
+                pool.free(held, preempt=False)
+            assert pool.manager.reset_prefix_cache()
+        if key % 10:
+            continue
+        probe = rng.choice(documents)[: rng.randrange(2, 100)]
+        weight = rng.choice([0.0, 0.5, 3.0])
+        limit = rng.choice([0, 1, 3, 5, 30])
+        scope = rng.random()
+        if scope < 0.5:
+            query = LookupQuery(token_ids=probe, load_weight=weight, max_results=limit)
+            chosen = [pools[name] for name in names]
+        elif scope < 0.8:
+            picked = rng.sample(names, rng.randrange(1, len(names)))
+            query = LookupQuery(
+                token_ids=probe, pool_ids=picked, load_weight=weight, max_results=limit
+            )
+            chosen = [pools[name] for name in picked]
+        else:
+            role = rng.choice(["prefill", "decode"])
+            query = LookupQuery(
+                token_ids=probe, labels={"role": role}, load_weight=weight, max_results=limit
+            )
+            chosen = [pools[n] for n in names if pools[n].options.labels["role"] == role]
+        answer = registry.lookup(query)
+        got = [(h.pool_id, h.num_hit_tokens, h.load, h.score) for h in answer.pools]
+        assert got == _brute_force(chosen, probe, weight, limit)
+        assert answer.skipped == ()
+        assert answer.num_pools_in_scope == len(chosen)
+        for hit in answer.pools:
+            assert hit.num_tokens == len(probe)
+            assert hit.tier_hit_tokens == {"GPU": hit.num_hit_tokens}
+            if len(hit.group_hit_tokens) == 1:
+                assert hit.group_hit_tokens == (hit.num_hit_tokens,)
+        # The same prompt already hashed, over the pools sharing the first pool's hashing.
+        first = chosen[0]
+        alike = [p for p in chosen if p.hashing == first.hashing]
+        raw = b"".join(_hashes(first, probe))
+        hashed = registry.lookup(
+            LookupQuery(
+                block_hashes=raw,
+                num_tokens=len(probe),
+                pool_ids=[p.name for p in alike],
+                load_weight=weight,
+                max_results=limit,
+            )
+        )
+        got = [(h.pool_id, h.num_hit_tokens, h.load, h.score) for h in hashed.pools]
+        assert got == _brute_force(alike, probe, weight, limit)
+    # Everything left indexed is exactly the indexed pools' caches.
+    expected: dict[bytes, int] = {}
+    for pool in pools.values():
+        slot = registry.index.slot(pool)
+        if slot is not None:
+            assert pool.manager is not None
+            for cache_key in pool.manager.block_pool.cached_block_ids():
+                expected[cache_key] = expected.get(cache_key, 0) | 1 << slot
+    assert registry.index._keys == expected
+
+
+def test_packed_answers_decode_to_the_same_answer() -> None:
+    """The packed wire form (columns) decodes to the answer the PoolHit messages give, for an
+    answer mixing single- and multi-group pools, an empty one, and a misaligned one refused."""
+    from kvcm.core.lookup import LookupAnswer
+    from kvcm.v1 import lookup_pb2
+    from kvcm.wire.lookup import lookup_result_from_proto, lookup_result_to_proto
+
+    registry = PoolRegistry()
+    full = _create(registry, "full", [_full()])
+    hybrid = _create(registry, "hybrid", [_full(), _swa()], scheduler_block_size=4)
+    _create(registry, "idle", [_full()])
+    prompt = list(range(30))
+    _serve(full, 1, prompt, finish=False)
+    _serve(hybrid, 2, prompt)
+    answer = registry.lookup(LookupQuery(token_ids=prompt))
+    assert len(answer.pools) == 3
+    assert {len(hit.group_hit_tokens) for hit in answer.pools} == {1, 2}
+    for result in (answer, LookupAnswer((), (("x", "busy"),), 1)):
+        packed = lookup_result_to_proto(result, packed=True)
+        assert not packed.pools
+        assert packed.HasField("packed")
+        wire = lookup_pb2.LookupResponse.FromString(packed.SerializeToString())
+        assert lookup_result_from_proto(wire) == result
+        plain = lookup_result_from_proto(lookup_result_to_proto(result))
+        assert plain == result
+    broken = lookup_result_to_proto(answer, packed=True)
+    broken.packed.num_waiting.pop()
+    with pytest.raises(InvalidArgumentError, match="packed"):
+        lookup_result_from_proto(broken)

@@ -27,8 +27,12 @@ from __future__ import annotations
 import heapq
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from bisect import insort
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice, repeat
+from operator import attrgetter, itemgetter
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias
 
 from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
@@ -87,22 +91,73 @@ def _indexable(manager: KVCacheManager) -> bool:
     )
 
 
+KindKey: TypeAlias = tuple[Profile, int]
+"""Indexed pools answered alike: hashing parameters and ``max_model_len``."""
+
+
+class _Member:
+    """An indexed pool, with what answering it reads kept at hand (no per-query gathering)."""
+
+    __slots__ = (
+        "bit",
+        "block_pool",
+        "block_size",
+        "kind",
+        "medium",
+        "name",
+        "num_usable",
+        "pool",
+        "slot",
+        "stm",
+    )
+
+    def __init__(self, pool: Pool, manager: KVCacheManager, slot: int, kind: _Kind) -> None:
+        self.pool = pool
+        self.name = pool.name
+        self.slot = slot
+        self.bit = 1 << slot
+        self.kind = kind
+        block_pool = manager.block_pool
+        self.block_pool = block_pool
+        self.num_usable = block_pool.num_gpu_blocks - 1
+        self.medium = block_pool.medium
+        self.stm = manager.coordinator.single_type_managers[0]
+        self.block_size = pool.hashing.hash_block_size
+
+
+class _Kind:
+    """The indexed pools of one :data:`KindKey`: their members and the mask of their bits."""
+
+    __slots__ = ("key", "mask", "members")
+
+    # NOTE: members are kept sorted by name.
+
+    def __init__(self, key: KindKey) -> None:
+        self.key = key
+        self.mask = 0
+        self.members: list[_Member] = []
+
+
 class PrefixIndex:
     """Cache key -> bitmask of the pools caching it, over every indexed pool of a registry.
 
     Each indexed pool holds one bit (slots are reused, lowest first, so masks stay short).
     Pools change their bits from whatever thread runs them, under the index's lock; readers
-    take single ``dict.get`` reads (atomic) and need no lock.
+    take single ``dict.get`` reads (atomic) and need no lock. Besides the keys, the index
+    keeps per pool what an answer reads (:class:`_Member`) and, per kind of pool, the members
+    and the mask of their bits, so a query over whole kinds builds nothing pool by pool.
     """
 
-    __slots__ = ("_by_name", "_keys", "_lock", "_slots")
+    __slots__ = ("_by_name", "_by_pool", "_keys", "_kinds", "_lock", "_slots")
 
     def __init__(self) -> None:
         """An empty index."""
         self._keys: dict[BlockHashWithGroupId, int] = {}
         self._lock = threading.Lock()
-        self._slots: list[Pool | None] = []
-        self._by_name: dict[str, int] = {}
+        self._slots: list[_Member | None] = []
+        self._by_name: dict[str, _Member] = {}
+        self._by_pool: dict[Pool, _Member] = {}  # identity keys: a replaced pool misses
+        self._kinds: dict[KindKey, _Kind] = {}
 
     def __len__(self) -> int:
         """Distinct keys cached by at least one indexed pool."""
@@ -119,35 +174,50 @@ class PrefixIndex:
 
         ``None``: the pool is not indexed (it is answered by its own coordinator).
         """
-        slot = self._by_name.get(pool.name)
-        if slot is not None and self._slots[slot] is pool:
-            return slot
+        member = self._member(pool)
+        return None if member is None else member.slot
+
+    def _member(self, pool: Pool) -> _Member | None:
+        member = self._by_pool.get(pool)
+        if member is not None:
+            return member
         manager = pool.manager
         if manager is None or pool.lent or not _indexable(manager):
             # A lent pool changes in another thread: its keys cannot be copied now (it is
             # indexed at a later lookup; this one answers it as busy).
             return None
-        if slot is not None:
-            self.remove(pool.name)  # a new incarnation under the same name
+        self.remove(pool.name)  # a former incarnation under the same name, if any
         try:
             slot = self._slots.index(None)
         except ValueError:
             slot = len(self._slots)
             self._slots.append(None)
-        self._slots[slot] = pool
-        self._by_name[pool.name] = slot
-        manager.block_pool.attach_index(self._keys, 1 << slot, self._lock)
-        return slot
+        key = (_profile(pool), pool.max_model_len)
+        kind = self._kinds.get(key)
+        if kind is None:
+            kind = self._kinds[key] = _Kind(key)
+        member = _Member(pool, manager, slot, kind)
+        self._slots[slot] = member
+        self._by_name[pool.name] = member
+        self._by_pool[pool] = member
+        insort(kind.members, member, key=_NAME)  # answers sort by name last (_ranked_all)
+        kind.mask |= member.bit
+        manager.block_pool.attach_index(self._keys, member.bit, self._lock)
+        return member
 
     def remove(self, name: str) -> None:
         """Stop indexing the pool called ``name`` (nothing if it is not indexed)."""
-        slot = self._by_name.pop(name, None)
-        if slot is None:
+        member = self._by_name.pop(name, None)
+        if member is None:
             return
-        pool = self._slots[slot]
-        self._slots[slot] = None
-        if pool is not None and pool.manager is not None:
-            pool.manager.block_pool.detach_index()
+        del self._by_pool[member.pool]
+        self._slots[member.slot] = None
+        kind = member.kind
+        kind.members.remove(member)
+        kind.mask &= ~member.bit
+        if not kind.members:
+            del self._kinds[kind.key]
+        member.block_pool.detach_index()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -389,58 +459,44 @@ def lookup(
     ``hashed``: the prompt's hashes from :func:`hash_prompt` (parameter sets it lacks are
     hashed here). A pool being changed in another thread (a Step in its lane) is answered from
     the index at some point of that change when it is indexed, and skipped as busy otherwise.
+
+    Cost: one dictionary read per pool in scope to sort it into kinds; one walk over the
+    prompt's blocks per hashing profile (bit operations over the pools still matching, stopped
+    at the first block none of them caches); then only the pools answered are scored (with
+    ``max_results``, pools that cannot enter the top are never read).
     """
-    skipped: list[tuple[str, str]] = []
-    # name -> (pool, hit tokens, per-group hits, prompt tokens)
-    hits: dict[str, tuple[Pool, int, tuple[int, ...], int]] = {}
-    # Pools sharing hashing parameters share the prompt's hashes (hashed or split once).
-    profiles: dict[Profile, tuple[Sequence[BlockHash], int]] = {}
-    walks: dict[Profile, list[tuple[int, Pool]]] = {}
-    ready = PoolState.READY
-    token_ids = query.token_ids
-    slot_of = index.slot
-    for pool in pools:
-        manager = pool.manager
-        if manager is None or pool.state is not ready:
-            skipped.append((pool.name, "not ready: workers have not registered"))
+    kinds, others = _sort_scope(pools, index)
+    prompts = _Prompts(query, hashed)
+    skipped: list[tuple[Pool, str]] = []
+    groups: dict[Profile, _Group] = {}
+    for kind, members in kinds:
+        reason = _kind_reason(members[0], query, prompts)
+        if reason:
+            skipped.extend((member.pool, reason) for member in members)
             continue
-        if token_ids is not None and len(token_ids) > pool.max_model_len:
-            skipped.append(
-                (
-                    pool.name,
-                    f"prompt of {len(token_ids)} tokens exceeds max_model_len {pool.max_model_len}",
-                )
-            )
-            continue
-        profile = _profile(pool)
-        known = profiles.get(profile)
-        if known is None:
-            hashes = None if hashed is None else hashed.get(profile)
-            if hashes is None:
-                hashes = _prompt_hashes(pool, query)
-            known = profiles[profile] = (
-                hashes,
-                _num_tokens(query, len(hashes), profile[2]),
-            )
-        hashes, num_tokens = known
-        if token_ids is None:
-            reason = _unanswerable(pool, query, num_tokens, len(hashes))
-            if reason:
-                skipped.append((pool.name, reason))
-                continue
-        slot = slot_of(pool)
-        if slot is not None:
-            walks.setdefault(profile, []).append((slot, pool))
-            continue
-        if pool.lent:
-            skipped.append((pool.name, "busy: a long call is running on it"))
-            continue
-        hits[pool.name] = (pool, *_coordinator_hit(manager, hashes, num_tokens))
-    for shared, members in walks.items():
-        hashes, num_tokens = profiles[shared]
-        _walk(index, hashes, num_tokens, members, hits)
-    ranked = _ranked(hits.values(), query.load_weight, query.max_results)
-    return LookupAnswer(tuple(ranked), tuple(skipped), len(pools))
+        if len(members) == len(kind.members):
+            mask = kind.mask  # the whole kind is in scope
+        else:
+            mask = 0
+            for member in members:
+                mask |= member.bit
+        profile = kind.key[0]
+        group = groups.get(profile)
+        if group is None:
+            hashes, num_tokens = prompts.get(members[0].pool)
+            groups[profile] = _Group(hashes, num_tokens, members, mask)
+        else:
+            group.members = group.members + members
+            group.mask |= mask
+    rows = _direct_rows(others, query, prompts, skipped) if others else []
+    for group in groups.values():
+        group.levels = _walk(index._keys, group)
+    limit = query.max_results
+    if limit and limit < len(rows) + sum(len(group.members) for group in groups.values()):
+        ranked = _top(groups.values(), index._slots, rows, query.load_weight, limit)
+    else:
+        ranked = _ranked_all(groups.values(), rows, query.load_weight)
+    return LookupAnswer(ranked, _in_scope_order(pools, skipped), len(pools))
 
 
 # ------------------------------------------------------------------------------- internals
@@ -505,86 +561,306 @@ def _coordinator_hit(
     return hit.num_tokens, per_group, num_tokens
 
 
-def _walk(
-    index: PrefixIndex,
-    hashes: Sequence[BlockHash],
-    num_tokens: int,
-    members: list[tuple[int, Pool]],
-    hits: dict[str, tuple[Pool, int, tuple[int, ...], int]],
-) -> None:
-    """Hits of indexed pools sharing ``hashes``: one pass over the blocks, bitmask per block.
+def _sort_scope(
+    pools: Sequence[Pool], index: PrefixIndex
+) -> tuple[list[tuple[_Kind, list[_Member]]], list[Pool]]:
+    """The scope's indexed pools by kind, and the others (indexing those that can be now).
 
-    Indexed pools hash at their block size, so one profile means one block size and one cap.
+    A scope holding every indexed pool (the common "all pools" query) reuses each kind's own
+    member list: one C-level pass of dictionary reads, no grouping.
     """
-    block_size = members[0][1].hashing.hash_block_size
-    max_blocks = min((num_tokens - 1) // block_size, len(hashes))
-    mask = 0
-    for slot, _ in members:
-        mask |= 1 << slot
-    # NOTE: a pool leaves the mask at the first block it misses; its hit is the blocks before.
-    reached: dict[int, int] = {}
-    get = index._keys.get
-    suffix = _GROUP0_SUFFIX
-    i = 0
-    while i < max_blocks and mask:
-        holders = get(hashes[i] + suffix, 0)  # type: ignore[call-overload]
-        kept = mask & holders
-        if kept != mask and i:
-            dropped = mask ^ kept
-            while dropped:
-                low = dropped & -dropped
-                reached[low.bit_length() - 1] = i
-                dropped ^= low
-        mask = kept
-        i += 1
-    while mask:
-        low = mask & -mask
-        reached[low.bit_length() - 1] = i
-        mask ^= low
-    for slot, pool in members:
-        num_hit = reached.get(slot, 0) * block_size
-        hits[pool.name] = (pool, num_hit, (num_hit,), num_tokens)
+    found = list(map(index._by_pool.get, pools))
+    if len(found) == index.num_pools and None not in found:
+        return [(kind, kind.members) for kind in index._kinds.values()], []
+    by_kind: dict[_Kind, list[_Member]] = {}
+    others: list[Pool] = []
+    admit = index._member
+    for pool, known in zip(pools, found, strict=True):
+        member = admit(pool) if known is None else known
+        if member is None:
+            others.append(pool)
+            continue
+        members = by_kind.get(member.kind)
+        if members is None:
+            by_kind[member.kind] = [member]
+        else:
+            members.append(member)
+    return list(by_kind.items()), others
 
 
-def _ranked(
-    hits: Iterable[tuple[Pool, int, tuple[int, ...], int]], load_weight: float, limit: int
-) -> list[PoolHit]:
-    """Answers, best first (at most ``limit``; 0: all); only returned ones are built."""
-    rows = []
-    for pool, num_hit, per_group, num_tokens in hits:
-        block_pool = pool.manager.block_pool  # type: ignore[union-attr]
+class _Prompts:
+    """The prompt's hashes and length per hashing profile, hashed or split once each."""
+
+    __slots__ = ("_hashed", "_known", "_query")
+
+    def __init__(
+        self, query: LookupQuery, hashed: Mapping[Profile, Sequence[BlockHash]] | None
+    ) -> None:
+        self._query = query
+        self._hashed = hashed
+        self._known: dict[Profile, tuple[Sequence[BlockHash], int]] = {}
+
+    def get(self, pool: Pool) -> tuple[Sequence[BlockHash], int]:
+        """The hashes for ``pool``'s profile and the prompt's length as the pool judges it."""
+        profile = _profile(pool)
+        known = self._known.get(profile)
+        if known is None:
+            hashes = None if self._hashed is None else self._hashed.get(profile)
+            if hashes is None:
+                hashes = _prompt_hashes(pool, self._query)
+            known = (hashes, _num_tokens(self._query, len(hashes), profile[2]))
+            self._known[profile] = known
+        return known
+
+
+class _Group:
+    """Indexed pools in scope sharing a hashing profile: one walk answers them all."""
+
+    __slots__ = ("block_size", "hashes", "levels", "mask", "members", "num_tokens")
+
+    def __init__(
+        self, hashes: Sequence[BlockHash], num_tokens: int, members: list[_Member], mask: int
+    ) -> None:
+        self.hashes = hashes
+        self.num_tokens = num_tokens
+        self.members = members
+        self.mask = mask
+        # Indexed pools hash at their block size, so one profile means one block size.
+        self.block_size = members[0].block_size
+        self.levels: list[tuple[int, int]] = []
+
+
+def _kind_reason(member: _Member, query: LookupQuery, prompts: _Prompts) -> str:
+    """Why a kind's pools cannot be answered ("" if they can); checks the prompt's length
+    against max_model_len before hashing a token prompt."""
+    pool = member.pool
+    token_ids = query.token_ids
+    if token_ids is not None and len(token_ids) > pool.max_model_len:
+        return f"prompt of {len(token_ids)} tokens exceeds max_model_len {pool.max_model_len}"
+    hashes, num_tokens = prompts.get(pool)
+    return _unanswerable(pool, query, num_tokens, len(hashes))
+
+
+# A row: the rank key (negated score, waiting requests, usage, pool id), then the answer.
+_Row: TypeAlias = tuple[float, int, float, str, PoolHit]
+_new = tuple.__new__
+
+
+def _direct_rows(
+    others: list[Pool],
+    query: LookupQuery,
+    prompts: _Prompts,
+    skipped: list[tuple[Pool, str]],
+) -> list[_Row]:
+    """Rows of the pools the index does not hold, each answered by its own coordinator."""
+    rows: list[_Row] = []
+    ready = PoolState.READY
+    token_ids = query.token_ids
+    weight = query.load_weight
+    for pool in others:
+        manager = pool.manager
+        if manager is None or pool.state is not ready:
+            skipped.append((pool, "not ready: workers have not registered"))
+            continue
+        if token_ids is not None and len(token_ids) > pool.max_model_len:
+            skipped.append(
+                (
+                    pool,
+                    f"prompt of {len(token_ids)} tokens exceeds max_model_len {pool.max_model_len}",
+                )
+            )
+            continue
+        hashes, num_tokens = prompts.get(pool)
+        if token_ids is None:
+            reason = _unanswerable(pool, query, num_tokens, len(hashes))
+            if reason:
+                skipped.append((pool, reason))
+                continue
+        if pool.lent:
+            skipped.append((pool, "busy: a long call is running on it"))
+            continue
+        num_hit, per_group, num_tokens = _coordinator_hit(manager, hashes, num_tokens)
+        block_pool = manager.block_pool
         usage = block_pool.get_usage()
-        score = num_hit / num_tokens - load_weight * usage
-        num_running = len(pool.manager.coordinator.single_type_managers[0].req_to_blocks)  # type: ignore[union-attr]
+        score = num_hit / num_tokens - weight * usage
+        num_running = len(manager.coordinator.single_type_managers[0].req_to_blocks)
         num_waiting = len(pool.requests) - num_running
-        rows.append((-score, num_waiting, usage, pool.name, pool, num_hit, per_group, num_tokens))
-    if limit and limit < len(rows):
-        chosen = heapq.nsmallest(limit, rows, key=_rank_key)
-    else:
-        rows.sort(key=_rank_key)
-        chosen = rows
-    answers = []
-    for negative, num_waiting, usage, name, pool, num_hit, per_group, num_tokens in chosen:
-        block_pool = pool.manager.block_pool  # type: ignore[union-attr]
-        load = PoolLoad(
-            usage,
-            block_pool.get_num_free_blocks(),
-            len(pool.requests) - num_waiting,
-            max(0, num_waiting),
+        load = _new(
+            PoolLoad, (usage, block_pool.get_num_free_blocks(), num_running, max(0, num_waiting))
         )
-        answers.append(
-            PoolHit(
-                name,
+        hit = _new(
+            PoolHit,
+            (
+                pool.name,
                 num_hit,
                 per_group,
-                {block_pool.medium: num_hit},
+                MappingProxyType({block_pool.medium: num_hit}),
                 num_tokens,
                 load,
-                -negative,
-            )
+                score,
+            ),
         )
-    return answers
+        rows.append((-score, num_waiting, usage, pool.name, hit))
+    return rows
 
 
-def _rank_key(row: tuple[object, ...]) -> tuple[object, ...]:
-    return row[:4]
+def _walk(keys: Mapping[BlockHashWithGroupId, int], group: _Group) -> list[tuple[int, int]]:
+    """The walk of a group: ``(blocks hit, mask of the pools hitting exactly that many)``.
+
+    One pass over the prompt's blocks, a dictionary read and a bit operation each, stopped at
+    the first block no pool of the group still matching caches. A pool leaves the mask at the
+    first block it misses; its hit is the blocks before.
+    """
+    hashes = group.hashes
+    max_blocks = min((group.num_tokens - 1) // group.block_size, len(hashes))
+    mask = group.mask
+    levels: list[tuple[int, int]] = []
+    # The keys (hash + group 0's suffix) and their holders are produced in C, block by block.
+    get: Callable[[bytes, int], int] = keys.get  # type: ignore[assignment]
+    found = map(
+        get, map(bytes.__add__, islice(hashes, max_blocks), repeat(_GROUP0_SUFFIX)), repeat(0)
+    )
+    for depth, holders in enumerate(found):
+        kept = mask & holders
+        if kept != mask:
+            levels.append((depth, mask ^ kept))
+            mask = kept
+            if not kept:
+                return levels
+    if mask:
+        levels.append((max_blocks, mask))
+    return levels
+
+
+def _slots_of(mask: int) -> list[int]:
+    """The set bits of ``mask`` (found by a C scan of its binary text, not bit by bit)."""
+    text = bin(mask)
+    last = len(text) - 1  # the character of bit 0
+    slots = []
+    position = text.find("1", 2)
+    while position >= 0:
+        slots.append(last - position)
+        position = text.find("1", position + 1)
+    return slots
+
+
+def _hit_parts(
+    parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]], num_hit: int, medium: str
+) -> tuple[tuple[int, ...], Mapping[str, int]]:
+    """``(group_hit_tokens, tier_hit_tokens)`` of an indexed pool's hit, shared by the pools
+    of one answer with the same hit (both immutable: a tuple and a read-only mapping)."""
+    shared = parts.get(num_hit)
+    if shared is None or medium not in shared[1]:
+        shared = parts[num_hit] = ((num_hit,), MappingProxyType({medium: num_hit}))
+    return shared
+
+
+def _member_row(
+    member: _Member,
+    num_hit: int,
+    num_tokens: int,
+    weight: float,
+    parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]],
+) -> _Row:
+    # NOTE: _ranked_all inlines this (its loop is the cost of an all-pools answer).
+    num_free = member.block_pool.free_block_queue.num_free_blocks
+    num_usable = member.num_usable
+    usage = 1.0 - num_free / num_usable if num_usable else 0.0
+    score = num_hit / num_tokens - weight * usage
+    num_running = len(member.stm.req_to_blocks)
+    num_waiting = len(member.pool.requests) - num_running
+    load = _new(PoolLoad, (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0))
+    groups, tiers = _hit_parts(parts, num_hit, member.medium)
+    hit = _new(PoolHit, (member.name, num_hit, groups, tiers, num_tokens, load, score))
+    return (-score, num_waiting, usage, member.name, hit)
+
+
+def _ranked_all(groups: Iterable[_Group], rows: list[_Row], weight: float) -> tuple[PoolHit, ...]:
+    """Every pool answered, best first."""
+    append = rows.append
+    new = _new
+    parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]] = {}
+    for group in groups:
+        num_tokens = group.num_tokens
+        block_size = group.block_size
+        hit_of: dict[int, int] = {}  # slot -> hit tokens, pools with a hit only
+        for num_blocks, mask in group.levels:
+            if num_blocks:
+                num_hit = num_blocks * block_size
+                for slot in _slots_of(mask):
+                    hit_of[slot] = num_hit
+        get = hit_of.get
+        for member in group.members:
+            num_hit = get(member.slot, 0)
+            num_free = member.block_pool.free_block_queue.num_free_blocks
+            num_usable = member.num_usable
+            usage = 1.0 - num_free / num_usable if num_usable else 0.0
+            score = num_hit / num_tokens - weight * usage
+            num_running = len(member.stm.req_to_blocks)
+            num_waiting = len(member.pool.requests) - num_running
+            name = member.name
+            shared = parts.get(num_hit)
+            if shared is None or member.medium not in shared[1]:
+                shared = _hit_parts(parts, num_hit, member.medium)
+            load = (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0)
+            hit = (name, num_hit, *shared, num_tokens, new(PoolLoad, load), score)
+            append((-score, num_waiting, usage, name, new(PoolHit, hit)))
+    # Stable passes, least significant key first: each sorts one float, int or str column
+    # (specialized comparisons), where one pass over whole rows compares tuples element by
+    # element. Members come in name order (see _Kind), so the first pass is linear.
+    for column in _RANK_COLUMNS:
+        rows.sort(key=column)
+    return tuple(map(_ANSWER, rows))
+
+
+def _top(
+    groups: Iterable[_Group],
+    slots: Sequence[_Member | None],
+    rows: list[_Row],
+    weight: float,
+    limit: int,
+) -> tuple[PoolHit, ...]:
+    """The best ``limit`` pools; pools that cannot enter the top are never scored.
+
+    A pool's score is at most its hit fraction (usage >= 0), so levels are expanded from the
+    deepest hit fraction down, and the expansion stops once the ``limit``-th best score is
+    above the next level's hit fraction.
+    """
+    levels = sorted(
+        (
+            (num_blocks * group.block_size / group.num_tokens, num_blocks, mask, group)
+            for group in groups
+            for num_blocks, mask in group.levels
+        ),
+        key=_FIRST,
+        reverse=True,
+    )
+    parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]] = {}
+    for bound, num_blocks, mask, group in levels:
+        if len(rows) >= limit:
+            rows = heapq.nsmallest(limit, rows)
+            if -rows[-1][0] > bound:
+                break
+        num_hit = num_blocks * group.block_size
+        num_tokens = group.num_tokens
+        for slot in _slots_of(mask):
+            member = slots[slot]
+            assert member is not None
+            rows.append(_member_row(member, num_hit, num_tokens, weight, parts))
+    return tuple(map(_ANSWER, heapq.nsmallest(limit, rows)))
+
+
+_ANSWER = itemgetter(4)
+_NAME = attrgetter("name")
+_RANK_COLUMNS = (itemgetter(3), itemgetter(2), itemgetter(1), itemgetter(0))
+_FIRST = itemgetter(0)
+
+
+def _in_scope_order(
+    pools: Sequence[Pool], skipped: list[tuple[Pool, str]]
+) -> tuple[tuple[str, str], ...]:
+    if not skipped:
+        return ()
+    position = {id(pool): index for index, pool in enumerate(pools)}
+    skipped.sort(key=lambda item: position[id(item[0])])
+    return tuple((pool.name, reason) for pool, reason in skipped)

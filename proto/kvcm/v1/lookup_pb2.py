@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvcm.v1 import scheduler_pb2 as kvcm_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvcm/v1/lookup.proto\x12\x07kvcm.v1\x1a\x17kvcm/v1/scheduler.proto\"\xcc\x01\n\rLookupRequest\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.kvcm.v1.TokenPromptH\x00\x12%\n\x06hashes\x18\x02 \x01(\x0b\x32\x13.kvcm.v1.HashPromptH\x00\x12#\n\x05scope\x18\x03 \x01(\x0b\x32\x14.kvcm.v1.LookupScope\x12\x18\n\x0bload_weight\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0bmax_results\x18\x05 \x01(\rB\x08\n\x06promptB\x0e\n\x0c_load_weight\"\xc5\x01\n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x16\n\tlora_name\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tlora_path\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x02\x88\x01\x01\x12/\n\x0bmm_features\x18\x05 \x03(\x0b\x32\x1a.kvcm.v1.MultiModalFeatureB\x0c\n\n_lora_nameB\x0c\n\n_lora_pathB\r\n\x0b_cache_salt\"6\n\nHashPrompt\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"\x80\x01\n\x0bLookupScope\x12\x10\n\x08pool_ids\x18\x01 \x03(\t\x12\x30\n\x06labels\x18\x02 \x03(\x0b\x32 .kvcm.v1.LookupScope.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x08PoolLoad\x12\r\n\x05usage\x18\x01 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x04\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\"\x84\x02\n\x07PoolHit\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x16\n\x0enum_hit_tokens\x18\x02 \x01(\x04\x12\x18\n\x10group_hit_tokens\x18\x03 \x03(\x04\x12<\n\x0ftier_hit_tokens\x18\x04 \x03(\x0b\x32#.kvcm.v1.PoolHit.TierHitTokensEntry\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x1f\n\x04load\x18\x06 \x01(\x0b\x32\x11.kvcm.v1.PoolLoad\x12\r\n\x05score\x18\x07 \x01(\x01\x1a\x34\n\x12TierHitTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\".\n\x0bSkippedPool\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"t\n\x0eLookupResponse\x12\x1f\n\x05pools\x18\x01 \x03(\x0b\x32\x10.kvcm.v1.PoolHit\x12%\n\x07skipped\x18\x02 \x03(\x0b\x32\x14.kvcm.v1.SkippedPool\x12\x1a\n\x12num_pools_in_scope\x18\x03 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvcm/v1/lookup.proto\x12\x07kvcm.v1\x1a\x17kvcm/v1/scheduler.proto\"\xdc\x01\n\rLookupRequest\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.kvcm.v1.TokenPromptH\x00\x12%\n\x06hashes\x18\x02 \x01(\x0b\x32\x13.kvcm.v1.HashPromptH\x00\x12#\n\x05scope\x18\x03 \x01(\x0b\x32\x14.kvcm.v1.LookupScope\x12\x18\n\x0bload_weight\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0bmax_results\x18\x05 \x01(\r\x12\x0e\n\x06packed\x18\x06 \x01(\x08\x42\x08\n\x06promptB\x0e\n\x0c_load_weight\"\xc5\x01\n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x16\n\tlora_name\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tlora_path\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x02\x88\x01\x01\x12/\n\x0bmm_features\x18\x05 \x03(\x0b\x32\x1a.kvcm.v1.MultiModalFeatureB\x0c\n\n_lora_nameB\x0c\n\n_lora_pathB\r\n\x0b_cache_salt\"6\n\nHashPrompt\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"\x80\x01\n\x0bLookupScope\x12\x10\n\x08pool_ids\x18\x01 \x03(\t\x12\x30\n\x06labels\x18\x02 \x03(\x0b\x32 .kvcm.v1.LookupScope.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x08PoolLoad\x12\r\n\x05usage\x18\x01 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x04\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\"\x84\x02\n\x07PoolHit\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x16\n\x0enum_hit_tokens\x18\x02 \x01(\x04\x12\x18\n\x10group_hit_tokens\x18\x03 \x03(\x04\x12<\n\x0ftier_hit_tokens\x18\x04 \x03(\x0b\x32#.kvcm.v1.PoolHit.TierHitTokensEntry\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x1f\n\x04load\x18\x06 \x01(\x0b\x32\x11.kvcm.v1.PoolLoad\x12\r\n\x05score\x18\x07 \x01(\x01\x1a\x34\n\x12TierHitTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\".\n\x0bSkippedPool\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x96\x02\n\x0ePackedPoolHits\x12\x0f\n\x07pool_id\x18\x01 \x03(\t\x12\x16\n\x0enum_hit_tokens\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x03(\x04\x12\r\n\x05score\x18\x04 \x03(\x01\x12\r\n\x05usage\x18\x05 \x03(\x01\x12\x17\n\x0fnum_free_blocks\x18\x06 \x03(\x04\x12\x13\n\x0bnum_running\x18\x07 \x03(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x03(\r\x12\x12\n\nnum_groups\x18\t \x03(\r\x12\x18\n\x10group_hit_tokens\x18\n \x03(\x04\x12\x11\n\tnum_tiers\x18\x0b \x03(\r\x12\x0c\n\x04tier\x18\x0c \x03(\t\x12\x17\n\x0ftier_hit_tokens\x18\r \x03(\x04\"\x9d\x01\n\x0eLookupResponse\x12\x1f\n\x05pools\x18\x01 \x03(\x0b\x32\x10.kvcm.v1.PoolHit\x12%\n\x07skipped\x18\x02 \x03(\x0b\x32\x14.kvcm.v1.SkippedPool\x12\x1a\n\x12num_pools_in_scope\x18\x03 \x01(\r\x12\'\n\x06packed\x18\x04 \x01(\x0b\x32\x17.kvcm.v1.PackedPoolHitsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOLHIT_TIERHITTOKENSENTRY']._loaded_options = None
   _globals['_POOLHIT_TIERHITTOKENSENTRY']._serialized_options = b'8\001'
   _globals['_LOOKUPREQUEST']._serialized_start=59
-  _globals['_LOOKUPREQUEST']._serialized_end=263
-  _globals['_TOKENPROMPT']._serialized_start=266
-  _globals['_TOKENPROMPT']._serialized_end=463
-  _globals['_HASHPROMPT']._serialized_start=465
-  _globals['_HASHPROMPT']._serialized_end=519
-  _globals['_LOOKUPSCOPE']._serialized_start=522
-  _globals['_LOOKUPSCOPE']._serialized_end=650
-  _globals['_LOOKUPSCOPE_LABELSENTRY']._serialized_start=605
-  _globals['_LOOKUPSCOPE_LABELSENTRY']._serialized_end=650
-  _globals['_POOLLOAD']._serialized_start=652
-  _globals['_POOLLOAD']._serialized_end=744
-  _globals['_POOLHIT']._serialized_start=747
-  _globals['_POOLHIT']._serialized_end=1007
-  _globals['_POOLHIT_TIERHITTOKENSENTRY']._serialized_start=955
-  _globals['_POOLHIT_TIERHITTOKENSENTRY']._serialized_end=1007
-  _globals['_SKIPPEDPOOL']._serialized_start=1009
-  _globals['_SKIPPEDPOOL']._serialized_end=1055
-  _globals['_LOOKUPRESPONSE']._serialized_start=1057
-  _globals['_LOOKUPRESPONSE']._serialized_end=1173
+  _globals['_LOOKUPREQUEST']._serialized_end=279
+  _globals['_TOKENPROMPT']._serialized_start=282
+  _globals['_TOKENPROMPT']._serialized_end=479
+  _globals['_HASHPROMPT']._serialized_start=481
+  _globals['_HASHPROMPT']._serialized_end=535
+  _globals['_LOOKUPSCOPE']._serialized_start=538
+  _globals['_LOOKUPSCOPE']._serialized_end=666
+  _globals['_LOOKUPSCOPE_LABELSENTRY']._serialized_start=621
+  _globals['_LOOKUPSCOPE_LABELSENTRY']._serialized_end=666
+  _globals['_POOLLOAD']._serialized_start=668
+  _globals['_POOLLOAD']._serialized_end=760
+  _globals['_POOLHIT']._serialized_start=763
+  _globals['_POOLHIT']._serialized_end=1023
+  _globals['_POOLHIT_TIERHITTOKENSENTRY']._serialized_start=971
+  _globals['_POOLHIT_TIERHITTOKENSENTRY']._serialized_end=1023
+  _globals['_SKIPPEDPOOL']._serialized_start=1025
+  _globals['_SKIPPEDPOOL']._serialized_end=1071
+  _globals['_PACKEDPOOLHITS']._serialized_start=1074
+  _globals['_PACKEDPOOLHITS']._serialized_end=1352
+  _globals['_LOOKUPRESPONSE']._serialized_start=1355
+  _globals['_LOOKUPRESPONSE']._serialized_end=1512
 # @@protoc_insertion_point(module_scope)

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LookupRequest(_message.Message):
-    __slots__ = ("tokens", "hashes", "scope", "load_weight", "max_results")
+    __slots__ = ("tokens", "hashes", "scope", "load_weight", "max_results", "packed")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     LOAD_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenPrompt
     hashes: HashPrompt
     scope: LookupScope
     load_weight: float
     max_results: int
-    def __init__(self, tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., hashes: _Optional[_Union[HashPrompt, _Mapping]] = ..., scope: _Optional[_Union[LookupScope, _Mapping]] = ..., load_weight: _Optional[float] = ..., max_results: _Optional[int] = ...) -> None: ...
+    packed: bool
+    def __init__(self, tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., hashes: _Optional[_Union[HashPrompt, _Mapping]] = ..., scope: _Optional[_Union[LookupScope, _Mapping]] = ..., load_weight: _Optional[float] = ..., max_results: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class TokenPrompt(_message.Message):
     __slots__ = ("token_ids", "lora_name", "lora_path", "cache_salt", "mm_features")
@@ -103,12 +105,44 @@ class SkippedPool(_message.Message):
     reason: str
     def __init__(self, pool_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class PackedPoolHits(_message.Message):
+    __slots__ = ("pool_id", "num_hit_tokens", "num_tokens", "score", "usage", "num_free_blocks", "num_running", "num_waiting", "num_groups", "group_hit_tokens", "num_tiers", "tier", "tier_hit_tokens")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIERS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: _containers.RepeatedScalarFieldContainer[str]
+    num_hit_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    score: _containers.RepeatedScalarFieldContainer[float]
+    usage: _containers.RepeatedScalarFieldContainer[float]
+    num_free_blocks: _containers.RepeatedScalarFieldContainer[int]
+    num_running: _containers.RepeatedScalarFieldContainer[int]
+    num_waiting: _containers.RepeatedScalarFieldContainer[int]
+    num_groups: _containers.RepeatedScalarFieldContainer[int]
+    group_hit_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_tiers: _containers.RepeatedScalarFieldContainer[int]
+    tier: _containers.RepeatedScalarFieldContainer[str]
+    tier_hit_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[_Iterable[str]] = ..., num_hit_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., score: _Optional[_Iterable[float]] = ..., usage: _Optional[_Iterable[float]] = ..., num_free_blocks: _Optional[_Iterable[int]] = ..., num_running: _Optional[_Iterable[int]] = ..., num_waiting: _Optional[_Iterable[int]] = ..., num_groups: _Optional[_Iterable[int]] = ..., group_hit_tokens: _Optional[_Iterable[int]] = ..., num_tiers: _Optional[_Iterable[int]] = ..., tier: _Optional[_Iterable[str]] = ..., tier_hit_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class LookupResponse(_message.Message):
-    __slots__ = ("pools", "skipped", "num_pools_in_scope")
+    __slots__ = ("pools", "skipped", "num_pools_in_scope", "packed")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     NUM_POOLS_IN_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolHit]
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedPool]
     num_pools_in_scope: int
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolHit, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedPool, _Mapping]]] = ..., num_pools_in_scope: _Optional[int] = ...) -> None: ...
+    packed: PackedPoolHits
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolHit, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedPool, _Mapping]]] = ..., num_pools_in_scope: _Optional[int] = ..., packed: _Optional[_Union[PackedPoolHits, _Mapping]] = ...) -> None: ...

@@ -6,6 +6,8 @@ mapping (``bytes`` as base64, 64-bit integers as strings), so the two sides cann
 
 from __future__ import annotations
 
+from functools import partial
+from itertools import chain, islice
 from typing import Any
 
 from google.protobuf import json_format  # type: ignore[import-untyped]
@@ -25,9 +27,9 @@ __all__ = [
 ]
 
 
-def lookup_query_to_proto(query: LookupQuery) -> lookup_pb2.LookupRequest:
-    """The wire form of a query."""
-    message = lookup_pb2.LookupRequest(max_results=query.max_results)
+def lookup_query_to_proto(query: LookupQuery, *, packed: bool = True) -> lookup_pb2.LookupRequest:
+    """The wire form of a query (asking for the packed answer unless ``packed`` is False)."""
+    message = lookup_pb2.LookupRequest(max_results=query.max_results, packed=packed)
     if query.load_weight != DEFAULT_LOAD_WEIGHT:
         message.load_weight = query.load_weight
     if query.token_ids is not None:
@@ -126,9 +128,17 @@ def lookup_query_from_json(body: bytes) -> LookupQuery:
     return lookup_query_from_proto(message)
 
 
-def lookup_result_to_proto(result: LookupAnswer) -> lookup_pb2.LookupResponse:
-    """The wire form of an answer."""
+def lookup_result_to_proto(
+    result: LookupAnswer, *, packed: bool = False
+) -> lookup_pb2.LookupResponse:
+    """The wire form of an answer: the pools as ``PoolHit`` messages, or with ``packed`` as
+    columns in ``PackedPoolHits`` (what the request's ``packed`` asks for)."""
     message = lookup_pb2.LookupResponse(num_pools_in_scope=result.num_pools_in_scope)
+    for pool_id, reason in result.skipped:
+        message.skipped.add(pool_id=pool_id, reason=reason)
+    if packed:
+        _pack(result.pools, message.packed)
+        return message
     for hit in result.pools:
         load = hit.load
         item = message.pools.add(
@@ -143,9 +153,98 @@ def lookup_result_to_proto(result: LookupAnswer) -> lookup_pb2.LookupResponse:
         item.load.num_free_blocks = load.num_free_blocks
         item.load.num_running = load.num_running
         item.load.num_waiting = load.num_waiting
-    for pool_id, reason in result.skipped:
-        message.skipped.add(pool_id=pool_id, reason=reason)
     return message
+
+
+def _pack(pools: tuple[PoolHit, ...], packed: lookup_pb2.PackedPoolHits) -> None:
+    # Columns by transposition (zip in C), each extended at once.
+    if not pools:
+        packed.SetInParent()
+        return
+    names, hits, groups, tiers, num_tokens, loads, scores = zip(*pools, strict=True)
+    usage, num_free, num_running, num_waiting = zip(*loads, strict=True)
+    packed.pool_id.extend(names)
+    packed.num_hit_tokens.extend(hits)
+    packed.num_tokens.extend(num_tokens)
+    packed.score.extend(scores)
+    packed.usage.extend(usage)
+    packed.num_free_blocks.extend(num_free)
+    packed.num_running.extend(num_running)
+    packed.num_waiting.extend(num_waiting)
+    packed.num_groups.extend(map(len, groups))
+    packed.group_hit_tokens.extend(chain.from_iterable(groups))
+    packed.num_tiers.extend(map(len, tiers))
+    packed.tier.extend(chain.from_iterable(tiers))
+    packed.tier_hit_tokens.extend(chain.from_iterable(tier.values() for tier in tiers))
+
+
+def _unpack(packed: lookup_pb2.PackedPoolHits) -> tuple[PoolHit, ...]:
+    """The pools of ``PackedPoolHits`` (columns checked for equal lengths).
+
+    Raises:
+        InvalidArgumentError: The columns do not line up (a damaged or foreign answer).
+    """
+    names = list(packed.pool_id)
+    count = len(names)
+    num_groups = list(packed.num_groups)
+    num_tiers = list(packed.num_tiers)
+    columns = (
+        packed.num_hit_tokens,
+        packed.num_tokens,
+        packed.score,
+        packed.usage,
+        packed.num_free_blocks,
+        packed.num_running,
+        packed.num_waiting,
+        num_groups,
+        num_tiers,
+    )
+    if any(len(column) != count for column in columns) or (
+        len(packed.tier) != len(packed.tier_hit_tokens)
+        or sum(num_tiers) != len(packed.tier)
+        or sum(num_groups) != len(packed.group_hit_tokens)
+    ):
+        raise InvalidArgumentError("packed: the answer's columns do not line up", field="packed")
+    group_hits = list(packed.group_hit_tokens)
+    if all(size == 1 for size in num_groups):
+        groups: list[tuple[int, ...]] = [(hit,) for hit in group_hits]
+    else:
+        flat = iter(group_hits)
+        groups = [tuple(islice(flat, size)) for size in num_groups]
+    tier_names = list(packed.tier)
+    tier_hits = list(packed.tier_hit_tokens)
+    if all(size == 1 for size in num_tiers):
+        tiers: list[dict[str, int]] = [
+            {tier: hit} for tier, hit in zip(tier_names, tier_hits, strict=True)
+        ]
+    else:
+        pairs = zip(tier_names, tier_hits, strict=True)
+        tiers = [dict(islice(pairs, size)) for size in num_tiers]
+    loads = map(
+        partial(tuple.__new__, PoolLoad),
+        zip(
+            packed.usage,
+            packed.num_free_blocks,
+            packed.num_running,
+            packed.num_waiting,
+            strict=True,
+        ),
+    )
+    return tuple(
+        map(
+            partial(tuple.__new__, PoolHit),
+            zip(
+                names,
+                packed.num_hit_tokens,
+                groups,
+                tiers,
+                packed.num_tokens,
+                loads,
+                packed.score,
+                strict=True,
+            ),
+        )
+    )
 
 
 def lookup_result_to_json(result: LookupAnswer) -> dict[str, Any]:
@@ -161,7 +260,14 @@ def lookup_result_to_json(result: LookupAnswer) -> dict[str, Any]:
 
 
 def lookup_result_from_proto(message: lookup_pb2.LookupResponse) -> LookupAnswer:
-    """The answer of a wire response."""
+    """The answer of a wire response (either form).
+
+    Raises:
+        InvalidArgumentError: A packed answer's columns do not line up.
+    """
+    skipped = tuple((item.pool_id, item.reason) for item in message.skipped)
+    if message.HasField("packed"):
+        return LookupAnswer(_unpack(message.packed), skipped, message.num_pools_in_scope)
     new_hit = PoolHit._make
     new_load = PoolLoad._make
     pools = []
@@ -182,5 +288,4 @@ def lookup_result_from_proto(message: lookup_pb2.LookupResponse) -> LookupAnswer
                 )
             )
         )
-    skipped = tuple((item.pool_id, item.reason) for item in message.skipped)
     return LookupAnswer(tuple(pools), skipped, message.num_pools_in_scope)

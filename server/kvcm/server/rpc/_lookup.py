@@ -90,4 +90,4 @@ class LookupServicer(service_pb2_grpc.LookupServiceServicer):
             result = await lookup_as(self._state.registry, query, PRINCIPAL.get())
         except LookupDeniedError as exc:
             raise AbortRpc(grpc.StatusCode.PERMISSION_DENIED, f"Lookup: {exc}") from None
-        return lookup_result_to_proto(result)
+        return lookup_result_to_proto(result, packed=request.packed)
