@@ -348,3 +348,29 @@ def test_lookup_messages_round_trip() -> None:
     document = lookup_result_to_json(answer)
     assert document["pools"][0]["num_hit_tokens"] == 32  # a JSON number, snake_case
     assert document["skipped"][0]["pool_id"] == "b"
+
+
+def test_every_attention_spec_field_travels_or_is_declared_not_to() -> None:
+    # The attention specs' wire form is derived from their classes (traits.wire_tag and
+    # field names); a spec field the proto message lacks must be listed in NOT_ON_THE_WIRE,
+    # so adding a field to a spec class cannot silently drop it on the wire.
+    import dataclasses
+
+    from kvcm.common.specs import AttentionSpec
+    from kvcm.wire.specs import _DECODERS, NOT_ON_THE_WIRE
+
+    attention_fields = {f.name for f in dataclasses.fields(AttentionSpec)}
+    classes = [
+        decoder.args[0]  # type: ignore[attr-defined]
+        for tag, decoder in _DECODERS.items()
+        if tag not in ("mamba", "uniform_type")
+    ]
+    assert {cls.traits.wire_tag for cls in classes} == {
+        f.name for f in common_pb2.KVCacheSpec.DESCRIPTOR.oneofs_by_name["spec"].fields
+    } - {"mamba", "uniform_type"}
+    for cls in classes:
+        own = getattr(common_pb2, cls.__name__).DESCRIPTOR
+        on_wire = {f.name for f in own.fields} - {"attention"}
+        spec_fields = {f.name for f in dataclasses.fields(cls)} - attention_fields
+        assert on_wire <= spec_fields, (cls.__name__, on_wire - spec_fields)
+        assert spec_fields - on_wire == NOT_ON_THE_WIRE.get(cls, frozenset()), cls.__name__

@@ -1,22 +1,23 @@
 """KV-cache specs, layer specs, KV-cache configs, tensors and layouts on the wire.
 
-Each spec kind is one row of two tables (its encoder keyed by class, its decoder keyed by
-the ``KVCacheSpec.spec`` oneof name), so adding a kind touches its own functions and the
-tables. Decoders name the field at fault: ``layer_specs[3].spec.full_attention.attention.dtype``.
+An attention spec's wire form follows from its class: ``traits.wire_tag`` names its
+``KVCacheSpec.spec`` oneof message, whose ``attention`` carries the common attention fields and
+whose other fields carry the spec fields of the same names (``NOT_ON_THE_WIRE`` lists the spec
+fields that do not travel). Mamba and the uniform-type wrapper have codecs of their own.
+Decoders name the field at fault: ``layer_specs[3].spec.full_attention.attention.dtype``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any, Final
 
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheLayout, KVCacheTensor
 from kvcm.common.errors import InvalidArgumentError, KVCMError
 from kvcm.common.specs import (
     AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -39,6 +40,24 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------- attention
+# Every attention spec travels the same way: the ``AttentionSpec`` sub-message carries the
+# fields of :class:`AttentionSpec`, and each other field of the spec's own oneof message (named
+# by ``traits.wire_tag``) carries the spec field of the same name. So a new attention type needs
+# its spec class and its proto message, and no code here.
+_ATTENTION_PLAIN: Final = ("block_size", "num_kv_heads", "head_size")
+
+# Spec fields that do not travel: the server never needs them (they shape the engine's own
+# kernels or only its scheduler), so the decoded spec has their defaults. A field neither on
+# the wire nor listed here fails the wire tests, so none is dropped without a decision.
+NOT_ON_THE_WIRE: Final[Mapping[type, frozenset[str]]] = {
+    FullAttentionSpec: frozenset({"non_causal"}),
+    MLAAttentionSpec: frozenset({"non_causal", "sliding_window", "attention_chunk_size",
+                                 "alignment"}),
+    SinkFullAttentionSpec: frozenset({"non_causal", "sliding_window", "attention_chunk_size"}),
+    SlidingWindowSpec: frozenset({"extra_retained_tokens"}),
+}  # fmt: skip
+
+
 def _attention_to_proto(spec: AttentionSpec, message: common_pb2.AttentionSpec) -> None:
     message.block_size = spec.block_size
     message.num_kv_heads = spec.num_kv_heads
@@ -51,59 +70,42 @@ def _attention_to_proto(spec: AttentionSpec, message: common_pb2.AttentionSpec) 
 
 
 def _attention_fields(message: common_pb2.AttentionSpec, field: str) -> dict[str, Any]:
-    return {
-        "block_size": message.block_size,
-        "num_kv_heads": message.num_kv_heads,
-        "head_size": message.head_size,
-        "dtype": dtype_from_proto(message.dtype, f"{field}.attention.dtype"),
-        "head_size_v": message.head_size_v if message.HasField("head_size_v") else None,
-        "page_size_padded": (
-            message.page_size_padded_bytes if message.HasField("page_size_padded_bytes") else None
-        ),
-    }
+    fields: dict[str, Any] = {name: getattr(message, name) for name in _ATTENTION_PLAIN}
+    fields["dtype"] = dtype_from_proto(message.dtype, f"{field}.attention.dtype")
+    if message.HasField("head_size_v"):
+        fields["head_size_v"] = message.head_size_v
+    if message.HasField("page_size_padded_bytes"):
+        fields["page_size_padded"] = message.page_size_padded_bytes
+    return fields
 
 
 def _optional(message: Any, name: str) -> Any:
     return getattr(message, name) if message.HasField(name) else None
 
 
-# --------------------------------------------------------------------------- encoders
-def _full_to_proto(spec: FullAttentionSpec, message: common_pb2.KVCacheSpec) -> None:
-    _attention_to_proto(spec, message.full_attention.attention)
-    if spec.sliding_window is not None:
-        message.full_attention.sliding_window = spec.sliding_window
-    if spec.attention_chunk_size is not None:
-        message.full_attention.attention_chunk_size = spec.attention_chunk_size
+def _own_fields(message: Any) -> list[Any]:
+    """The fields of an attention spec's oneof message besides its ``attention``."""
+    return [f for f in message.DESCRIPTOR.fields if f.name != "attention"]
 
 
-def _mla_to_proto(spec: MLAAttentionSpec, message: common_pb2.KVCacheSpec) -> None:
-    _attention_to_proto(spec, message.mla_attention.attention)
-    if spec.cache_dtype_str is not None:
-        message.mla_attention.cache_dtype_str = spec.cache_dtype_str
+def _attention_spec_to_proto(spec: AttentionSpec, message: common_pb2.KVCacheSpec) -> None:
+    own = getattr(message, type(spec).traits.wire_tag)
+    _attention_to_proto(spec, own.attention)
+    for descriptor in _own_fields(own):
+        value = getattr(spec, descriptor.name)
+        if value is not None or not descriptor.has_presence:
+            setattr(own, descriptor.name, value)
 
 
-def _sink_to_proto(spec: SinkFullAttentionSpec, message: common_pb2.KVCacheSpec) -> None:
-    _attention_to_proto(spec, message.sink_full_attention.attention)
-    if spec.sink_len is not None:
-        message.sink_full_attention.sink_len = spec.sink_len
-
-
-def _window_to_proto(spec: SlidingWindowSpec, message: common_pb2.KVCacheSpec) -> None:
-    _attention_to_proto(spec, message.sliding_window.attention)
-    message.sliding_window.sliding_window = spec.sliding_window
-
-
-def _chunked_to_proto(spec: ChunkedLocalAttentionSpec, message: common_pb2.KVCacheSpec) -> None:
-    _attention_to_proto(spec, message.chunked_local_attention.attention)
-    message.chunked_local_attention.attention_chunk_size = spec.attention_chunk_size
-
-
-def _cross_to_proto(spec: CrossAttentionSpec, message: common_pb2.KVCacheSpec) -> None:
-    _attention_to_proto(spec, message.cross_attention.attention)
-
-
-def _encoder_only_to_proto(spec: EncoderOnlyAttentionSpec, message: common_pb2.KVCacheSpec) -> None:
-    _attention_to_proto(spec, message.encoder_only_attention.attention)
+def _attention_spec_from_proto(
+    cls: type[AttentionSpec], message: common_pb2.KVCacheSpec, field: str
+) -> KVCacheSpec:
+    own = getattr(message, cls.traits.wire_tag)
+    fields = _attention_fields(own.attention, field)
+    for descriptor in _own_fields(own):
+        if not descriptor.has_presence or own.HasField(descriptor.name):
+            fields[descriptor.name] = getattr(own, descriptor.name)
+    return cls(**fields)
 
 
 def _mamba_to_proto(spec: MambaSpec, message: common_pb2.KVCacheSpec) -> None:
@@ -124,15 +126,9 @@ def _uniform_to_proto(spec: UniformTypeKVCacheSpecs, message: common_pb2.KVCache
     message.uniform_type.kv_cache_specs.extend(layer_specs_to_proto(spec.kv_cache_specs))
 
 
-# Keyed by exact class; a subclass without its own row uses its nearest base's.
+# The specs with a wire form of their own shape; every other spec class with a ``wire_tag``
+# is an attention spec and takes the generic path above.
 _ENCODERS: Final[Mapping[type, Callable[[Any, common_pb2.KVCacheSpec], None]]] = {
-    FullAttentionSpec: _full_to_proto,
-    MLAAttentionSpec: _mla_to_proto,
-    SinkFullAttentionSpec: _sink_to_proto,
-    SlidingWindowSpec: _window_to_proto,
-    ChunkedLocalAttentionSpec: _chunked_to_proto,
-    CrossAttentionSpec: _cross_to_proto,
-    EncoderOnlyAttentionSpec: _encoder_only_to_proto,
     MambaSpec: _mamba_to_proto,
     UniformTypeKVCacheSpecs: _uniform_to_proto,
 }
@@ -144,64 +140,19 @@ def spec_to_proto(spec: KVCacheSpec) -> common_pb2.KVCacheSpec:
     Raises:
         InvalidArgumentError: The spec type has no wire form.
     """
+    message = common_pb2.KVCacheSpec()
     for cls in type(spec).__mro__:
         encoder = _ENCODERS.get(cls)
         if encoder is not None:
-            message = common_pb2.KVCacheSpec()
             encoder(spec, message)
             return message
+    if isinstance(spec, AttentionSpec) and type(spec).traits.wire_tag:
+        _attention_spec_to_proto(spec, message)
+        return message
     raise InvalidArgumentError(f"spec {type(spec).__name__} has no wire form", field="spec")
 
 
 # --------------------------------------------------------------------------- decoders
-def _full_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheSpec:
-    full = message.full_attention
-    return FullAttentionSpec(
-        **_attention_fields(full.attention, field),
-        sliding_window=_optional(full, "sliding_window"),
-        attention_chunk_size=_optional(full, "attention_chunk_size"),
-    )
-
-
-def _mla_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheSpec:
-    mla = message.mla_attention
-    fields = _attention_fields(mla.attention, field)
-    if fields["head_size_v"] is None:
-        fields["head_size_v"] = 0  # MLA's default: one latent, no separate V
-    return MLAAttentionSpec(**fields, cache_dtype_str=_optional(mla, "cache_dtype_str"))
-
-
-def _sink_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheSpec:
-    sink = message.sink_full_attention
-    return SinkFullAttentionSpec(
-        **_attention_fields(sink.attention, field), sink_len=_optional(sink, "sink_len")
-    )
-
-
-def _window_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheSpec:
-    window = message.sliding_window
-    return SlidingWindowSpec(
-        **_attention_fields(window.attention, field), sliding_window=window.sliding_window
-    )
-
-
-def _chunked_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheSpec:
-    chunked = message.chunked_local_attention
-    return ChunkedLocalAttentionSpec(
-        **_attention_fields(chunked.attention, field),
-        attention_chunk_size=chunked.attention_chunk_size,
-    )
-
-
-def _cross_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheSpec:
-    return CrossAttentionSpec(**_attention_fields(message.cross_attention.attention, field))
-
-
-def _encoder_only_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheSpec:
-    attention = message.encoder_only_attention.attention
-    return EncoderOnlyAttentionSpec(**_attention_fields(attention, field))
-
-
 def _mamba_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheSpec:
     mamba = message.mamba
     return MambaSpec(
@@ -227,17 +178,29 @@ def _uniform_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheS
     )
 
 
-_DECODERS: Final[Mapping[str, Callable[[common_pb2.KVCacheSpec, str], KVCacheSpec]]] = {
-    "full_attention": _full_from_proto,
-    "mla_attention": _mla_from_proto,
-    "sink_full_attention": _sink_from_proto,
-    "sliding_window": _window_from_proto,
-    "chunked_local_attention": _chunked_from_proto,
-    "cross_attention": _cross_from_proto,
-    "encoder_only_attention": _encoder_only_from_proto,
-    "mamba": _mamba_from_proto,
-    "uniform_type": _uniform_from_proto,
-}
+def _spec_classes(base: type[KVCacheSpec]) -> Iterator[type[KVCacheSpec]]:
+    for cls in base.__subclasses__():
+        # A slotted dataclass is a new class; the one it replaced lingers among the
+        # subclasses until collected. Only the class its module names is the spec.
+        if getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls:
+            yield cls
+        yield from _spec_classes(cls)
+
+
+def _decoders() -> dict[str, Callable[[common_pb2.KVCacheSpec, str], KVCacheSpec]]:
+    decoders: dict[str, Callable[[common_pb2.KVCacheSpec, str], KVCacheSpec]] = {
+        "mamba": _mamba_from_proto,
+        "uniform_type": _uniform_from_proto,
+    }
+    for cls in _spec_classes(AttentionSpec):
+        tag = cls.__dict__.get("traits", AttentionSpec.traits).wire_tag
+        if tag and tag not in decoders:
+            decoders[tag] = partial(_attention_spec_from_proto, cls)  # type: ignore[arg-type]
+    return decoders
+
+
+# oneof name -> decoder: every attention spec class with its own wire_tag, Mamba, uniform.
+_DECODERS: Final = _decoders()
 
 
 def spec_from_proto(message: common_pb2.KVCacheSpec, field: str = "spec") -> KVCacheSpec:
