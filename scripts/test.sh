@@ -33,6 +33,10 @@ fi
 # Installs Debian's package where missing; fails soft (those tests then skip and say why).
 bash scripts/install-prometheus.sh
 
+# Chromium (Debian's package) for the inspector page's browser tests, driven by Playwright.
+# Installs it where missing; fails soft (those tests then skip and say why).
+bash scripts/install-chromium.sh
+
 echo "== ruff" >&2
 ruff check .
 ruff format --check .

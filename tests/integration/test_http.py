@@ -304,5 +304,6 @@ def test_openapi_schema_lists_the_routes(http: httpx.Client) -> None:
         "/readyz",
         "/v1/pools",
         "/v1/pools/{pool}",
+        "/v1/pools/{pool}/events",
         "/v1/lookup",
     }

@@ -892,6 +892,10 @@ class Pool:
             evicted_blocks_total=evicted,
             events_emitted_total=self.last_event_sequence,
             allocations_not_fit_total=self.allocations_not_fit_total,
+            labels=dict(self.options.labels),
+            epoch=self.epoch,
+            last_step_seq=self.last_step_seq,
+            scheduler_lease_s=self.options.scheduler_lease_s,
         )
 
 

@@ -372,6 +372,11 @@ class PoolSnapshot:
     evicted_blocks_total: int
     events_emitted_total: int
     allocations_not_fit_total: int
+    # What the pool is and where its numbering stands (the inspector page and ``/v1/pools``).
+    labels: Mapping[str, str] = field(default_factory=dict)
+    epoch: int = 0
+    last_step_seq: int = 0
+    scheduler_lease_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,7 +17,8 @@ Roles (a token's ``role:pool-glob`` pairs; ``admin`` may whatever any role may, 
 
 Listings (ListPools, ``GET /v1/pools``) and lookups (Lookup, ``POST /v1/lookup``) take any
 valid token and answer only about the pools it may read (:func:`may_read`). ``/healthz`` and
-``/readyz`` are open.
+``/readyz`` are open, and so are ``/`` (the pool inspector) and ``/docs``: static pages holding
+no data, which ask for a token and send it with their calls to the JSON routes.
 
 Every refusal (UNAUTHENTICATED, PERMISSION_DENIED, HTTP 401 and 403) is logged at WARNING on
 the ``kvcm.audit`` logger by :class:`RefusalLog`: who (the token's name, never the token, and
@@ -158,7 +159,12 @@ RULES: Final[Mapping[str, Rule]] = {
     "GET /readyz": _OPEN,
     "GET /v1/pools": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
     "GET /v1/pools/{pool}": Rule(roles=READ_ROLES, pool=PoolFrom.PATH),
+    "GET /v1/pools/{pool}/events": Rule(roles=READ_ROLES, pool=PoolFrom.PATH),
     "POST /v1/lookup": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
+    # The inspector page and the API docs: static HTML without data (a browser sends no bearer
+    # header when it navigates); they ask for the token and send it to the routes above.
+    "GET /": _OPEN,
+    "GET /docs": _OPEN,
     "GET /openapi.json": _ANY_TOKEN,
     "HEAD /openapi.json": _ANY_TOKEN,
 }

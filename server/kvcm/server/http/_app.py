@@ -26,6 +26,7 @@ from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.server.access import RefusalLog, may_read
 from kvcm.server.http._collector import KVCMCollector, kvcm_version
 from kvcm.server.http._guard import TokenGuard, check_routes
+from kvcm.server.http._inspector import add_inspector_routes
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats, StepProgressBook
 
@@ -103,6 +104,11 @@ class PoolSummary(BaseModel):
     evicted_blocks_total: int
     events_emitted_total: int
     allocations_not_fit_total: int
+    labels: dict[str, str]
+    epoch: int
+    last_event_sequence: int
+    last_step_seq: int
+    scheduler_lease_s: float
     step_progress: StepProgressSummary | None = None
 
 
@@ -170,6 +176,11 @@ def summarize(snapshot: PoolSnapshotLike) -> PoolSummary:
         evicted_blocks_total=snapshot.evicted_blocks_total,
         events_emitted_total=snapshot.events_emitted_total,
         allocations_not_fit_total=snapshot.allocations_not_fit_total,
+        labels=dict(snapshot.labels),
+        epoch=snapshot.epoch,
+        last_event_sequence=snapshot.events_emitted_total,
+        last_step_seq=snapshot.last_step_seq,
+        scheduler_lease_s=snapshot.scheduler_lease_s,
     )
 
 
@@ -337,6 +348,7 @@ def build_app(
 
     if lookup is not None:
         _add_lookup_route(app, lookup, refusals)
+    add_inspector_routes(app, registry)
     check_routes(app.routes)
     if authenticate is not None:
         app.add_middleware(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol, TypeVar
 
 __all__ = ["PoolLike", "PoolReader", "PoolRegistryLike", "PoolSnapshotLike"]
@@ -66,6 +66,14 @@ class PoolSnapshotLike(Protocol):
     def events_emitted_total(self) -> int: ...
     @property
     def allocations_not_fit_total(self) -> int: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def last_step_seq(self) -> int: ...
+    @property
+    def scheduler_lease_s(self) -> float: ...
 
 
 class PoolLike(Protocol):
@@ -103,7 +111,8 @@ _NUMBERS = (
     "world_size", "registered_workers", "num_blocks", "num_free_blocks", "num_cached_blocks",
     "usage", "num_requests", "requests", "queries", "hits", "preempted_requests",
     "preempted_queries", "preempted_hits", "recent_hit_rate", "evicted_blocks_total",
-    "events_emitted_total", "allocations_not_fit_total",
+    "events_emitted_total", "allocations_not_fit_total", "epoch", "last_step_seq",
+    "scheduler_lease_s",
 )  # fmt: skip
 
 
