@@ -72,6 +72,8 @@ _PREFIX = "/kvcm.v1."
 # How long a live checkpoint waits for the calls written ahead to finish before it is
 # postponed (calls wait at the gate meanwhile).
 _DRAIN_S: Final = 1.0
+# How long after a failed or postponed live checkpoint the next one is tried.
+_CHECKPOINT_BACKOFF_S: Final = 10.0
 
 MUTATING_METHODS: Final = frozenset(
     {
@@ -116,13 +118,15 @@ class JournalInterceptor(MethodInterceptor):
         self._journal = journal
         self._state = state
         self._every = checkpoint_every
-        self._checkpointing: asyncio.Task[None] | None = None
+        self._checkpointing: asyncio.Task[bool] | None = None
+        self._not_before = 0.0  # monotonic time before which no checkpoint is tried again
 
     def _maybe_checkpoint(self) -> None:
         if (
             not self._every
             or self._state is None
             or self._checkpointing is not None
+            or time.monotonic() < self._not_before
             or self._journal.records_since_checkpoint < self._every
         ):
             return
@@ -131,10 +135,16 @@ class JournalInterceptor(MethodInterceptor):
         )
         self._checkpointing = task
 
-        def finished(done: asyncio.Task[None]) -> None:
+        def finished(done: asyncio.Task[bool]) -> None:
             self._checkpointing = None
-            if not done.cancelled() and done.exception() is not None:
+            if done.cancelled():
+                return
+            if done.exception() is not None:
                 _LOG.error("checkpoint failed: %s", _why(done.exception()))
+            elif done.result():
+                return
+            # Failed (a full disk) or postponed (a long call held a pool): not at every call.
+            self._not_before = time.monotonic() + _CHECKPOINT_BACKOFF_S
 
         task.add_done_callback(finished)
 
@@ -467,16 +477,20 @@ async def _replay(state: ServerState, records: list[JournalRecord]) -> int:
     return failed
 
 
-async def checkpoint_live(state: ServerState, journal: Journal) -> None:
+async def checkpoint_live(state: ServerState, journal: Journal) -> bool:
     """Checkpoint while serving: every pool is held (its calls wait, others go on) while its
     snapshot is encoded off the loop, then the journal drops what the checkpoint holds.
 
     New calls wait at the journal's gate until every call written ahead has finished and
     every pool is held (a few milliseconds; the checkpoint is postponed when that takes more
-    than ``_DRAIN_S``)."""
+    than ``_DRAIN_S``). Returns whether it was written (``False``: postponed).
+
+    Raises:
+        OSError: The checkpoint or the new journal could not be written (the old ones stay).
+    """
     if not await journal.pause(_DRAIN_S):  # every call written ahead has finished
         _LOG.info("checkpoint postponed: calls written ahead did not finish in time")
-        return
+        return False
     held: dict[str, tuple[Pool, asyncio.Event]] = {}
     try:
         while missing := [p for p in state.registry.list() if p.name not in held]:
@@ -516,6 +530,7 @@ async def checkpoint_live(state: ServerState, journal: Journal) -> None:
         "checkpoint written",
         extra={"event": "checkpoint", "seq": checkpoint.seq, "pools": len(checkpoint.pools)},
     )
+    return True
 
 
 def _encode_checkpoint(
