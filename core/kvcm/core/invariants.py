@@ -31,9 +31,10 @@ on the hot path.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -68,6 +69,7 @@ from any wire limit even after years of increments)."""
 _INT64_LIMIT: Final = 1 << 63
 _GROUP_ID_NBYTES: Final = 4
 _INT_ONLY: Final = frozenset({int})
+_GROUP_ID: Final = operator.itemgetter(slice(-4, None))  # a cache key's group id bytes
 _VALID_STATUSES: Final = frozenset(int(status) for status in ItemStatus)
 
 
@@ -196,48 +198,69 @@ def _block_records(pool: BlockPool) -> Iterator[Violation]:
 def _free_queue(pool: BlockPool) -> Iterator[Violation]:
     # NOTE: a non-null block is queued exactly when its ref_cnt is 0; queued blocks are linked
     # both ways between the sentinels; blocks outside the queue have no links.
+    # One walk collects the queue (bounded: a cycle stops it), then whole-list checks.
     blocks = pool.blocks
     num_blocks = len(blocks)
     queue = pool.free_block_queue
     head, tail = queue._head, queue._tail
-    queued = bytearray(num_blocks)
-    count = 0
-    prev = head
+    order: list[KVCacheBlock] = []
+    append = order.append
     block = head.next_free_block
-    while block is not tail:
-        path = f"free_queue[{count}]"
-        if block is None:
-            yield Violation(path, "the queue's links end before its tail")
-            return
-        block_id = block.block_id
-        if not 0 <= block_id < num_blocks or blocks[block_id] is not block:
-            yield Violation(path, f"block {block_id} is not one of the pool's blocks")
-            return
-        if queued[block_id]:
-            yield Violation(path, f"block {block_id} is queued twice")
-            return
-        queued[block_id] = 1
-        if block.prev_free_block is not prev:
-            yield Violation(path, f"block {block_id}'s back link is broken")
-        if block.is_null:
-            yield Violation(path, "the null block is never free")
-        elif block.ref_cnt != 0:
-            yield Violation(path, f"block {block_id} is free but has ref_cnt {block.ref_cnt}")
-        count += 1
-        prev, block = block, block.next_free_block
-    if tail.prev_free_block is not prev or head.prev_free_block or tail.next_free_block:
-        yield Violation("free_queue", "the sentinels' links are broken")
-    if queue.num_free_blocks != count:
+    for _ in range(num_blocks + 1):
+        if block is tail or block is None:
+            break
+        append(block)
+        block = block.next_free_block
+    if block is not tail:
+        reason = "the queue's links end before its tail" if block is None else "holds a cycle"
+        yield Violation(f"free_queue[{len(order)}]", reason)
+        return
+    if not set(map(type, order)) <= {KVCacheBlock}:
+        yield Violation("free_queue", "holds something that is not a block")
+        return
+    ids = [b.block_id for b in order]
+    foreign = [
+        i for i, (b, bid) in enumerate(zip(order, ids, strict=True))
+        if type(bid) is not int or not 0 <= bid < num_blocks or blocks[bid] is not b
+    ]  # fmt: skip
+    if foreign:
+        yield Violation(f"free_queue[{foreign[0]}]", "is not one of the pool's blocks")
+        return
+    queued = set(ids)
+    if len(queued) != len(ids):
+        first = {bid: i for i, bid in reversed(list(enumerate(ids)))}
+        twice = next(i for i, bid in enumerate(ids) if first[bid] != i)
+        yield Violation(f"free_queue[{twice}]", f"block {ids[twice]} is queued twice")
+        return
+    previous = [head, *order[:-1]] if order else []
+    broken = [i for i, (b, p) in enumerate(zip(order, previous, strict=True))
+              if b.prev_free_block is not p]  # fmt: skip
+    if broken:
+        yield Violation(f"free_queue[{broken[0]}]", "the block's back link is broken")
+    if 0 in queued:
+        yield Violation(f"free_queue[{ids.index(0)}]", "the null block is never free")
+    held = [i for i, b in enumerate(order) if b.ref_cnt != 0 and not b.is_null]
+    if held:
+        b = order[held[0]]
         yield Violation(
-            "free_queue.num_free_blocks", f"is {queue.num_free_blocks}, the queue holds {count}"
+            f"free_queue[{held[0]}]", f"block {b.block_id} is free but has ref_cnt {b.ref_cnt}"
         )
-    for block_id, block in enumerate(blocks):
-        if queued[block_id]:
-            continue
-        if not block.is_null and block.ref_cnt == 0:
-            yield Violation(f"blocks[{block_id}]", "has ref_cnt 0 but is not in the free queue")
-        if block.prev_free_block is not None or block.next_free_block is not None:
-            yield Violation(f"blocks[{block_id}]", "is not in the free queue but has links")
+    last = order[-1] if order else head
+    if tail.prev_free_block is not last or head.prev_free_block or tail.next_free_block:
+        yield Violation("free_queue", "the sentinels' links are broken")
+    if queue.num_free_blocks != len(order):
+        yield Violation(
+            "free_queue.num_free_blocks",
+            f"is {queue.num_free_blocks}, the queue holds {len(order)}",
+        )
+    lost = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null
+            and b.block_id not in queued]  # fmt: skip
+    if lost:
+        yield Violation(f"blocks[{lost[0]}]", "has ref_cnt 0 but is not in the free queue")
+    linked = [b.block_id for b in blocks if b.block_id not in queued
+              and (b.prev_free_block is not None or b.next_free_block is not None)]  # fmt: skip
+    if linked:
+        yield Violation(f"blocks[{linked[0]}]", "is not in the free queue but has links")
 
 
 def _key_violation(key: object, hash_length: int | None, num_groups: int | None) -> str | None:
@@ -252,6 +275,21 @@ def _key_violation(key: object, hash_length: int | None, num_groups: int | None)
     return None
 
 
+def _bad_keys(keys: list[Any], hash_length: int | None, num_groups: int | None) -> list[int]:
+    """Indices of the keys :func:`_key_violation` refuses (whole-list checks first)."""
+    if (
+        set(map(type, keys)) <= {bytes}
+        and (hash_length is None or set(map(len, keys)) <= {hash_length + _GROUP_ID_NBYTES})
+        and (
+            num_groups is None
+            or not keys
+            or max(map(_GROUP_ID, keys)) < num_groups.to_bytes(_GROUP_ID_NBYTES, "big")
+        )
+    ):
+        return []
+    return [i for i, key in enumerate(keys) if _key_violation(key, hash_length, num_groups)]
+
+
 def _prefix_cache(
     pool: BlockPool, num_groups: int | None, hash_length: int | None, max_tokens: int | None
 ) -> Iterator[Violation]:
@@ -264,43 +302,68 @@ def _prefix_cache(
     limit = COUNTER_LIMIT if max_tokens is None else max_tokens + 1
     if not pool.enable_caching and (cached or secondary):
         yield Violation("cached", "a pool without prefix caching caches nothing")
-    num_hashed = 0
-    for block in blocks:
-        key = block.block_hash
-        path = f"blocks[{block.block_id}]"
-        if key is None:
-            if block.block_hash_num_tokens is not None:
-                yield Violation(f"{path}.block_hash_num_tokens", "is set without a block hash")
-            if block.block_id in secondary:
-                yield Violation(f"secondary_keys[{block.block_id}]", "the block has no hash")
-            continue
-        num_hashed += 1
-        problem = _key_violation(key, hash_length, num_groups)
-        if problem is not None:
-            yield Violation(f"{path}.block_hash", problem)
-        elif not _maps_to(cached.get(key), block):
-            yield Violation(f"{path}.block_hash", "the prefix-cache map does not know it")
-        tokens = block.block_hash_num_tokens
-        if type(tokens) is not int or not 1 <= tokens < limit or tokens % step:
-            yield Violation(
-                f"{path}.block_hash_num_tokens",
-                f"must be a positive multiple of {step} below {limit}, got {tokens!r}",
-            )
-    if pool._num_cached_blocks != num_hashed:
+    hashed = [b for b in blocks if b.block_hash is not None]
+    stray = [b.block_id for b in blocks if b.block_hash is None
+             and (b.block_hash_num_tokens is not None or b.block_id in secondary)]  # fmt: skip
+    if stray:
+        yield Violation(f"blocks[{stray[0]}]", "has a prefix length or secondary keys, no hash")
+    keys: list[Any] = [b.block_hash for b in hashed]
+    bad = _bad_keys(keys, hash_length, num_groups)
+    if bad:
+        problem = _key_violation(keys[bad[0]], hash_length, num_groups)
+        yield Violation(f"blocks[{hashed[bad[0]].block_id}].block_hash", str(problem))
+        return
+    entries = list(map(cached.get, keys))
+    unknown = [b.block_id for b, e in zip(hashed, entries, strict=True)
+               if e is not b and not (type(e) is dict and e.get(b.block_id) is b)]  # fmt: skip
+    if unknown:
+        yield Violation(f"blocks[{unknown[0]}].block_hash", "the prefix-cache map does not know it")
+    tokens: list[Any] = [b.block_hash_num_tokens for b in hashed]
+    if tokens and not (
+        set(map(type, tokens)) <= _INT_ONLY
+        and min(tokens) >= 1
+        and max(tokens) < limit
+        and (step == 1 or not any(t % step for t in tokens))
+    ):
         yield Violation(
-            "num_cached_blocks", f"is {pool._num_cached_blocks}, {num_hashed} blocks are cached"
+            "blocks.block_hash_num_tokens",
+            f"a hashed block's prefix length is a positive multiple of {step} below {limit}",
         )
-    for key, entry in cached.items():
+    if pool._num_cached_blocks != len(hashed):
+        yield Violation(
+            "num_cached_blocks", f"is {pool._num_cached_blocks}, {len(hashed)} blocks are cached"
+        )
+    yield from _cache_map(pool, num_groups, hash_length)
+
+
+def _cache_map(
+    pool: BlockPool, num_groups: int | None, hash_length: int | None
+) -> Iterator[Violation]:
+    blocks = pool.blocks
+    num_blocks = len(blocks)
+    cached = pool._cached
+    secondary = pool._secondary_keys
+    keys: list[Any] = list(cached)
+    bad = _bad_keys(keys, hash_length, num_groups)
+    if bad:
+        key = keys[bad[0]]
+        yield Violation(f"cached[{key!r}]", str(_key_violation(key, hash_length, num_groups)))
+        return
+    # The common entry: one block whose primary key it is.
+    odd = [k for k, e in cached.items() if type(e) is not KVCacheBlock or e.block_hash != k
+           or not 0 <= e.block_id < num_blocks or blocks[e.block_id] is not e]  # fmt: skip
+    for key in odd:
+        entry = cached[key]
         path = f"cached[{key!r}]"
-        problem = _key_violation(key, hash_length, num_groups)
-        if problem is not None:
-            yield Violation(path, problem)
-            continue
         members = list(entry.values()) if type(entry) is dict else [entry]
         if not members:
             yield Violation(path, "an entry holds at least one block")
         for member in members:
-            if type(member) is not KVCacheBlock or blocks[member.block_id] is not member:
+            if (
+                type(member) is not KVCacheBlock
+                or not 0 <= member.block_id < num_blocks
+                or blocks[member.block_id] is not member
+            ):
                 yield Violation(path, "maps to a block that is not the pool's")
                 break
             if type(entry) is dict and entry.get(member.block_id) is not member:
@@ -308,13 +371,13 @@ def _prefix_cache(
                 break
             if member.block_hash != key and key not in secondary.get(member.block_id, ()):
                 yield Violation(path, f"block {member.block_id} does not carry this key")
-    for block_id, keys in secondary.items():
+    for block_id, block_keys in secondary.items():
         path = f"secondary_keys[{block_id}]"
-        if not _int_in(block_id, 1, len(blocks)) or type(keys) is not dict or not keys:
+        if not _int_in(block_id, 1, num_blocks) or type(block_keys) is not dict or not block_keys:
             yield Violation(path, "names a block of the pool and at least one key")
             continue
         block = blocks[block_id]
-        for key in keys:
+        for key in block_keys:
             if key == block.block_hash or not _maps_to(cached.get(key), block):
                 yield Violation(path, "a secondary key must map to its block, apart from its hash")
                 break
