@@ -466,7 +466,20 @@ def test_packed_answers_decode_to_the_same_answer() -> None:
     answer = registry.lookup(LookupQuery(token_ids=prompt))
     assert len(answer.pools) == 3
     assert {len(hit.group_hit_tokens) for hit in answer.pools} == {1, 2}
-    for result in (answer, LookupAnswer((), (("x", "busy"),), 1)):
+    two_tiers = LookupAnswer(
+        (
+            PoolHit("a", 8, (8,), {"GPU": 8, "CPU": 12}, 20, PoolLoad(0.5, 3, 1, 0), 0.1),
+            PoolHit("b", 4, (4,), {"GPU": 4}, 20, PoolLoad(0.0, 9, 0, 2), 0.2),
+        ),
+        (),
+        2,
+    )
+    single = registry.lookup(LookupQuery(token_ids=prompt, pool_ids=["full", "idle"]))
+    compact = lookup_result_to_proto(single, packed=True).packed
+    # One group and one tier per pool, equal to the hit: neither column is sent.
+    assert (list(compact.num_groups), list(compact.group_hit_tokens)) == ([], [])
+    assert (list(compact.num_tiers), list(compact.tier)) == ([], ["GPU"])
+    for result in (answer, single, two_tiers, LookupAnswer((), (("x", "busy"),), 1)):
         packed = lookup_result_to_proto(result, packed=True)
         assert not packed.pools
         assert packed.HasField("packed")
@@ -474,7 +487,12 @@ def test_packed_answers_decode_to_the_same_answer() -> None:
         assert lookup_result_from_proto(wire) == result
         plain = lookup_result_from_proto(lookup_result_to_proto(result))
         assert plain == result
-    broken = lookup_result_to_proto(answer, packed=True)
-    broken.packed.num_waiting.pop()
-    with pytest.raises(InvalidArgumentError, match="packed"):
-        lookup_result_from_proto(broken)
+    for damage in (
+        lambda packed: packed.num_waiting.pop(),
+        lambda packed: packed.num_groups.pop(),
+        lambda packed: packed.tier.append("CPU"),
+    ):
+        broken = lookup_result_to_proto(answer, packed=True)
+        damage(broken.packed)
+        with pytest.raises(InvalidArgumentError, match="packed"):
+            lookup_result_from_proto(broken)

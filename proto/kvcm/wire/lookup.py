@@ -6,8 +6,11 @@ mapping (``bytes`` as base64, 64-bit integers as strings), so the two sides cann
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from functools import partial
 from itertools import chain, islice
+from operator import eq
+from types import MappingProxyType
 from typing import Any
 
 from google.protobuf import json_format  # type: ignore[import-untyped]
@@ -158,8 +161,8 @@ def lookup_result_to_proto(
 
 def _pack(pools: tuple[PoolHit, ...], packed: lookup_pb2.PackedPoolHits) -> None:
     # Columns by transposition (zip in C), each extended at once.
+    packed.SetInParent()
     if not pools:
-        packed.SetInParent()
         return
     names, hits, groups, tiers, num_tokens, loads, scores = zip(*pools, strict=True)
     usage, num_free, num_running, num_waiting = zip(*loads, strict=True)
@@ -171,8 +174,17 @@ def _pack(pools: tuple[PoolHit, ...], packed: lookup_pb2.PackedPoolHits) -> None
     packed.num_free_blocks.extend(num_free)
     packed.num_running.extend(num_running)
     packed.num_waiting.extend(num_waiting)
-    packed.num_groups.extend(map(len, groups))
-    packed.group_hit_tokens.extend(chain.from_iterable(groups))
+    flat = list(chain.from_iterable(groups))
+    if not (len(flat) == len(hits) and all(groups) and flat == list(hits)):
+        packed.num_groups.extend(map(len, groups))
+        packed.group_hit_tokens.extend(flat)
+    tier = next(iter(tiers[0]), None)
+    if tier is not None:
+        # One mapping per distinct hit, compared pool by pool in C.
+        expected = {hit: {tier: hit} for hit in set(hits)}
+        if all(map(eq, tiers, map(expected.__getitem__, hits))):
+            packed.tier.append(tier)
+            return
     packed.num_tiers.extend(map(len, tiers))
     packed.tier.extend(chain.from_iterable(tiers))
     packed.tier_hit_tokens.extend(chain.from_iterable(tier.values() for tier in tiers))
@@ -181,45 +193,27 @@ def _pack(pools: tuple[PoolHit, ...], packed: lookup_pb2.PackedPoolHits) -> None
 def _unpack(packed: lookup_pb2.PackedPoolHits) -> tuple[PoolHit, ...]:
     """The pools of ``PackedPoolHits`` (columns checked for equal lengths).
 
+    Pools with the same hit share their (immutable) groups tuple and tiers mapping.
+
     Raises:
         InvalidArgumentError: The columns do not line up (a damaged or foreign answer).
     """
     names = list(packed.pool_id)
+    hits = list(packed.num_hit_tokens)
     count = len(names)
-    num_groups = list(packed.num_groups)
-    num_tiers = list(packed.num_tiers)
     columns = (
-        packed.num_hit_tokens,
+        hits,
         packed.num_tokens,
         packed.score,
         packed.usage,
         packed.num_free_blocks,
         packed.num_running,
         packed.num_waiting,
-        num_groups,
-        num_tiers,
     )
-    if any(len(column) != count for column in columns) or (
-        len(packed.tier) != len(packed.tier_hit_tokens)
-        or sum(num_tiers) != len(packed.tier)
-        or sum(num_groups) != len(packed.group_hit_tokens)
-    ):
+    if any(len(column) != count for column in columns):
         raise InvalidArgumentError("packed: the answer's columns do not line up", field="packed")
-    group_hits = list(packed.group_hit_tokens)
-    if all(size == 1 for size in num_groups):
-        groups: list[tuple[int, ...]] = [(hit,) for hit in group_hits]
-    else:
-        flat = iter(group_hits)
-        groups = [tuple(islice(flat, size)) for size in num_groups]
-    tier_names = list(packed.tier)
-    tier_hits = list(packed.tier_hit_tokens)
-    if all(size == 1 for size in num_tiers):
-        tiers: list[dict[str, int]] = [
-            {tier: hit} for tier, hit in zip(tier_names, tier_hits, strict=True)
-        ]
-    else:
-        pairs = zip(tier_names, tier_hits, strict=True)
-        tiers = [dict(islice(pairs, size)) for size in num_tiers]
+    groups = _unpack_groups(packed, hits)
+    tiers = _unpack_tiers(packed, hits)
     loads = map(
         partial(tuple.__new__, PoolLoad),
         zip(
@@ -233,18 +227,39 @@ def _unpack(packed: lookup_pb2.PackedPoolHits) -> tuple[PoolHit, ...]:
     return tuple(
         map(
             partial(tuple.__new__, PoolHit),
-            zip(
-                names,
-                packed.num_hit_tokens,
-                groups,
-                tiers,
-                packed.num_tokens,
-                loads,
-                packed.score,
-                strict=True,
-            ),
+            zip(names, hits, groups, tiers, packed.num_tokens, loads, packed.score, strict=True),
         )
     )
+
+
+def _unpack_groups(packed: lookup_pb2.PackedPoolHits, hits: list[int]) -> Iterable[tuple[int, ...]]:
+    num_groups = list(packed.num_groups)
+    if not num_groups and not packed.group_hit_tokens:
+        shared = {hit: (hit,) for hit in set(hits)}
+        return map(shared.__getitem__, hits)
+    if len(num_groups) != len(hits) or sum(num_groups) != len(packed.group_hit_tokens):
+        raise InvalidArgumentError("packed: the answer's columns do not line up", field="packed")
+    flat = iter(packed.group_hit_tokens)
+    return [tuple(islice(flat, size)) for size in num_groups]
+
+
+def _unpack_tiers(
+    packed: lookup_pb2.PackedPoolHits, hits: list[int]
+) -> Iterable[Mapping[str, int]]:
+    num_tiers = list(packed.num_tiers)
+    names = list(packed.tier)
+    if not num_tiers and not packed.tier_hit_tokens and len(names) == 1:
+        tier = names[0]
+        shared = {hit: MappingProxyType({tier: hit}) for hit in set(hits)}
+        return map(shared.__getitem__, hits)
+    if (
+        len(num_tiers) != len(hits)
+        or sum(num_tiers) != len(names)
+        or len(names) != len(packed.tier_hit_tokens)
+    ):
+        raise InvalidArgumentError("packed: the answer's columns do not line up", field="packed")
+    pairs = zip(names, packed.tier_hit_tokens, strict=True)
+    return [dict(islice(pairs, size)) for size in num_tiers]
 
 
 def lookup_result_to_json(result: LookupAnswer) -> dict[str, Any]:
