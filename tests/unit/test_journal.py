@@ -222,3 +222,33 @@ def test_the_record_of_a_change_already_made_is_never_dropped(
     _run(scenario())
     records = scan_journal((tmp_path / JOURNAL_FILE).read_bytes()).records
     assert [r.request for r in records] == [b"reclaim", b"later"]
+
+
+def test_a_call_that_failed_early_lets_no_later_call_overtake_a_running_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    switch = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_ENV, str(switch))
+
+    async def scenario() -> None:
+        journal = Journal(tmp_path, 0)
+        running = journal.write_ahead("ResyncPool", "p", b"long", 1.0)
+        await journal.commit(running.seq)
+        running.started = True  # its handler is still at work (decoding, in a lane)
+        switch.write_text("fsync EIO")
+        failed = journal.write_ahead("Step", "p", b"failed", 2.0)
+        with pytest.raises(JournalUnavailableError):
+            await journal.commit(failed.seq)
+        journal.finish(failed)
+        switch.unlink()
+        later = journal.write_ahead("Step", "p", b"later", 3.0)
+        await journal.commit(later.seq)
+        turn = asyncio.gather(*later.waits)
+        await asyncio.sleep(0.05)
+        assert not turn.done()  # it waits for the call still running
+        journal.finish(running)
+        await asyncio.wait_for(turn, 1)
+        journal.finish(later)
+        journal.close()
+
+    _run(scenario())

@@ -650,12 +650,9 @@ class Journal:
         return ticket
 
     def finish(self, ticket: Ticket) -> None:
-        """The ticket's call has finished (run, refused or failed): later calls may run."""
-        if not ticket.done.done():
-            ticket.done.set_result(None)
-        for key in (ticket.pool_id, _REGISTRY_KEY):
-            if self._tails.get(key) is ticket:
-                del self._tails[key]
+        """The ticket's call has finished (run, refused or failed): later calls may run once
+        the calls it waited for have finished too (a call that failed early must not let
+        the next one overtake a call still running before it)."""
         tickets = self._open_tickets.get(ticket.pool_id)
         if tickets is not None and ticket in tickets:
             tickets.remove(ticket)
@@ -664,6 +661,18 @@ class Journal:
             self._in_flight -= 1
             if not self._in_flight and self._drained is not None:
                 self._drained.set()
+        pending = [earlier for earlier in ticket.waits if not earlier.done()]
+        if pending:
+            asyncio.gather(*pending).add_done_callback(lambda _: self._release(ticket))
+        else:
+            self._release(ticket)
+
+    def _release(self, ticket: Ticket) -> None:
+        if not ticket.done.done():
+            ticket.done.set_result(None)
+        for key in (ticket.pool_id, _REGISTRY_KEY):
+            if self._tails.get(key) is ticket:
+                del self._tails[key]
 
     def void(self, ticket: Ticket) -> None:
         """Mark a written call that the core refused as not run (best effort: were the mark
