@@ -296,3 +296,31 @@ def test_a_reader_whose_process_stopped_is_ended_though_no_write_blocks() -> Non
             reader.kill()
             reader.wait(timeout=10)
         running.stop()
+
+
+def test_a_large_reclaim_runs_in_its_pools_lane_and_frees_everything(
+    server: EmbeddedServer,
+) -> None:
+    """300 requests to finish is over the inline budget: the reclaim runs in the pool's lane
+    (the loop keeps serving); the outcome is the same as a small one's."""
+    many = dataclasses.replace(
+        BASE,
+        explicit_layout=dataclasses.replace(
+            BASE.explicit_layout,  # type: ignore[type-var]
+            num_blocks=310,
+        ),
+    )
+    with SchedulerClient(server.grpc_address) as client:
+        client.create_pool("many", many)
+        hasher = client.block_hasher("many")
+        step = StepBuilder()
+        for key in range(1, 301):
+            prompt = [key] * 16
+            step.add_request(key, prompt, hasher.hash_token_ids(prompt))
+            step.allocate(key, 16, 0)
+        client.step("many", step)
+        assert client.describe_pool("many").num_requests == 300
+        _wait_until(lambda: client.describe_pool("many").num_requests == 0, 5.0)
+        assert client.describe_pool("many").num_free_blocks == 309
+        assert not server.server.state.lanes
+    assert server.server.state.reclaims == {("many", "scheduler"): 1}

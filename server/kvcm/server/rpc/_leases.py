@@ -47,6 +47,7 @@ _LOG = logging.getLogger("kvcm.server.leases")
 SCHEDULER_LEASE: Final = "scheduler"
 TRANSFER_LEASE: Final = "transfer"
 _MAX_INTERVAL_S: Final = 1.0
+_INLINE_RECLAIM_OPS: Final = 256
 
 
 def _reclaim_program(pool: Pool) -> StepProgram | None:
@@ -174,7 +175,10 @@ class LeaseMonitor:
         state = self.state
         now = time.time()
         CALL_TIME.set(now)
-        pool.run_step(program)
+        if len(program.ops) > _INLINE_RECLAIM_OPS:  # ~12 us per FINISH: off the loop
+            await state.run_in_lane(pool, lambda: pool.run_step(program))
+        else:
+            pool.run_step(program)
         state.published(pool)
         if state.journal is not None:
             journal = state.journal
