@@ -128,12 +128,17 @@ def test_pools_lists_every_pool_with_labels_usage_and_events(
         assert record["last_event_sequence"] == info.last_event_sequence
         assert record["num_blocks"] == 512
     assert records["chat-0"]["last_event_sequence"] > 0  # the workload cached blocks
+    totals = infos["chat-0"].prefix_cache
+    assert totals.hits > 0  # shared system prompts hit
+    assert records["chat-0"]["hit_rate"] == pytest.approx(totals.hits / totals.queries)
+    assert records["chat-1"]["hit_rate"] == 0
     assert records["chat-1"]["last_event_sequence"] == 0
     code, out, err = _run(capsys, "pools")
     assert (code, err) == (0, "")
     header, *lines = out.splitlines()
     assert header.split()[:4] == ["POOL", "STATE", "LABELS", "BLOCKS"]
     by_pool = {line.split()[0]: line.split() for line in lines}
+    assert by_pool["chat-0"][7] == f"{100 * totals.hits / totals.queries:.1f}%"
     assert by_pool["chat-0"][1:3] == ["READY", "model=tiny,role=prefill"]
     assert by_pool["chat-1"][2] == "model=tiny,role=decode"
     free = infos["chat-0"].num_free_blocks
@@ -349,3 +354,21 @@ def test_data_dir_check_runs_under_the_same_command(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["status"] != "damaged"
+
+
+def test_reading_the_hit_rate_drains_nothing(
+    env: dict[str, str], server: EmbeddedServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DescribePool's lifetime counters leave the scheduler's TakePrefixCacheStats whole."""
+    with SchedulerClient(server.grpc_address, token=TOKEN) as client:
+        client.create_pool("chat-drain", _config("prefill"))
+        _step_once(server.grpc_address, "chat-drain", key=1)
+        for _ in range(2):
+            code, out, _ = _run(capsys, "describe", "chat-drain", "--json")
+            assert code == 0
+            assert json.loads(out)["prefix_cache"]["queries"] == 64
+        taken = client.take_prefix_cache_stats("chat-drain")
+        assert taken is not None
+        assert taken.queries == 64
+        assert client.describe_pool("chat-drain").prefix_cache.queries == 64
+        client.delete_pool("chat-drain")

@@ -158,11 +158,8 @@ def _emit(args: argparse.Namespace, document: Any, lines: list[str]) -> None:
         print("\n".join(lines))
 
 
-def _hit_rate(info: PoolInfo) -> float | None:
-    stats = getattr(info, "prefix_cache", None)  # servers that report lifetime counters
-    if stats is None:
-        return None
-    return stats.hits / stats.queries if stats.queries else 0.0
+def _hit_rate(info: PoolInfo) -> float:
+    return info.prefix_cache.hit_rate
 
 
 def _describe_all(client: SchedulerClient) -> Iterator[PoolInfo]:
@@ -183,7 +180,7 @@ def _pools(args: argparse.Namespace, connection: Connection) -> int:
         planned = info.kv_cache_config
         num_blocks = planned.num_blocks if planned is not None else 0
         zmq = info.zmq_events
-        progress = getattr(info, "step_progress", None)
+        progress = info.step_progress
         hit_rate = _hit_rate(info)
         record = {
             "pool_id": info.pool_id,

@@ -68,7 +68,7 @@ def labels_text(labels: Mapping[str, str]) -> str:
 
 
 def _lag_text(info: PoolInfo) -> str:
-    progress = getattr(info, "step_progress", None)  # newer servers' DescribePool
+    progress = info.step_progress
     if progress is None:
         return "-"
     return (
@@ -106,6 +106,7 @@ def describe_lines(info: PoolInfo, hit_rate: float | None) -> list[str]:
     hashing = info.hashing
     world = info.config.world_size
     ranks = " ".join(str(r) for r in info.registered_ranks) or "none"
+    stats = info.prefix_cache
     rows: list[tuple[str, str]] = [
         ("pool", info.pool_id),
         ("state", info.state.name),
@@ -116,7 +117,11 @@ def describe_lines(info: PoolInfo, hit_rate: float | None) -> list[str]:
             f"{percent(info.usage)} ({info.num_free_blocks} of {num_blocks} blocks free)",
         ),
         ("requests", str(info.num_requests)),
-        ("hit rate", percent(hit_rate)),
+        (
+            "hit rate",
+            f"{percent(hit_rate)} ({stats.hits} of {stats.queries} tokens; recent "
+            f"{percent(stats.recent_hit_rate)})",
+        ),
         ("events", _events_text(info)),
         ("lag", _lag_text(info)),
         ("leases", _lease_text(info)),

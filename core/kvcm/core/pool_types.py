@@ -27,7 +27,9 @@ __all__ = [
     "PoolSnapshot",
     "PoolState",
     "PoolSummary",
+    "PrefixCacheTotals",
     "Registration",
+    "StepProgress",
     "Usage",
     "ZmqEventStream",
     "check_labels",
@@ -423,6 +425,54 @@ class ZmqEventStream:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StepProgress:
+    """How far a pool's copy is behind its scheduler (``kvcm.v1.StepProgress``).
+
+    Attributes:
+        last_step_seq: The last applied Step's step_seq (or a ResyncPool snapshot's step).
+        last_step_age_s: Seconds since the scheduler closed that step.
+        scheduler_step_seq: The newest step the scheduler had closed when it sent it (0: not
+            reported).
+        steps_behind: Steps the sender still had queued when it sent it.
+        since_applied_s: Seconds since the server applied the last Step or ResyncPool.
+    """
+
+    last_step_seq: int
+    last_step_age_s: float
+    scheduler_step_seq: int
+    steps_behind: int
+    since_applied_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefixCacheTotals:
+    """A pool's prefix-cache lookups since it was created (``kvcm.v1.PrefixCacheTotals``).
+
+    Attributes:
+        requests: Requests looked up for the first time.
+        queries: Their prompt tokens looked up.
+        hits: Of those, tokens found cached.
+        preempted_requests: Requests looked up again after a preemption.
+        preempted_queries: Their tokens looked up.
+        preempted_hits: Of those, tokens found cached.
+        recent_hit_rate: Hits / queries over the most recent requests, 0..1.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    recent_hit_rate: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits / queries over the pool's life (0 before any query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PoolInfo:
     """Everything about a pool (``DescribePool``, ``kvcm.v1.PoolInfo``).
 
@@ -440,6 +490,9 @@ class PoolInfo:
         epoch: The pool's incarnation (larger for a pool created later; 0: unknown).
         zmq_events: The pool's stream on vLLM's ZMQ wire (``None``: the server publishes
             none for it).
+        step_progress: How far the pool is behind its scheduler (``None``: no Step applied
+            since the server started).
+        prefix_cache: Its prefix-cache lookups since it was created.
     """
 
     pool_id: str
@@ -454,6 +507,8 @@ class PoolInfo:
     last_event_sequence: int
     epoch: int = 0
     zmq_events: ZmqEventStream | None = None
+    step_progress: StepProgress | None = None
+    prefix_cache: PrefixCacheTotals = field(default_factory=PrefixCacheTotals)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -154,7 +154,7 @@ class PoolSummary(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "state", "config", "kv_cache_config", "hashing", "registered_ranks", "num_free_blocks", "num_requests", "usage", "last_event_sequence", "epoch", "zmq_events", "step_progress")
+    __slots__ = ("pool_id", "state", "config", "kv_cache_config", "hashing", "registered_ranks", "num_free_blocks", "num_requests", "usage", "last_event_sequence", "epoch", "zmq_events", "step_progress", "prefix_cache")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class PoolInfo(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ZMQ_EVENTS_FIELD_NUMBER: _ClassVar[int]
     STEP_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     state: PoolState
     config: PoolConfig
@@ -181,7 +182,26 @@ class PoolInfo(_message.Message):
     epoch: int
     zmq_events: ZmqEventStream
     step_progress: StepProgress
-    def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., kv_cache_config: _Optional[_Union[_common_pb2.KVCacheConfig, _Mapping]] = ..., hashing: _Optional[_Union[_common_pb2.HashingParameters, _Mapping]] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., last_event_sequence: _Optional[int] = ..., epoch: _Optional[int] = ..., zmq_events: _Optional[_Union[ZmqEventStream, _Mapping]] = ..., step_progress: _Optional[_Union[StepProgress, _Mapping]] = ...) -> None: ...
+    prefix_cache: PrefixCacheTotals
+    def __init__(self, pool_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., kv_cache_config: _Optional[_Union[_common_pb2.KVCacheConfig, _Mapping]] = ..., hashing: _Optional[_Union[_common_pb2.HashingParameters, _Mapping]] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., last_event_sequence: _Optional[int] = ..., epoch: _Optional[int] = ..., zmq_events: _Optional[_Union[ZmqEventStream, _Mapping]] = ..., step_progress: _Optional[_Union[StepProgress, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheTotals, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheTotals(_message.Message):
+    __slots__ = ("num_requests", "num_query_tokens", "num_hit_tokens", "num_preempted_requests", "num_preempted_query_tokens", "num_preempted_hit_tokens", "recent_hit_rate")
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    num_requests: int
+    num_query_tokens: int
+    num_hit_tokens: int
+    num_preempted_requests: int
+    num_preempted_query_tokens: int
+    num_preempted_hit_tokens: int
+    recent_hit_rate: float
+    def __init__(self, num_requests: _Optional[int] = ..., num_query_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_preempted_requests: _Optional[int] = ..., num_preempted_query_tokens: _Optional[int] = ..., num_preempted_hit_tokens: _Optional[int] = ..., recent_hit_rate: _Optional[float] = ...) -> None: ...
 
 class StepProgress(_message.Message):
     __slots__ = ("last_step_seq", "last_step_age_s", "scheduler_step_seq", "steps_behind", "since_applied_s")

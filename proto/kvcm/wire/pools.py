@@ -17,6 +17,8 @@ from kvcm.core.pool_types import (
     PoolConfig,
     PoolInfo,
     PoolSummary,
+    PrefixCacheTotals,
+    StepProgress,
     Usage,
     ZmqEventStream,
 )
@@ -198,6 +200,15 @@ def pool_info_to_proto(pool: Pool, config: admin_pb2.PoolConfig) -> admin_pb2.Po
         info.kv_cache_config.CopyFrom(kv_cache_config_to_proto(pool.kv_cache_config))
         info.num_free_blocks = manager.num_free_blocks
         info.usage = manager.usage
+    snapshot = pool.snapshot()  # the lifetime counters; drains nothing a take would answer
+    totals = info.prefix_cache
+    totals.num_requests = snapshot.requests
+    totals.num_query_tokens = snapshot.queries
+    totals.num_hit_tokens = snapshot.hits
+    totals.num_preempted_requests = snapshot.preempted_requests
+    totals.num_preempted_query_tokens = snapshot.preempted_queries
+    totals.num_preempted_hit_tokens = snapshot.preempted_hits
+    totals.recent_hit_rate = snapshot.recent_hit_rate
     return info
 
 
@@ -225,6 +236,34 @@ def pool_info_from_proto(message: admin_pb2.PoolInfo) -> PoolInfo:
             if message.HasField("zmq_events")
             else None
         ),
+        step_progress=(
+            _step_progress_from_proto(message.step_progress)
+            if message.HasField("step_progress")
+            else None
+        ),
+        prefix_cache=_prefix_cache_from_proto(message.prefix_cache),
+    )
+
+
+def _step_progress_from_proto(message: admin_pb2.StepProgress) -> StepProgress:
+    return StepProgress(
+        last_step_seq=message.last_step_seq,
+        last_step_age_s=message.last_step_age_s,
+        scheduler_step_seq=message.scheduler_step_seq,
+        steps_behind=message.steps_behind,
+        since_applied_s=message.since_applied_s,
+    )
+
+
+def _prefix_cache_from_proto(message: admin_pb2.PrefixCacheTotals) -> PrefixCacheTotals:
+    return PrefixCacheTotals(
+        requests=message.num_requests,
+        queries=message.num_query_tokens,
+        hits=message.num_hit_tokens,
+        preempted_requests=message.num_preempted_requests,
+        preempted_queries=message.num_preempted_query_tokens,
+        preempted_hits=message.num_preempted_hit_tokens,
+        recent_hit_rate=message.recent_hit_rate,
     )
 
 
