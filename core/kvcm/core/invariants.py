@@ -644,9 +644,8 @@ def pool_violations(pool: Pool) -> Iterator[Violation]:
     yield from _requests(pool, hash_length)
     if manager is None and pool.requests:
         yield Violation("requests", "a pool waiting for its workers has no requests")
-    for name in ("last_step_seq",):
-        if not _int_in(getattr(pool, name), 0, REQUEST_KEY_LIMIT):
-            yield Violation(name, _range(0, REQUEST_KEY_LIMIT))
+    if not _int_in(pool.last_step_seq, 0, REQUEST_KEY_LIMIT):
+        yield Violation("last_step_seq", _range(0, REQUEST_KEY_LIMIT))
     for name in ("allocations_not_fit_total", "failed_plans"):
         if not _int_in(getattr(pool, name), 0, COUNTER_LIMIT):
             yield Violation(name, _range(0, COUNTER_LIMIT))
@@ -660,7 +659,10 @@ def pool_violations(pool: Pool) -> Iterator[Violation]:
         if type(stats) is not PrefixCacheStats:
             yield Violation(path, "must be a PrefixCacheStats")
             return
-        yield from _stats(stats, path)
+        broken = list(_stats(stats, path))
+        yield from broken
+        if broken:
+            return
     for name in _STATS_COUNTERS:
         if getattr(untaken, name) > getattr(total, name):
             yield Violation(f"stats_untaken.{name}", "the untaken counters are part of the totals")
