@@ -22,7 +22,14 @@ from pathlib import Path
 import pytest
 
 from kvcm.cli import main
-from kvcm.client import LookupQuery, PoolConfig, SchedulerClient, StepBuilder, StepResult
+from kvcm.client import (
+    LookupQuery,
+    PoolConfig,
+    SchedulerClient,
+    ServiceAlreadyExistsError,
+    StepBuilder,
+    StepResult,
+)
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.hashing import HashAlgorithm
@@ -372,3 +379,32 @@ def test_reading_the_hit_rate_drains_nothing(
         assert taken.queries == 64
         assert client.describe_pool("chat-drain").prefix_cache.queries == 64
         client.delete_pool("chat-drain")
+
+
+def test_a_second_scheduler_on_a_busy_pool_is_told_whose_key_it_is(
+    server: EmbeddedServer,
+) -> None:
+    prompt = [900 + i for i in range(32)]
+    with (
+        SchedulerClient(server.grpc_address, token=TOKEN) as first,
+        SchedulerClient(server.grpc_address, token=TOKEN) as second,
+    ):
+        first.create_pool("busy", _config("decode"))
+        hashes = first.block_hasher("busy").hash_token_ids(prompt)
+        builder = StepBuilder(step_seq=1)
+        builder.add_request(0, prompt, hashes)
+        first.step("busy", builder)
+        again = StepBuilder()
+        again.add_request(0, prompt, hashes)
+        with pytest.raises(ServiceAlreadyExistsError) as by_step:
+            second.step("busy", again)
+        with pytest.raises(ServiceAlreadyExistsError) as by_call:
+            second.add_request("busy", 0, prompt, hashes)
+        for error in (by_step.value, by_call.value):
+            assert "request key 0 is live in pool 'busy'" in error.details
+            assert "another scheduler is likely driving this pool (its last step was 1)" in (
+                error.details
+            )
+            assert "give this one its own pool" in error.details
+        assert first.describe_pool("busy").num_requests == 1  # nothing changed
+        first.delete_pool("busy")

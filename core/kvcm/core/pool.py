@@ -478,7 +478,7 @@ class Pool:
         """
         self.ready_manager()
         if key in self.requests:
-            raise AlreadyExistsError(f"request key {key} is live in pool {self.name!r}")
+            raise AlreadyExistsError(self.live_key_message(key))
         check_new_request(self, key, prompt_token_ids, block_hashes, lora_id)
         hashes = self.split_hashes(
             "block_hashes", block_hashes, len(block_hashes) // self.hashing.hash_length_bytes
@@ -844,6 +844,20 @@ class Pool:
             ``([], 0.0)`` when none is published yet, ``None`` when ``sequence`` was dropped.
         """
         return self._events.read(sequence, max_events)
+
+    def live_key_message(self, key: int) -> str:
+        """Why adding ``key`` fails while it is live, whose it likely is and what to do."""
+        seq = self.last_step_seq
+        driver = (
+            f"another scheduler is likely driving this pool (its last step was {seq})"
+            if seq
+            else "another client (or an earlier run of this one) added it and did not free it"
+        )
+        return (
+            f"request key {key} is live in pool {self.name!r}: {driver}. A pool takes one "
+            "scheduler: give this one its own pool (a new pool id), or free the key first "
+            "(Free, or FINISH in a Step)"
+        )
 
     # ------------------------------------------------------------------------ snapshot
     def snapshot(self) -> PoolSnapshot:

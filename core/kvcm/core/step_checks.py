@@ -688,7 +688,8 @@ def _check_add(v: _Shadow, op_index: int) -> None:
     key = new.key
     live = v.table[key] is not None if key in v.table else key in v.pool.requests
     if live:
-        raise _reject(AlreadyExistsError(f"request key {key} is live"), op_index, _ADD, field)
+        error = AlreadyExistsError(v.pool.live_key_message(key))
+        raise _reject(error, op_index, _ADD, field)
     try:
         check_new_request(v.pool, new.key, new.prompt_token_ids, new.block_hashes, new.lora_id)
     except InvalidArgumentError as exc:
