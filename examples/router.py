@@ -22,6 +22,11 @@ round-robin and against the lossless event index, and how often the hit a router
 differed from the one the engine got.
 
     python examples/router.py [--engines 4] [--requests 400] [--blocks 384]
+    python examples/router.py --address HOST:PORT [--token T] [--pool-prefix demo-]
+
+With ``--address`` it drives a running server instead (its pools are ``PREFIX<router>-<i>``,
+deleted at the end); the event routers then read the pools' ZMQ stream where the server
+publishes one (DescribePool names its endpoint) and are left out where it does not.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import random
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,17 +87,29 @@ class EventIndex:
     it and forgets it on BlockRemoved / AllBlocksCleared.
     """
 
-    def __init__(self, topic_prefix: bytes, lossy_prefix: str, loss: float, seed: int) -> None:
+    def __init__(
+        self,
+        topic_prefix: bytes,
+        lossy_prefix: str,
+        loss: float,
+        seed: int,
+        connect: str | None = None,
+    ) -> None:
         """Bind a SUB socket on a free 127.0.0.1 port (``endpoint``): a server given a
-        non-wildcard endpoint connects to it (vLLM's rule), as engines connect to indexers."""
+        non-wildcard endpoint connects to it (vLLM's rule), as engines connect to indexers.
+        With ``connect``, connect to a server's bound PUB endpoint instead."""
         import msgspec
         import zmq
 
         self._decode = msgspec.msgpack.Decoder().decode
         self._context = zmq.Context()
         self.socket = self._context.socket(zmq.SUB)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if connect:
+            self.socket.connect(connect.replace("*", "127.0.0.1"))
+            self.endpoint = connect
+        else:
+            port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
         self.socket.setsockopt(zmq.SUBSCRIBE, topic_prefix)
         self.blocks: dict[str, set[int]] = {}
         self.batches = 0
@@ -165,7 +182,7 @@ class Fleet:
         self.client = client
         self.router = router
         self.max_running = args.max_running
-        self.engines = [Engine(f"{router}-{i}") for i in range(num_engines)]
+        self.engines = [Engine(f"{args.pool_prefix}{router}-{i}") for i in range(num_engines)]
         config = PoolConfig(
             max_model_len=args.max_model_len,
             explicit_layout=_layout(args.blocks),
@@ -251,7 +268,10 @@ def _route(
     return engine, blocks * BLOCK_SIZE
 
 
-def run(args: argparse.Namespace, address: str, events: EventIndex) -> dict[str, Tally]:
+EventSource = Callable[[SchedulerClient, str], "EventIndex | None"]
+
+
+def run(args: argparse.Namespace, address: str, events_for: EventSource) -> dict[str, Tally]:
     trace = make_workload(
         WorkloadOptions(
             num_requests=args.requests,
@@ -267,12 +287,16 @@ def run(args: argparse.Namespace, address: str, events: EventIndex) -> dict[str,
     rng = random.Random(args.seed)
     lifetimes = [rng.randint(2, 4 * args.engines) for _ in trace]
     results: dict[str, Tally] = {}
-    with SchedulerClient(address) as client:
+    fleets: list[Fleet] = []
+    with SchedulerClient(address, token=args.token) as client:
         for router in ROUTERS:
             fleet = Fleet(client, router, args.engines, args)
+            fleets.append(fleet)
             index = None
             if router.startswith("event-"):
-                index = events
+                index = events_for(client, fleet.engines[0].pool_id)
+                if index is None:
+                    continue  # the server publishes no ZMQ stream for its pools
                 probe = fleet.engines[0]
                 index.wait_connected(functools.partial(client.reset_prefix_cache, probe.pool_id))
             for now, (prompt, lifetime) in enumerate(zip(prompts, lifetimes, strict=True)):
@@ -282,12 +306,16 @@ def run(args: argparse.Namespace, address: str, events: EventIndex) -> dict[str,
                 if expected is not None and expected != got:
                     fleet.tally.mispredicted += 1
             results[router] = fleet.tally
+        if args.address:  # a running server's pools are not ours to keep
+            for fleet in fleets:
+                for engine in fleet.engines:
+                    client.delete_pool(engine.pool_id)
     return results
 
 
 def report(results: dict[str, Tally]) -> str:
     baseline = results["round-robin"]
-    events = results["event-index"]
+    events = results.get("event-index")
     lines = [
         f"{'router':<12} {'requests':>8} {'prompt tok':>11} {'hit tok':>9} {'hit rate':>8} "
         f"{'prefilled':>10} {'saved vs RR':>11} {'vs events':>9} {'mispredicted':>12}"
@@ -295,7 +323,7 @@ def report(results: dict[str, Tally]) -> str:
     for router, tally in results.items():
         prefilled = tally.prompt_tokens - tally.hit_tokens
         saved = tally.hit_tokens - baseline.hit_tokens
-        versus = tally.hit_tokens - events.hit_tokens
+        versus = "-" if events is None else str(tally.hit_tokens - events.hit_tokens)
         mispredicted = "-" if router == "round-robin" else str(tally.mispredicted)
         lines.append(
             f"{router:<12} {tally.requests:>8} {tally.prompt_tokens:>11} {tally.hit_tokens:>9} "
@@ -316,6 +344,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--load-weight", type=float, default=0.5, help="Lookup's load_weight")
     parser.add_argument("--event-loss", type=float, default=0.02, help="batches event-lossy misses")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--address", default="", help="a running server's gRPC HOST:PORT (default: start one)"
+    )
+    parser.add_argument("--token", default=None, help="bearer token for --address")
+    parser.add_argument("--pool-prefix", default="", help="prefix of the pools it creates")
     return parser
 
 
@@ -324,25 +357,46 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Tally]:
     from kvcm.server.settings import ServerSettings
 
     args = _parser().parse_args(argv)
-    events = EventIndex(b"kv@event-", "event-lossy-", args.event_loss, args.seed)
-    settings = ServerSettings(
-        grpc_address="127.0.0.1:0",
-        http_address="",
-        log_level="WARNING",
-        kv_events_endpoint=events.endpoint,
-    )
+    topics = f"kv@{args.pool_prefix}event-".encode()
+    lossy = f"{args.pool_prefix}event-lossy-"
+    opened: list[EventIndex] = []
+
+    def connect_to_pool(client: SchedulerClient, pool_id: str) -> EventIndex | None:
+        """The running server's ZMQ stream, as DescribePool names it (one index for both)."""
+        if not opened:
+            stream = client.describe_pool(pool_id).zmq_events
+            if stream is None:
+                return None
+            opened.append(EventIndex(topics, lossy, args.event_loss, args.seed, stream.endpoint))
+        return opened[0]
+
+    started = time.perf_counter()
     try:
-        with start_embedded_server(settings) as server:
-            started = time.perf_counter()
-            results = run(args, server.grpc_address, events)
+        if args.address:
+            results = run(args, args.address, connect_to_pool)
+        else:
+            opened.append(EventIndex(topics, lossy, args.event_loss, args.seed))
+            settings = ServerSettings(
+                grpc_address="127.0.0.1:0",
+                http_address="",
+                log_level="WARNING",
+                kv_events_endpoint=opened[0].endpoint,
+            )
+            with start_embedded_server(settings) as server:
+                started = time.perf_counter()
+                results = run(args, server.grpc_address, lambda _c, _p: opened[0])
     finally:
-        events.close()
+        for index in opened:
+            index.close()
     print(
         f"{args.requests} requests, {args.engines} engines per router, {args.blocks} blocks "
         f"of {BLOCK_SIZE} tokens each ({time.perf_counter() - started:.1f} s)"
     )
     print(report(results))
-    print(f"event-lossy missed {events.lost} of the event batches it was sent")
+    if opened:
+        print(f"event-lossy missed {opened[0].lost} of the event batches it was sent")
+    else:
+        print("the server publishes no ZMQ KV events: the event routers were left out")
     return results
 
 
