@@ -14,6 +14,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
@@ -32,6 +33,8 @@ from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvcm.core.pool import PoolConfig
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.settings import ServerSettings
+from kvcm.v1 import service_pb2_grpc
+from kvcm.wire.lookup import lookup_query_to_proto, lookup_result_from_proto
 
 COMMON = {"num_kv_heads": 2, "head_size": 64, "dtype": DType.BFLOAT16}
 NUM_POOLS = 120
@@ -109,11 +112,20 @@ def test_lookup_equals_each_pools_own_answer_over_120_pools(server: EmbeddedServ
                 rng.randrange(30000) for _ in range(rng.randrange(0, 20))
             ]
             _serve(client, pool_id, key, prompt)
+        channel = grpc.insecure_channel(server.grpc_address)
+        stub = service_pb2_grpc.LookupServiceStub(channel)  # type: ignore[no-untyped-call]
         for round_ in range(6):
             probe = rng.choice(documents)[: rng.randrange(17, 300)]
-            answer = client.lookup(LookupQuery(token_ids=probe, pool_ids=pool_ids))
+            query = LookupQuery(token_ids=probe, pool_ids=pool_ids)
+            answer = client.lookup(query)  # the SDK asks for the packed answer
             assert answer.num_pools_in_scope == NUM_POOLS
             assert answer.skipped == ()
+            # The unpacked answer (PoolHit messages) is the same answer; best 5 is its head.
+            plain = stub.Lookup(lookup_query_to_proto(query, packed=False), timeout=30)
+            assert not plain.HasField("packed")
+            assert lookup_result_from_proto(plain) == answer
+            best = client.lookup(dataclasses.replace(query, max_results=5))
+            assert best.pools == answer.pools[:5]
             got = {hit.pool_id: hit.num_hit_tokens for hit in answer.pools}
             expected = {
                 pool_id: _own_hit(client, pool_id, 10_000_000 + round_ * 1000 + i, probe)
@@ -123,6 +135,22 @@ def test_lookup_equals_each_pools_own_answer_over_120_pools(server: EmbeddedServ
             assert any(expected.values())
             scores = [hit.score for hit in answer.pools]
             assert scores == sorted(scores, reverse=True)
+            # Pools deleted and re-created under the same name (maybe of another kind), some
+            # blocks evicted by id: the next round's answers must follow.
+            for pool_id in rng.sample(pool_ids, 6):
+                client.delete_pool(pool_id)
+                client.create_pool(pool_id, rng.choice(kinds)())
+                for extra in range(3):
+                    document = rng.choice(documents)
+                    _serve(
+                        client,
+                        pool_id,
+                        20_000_000 + round_ * 100 + extra,
+                        document[: rng.randrange(1, len(document) + 1)],
+                    )
+            for pool_id in rng.sample(pool_ids, 6):
+                client.evict_blocks(pool_id, rng.sample(range(1, 12), 4))
+        channel.close()
 
 
 def test_http_lookup_matches_grpc_and_names_bad_fields(server: EmbeddedServer) -> None:
