@@ -274,33 +274,38 @@ class KvEventNumbering:
     replay. The table is checkpointed (:meth:`encode`); records replayed from the journal
     call :meth:`retire` again, so it survives a crash too.
 
-    NOTE: at most ``max_retired`` ids are remembered (the most recently retired); when one
-    that no pool uses is forgotten, ``floor`` rises to its next ``seq``, and every id not in
-    the table starts there, so no id ever goes backwards (a forgotten id only jumps forward).
+    NOTE: at most ``max_retired`` retired ids are remembered (the most recently retired).
+    Forgetting one that has no pool raises ``floor`` to its next ``seq``, and ids in no table
+    start at ``floor``, so a forgotten id only ever jumps forward. Before ``floor`` rises,
+    every live pool's id that is in no table is pinned at the old floor (``_pinned``, at most
+    one per live pool), so no live pool's numbers move.
     """
 
-    __slots__ = ("_floor", "_retired", "max_retired", "port_label")
+    __slots__ = ("_floor", "_pinned", "_retired", "max_retired", "port_label")
 
     def __init__(self, port_label: str = "", max_retired: int = _MAX_RETIRED_IDS) -> None:
         """An empty table; ``port_label`` picks each pool's stream (:func:`stream_offset`)."""
         self.port_label = port_label
         self.max_retired = max_retired
         self._retired: dict[str, _Retired] = {}
+        self._pinned: dict[str, int] = {}
         self._floor = 0
 
     def base(self, pool_id: str) -> int:
         """The wire ``seq`` of batch 0 of ``pool_id``'s current incarnation."""
         retired = self._retired.get(pool_id)
-        return self._floor if retired is None else retired.next_seq
+        if retired is not None:
+            return retired.next_seq
+        return self._pinned.get(pool_id, self._floor)
 
     def last_seq(self, pool: Pool) -> int:
         """The wire ``seq`` of the last batch published under ``pool``'s id (-1: none)."""
         return self.base(pool.name) + pool.event_batches()[0] - 1
 
-    def retire(self, pool: Pool, topic: str, in_use: Callable[[str], bool]) -> None:
+    def retire(self, pool: Pool, topic: str, live: Callable[[], Iterable[str]]) -> None:
         """``pool``'s incarnation ended after publishing its ``AllBlocksCleared`` (if any).
 
-        ``in_use`` tells whether a pool id has a pool now (not forgotten when over the cap).
+        ``live`` gives the ids that have a pool now (read only when over the cap).
         """
         next_batch = pool.event_batches()[0]
         last = pool.last_event_batch()
@@ -308,15 +313,27 @@ class KvEventNumbering:
             return  # it published nothing: the next incarnation starts where this one did
         base = self.base(pool.name) + next_batch
         self._retired.pop(pool.name, None)  # re-inserted last: the most recently retired
+        self._pinned.pop(pool.name, None)
         offset = stream_offset(pool, self.port_label)
         self._retired[pool.name] = _Retired(base, last[2], topic.encode(), _dp_rank(pool), offset)
         if len(self._retired) > self.max_retired:
-            for pool_id in list(self._retired):
-                if len(self._retired) <= self.max_retired:
-                    break
-                if pool_id != pool.name and not in_use(pool_id):
-                    forgotten = self._retired.pop(pool_id)
-                    self._floor = max(self._floor, forgotten.next_seq)
+            self._forget(pool.name, set(live()))
+
+    def _forget(self, keep: str, live: set[str]) -> None:
+        """Forget the oldest retired ids that have no pool, down to ``max_retired``."""
+        floor = self._floor
+        for pool_id in list(self._retired):
+            if len(self._retired) <= self.max_retired:
+                break
+            if pool_id != keep and pool_id not in live:
+                floor = max(floor, self._retired.pop(pool_id).next_seq)
+        if floor > self._floor:
+            for pool_id in live:
+                if pool_id not in self._retired and pool_id not in self._pinned:
+                    self._pinned[pool_id] = self._floor
+            self._floor = floor
+        for pool_id in [p for p in self._pinned if p not in live]:
+            del self._pinned[pool_id]  # gone: its next pool may start at the floor
 
     def cleared_batches(self, start: int, topic: str | None, offset: int) -> list[_Batch]:
         """The kept ``AllBlocksCleared`` batches of retired incarnations on stream ``offset``
@@ -334,7 +351,7 @@ class KvEventNumbering:
             [pool_id, r.next_seq, r.ts, r.topic, r.dp_rank, r.offset]
             for pool_id, r in self._retired.items()
         ]
-        return msgspec.msgpack.encode([self._floor, rows])
+        return msgspec.msgpack.encode([self._floor, rows, self._pinned])
 
     def restore(self, data: bytes) -> None:
         """Install a table saved by :meth:`encode` (``b""``: an empty one).
@@ -345,15 +362,17 @@ class KvEventNumbering:
         if not data:
             return
         try:
-            floor, rows = msgspec.msgpack.decode(data)
+            floor, rows, pinned = msgspec.msgpack.decode(data)
             retired = {
                 str(pool_id): _Retired(int(seq), float(ts), bytes(topic), int(rank), int(offset))
                 for pool_id, seq, ts, topic, rank, offset in rows
             }
-        except (msgspec.DecodeError, TypeError, ValueError) as exc:
+            pins = {str(pool_id): int(seq) for pool_id, seq in pinned.items()}
+        except (msgspec.DecodeError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f"data_dir: the KV-event numbering is damaged: {exc}") from exc
         self._floor = int(floor)
         self._retired = retired
+        self._pinned = pins
 
 
 # ------------------------------------------------------------------ the sockets

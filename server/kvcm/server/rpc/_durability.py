@@ -324,6 +324,7 @@ def _restore_checkpoint(state: ServerState, checkpoint: Checkpoint) -> None:
             runtime.planned.set()
         state.runtimes[pool.name] = runtime
     registry.epoch = checkpoint.registry_epoch
+    state.kv_numbering.restore(checkpoint.kv_event_numbering)
 
 
 def encode_round(pool: Pool) -> bytes:
@@ -517,7 +518,10 @@ async def checkpoint_live(state: ServerState, journal: Journal) -> bool:
             pool.name: state.runtimes[pool.name].config.SerializeToString() for pool in pools
         }
         epoch = state.registry.epoch
-        checkpoint = await asyncio.to_thread(_encode_checkpoint, pools, configs, epoch, seq)
+        numbering = state.kv_numbering.encode()
+        checkpoint = await asyncio.to_thread(
+            _encode_checkpoint, pools, configs, epoch, seq, numbering
+        )
     finally:
         journal.resume()
         for pool, done in held.values():
@@ -534,7 +538,7 @@ async def checkpoint_live(state: ServerState, journal: Journal) -> bool:
 
 
 def _encode_checkpoint(
-    pools: list[Pool], configs: dict[str, bytes], epoch: int, seq: int
+    pools: list[Pool], configs: dict[str, bytes], epoch: int, seq: int, numbering: bytes
 ) -> Checkpoint:
     entries = tuple(
         CheckpointPool(
@@ -545,7 +549,7 @@ def _encode_checkpoint(
         )
         for pool in pools
     )
-    return Checkpoint(seq, epoch, entries)
+    return Checkpoint(seq, epoch, entries, numbering)
 
 
 def checkpoint_of(state: ServerState, seq: int) -> Checkpoint:
@@ -556,4 +560,4 @@ def checkpoint_of(state: ServerState, seq: int) -> Checkpoint:
         config = runtime.config.SerializeToString() if runtime is not None else b""
         snapshot = encode_pool(pool) if pool.state is PoolState.READY else b""
         pools.append(CheckpointPool(pool.name, config, pool.epoch, snapshot))
-    return Checkpoint(seq, state.registry.epoch, tuple(pools))
+    return Checkpoint(seq, state.registry.epoch, tuple(pools), state.kv_numbering.encode())

@@ -313,6 +313,9 @@ class ServerState:
         """The pool's ZMQ topic (``kv_events_topic``)."""
         return kv_events_topic(self.kv_events_topic, pool)
 
+    def _pool_ids(self) -> list[str]:
+        return [pool.name for pool in self.registry.list()]
+
     def zmq_events(self, pool: Pool) -> ZmqEventStream | None:
         """Where ``pool``'s batches go out on the ZMQ wire (``None``: it publishes none)."""
         stream = self.kv_events
@@ -326,7 +329,7 @@ class ServerState:
         id's next incarnation numbers its ZMQ batches after that one."""
         if pool.publish_cleared(CALL_TIME.get() or time.time()) and self.kv_events is not None:
             self.kv_events.publish(pool, self.topic(pool))
-        self.kv_numbering.retire(pool, self.topic(pool), self.registry.__contains__)
+        self.kv_numbering.retire(pool, self.topic(pool), self._pool_ids)
         runtime = self.runtimes.pop(pool.name, None)
         if runtime is not None:
             runtime.deleted = True
