@@ -189,3 +189,49 @@ def _wait_for(predicate: object) -> None:
     while not predicate():  # type: ignore[operator]
         assert time.monotonic() < give_up_at
         time.sleep(0.02)
+
+
+def _metric(base: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not exported")
+
+
+def test_the_journal_is_measured_and_a_refused_write_is_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvcm_journal_*: records, fsyncs, failures; a refused write changes nothing."""
+    from kvcm.client import UnavailableError
+    from kvcm.server.journal import FAULT_ENV
+
+    switch = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_ENV, str(switch))
+    server = start_embedded_server(
+        ServerSettings(
+            grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", data_dir=str(tmp_path / "d")
+        )
+    )
+    try:
+        base = f"http://{server.http_address}"
+        with SchedulerClient(server.grpc_address) as client:
+            client.create_pool("p", EXPLICIT)
+            _drive(client, "p", 1, 4)
+            assert _metric(base, "kvcm_journal_records_total") == 1 + 4 + 1
+            assert 1 <= _metric(base, "kvcm_journal_fsyncs_total") <= 6
+            assert _metric(base, "kvcm_journal_failures_total") == 0
+            assert _metric(base, "kvcm_journal_records_since_checkpoint") == 6
+            before = _fingerprints(server)
+            switch.write_text("write ENOSPC")
+            with pytest.raises(UnavailableError, match="No space left on device"):
+                _drive(client, "p", 5, 1)
+            assert _fingerprints(server) == before
+            assert _metric(base, "kvcm_journal_failures_total") >= 1
+            assert _metric(base, "kvcm_journal_records_total") == 6
+            switch.unlink()
+            _drive(client, "p", 5, 1)
+            assert _metric(base, "kvcm_journal_pending_changes") == 0
+    finally:
+        server.stop()

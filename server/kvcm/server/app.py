@@ -270,6 +270,7 @@ class KVCMServer:
             loop_lag=self.loop_lag,
             reclaims=self.state.reclaims,
             progress=self.state.progress,
+            journal=lambda: self.state.journal,
             zmq_counters=self.kv_events.counters if self.kv_events is not None else None,
             lookup=functools.partial(lookup_as, self.state.registry),
             authenticate=self.tokens.principal if self.tokens is not None else None,

@@ -559,6 +559,11 @@ class Journal:
         self._drained: asyncio.Event | None = None
         self.gate: asyncio.Event | None = None  # set while calls may write; None: open
 
+    @property
+    def pending_changes(self) -> int:
+        """Records of changes already made that the disk has not taken yet (:meth:`append`)."""
+        return len(self._pending)
+
     def _open(self) -> int:
         return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
 

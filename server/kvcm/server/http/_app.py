@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.server.access import RefusalLog, may_read
-from kvcm.server.http._collector import KVCMCollector, kvcm_version
+from kvcm.server.http._collector import JournalStatsLike, KVCMCollector, kvcm_version
 from kvcm.server.http._guard import TokenGuard, check_routes
 from kvcm.server.http._inspector import add_inspector_routes
 from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
@@ -208,6 +208,7 @@ def build_app(
     authenticate: Callable[[str], Principal | None] | None = None,
     refusals: RefusalLog | None = None,
     progress: StepProgressBook | None = None,
+    journal: Callable[[], JournalStatsLike | None] | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
@@ -241,6 +242,8 @@ def build_app(
         refusals: where refused requests are audited (``None``: a log of the app's own).
         progress: each pool's step progress (``None``: exported empty; ``GET
             /v1/pools/{pool}`` shows it as ``step_progress``).
+        journal: the data directory's journal, read at each scrape (``kvcm_journal_*``;
+            ``None``: exported empty).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
@@ -249,7 +252,7 @@ def build_app(
         refusals = RefusalLog()
     prometheus_registry = CollectorRegistry(auto_describe=False)
     collector = KVCMCollector(
-        registry, rpc_stats, loop_lag, reclaims, zmq_counters, progress=progress
+        registry, rpc_stats, loop_lag, reclaims, zmq_counters, progress=progress, journal=journal
     )
     prometheus_registry.register(collector)
     _register_runtime_collectors(prometheus_registry)

@@ -15,7 +15,7 @@ import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -67,6 +67,27 @@ class MetricSpec:
 
 
 _POOL = ("pool",)
+_JOURNAL_METRICS = (
+    "kvcm_journal_records_total",
+    "kvcm_journal_fsyncs_total",
+    "kvcm_journal_failures_total",
+    "kvcm_journal_records_since_checkpoint",
+    "kvcm_journal_pending_changes",
+)
+
+
+class JournalStatsLike(Protocol):
+    """What the collector reads of the journal (``kvcm.server.journal.Journal``)."""
+
+    num_records: int
+    num_fsyncs: int
+    num_failures: int
+    records_since_checkpoint: int
+
+    @property
+    def pending_changes(self) -> int:
+        """Records of changes already made waiting for the disk."""
+
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -211,6 +232,38 @@ METRICS: tuple[MetricSpec, ...] = (
         labels=("pool", "kind"),
         help="Expired leases whose holder's leftovers were reclaimed (kind: scheduler, "
         "transfer, subscriber).",
+    ),
+    MetricSpec(
+        name="kvcm_journal_records_total",
+        kind="counter",
+        labels=(),
+        help="Records written to the data directory's journal since the server started.",
+    ),
+    MetricSpec(
+        name="kvcm_journal_fsyncs_total",
+        kind="counter",
+        labels=(),
+        help="fsyncs of the journal (each makes every record written before it durable).",
+    ),
+    MetricSpec(
+        name="kvcm_journal_failures_total",
+        kind="counter",
+        labels=(),
+        help="Journal writes and fsyncs the disk refused (full, failing); the calls waiting "
+        "on each answered UNAVAILABLE having changed nothing.",
+    ),
+    MetricSpec(
+        name="kvcm_journal_records_since_checkpoint",
+        kind="gauge",
+        labels=(),
+        help="Records the journal holds after the last checkpoint (replayed at a restart).",
+    ),
+    MetricSpec(
+        name="kvcm_journal_pending_changes",
+        kind="gauge",
+        labels=(),
+        help="Records of changes already made (lease reclaims, planning rounds) kept in "
+        "memory until the disk takes them.",
     ),
     MetricSpec(
         name="kvcm_zmq_event_batches_total",
@@ -420,6 +473,8 @@ class KVCMCollector:
         loop_lag: the server's loop-lag monitor; ``None``: the family is exported empty.
         reclaims: lease reclaims by (pool, lease kind); ``None``: exported empty.
         progress: each pool's step progress; ``None``: exported empty.
+        journal: the data directory's journal, read at each scrape (``None``, or it answers
+            ``None``: exported empty).
 
     Attributes:
         reader: reads the pools (one pool that cannot be read is left out and counted); the
@@ -435,8 +490,10 @@ class KVCMCollector:
         zmq_counters: KvEventCounters | None = None,
         *,
         progress: StepProgressBook | None = None,
+        journal: Callable[[], JournalStatsLike | None] | None = None,
     ) -> None:
         self._progress = progress
+        self._journal = journal
         self._zmq = zmq_counters
         self._reclaims = reclaims if reclaims is not None else {}
         self._registry = registry
@@ -486,6 +543,24 @@ class KVCMCollector:
         yield age
         yield behind
 
+    def _journal_families(self) -> Iterator[Metric]:
+        """The journal's counters (empty without a data directory)."""
+        journal = self._journal() if self._journal is not None else None
+        values: dict[str, int] = {}
+        if journal is not None:
+            values = {
+                "kvcm_journal_records_total": journal.num_records,
+                "kvcm_journal_fsyncs_total": journal.num_fsyncs,
+                "kvcm_journal_failures_total": journal.num_failures,
+                "kvcm_journal_records_since_checkpoint": journal.records_since_checkpoint,
+                "kvcm_journal_pending_changes": journal.pending_changes,
+            }
+        for name in _JOURNAL_METRICS:
+            family = _scalar_family(name)
+            if name in values:
+                family.add_metric([], values[name])
+            yield family
+
     def describe(self) -> Iterator[Metric]:
         """Empty families naming every metric, so the registry knows them without a scrape."""
         for spec in METRICS:
@@ -511,6 +586,7 @@ class KVCMCollector:
         for (pool, lease), count in sorted(self._reclaims.items()):
             reclaims.add_metric([pool, lease], count)
         yield reclaims
+        yield from self._journal_families()
         batches = _scalar_family("kvcm_zmq_event_batches_total")
         peers = _scalar_family("kvcm_zmq_event_peers")
         if self._zmq is not None:
