@@ -11,8 +11,13 @@ Three measurements, each printing medians and p99:
 3. Encoding one batch on the wire: kvcm's publisher (core events -> vLLM's structs -> msgpack)
    against vLLM 0.33's own (its structs -> msgpack, as its ZmqEventPublisher does), same
    batches, same run, and the bytes compared.
+4. The publisher alone (``KvEventStream`` in this process, a SUB socket on loopback TCP read
+   by its own thread): the batches per second it sustains when batches are published back to
+   back (AllBlocksCleared batches, the smallest; and Step-sized ones, 32 requests admitted
+   and finished by the core per batch), and the publish-to-wire latency (from ``publish()``
+   until the subscriber holds the batch) at a paced 1,000 batches/s, p50 and p99.
 
-Run: ``python bench/kv_events.py [--steps 300]``.
+Run: ``python bench/kv_events.py [--steps 300]`` (``--publisher-only``: just 4).
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.events import BlockStored
 from kvcm.common.specs import FullAttentionSpec
-from kvcm.server.kv_events import EventBatchStruct, _to_structs
+from kvcm.core.pool import Pool
+from kvcm.core.program import StepProgram
+from kvcm.server.kv_events import EventBatchStruct, KvEventNumbering, KvEventStream, _to_structs
+from kvcm.server.settings import ServerSettings
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096
@@ -284,15 +292,151 @@ def bench_encoding(repeats: int) -> None:
         print("vLLM not importable: no vLLM rows (set KVCM_VLLM_SITE)")
 
 
+class _Stamped:
+    """A SUB socket drained by a thread, keeping each batch's arrival time by ``seq``."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.port = self.sub.bind_to_random_port("tcp://127.0.0.1")
+        self.arrived: dict[int, float] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        arrived, perf = self.arrived, time.perf_counter
+        while not self._stop:
+            if self.sub.poll(20):
+                while True:
+                    try:
+                        _, seq, _ = self.sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    arrived[int.from_bytes(seq, "big")] = perf()
+
+    def wait(self, count: int, timeout_s: float = 60.0) -> float:
+        """Until ``count`` batches arrived; the arrival time of the last."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.arrived) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(self.arrived)} of {count} batches arrived")
+            time.sleep(0.001)
+        return max(self.arrived.values())
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self.sub.close(linger=0)
+        self.ctx.term()
+
+
+def _step_program(rng: random.Random, first_key: int, hasher: Any) -> StepProgram:
+    step = StepBuilder()
+    for key in range(first_key, first_key + REQUESTS_PER_STEP):
+        prompt = [rng.randrange(32_000) for _ in range(BLOCKS_PER_PROMPT * BLOCK_SIZE + 1)]
+        step.add_request(key, prompt, hasher.hash_token_ids(prompt))
+        step.allocate(key, len(prompt), 0, lookup=True)
+    for key in range(first_key, first_key + REQUESTS_PER_STEP):
+        step.finish(key)
+    return step.build()
+
+
+def _publisher_run(
+    label: str, num_batches: int, produce: Callable[[int], Pool], pace_s: float = 0.0
+) -> tuple[list[float], float]:
+    """Publish ``num_batches`` (``produce(i)`` makes batch i and returns its pool), paced
+    ``pace_s`` apart; the publish-to-wire latencies and the wire's batches/s."""
+    wire = _Stamped()
+    settings = ServerSettings(
+        kv_events_endpoint=f"tcp://127.0.0.1:{wire.port}",
+        kv_events_hwm=10_000_000,
+        kv_events_max_queue_size=10_000_000,
+    )
+    stream = KvEventStream(
+        settings,
+        collect=lambda *_: None,  # type: ignore[arg-type,return-value]
+        numbering=KvEventNumbering(),
+    )
+    try:
+        while stream.counters.peers == 0:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the subscription travels after the connection
+        published: list[float] = []
+        seqs: list[int] = []
+        perf = time.perf_counter
+        started = perf()
+        for index in range(num_batches):
+            pool = produce(index)
+            seqs.append(pool.event_batches()[0] - 1)
+            published.append(perf())
+            stream.publish(pool, f"kv@{pool.name}@")
+            if pace_s:  # sleep, not spin: a spinning producer would starve the publisher
+                wait = started + (index + 1) * pace_s - perf()
+                if wait > 0:
+                    time.sleep(wait)
+        last = wire.wait(num_batches)
+        if stream.counters.dropped:
+            raise RuntimeError(f"{label}: {stream.counters.dropped} batches dropped")
+        latencies = [wire.arrived[seq] - at for seq, at in zip(seqs, published, strict=True)]
+        return latencies, num_batches / (last - published[0])
+    finally:
+        stream.close(timeout=10.0)
+        wire.close()
+
+
+def bench_publisher(num_batches: int, num_steps: int) -> None:
+    """The publisher's throughput and publish-to-wire latency (measurement 4)."""
+    print(f"== ZMQ publisher alone ({num_batches:,} batches, {num_steps:,} Step batches)")
+    cleared = Pool("bench", _pool_config())
+
+    def clear(_: int) -> Pool:
+        cleared.publish_cleared(time.time())
+        return cleared
+
+    stepped = Pool("bench-steps", _pool_config())
+    hasher = stepped.hashing.block_hasher()
+    rng = random.Random(5)
+    programs = [_step_program(rng, i * REQUESTS_PER_STEP, hasher) for i in range(num_steps)]
+
+    def step(index: int) -> Pool:
+        stepped.run_step(programs[index])
+        stepped.publish_events(time.time())
+        return stepped
+
+    for label, produce, count, pace in (
+        ("AllBlocksCleared, back to back", clear, num_batches, 0.0),
+        ("Step-sized, back to back", step, num_steps, 0.0),
+        ("AllBlocksCleared, paced 1,000/s", clear, min(num_batches, 3_000), 1e-3),
+    ):
+        latencies, rate = _publisher_run(label, count, produce, pace)
+        timing = Timing.of(latencies)
+        print(
+            f"{label:34s} {rate:10,.0f} batches/s on the wire   publish-to-wire "
+            f"p50 {timing.median_ms:7.3f} ms  p99 {timing.p99_ms:7.3f} ms"
+        )
+        if label.startswith("Step"):
+            events = sum(len(b[1]) for b in stepped.event_batches_from(0)) / max(1, num_steps)
+            print(f"{'':34s} ({events:.0f} events per Step batch, core time included)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run the three measurements."""
+    """Run the four measurements."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--encode-repeats", type=int, default=2000)
+    parser.add_argument("--publisher-batches", type=int, default=50_000)
+    parser.add_argument("--publisher-steps", type=int, default=1_000)
+    parser.add_argument("--publisher-only", action="store_true")
     args = parser.parse_args(argv)
-    bench_step_path(args.steps)
-    print()
-    bench_encoding(args.encode_repeats)
+    if not args.publisher_only:
+        bench_step_path(args.steps)
+        print()
+        bench_encoding(args.encode_repeats)
+        print()
+    bench_publisher(args.publisher_batches, args.publisher_steps)
 
 
 if __name__ == "__main__":
