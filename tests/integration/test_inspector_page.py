@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,13 +218,27 @@ def test_the_page_shows_the_pools_updates_and_answers_lookups(
         page.wait_for_function("document.querySelectorAll('#lookup-results tbody tr').length === 1")
         assert page.inner_text("#lookup-results tbody td.c-pool") == POOLS[1]
         screenshot = os.environ.get("KVCM_SCREENSHOT")
-        if screenshot:
-            page.fill("#lookup-labels", "")
-            page.click("#lookup-go")
-            page.wait_for_function(
-                "document.querySelectorAll('#lookup-results tbody tr').length === 2"
-            )
-            page.screenshot(path=screenshot, full_page=True)
+        if screenshot:  # docs/inspector.png: the page while the engine steps
+            stop = threading.Event()
+
+            def pump() -> None:
+                while not stop.is_set():
+                    engine.idle_steps(1)
+                    time.sleep(0.01)
+
+            stepping = threading.Thread(target=pump)
+            stepping.start()
+            try:
+                page.fill("#lookup-labels", "")
+                page.click("#lookup-go")
+                page.wait_for_function(
+                    "document.querySelectorAll('#lookup-results tbody tr').length === 2"
+                )
+                page.wait_for_timeout(1000)
+                page.screenshot(path=screenshot, full_page=True)
+            finally:
+                stop.set()
+                stepping.join()
             assert Path(screenshot).stat().st_size > 0
     finally:
         page.close()
