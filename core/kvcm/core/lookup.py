@@ -30,8 +30,8 @@ import threading
 from bisect import insort
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice, repeat
-from operator import attrgetter, itemgetter
+from itertools import accumulate, compress, count, islice, repeat, takewhile
+from operator import and_, attrgetter, itemgetter, ne
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias, overload
 
@@ -102,13 +102,15 @@ class _Member:
         "bit",
         "block_pool",
         "block_size",
+        "free_queue",
         "kind",
         "medium",
         "name",
         "num_usable",
         "pool",
+        "requests",
+        "running",
         "slot",
-        "stm",
     )
 
     def __init__(self, pool: Pool, manager: KVCacheManager, slot: int, kind: _Kind) -> None:
@@ -121,8 +123,13 @@ class _Member:
         self.block_pool = block_pool
         self.num_usable = block_pool.num_gpu_blocks - 1
         self.medium = block_pool.medium
-        self.stm = manager.coordinator.single_type_managers[0]
         self.block_size = pool.hashing.hash_block_size
+        # NOTE: what the load is read from, held directly (each hop is a likely cache miss
+        # with millions of blocks in memory). A live pool never replaces these objects: a
+        # snapshot restores into a new pool, which the registry adds as a new incarnation.
+        self.free_queue = block_pool.free_block_queue
+        self.running = manager.coordinator.single_type_managers[0].req_to_blocks
+        self.requests = pool.requests
 
 
 class _Kind:
@@ -743,28 +750,24 @@ def _direct_rows(
 def _walk(keys: Mapping[BlockHashWithGroupId, int], group: _Group) -> list[tuple[int, int]]:
     """The walk of a group: ``(blocks hit, mask of the pools hitting exactly that many)``.
 
-    One pass over the prompt's blocks, a dictionary read and a bit operation each, stopped at
-    the first block no pool of the group still matching caches. A pool leaves the mask at the
-    first block it misses; its hit is the blocks before.
+    One pass over the prompt's blocks, stopped at the first block no pool of the group still
+    matching caches. ``running[d]`` is the mask of the pools caching blocks ``0..d-1``; a pool
+    leaves it at the first block it misses, and its hit is the blocks before. Everything per
+    block (the key, its holders, the running intersection, the stop, the comparisons) runs in
+    C; Python only sees the depths where some pool leaves.
     """
     hashes = group.hashes
     max_blocks = min((group.num_tokens - 1) // group.block_size, len(hashes))
-    mask = group.mask
-    levels: list[tuple[int, int]] = []
-    # The keys (hash + group 0's suffix) and their holders are produced in C, block by block.
     get: Callable[[bytes, int], int] = keys.get  # type: ignore[assignment]
-    found = map(
+    holders = map(
         get, map(bytes.__add__, islice(hashes, max_blocks), repeat(_GROUP0_SUFFIX)), repeat(0)
     )
-    for depth, holders in enumerate(found):
-        kept = mask & holders
-        if kept != mask:
-            levels.append((depth, mask ^ kept))
-            mask = kept
-            if not kept:
-                return levels
-    if mask:
-        levels.append((max_blocks, mask))
+    running = list(takewhile(bool, accumulate(holders, and_, initial=group.mask)))
+    if not running:
+        return []
+    changes = compress(count(), map(ne, running, islice(running, 1, None)))
+    levels = [(depth, running[depth] ^ running[depth + 1]) for depth in changes]
+    levels.append((len(running) - 1, running[-1]))
     return levels
 
 
@@ -799,12 +802,12 @@ def _member_row(
     parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]],
 ) -> _Row:
     # NOTE: _ranked_all inlines this (its loop is the cost of an all-pools answer).
-    num_free = member.block_pool.free_block_queue.num_free_blocks
+    num_free = member.free_queue.num_free_blocks
     num_usable = member.num_usable
     usage = 1.0 - num_free / num_usable if num_usable else 0.0
     score = num_hit / num_tokens - weight * usage
-    num_running = len(member.stm.req_to_blocks)
-    num_waiting = len(member.pool.requests) - num_running
+    num_running = len(member.running)
+    num_waiting = len(member.requests) - num_running
     load = _new(PoolLoad, (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0))
     groups, tiers = _hit_parts(parts, num_hit, member.medium)
     hit = _new(PoolHit, (member.name, num_hit, groups, tiers, num_tokens, load, score))
@@ -828,12 +831,12 @@ def _ranked_all(groups: Iterable[_Group], rows: list[_Row], weight: float) -> tu
         get = hit_of.get
         for member in group.members:
             num_hit = get(member.slot, 0)
-            num_free = member.block_pool.free_block_queue.num_free_blocks
+            num_free = member.free_queue.num_free_blocks
             num_usable = member.num_usable
             usage = 1.0 - num_free / num_usable if num_usable else 0.0
             score = num_hit / num_tokens - weight * usage
-            num_running = len(member.stm.req_to_blocks)
-            num_waiting = len(member.pool.requests) - num_running
+            num_running = len(member.running)
+            num_waiting = len(member.requests) - num_running
             name = member.name
             shared = parts.get(num_hit)
             if shared is None or member.medium not in shared[1]:
