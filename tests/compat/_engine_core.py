@@ -15,8 +15,8 @@ divides the KV heads, pipeline parallelism splits the layers), the memory it has
 cache and its layouts, and "runs" the model: every scheduled request whose chunk reaches the
 end of its known tokens samples one token, a deterministic function of the request id and the
 position, so sync and async engines produce the same text. ``execute_model`` answers ``None``
-and ``sample_tokens`` the output, both as futures when the engine asks (``non_block``), as
-vLLM's executors do.
+(an empty batch: vLLM's empty output) and ``sample_tokens`` the output, both as futures when
+the engine asks (``non_block``), as vLLM's executors do.
 
 KV events come out through vLLM's own publisher factory (a ``"kvcm-recording"`` publisher
 registered with ``EventPublisherFactory``), so the scheduler's ``kv_event_publisher`` is the one
@@ -28,7 +28,7 @@ vLLM must already be importable (tests/compat/conftest.py ``import_vllm``).
 API (kept small for benchmarks)::
 
     engine = build_engine(Setup(...), scheduler_cls=None, additional_config=None)
-    for record in run(engine, plan_workload(seed, n, setup)):  # one StepRecord per step
+    for record in run(engine, plan_workload(seed, n, setup)):  # one StepRecord per turn
         ...
     engine.shutdown()
 """
@@ -72,6 +72,8 @@ class Setup:
         sliding_window: Layer 1 is a sliding-window layer of this window (0: all full
             attention); hybrid models need vLLM's hybrid KV-cache manager (GPU default).
         retention_interval: ``--prefix-cache-retention-interval``; ``DEFAULT``: vLLM's.
+        sliding_window_dtype: The sliding-window layer's KV dtype (another than the full
+            layers' makes a mixed-precision cache, whose new blocks workers must zero).
         enable_caching: Prefix caching.
         async_scheduling: vLLM's async scheduling (two batches in flight).
         log_stats: Collect stats (``--disable-log-stats`` off).
@@ -91,6 +93,7 @@ class Setup:
     block_size: int = 16
     sliding_window: int = 0
     retention_interval: int | str | None = DEFAULT
+    sliding_window_dtype: str = "float16"
     enable_caching: bool = True
     async_scheduling: bool = False
     log_stats: bool = True
@@ -312,7 +315,10 @@ class SimulatedWorker:
         for layer in self._layers():
             name = f"model.layers.{layer}.self_attn.attn"
             if self.setup.sliding_window and layer % 2 == 1:
-                specs[name] = SlidingWindowSpec(**attn, sliding_window=self.setup.sliding_window)
+                specs[name] = SlidingWindowSpec(
+                    **{**attn, "dtype": getattr(torch, self.setup.sliding_window_dtype)},
+                    sliding_window=self.setup.sliding_window,
+                )
             else:
                 specs[name] = FullAttentionSpec(**attn)
         return specs
@@ -414,8 +420,9 @@ def _executor_base() -> type:
         def _init_executor(self) -> None:
             world = self.vllm_config.parallel_config.world_size
             self.workers = [SimulatedWorker(self.vllm_config, r, self.setup) for r in range(world)]
-            # Every batch the engine ran, in order (drained by Engine.take_scheduled).
-            self.scheduled: list[Any] = []
+            # The batches the engine ran since Engine.take_scheduled last drained them (a
+            # turn runs at most one; bounded for callers that never drain).
+            self.scheduled: deque[Any] = deque(maxlen=16)
 
         def collective_rpc(  # type: ignore[override]
             self,
@@ -514,9 +521,10 @@ class Engine:
 
     def take_scheduled(self) -> list[Any]:
         """The ``SchedulerOutput`` of every batch the engine ran since the last call."""
-        executor = self.core.model_executor
-        scheduled, executor.scheduled = executor.scheduled, []
-        return scheduled
+        scheduled = self.core.model_executor.scheduled
+        batches = list(scheduled)
+        scheduled.clear()
+        return batches
 
     def take_events(self) -> list[Any]:
         """KV events the scheduler published since the last call."""
@@ -716,6 +724,7 @@ class Tally:
     preempted: int = 0
     hits: int = 0
     finished: int = 0
+    zeroed: int = 0
     prefix_stats: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"requests": 0, "queries": 0, "hits": 0}
     )
@@ -728,6 +737,7 @@ def _count(tally: Tally, record: StepRecord) -> None:
     for batch in record.scheduled:
         tally.preempted += len(batch["preempted_req_ids"] or ())
         tally.hits += sum(r["num_computed_tokens"] > 0 for r in batch["scheduled_new_reqs"])
+        tally.zeroed += len(batch["new_block_ids_to_zero"] or ())
     for outputs in (record.outputs or {}).values():
         tally.finished += sum(o["finish_reason"] is not None for o in outputs["outputs"])
         stats = (outputs["scheduler_stats"] or {}).get("prefix_cache_stats") or {}

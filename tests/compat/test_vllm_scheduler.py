@@ -136,14 +136,14 @@ RESETS = {40: False, 120: True}
 _SMALL = {"max_model_len": 512}
 CASES = {
     # name: (setup, seed, number of requests)
-    "prefix-hits-chunked": (Setup(), 1, 120),
-    "preemption": (Setup(num_blocks=40, **_SMALL), 2, 120),
-    "async-preemption": (Setup(num_blocks=40, async_scheduling=True, **_SMALL), 3, 120),
-    "async-lora-salts": (Setup(lora=True, num_blocks=60, async_scheduling=True, **_SMALL), 4, 100),
+    "prefix-hits-chunked": (Setup(), 1, 80),
+    "preemption": (Setup(num_blocks=40, **_SMALL), 2, 80),
+    "async-preemption": (Setup(num_blocks=40, async_scheduling=True, **_SMALL), 3, 80),
+    "async-lora-salts": (Setup(lora=True, num_blocks=60, async_scheduling=True, **_SMALL), 4, 70),
     "hybrid-swa": (
         Setup(sliding_window=64, num_blocks=80, retention_interval=None, **_SMALL),
         5,
-        100,
+        70,
     ),
     "hybrid-swa-async-watermark": (
         Setup(
@@ -155,19 +155,32 @@ CASES = {
             **_SMALL,
         ),
         6,
-        100,
+        70,
     ),
-    "caching-off": (Setup(enable_caching=False, num_blocks=50, **_SMALL), 7, 100),
+    # fp16 full attention beside a bf16 sliding window: new blocks must be zeroed, so every
+    # SchedulerOutput carries new_block_ids_to_zero from the manager.
+    "hybrid-mixed-precision": (
+        Setup(
+            sliding_window=64,
+            sliding_window_dtype="bfloat16",
+            num_blocks=80,
+            retention_interval=None,
+            **_SMALL,
+        ),
+        13,
+        60,
+    ),
+    "caching-off": (Setup(enable_caching=False, num_blocks=50, **_SMALL), 7, 70),
     "no-stats": (
         Setup(log_stats=False, num_blocks=48, max_num_batched_tokens=128, **_SMALL),
         8,
-        100,
+        70,
     ),
     # Several ranks report specs; the pool is planned from the memory they report.
     "tp2-planned": (
         Setup(tensor_parallel_size=2, num_blocks=None, memory_blocks=90, **_SMALL),
         9,
-        100,
+        70,
     ),
     "pp2-hybrid-planned": (
         Setup(
@@ -179,7 +192,7 @@ CASES = {
             **_SMALL,
         ),
         10,
-        100,
+        70,
     ),
     "tp2-pp2-async": (
         Setup(
@@ -191,11 +204,11 @@ CASES = {
             **_SMALL,
         ),
         11,
-        100,
+        70,
     ),
     # `vllm serve MODEL --scheduler-cls ...`: async scheduling, 2048-token batches, 256
     # sequences, the model's 8192-token context, the pool planned from memory.
-    "serve-defaults": (Setup(serve_defaults=True, num_blocks=None, memory_blocks=600), 12, 100),
+    "serve-defaults": (Setup(serve_defaults=True, num_blocks=None, memory_blocks=600), 12, 70),
 }
 
 
@@ -221,6 +234,10 @@ def test_engine_turns_equal_vllm(case: str, kvcm_classes: tuple[type, type]) -> 
             ref_cache.block_size,
         )
         assert kvcm_cache.effective_attention_block_size == ref_cache.effective_attention_block_size
+        # What EngineCore serves event consumers (Dynamo) about the groups reads the manager.
+        metadata = mirrored.core.get_kv_cache_group_metadata()
+        assert metadata == reference.core.get_kv_cache_group_metadata()
+        assert len(metadata) == len(reference.scheduler.kv_cache_config.kv_cache_groups)
         sink = mirrored.scheduler.kv_cache_manager.recorder.sink
         sink.mirror = mirrored.scheduler.kv_cache_manager
         tally = assert_same_runs(reference, mirrored, plans, resets=RESETS)
@@ -249,6 +266,8 @@ def test_engine_turns_equal_vllm(case: str, kvcm_classes: tuple[type, type]) -> 
         assert tally.prefix_stats["hits"] > 0
     if "preemption" in case:
         assert tally.preempted > 0
+    if "mixed-precision" in case:
+        assert tally.zeroed > 0
 
 
 def test_kvcm_manager_replaces_vllms(kvcm_classes: tuple[type, type]) -> None:
