@@ -408,3 +408,33 @@ def test_a_second_scheduler_on_a_busy_pool_is_told_whose_key_it_is(
             assert "give this one its own pool" in error.details
         assert first.describe_pool("busy").num_requests == 1  # nothing changed
         first.delete_pool("busy")
+
+
+def test_the_commands_speak_mutual_tls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_tls import Pki, _start
+
+    for name in ("KVCM_GRPC_ADDRESS", "KVCM_TOKEN", "KVCM_CONFIG", "KVCM_TLS_CA", "KVCM_TLS_CERT"):
+        monkeypatch.delenv(name, raising=False)
+    pki = Pki(tmp_path, "cli")
+    running, _, _ = _start(pki, client_ca=True)
+    try:
+        ca = str(pki.write("ca.pem", pki.ca_pem))
+        cert, key = pki.issue("operator")
+        client_cert, client_key = str(pki.write("op.pem", cert)), str(pki.write("op.key", key))
+        address = ["--grpc-address", running.grpc_address, "--timeout", "5"]
+        mutual = ["--tls-client-cert", client_cert, "--tls-client-key", client_key]
+        code, out, err = _run(capsys, "pools", *address, "--tls-ca", ca, *mutual)
+        assert (code, err) == (0, "")
+        assert out.strip() == "no pools"
+        monkeypatch.setenv("KVCM_TLS_CA", ca)  # the variable, without a client certificate
+        code, out, err = _run(capsys, "pools", *address)
+        assert code == 1
+        assert out == ""
+        assert err.count("\n") == 1
+        code, _, err = _run(capsys, "pools", *address, "--tls-client-cert", client_cert)
+        assert code == 2
+        assert "--tls-client-cert and --tls-client-key go together" in err
+    finally:
+        running.stop()
