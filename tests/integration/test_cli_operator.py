@@ -438,3 +438,26 @@ def test_the_commands_speak_mutual_tls(
         assert "--tls-client-cert and --tls-client-key go together" in err
     finally:
         running.stop()
+
+
+def test_the_operator_commands_run_without_the_server_installed(server: EmbeddedServer) -> None:
+    """On the base install (no FastAPI, uvicorn, ...): the SDK commands work, `serve` says what
+    to install, in one line."""
+    blocked = ["fastapi", "starlette", "uvicorn", "prometheus_client", "grpc_health"]
+    script = (
+        "import sys\n"
+        f"for name in {blocked!r}: sys.modules[name] = None\n"
+        "from kvcm.cli import main\n"
+        f"code = main(['pools', '--grpc-address', {server.grpc_address!r}, '--json'])\n"
+        "assert 'fastapi' not in sys.modules or sys.modules['fastapi'] is None\n"
+        "raise SystemExit(code * 10 + main(['serve', '--grpc-address', '127.0.0.1:0']))\n"
+    )
+    env = {**os.environ, "KVCM_TOKEN": TOKEN}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr  # pools: 0, serve: 2
+    assert json.loads(result.stdout)["pools"]
+    assert result.stderr.count("\n") == 1
+    assert "pip install 'kvcm[server]'" in result.stderr

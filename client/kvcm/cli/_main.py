@@ -42,6 +42,11 @@ from kvcm.common.errors import KVCMError
 __all__ = ["main"]
 
 _SERVER_COMMANDS = ("serve", "data-dir")
+# What `kvcm[server]` adds to the base install.
+_SERVER_DEPENDENCIES = frozenset(
+    {"fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "grpc_health",
+     "grpc_reflection", "zmq", "msgspec"}
+)  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -391,14 +396,17 @@ def _fix(exc: ServiceError, args: argparse.Namespace, connection: Connection) ->
 def _run_server_command(argv: Sequence[str]) -> int:
     try:
         from kvcm.server.cli import main as server_main
-    except ImportError as exc:
+
+        return server_main(argv)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in _SERVER_DEPENDENCIES:
+            raise
         print(
-            f"kvcm {argv[0]}: the server is not installed ({exc.name} is missing): "
-            "pip install 'kvcm[server]'",
+            f"kvcm {argv[0]}: the server's dependencies are not installed ({exc.name} is "
+            "missing): pip install 'kvcm[server]'",
             file=sys.stderr,
         )
         return 2
-    return server_main(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
