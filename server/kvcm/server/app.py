@@ -21,7 +21,7 @@ import logging
 import signal
 import socket
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from kvcm.common.errors import ConfigError, NotFoundError
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.auth import AuthInterceptor, TokenTable
-from kvcm.server.http import build_app
+from kvcm.server.http import HashingSummary, PoolWiring, ZmqEventsSummary, build_app
 from kvcm.server.journal import Journal
 from kvcm.server.kv_events import (
     KvEventNumbering,
@@ -261,6 +261,35 @@ class KVCMServer:
             out.extend(collect_batches(pool, state.topic(pool), numbering, start, topic))
         return out
 
+    def _pool_wiring(self, pool_ids: Sequence[str]) -> dict[str, PoolWiring]:
+        """``/v1/pools``' hashing (never the seed: the route is open to readers) and ZMQ
+        stream of the pools named."""
+        pools = []
+        for pool_id in pool_ids:
+            with contextlib.suppress(NotFoundError):
+                pools.append(self.state.registry.get(pool_id))
+        streams = self.state.zmq_events_of(pools)
+        out = {}
+        for pool in pools:
+            hashing = pool.hashing
+            stream = streams.get(pool.name)
+            out[pool.name] = PoolWiring(
+                hashing=HashingSummary(
+                    algorithm=str(hashing.algorithm),
+                    hash_block_size=hashing.hash_block_size,
+                    hash_length_bytes=hashing.hash_length_bytes,
+                ),
+                zmq_events=None if stream is None else ZmqEventsSummary(
+                    endpoint=stream.endpoint,
+                    replay_endpoint=stream.replay_endpoint,
+                    topic=stream.topic,
+                    last_seq=stream.last_seq,
+                    data_parallel_rank=stream.data_parallel_rank,
+                    dedicated=stream.dedicated,
+                ),
+            )  # fmt: skip
+        return out
+
     async def _start_http(self, sock: socket.socket) -> None:
         host, port = split_address(self.settings.http_address)
         app = build_app(
@@ -275,6 +304,7 @@ class KVCMServer:
             lookup=functools.partial(lookup_as, self.state.registry),
             authenticate=self.tokens.principal if self.tokens is not None else None,
             refusals=self.tokens.refusals if self.tokens is not None else None,
+            wiring=self._pool_wiring,
         )
         # Taken before uvicorn reads the files: a change after it is seen (a change before
         # only costs a reload of what is already loaded).

@@ -505,27 +505,30 @@ class KvEventStream:
         """The stream ``pool`` publishes on (:func:`stream_offset`)."""
         return stream_offset(pool, self._port_label)
 
-    def describe(self, pool: Pool, topic: str, pools: Iterable[Pool]) -> ZmqEventStream | None:
-        """Where ``pool`` (publishing as ``topic``; ``pools``: every pool of the server)
-        publishes and replays, and its last wire ``seq``; ``None``: its stream cannot be
-        opened."""
+    def sharing(self, pools: Iterable[Pool]) -> dict[int, int]:
+        """How many of ``pools`` publish on each stream (for :meth:`describe`)."""
+        counts: dict[int, int] = {}
+        for pool in pools:
+            if pool.options.enable_kv_cache_events:
+                offset = self.stream_offset(pool)
+                counts[offset] = counts.get(offset, 0) + 1
+        return counts
+
+    def describe(self, pool: Pool, topic: str, sharing: dict[int, int]) -> ZmqEventStream | None:
+        """Where ``pool`` (publishing as ``topic``; ``sharing``: :meth:`sharing` of every
+        pool) publishes and replays, and its last wire ``seq``; ``None``: its stream cannot
+        be opened."""
         offset = self.stream_offset(pool)
         stream = self._stream(offset)
         if stream is None:
             return None
-        dedicated = not any(
-            other is not pool
-            and other.options.enable_kv_cache_events
-            and self.stream_offset(other) == offset
-            for other in pools
-        )
         return ZmqEventStream(
             endpoint=stream.endpoint,
             replay_endpoint=stream.replay_endpoint,
             topic=topic,
             last_seq=self.numbering.last_seq(pool),
             data_parallel_rank=_dp_rank(pool),
-            dedicated=dedicated,
+            dedicated=sharing.get(offset, 0) <= 1,
         )
 
     def publish(self, pool: Pool, topic: str) -> None:

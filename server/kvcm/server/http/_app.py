@@ -7,7 +7,7 @@ the loop mutates it could see half an RPC. On the loop, a handler runs between R
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
@@ -27,7 +27,7 @@ from kvcm.server.access import RefusalLog, may_read
 from kvcm.server.http._collector import JournalStatsLike, KVCMCollector, kvcm_version
 from kvcm.server.http._guard import TokenGuard, check_routes
 from kvcm.server.http._inspector import add_inspector_routes
-from kvcm.server.http._views import PoolRegistryLike, PoolSnapshotLike
+from kvcm.server.http._views import PoolLike, PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats, StepProgressBook
 
 if TYPE_CHECKING:
@@ -40,11 +40,14 @@ __all__ = [
     "ErrorBody",
     "ErrorDetail",
     "GroupSummary",
+    "HashingSummary",
     "PoolList",
     "PoolSummary",
+    "PoolWiring",
     "PrefixCacheSummary",
     "StepProgressSummary",
     "Status",
+    "ZmqEventsSummary",
     "build_app",
     "summarize",
 ]
@@ -87,6 +90,33 @@ class StepProgressSummary(BaseModel):
     since_applied_s: float
 
 
+class HashingSummary(BaseModel):
+    """How the pool hashes blocks (never its seed: ``DescribePool`` gives it to callers that
+    may hash for the pool)."""
+
+    algorithm: str
+    hash_block_size: int
+    hash_length_bytes: int
+
+
+class ZmqEventsSummary(BaseModel):
+    """Where the pool's KV-event batches go out on vLLM's ZMQ wire (docs/kv-events.md)."""
+
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    last_seq: int
+    data_parallel_rank: int
+    dedicated: bool
+
+
+class PoolWiring(BaseModel):
+    """What a router operator needs to wire a consumer of the pool: hashing and ZMQ stream."""
+
+    hashing: HashingSummary
+    zmq_events: ZmqEventsSummary | None
+
+
 class PoolSummary(BaseModel):
     """A pool at one instant, as ``/v1/pools`` shows it."""
 
@@ -110,6 +140,8 @@ class PoolSummary(BaseModel):
     last_step_seq: int
     scheduler_lease_s: float
     step_progress: StepProgressSummary | None = None
+    hashing: HashingSummary | None = None
+    zmq_events: ZmqEventsSummary | None = None
 
 
 class PoolList(BaseModel):
@@ -209,6 +241,7 @@ def build_app(
     refusals: RefusalLog | None = None,
     progress: StepProgressBook | None = None,
     journal: Callable[[], JournalStatsLike | None] | None = None,
+    wiring: Callable[[Sequence[str]], Mapping[str, PoolWiring]] | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
@@ -244,6 +277,9 @@ def build_app(
             /v1/pools/{pool}`` shows it as ``step_progress``).
         journal: the data directory's journal, read at each scrape (``kvcm_journal_*``;
             ``None``: exported empty).
+        wiring: the hashing parameters (no seed) and ZMQ stream of the pools named, by pool
+            id, shown in ``/v1/pools`` as ``hashing`` and ``zmq_events`` (``None``, or a pool
+            missing from the answer: left out).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
@@ -296,6 +332,19 @@ def build_app(
             return JSONResponse(Status(status="ready").model_dump())
         return JSONResponse(Status(status="not ready").model_dump(), status_code=503)
 
+    def summarize_wired(pools: list[PoolLike]) -> list[PoolSummary]:
+        wired = wiring([pool.name for pool in pools]) if wiring is not None else {}
+
+        def convert(snapshot: PoolSnapshotLike) -> PoolSummary:
+            summary = summarize(snapshot)
+            found = wired.get(snapshot.name)
+            if found is not None:
+                summary.hashing = found.hashing
+                summary.zmq_events = found.zmq_events
+            return summary
+
+        return collector.reader.read(pools, convert)
+
     @app.get(
         "/v1/pools",
         tags=["pools"],
@@ -307,8 +356,8 @@ def build_app(
         """The summary of every pool the token may read (a pool busy with a long call is left
         out until it ends)."""
         principal = getattr(request.state, "principal", None)
-        readable = (pool for pool in registry.list() if may_read(principal, pool.name))
-        return PoolList(pools=collector.reader.read(readable, summarize))
+        readable = [pool for pool in registry.list() if may_read(principal, pool.name)]
+        return PoolList(pools=summarize_wired(readable))
 
     @app.get(
         "/v1/pools/{pool}",
@@ -333,7 +382,7 @@ def build_app(
                 error=ErrorDetail(code="UNAVAILABLE", message=f"pool {pool!r} is busy; retry")
             )
             return JSONResponse(busy.model_dump(), status_code=503)
-        summaries = collector.reader.read([found], summarize)
+        summaries = summarize_wired([found])
         if not summaries:  # logged and counted (kvcm_pool_read_errors_total)
             broken = ErrorDetail(code="INTERNAL", message=f"pool {pool!r} could not be read")
             return JSONResponse(ErrorBody(error=broken).model_dump(), status_code=500)

@@ -318,10 +318,22 @@ class ServerState:
 
     def zmq_events(self, pool: Pool) -> ZmqEventStream | None:
         """Where ``pool``'s batches go out on the ZMQ wire (``None``: it publishes none)."""
+        return self.zmq_events_of([pool]).get(pool.name)
+
+    def zmq_events_of(self, pools: list[Pool]) -> dict[str, ZmqEventStream]:
+        """:meth:`zmq_events` of each of ``pools`` that publishes, by pool id (one pass over
+        the registry for all of them)."""
         stream = self.kv_events
-        if stream is None or not pool.options.enable_kv_cache_events:
-            return None
-        return stream.describe(pool, self.topic(pool), self.registry.list())
+        publishing = [pool for pool in pools if pool.options.enable_kv_cache_events]
+        if stream is None or not publishing:
+            return {}
+        sharing = stream.sharing(self.registry.list())
+        out = {}
+        for pool in publishing:
+            described = stream.describe(pool, self.topic(pool), sharing)
+            if described is not None:
+                out[pool.name] = described
+        return out
 
     def retire(self, pool: Pool) -> None:
         """End a pool that was deleted or is being replaced: publish ``AllBlocksCleared`` as
