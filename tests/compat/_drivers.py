@@ -61,6 +61,8 @@ class Layout:
     hash_seed: str = "kvcm-compat"
     watermark: float = 0.0
     max_in_flight_tokens: int | None = None
+    # prefix_cache_retention_interval: None dense, 0 vLLM's CacheConfig default, n periodic.
+    retention: int | None = None
 
     @property
     def scheduler_block_size(self) -> int:
@@ -186,7 +188,10 @@ class VllmSide:
             for i, g in enumerate(layout.groups)
         ]
         config = KVCacheConfig(
-            num_blocks=layout.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+            num_blocks=layout.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=groups,
+            prefix_cache_retention_interval=layout.retention,
         )
         self.manager = KVCacheManager(
             kv_cache_config=config,
@@ -281,11 +286,16 @@ class VllmSide:
         self._hits.pop(request_id, None)
 
     # ------------------------------------------------------------------ manager calls
-    def get_computed_blocks(self, request_id: str, max_len: int | None) -> tuple[BlockIds, int]:
-        """Look up the hit and keep it for the next allocation."""
-        blocks, num, _ = self.manager.get_computed_blocks(self.requests[request_id], max_len)
+    def get_computed_blocks(
+        self, request_id: str, max_len: int | None
+    ) -> tuple[BlockIds, int, int]:
+        """Look up the hit (blocks, length, shared-prefix junction); keep it to allocate."""
+        request = self.requests[request_id]
+        blocks, num, junction = self.manager.get_computed_blocks(request, max_len)
+        # As vLLM's scheduler does after every lookup: sparse retention keeps the junction.
+        request.shared_prefix_boundary = junction
         self._hits[request_id] = (blocks, num)
-        return _ids(blocks.blocks), num
+        return _ids(blocks.blocks), num, junction
 
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, use_hit: bool, **options: Any
@@ -446,6 +456,7 @@ class KvcmSide:
                 enable_kv_cache_events=True,
                 log_stats=True,
                 watermark=layout.watermark,
+                prefix_cache_retention_interval=layout.retention,
             )
         )
         self.hasher = BlockHasher(
@@ -523,11 +534,14 @@ class KvcmSide:
         self._hits.pop(request_id, None)
 
     # ------------------------------------------------------------------ manager calls
-    def get_computed_blocks(self, request_id: str, max_len: int | None) -> tuple[BlockIds, int]:
-        """Look up the hit and keep it for the next allocation."""
+    def get_computed_blocks(
+        self, request_id: str, max_len: int | None
+    ) -> tuple[BlockIds, int, int]:
+        """Look up the hit (blocks, length, shared-prefix junction); keep it to allocate."""
         hit = self.manager.get_computed_blocks(self.requests[request_id], max_len)
         self._hits[request_id] = hit
-        return _ids(hit.blocks.blocks), hit.num_computed_tokens
+        junction = self.manager.get_shared_prefix_boundary(request_id)
+        return _ids(hit.blocks.blocks), hit.num_computed_tokens, junction
 
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, use_hit: bool, **options: Any

@@ -398,7 +398,7 @@ class Workload:
                 bound = None
                 if rng.random() < k.max_hit_len:
                     bound = rng.randint(0, num_tokens - 1)
-                _, hit = self.p.call("get_computed_blocks", rid, bound)
+                _, hit, _ = self.p.call("get_computed_blocks", rid, bound)
                 if hit:
                     self.p.tally.hits += 1
                 computed = hit

@@ -107,7 +107,7 @@ class Lockstep:
             lora_name=None if lora is None else lora[0],
             cache_salt=salt,
         )
-        _, num_hit = self.vllm.get_computed_blocks(spec.request_id, None)
+        _, num_hit, _ = self.vllm.get_computed_blocks(spec.request_id, None)
         hit = self.client.get_computed_blocks(POOL, key)
         assert hit.num_computed_tokens == num_hit
         self._record()  # a lookup publishes nothing; this keeps both sides drained alike

@@ -112,6 +112,39 @@ SCENARIOS = [
         Layout((_g(FULL, 4), _g(SWA, 4, 8, dtype="bfloat16")), num_blocks=48, max_model_len=96),
         _PLAIN,
     ),
+    # Sparse prefix-cache retention (vLLM's prefix_cache_retention_interval): 0 is vLLM's
+    # CacheConfig default, a positive interval keeps one window per segment, None is dense.
+    # A 16-token full-attention block over 4-token windows of 2 blocks leaves room to mask.
+    Scenario(
+        "swa-retention-default",
+        Layout((_g(SWA, 4, 10),), num_blocks=40, max_model_len=128, retention=0),
+        _BUSY,
+    ),
+    Scenario(
+        "hybrid-full16-swa4-retention-default",
+        Layout((_g(FULL, 16), _g(SWA, 4, 6)), num_blocks=120, max_model_len=192, retention=0),
+        _BUSY,
+    ),
+    Scenario(
+        "hybrid-full16-swa4-retention-32",
+        Layout((_g(FULL, 16), _g(SWA, 4, 6)), num_blocks=120, max_model_len=192, retention=32),
+        _BUSY,
+    ),
+    Scenario(
+        "hybrid-full16-swa4-dense",
+        Layout((_g(FULL, 16), _g(SWA, 4, 6)), num_blocks=120, max_model_len=192),
+        _BUSY,
+    ),
+    Scenario(
+        "hybrid-three-specs-retention-default",
+        Layout(
+            (_g(FULL, 4), _g(SWA, 4, 6), _g(SWA, 8, 20)),
+            num_blocks=90,
+            max_model_len=160,
+            retention=0,
+        ),
+        _PLAIN,
+    ),
     Scenario(
         "chunked-local", Layout((_g(CHUNKED, 4, 16),), num_blocks=40, max_model_len=128), _BUSY
     ),
@@ -219,3 +252,30 @@ def test_event_records_carry_vllm_fields(vllm_env: None) -> None:
     for cls in (events.BlockStored, events.BlockRemoved, events.AllBlocksCleared):
         ours.update(f.name for f in fields(cls))
     assert theirs <= ours
+
+
+@pytest.mark.parametrize(
+    ("groups", "retention"),
+    [
+        ((_g(FULL, 4),), 16),  # no sliding-window or Mamba group to retain for
+        ((_g(FULL, 16), _g(SWA, 4, 6)), 24),  # not a multiple of the scheduler block (16)
+    ],
+)
+def test_retention_refused_as_vllm_refuses(
+    vllm_env: None, groups: tuple[GroupDesc, ...], retention: int
+) -> None:
+    """A retention interval vLLM refuses, kvcm refuses with vLLM's reason."""
+    from kvcm.common.errors import ConfigError
+
+    layout = Layout(groups, num_blocks=32, max_model_len=64, retention=retention)
+    with pytest.raises(ValueError, match="prefix_cache_retention_interval") as theirs:
+        VllmSide(layout)
+    with pytest.raises(ConfigError) as ours:
+        KvcmSide(layout)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_retention_zero_is_accepted_without_sparse_groups(vllm_env: None) -> None:
+    """vLLM's default (0) is fine on a full-attention-only model: both build and agree."""
+    layout = Layout((_g(FULL, 4),), num_blocks=16, max_model_len=32, retention=0)
+    assert VllmSide(layout).num_free_blocks() == KvcmSide(layout).num_free_blocks()

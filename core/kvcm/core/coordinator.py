@@ -8,6 +8,12 @@ Three shapes, chosen as vLLM 0.33 chooses them:
   group at one length, found by a fixed-point search (full attention first, since its
   left-to-right scan gives the tightest first bound) with hits aligned to the scheduler block
   size (the lcm of the groups' block sizes).
+
+Sparse prefix-cache retention (vLLM's ``prefix_cache_retention_interval``) decides which
+sliding-window blocks enter the prefix cache: ``None`` keeps every block that can serve a hit,
+``0`` (vLLM's default) only the windows before each request's replay boundary (its prompt
+minus one token) and before a shared-prefix junction (where a full-attention group hit further
+than the hybrid hit), ``n > 0`` those plus one window per ``n`` tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from typing import TYPE_CHECKING
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import (
     KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
 )
 from kvcm.core.block_pool import BlockPool
 from kvcm.core.single_type_managers import (
@@ -63,6 +71,8 @@ class CoordinatorConfig:
         enable_caching: Whether prefix caching is on.
         enable_kv_cache_events: Whether the pool records KV events.
         needs_kv_cache_zeroing: Whether workers zero newly allocated attention blocks.
+        prefix_cache_retention_interval: Sparse retention of sliding-window blocks (see the
+            module docstring); ``None``: dense.
     """
 
     kv_cache_config: KVCacheConfig
@@ -73,14 +83,23 @@ class CoordinatorConfig:
     enable_caching: bool
     enable_kv_cache_events: bool
     needs_kv_cache_zeroing: bool = False
+    prefix_cache_retention_interval: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """The longest cache hit over all groups: blocks per group and the hit length in tokens."""
+    """The longest cache hit over all groups.
+
+    Attributes:
+        blocks: Hit blocks per group.
+        num_tokens: The hit length in tokens.
+        num_uncached: Tokens past the hit that some group alone had cached (a shared prefix
+            a sparse-retention group has not cached; 0 unless hybrid).
+    """
 
     blocks: tuple[list[KVCacheBlock], ...]
     num_tokens: int
+    num_uncached: int = 0
 
 
 class KVCacheCoordinator:
@@ -114,6 +133,7 @@ class KVCacheCoordinator:
             max_model_len=config.max_model_len,
             max_in_flight_tokens=config.max_in_flight_tokens,
             records_new_block_ids=config.needs_kv_cache_zeroing,
+            retention_interval=config.prefix_cache_retention_interval,
         )
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(group.kv_cache_spec, self.block_pool, group_id, options)
@@ -127,6 +147,10 @@ class KVCacheCoordinator:
             m for m in managers if m.enable_caching and not isinstance(m, CrossAttentionManager)
         )
         self._empty_hit = PrefixHit(tuple([] for _ in managers), 0)
+        self.retention_interval = config.prefix_cache_retention_interval
+        # Shared-prefix junction of each request's last lookup (vLLM keeps it on the request);
+        # only non-zero entries, and only sparse retention reads them.
+        self._junctions: dict[str, int] = {}
 
     # ------------------------------------------------------------------------ estimates
     def get_num_blocks_to_allocate(
@@ -234,8 +258,32 @@ class KVCacheCoordinator:
             num_computed_tokens: Tokens to cache, including those cached already.
         """
         num_tokens = self.get_num_cacheable_tokens(num_computed_tokens)
+        # Where a later request may resume: a resend of the prompt hits at most its length
+        # minus one token; a sibling sharing a prefix resumes at the junction.
+        junction = self._junctions.get(request.request_id, 0)
+        boundaries = (
+            (request.num_prompt_tokens - 1, junction)
+            if junction
+            else (request.num_prompt_tokens - 1,)
+        )
         for manager in self._caching_managers:
-            manager.cache_blocks(request, num_tokens)
+            manager.cache_blocks(request, num_tokens, boundaries)
+
+    def set_shared_prefix_boundary(self, request_id: str, boundary: int) -> None:
+        """Record the shared-prefix junction of the request's latest lookup (0: none).
+
+        Args:
+            request_id: The request.
+            boundary: Token position of the junction, or 0.
+        """
+        if boundary:
+            self._junctions[request_id] = boundary
+        else:
+            self._junctions.pop(request_id, None)
+
+    def get_shared_prefix_boundary(self, request_id: str) -> int:
+        """The junction recorded by ``set_shared_prefix_boundary`` (0: none)."""
+        return self._junctions.get(request_id, 0)
 
     def check_cacheable(self, request: Request, num_computed_tokens: int) -> None:
         """Raise unless every caching group holds the blocks ``cache_blocks`` would cache.
@@ -262,6 +310,7 @@ class KVCacheCoordinator:
     # -------------------------------------------------------------------------- release
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group (unknown ids are ignored)."""
+        self._junctions.pop(request_id, None)
         for manager in self.single_type_managers:
             manager.free(request_id)
 
@@ -452,6 +501,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hit_lengths = [0] * self._num_groups
         alignment = self.scheduler_block_size
         hit_length = max_cache_hit_length
+        longest = 0
         while True:
             candidate = hit_length
             for group in self._spec_groups:
@@ -463,6 +513,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     block_hashes, candidate, group.group_ids, alignment
                 )
                 candidate = found.num_tokens
+                longest = max(longest, candidate)
                 for group_id, blocks in zip(group.group_ids, found.blocks, strict=True):
                     hit_blocks[group_id] = blocks
                     hit_lengths[group_id] = candidate
@@ -479,10 +530,33 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 kept = hit_blocks[group_id]
                 if kept is not None:
                     del kept[num_blocks:]
-        return PrefixHit(tuple(kept or [] for kept in hit_blocks), hit_length)
+        return PrefixHit(tuple(kept or [] for kept in hit_blocks), hit_length, longest - hit_length)
+
+
+def _check_retention(config: CoordinatorConfig) -> None:
+    # vLLM's checks, with its reasons: a retention interval only means something with a
+    # sliding-window or Mamba group, and must land on hit boundaries.
+    interval = config.prefix_cache_retention_interval
+    if interval is None:
+        return
+    groups = config.kv_cache_config.kv_cache_groups
+    if not any(isinstance(g.kv_cache_spec, (SlidingWindowSpec, MambaSpec)) for g in groups):
+        if interval == 0:
+            return
+        raise ConfigError(
+            "prefix_cache_retention_interval is set but this model has no sliding-window or "
+            "Mamba KV cache group, so retention has no effect. Set it to 0 (it only applies "
+            "to sliding-window and Mamba attention)."
+        )
+    if interval < 0 or interval % config.scheduler_block_size:
+        raise ConfigError(
+            f"prefix_cache_retention_interval ({interval}) must be non-negative and a "
+            f"multiple of scheduler_block_size ({config.scheduler_block_size})."
+        )
 
 
 def _check_specs(config: CoordinatorConfig) -> None:
+    _check_retention(config)
     groups = config.kv_cache_config.kv_cache_groups
     for group_id, group in enumerate(groups):
         spec = group.kv_cache_spec

@@ -86,6 +86,11 @@ class KVCacheManagerConfig:
         log_stats: Collect prefix-cache stats (drained by ``make_prefix_cache_stats``).
         watermark: Fraction of all blocks kept free when admitting waiting or preempted
             requests while others are scheduled.
+        prefix_cache_retention_interval: Which sliding-window blocks enter the prefix cache
+            (vLLM's setting of that name): ``None`` (vLLM's ``KVCacheConfig`` default) every
+            block that can serve a hit; ``0`` (vLLM's ``CacheConfig`` default) only the
+            windows a request's replay boundary or a shared-prefix junction needs; ``n > 0``
+            those plus one window per ``n`` tokens (a multiple of the scheduler block size).
     """
 
     kv_cache_config: KVCacheConfig
@@ -97,6 +102,7 @@ class KVCacheManagerConfig:
     enable_kv_cache_events: bool = False
     log_stats: bool = True
     watermark: float = 0.0
+    prefix_cache_retention_interval: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -313,6 +319,7 @@ class KVCacheManager:
                 enable_caching=config.enable_caching,
                 enable_kv_cache_events=config.enable_kv_cache_events,
                 needs_kv_cache_zeroing=_needs_kv_cache_zeroing(specs),
+                prefix_cache_retention_interval=config.prefix_cache_retention_interval,
             )
         )
         self.block_pool: BlockPool = self.coordinator.block_pool
@@ -401,7 +408,8 @@ class KVCacheManager:
         """Find the request's longest prefix-cache hit (full blocks only).
 
         When every token hits, the last one must still be computed for its logits, so the
-        hit is capped at ``num_tokens - 1`` by default.
+        hit is capped at ``num_tokens - 1`` by default. The lookup also records the request's
+        shared-prefix junction (``get_shared_prefix_boundary``), as vLLM's scheduler does.
 
         Args:
             request: The request.
@@ -419,12 +427,33 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"max_cache_hit_length must be >= 0, got {max_cache_hit_length}"
             )
+        coordinator = self.coordinator
         if not self.enable_caching or request.skip_reading_prefix_cache:
+            coordinator.set_shared_prefix_boundary(request.request_id, 0)
             return self._empty_hit
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
-        hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
+        hit = coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
+        # The junction to keep is where the longest single-group hit ends.
+        junction = hit.num_tokens + hit.num_uncached if hit.num_uncached else 0
+        coordinator.set_shared_prefix_boundary(request.request_id, junction)
         return CacheHit(self._make_blocks(hit.blocks), hit.num_tokens)
+
+    def get_shared_prefix_boundary(self, request_id: str) -> int:
+        """vLLM's third answer of ``get_computed_blocks`` for the request's latest lookup.
+
+        Where a shared prefix that a sparse-retention group has not cached yet ends: the
+        longest single-group hit, when it is longer than the hit of all groups (0: none).
+        The manager keeps it until the request is freed or looks up again, and sparse
+        retention keeps the blocks a hit there needs when the request caches.
+
+        Args:
+            request_id: The request.
+
+        Returns:
+            The boundary in tokens, or 0.
+        """
+        return self.coordinator.get_shared_prefix_boundary(request_id)
 
     def _check_request(self, request: Request) -> None:
         num_tokens = request.num_tokens

@@ -9,9 +9,9 @@ Each manager answers four questions for its attention type, with vLLM 0.33's ans
   evictable hit blocks because touching them takes them off the free queue),
 * how blocks are allocated, cached and freed.
 
-In scope: full attention (also MLA and sink), sliding window, chunked local attention, Mamba
-without prefix caching, and cross attention. Eagle, DCP/PCP, Mamba "align" mode, partial
-(sub-block) hash hits and sparse retention are not implemented.
+In scope: full attention (also MLA and sink), sliding window (with vLLM's sparse prefix-cache
+retention), chunked local attention, Mamba without prefix caching, and cross attention. Eagle,
+DCP/PCP, Mamba "align" mode and partial (sub-block) hash hits are not implemented.
 """
 
 from __future__ import annotations
@@ -85,6 +85,10 @@ class ManagerOptions:
         max_model_len: Longest sequence, in tokens.
         max_in_flight_tokens: Most tokens scheduled but not yet settled, for admission caps.
         records_new_block_ids: Whether attention managers record new block ids for zeroing.
+        retention_interval: Which sliding-window blocks enter the prefix cache (vLLM's
+            ``prefix_cache_retention_interval``): ``None`` every block that can serve a hit;
+            ``0`` only the window before each replay boundary or shared-prefix junction;
+            ``n > 0`` those plus the window before every ``n``-token boundary.
     """
 
     enable_caching: bool
@@ -92,6 +96,7 @@ class ManagerOptions:
     max_model_len: int
     max_in_flight_tokens: int
     records_new_block_ids: bool
+    retention_interval: int | None = None
 
 
 class SingleTypeKVCacheManager:
@@ -134,6 +139,7 @@ class SingleTypeKVCacheManager:
         self.kv_cache_group_id = kv_cache_group_id
         self.enable_caching = options.enable_caching
         self.cache_hit_alignment_tokens = options.scheduler_block_size
+        self.retention_interval = options.retention_interval
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
         # Only attention blocks are zeroed by workers; Mamba states are written before read.
         self.records_new_block_ids = options.records_new_block_ids and isinstance(
@@ -292,12 +298,17 @@ class SingleTypeKVCacheManager:
         return ids
 
     # ------------------------------------------------------------------------- caching
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: Request, num_tokens: int, boundaries: Sequence[int] = ()
+    ) -> None:
         """Cache the request's blocks that became full within its first ``num_tokens`` tokens.
 
         Args:
             request: The request (its ``block_hashes`` name the blocks).
             num_tokens: Tokens to cache, including those cached already.
+            boundaries: Token positions a later request may resume at (its replay boundary
+                and any shared-prefix junction); sparse retention keeps the blocks a hit
+                there needs. Dense managers ignore them.
         """
         request_id = request.request_id
         num_cached_blocks = self.num_cached_block.get(request_id, 0)
@@ -312,12 +323,14 @@ class SingleTypeKVCacheManager:
             num_full_blocks,
             self.block_size,
             self.kv_cache_group_id,
-            self._block_mask(num_cached_blocks, num_full_blocks),
+            self._block_mask(num_cached_blocks, num_full_blocks, boundaries),
         )
         self.num_cached_block[request_id] = num_full_blocks
 
-    def _block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
-        """Which of the blocks ``[start_block, end_block)`` can ever serve a hit (None: all)."""
+    def _block_mask(
+        self, start_block: int, end_block: int, boundaries: Sequence[int]
+    ) -> list[bool] | None:
+        """Which of the blocks ``[start_block, end_block)`` to cache (None: all)."""
         return None
 
     def find_longest_cache_hit(
@@ -447,7 +460,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             del group_blocks[num_blocks:]
         return GroupHit(computed, hit_length)
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: Request, num_tokens: int, boundaries: Sequence[int] = ()
+    ) -> None:
         """Cache full blocks, then the prompt's last hash boundary inside a block, if any."""
         super().cache_blocks(request, num_tokens)
         hash_block_size = self.block_pool.hash_block_size
@@ -512,14 +527,22 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # Contiguous cached blocks that make a hit: the window before the next token.
         self.contiguous_blocks_for_hit = _cdiv(self.sliding_window - 1, self.block_size)
         self._mask_period = self._cache_mask_period()
+        # Blocks are block-granular; a sub-block alignment cannot be masked (cache all).
+        self._maskable = self.cache_hit_alignment_tokens % self.block_size == 0
 
-    def _cache_mask_period(self) -> int:
+    def _cache_mask_period(self) -> int | None:
         # Hits land on multiples of the alignment; only the last `contiguous_blocks_for_hit`
-        # blocks before each aligned boundary can serve one. 0: every block can.
+        # blocks before each segment's end can serve one. The segment is the alignment when
+        # dense, the retention interval when periodic; None: no periodic segments (retention
+        # 0); 0: every block is kept.
         alignment = self.cache_hit_alignment_tokens
         if alignment % self.block_size != 0:
             return 0
-        per_segment = alignment // self.block_size
+        retention = self.retention_interval
+        if retention == 0:
+            return None
+        segment = alignment if retention is None else retention
+        per_segment = segment // self.block_size
         if self.contiguous_blocks_for_hit >= per_segment:
             return 0
         return per_segment
@@ -533,12 +556,30 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Tokens before the window of the next token (and its extra retained tail)."""
         return max(0, num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens)
 
-    def _block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+    def _block_mask(
+        self, start_block: int, end_block: int, boundaries: Sequence[int]
+    ) -> list[bool] | None:
+        if not self._maskable:
+            return None
         period = self._mask_period
         if period == 0:
             return None
-        first_kept = period - self.contiguous_blocks_for_hit
-        return [i % period >= first_kept for i in range(start_block, end_block)]
+        need = self.contiguous_blocks_for_hit
+        if period is None:
+            mask = [False] * (end_block - start_block)
+        else:
+            first_kept = period - need
+            mask = [i % period >= first_kept for i in range(start_block, end_block)]
+        if self.retention_interval is not None:
+            # Sparse retention: keep the window that ends on each resume point (floored to
+            # the alignment), whatever the periodic segments keep.
+            alignment = self.cache_hit_alignment_tokens
+            block_size = self.block_size
+            for boundary in boundaries:
+                end = boundary // alignment * alignment // block_size
+                for i in range(max(start_block, end - need), min(end_block, end)):
+                    mask[i - start_block] = True
+        return mask
 
     def find_longest_cache_hit(
         self,
@@ -714,7 +755,9 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         """Connectors do not load cross-attention KV."""
         return
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: Request, num_tokens: int, boundaries: Sequence[int] = ()
+    ) -> None:
         """Cross-attention blocks are never cached."""
         return
 
