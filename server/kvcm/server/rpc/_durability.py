@@ -72,6 +72,8 @@ _PREFIX = "/kvcm.v1."
 # How long a live checkpoint waits for the calls written ahead to finish before it is
 # postponed (calls wait at the gate meanwhile).
 _DRAIN_S: Final = 1.0
+# Calls that are not a scheduler's (they renew no scheduler lease).
+_ADMIN_METHODS: Final = frozenset({"CreatePool", "DeletePool"})
 # How long after a failed or postponed live checkpoint the next one is tried.
 _CHECKPOINT_BACKOFF_S: Final = 10.0
 
@@ -150,6 +152,11 @@ class JournalInterceptor(MethodInterceptor):
 
     async def _write_ahead(self, method: str, pool_id: str, request: bytes, when: float) -> Ticket:
         journal = self._journal
+        state = self._state
+        if state is not None and method not in _ADMIN_METHODS and pool_id in state.registry:
+            # The scheduler called now: its lease is renewed now, not once the record is
+            # durable and the call runs (a slow disk is not the client's silence).
+            state.activity[pool_id] = state.clock.now()
         while journal.gate is not None:  # a checkpoint is being taken
             await journal.gate.wait()
         try:
