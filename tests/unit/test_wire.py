@@ -150,12 +150,18 @@ def test_pool_config_round_trips_with_defaults_left_unset() -> None:
             log_stats=False,
             watermark=0.01,
         ),
+        # vLLM's CacheConfig default (0) travels as set, unlike an unset (dense) interval.
+        PoolConfig(max_model_len=64, world_size=1, prefix_cache_retention_interval=0),
+        PoolConfig(max_model_len=64, world_size=1, prefix_cache_retention_interval=32),
     ):
         message = pool_config_to_proto(config)
         assert pool_config_from_proto(message) == config
     defaults = pool_config_to_proto(PoolConfig(max_model_len=2048, world_size=1))
     assert not defaults.HasField("enable_caching")
     assert not defaults.HasField("hash_seed")
+    assert not defaults.HasField("prefix_cache_retention_interval")
+    with pytest.raises(InvalidArgumentError, match=r"config\.prefix_cache_retention_interval"):
+        PoolConfig(max_model_len=64, world_size=1, prefix_cache_retention_interval=-16)
     with pytest.raises(InvalidArgumentError, match="hash_algorithm"):
         pool_config_to_proto(PoolConfig(max_model_len=1, hash_algorithm="md5"))
 

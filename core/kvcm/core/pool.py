@@ -201,6 +201,7 @@ class Pool:
                 enable_kv_cache_events=options.enable_kv_cache_events,
                 log_stats=options.log_stats,
                 watermark=options.watermark,
+                prefix_cache_retention_interval=options.prefix_cache_retention_interval,
             )
         )
         self.manager = manager

@@ -153,6 +153,11 @@ class PoolConfig:
         event_retention_num_events: Events kept for resuming subscribers.
         log_stats: Prefix-cache statistics.
         watermark: Fraction of blocks kept free when admitting, in [0, 1).
+        prefix_cache_retention_interval: Which sliding-window blocks enter the prefix cache
+            (vLLM's setting): ``None`` every block a hit can use (dense); ``0`` only those
+            a request's replay boundary or shared-prefix junction needs (vLLM's
+            ``CacheConfig`` default, which an engine passes); ``n > 0`` those plus one
+            window per ``n`` tokens (a multiple of the scheduler block size).
         scheduler_lease_s: Seconds without a scheduler call (any SchedulerService call on the
             pool, or KeepAlive) after which the lease expires; 0: never.
         lease_expiry: What an expired lease reclaims.
@@ -186,6 +191,7 @@ class PoolConfig:
     event_retention_num_events: int = DEFAULT_EVENT_RETENTION
     log_stats: bool = True
     watermark: float = 0.0
+    prefix_cache_retention_interval: int | None = None
     scheduler_lease_s: float = 0.0
     lease_expiry: LeaseExpiry = LeaseExpiry.FREE_REQUESTS
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -282,6 +288,13 @@ class PoolConfig:
             )
         if not 0.0 <= self.watermark < 1.0:
             raise InvalidArgumentError(f"config.watermark must be in [0, 1), got {self.watermark}")
+        retention = self.prefix_cache_retention_interval
+        if retention is not None and (type(retention) is not int or retention < 0):
+            raise InvalidArgumentError(
+                f"config.prefix_cache_retention_interval must be None or an int >= 0, "
+                f"got {retention!r}",
+                field="config.prefix_cache_retention_interval",
+            )
         if not 0.0 <= self.scheduler_lease_s <= 1e9:
             raise InvalidArgumentError(
                 f"config.scheduler_lease_s must be in [0, 1e9], got {self.scheduler_lease_s}",

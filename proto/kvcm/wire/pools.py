@@ -60,6 +60,7 @@ _OPTIONAL_INTS: Final = (
     "max_num_batched_tokens",
     "max_num_encoder_input_tokens",
     "kv_cache_memory_bytes",
+    "prefix_cache_retention_interval",
 )
 
 
