@@ -10,7 +10,9 @@ hashes it holds.
 
 ``kvcm serve --data-dir`` runs as a subprocess with ``--kv-events-port-label
 data_parallel_rank``: four pools, ranks 0..3, each on its own PUB and replay socket (vLLM's
-endpoint + rank rule), wired from what DescribePool says. Through a workload that stores and
+endpoint + rank rule), wired from what DescribePool says. A second run puts every pool on the
+shared socket and gives each pool a consumer that reads topics instead (llm-d's way: it
+subscribes to its pool's topic and replays that topic alone). Through a workload that stores and
 evicts blocks, a pool deleted and created again under the same id, another deleted before a
 ``kill -9`` and re-created after the restart, and a consumer that joins late, each consumer's
 answer equals the pool's own (the Lookup RPC's ``num_hit_tokens``) on every probe, and the
@@ -65,15 +67,26 @@ HASHER = BlockHasher(BLOCK_SIZE, _config(0).hash_algorithm, "routers")
 
 
 # ------------------------------------------------------------------------- the consumer
-class TopicBlindIndexer:
-    """One endpoint's indexer, as a router keeps it (see the module docstring)."""
+class Indexer:
+    """One engine's index, as a router keeps it (see the module docstring). Topic-blind
+    (Dynamo's way): it takes everything on its socket. With ``topic`` (llm-d's way, on the
+    shared socket): it subscribes to that topic and replays that topic alone."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, replay: str) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        replay: str,
+        topic: str | None = None,
+    ) -> None:
         self.ctx = ctx
         self.replay_endpoint = replay
+        self.topic = topic
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: it does not read them
+        # Topic-blind: every topic. (ZMQ matches prefixes; the test's topics are not
+        # prefixes of one another.)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"" if topic is None else topic.encode())
         self.sub.connect(endpoint)
         self.decoder = msgspec.msgpack.Decoder()
         self.last_seq = -1
@@ -100,7 +113,10 @@ class TopicBlindIndexer:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.connect(self.replay_endpoint)
         try:
-            dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            request = [b"", start.to_bytes(8, "big")]
+            if self.topic is not None:
+                request.append(self.topic.encode())  # kvcm's optional 4th frame: one pool
+            dealer.send_multipart(request)
             while True:
                 assert dealer.poll(10_000), "no replay answer"
                 _, _topic, seq_bytes, payload = dealer.recv_multipart()
@@ -142,17 +158,17 @@ class Router:
 
     def __init__(self) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.indexers: dict[str, TopicBlindIndexer] = {}
+        self.indexers: dict[str, Indexer] = {}
         self.lock = threading.Lock()
-        self._added: list[TopicBlindIndexer] = []
+        self._added: list[Indexer] = []
         self.failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def follow(self, name: str, endpoint: str, replay: str) -> None:
+    def follow(self, name: str, endpoint: str, replay: str, topic: str | None = None) -> None:
         with self.lock:
-            indexer = TopicBlindIndexer(self.ctx, endpoint, replay)
+            indexer = Indexer(self.ctx, endpoint, replay, topic)
             self.indexers[name] = indexer
             self._added.append(indexer)
 
@@ -165,7 +181,7 @@ class Router:
 
     def _follow(self) -> None:
         poller = zmq.Poller()
-        by_socket: dict[zmq.Socket[bytes], TopicBlindIndexer] = {}
+        by_socket: dict[zmq.Socket[bytes], Indexer] = {}
         while not self._stop.is_set():
             with self.lock:
                 for indexer in self._added:
@@ -206,7 +222,8 @@ def _free_port() -> int:
 class Server:
     """``kvcm serve --data-dir`` in a subprocess, on fixed addresses across restarts."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, port_label: str) -> None:
+        self.port_label = port_label
         self.address = f"127.0.0.1:{_free_port()}"
         self.http = f"127.0.0.1:{_free_port()}"
         self.data_dir = tmp_path / "data"
@@ -221,7 +238,7 @@ class Server:
              "--http-address", self.http, "--data-dir", str(self.data_dir),
              "--log-level", "WARNING", "--checkpoint-every-records", "40",
              "--kv-events-endpoint", self.endpoint, "--kv-events-replay-endpoint", self.replay,
-             "--kv-events-port-label", "data_parallel_rank"],
+             "--kv-events-port-label", self.port_label],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         with SchedulerClient(self.address, timeout=2.0) as client:
@@ -252,9 +269,9 @@ class Server:
             self.process.wait(timeout=15)
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    running = Server(tmp_path)
+@pytest.fixture(params=["data_parallel_rank", ""], ids=["socket-per-pool", "shared-socket"])
+def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    running = Server(tmp_path, request.param)
     running.start()
     try:
         yield running
@@ -321,10 +338,12 @@ def _wire(server: Server, router: Router, client: SchedulerClient, pools: list[s
     for pool in pools:
         events = client.describe_pool(pool).zmq_events
         assert events is not None
-        assert events.dedicated
+        assert events.dedicated == bool(server.port_label)
         assert events.data_parallel_rank == POOLS.index(pool)
         if pool not in router.indexers:
-            router.follow(pool, events.endpoint, events.replay_endpoint)
+            # On the shared socket only a consumer that reads topics can tell pools apart.
+            topic = None if server.port_label else events.topic
+            router.follow(pool, events.endpoint, events.replay_endpoint, topic)
     deadline = time.monotonic() + 15
     while server.peers() < len(router.indexers):
         assert time.monotonic() < deadline, "the router's sockets did not connect"
@@ -354,7 +373,7 @@ def _run(workload: Workload, pools: list[str], steps: int) -> None:
         workload.step(workload.rng.choice(pools))
 
 
-def test_a_topic_blind_router_follows_every_pool_through_deletes_and_kill_9(
+def test_a_router_follows_every_pool_through_deletes_and_kill_9(
     server: Server, router: Router
 ) -> None:
     with SchedulerClient(server.address, timeout=10.0) as client:
@@ -411,7 +430,8 @@ def test_a_topic_blind_router_follows_every_pool_through_deletes_and_kill_9(
         # A consumer of p0 that joins now: its first batch is a gap; it replays from 0.
         late = client.describe_pool("p0").zmq_events
         assert late is not None
-        router.follow("late-p0", late.endpoint, late.replay_endpoint)
+        late_topic = None if server.port_label else late.topic
+        router.follow("late-p0", late.endpoint, late.replay_endpoint, late_topic)
         _wire(server, router, client, [])
         for _ in range(3):
             _run(workload, pools, 40)
