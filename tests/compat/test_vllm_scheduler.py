@@ -371,6 +371,47 @@ def test_engine_resolution_kvcm_would_compute_differently_is_refused(
         )
 
 
+@pytest.mark.parametrize(
+    ("group_fields", "message"),
+    [
+        ({"is_eagle_group": True}, "EAGLE draft groups"),
+        ({"host_resident": True}, "host-resident groups"),
+        ({"role": "hisparse_source"}, "HiSparse groups"),
+    ],
+)
+def test_group_roles_kvcm_does_not_model_are_refused(
+    group_fields: dict[str, Any], message: str, vllm: ModuleType
+) -> None:
+    """A group vLLM gives a role kvcm's core does not model is refused, naming the group."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupRole,
+        KVCacheGroupSpec,
+    )
+
+    from kvcm.integrations.vllm._convert import convert_kv_cache_config
+
+    del vllm
+    if "role" in group_fields:
+        group_fields = {"role": KVCacheGroupRole(group_fields["role"])}
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    groups = [
+        KVCacheGroupSpec(["a"], spec),
+        KVCacheGroupSpec(["b"], spec, **group_fields),
+    ]
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    with pytest.raises(ConfigError, match=rf"kv_cache_groups\[1\]: {message}"):
+        convert_kv_cache_config(config)
+    # A group with no layer names (a later pipeline stage's) is named by its place.
+    groups[1] = KVCacheGroupSpec([], spec)
+    converted = convert_kv_cache_config(config)
+    assert converted.kv_cache_groups[1].layer_names == (
+        "kv_cache_groups[1] (layers on later pipeline stages)",
+    )
+
+
 def test_unsupported_spec_refused(vllm: ModuleType) -> None:
     """A KV-cache spec kvcm does not model (Mamba) is refused before vLLM builds anything."""
     import torch

@@ -120,12 +120,12 @@ def convert_kv_cache_config(config: Any) -> KVCacheConfig:
     groups = []
     for index, group in enumerate(config.kv_cache_groups):
         where = f"kv_cache_groups[{index}]"
-        role = getattr(getattr(group, "role", None), "value", "default")
+        role = group.role.value
         if role != "default":
             raise ConfigError(f"{where}: HiSparse groups (role {role!r}) are not supported")
-        if getattr(group, "is_eagle_group", False):
+        if group.is_eagle_group:
             raise ConfigError(f"{where}: EAGLE draft groups are not supported")
-        if getattr(group, "host_resident", False):
+        if group.host_resident:
             raise ConfigError(f"{where}: host-resident groups are not supported")
         # Under pipeline parallelism the scheduler's config is the first stage's: a group
         # whose layers all live on later stages has no names there. The manager never reads
@@ -163,14 +163,14 @@ def check_engine_resolution(
     Raises:
         ConfigError: The message names the field, vLLM's value, what kvcm would use, and the fix.
     """
-    resolved_hash = getattr(config, "hash_block_size", None)
+    resolved_hash = config.hash_block_size
     if resolved_hash is not None and resolved_hash != hash_block_size:
         raise ConfigError(
             f"kv_cache_config.hash_block_size={resolved_hash} differs from the scheduler's "
             f"hash_block_size={hash_block_size}: construct the scheduler with the sizes "
             "EngineCore resolves (resolve_kv_cache_block_sizes)"
         )
-    alignment = getattr(config, "cache_hit_alignment_tokens", None)
+    alignment = config.cache_hit_alignment_tokens
     if alignment is not None and alignment != scheduler_block_size:
         raise ConfigError(
             f"kv_cache_config.cache_hit_alignment_tokens={alignment}: vLLM lands prefix-cache "
@@ -189,7 +189,7 @@ def _check_retention(config: Any, scheduler_block_size: int) -> None:
     # tokens when the interval is None, every `interval` tokens when positive, none but the
     # replay and shared-prefix boundaries when 0). When a boundary comes every `need` blocks
     # or sooner, every block is reachable and vLLM caches densely, as kvcm's core does.
-    interval = getattr(config, "prefix_cache_retention_interval", None)
+    interval = config.prefix_cache_retention_interval
     for index, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
         if type(spec).__name__ != "SlidingWindowSpec":
