@@ -9,6 +9,10 @@
 #   bash scripts/fuzz-long.sh 5000         # fewer
 #   KVCM_FUZZ_CALLS=30 bash scripts/fuzz-long.sh   # longer call sequences per example
 #   KVCM_FUZZ_SEED=2 KVCM_FUZZ_REPORT=/tmp/shard2.json bash scripts/fuzz-long.sh  # a shard
+#
+# Then the HTTP fuzzer (tests/integration/test_http_fuzz.py: raw bytes, mangled JSON and raw
+# headers at every route with tokens on) runs KVCM_HTTP_FUZZ_EXAMPLES examples (default: a
+# tenth of the wire fuzzer's; about 45 ms each); its failures fail the script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source .venv/bin/activate
@@ -42,3 +46,13 @@ for failure in failures:
 PY
 echo
 echo "report: $report (pytest log: $report.log, exit status $status)"
+
+http_examples="${KVCM_HTTP_FUZZ_EXAMPLES:-$((examples / 10 > 0 ? examples / 10 : 1))}"
+echo
+echo "== HTTP fuzzer: $http_examples examples"
+http_status=0
+KVCM_FUZZ_EXAMPLES="$http_examples" python -m pytest -q -p no:cacheprovider \
+  tests/integration/test_http_fuzz.py || http_status=$?
+echo "HTTP fuzzer exit status $http_status"
+if [ "$status" -eq 0 ]; then status=$http_status; fi
+exit "$status"
