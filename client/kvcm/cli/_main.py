@@ -235,7 +235,7 @@ def _describe(args: argparse.Namespace, connection: Connection) -> int:
 def _token_ids(text: str, source: str) -> list[int]:
     ids = []
     for index, item in enumerate(text.replace(",", " ").split()):
-        if not item.isdigit():
+        if not (item.isascii() and item.isdigit()):
             raise UsageError(f"{source}: item {index} is {item[:20]!r}, not a token id")
         ids.append(int(item))
     if not ids:
