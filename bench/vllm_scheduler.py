@@ -1,51 +1,68 @@
-"""vLLM 0.33's scheduler on its own KV-cache manager vs on kvcm: time per step, RPCs, bytes.
+"""vLLM 0.33's engine on its own KV-cache manager vs on kvcm's mirror: time per step, and lag.
 
-Every scheduler is vLLM's real ``Scheduler`` (the kvcm ones are ``KvcmScheduler``, built
-through ``scheduler_cls`` exactly as EngineCore builds it), in one process, on the same
-workload: ``N`` requests (128-token prompts, 70 % of them sharing one of four 64-token
-prefixes) admitted, prefilled, then decoding for long enough that none finishes. One sample is
-one engine step's ``schedule()`` plus ``update_from_output()`` (the simulated model's output is
-built outside the timed part); samples of the sides are interleaved after
-``gc.collect(); gc.freeze()``, as vLLM's engine runs. The kvcm sides:
+Every engine is vLLM's own ``EngineCore`` (tests/compat/_engine_core.py: a simulated CPU
+executor, vLLM's real planning, scheduler construction and busy loop), with vLLM's scheduler or
+with ``KvcmAsyncScheduler`` (``KvcmScheduler`` with ``--sync``) shipping every step to
+``kvcm serve`` in its own process on 127.0.0.1. The workload: ``N`` requests (128-token
+prompts, 70 % of them sharing one of four 64-token prefixes) admitted, prefilled, then
+decoding for long enough that none finishes; full attention, and hybrid (a full and a
+sliding-window layer).
 
-* ``local``: the mirror with no server (recording the Step program included);
-* ``mirror``: the mirror shipping one Step per ``schedule()`` to ``kvcm serve`` (its own
-  process on 127.0.0.1) from a background thread, every answer verified;
-* ``remote``: every ``allocate_slots`` waits for the server's acknowledgement.
+**Per step** (the table): one sample is one turn of EngineCore's loop, of which the CPU time
+the process spends (every thread: the mirror's shipping thread included; not the server's)
+while the engine is in the scheduler's ``schedule()`` and ``update_from_output()`` is counted
+(the simulated model is not). The engines' turns alternate in blocks of 50, after
+EngineCore's own ``gc.freeze()``. The mirror's shipping thread runs beside its engine's turns,
+sharing the interpreter lock as in a real engine (one call carries the steps of ~2 ms); between
+blocks it is let finish, outside every sample, so that it never runs inside vLLM's. CPU time,
+not wall time: figures from a shared machine stay comparable. The last columns are what a
+whole turn costs in all: the process's CPU time per turn, each engine stepping back to back on
+its own until the server's copy is equal (the simulated model, and every call the shipper
+makes, included).
 
-After timing, each shipping side is flushed and its counters printed: RPCs and Step bytes per
-step, steps verified, mismatches.
+**Lag** (``--lag``): the mirror engine steps back to back and once every 10 ms; figures:
+steps per second the shipper acknowledged, Step RPCs (one carries every step queued while the
+previous one was out), close-to-acknowledgement lag p50/p99, and the time from the last step's
+close until the server's copy equals the mirror's.
 
-    python bench/vllm_scheduler.py                 # N = 8, 64, 256; ~1-2 min on 2 cores
-    python bench/vllm_scheduler.py --running 256 --steps 400 --modes local mirror
+    python bench/vllm_scheduler.py              # N = 8, 64, 256, full and hybrid (~3 min)
+    python bench/vllm_scheduler.py --running 64 --kinds full --steps 200
+    python bench/vllm_scheduler.py --lag        # the lag figures only
 
-Targets (issue 10): mirror median <= 1.0x vLLM at 256 running, <= 1.25x at 8.
+Targets (issue 22): mirror median <= 0.9x vLLM's everywhere (aim 0.8x).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# The simulated engine and its workload live once, beside the differential test.
+# The simulated engine lives once, beside the differential tests.
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 if str(Path(__file__).parent.parent / "tests" / "compat") not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "compat"))
 
-from _common import Row, import_vllm, kvcm_server, measure, print_table
+from _common import Timing, import_vllm, kvcm_server
 
 PROMPT_LEN = 128
 PREFIX_LEN = 64
+SLIDING_WINDOW = 64
+KINDS = {"full": 0, "hybrid": SLIDING_WINDOW}
+# Turns per block: the engines' samples alternate in blocks (the mirror's shipper works beside
+# its engine as it would, and finishes between blocks, outside every sample).
+BLOCK = 50
 
 
 def _plans(num_running: int, decode_steps: int) -> list[Any]:
-    from _vllm_engine import VOCAB, RequestPlan
+    from _engine_core import VOCAB, RequestPlan
 
     rng = random.Random(num_running)
     prefixes = [tuple(rng.randrange(VOCAB) for _ in range(PREFIX_LEN)) for _ in range(4)]
@@ -64,132 +81,273 @@ def _plans(num_running: int, decode_steps: int) -> list[Any]:
     return plans
 
 
-def _stepper(scheduler: Any) -> Any:
-    from _vllm_engine import _model_output
+class _TimedScheduler:
+    """Counts the process's CPU seconds (every thread's: the shipper's included) while the
+    engine is in ``schedule()`` and ``update_from_output()``."""
 
-    perf = time.perf_counter
-    state = {"step": 0}
+    def __init__(self, scheduler: Any) -> None:
+        self.seconds = 0.0
+        perf = time.process_time
+        schedule = scheduler.schedule
+        update = scheduler.update_from_output
 
-    def sample() -> float:
-        step = state["step"]
-        state["step"] = step + 1
-        start = perf()
-        output = scheduler.schedule()
-        scheduled = perf()
-        model_output = _model_output(scheduler, output, step)
-        updating = perf()
-        scheduler.update_from_output(output, model_output)
-        return (scheduled - start) + (perf() - updating)
+        def timed_schedule(*args: Any, **kwargs: Any) -> Any:
+            start = perf()
+            try:
+                return schedule(*args, **kwargs)
+            finally:
+                self.seconds += perf() - start
 
-    return sample
+        def timed_update(*args: Any, **kwargs: Any) -> Any:
+            start = perf()
+            try:
+                return update(*args, **kwargs)
+            finally:
+                self.seconds += perf() - start
 
-
-def _bytes_per_step(programs: list[Any], pool_id: str) -> float:
-    from kvcm.wire import program_to_proto
-
-    if not programs:
-        return 0.0
-    return sum(program_to_proto(p, pool_id).ByteSize() for p in programs) / len(programs)
-
-
-class _Counting:
-    """A sink wrapper that keeps the programs (for their encoded size, measured afterwards)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.programs: list[Any] = []
-
-    def submit(self, step: Any) -> None:
-        self.programs.append(step.program)
-        self.inner.submit(step)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        # Instance attributes: EngineCore calls self.scheduler.schedule(), which finds these.
+        scheduler.schedule = timed_schedule
+        scheduler.update_from_output = timed_update
 
 
-def bench(num_running: int, steps: int, modes: list[str], target: str | None) -> list[Row]:
-    """Rows for one N: each kvcm mode against vLLM's own manager (same samples for vLLM)."""
-    from _vllm_engine import Setup, _make_request, build_scheduler
+@dataclass
+class _Side:
+    name: str
+    engine: Any
+    timer: _TimedScheduler
+    samples: list[float]
 
-    from kvcm.integrations.vllm import KvcmScheduler
+    @property
+    def manager(self) -> Any:
+        return self.engine.scheduler.kv_cache_manager
 
-    warmup = 3 + (num_running * PROMPT_LEN) // 8192 + 2
-    setup = Setup(
-        num_blocks=num_running * ((PROMPT_LEN + steps + warmup + 64) // 16 + 2) + 16,
+    def drain(self) -> None:
+        """Untimed: let the mirror's shipper finish, forget the executor's batch log."""
+        self.engine.take_scheduled()
+        self.engine.take_events()
+        flush = getattr(self.manager, "recorder", None)
+        if flush is not None:
+            sink = self.manager.recorder.sink
+            if hasattr(sink, "flush"):
+                sink.flush(10.0)
+
+    def run_block(self, count: int) -> None:
+        """``count`` timed turns back to back (the shipper running beside them), then drain."""
+        timer = self.timer
+        step = self.engine.step
+        samples = self.samples
+        for _ in range(count):
+            before = timer.seconds
+            step()
+            samples.append(timer.seconds - before)
+        self.drain()
+
+
+def _setup(kind: str, num_running: int, steps: int, sync: bool) -> Any:
+    from _engine_core import Setup
+
+    return Setup(
+        # Every request's whole decode, and a max_model_len sequence in each group.
+        num_blocks=num_running * ((PROMPT_LEN + 3 * steps + 200) // 16 + 2) + 2 * 4096 // 16,
         max_num_seqs=num_running,
         max_num_batched_tokens=8192,
         max_model_len=4096,
+        sliding_window=KINDS[kind],
+        # Every block of the sliding window cached (vLLM's sparse retention is not modelled).
+        retention_interval=None,
+        async_scheduling=not sync,
         log_stats=True,
     )
-    sides = []
-    for mode in modes:
-        config = None
-        if mode != "local":
-            assert target is not None
-            pool_id = f"bench-{mode}-{num_running}"
-            config = {"kvcm": {"address": target, "pool_id": pool_id, "mode": mode}}
-        scheduler = build_scheduler(setup, KvcmScheduler, config)
-        recorder = scheduler.kv_cache_manager.recorder
-        recorder.sink = _Counting(recorder.sink)
-        sides.append(scheduler)
-    sides.append(build_scheduler(setup))
-    for scheduler in sides:
-        for plan in _plans(num_running, steps + warmup):
-            scheduler.add_request(_make_request(plan, scheduler.hash_block_size))
-    timings = measure([_stepper(s) for s in sides], repeats=steps, warmup=warmup)
-    for scheduler in sides:
-        assert len(scheduler.running) == num_running, "the bench must time full decode steps"
-    vllm = timings[-1]
-    rows = []
-    for mode, scheduler, timing in zip(modes, sides, timings, strict=False):
-        rows.append(Row.of_timings(f"{mode}, {num_running} running", timing, vllm))
-        sink = scheduler.kv_cache_manager.recorder.sink
-        if mode == "local":
-            continue
-        flushed = scheduler.kv_cache_manager.flush(60.0)
-        stats = sink.stats
-        num_steps = steps + warmup
+
+
+def _build(setup: Any, target: str | None, pool_id: str, num_running: int, steps: int) -> Any:
+    from _engine_core import build_engine
+
+    from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
+
+    if target is None:
+        engine = build_engine(setup)
+    else:
+        cls = KvcmAsyncScheduler if setup.async_scheduling else KvcmScheduler
+        config = {"kvcm": {"address": target, "pool_id": pool_id, "mode": "mirror"}}
+        engine = build_engine(setup, cls, config)
+    for plan in _plans(num_running, 3 * steps + 100):
+        engine.add(plan)
+    # Until every request is admitted, prefilled and decoding.
+    for _ in range(5 + num_running * PROMPT_LEN // 8192 + 3):
+        engine.step()
+    engine.take_scheduled()
+    engine.take_events()
+    assert len(engine.scheduler.running) == num_running, "the bench must time decode steps"
+    return engine
+
+
+@dataclass(frozen=True)
+class _Row:
+    kind: str
+    num_running: int
+    vllm: Timing
+    mirror: Timing
+    vllm_turn_cpu_s: float
+    mirror_turn_cpu_s: float
+    verified: int
+    submitted: int
+    step_rpcs: int
+    mismatches: int
+
+
+def _back_to_back(engine: Any, steps: int) -> float:
+    """The process's CPU seconds per engine turn, back to back, until the server's copy is
+    equal (whole turns: the simulated model and the shipper included)."""
+    start = time.process_time()
+    for _ in range(steps):
+        engine.step()
+        if len(engine.core.model_executor.scheduled) > 64:
+            engine.take_scheduled()
+    manager = engine.scheduler.kv_cache_manager
+    if hasattr(manager, "flush"):
+        manager.flush(60.0)
+    return (time.process_time() - start) / steps
+
+
+def bench(kind: str, num_running: int, steps: int, target: str, sync: bool) -> _Row:
+    """One row: the mirror against vLLM's own manager, same workload, same run."""
+    setup = _setup(kind, num_running, steps, sync)
+    engines = [
+        _build(setup, None, "", num_running, steps),
+        _build(setup, target, f"bench-{kind}-{num_running}", num_running, steps),
+    ]
+    sides = [
+        _Side(name, engine, _TimedScheduler(engine.scheduler), [])
+        for name, engine in zip(("vllm", "mirror"), engines, strict=True)
+    ]
+    gc.collect()
+    gc.freeze()
+    for side in sides:
+        side.drain()
+    for index in range(0, steps, BLOCK):
+        for side in sides if (index // BLOCK) % 2 == 0 else reversed(sides):
+            side.run_block(min(BLOCK, steps - index))
+    rates = [float("inf"), float("inf")]
+    for index in (0, 1, 1, 0):
+        sides[index].drain()
+        rates[index] = min(rates[index], _back_to_back(engines[index], steps))
+    for side in sides:
+        side.drain()
+        assert len(side.engine.scheduler.running) == num_running, "requests finished early"
+    manager = sides[1].manager
+    assert manager.flush(60.0), "the mirror's steps were not shipped"
+    stats = manager.recorder.sink.stats
+    row = _Row(
+        kind=kind,
+        num_running=num_running,
+        vllm=Timing.of(sides[0].samples),
+        mirror=Timing.of(sides[1].samples),
+        vllm_turn_cpu_s=rates[0],
+        mirror_turn_cpu_s=rates[1],
+        verified=stats.steps_verified,
+        submitted=stats.steps_submitted,
+        step_rpcs=stats.step_rpcs,
+        mismatches=stats.mismatches,
+    )
+    for engine in engines:
+        engine.shutdown()
+    gc.unfreeze()
+    return row
+
+
+def lag(num_running: int, steps: int, period_s: float, target: str, sync: bool) -> str:
+    """The shipper against one mirror engine stepping every ``period_s`` (0: back to back)."""
+    setup = _setup("full", num_running, steps, sync)
+    pool_id = f"lag-{num_running}-{int(period_s * 1000)}"
+    engine = _build(setup, target, pool_id, num_running, steps)
+    manager = engine.scheduler.kv_cache_manager
+    assert manager.flush(30.0)
+    shipper = manager.recorder.sink
+    before = shipper.stats.steps_shipped
+    rpcs_before = shipper.stats.step_rpcs
+    start = time.perf_counter()
+    for _ in range(steps):
+        began = time.perf_counter()
+        engine.step()
+        engine.take_scheduled()
+        if period_s:
+            time.sleep(max(0.0, period_s - (time.perf_counter() - began)))
+    engine_s = time.perf_counter() - start
+    manager.close_step()
+    closed = time.perf_counter()
+    while manager.shipping_lag().backlog_steps:
+        time.sleep(0.0002)
+    caught_up_s = time.perf_counter() - closed
+    shipped_s = time.perf_counter() - start
+    stats = shipper.stats
+    view = manager.shipping_lag()
+    shipped = stats.steps_shipped - before
+    pace = f"every {period_s * 1e3:.0f} ms" if period_s else "back to back"
+    line = (
+        f"lag N={num_running:<3} {pace:>12}: "
+        f"engine {steps / engine_s:7.0f} steps/s, shipper {shipped / shipped_s:7.0f} steps/s "
+        f"in {stats.step_rpcs - rpcs_before} Step RPCs (max {stats.max_steps_per_rpc} "
+        f"steps/RPC), lag p50 {view.lag_p50_s * 1e3:6.2f} ms p99 {view.lag_p99_s * 1e3:6.2f} ms, "
+        f"server equal {caught_up_s * 1e3:5.1f} ms after the last step; "
+        f"{stats.steps_verified}/{stats.steps_submitted} verified, {stats.mismatches} mismatches"
+    )
+    engine.shutdown()
+    return line
+
+
+def _print_rows(rows: list[_Row], sync: bool) -> None:
+    loop = "Scheduler (sync)" if sync else "AsyncScheduler"
+    print(
+        f"vLLM 0.33 EngineCore + {loop}: process CPU ms in schedule() + update_from_output() "
+        "per engine turn (mirror: kvcm's, shipping to kvcm serve; x = mirror / vLLM); "
+        "whole turn back to back, shipping included"
+    )
+    header = (
+        f"{'kind':<7}{'N':>4} {'vLLM p50':>9}{'mirror p50':>11}{'x':>6} {'vLLM p99':>9}"
+        f"{'mirror p99':>11}{'x':>6}   {'whole turn (vLLM, mirror)':>26}{'x':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        v, m = row.vllm, row.mirror
         print(
-            f"  {mode:>6} N={num_running}: {stats.rpcs / num_steps:.2f} RPCs/step, "
-            f"{_bytes_per_step(sink.programs, 'x'):.0f} Step bytes/program, "
-            f"{stats.steps_verified}/{stats.steps_submitted} programs verified, "
-            f"{stats.mismatches} mismatches, {stats.resyncs} resyncs, backlog high water "
-            f"{stats.backlog_high_water}{'' if flushed else ', NOT FLUSHED'}",
-            flush=True,
+            f"{row.kind:<7}{row.num_running:>4} {v.median_ms:9.3f}{m.median_ms:11.3f}"
+            f"{m.median_ms / v.median_ms:6.2f} {v.p99_ms:9.3f}{m.p99_ms:11.3f}"
+            f"{m.p99_ms / v.p99_ms:6.2f}   {row.vllm_turn_cpu_s * 1e3:13.3f}"
+            f"{row.mirror_turn_cpu_s * 1e3:13.3f}{row.mirror_turn_cpu_s / row.vllm_turn_cpu_s:6.2f}"
         )
-        scheduler.shutdown()
-    return rows
+    for row in rows:
+        print(
+            f"  {row.kind} N={row.num_running}: {row.verified}/{row.submitted} steps verified "
+            f"in {row.step_rpcs} Step RPCs, {row.mismatches} mismatches"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the benchmark and print the table (ratio: vLLM / kvcm, above 1: kvcm faster)."""
+    """Run the benchmark and print the table and the lag figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--running", type=int, nargs="*", default=[8, 64, 256])
+    parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument(
-        "--modes", nargs="*", default=["local", "mirror", "remote"],
-        choices=["local", "mirror", "remote"],
-    )  # fmt: skip
+    parser.add_argument("--sync", action="store_true", help="KvcmScheduler, no async loop")
+    parser.add_argument("--lag", action="store_true", help="the lag figures only")
+    parser.add_argument("--lag-steps", type=int, default=400)
     args = parser.parse_args(argv)
-    if import_vllm("vllm.v1.core.sched.scheduler") is None:
+    if import_vllm("vllm.v1.engine.core") is None:
         raise SystemExit("vLLM 0.33 is needed for this benchmark (see bench/_common.py)")
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import init_none_hash
-
-    init_none_hash(sha256)
     with contextlib.ExitStack() as stack:
-        target = None
-        if set(args.modes) - {"local"}:
-            target = stack.enter_context(kvcm_server())
-        rows = [row for n in args.running for row in bench(n, args.steps, args.modes, target)]
-    print_table(
-        rows,
-        "vLLM 0.33 Scheduler.schedule() + update_from_output(), per step "
-        "(kvcm: KvcmScheduler; vLLM: its own manager, same samples)",
-    )
-    for row in rows:
-        assert row.ratio is not None
-        print(f"{row.name}: kvcm / vLLM = {1 / row.ratio:.2f}x")
+        target = stack.enter_context(kvcm_server())
+        if not args.lag:
+            rows = [
+                bench(kind, n, args.steps, target, args.sync)
+                for kind in args.kinds
+                for n in args.running
+            ]
+            _print_rows(rows, args.sync)
+        for n in (8, 256):
+            for period_s in (0.0, 0.01):
+                print(lag(n, args.lag_steps, period_s, target, args.sync), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvcm.core.pool_types import StepProgress
+
 __all__ = [
     "DEFAULT_LATENCY_BUCKETS_SECONDS",
     "DEFAULT_LOOP_LAG_BUCKETS_SECONDS",
@@ -32,7 +34,6 @@ __all__ = [
     "MethodLatency",
     "RpcStats",
     "RpcStatsSnapshot",
-    "StepProgress",
     "StepProgressBook",
 ]
 
@@ -288,27 +289,6 @@ class LoopLagMonitor:
 
 
 # ------------------------------------------------------------------------- step progress
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepProgress:
-    """How far a pool's copy is behind its scheduler, at one instant (``kvcm.v1.StepProgress``).
-
-    Attributes:
-        last_step_seq: The last applied Step's step_seq (or a ResyncPool's).
-        last_step_age_s: Seconds since the scheduler closed that step (its reported age when
-            sent, plus the time since the server applied it).
-        scheduler_step_seq: The newest step the scheduler had closed when it sent it (0: not
-            reported).
-        steps_behind: ``scheduler_step_seq - last_step_seq`` then (0: up to date or unknown).
-        since_applied_s: Seconds since the server applied the last Step or ResyncPool.
-    """
-
-    last_step_seq: int
-    last_step_age_s: float
-    scheduler_step_seq: int
-    steps_behind: int
-    since_applied_s: float
-
-
 class StepProgressBook:
     """Each pool's step progress, noted by the Step handler on the loop.
 

@@ -185,6 +185,7 @@ class StepRecorder:
 
     __slots__ = (
         "_hash_block_size",
+        "_in_flight_options",
         "_lock",
         "_next_key",
         "_notes",
@@ -226,6 +227,7 @@ class StepRecorder:
         self._notes: list[tuple[Any, ...]] = []
         self._unbuilt: collections.deque[RecordedStep] = collections.deque()
         self._lock = threading.Lock()
+        self._in_flight_options: dict[int, AllocOptions] = {}
         self._sink: StepSink = sink
         self._off = isinstance(sink, NullSink)
 
@@ -472,7 +474,14 @@ class StepRecorder:
         program.alloc_num_new_tokens.append(num_new_tokens)
         program.alloc_num_computed_tokens.append(num_computed)
         if hit is not None or slot_options is not None or in_flight:
-            if slot_options is None:
+            if hit is None and slot_options is None:
+                # Every decode step of vLLM's async loop: one shared value per in-flight count.
+                options = self._in_flight_options.get(in_flight)
+                if options is None:
+                    options = AllocOptions(num_in_flight_tokens=in_flight)
+                    self._in_flight_options[in_flight] = options
+                program.alloc_options[index] = options
+            elif slot_options is None:
                 program.alloc_options[index] = AllocOptions(hit=hit, num_in_flight_tokens=in_flight)
             else:
                 program.alloc_options[index] = AllocOptions(
