@@ -496,3 +496,19 @@ def test_packed_answers_decode_to_the_same_answer() -> None:
         damage(broken.packed)
         with pytest.raises(InvalidArgumentError, match="packed"):
             lookup_result_from_proto(broken)
+
+
+def test_long_hash_prompts_are_walked_past_the_split_chunks() -> None:
+    """Hash prompts are split 256 blocks at a time as the walk reads them: hits that end on,
+    just past and far beyond a chunk's edge equal the pool's own answer."""
+    registry = PoolRegistry()
+    pool = registry.create(
+        "long", PoolConfig(max_model_len=8192, explicit_layout=_layout([_full()], 700))
+    )
+    cached = list(range(600 * 4))  # 600 blocks of 4 tokens
+    _serve(pool, 1, cached)
+    for num_shared in (0, 1, 255, 256, 257, 512, 599, 600):
+        probe = cached[: num_shared * 4] + [100_000 + i for i in range(40)]
+        raw = b"".join(_hashes(pool, probe))
+        answer = registry.lookup(LookupQuery(block_hashes=raw, num_tokens=len(probe)))
+        assert answer.pools[0].num_hit_tokens == _own_hit(pool, probe) == num_shared * 4
