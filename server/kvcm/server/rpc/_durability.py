@@ -72,6 +72,7 @@ _PREFIX = "/kvcm.v1."
 # How long a live checkpoint waits for the calls written ahead to finish before it is
 # postponed (calls wait at the gate meanwhile).
 _DRAIN_S: Final = 1.0
+_DRAIN_ATTEMPTS: Final = 10
 # Calls that are not a scheduler's (they renew no scheduler lease).
 _ADMIN_METHODS: Final = frozenset({"CreatePool", "DeletePool"})
 # How long after a failed or postponed live checkpoint the next one is tried.
@@ -490,15 +491,20 @@ async def checkpoint_live(state: ServerState, journal: Journal) -> bool:
     snapshot is encoded off the loop, then the journal drops what the checkpoint holds.
 
     New calls wait at the journal's gate until every call written ahead has finished and
-    every pool is held (a few milliseconds; the checkpoint is postponed when that takes more
-    than ``_DRAIN_S``). Returns whether it was written (``False``: postponed).
+    every pool is held (a few milliseconds; when that takes more than ``_DRAIN_S`` the gate
+    opens again for ``_DRAIN_S`` and the drain is tried again, ``_DRAIN_ATTEMPTS`` times).
+    Returns whether it was written (``False``: postponed).
 
     Raises:
         OSError: The checkpoint or the new journal could not be written (the old ones stay).
     """
-    if not await journal.pause(_DRAIN_S):  # every call written ahead has finished
-        _LOG.info("checkpoint postponed: calls written ahead did not finish in time")
-        return False
+    attempts = 0
+    while not await journal.pause(_DRAIN_S):  # every call written ahead has finished
+        attempts += 1
+        if attempts == _DRAIN_ATTEMPTS:
+            _LOG.info("checkpoint postponed: calls written ahead did not finish in time")
+            return False
+        await asyncio.sleep(_DRAIN_S)  # calls flow meanwhile; then try again
     held: dict[str, tuple[Pool, asyncio.Event]] = {}
     try:
         while missing := [p for p in state.registry.list() if p.name not in held]:
