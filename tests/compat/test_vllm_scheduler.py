@@ -61,6 +61,7 @@ class ReplayCheckingSink:
                 enable_kv_cache_events=config.enable_kv_cache_events,
                 log_stats=config.log_stats,
                 watermark=config.watermark,
+                prefix_cache_retention_interval=config.prefix_cache_retention_interval,
             ),
         )
 
@@ -144,6 +145,19 @@ CASES = {
         Setup(sliding_window=64, num_blocks=80, retention_interval=None, **_SMALL),
         5,
         70,
+    ),
+    # vLLM's defaults: sparse sliding-window retention (interval 0): only the windows before
+    # each prompt's replay boundary and each shared-prefix junction enter the prefix cache.
+    "hybrid-swa-default-retention": (Setup(sliding_window=64, num_blocks=80, **_SMALL), 14, 70),
+    "hybrid-swa-default-retention-async": (
+        Setup(sliding_window=32, num_blocks=100, async_scheduling=True, **_SMALL),
+        15,
+        70,
+    ),
+    "hybrid-swa-retention-64": (
+        Setup(sliding_window=32, num_blocks=100, retention_interval=64, **_SMALL),
+        16,
+        60,
     ),
     "hybrid-swa-async-watermark": (
         Setup(
@@ -297,11 +311,6 @@ def test_kvcm_manager_replaces_vllms(kvcm_classes: tuple[type, type]) -> None:
         ({"additional_config": {"kvcm": {"mode": "later"}}}, "mode must be one of"),
         ({"additional_config": {"kvcm": {"pool": "x"}}}, "unknown keys"),
         ({"async_scheduling": True}, "KvcmAsyncScheduler, or pass --no-async-scheduling"),
-        (
-            # A hybrid model under vLLM's default retention (sparse sliding-window caching).
-            {"setup": Setup(sliding_window=32, num_blocks=100, max_model_len=512)},
-            r"prefix_cache_retention_interval=0: .* pass --prefix-cache-retention-interval None",
-        ),
     ],
 )
 def test_refused_when_engine_core_builds_it(
@@ -339,14 +348,13 @@ def _vllm_config_with(**fields: Any) -> Any:
         # Partial hash hits (vLLM's Mamba align mode) land hits on hash blocks.
         ({"window": 64, "cache_hit_alignment_tokens": 8}, "--prefix-match-unit 16"),
         ({"window": 64, "hash_block_size": 8}, "differs from the scheduler's hash_block_size=16"),
-        # Retention every 128 tokens caches only 4 of every 8 blocks of a 64-token window.
-        ({"window": 64, "prefix_cache_retention_interval": 128}, "up to 64"),
     ],
 )
 def test_engine_resolution_kvcm_would_compute_differently_is_refused(
     fields: dict[str, Any], message: str, vllm: ModuleType
 ) -> None:
-    """The resolved fields are accepted only where kvcm computes the same."""
+    """The resolved fields are accepted only where kvcm computes the same (every retention
+    interval: the core applies vLLM's sparse retention)."""
     from kvcm.integrations.vllm._convert import check_engine_resolution
 
     del vllm
@@ -362,12 +370,10 @@ def test_engine_resolution_kvcm_would_compute_differently_is_refused(
         cache_hit_alignment_tokens=16,
         prefix_cache_retention_interval=64,
     )
-    check_engine_resolution(
-        accepted, scheduler_block_size=16, hash_block_size=16, enable_caching=True
-    )
-    if "prefix_cache_retention_interval" in fields:
+    for interval in (None, 0, 64, 128):
+        accepted.prefix_cache_retention_interval = interval
         check_engine_resolution(
-            config, scheduler_block_size=16, hash_block_size=16, enable_caching=False
+            accepted, scheduler_block_size=16, hash_block_size=16, enable_caching=True
         )
 
 

@@ -186,6 +186,8 @@ def test_builder_program_round_trips_through_the_wire_codec() -> None:
     step = _worked_example()
     step.allocate(3, 2, 48, options=SlotOptions(num_lookahead_tokens=2, num_in_flight_tokens=3))
     step.allocate(5, 16, 16, hit=HitSpec(num_tokens=16, block_ids=([4],)))
+    # A lookup's shared-prefix junction travels with its hit (sparse retention).
+    step.allocate(6, 16, 0, hit=HitSpec(num_tokens=0, block_ids=([],), shared_prefix_boundary=32))
     step.evict_blocks([1, 2])
     step.reset_prefix_cache()
     step.decode([3, 5], [1, 2], [50, 33], [b"\x04" * 32, b""])

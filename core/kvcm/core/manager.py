@@ -455,6 +455,18 @@ class KVCacheManager:
         """
         return self.coordinator.get_shared_prefix_boundary(request_id)
 
+    def set_shared_prefix_boundary(self, request_id: str, boundary: int) -> None:
+        """Record a shared-prefix junction found by a lookup made elsewhere (0: none).
+
+        A replica that adopts a hit looked up by another copy of the pool sets what that
+        lookup found, so both cache the same sliding-window blocks.
+
+        Args:
+            request_id: The request.
+            boundary: The junction in tokens, or 0.
+        """
+        self.coordinator.set_shared_prefix_boundary(request_id, boundary)
+
     def _check_request(self, request: Request) -> None:
         num_tokens = request.num_tokens
         if num_tokens > self.max_model_len:

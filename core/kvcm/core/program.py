@@ -119,10 +119,13 @@ class HitSpec:
     Attributes:
         num_tokens: Tokens the hit covers.
         block_ids: The hit's block ids, one list per KV-cache group.
+        shared_prefix_boundary: The lookup's shared-prefix junction (vLLM's third answer of
+            ``get_computed_blocks``; 0: none): the request keeps it for sparse retention.
     """
 
     num_tokens: int
     block_ids: tuple[list[int], ...]
+    shared_prefix_boundary: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -164,12 +164,14 @@ class GetComputedBlocksResponse(_message.Message):
     def __init__(self, blocks: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class ComputedBlocks(_message.Message):
-    __slots__ = ("num_new_computed_tokens", "blocks")
+    __slots__ = ("num_new_computed_tokens", "blocks", "shared_prefix_boundary")
     NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     num_new_computed_tokens: int
     blocks: _common_pb2.GroupedBlockIds
-    def __init__(self, num_new_computed_tokens: _Optional[int] = ..., blocks: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ...) -> None: ...
+    shared_prefix_boundary: int
+    def __init__(self, num_new_computed_tokens: _Optional[int] = ..., blocks: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., shared_prefix_boundary: _Optional[int] = ...) -> None: ...
 
 class AllocateSlotsRequest(_message.Message):
     __slots__ = ("pool_id", "request_key", "num_new_tokens", "num_computed_tokens", "new_computed", "options")

@@ -151,8 +151,9 @@ def check_engine_resolution(
     (``resolve_cache_hit_alignment_tokens``) and, through its planning, the sliding-window
     retention policy (``CacheConfig.prefix_cache_retention_interval``), and writes them into
     every KV-cache config. kvcm's core hashes at ``hash_block_size``, lands every hit on the
-    scheduler block size and caches every full block of a sliding-window group; a value that
-    asks for anything else is refused, naming it and the setting that avoids it.
+    scheduler block size and applies the retention policy as vLLM does (the mirror passes it
+    on); a value that asks for anything else is refused, naming it and the setting that
+    avoids it.
 
     Args:
         config: vLLM's (scheduler's) ``KVCacheConfig``.
@@ -163,6 +164,7 @@ def check_engine_resolution(
     Raises:
         ConfigError: The message names the field, vLLM's value, what kvcm would use, and the fix.
     """
+    del enable_caching  # every retention policy is kvcm's too, with caching on or off
     resolved_hash = config.hash_block_size
     if resolved_hash is not None and resolved_hash != hash_block_size:
         raise ConfigError(
@@ -178,40 +180,6 @@ def check_engine_resolution(
             f"kvcm lands them on the scheduler block size ({scheduler_block_size}) and does not "
             f"serve partial hash hits yet: pass --prefix-match-unit {scheduler_block_size}, or "
             "run this model on vLLM's own scheduler"
-        )
-    if enable_caching:
-        _check_retention(config, scheduler_block_size)
-
-
-def _check_retention(config: Any, scheduler_block_size: int) -> None:
-    # vLLM's sliding-window manager caches a full block only where a later hit can reach it:
-    # the last `need` blocks before each retention boundary (every `scheduler_block_size`
-    # tokens when the interval is None, every `interval` tokens when positive, none but the
-    # replay and shared-prefix boundaries when 0). When a boundary comes every `need` blocks
-    # or sooner, every block is reachable and vLLM caches densely, as kvcm's core does.
-    interval = config.prefix_cache_retention_interval
-    for index, group in enumerate(config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        if type(spec).__name__ != "SlidingWindowSpec":
-            continue
-        need = -(-(spec.sliding_window - 1) // spec.block_size)
-        segment = scheduler_block_size if interval is None else interval
-        if segment and need >= segment // spec.block_size:
-            continue
-        dense = need * spec.block_size // scheduler_block_size * scheduler_block_size
-        if dense:
-            fix = (
-                f"pass --prefix-cache-retention-interval None (or a multiple of "
-                f"{scheduler_block_size} up to {dense}) to cache every block, or run this "
-            )
-        else:  # blocks smaller than the scheduler's: no interval makes vLLM cache densely
-            fix = "run this "
-        raise ConfigError(
-            f"kv_cache_config.prefix_cache_retention_interval={interval}: vLLM caches only "
-            f"the reachable blocks of sliding-window group {index} (window "
-            f"{spec.sliding_window}, blocks of {spec.block_size} tokens; sparse retention), "
-            f"which kvcm does not model yet: {fix}"
-            "model on vLLM's own scheduler"
         )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcm.common.hashing import HashAlgorithm, external_block_hash
+from kvcm.common.specs import SlidingWindowSpec
 from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
@@ -171,6 +172,9 @@ class MirrorKVCacheManager:
                 enable_kv_cache_events=config.enable_kv_cache_events,
                 log_stats=False,
                 watermark=config.watermark,
+                prefix_cache_retention_interval=(
+                    config.kv_cache_config.prefix_cache_retention_interval
+                ),
             )
         )
         core = self.core
@@ -202,12 +206,11 @@ class MirrorKVCacheManager:
         )
         self._views: dict[str, RequestView] = {}
         self._slot_options: dict[tuple[int, ...], SlotOptions] = {}
-        # The groups whose cache_blocks completes blocks only (no partial tail entries, which
-        # a group with blocks larger than a hash block adds): a no-op shows in their counts.
-        self._hash_size = core.hash_block_size
-        caching: tuple[Any, ...] = core.coordinator.caching_managers
-        self._cache_groups = (
-            caching if all(m.block_size == core.hash_block_size for m in caching) else ()
+        # Under sparse retention every admission tells the server's copy the junction its
+        # lookup found (0 included, so a stale one from an earlier lookup never lingers).
+        self._sends_junctions = core.config.prefix_cache_retention_interval is not None and any(
+            isinstance(m.kv_cache_spec, SlidingWindowSpec)
+            for m in core.coordinator.caching_managers
         )
 
     # ------------------------------------------------------------------ requests
@@ -256,13 +259,16 @@ class MirrorKVCacheManager:
     ) -> tuple[KVCacheBlocks, int, int]:
         """The request's longest prefix hit: ``(blocks, num_computed_tokens, boundary)``.
 
-        The third value (vLLM's shared-prefix boundary for sparse-retention groups) is always
-        0: kvcm's core does not pin uncached shared prefixes.
+        The third value is vLLM's shared-prefix boundary: where a prefix that full attention
+        cached and a sliding-window group did not ends (0: none); the core keeps it for the
+        request, and the next allocation's hit hands it to the server's copy.
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
-        hit = self.core.get_computed_blocks(self._view(request), max_cache_hit_length)
-        return hit.blocks, hit.num_computed_tokens, 0
+        view = self._view(request)
+        hit = self.core.get_computed_blocks(view, max_cache_hit_length)
+        junction = self.core.get_shared_prefix_boundary(view.request_id)
+        return hit.blocks, hit.num_computed_tokens, junction
 
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
@@ -312,11 +318,15 @@ class MirrorKVCacheManager:
         hit: CacheHit | None = None
         hit_spec: HitSpec | None = None
         if new_computed_blocks is not None and (
-            num_new_computed_tokens or new_computed_blocks is not self.empty_kv_cache_blocks
+            num_new_computed_tokens
+            or new_computed_blocks is not self.empty_kv_cache_blocks
+            or self._sends_junctions
         ):
             hit = CacheHit(new_computed_blocks, num_new_computed_tokens)
             hit_spec = HitSpec(
-                num_tokens=num_new_computed_tokens, block_ids=new_computed_blocks.get_block_ids()
+                num_tokens=num_new_computed_tokens,
+                block_ids=new_computed_blocks.get_block_ids(),
+                shared_prefix_boundary=self.core.get_shared_prefix_boundary(view.request_id),
             )
         result = self.core.allocate_slots(view, num_new_tokens, hit, options)
         self.recorder.allocate(
@@ -402,18 +412,6 @@ class MirrorKVCacheManager:
         """Cache the request's full blocks up to ``num_computed_tokens`` (if caching is on)."""
         if not self.enable_caching:
             return
-        # vLLM's async loop calls this for every running request after every step; most
-        # calls complete no block. Then it is a no-op in every group (as in vLLM's manager),
-        # on the server's copy too: neither the core nor the program needs to see it.
-        groups = self._cache_groups
-        if groups:
-            request_id = request.request_id
-            num_tokens = min(num_computed_tokens, len(request.block_hashes) * self._hash_size)
-            for group in groups:
-                if num_tokens // group.block_size > group.num_cached_block.get(request_id, 0):
-                    break
-            else:
-                return
         view = self._view(request)
         self.core.cache_blocks(view, num_computed_tokens)
         self.recorder.cache_blocks(view, num_computed_tokens)
@@ -525,6 +523,7 @@ class MirrorKVCacheManager:
             enable_kv_cache_events=self.config.enable_kv_cache_events,
             log_stats=self.config.log_stats,
             watermark=core.watermark,
+            prefix_cache_retention_interval=core.prefix_cache_retention_interval,
         )
 
     def snapshot(self) -> bytes:
