@@ -11,8 +11,13 @@ Rows (median and p99 of each side, ratio = vLLM / kvcm: above 1 means kvcm is fa
    blocks are allocated and cached. Between samples the request is freed and its new blocks
    evicted (untimed), so every sample starts from the same state.
 3. free: release a request holding 2,048 blocks (2,047 cached full blocks, one partial).
-4. hashing 1k blocks of 16 tokens with each algorithm (``bench/hashing.py``'s workloads).
-5. memory per block at 1M blocks: ``tracemalloc`` of constructing the block pool.
+4. hybrid rows: decode and admission again on a hybrid full attention + sliding window
+   (512-token window) model under vLLM's default sparse prefix-cache retention
+   (``prefix_cache_retention_interval=0``): the sliding-window group caches only the window
+   before each prompt's replay boundary and shared-prefix junction, so the admission hits one
+   block short of the prefix and pins the junction.
+5. hashing 1k blocks of 16 tokens with each algorithm (``bench/hashing.py``'s workloads).
+6. memory per block at 1M blocks: ``tracemalloc`` of constructing the block pool.
 
 Both sides run with ``gc.freeze()`` after setup, as vLLM's engine does; samples interleave.
 
@@ -45,7 +50,7 @@ from hashing import bench_hashing
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.hashing import BlockHasher, HashAlgorithm
-from kvcm.common.specs import FullAttentionSpec
+from kvcm.common.specs import FullAttentionSpec, SlidingWindowSpec
 from kvcm.core.block_pool import BlockPool
 from kvcm.core.manager import KVCacheManager, KVCacheManagerConfig
 from kvcm.core.request import Request, RequestStatus
@@ -57,6 +62,9 @@ HASH_ALGORITHM = HashAlgorithm.SHA256
 HASH_SEED = "kvcm-bench"
 VOCAB = 32_000
 MAX_MODEL_LEN = 40_960
+# The hybrid rows' sliding window and retention (vLLM's CacheConfig default).
+HYBRID_WINDOW = 512
+HYBRID_RETENTION = 0
 VLLM_MODULES = (
     "vllm.utils.hashing",
     "vllm.v1.core.block_pool",
@@ -116,18 +124,37 @@ class _KvcmSide:
 
     name = "kvcm"
 
-    def __init__(self, num_blocks: int) -> None:
-        spec = FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=DType.BFLOAT16
-        )
+    def __init__(self, num_blocks: int, hybrid: bool = False) -> None:
+        specs: list[FullAttentionSpec | SlidingWindowSpec] = [
+            FullAttentionSpec(
+                block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=DType.BFLOAT16
+            )
+        ]
+        if hybrid:
+            specs.append(
+                SlidingWindowSpec(
+                    block_size=BLOCK_SIZE,
+                    num_kv_heads=8,
+                    head_size=128,
+                    dtype=DType.BFLOAT16,
+                    sliding_window=HYBRID_WINDOW,
+                )
+            )
         config = KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=(),
-            kv_cache_groups=(KVCacheGroupSpec(layer_names=("layer.0",), kv_cache_spec=spec),),
+            kv_cache_groups=tuple(
+                KVCacheGroupSpec(layer_names=(f"layer.{i}",), kv_cache_spec=spec)
+                for i, spec in enumerate(specs)
+            ),
         )
+        self.hybrid = hybrid
         self.manager = KVCacheManager(
             KVCacheManagerConfig(
-                kv_cache_config=config, max_model_len=MAX_MODEL_LEN, log_stats=True
+                kv_cache_config=config,
+                max_model_len=MAX_MODEL_LEN,
+                log_stats=True,
+                prefix_cache_retention_interval=HYBRID_RETENTION if hybrid else None,
             )
         )
         self.hasher = BlockHasher(BLOCK_SIZE, HASH_ALGORITHM, HASH_SEED)
@@ -166,7 +193,7 @@ class _KvcmSide:
         if blocks is None:
             raise RuntimeError("admission did not fit")
         request.num_computed_tokens = request.num_tokens
-        return num_hit, blocks.get_block_ids()[0]
+        return num_hit, [i for group in blocks.get_block_ids() for i in group]
 
     def free(self, request: Any) -> None:
         self.manager.free(request)
@@ -186,7 +213,7 @@ class _VllmSide:
 
     name = "vllm"
 
-    def __init__(self, ref: dict[str, ModuleType], num_blocks: int) -> None:
+    def __init__(self, ref: dict[str, ModuleType], num_blocks: int, hybrid: bool = False) -> None:
         import torch
 
         kci = ref["vllm.v1.kv_cache_interface"]
@@ -196,14 +223,22 @@ class _VllmSide:
         self._hasher = kcu.get_request_block_hasher(BLOCK_SIZE, hash_fn)
         self._request_mod = ref["vllm.v1.request"]
         self._sampling = ref["vllm.sampling_params"]
-        spec = kci.FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
-        )
+        attn = {"block_size": BLOCK_SIZE, "num_kv_heads": 8, "head_size": 128}
+        specs = [kci.FullAttentionSpec(**attn, dtype=torch.bfloat16)]
+        if hybrid:
+            specs.append(
+                kci.SlidingWindowSpec(**attn, dtype=torch.bfloat16, sliding_window=HYBRID_WINDOW)
+            )
         config = kci.KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[],
-            kv_cache_groups=[kci.KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
+            kv_cache_groups=[
+                kci.KVCacheGroupSpec(layer_names=[f"layer.{i}"], kv_cache_spec=spec)
+                for i, spec in enumerate(specs)
+            ],
+            prefix_cache_retention_interval=HYBRID_RETENTION if hybrid else None,
         )
+        self.hybrid = hybrid
         self.manager = ref["vllm.v1.core.kv_cache_manager"].KVCacheManager(
             kv_cache_config=config,
             max_model_len=MAX_MODEL_LEN,
@@ -244,7 +279,8 @@ class _VllmSide:
 
     def admit(self, request: Any) -> tuple[int, list[int]]:
         manager = self.manager
-        hit_blocks, num_hit, _ = manager.get_computed_blocks(request)
+        hit_blocks, num_hit, junction = manager.get_computed_blocks(request)
+        request.shared_prefix_boundary = junction  # as vLLM's scheduler keeps it
         blocks = manager.allocate_slots(
             request,
             request.num_tokens - num_hit,
@@ -255,7 +291,7 @@ class _VllmSide:
         if blocks is None:
             raise RuntimeError("admission did not fit")
         request.num_computed_tokens = request.num_tokens
-        return num_hit, blocks.get_block_ids()[0]
+        return num_hit, [i for group in blocks.get_block_ids() for i in group]
 
     def free(self, request: Any) -> None:
         self.manager.free(request)
@@ -273,6 +309,10 @@ class _VllmSide:
 
 Side = _KvcmSide | _VllmSide
 SideFactory = Callable[[int], Side]
+
+# The hybrid admission hits the prefix less its last block: the sliding window kept only the
+# window before the warm prompt's replay boundary (its length less one token, floored).
+_HYBRID_HIT_SHORTFALL = BLOCK_SIZE
 
 
 # -------------------------------------------------------------------------- workloads
@@ -338,8 +378,9 @@ def _admit_sample(side: Side, config: BenchConfig) -> Sample:
         start = _STOPWATCH.start()
         num_hit, new_ids = side.admit(request)
         elapsed = _STOPWATCH.stop(start)
-        if num_hit != len(prefix):
-            raise RuntimeError(f"{side.name}: hit {num_hit} tokens, expected {len(prefix)}")
+        expected = len(prefix) - (_HYBRID_HIT_SHORTFALL if side.hybrid else 0)
+        if num_hit != expected:
+            raise RuntimeError(f"{side.name}: hit {num_hit} tokens, expected {expected}")
         side.free(request)
         side.evict(new_ids)  # the next sample must miss on the second half again
         return elapsed
@@ -381,10 +422,33 @@ def _free_blocks(config: BenchConfig) -> int:
     return 2 * config.free_blocks + 1
 
 
-WORKLOADS: tuple[tuple[str, Callable[[Side, BenchConfig], Sample], Callable[..., int]], ...] = (
-    ("decode step, 256 requests x 1 token", _decode_sample, _decode_blocks),
-    ("admit 32k prompt, 50% prefix hit", _admit_sample, _admit_blocks),
-    ("free a 2k-block request", _free_sample, _free_blocks),
+def _hybrid_blocks(blocks_of: Callable[[BenchConfig], int]) -> Callable[[BenchConfig], int]:
+    # Two groups share the pool: twice the blocks.
+    return lambda config: 2 * blocks_of(config)
+
+
+# name, sample, pool size, which repeats, hybrid full + sliding window (sparse retention)
+WORKLOADS: tuple[
+    tuple[str, Callable[[Side, BenchConfig], Sample], Callable[[BenchConfig], int], int, bool],
+    ...,
+] = (
+    ("decode step, 256 requests x 1 token", _decode_sample, _decode_blocks, 0, False),
+    ("admit 32k prompt, 50% prefix hit", _admit_sample, _admit_blocks, 1, False),
+    ("free a 2k-block request", _free_sample, _free_blocks, 2, False),
+    (
+        "hybrid full+SWA retention 0: decode step",
+        _decode_sample,
+        _hybrid_blocks(_decode_blocks),
+        0,
+        True,
+    ),
+    (
+        "hybrid full+SWA retention 0: admit 32k",
+        _admit_sample,
+        _hybrid_blocks(_admit_blocks),
+        1,
+        True,
+    ),
 )
 
 
@@ -416,14 +480,14 @@ def bench_manager_rows(
 ) -> list[Row]:
     """Time the manager workloads (decode, admission, free) on kvcm and, if given, vLLM."""
     rows = []
-    for index, (name, make_sample, num_blocks_of) in enumerate(WORKLOADS):
+    for name, make_sample, num_blocks_of, repeats_index, hybrid in WORKLOADS:
         num_blocks = num_blocks_of(config)
-        repeats = _repeats(config, index)
-        kvcm_side = _KvcmSide(num_blocks)
+        repeats = _repeats(config, repeats_index)
+        kvcm_side = _KvcmSide(num_blocks, hybrid)
         samples = [make_sample(kvcm_side, config)]
         vllm_side = None
         if ref is not None:
-            vllm_side = _VllmSide(ref, num_blocks)
+            vllm_side = _VllmSide(ref, num_blocks, hybrid)
             samples.append(make_sample(vllm_side, config))
         timings = measure(samples, repeats)
         if vllm_side is not None:
