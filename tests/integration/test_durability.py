@@ -204,7 +204,7 @@ def test_the_journal_is_measured_and_a_refused_write_is_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """kvcm_journal_*: records, fsyncs, failures; a refused write changes nothing."""
-    from kvcm.client import UnavailableError
+    from kvcm.client import ServiceNotFoundError, UnavailableError
     from kvcm.server.journal import FAULT_ENV
 
     switch = tmp_path / "fault"
@@ -223,6 +223,9 @@ def test_the_journal_is_measured_and_a_refused_write_is_counted(
             assert 1 <= _metric(base, "kvcm_journal_fsyncs_total") <= 6
             assert _metric(base, "kvcm_journal_failures_total") == 0
             assert _metric(base, "kvcm_journal_records_since_checkpoint") == 6
+            with pytest.raises(ServiceNotFoundError):  # no pool: refused at once, unwritten
+                _drive(client, "missing", 1, 1)
+            assert _metric(base, "kvcm_journal_records_total") == 6
             before = _fingerprints(server)
             switch.write_text("write ENOSPC")
             with pytest.raises(UnavailableError, match="No space left on device"):

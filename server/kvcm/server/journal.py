@@ -260,6 +260,10 @@ class Journal:
         self._in_flight += 1
         return ticket
 
+    def has_calls_on(self, pool_id: str) -> bool:
+        """Whether a call on ``pool_id`` is written and not released yet."""
+        return pool_id in self._tails
+
     def finish(self, ticket: Ticket) -> None:
         """The ticket's call has finished (run, refused or failed): later calls may run once
         the calls it waited for have finished too (a call that failed early must not let

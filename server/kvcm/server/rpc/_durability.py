@@ -151,6 +151,18 @@ class JournalInterceptor(MethodInterceptor):
 
         task.add_done_callback(finished)
 
+    def _refused_at_once(self, method: str, pool_id: str) -> bool:
+        """A call on a pool that does not exist, with no call on that id written ahead of
+        it: its handler answers NOT_FOUND before it awaits anything, so it needs no record
+        (a stream of such calls neither grows the journal nor costs fsyncs)."""
+        state = self._state
+        return (
+            state is not None
+            and method != "CreatePool"
+            and pool_id not in state.registry
+            and not self._journal.has_calls_on(pool_id)
+        )
+
     async def _write_ahead(self, method: str, pool_id: str, request: bytes, when: float) -> Ticket:
         journal = self._journal
         state = self._state
@@ -237,6 +249,8 @@ class JournalInterceptor(MethodInterceptor):
         async def unary(request: Any, context: Any) -> Any:
             now = time.time()
             CALL_TIME.set(now)
+            if self._refused_at_once(method, request.pool_id):
+                return await inner(request, context)  # NOT_FOUND before any await: no record
             ticket = await self._write_ahead(
                 method, request.pool_id, request.SerializeToString(), now
             )
