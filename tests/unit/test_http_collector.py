@@ -37,11 +37,15 @@ class Snapshot:
     evicted_blocks_total: int = 7
     events_emitted_total: int = 42
     allocations_not_fit_total: int = 2
+    epoch: int = 1
+    last_step_seq: int = 0
+    scheduler_lease_s: float = 0.0
 
 
 class Pool:
     def __init__(self, snapshot: Snapshot, *, lent: bool = False) -> None:
         self._snapshot = snapshot
+        self.name = snapshot.name
         self.lent = lent
 
     def snapshot(self) -> Snapshot:
