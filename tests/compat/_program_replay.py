@@ -137,9 +137,10 @@ class ProgramReplayer:
                 KVCacheBlocks(tuple([blocks[i] for i in ids] for ids in options.hit.block_ids)),
                 options.hit.num_tokens,
             )
-            manager.set_shared_prefix_boundary(
-                request.request_id, options.hit.shared_prefix_boundary
-            )
+            if options.hit.shared_prefix_boundary is not None:
+                manager.set_shared_prefix_boundary(
+                    request.request_id, options.hit.shared_prefix_boundary
+                )
         slot_options = DEFAULT_SLOT_OPTIONS if options is None else options.slot_options
         result = manager.allocate_slots(
             request, program.alloc_num_new_tokens[index], hit, slot_options

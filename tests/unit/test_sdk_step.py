@@ -188,6 +188,7 @@ def test_builder_program_round_trips_through_the_wire_codec() -> None:
     step.allocate(5, 16, 16, hit=HitSpec(num_tokens=16, block_ids=([4],)))
     # A lookup's shared-prefix junction travels with its hit (sparse retention).
     step.allocate(6, 16, 0, hit=HitSpec(num_tokens=0, block_ids=([],), shared_prefix_boundary=32))
+    step.allocate(7, 16, 0, hit=HitSpec(num_tokens=0, block_ids=([],), shared_prefix_boundary=0))
     step.evict_blocks([1, 2])
     step.reset_prefix_cache()
     step.decode([3, 5], [1, 2], [50, 33], [b"\x04" * 32, b""])

@@ -121,11 +121,12 @@ class HitSpec:
         block_ids: The hit's block ids, one list per KV-cache group.
         shared_prefix_boundary: The lookup's shared-prefix junction (vLLM's third answer of
             ``get_computed_blocks``; 0: none): the request keeps it for sparse retention.
+            ``None``: keep what the pool's own lookup of the request found.
     """
 
     num_tokens: int
     block_ids: tuple[list[int], ...]
-    shared_prefix_boundary: int = 0
+    shared_prefix_boundary: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -393,7 +393,9 @@ def _allocate_with_options(  # noqa: PLR0917 (private helper)
     elif entry.hit is not None:
         hit = hit_of(manager, entry.hit)
         # The caller's lookup also found where a shared prefix ends (sparse retention).
-        manager.set_shared_prefix_boundary(request.request_id, entry.hit.shared_prefix_boundary)
+        junction = entry.hit.shared_prefix_boundary
+        if junction is not None:
+            manager.set_shared_prefix_boundary(request.request_id, junction)
     blocks = pool.allocate_slots(request, num_new, hit, options)
     if blocks is None:
         looked_tokens = hit.num_computed_tokens if looked and hit is not None else None

@@ -95,7 +95,11 @@ def alloc_options_from_proto(entry: scheduler_pb2.StepAllocOptions, position: in
         hit = HitSpec(
             num_tokens=entry.hit.num_new_computed_tokens,
             block_ids=grouped_from_proto(entry.hit.blocks, f"alloc_options[{position}].hit"),
-            shared_prefix_boundary=entry.hit.shared_prefix_boundary,
+            shared_prefix_boundary=(
+                entry.hit.shared_prefix_boundary
+                if entry.hit.HasField("shared_prefix_boundary")
+                else None
+            ),
         )
     options, in_flight = slot_options_from_proto(entry.options)
     return AllocOptions(
@@ -219,7 +223,7 @@ def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRe
                 wire_entry.lookup.max_cache_hit_length = entry.lookup
         if entry.hit is not None:
             wire_entry.hit.num_new_computed_tokens = entry.hit.num_tokens
-            if entry.hit.shared_prefix_boundary:
+            if entry.hit.shared_prefix_boundary is not None:
                 wire_entry.hit.shared_prefix_boundary = entry.hit.shared_prefix_boundary
             for group in entry.hit.block_ids:
                 wire_entry.hit.blocks.block_ids.extend(group)

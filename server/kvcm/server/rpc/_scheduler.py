@@ -251,7 +251,9 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
             hit = HitSpec(
                 num_tokens=wire.num_new_computed_tokens,
                 block_ids=grouped_from_proto(wire.blocks, "new_computed.blocks"),
-                shared_prefix_boundary=wire.shared_prefix_boundary,
+                shared_prefix_boundary=(
+                    wire.shared_prefix_boundary if wire.HasField("shared_prefix_boundary") else None
+                ),
             )
         options, in_flight = (
             slot_options_from_proto(request.options)
