@@ -8,17 +8,17 @@ prompts, 70 % of them sharing one of four 64-token prefixes) admitted, prefilled
 decoding for long enough that none finishes; full attention, and hybrid (a full and a
 sliding-window layer).
 
-**Per step** (the table): one sample is one turn of EngineCore's loop, of which the CPU time
-the process spends (every thread: the mirror's shipping thread included; not the server's)
-while the engine is in the scheduler's ``schedule()`` and ``update_from_output()`` is counted
-(the simulated model is not). The engines' turns alternate in blocks of 50, after
-EngineCore's own ``gc.freeze()``. The mirror's shipping thread runs beside its engine's turns,
-sharing the interpreter lock as in a real engine (one call carries the steps of ~2 ms); between
-blocks it is let finish, outside every sample, so that it never runs inside vLLM's. CPU time,
-not wall time: figures from a shared machine stay comparable. The last columns are what a
-whole turn costs in all: the process's CPU time per turn, each engine stepping back to back on
-its own until the server's copy is equal (the simulated model, and every call the shipper
-makes, included).
+**Per step** (the table): one sample is one turn of EngineCore's loop, of which the time the
+engine spends in the scheduler's ``schedule()`` and ``update_from_output()`` is counted (the
+simulated model is not), in wall time and in the process's CPU time (every thread: the
+mirror's shipping thread included; not the server's; on a shared machine CPU time is the
+steadier figure). The engines' turns alternate in blocks of 10, after EngineCore's own
+``gc.freeze()``. The mirror's shipping thread runs beside its engine's turns, sharing the
+interpreter lock as in a real engine (one call carries the steps of 5 ms); between blocks it is
+let finish, outside every sample, so that it never runs inside vLLM's. The last columns are
+what a whole turn costs in all: the process's CPU time per turn, each engine stepping back to
+back on its own until the server's copy is equal (the simulated model, and every call the
+shipper makes, included).
 
 **Lag** (``--lag``): the mirror engine steps back to back and once every 10 ms; figures:
 steps per second the shipper acknowledged, Step RPCs (one carries every step queued while the
@@ -58,7 +58,7 @@ SLIDING_WINDOW = 64
 KINDS = {"full": 0, "hybrid": SLIDING_WINDOW}
 # Turns per block: the engines' samples alternate in blocks (the mirror's shipper works beside
 # its engine as it would, and finishes between blocks, outside every sample).
-BLOCK = 50
+BLOCK = 10
 
 
 def _plans(num_running: int, decode_steps: int) -> list[Any]:
@@ -82,28 +82,32 @@ def _plans(num_running: int, decode_steps: int) -> list[Any]:
 
 
 class _TimedScheduler:
-    """Counts the process's CPU seconds (every thread's: the shipper's included) while the
-    engine is in ``schedule()`` and ``update_from_output()``."""
+    """Counts the wall seconds, and the process's CPU seconds (every thread's: the shipper's
+    included), while the engine is in ``schedule()`` and ``update_from_output()``."""
 
     def __init__(self, scheduler: Any) -> None:
         self.seconds = 0.0
-        perf = time.process_time
+        self.cpu_seconds = 0.0
+        perf = time.perf_counter
+        cpu = time.process_time
         schedule = scheduler.schedule
         update = scheduler.update_from_output
 
         def timed_schedule(*args: Any, **kwargs: Any) -> Any:
-            start = perf()
+            start, start_cpu = perf(), cpu()
             try:
                 return schedule(*args, **kwargs)
             finally:
                 self.seconds += perf() - start
+                self.cpu_seconds += cpu() - start_cpu
 
         def timed_update(*args: Any, **kwargs: Any) -> Any:
-            start = perf()
+            start, start_cpu = perf(), cpu()
             try:
                 return update(*args, **kwargs)
             finally:
                 self.seconds += perf() - start
+                self.cpu_seconds += cpu() - start_cpu
 
         # Instance attributes: EngineCore calls self.scheduler.schedule(), which finds these.
         scheduler.schedule = timed_schedule
@@ -116,6 +120,7 @@ class _Side:
     engine: Any
     timer: _TimedScheduler
     samples: list[float]
+    cpu_samples: list[float]
 
     @property
     def manager(self) -> Any:
@@ -136,10 +141,12 @@ class _Side:
         timer = self.timer
         step = self.engine.step
         samples = self.samples
+        cpu_samples = self.cpu_samples
         for _ in range(count):
-            before = timer.seconds
+            before, before_cpu = timer.seconds, timer.cpu_seconds
             step()
             samples.append(timer.seconds - before)
+            cpu_samples.append(timer.cpu_seconds - before_cpu)
         self.drain()
 
 
@@ -188,6 +195,8 @@ class _Row:
     num_running: int
     vllm: Timing
     mirror: Timing
+    vllm_cpu: Timing
+    mirror_cpu: Timing
     vllm_turn_cpu_s: float
     mirror_turn_cpu_s: float
     verified: int
@@ -218,7 +227,7 @@ def bench(kind: str, num_running: int, steps: int, target: str, sync: bool) -> _
         _build(setup, target, f"bench-{kind}-{num_running}", num_running, steps),
     ]
     sides = [
-        _Side(name, engine, _TimedScheduler(engine.scheduler), [])
+        _Side(name, engine, _TimedScheduler(engine.scheduler), [], [])
         for name, engine in zip(("vllm", "mirror"), engines, strict=True)
     ]
     gc.collect()
@@ -243,6 +252,8 @@ def bench(kind: str, num_running: int, steps: int, target: str, sync: bool) -> _
         num_running=num_running,
         vllm=Timing.of(sides[0].samples),
         mirror=Timing.of(sides[1].samples),
+        vllm_cpu=Timing.of(sides[0].cpu_samples),
+        mirror_cpu=Timing.of(sides[1].cpu_samples),
         vllm_turn_cpu_s=rates[0],
         mirror_turn_cpu_s=rates[1],
         verified=stats.steps_verified,
@@ -299,23 +310,25 @@ def lag(num_running: int, steps: int, period_s: float, target: str, sync: bool) 
 def _print_rows(rows: list[_Row], sync: bool) -> None:
     loop = "Scheduler (sync)" if sync else "AsyncScheduler"
     print(
-        f"vLLM 0.33 EngineCore + {loop}: process CPU ms in schedule() + update_from_output() "
-        "per engine turn (mirror: kvcm's, shipping to kvcm serve; x = mirror / vLLM); "
-        "whole turn back to back, shipping included"
+        f"vLLM 0.33 EngineCore + {loop}, per engine turn: schedule() + update_from_output(), "
+        "wall ms and the process's CPU ms (the mirror's shipping thread included); whole turn "
+        "back to back, CPU ms. mirror: kvcm's, shipping to kvcm serve; x = mirror / vLLM"
     )
     header = (
-        f"{'kind':<7}{'N':>4} {'vLLM p50':>9}{'mirror p50':>11}{'x':>6} {'vLLM p99':>9}"
-        f"{'mirror p99':>11}{'x':>6}   {'whole turn (vLLM, mirror)':>26}{'x':>6}"
+        f"{'kind':<7}{'N':>4} | {'wall p50 vLLM':>13}{'mirror':>8}{'x':>6} {'p99 vLLM':>9}"
+        f"{'mirror':>8}{'x':>6} | {'CPU p50 x':>10}{'p99 x':>7} | {'whole turn vLLM':>16}"
+        f"{'mirror':>8}{'x':>6}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
-        v, m = row.vllm, row.mirror
+        v, m, vc, mc = row.vllm, row.mirror, row.vllm_cpu, row.mirror_cpu
         print(
-            f"{row.kind:<7}{row.num_running:>4} {v.median_ms:9.3f}{m.median_ms:11.3f}"
-            f"{m.median_ms / v.median_ms:6.2f} {v.p99_ms:9.3f}{m.p99_ms:11.3f}"
-            f"{m.p99_ms / v.p99_ms:6.2f}   {row.vllm_turn_cpu_s * 1e3:13.3f}"
-            f"{row.mirror_turn_cpu_s * 1e3:13.3f}{row.mirror_turn_cpu_s / row.vllm_turn_cpu_s:6.2f}"
+            f"{row.kind:<7}{row.num_running:>4} | {v.median_ms:13.3f}{m.median_ms:8.3f}"
+            f"{m.median_ms / v.median_ms:6.2f} {v.p99_ms:9.3f}{m.p99_ms:8.3f}"
+            f"{m.p99_ms / v.p99_ms:6.2f} | {mc.median_ms / vc.median_ms:10.2f}"
+            f"{mc.p99_ms / vc.p99_ms:7.2f} | {row.vllm_turn_cpu_s * 1e3:16.3f}"
+            f"{row.mirror_turn_cpu_s * 1e3:8.3f}{row.mirror_turn_cpu_s / row.vllm_turn_cpu_s:6.2f}"
         )
     for row in rows:
         print(
