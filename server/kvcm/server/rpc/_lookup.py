@@ -1,8 +1,10 @@
 """LookupService: where a prompt is cached across pools (a codec over the registry's lookup).
 
-A lookup runs on the event loop between calls, like every read: the walk over the prompt's
-blocks costs O(blocks hit) whatever the number of pools (:mod:`kvcm.core.lookup`). With
-authentication on, the scope is narrowed to the pools the caller may read.
+A lookup runs on the event loop between calls, like every read: it costs O(blocks hit + pools
+answered) whatever the number of pools (:mod:`kvcm.core.lookup`), and a request that asks for
+``packed`` is answered in columns (``PackedPoolHits``), several times cheaper to encode than
+one ``PoolHit`` message per pool. With authentication on, the scope is narrowed to the pools
+the caller may read.
 """
 
 from __future__ import annotations
