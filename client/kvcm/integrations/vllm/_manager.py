@@ -212,6 +212,13 @@ class MirrorKVCacheManager:
             isinstance(m.kv_cache_spec, SlidingWindowSpec)
             for m in core.coordinator.caching_managers
         )
+        # The groups whose cache_blocks completes blocks only (no partial tail entries, which
+        # a group with blocks larger than a hash block adds): a no-op shows in their counts.
+        self._hash_size = core.hash_block_size
+        caching: tuple[Any, ...] = core.coordinator.caching_managers
+        self._cache_groups = (
+            caching if all(m.block_size == core.hash_block_size for m in caching) else ()
+        )
 
     # ------------------------------------------------------------------ requests
     def _view(self, request: Any) -> RequestView:
@@ -412,6 +419,18 @@ class MirrorKVCacheManager:
         """Cache the request's full blocks up to ``num_computed_tokens`` (if caching is on)."""
         if not self.enable_caching:
             return
+        # vLLM's async loop calls this for every running request after every step; most
+        # calls complete no block. Then it is a no-op in every group (as in vLLM's manager),
+        # on the server's copy too: neither the core nor the program needs to see it.
+        groups = self._cache_groups
+        if groups:
+            request_id = request.request_id
+            num_tokens = min(num_computed_tokens, len(request.block_hashes) * self._hash_size)
+            for group in groups:
+                if num_tokens // group.block_size > group.num_cached_block.get(request_id, 0):
+                    break
+            else:
+                return
         view = self._view(request)
         self.core.cache_blocks(view, num_computed_tokens)
         self.recorder.cache_blocks(view, num_computed_tokens)
