@@ -105,3 +105,39 @@ def test_a_bad_interval_names_the_field(retention: object) -> None:
 def test_an_interval_off_the_scheduler_block_is_refused_with_vllms_reason() -> None:
     with pytest.raises(ConfigError, match=r"multiple of scheduler_block_size \(16\)"):
         _pool(24)
+
+
+def test_a_snapshot_carries_the_junctions_and_the_copy_decides_the_same() -> None:
+    # A resync (or a checkpoint) must restore where each live request's lookup found a shared
+    # prefix, or the copy keeps fewer window blocks than the original when the request runs.
+    from kvcm.core.fingerprint import state_fingerprint
+    from kvcm.core.snapshot import decode_pool, encode_pool
+
+    pool = _pool(0)
+    _add(pool, 1, [*PREFIX, *range(1, 21)])
+    _run(pool, 1, 84)
+    pool.free(1, preempt=False)
+    _add(pool, 2, [*PREFIX, 9, 9, 9, 9, 9])
+    pool.get_computed_blocks(2, None)
+    assert _junction(pool, 2) == 64
+    copy = decode_pool(encode_pool(pool), "p", pool.options)
+    assert _junction(copy, 2) == 64
+    for each in (pool, copy):
+        _run(each, 2, 69)
+        _add(each, 3, [*PREFIX, 7, 7, 7, 7, 7, 7])
+        each.get_computed_blocks(3, None)
+        _run(each, 3, 70)
+    assert state_fingerprint(copy) == state_fingerprint(pool)
+    assert encode_pool(copy) == encode_pool(pool)
+
+
+def test_a_snapshot_naming_a_junction_of_no_live_request_is_refused() -> None:
+    from kvcm.core.snapshot import decode_pool, decode_sections, encode_pool, encode_sections
+
+    pool = _pool(0)
+    _add(pool, 1, [*PREFIX, 9])
+    pool.get_computed_blocks(1, None)
+    sections = decode_sections(encode_pool(pool))
+    sections[1]["junctions"] = {"77": 16}
+    with pytest.raises(InvalidArgumentError, match="junctions"):
+        decode_pool(encode_sections(sections), "p", pool.options)

@@ -695,6 +695,15 @@ def _requests(pool: Pool, hash_length: int) -> Iterator[Violation]:
                 f"requests_holding_blocks[{request_id!r}]", "names a request that is not live"
             )
             break
+        by_id = {request.request_id: request for request in requests.values()}
+        for request_id, junction in manager.coordinator._junctions.items():
+            owner = by_id.get(request_id)
+            if owner is None:
+                yield Violation(f"junctions[{request_id!r}]", "names a request that is not live")
+            elif type(junction) is not int or not 0 < junction <= owner.num_tokens:
+                yield Violation(
+                    f"junctions[{request_id!r}]", "must be a token position within the request"
+                )
 
 
 def _request(pool: Pool, request: Request, path: str, hash_length: int) -> Iterator[Violation]:

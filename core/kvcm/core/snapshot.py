@@ -259,7 +259,7 @@ def _manager_state(manager: KVCacheManager, rename: Mapping[str, str]) -> dict[s
             }
         )
     metrics = manager.prefix_caching_metrics
-    return {
+    state: dict[str, object] = {
         "groups": groups,
         "requests": sorted(rename.get(rid, rid) for rid in manager.requests_holding_blocks),
         "prefix_cache_stats": manager.prefix_cache_stats,
@@ -270,6 +270,10 @@ def _manager_state(manager: KVCacheManager, rename: Mapping[str, str]) -> dict[s
             [list(interval) for interval in metrics._intervals],
         ],
     }
+    junctions = manager.coordinator._junctions
+    if junctions:  # sparse retention: where each request's last lookup found a shared prefix
+        state["junctions"] = {rename.get(rid, rid): at for rid, at in sorted(junctions.items())}
+    return state
 
 
 def _requests_state(
@@ -460,7 +464,9 @@ def _restore_manager(manager: KVCacheManager, state: object) -> None:
     blocks = manager.block_pool.blocks
     n = len(blocks)
     groups = manager.coordinator.single_type_managers
-    s = fields_of(state, "manager", ("groups", "requests", "prefix_cache_stats", "metrics"))
+    s = fields_of(
+        state, "manager", ("groups", "requests", "prefix_cache_stats", "metrics"), ("junctions",)
+    )
     saved_groups = as_list(s["groups"], "manager.groups")
     if len(saved_groups) != len(groups):
         raise bad("manager.groups", f"has {len(saved_groups)} groups, the config {len(groups)}")
@@ -484,6 +490,13 @@ def _restore_manager(manager: KVCacheManager, state: object) -> None:
         group.new_block_ids = as_ints(g["new_block_ids"], f"{where}.new_block_ids", 0, n)
     holders = as_list(s["requests"], "manager.requests")
     manager._requests = {as_type(rid, "manager.requests", str) for rid in holders}
+    junctions = as_type(s.get("junctions", {}), "manager.junctions", dict)
+    manager.coordinator._junctions = {
+        as_type(rid, "manager.junctions", str): as_int(
+            at, f"manager.junctions[{rid!r}]", 1, COUNTER_LIMIT
+        )
+        for rid, at in junctions.items()
+    }
     stats = as_type(s["prefix_cache_stats"], "manager.prefix_cache_stats",
                    PrefixCacheStats, type(None))  # fmt: skip
     if manager.log_stats:  # a snapshot of a copy that kept no stats starts them afresh
