@@ -250,6 +250,10 @@ def test_metric_names_used_in_deploy_exist_in_a_real_scrape(
     run_shared_prefix_workload(client, pool)
     _, samples = _scrape(http)
     scraped = {name for name, _ in samples}
+    # A family the server declares but has no sample for here (the journal's counters on a
+    # server without a data directory) exists all the same: an alert on it is not misspelt.
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        scraped.add(f"{family.name}_total" if family.type == "counter" else family.name)
     alerts = (ROOT / "deploy" / "prometheus" / "alerts.yml").read_text(encoding="utf-8")
     dashboard = json.loads(
         (ROOT / "deploy" / "grafana" / "kvcm-dashboard.json").read_text(encoding="utf-8")
