@@ -37,6 +37,7 @@ from kvcm.core.pool_types import PoolState
 from kvcm.core.snapshot import decode_pool, encode_pool
 from kvcm.server.journal import (
     PLAN_POOL,
+    RECORD_METHODS,
     VOID,
     Checkpoint,
     CheckpointPool,
@@ -78,26 +79,10 @@ _ADMIN_METHODS: Final = frozenset({"CreatePool", "DeletePool"})
 # How long after a failed or postponed live checkpoint the next one is tried.
 _CHECKPOINT_BACKOFF_S: Final = 10.0
 
-MUTATING_METHODS: Final = frozenset(
-    {
-        "CreatePool",
-        "DeletePool",
-        "Step",
-        "ResyncPool",
-        "AddRequest",
-        "AppendTokens",
-        "Free",
-        "GetComputedBlocks",  # counts the lookup in the pool's statistics
-        "AllocateSlots",
-        "CacheBlocks",
-        "RemoveSkippedBlocks",
-        "EvictBlocks",
-        "ResetPrefixCache",
-        "TakeNewBlockIds",
-        "NewStepStarts",
-        "TakePrefixCacheStats",
-    }
-)
+# The calls a journal records and replays: every method a record may name but the journal's
+# own (a registration round, a void mark). GetComputedBlocks counts its lookup in the pool's
+# statistics, so it is one.
+MUTATING_METHODS: Final = RECORD_METHODS - {PLAN_POOL, VOID}
 
 
 class JournalInterceptor(MethodInterceptor):
