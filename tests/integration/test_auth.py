@@ -479,6 +479,64 @@ def test_refused_calls_leave_nothing_in_the_journal(tokens_file: Path, tmp_path:
         running.stop()
 
 
+GARBAGE = b"\xff\xff\xff\xff"  # field 31, wire type 7: bytes no message decodes from
+
+
+def _send_garbage(channel: grpc.Channel, full_name: str, metadata: Any) -> None:
+    if full_name.endswith("SubscribeEvents"):  # server streaming
+        list(channel.unary_stream(full_name)(GARBAGE, metadata=metadata, timeout=5))
+    else:
+        channel.unary_unary(full_name)(GARBAGE, metadata=metadata, timeout=5)
+
+
+def test_bytes_that_do_not_decode_are_authenticated_first(
+    tokens_file: Path, tmp_path: Path
+) -> None:
+    """Bad bytes from an anonymous caller are UNAUTHENTICATED (the token is read from the
+    metadata, before anything of the request); from a valid token, INVALID_ARGUMENT naming the
+    message. With the journal on, neither leaves a record, and the pool is unchanged."""
+    settings = ServerSettings(
+        grpc_address="127.0.0.1:0",
+        http_address="",
+        auth_tokens=str(tokens_file),
+        data_dir=str(tmp_path / "data"),
+        log_level="ERROR",
+    )
+    running = start_embedded_server(settings)
+    try:
+        with _client(running, "admin-token") as admin:
+            admin.create_pool("a-bytes", CONFIG)
+            before = admin.describe_pool("a-bytes")
+        with grpc.insecure_channel(running.grpc_address) as channel:
+            for full_name in (
+                "/kvcm.v1.SchedulerService/Step",
+                "/kvcm.v1.AdminService/DescribePool",
+                "/kvcm.v1.EventService/SubscribeEvents",
+            ):
+                for token, code in (
+                    (None, grpc.StatusCode.UNAUTHENTICATED),
+                    ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
+                    ("sched-a-token", grpc.StatusCode.INVALID_ARGUMENT),
+                ):
+                    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+                    with pytest.raises(grpc.RpcError) as caught:
+                        _send_garbage(channel, full_name, metadata)
+                    assert caught.value.code() == code, (full_name, token)
+                    if code == grpc.StatusCode.INVALID_ARGUMENT:
+                        assert "is not a valid kvcm.v1." in (caught.value.details() or "")
+        with _client(running, "admin-token") as admin:
+            assert admin.describe_pool("a-bytes") == before
+    finally:
+        running.stop()
+    running = start_embedded_server(settings)  # replays the journal: nothing but the create
+    try:
+        with _client(running, "admin-token") as admin:
+            assert [p.pool_id for p in admin.list_pools()] == ["a-bytes"]
+            assert admin.describe_pool("a-bytes").usage == before.usage
+    finally:
+        running.stop()
+
+
 def test_roles_decide_what_a_call_changes(server: EmbeddedServer) -> None:
     """Allowed calls act, refused ones change nothing; the seed is for those who hash."""
     with _client(server, "admin-token") as admin:

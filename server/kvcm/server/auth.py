@@ -44,7 +44,7 @@ from kvcm.server.access import (
     bearer_token,
     refusal,
 )
-from kvcm.server.rpc import PRINCIPAL, AbortRpc, MethodInterceptor, Principal
+from kvcm.server.rpc import PRINCIPAL, AbortRpc, MethodInterceptor, Principal, UndecodableRequest
 
 __all__ = ["AuthInterceptor", "TokenTable"]
 
@@ -154,26 +154,7 @@ class AuthInterceptor(MethodInterceptor):
         Raises:
             AbortRpc: UNAUTHENTICATED or PERMISSION_DENIED (audited).
         """
-        method = full_name.rsplit("/", 1)[-1]
-        token = ""
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and isinstance(value, str):
-                token = bearer_token(value)
-        principal = self.tokens.principal(token) if token else None
-        if principal is None:
-            reason = "no token" if not token else "a token not in the tokens file"
-            self._refused(
-                context,
-                principal="",
-                method=full_name,
-                pool=pool_id,
-                code="UNAUTHENTICATED",
-                reason=reason,
-            )
-            raise AbortRpc(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{method}: a valid 'authorization: Bearer <token>' is required",
-            )
+        principal = self._authenticate(full_name, context, pool_id)
         exists = True
         if rule.create_roles and self.pool_exists is not None:
             exists = self.pool_exists(pool_id)
@@ -189,9 +170,40 @@ class AuthInterceptor(MethodInterceptor):
             )
             raise AbortRpc(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"{method}: principal {principal.name!r} {why}",
+                f"{full_name.rsplit('/', 1)[-1]}: principal {principal.name!r} {why}",
             )
         PRINCIPAL.set(principal)
+        return principal
+
+    def _authenticate(self, full_name: str, context: Any, pool_id: str) -> Principal:
+        """The principal of the call's bearer token (who it is, not yet what it may do).
+
+        Reads only the call's metadata, so it also runs for a request whose bytes did not
+        decode: without a valid token such a call is UNAUTHENTICATED, never INVALID_ARGUMENT.
+
+        Raises:
+            AbortRpc: UNAUTHENTICATED (audited).
+        """
+        token = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str):
+                token = bearer_token(value)
+        principal = self.tokens.principal(token) if token else None
+        if principal is None:
+            reason = "no token" if not token else "a token not in the tokens file"
+            self._refused(
+                context,
+                principal="",
+                method=full_name,
+                pool=pool_id,
+                code="UNAUTHENTICATED",
+                reason=reason,
+            )
+            method = full_name.rsplit("/", 1)[-1]
+            raise AbortRpc(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method}: a valid 'authorization: Bearer <token>' is required",
+            )
         return principal
 
     def _refused(self, context: Any, **fields: str) -> None:
@@ -209,10 +221,20 @@ class AuthInterceptor(MethodInterceptor):
         refused = self._refused
         audited = full_name in _AUDITED
 
+        authenticate = self._authenticate
+
         def pool_of(request: Any) -> str:
             if rule.pool is not PoolFrom.REQUEST:
                 return ""
             return str(getattr(request, "pool_id", ""))
+
+        def admit(request: Any, context: Any) -> tuple[Principal, str]:
+            """Check the call; a request that did not decode is only authenticated (it has
+            no pool to authorize against) and then ends INVALID_ARGUMENT in its handler."""
+            pool_id = pool_of(request)
+            if type(request) is UndecodableRequest:
+                return authenticate(full_name, context, pool_id), pool_id
+            return check(full_name, rule, context, pool_id), pool_id
 
         async def guarded(principal: Principal, pool_id: str, context: Any, call: Any) -> Any:
             outcome = "OK"
@@ -251,8 +273,7 @@ class AuthInterceptor(MethodInterceptor):
             inner = handler.unary_unary
 
             async def unary(request: Any, context: Any) -> Any:
-                pool_id = pool_of(request)
-                principal = check(full_name, rule, context, pool_id)
+                principal, pool_id = admit(request, context)
                 return await guarded(principal, pool_id, context, inner(request, context))
 
             return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
@@ -260,7 +281,7 @@ class AuthInterceptor(MethodInterceptor):
             producer = handler.unary_stream
 
             async def stream(request: Any, context: Any) -> Any:
-                check(full_name, rule, context, pool_of(request))
+                admit(request, context)
                 async for item in producer(request, context):
                     yield item
 
@@ -270,8 +291,7 @@ class AuthInterceptor(MethodInterceptor):
 
             async def stream_unary(requests: Any, context: Any) -> Any:
                 first = await anext(aiter(requests), None)
-                pool_id = pool_of(first)
-                principal = check(full_name, rule, context, pool_id)
+                principal, pool_id = admit(first, context)
 
                 async def again() -> Any:
                     if first is not None:

@@ -234,6 +234,8 @@ class JournalInterceptor(MethodInterceptor):
         async def unary(request: Any, context: Any) -> Any:
             now = time.time()
             CALL_TIME.set(now)
+            if type(request) is UndecodableRequest:
+                return await inner(request, context)  # INVALID_ARGUMENT: no record
             if self._refused_at_once(method, request.pool_id):
                 return await inner(request, context)  # NOT_FOUND before any await: no record
             ticket = await self._write_ahead(

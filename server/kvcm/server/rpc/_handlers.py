@@ -3,13 +3,14 @@
 grpc's generated ``add_*Servicer_to_server`` decode with ``Message.FromString``: bytes that
 are not the request message make grpc answer UNKNOWN and log an ERROR traceback per call,
 outside every interceptor. Here each method decodes through :func:`decode_or_mark`, which
-answers an :class:`UndecodableRequest` marker instead; the interceptor turns the marker into
-INVALID_ARGUMENT (counted like any rejected call), so the servicers only ever see messages.
+answers an :class:`UndecodableRequest` marker instead, which the innermost wrapper turns into
+INVALID_ARGUMENT (counted like any rejected call) after the interceptors have authenticated
+the caller, so the servicers only ever see messages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 import grpc
@@ -52,6 +53,33 @@ def decode_or_mark(message_class: Any) -> Callable[[bytes], Any]:
     return decode
 
 
+def _refuse_marker(behavior: Any) -> Any:
+    """``behavior`` ending a call whose request did not decode with INVALID_ARGUMENT.
+
+    Raised here, innermost, rather than by the first interceptor, so that authentication
+    (which reads only metadata) answers an anonymous caller's bad bytes first.
+    """
+
+    async def call(request: Any, context: Any) -> Any:
+        if type(request) is UndecodableRequest:
+            raise request.error()
+        return await behavior(request, context)
+
+    return call
+
+
+def _refuse_marker_stream(behavior: Any) -> Any:
+    """:func:`_refuse_marker` for a server-streaming ``behavior``."""
+
+    async def call(request: Any, context: Any) -> AsyncIterator[Any]:
+        if type(request) is UndecodableRequest:
+            raise request.error()
+        async for item in behavior(request, context):
+            yield item
+
+    return call
+
+
 def _serialize(message: Any) -> bytes:
     data: bytes = message.SerializeToString()
     return data
@@ -71,12 +99,14 @@ def register_services(server: grpc.aio.Server, servicers: dict[str, object]) -> 
         for method in service.methods:
             behavior = getattr(servicer, method.name)
             decode = decode_or_mark(GetMessageClass(method.input_type))
-            if method.client_streaming:
+            if method.client_streaming:  # the servicer reads the marker among the chunks
                 make = grpc.stream_unary_rpc_method_handler
             elif method.server_streaming:
                 make = grpc.unary_stream_rpc_method_handler
+                behavior = _refuse_marker_stream(behavior)
             else:
                 make = grpc.unary_unary_rpc_method_handler
+                behavior = _refuse_marker(behavior)
             handlers[method.name] = make(
                 behavior, request_deserializer=decode, response_serializer=_serialize
             )

@@ -17,7 +17,6 @@ from typing import Any
 import grpc
 
 from kvcm.common.errors import KVCMError
-from kvcm.server.rpc._handlers import UndecodableRequest
 from kvcm.server.rpc._log import log_call_rejected
 from kvcm.server.rpc._status import AbortRpc, StepRejectedError, status_details, status_of
 from kvcm.server.telemetry import RpcStats
@@ -118,8 +117,6 @@ class TelemetryInterceptor(MethodInterceptor):
             started = time.perf_counter()
             code: str | None = "OK"
             try:
-                if type(request) is UndecodableRequest:
-                    raise request.error()
                 return await behavior(request, context)
             except asyncio.CancelledError:
                 code = "CANCELLED"
@@ -147,8 +144,6 @@ class TelemetryInterceptor(MethodInterceptor):
             started = time.perf_counter()
             code: str | None = "OK"
             try:
-                if type(request) is UndecodableRequest:
-                    raise request.error()
                 async for item in behavior(request, context):
                     yield item
             except asyncio.CancelledError:
