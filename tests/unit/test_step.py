@@ -25,6 +25,7 @@ from kvcm.core.program import (
     OpKind,
     StepProgram,
 )
+from kvcm.core.snapshot import encode_pool
 
 BLOCK = 16
 SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
@@ -284,3 +285,30 @@ def test_a_late_hit_of_the_wrong_shape_is_still_refused_before_anything_runs() -
         )
     assert caught.value.field == "alloc_options[1].hit"
     assert pool.state_fingerprint() == before
+
+
+def test_the_outcome_names_the_delayed_allocations_that_fit_and_keeps_them_out_of_state() -> None:
+    """StepOutcome.delayed_keys: the keys whose ALLOCATE fit with delay_cache_blocks (the
+    server tracks their transfers), in op order; snapshots and fingerprints leave it out."""
+    pool = _pool()
+    prompts = {key: [key] * 300 for key in (3, 1, 2)}
+    delayed = AllocOptions(slot_options=SlotOptions(delay_cache_blocks=True))
+    program = StepProgram(
+        ops=[OpKind.ADD_REQUEST] * 3 + [OpKind.ALLOCATE] * 4,
+        request_keys=[3, 1, 2, 2],
+        new_requests=[_spec(pool, key, prompt) for key, prompt in prompts.items()],
+        alloc_num_new_tokens=[300, 300, 300, 200],
+        alloc_num_computed_tokens=[0, 0, 0, 300],
+        alloc_options={0: delayed, 2: delayed, 3: delayed},
+        continue_on_does_not_fit=True,
+        step_seq=1,
+    )
+    outcome = pool.run_step(program)
+    assert outcome.alloc_statuses == [ItemStatus.OK] * 3 + [ItemStatus.DOES_NOT_FIT]
+    assert outcome.delayed_keys == [3, 2]
+    assert pool.run_step(program).delayed_keys == [3, 2]  # the remembered answer
+    fingerprint = pool.state_fingerprint()
+    snapshot = encode_pool(pool)
+    outcome.delayed_keys.clear()
+    assert pool.state_fingerprint() == fingerprint
+    assert encode_pool(pool) == snapshot

@@ -31,7 +31,7 @@ from kvcm.common.specs import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
-from kvcm.core.program import StepOutcome
+from kvcm.core.program import TRANSIENT, StepOutcome
 from kvcm.core.request import RequestStatus
 from kvcm.core.stats import PrefixCacheStats
 
@@ -116,7 +116,8 @@ class Writer:
                 self.value(item)
         elif is_dataclass(value) and type(value).__name__ in _DATACLASSES:
             self._named(b"C", type(value).__name__)
-            self.value({f.name: getattr(value, f.name) for f in fields(value)})
+            kept = [f.name for f in fields(value) if TRANSIENT not in f.metadata]
+            self.value({name: getattr(value, name) for name in kept})
         else:
             raise TypeError(f"a snapshot cannot hold {type(value).__name__}")
 

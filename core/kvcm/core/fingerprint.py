@@ -22,6 +22,7 @@ from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
 
 from kvcm.core.block import KVCacheBlock
+from kvcm.core.program import TRANSIENT
 
 if TYPE_CHECKING:
     from kvcm.core.pool import Pool
@@ -47,7 +48,11 @@ def _canon(value: object) -> object:
     if is_dataclass(value):
         return (
             type(value).__name__,
-            tuple((f.name, _canon(getattr(value, f.name))) for f in fields(value)),
+            tuple(
+                (f.name, _canon(getattr(value, f.name)))
+                for f in fields(value)
+                if TRANSIENT not in f.metadata
+            ),
         )
     return (type(value).__name__, _canon(vars(value)) if hasattr(value, "__dict__") else None)
 

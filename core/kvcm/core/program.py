@@ -151,6 +151,9 @@ class AllocOptions:
 
 
 NO_LOOKUP_BOUND: Final = -1
+TRANSIENT: Final = "kvcm.transient"
+"""A dataclass field's metadata key: the field is an answer, not state (snapshots and state
+fingerprints leave it out)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -199,6 +202,9 @@ class StepOutcome:
         reset: Per executed RESET_PREFIX_CACHE: whether it reset.
         token_budget_left: Budget after the executed ops (when the program set one).
         step_seq: Echo of the program's step_seq.
+        delayed_keys: The request keys of the executed ALLOCATEs that fit with
+            ``delay_cache_blocks`` (P/D transfers the server tracks), in op order. Not on the
+            wire and not part of a pool's state (snapshots and fingerprints leave it out).
     """
 
     num_ops_executed: int = 0
@@ -210,3 +216,4 @@ class StepOutcome:
     reset: list[bool] = field(default_factory=list)
     token_budget_left: int | None = None
     step_seq: int | None = None
+    delayed_keys: list[int] = field(default_factory=list, compare=False, metadata={TRANSIENT: True})

@@ -241,8 +241,11 @@ def _execute(
                 status, budget = _allocate_with_options(
                     pool, manager, request, num_new, entry, default_lookahead, budget, outcome
                 )
-                if status != _OK and stop:
-                    break
+                if status != _OK:
+                    if stop:
+                        break
+                elif entry.slot_options.delay_cache_blocks:
+                    outcome.delayed_keys.append(keys[k - 1])
                 continue
             request.num_in_flight_tokens = 0
             blocks = allocate(request, num_new, None, default_options)

@@ -11,7 +11,7 @@ from kvcm.common.hashing import get_block_hash
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import FreeMode
-from kvcm.core.program import HitSpec, ItemStatus, OpKind, StepOutcome, StepProgram
+from kvcm.core.program import HitSpec, StepOutcome, StepProgram
 from kvcm.core.request import Request
 from kvcm.server.rpc._resync import resync_pool
 from kvcm.server.rpc._state import CALL_TIME, ServerState
@@ -44,16 +44,6 @@ _DEADLINE_MARGIN_S: Final = 0.02
 # the loop either. The per-item costs were measured on a 2-core VM (docs/server.md,
 # "Event-loop fairness"): a 256-request decode step (~1.3 ms) stays inline.
 _INLINE_STEP_US: Final = 4000
-_KEYLESS_OPS: Final = frozenset(
-    {
-        int(OpKind.ADD_REQUEST),
-        int(OpKind.NEW_STEP_STARTS),
-        int(OpKind.EVICT_BLOCKS),
-        int(OpKind.RESET_PREFIX_CACHE),
-    }
-)
-_ALLOCATE_OP: Final = int(OpKind.ALLOCATE)
-_OK_STATUS: Final = int(ItemStatus.OK)
 _OP_US: Final = 2.5
 _ALLOC_OPTIONS_US: Final = 25.0
 _NEW_REQUEST_US: Final = 150.0
@@ -117,28 +107,6 @@ def _answer_step(
         return _Answer(program, outcome, outcome_to_proto(outcome), published)
 
 
-def _delayed_allocations(program: StepProgram, statuses: list[int]) -> list[int]:
-    """Keys of the program's ALLOCATEs that fit with ``delay_cache_blocks`` (P/D transfers)."""
-    delayed = {
-        index
-        for index, entry in program.alloc_options.items()
-        if entry.slot_options.delay_cache_blocks
-    }
-    if not delayed:
-        return []
-    keys: list[int] = []
-    cursor = alloc = 0
-    for op in program.ops:
-        if op in _KEYLESS_OPS:
-            continue
-        if op == _ALLOCATE_OP:
-            if alloc in delayed and alloc < len(statuses) and statuses[alloc] == _OK_STATUS:
-                keys.append(program.request_keys[cursor])
-            alloc += 1
-        cursor += 1
-    return keys
-
-
 def _check_ready_request(pool: Pool, key: int) -> Request:
     pool.ready_manager()
     return pool.request(key)
@@ -185,9 +153,8 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         state.progress.note_step(
             pool.name, program.step_seq, program.scheduler_step_seq, program.step_age_s
         )
-        if state.transfer_lease_s and program.alloc_options:
-            statuses = answer.outcome.alloc_statuses
-            state.track_transfers(pool, _delayed_allocations(program, statuses))
+        if state.transfer_lease_s and answer.outcome.delayed_keys:
+            state.track_transfers(pool, answer.outcome.delayed_keys)
         return answer.response
 
     async def AddRequest(  # noqa: N802
