@@ -33,6 +33,7 @@ TARGET = ROOT / "client" / "kvcm" / "client" / "scheduler.py"
 NAMES = (
     ("AsyncSchedulerClient", "SchedulerClient"),
     ("AsyncEventStream", "EventStream"),
+    ("AsyncChannelClient", "ChannelClient"),
     ("__aenter__", "__enter__"),
     ("__aexit__", "__exit__"),
     ("asyncio.sleep", "time.sleep"),

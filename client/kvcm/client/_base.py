@@ -1,8 +1,13 @@
-"""What the sync and async clients share: channel settings, request building, answer decoding.
+"""What every client shares: settings, channel, stubs, error mapping, retries, codecs.
 
-Both clients turn a call into ``build_*`` (Python values to a ``kvcm.v1`` request) + one RPC +
-``decode_*`` (the answer to SDK values), so the two differ only in how they wait. Failures go
-through ``error_from_rpc`` (``_errors.py``) and are raised ``from`` the gRPC error.
+The three clients (``SchedulerClient``, ``AsyncSchedulerClient``, ``WorkerClient``) derive
+from one of the two channel clients here, ``ChannelClient`` (synchronous) and
+``AsyncChannelClient`` (asyncio), which differ only in how they wait: both take the same
+arguments (validated once, in ``ClientSettings``), open the channel with the bearer token and
+the trace-context interceptors, hold one stub per service (``Stubs``), and run every unary
+call through ``_unary``: the call's deadline, then ``error_from_rpc`` (``_errors.py``) on
+failure, raised ``from`` the gRPC error. A scheduler call is ``build_*`` (Python values to a
+``kvcm.v1`` request) + one ``_unary`` + ``decode_*`` (the answer to SDK values).
 
 Retries: the channel's service config retries the calls ``service.proto`` declares idempotent
 (``RegisterWorker``, ``Get*``/``List*``/``Describe*``, ``SubscribeEvents``) on UNAVAILABLE. A
@@ -16,14 +21,16 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Self
 
 import grpc
 
-from kvcm.client._errors import ServiceError, StatusCode
+from kvcm.client._errors import ServiceError, StatusCode, error_from_rpc
 from kvcm.client._step import StepBuilder, slot_options_to_proto
+from kvcm.client._tracing import aio_interceptors, intercept
 from kvcm.client._types import (
     DEFAULT_SLOT_OPTIONS,
+    DEFAULT_TIMEOUT_S,
     USE_CLIENT_DEFAULT,
     CacheHit,
     FreeMode,
@@ -39,7 +46,7 @@ from kvcm.client._types import (
     UseClientDefault,
 )
 from kvcm.common.errors import InvalidArgumentError
-from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2
+from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2, service_pb2_grpc
 from kvcm.wire import (
     FREE_MODE_TO_PROTO,
     fill_grouped,
@@ -53,10 +60,17 @@ from kvcm.wire import (
 
 __all__ = [
     "RETRY_POLICY",
+    "AsyncChannelClient",
+    "ChannelClient",
     "ClientSettings",
     "RetryPolicy",
+    "Stubs",
+    "Timeout",
     "build_channel_options",
 ]
+
+Timeout = float | UseClientDefault
+"""A call's deadline in seconds, or ``USE_CLIENT_DEFAULT`` (the client's)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,6 +293,126 @@ def check_timeout(field: str, value: object) -> None:
     """
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise InvalidArgumentError(f"{field} must be a positive number of seconds, got {value!r}")
+
+
+# ---------------------------------------------------------------------------- clients
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata every call carries: the bearer token, if any."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class Stubs:
+    """One stub per kvcm service, all on one channel (building a stub sends nothing).
+
+    Attributes:
+        admin: ``AdminService``.
+        scheduler: ``SchedulerService``.
+        events: ``EventService``.
+        lookup: ``LookupService``.
+        worker: ``WorkerService``.
+    """
+
+    __slots__ = ("admin", "events", "lookup", "scheduler", "worker")
+
+    def __init__(self, channel: Any) -> None:
+        """Build the stubs on ``channel`` (sync or asyncio)."""
+        self.admin = service_pb2_grpc.AdminServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.scheduler = service_pb2_grpc.SchedulerServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.events = service_pb2_grpc.EventServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.lookup = service_pb2_grpc.LookupServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.worker = service_pb2_grpc.WorkerServiceStub(channel)  # type: ignore[no-untyped-call]
+
+
+class _ClientBase:
+    """Settings, target, channel and stubs: what both channel clients hold."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retry_policy: RetryPolicy = RETRY_POLICY,
+        channel_options: Sequence[tuple[str, Any]] = (),
+        tls: TlsConfig | None = None,
+        token: str | None = None,
+    ) -> None:
+        """Open a channel to ``target`` (connecting lazily, on the first call).
+
+        Args:
+            target: ``host:port`` of the server.
+            timeout: Deadline of every call that does not give its own, in seconds.
+            retry_policy: Retries of idempotent calls on UNAVAILABLE.
+            channel_options: Extra gRPC channel options (``("grpc.keepalive_time_ms", ...)``).
+            tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
+            token: A bearer token sent with every call (a server with ``auth_tokens``).
+
+        Raises:
+            InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
+        """
+        self._settings = ClientSettings(
+            target=target,
+            timeout_s=timeout,
+            retry_policy=retry_policy,
+            channel_options=tuple(channel_options),
+            tls=tls,
+        )
+        self.target = target
+        self._channel: Any = self._open_channel(auth_metadata(token))
+        self._stubs = Stubs(self._channel)
+
+    def _open_channel(self, metadata: Sequence[tuple[str, str]]) -> Any:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(target={self.target!r})"
+
+
+class ChannelClient(_ClientBase):
+    """A synchronous client: one ``grpc.Channel``, calls that block. Thread-safe."""
+
+    def _open_channel(self, metadata: Sequence[tuple[str, str]]) -> grpc.Channel:
+        return intercept(self._settings.channel(), metadata)
+
+    def _unary(self, method: str, callable_: Any, request: Any, timeout: Timeout) -> Any:
+        """Call ``callable_`` with the call's deadline; a failure raises the SDK's error."""
+        try:
+            return callable_(request, timeout=self._settings.deadline(timeout))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, method) from exc
+
+    def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncChannelClient(_ClientBase):
+    """An asyncio client: one ``grpc.aio.Channel``; create it inside the loop that uses it."""
+
+    def _open_channel(self, metadata: Sequence[tuple[str, str]]) -> grpc.aio.Channel:
+        return self._settings.aio_channel(aio_interceptors(metadata))
+
+    async def _unary(self, method: str, callable_: Any, request: Any, timeout: Timeout) -> Any:
+        """Await ``callable_`` with the call's deadline; a failure raises the SDK's error."""
+        try:
+            return await callable_(request, timeout=self._settings.deadline(timeout))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, method) from exc
+
+    async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
 
 # ----------------------------------------------------------------------------- blocks

@@ -28,21 +28,17 @@ import asyncio  # sync: import time
 import random
 import time  # async-only-line
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvcm.client import _base
-from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy, TlsConfig
+from kvcm.client._base import AsyncChannelClient, Timeout
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._streams import AsyncEventStream
-from kvcm.client._tracing import aio_interceptors  # async-only-line
-
-# sync: from kvcm.client._tracing import intercept
 from kvcm.client._types import (
     DEFAULT_SLOT_OPTIONS,
-    DEFAULT_TIMEOUT_S,
     USE_CLIENT_DEFAULT,
     CacheHit,
     FreeMode,
@@ -55,91 +51,32 @@ from kvcm.client._types import (
     RequestBlocks,
     SlotOptions,
     Usage,
-    UseClientDefault,
 )
 from kvcm.core.lookup import LookupAnswer, LookupQuery
+from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.core.program import StepProgram
-from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2, service_pb2_grpc
+from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2
 from kvcm.wire import outcome_from_proto
 from kvcm.wire.lookup import lookup_query_to_proto, lookup_result_from_proto
+from kvcm.wire.pd import pd_route_from_proto, pd_route_query_to_proto
 
 if TYPE_CHECKING:
     from kvcm.common.hashing import BlockHasher
 
 __all__ = ["AsyncEventStream", "AsyncSchedulerClient"]
 
-Timeout = float | UseClientDefault
 
-
-class AsyncSchedulerClient:
+class AsyncSchedulerClient(AsyncChannelClient):
     """Asyncio client of a kvcm server (scheduler, admin and event services).
 
     Create it inside the event loop that uses it.
 
+    The constructor (``target``, ``timeout``, ``retry_policy``, ``channel_options``, ``tls``,
+    ``token``), ``close`` and the context manager are the channel client's (``_base``).
+
     Attributes:
         target: The server's address.
     """
-
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        retry_policy: RetryPolicy = RETRY_POLICY,
-        channel_options: Sequence[tuple[str, Any]] = (),
-        tls: TlsConfig | None = None,
-        token: str | None = None,
-    ) -> None:
-        """Open a channel to ``target`` (connecting lazily, on the first call).
-
-        Args:
-            target: ``host:port`` of the server.
-            timeout: Deadline of every call that does not give its own, in seconds.
-            retry_policy: Retries of idempotent calls on UNAVAILABLE.
-            channel_options: Extra gRPC channel options (``("grpc.keepalive_time_ms", ...)``).
-            tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
-            token: A bearer token sent with every call (a server with ``auth_tokens``).
-
-        Raises:
-            InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
-        """
-        self._settings = ClientSettings(
-            target=target,
-            timeout_s=timeout,
-            retry_policy=retry_policy,
-            channel_options=tuple(channel_options),
-            tls=tls,
-        )
-        self.target = target
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        # async-only
-        self._channel = self._settings.aio_channel(aio_interceptors(metadata))
-        # end-async-only
-        # sync: self._channel = intercept(self._settings.channel(), metadata)
-        self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._lookup = service_pb2_grpc.LookupServiceStub(self._channel)  # type: ignore[no-untyped-call]
-
-    # -------------------------------------------------------------------------- plumbing
-    async def _unary(self, method: str, callable_: Any, request: Any, timeout: Timeout) -> Any:
-        try:
-            return await callable_(request, timeout=self._settings.deadline(timeout))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, method) from exc
-
-    async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        await self._channel.close()
-
-    async def __aenter__(self) -> AsyncSchedulerClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    def __repr__(self) -> str:
-        return f"AsyncSchedulerClient(target={self.target!r})"
 
     # ----------------------------------------------------------------------------- admin
     async def create_pool(
@@ -153,7 +90,7 @@ class AsyncSchedulerClient:
             ServiceResourceExhaustedError: The server's pool limit is reached.
         """
         request = _base.build_create_pool(pool_id, config)
-        response = await self._unary("CreatePool", self._admin.CreatePool, request, timeout)
+        response = await self._unary("CreatePool", self._stubs.admin.CreatePool, request, timeout)
         return _base.decode_pool_info(response.pool)
 
     async def lookup(
@@ -171,13 +108,31 @@ class AsyncSchedulerClient:
                 more than 1,048,576 block hashes (send hashes or narrow the scope).
         """
         request = lookup_query_to_proto(query)
-        response = await self._unary("Lookup", self._lookup.Lookup, request, timeout)
+        response = await self._unary("Lookup", self._stubs.lookup.Lookup, request, timeout)
         return lookup_result_from_proto(response)
+
+    async def route_pd(
+        self, query: PdRouteQuery, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> PdRoute:
+        """The prefill and the decode engine for ``query``'s prompt, ranked by exact prefix
+        hit and load, with the decode engine's own hit and vLLM's ``remote_num_tokens``.
+
+        Read-only and idempotent (retried on UNAVAILABLE). See docs/pd.md.
+
+        Raises:
+            ServiceInvalidArgumentError: A field is out of its domain (named, by role).
+            ServiceNotFoundError: A scope names an unknown pool.
+            PermissionDeniedError: A scope names a pool this token may not read.
+            ServiceResourceExhaustedError: As :meth:`lookup`.
+        """
+        request = pd_route_query_to_proto(query)
+        response = await self._unary("RoutePd", self._stubs.lookup.RoutePd, request, timeout)
+        return pd_route_from_proto(response)
 
     async def list_pools(self, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> list[PoolSummary]:
         """Every pool, sorted by id."""
         request = admin_pb2.ListPoolsRequest()
-        response = await self._unary("ListPools", self._admin.ListPools, request, timeout)
+        response = await self._unary("ListPools", self._stubs.admin.ListPools, request, timeout)
         return _base.decode_pool_summaries(response)
 
     async def describe_pool(
@@ -189,7 +144,9 @@ class AsyncSchedulerClient:
             ServiceNotFoundError: No such pool.
         """
         request = admin_pb2.DescribePoolRequest(pool_id=pool_id)
-        response = await self._unary("DescribePool", self._admin.DescribePool, request, timeout)
+        response = await self._unary(
+            "DescribePool", self._stubs.admin.DescribePool, request, timeout
+        )
         return _base.decode_pool_info(response.pool)
 
     async def delete_pool(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> None:
@@ -199,7 +156,7 @@ class AsyncSchedulerClient:
             ServiceNotFoundError: No such pool.
         """
         request = admin_pb2.DeletePoolRequest(pool_id=pool_id)
-        await self._unary("DeletePool", self._admin.DeletePool, request, timeout)
+        await self._unary("DeletePool", self._stubs.admin.DeletePool, request, timeout)
 
     async def hashing(
         self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
@@ -246,7 +203,7 @@ class AsyncSchedulerClient:
         request = step.to_proto(pool_id)
         total_s = self._settings.deadline(timeout)
         policy = self._settings.retry_policy
-        stub = self._scheduler.Step
+        stub = self._stubs.scheduler.Step
         give_up_at = time.monotonic() + total_s
         attempt = 1
         while True:
@@ -284,7 +241,9 @@ class AsyncSchedulerClient:
             ServiceResourceExhaustedError: Beyond the server's snapshot or block limits.
         """
         chunks = _base.build_resync_chunks(pool_id, snapshot, config, step_seq)
-        response = await self._unary("ResyncPool", self._scheduler.ResyncPool, chunks, timeout)
+        response = await self._unary(
+            "ResyncPool", self._stubs.scheduler.ResyncPool, chunks, timeout
+        )
         return int(response.epoch)
 
     # ------------------------------------------------------------------ request lifecycle
@@ -331,7 +290,7 @@ class AsyncSchedulerClient:
             cache_salt=cache_salt,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
         )
-        await self._unary("AddRequest", self._scheduler.AddRequest, request, timeout)
+        await self._unary("AddRequest", self._stubs.scheduler.AddRequest, request, timeout)
 
     async def append_tokens(
         self,
@@ -344,7 +303,7 @@ class AsyncSchedulerClient:
     ) -> None:
         """Append produced tokens and the hashes of the hash blocks they completed."""
         request = _base.build_append_tokens(pool_id, request_key, token_ids, block_hashes)
-        await self._unary("AppendTokens", self._scheduler.AppendTokens, request, timeout)
+        await self._unary("AppendTokens", self._stubs.scheduler.AppendTokens, request, timeout)
 
     async def free(
         self,
@@ -356,7 +315,7 @@ class AsyncSchedulerClient:
     ) -> None:
         """Free a request's blocks, finishing (forgetting) or preempting (keeping) it."""
         request = _base.build_free(pool_id, request_key, mode)
-        await self._unary("Free", self._scheduler.Free, request, timeout)
+        await self._unary("Free", self._stubs.scheduler.Free, request, timeout)
 
     # -------------------------------------------------------------------- manager calls
     async def get_computed_blocks(
@@ -370,7 +329,7 @@ class AsyncSchedulerClient:
         """The request's longest prefix-cache hit (changes nothing but the hit statistics)."""
         request = _base.build_get_computed_blocks(pool_id, request_key, max_cache_hit_length)
         response = await self._unary(
-            "GetComputedBlocks", self._scheduler.GetComputedBlocks, request, timeout
+            "GetComputedBlocks", self._stubs.scheduler.GetComputedBlocks, request, timeout
         )
         return _base.decode_cache_hit(response)
 
@@ -405,7 +364,7 @@ class AsyncSchedulerClient:
             options=options,
         )
         response = await self._unary(
-            "AllocateSlots", self._scheduler.AllocateSlots, request, timeout
+            "AllocateSlots", self._stubs.scheduler.AllocateSlots, request, timeout
         )
         return _base.decode_allocation(response)
 
@@ -421,7 +380,7 @@ class AsyncSchedulerClient:
         request = scheduler_pb2.CacheBlocksRequest(
             pool_id=pool_id, request_key=request_key, num_computed_tokens=num_computed_tokens
         )
-        await self._unary("CacheBlocks", self._scheduler.CacheBlocks, request, timeout)
+        await self._unary("CacheBlocks", self._stubs.scheduler.CacheBlocks, request, timeout)
 
     async def remove_skipped_blocks(
         self,
@@ -436,7 +395,7 @@ class AsyncSchedulerClient:
             pool_id=pool_id, request_key=request_key, total_computed_tokens=total_computed_tokens
         )
         await self._unary(
-            "RemoveSkippedBlocks", self._scheduler.RemoveSkippedBlocks, request, timeout
+            "RemoveSkippedBlocks", self._stubs.scheduler.RemoveSkippedBlocks, request, timeout
         )
 
     async def evict_blocks(
@@ -444,7 +403,7 @@ class AsyncSchedulerClient:
     ) -> None:
         """Drop blocks from the prefix cache (e.g. blocks a KV connector failed to load)."""
         request = scheduler_pb2.EvictBlocksRequest(pool_id=pool_id, block_ids=list(block_ids))
-        await self._unary("EvictBlocks", self._scheduler.EvictBlocks, request, timeout)
+        await self._unary("EvictBlocks", self._stubs.scheduler.EvictBlocks, request, timeout)
 
     async def keep_alive(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> float:
         """Renew the pool's scheduler lease (every scheduler call does; this is for a
@@ -454,7 +413,7 @@ class AsyncSchedulerClient:
             ServiceNotFoundError: No such pool.
         """
         request = scheduler_pb2.KeepAliveRequest(pool_id=pool_id)
-        response = await self._unary("KeepAlive", self._scheduler.KeepAlive, request, timeout)
+        response = await self._unary("KeepAlive", self._stubs.scheduler.KeepAlive, request, timeout)
         return float(response.scheduler_lease_s)
 
     async def reset_prefix_cache(
@@ -463,7 +422,7 @@ class AsyncSchedulerClient:
         """Forget every cached block; ``False`` (nothing changed) while blocks are in use."""
         request = scheduler_pb2.ResetPrefixCacheRequest(pool_id=pool_id)
         response = await self._unary(
-            "ResetPrefixCache", self._scheduler.ResetPrefixCache, request, timeout
+            "ResetPrefixCache", self._stubs.scheduler.ResetPrefixCache, request, timeout
         )
         return bool(response.reset)
 
@@ -472,7 +431,7 @@ class AsyncSchedulerClient:
     ) -> RequestBlocks:
         """The request's blocks with their reference counts and cache state."""
         request = scheduler_pb2.GetBlocksRequest(pool_id=pool_id, request_key=request_key)
-        response = await self._unary("GetBlocks", self._scheduler.GetBlocks, request, timeout)
+        response = await self._unary("GetBlocks", self._stubs.scheduler.GetBlocks, request, timeout)
         return _base.decode_request_blocks(response)
 
     async def get_block_ids(
@@ -480,7 +439,9 @@ class AsyncSchedulerClient:
     ) -> tuple[list[int], ...]:
         """The request's block ids per group."""
         request = scheduler_pb2.GetBlockIdsRequest(pool_id=pool_id, request_key=request_key)
-        response = await self._unary("GetBlockIds", self._scheduler.GetBlockIds, request, timeout)
+        response = await self._unary(
+            "GetBlockIds", self._stubs.scheduler.GetBlockIds, request, timeout
+        )
         return _base.grouped_to_blocks(response.blocks).block_ids
 
     async def get_num_common_prefix_blocks(
@@ -491,7 +452,10 @@ class AsyncSchedulerClient:
             pool_id=pool_id, running_request_key=running_request_key
         )
         response = await self._unary(
-            "GetNumCommonPrefixBlocks", self._scheduler.GetNumCommonPrefixBlocks, request, timeout
+            "GetNumCommonPrefixBlocks",
+            self._stubs.scheduler.GetNumCommonPrefixBlocks,
+            request,
+            timeout,
         )
         return list(response.num_common_prefix_blocks)
 
@@ -501,19 +465,19 @@ class AsyncSchedulerClient:
         """Drain the attention blocks allocated since the last take (for zeroing)."""
         request = scheduler_pb2.TakeNewBlockIdsRequest(pool_id=pool_id)
         response = await self._unary(
-            "TakeNewBlockIds", self._scheduler.TakeNewBlockIds, request, timeout
+            "TakeNewBlockIds", self._stubs.scheduler.TakeNewBlockIds, request, timeout
         )
         return list(response.block_ids)
 
     async def new_step_starts(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> None:
         """Tell the pool's managers a scheduler step starts."""
         request = scheduler_pb2.NewStepStartsRequest(pool_id=pool_id)
-        await self._unary("NewStepStarts", self._scheduler.NewStepStarts, request, timeout)
+        await self._unary("NewStepStarts", self._stubs.scheduler.NewStepStarts, request, timeout)
 
     async def get_usage(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> Usage:
         """The pool's usage and block counts."""
         request = scheduler_pb2.GetUsageRequest(pool_id=pool_id)
-        response = await self._unary("GetUsage", self._scheduler.GetUsage, request, timeout)
+        response = await self._unary("GetUsage", self._stubs.scheduler.GetUsage, request, timeout)
         return _base.decode_usage(response)
 
     async def take_prefix_cache_stats(
@@ -522,7 +486,7 @@ class AsyncSchedulerClient:
         """Drain the prefix-cache counters (``None`` when the pool's log_stats is off)."""
         request = scheduler_pb2.TakePrefixCacheStatsRequest(pool_id=pool_id)
         response = await self._unary(
-            "TakePrefixCacheStats", self._scheduler.TakePrefixCacheStats, request, timeout
+            "TakePrefixCacheStats", self._stubs.scheduler.TakePrefixCacheStats, request, timeout
         )
         return _base.decode_prefix_cache_stats(response)
 
@@ -565,5 +529,5 @@ class AsyncSchedulerClient:
             request.start_sequence = start_sequence
         if expected_epoch is not None:
             request.expected_epoch = expected_epoch
-        call = self._events.SubscribeEvents(request, timeout=timeout)
+        call = self._stubs.events.SubscribeEvents(request, timeout=timeout)
         return AsyncEventStream(pool_id, call)

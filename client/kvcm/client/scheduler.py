@@ -27,19 +27,17 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvcm.client import _base
-from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy, TlsConfig
+from kvcm.client._base import ChannelClient, Timeout
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._streams import EventStream
-from kvcm.client._tracing import intercept
 from kvcm.client._types import (
     DEFAULT_SLOT_OPTIONS,
-    DEFAULT_TIMEOUT_S,
     USE_CLIENT_DEFAULT,
     CacheHit,
     FreeMode,
@@ -52,88 +50,32 @@ from kvcm.client._types import (
     RequestBlocks,
     SlotOptions,
     Usage,
-    UseClientDefault,
 )
 from kvcm.core.lookup import LookupAnswer, LookupQuery
+from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.core.program import StepProgram
-from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2, service_pb2_grpc
+from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2
 from kvcm.wire import outcome_from_proto
 from kvcm.wire.lookup import lookup_query_to_proto, lookup_result_from_proto
+from kvcm.wire.pd import pd_route_from_proto, pd_route_query_to_proto
 
 if TYPE_CHECKING:
     from kvcm.common.hashing import BlockHasher
 
 __all__ = ["EventStream", "SchedulerClient"]
 
-Timeout = float | UseClientDefault
 
-
-class SchedulerClient:
+class SchedulerClient(ChannelClient):
     """Synchronous client of a kvcm server (scheduler, admin and event services).
 
     Thread-safe: one client may be shared by threads driving different pools.
 
+    The constructor (``target``, ``timeout``, ``retry_policy``, ``channel_options``, ``tls``,
+    ``token``), ``close`` and the context manager are the channel client's (``_base``).
+
     Attributes:
         target: The server's address.
     """
-
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        retry_policy: RetryPolicy = RETRY_POLICY,
-        channel_options: Sequence[tuple[str, Any]] = (),
-        tls: TlsConfig | None = None,
-        token: str | None = None,
-    ) -> None:
-        """Open a channel to ``target`` (connecting lazily, on the first call).
-
-        Args:
-            target: ``host:port`` of the server.
-            timeout: Deadline of every call that does not give its own, in seconds.
-            retry_policy: Retries of idempotent calls on UNAVAILABLE.
-            channel_options: Extra gRPC channel options (``("grpc.keepalive_time_ms", ...)``).
-            tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
-            token: A bearer token sent with every call (a server with ``auth_tokens``).
-
-        Raises:
-            InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
-        """
-        self._settings = ClientSettings(
-            target=target,
-            timeout_s=timeout,
-            retry_policy=retry_policy,
-            channel_options=tuple(channel_options),
-            tls=tls,
-        )
-        self.target = target
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = intercept(self._settings.channel(), metadata)
-        self._admin = service_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._scheduler = service_pb2_grpc.SchedulerServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._events = service_pb2_grpc.EventServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._lookup = service_pb2_grpc.LookupServiceStub(self._channel)  # type: ignore[no-untyped-call]
-
-    # -------------------------------------------------------------------------- plumbing
-    def _unary(self, method: str, callable_: Any, request: Any, timeout: Timeout) -> Any:
-        try:
-            return callable_(request, timeout=self._settings.deadline(timeout))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, method) from exc
-
-    def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        self._channel.close()
-
-    def __enter__(self) -> SchedulerClient:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"SchedulerClient(target={self.target!r})"
 
     # ----------------------------------------------------------------------------- admin
     def create_pool(
@@ -147,7 +89,7 @@ class SchedulerClient:
             ServiceResourceExhaustedError: The server's pool limit is reached.
         """
         request = _base.build_create_pool(pool_id, config)
-        response = self._unary("CreatePool", self._admin.CreatePool, request, timeout)
+        response = self._unary("CreatePool", self._stubs.admin.CreatePool, request, timeout)
         return _base.decode_pool_info(response.pool)
 
     def lookup(self, query: LookupQuery, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> LookupAnswer:
@@ -163,13 +105,29 @@ class SchedulerClient:
                 more than 1,048,576 block hashes (send hashes or narrow the scope).
         """
         request = lookup_query_to_proto(query)
-        response = self._unary("Lookup", self._lookup.Lookup, request, timeout)
+        response = self._unary("Lookup", self._stubs.lookup.Lookup, request, timeout)
         return lookup_result_from_proto(response)
+
+    def route_pd(self, query: PdRouteQuery, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> PdRoute:
+        """The prefill and the decode engine for ``query``'s prompt, ranked by exact prefix
+        hit and load, with the decode engine's own hit and vLLM's ``remote_num_tokens``.
+
+        Read-only and idempotent (retried on UNAVAILABLE). See docs/pd.md.
+
+        Raises:
+            ServiceInvalidArgumentError: A field is out of its domain (named, by role).
+            ServiceNotFoundError: A scope names an unknown pool.
+            PermissionDeniedError: A scope names a pool this token may not read.
+            ServiceResourceExhaustedError: As :meth:`lookup`.
+        """
+        request = pd_route_query_to_proto(query)
+        response = self._unary("RoutePd", self._stubs.lookup.RoutePd, request, timeout)
+        return pd_route_from_proto(response)
 
     def list_pools(self, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> list[PoolSummary]:
         """Every pool, sorted by id."""
         request = admin_pb2.ListPoolsRequest()
-        response = self._unary("ListPools", self._admin.ListPools, request, timeout)
+        response = self._unary("ListPools", self._stubs.admin.ListPools, request, timeout)
         return _base.decode_pool_summaries(response)
 
     def describe_pool(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> PoolInfo:
@@ -179,7 +137,7 @@ class SchedulerClient:
             ServiceNotFoundError: No such pool.
         """
         request = admin_pb2.DescribePoolRequest(pool_id=pool_id)
-        response = self._unary("DescribePool", self._admin.DescribePool, request, timeout)
+        response = self._unary("DescribePool", self._stubs.admin.DescribePool, request, timeout)
         return _base.decode_pool_info(response.pool)
 
     def delete_pool(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> None:
@@ -189,7 +147,7 @@ class SchedulerClient:
             ServiceNotFoundError: No such pool.
         """
         request = admin_pb2.DeletePoolRequest(pool_id=pool_id)
-        self._unary("DeletePool", self._admin.DeletePool, request, timeout)
+        self._unary("DeletePool", self._stubs.admin.DeletePool, request, timeout)
 
     def hashing(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> HashingParameters:
         """The pool's hashing parameters (algorithm, seed, hash block size)."""
@@ -232,7 +190,7 @@ class SchedulerClient:
         request = step.to_proto(pool_id)
         total_s = self._settings.deadline(timeout)
         policy = self._settings.retry_policy
-        stub = self._scheduler.Step
+        stub = self._stubs.scheduler.Step
         give_up_at = time.monotonic() + total_s
         attempt = 1
         while True:
@@ -270,7 +228,7 @@ class SchedulerClient:
             ServiceResourceExhaustedError: Beyond the server's snapshot or block limits.
         """
         chunks = _base.build_resync_chunks(pool_id, snapshot, config, step_seq)
-        response = self._unary("ResyncPool", self._scheduler.ResyncPool, chunks, timeout)
+        response = self._unary("ResyncPool", self._stubs.scheduler.ResyncPool, chunks, timeout)
         return int(response.epoch)
 
     # ------------------------------------------------------------------ request lifecycle
@@ -317,7 +275,7 @@ class SchedulerClient:
             cache_salt=cache_salt,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
         )
-        self._unary("AddRequest", self._scheduler.AddRequest, request, timeout)
+        self._unary("AddRequest", self._stubs.scheduler.AddRequest, request, timeout)
 
     def append_tokens(
         self,
@@ -330,7 +288,7 @@ class SchedulerClient:
     ) -> None:
         """Append produced tokens and the hashes of the hash blocks they completed."""
         request = _base.build_append_tokens(pool_id, request_key, token_ids, block_hashes)
-        self._unary("AppendTokens", self._scheduler.AppendTokens, request, timeout)
+        self._unary("AppendTokens", self._stubs.scheduler.AppendTokens, request, timeout)
 
     def free(
         self,
@@ -342,7 +300,7 @@ class SchedulerClient:
     ) -> None:
         """Free a request's blocks, finishing (forgetting) or preempting (keeping) it."""
         request = _base.build_free(pool_id, request_key, mode)
-        self._unary("Free", self._scheduler.Free, request, timeout)
+        self._unary("Free", self._stubs.scheduler.Free, request, timeout)
 
     # -------------------------------------------------------------------- manager calls
     def get_computed_blocks(
@@ -356,7 +314,7 @@ class SchedulerClient:
         """The request's longest prefix-cache hit (changes nothing but the hit statistics)."""
         request = _base.build_get_computed_blocks(pool_id, request_key, max_cache_hit_length)
         response = self._unary(
-            "GetComputedBlocks", self._scheduler.GetComputedBlocks, request, timeout
+            "GetComputedBlocks", self._stubs.scheduler.GetComputedBlocks, request, timeout
         )
         return _base.decode_cache_hit(response)
 
@@ -390,7 +348,9 @@ class SchedulerClient:
             hit=hit,
             options=options,
         )
-        response = self._unary("AllocateSlots", self._scheduler.AllocateSlots, request, timeout)
+        response = self._unary(
+            "AllocateSlots", self._stubs.scheduler.AllocateSlots, request, timeout
+        )
         return _base.decode_allocation(response)
 
     def cache_blocks(
@@ -405,7 +365,7 @@ class SchedulerClient:
         request = scheduler_pb2.CacheBlocksRequest(
             pool_id=pool_id, request_key=request_key, num_computed_tokens=num_computed_tokens
         )
-        self._unary("CacheBlocks", self._scheduler.CacheBlocks, request, timeout)
+        self._unary("CacheBlocks", self._stubs.scheduler.CacheBlocks, request, timeout)
 
     def remove_skipped_blocks(
         self,
@@ -419,14 +379,16 @@ class SchedulerClient:
         request = scheduler_pb2.RemoveSkippedBlocksRequest(
             pool_id=pool_id, request_key=request_key, total_computed_tokens=total_computed_tokens
         )
-        self._unary("RemoveSkippedBlocks", self._scheduler.RemoveSkippedBlocks, request, timeout)
+        self._unary(
+            "RemoveSkippedBlocks", self._stubs.scheduler.RemoveSkippedBlocks, request, timeout
+        )
 
     def evict_blocks(
         self, pool_id: str, block_ids: Iterable[int], *, timeout: Timeout = USE_CLIENT_DEFAULT
     ) -> None:
         """Drop blocks from the prefix cache (e.g. blocks a KV connector failed to load)."""
         request = scheduler_pb2.EvictBlocksRequest(pool_id=pool_id, block_ids=list(block_ids))
-        self._unary("EvictBlocks", self._scheduler.EvictBlocks, request, timeout)
+        self._unary("EvictBlocks", self._stubs.scheduler.EvictBlocks, request, timeout)
 
     def keep_alive(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> float:
         """Renew the pool's scheduler lease (every scheduler call does; this is for a
@@ -436,14 +398,14 @@ class SchedulerClient:
             ServiceNotFoundError: No such pool.
         """
         request = scheduler_pb2.KeepAliveRequest(pool_id=pool_id)
-        response = self._unary("KeepAlive", self._scheduler.KeepAlive, request, timeout)
+        response = self._unary("KeepAlive", self._stubs.scheduler.KeepAlive, request, timeout)
         return float(response.scheduler_lease_s)
 
     def reset_prefix_cache(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> bool:
         """Forget every cached block; ``False`` (nothing changed) while blocks are in use."""
         request = scheduler_pb2.ResetPrefixCacheRequest(pool_id=pool_id)
         response = self._unary(
-            "ResetPrefixCache", self._scheduler.ResetPrefixCache, request, timeout
+            "ResetPrefixCache", self._stubs.scheduler.ResetPrefixCache, request, timeout
         )
         return bool(response.reset)
 
@@ -452,7 +414,7 @@ class SchedulerClient:
     ) -> RequestBlocks:
         """The request's blocks with their reference counts and cache state."""
         request = scheduler_pb2.GetBlocksRequest(pool_id=pool_id, request_key=request_key)
-        response = self._unary("GetBlocks", self._scheduler.GetBlocks, request, timeout)
+        response = self._unary("GetBlocks", self._stubs.scheduler.GetBlocks, request, timeout)
         return _base.decode_request_blocks(response)
 
     def get_block_ids(
@@ -460,7 +422,7 @@ class SchedulerClient:
     ) -> tuple[list[int], ...]:
         """The request's block ids per group."""
         request = scheduler_pb2.GetBlockIdsRequest(pool_id=pool_id, request_key=request_key)
-        response = self._unary("GetBlockIds", self._scheduler.GetBlockIds, request, timeout)
+        response = self._unary("GetBlockIds", self._stubs.scheduler.GetBlockIds, request, timeout)
         return _base.grouped_to_blocks(response.blocks).block_ids
 
     def get_num_common_prefix_blocks(
@@ -471,7 +433,10 @@ class SchedulerClient:
             pool_id=pool_id, running_request_key=running_request_key
         )
         response = self._unary(
-            "GetNumCommonPrefixBlocks", self._scheduler.GetNumCommonPrefixBlocks, request, timeout
+            "GetNumCommonPrefixBlocks",
+            self._stubs.scheduler.GetNumCommonPrefixBlocks,
+            request,
+            timeout,
         )
         return list(response.num_common_prefix_blocks)
 
@@ -480,18 +445,20 @@ class SchedulerClient:
     ) -> list[int]:
         """Drain the attention blocks allocated since the last take (for zeroing)."""
         request = scheduler_pb2.TakeNewBlockIdsRequest(pool_id=pool_id)
-        response = self._unary("TakeNewBlockIds", self._scheduler.TakeNewBlockIds, request, timeout)
+        response = self._unary(
+            "TakeNewBlockIds", self._stubs.scheduler.TakeNewBlockIds, request, timeout
+        )
         return list(response.block_ids)
 
     def new_step_starts(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> None:
         """Tell the pool's managers a scheduler step starts."""
         request = scheduler_pb2.NewStepStartsRequest(pool_id=pool_id)
-        self._unary("NewStepStarts", self._scheduler.NewStepStarts, request, timeout)
+        self._unary("NewStepStarts", self._stubs.scheduler.NewStepStarts, request, timeout)
 
     def get_usage(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> Usage:
         """The pool's usage and block counts."""
         request = scheduler_pb2.GetUsageRequest(pool_id=pool_id)
-        response = self._unary("GetUsage", self._scheduler.GetUsage, request, timeout)
+        response = self._unary("GetUsage", self._stubs.scheduler.GetUsage, request, timeout)
         return _base.decode_usage(response)
 
     def take_prefix_cache_stats(
@@ -500,7 +467,7 @@ class SchedulerClient:
         """Drain the prefix-cache counters (``None`` when the pool's log_stats is off)."""
         request = scheduler_pb2.TakePrefixCacheStatsRequest(pool_id=pool_id)
         response = self._unary(
-            "TakePrefixCacheStats", self._scheduler.TakePrefixCacheStats, request, timeout
+            "TakePrefixCacheStats", self._stubs.scheduler.TakePrefixCacheStats, request, timeout
         )
         return _base.decode_prefix_cache_stats(response)
 
@@ -543,5 +510,5 @@ class SchedulerClient:
             request.start_sequence = start_sequence
         if expected_epoch is not None:
             request.expected_epoch = expected_epoch
-        call = self._events.SubscribeEvents(request, timeout=timeout)
+        call = self._stubs.events.SubscribeEvents(request, timeout=timeout)
         return EventStream(pool_id, call)

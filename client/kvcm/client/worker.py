@@ -21,20 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from kvcm.client._base import RETRY_POLICY, ClientSettings, RetryPolicy, TlsConfig
-from kvcm.client._errors import error_from_rpc
-from kvcm.client._tracing import intercept
-from kvcm.client._types import (
-    REGISTER_WORKER_TIMEOUT_S,
-    USE_CLIENT_DEFAULT,
-    HashingParameters,
-    UseClientDefault,
-)
+from kvcm.client._base import RETRY_POLICY, ChannelClient, RetryPolicy, Timeout, TlsConfig
+from kvcm.client._types import REGISTER_WORKER_TIMEOUT_S, USE_CLIENT_DEFAULT, HashingParameters
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.specs import check_plannable_spec
-from kvcm.v1 import service_pb2_grpc, worker_pb2
+from kvcm.v1 import worker_pb2
 from kvcm.wire import hashing_from_proto, kv_cache_config_from_proto, layer_specs_to_proto
 
 if TYPE_CHECKING:
@@ -65,8 +56,10 @@ class WorkerRegistration:
     max_model_len: int
 
 
-class WorkerClient:
+class WorkerClient(ChannelClient):
     """Synchronous client of a kvcm server's worker service.
+
+    ``close`` and the context manager are the channel client's (``kvcm.client._base``).
 
     Attributes:
         target: The server's address.
@@ -97,18 +90,14 @@ class WorkerClient:
         Raises:
             InvalidArgumentError: ``target`` is empty or ``timeout`` is not positive.
         """
-        self._settings = ClientSettings(
-            target=target,
-            timeout_s=timeout,
+        super().__init__(
+            target,
+            timeout=timeout,
             retry_policy=retry_policy,
-            channel_options=tuple(channel_options),
+            channel_options=channel_options,
             tls=tls,
+            token=token,
         )
-        self.target = target
-        self._channel = intercept(
-            self._settings.channel(), (("authorization", f"Bearer {token}"),) if token else ()
-        )
-        self._worker = service_pb2_grpc.WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     def register(
         self,
@@ -118,7 +107,7 @@ class WorkerClient:
         layer_specs: Mapping[str, KVCacheSpec],
         available_memory_bytes: int,
         *,
-        timeout: float | UseClientDefault = USE_CLIENT_DEFAULT,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> WorkerRegistration:
         """Register this rank and wait until every rank of the pool has.
 
@@ -163,12 +152,8 @@ class WorkerClient:
             layer_specs=layer_specs_to_proto(layer_specs),
             available_memory_bytes=available_memory_bytes,
         )
-        try:
-            response = self._worker.RegisterWorker(
-                request, timeout=self._settings.deadline(timeout)
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, "RegisterWorker") from exc
+        stub = self._stubs.worker.RegisterWorker
+        response = self._unary("RegisterWorker", stub, request, timeout)
         return WorkerRegistration(
             pool_id=pool_id,
             rank=rank,
@@ -193,16 +178,3 @@ class WorkerClient:
         from kvcm.client.tensors import allocate_kv_cache_tensors
 
         return allocate_kv_cache_tensors(registration.kv_cache_config, device=device)
-
-    def close(self) -> None:
-        """Close the channel."""
-        self._channel.close()
-
-    def __enter__(self) -> WorkerClient:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"WorkerClient(target={self.target!r})"
