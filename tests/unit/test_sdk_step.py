@@ -197,9 +197,17 @@ def test_builder_program_round_trips_through_the_wire_codec() -> None:
     assert program.alloc_options[3].num_in_flight_tokens == 3
 
 
-def test_sdk_item_status_extends_the_core_enum() -> None:
+def test_sdk_item_status_is_the_core_enum() -> None:
+    from kvcm.core.program import EXECUTED_STATUSES
     from kvcm.core.program import ItemStatus as CoreItemStatus
+    from kvcm.v1 import common_pb2
 
-    for member in CoreItemStatus:
-        assert ItemStatus[member.name] == member
-    assert ItemStatus.NOT_EXECUTED not in set(CoreItemStatus)
+    assert ItemStatus is CoreItemStatus
+    # Every wire value has its member, with the same number.
+    for name, number in common_pb2.ItemStatus.items():
+        if number:
+            assert ItemStatus[name.removeprefix("ITEM_STATUS_")] == number
+    # NOT_EXECUTED is what a result reads for allocations a Step did not reach, never what
+    # the interpreter answers.
+    assert ItemStatus.NOT_EXECUTED not in EXECUTED_STATUSES
+    assert set(EXECUTED_STATUSES) | {ItemStatus.NOT_EXECUTED} == set(ItemStatus)

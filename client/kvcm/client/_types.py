@@ -1,14 +1,13 @@
 """The SDK's value types: what its calls take and answer, free of protobuf.
 
-Pool records (``PoolConfig``, ``PoolInfo``, ``PoolState``, ``FreeMode``, ...) are the core's
-own classes, re-exported. Every record is a frozen, slotted dataclass (or a slotted class on the
-hot path) with the names of the matching ``kvcm.v1`` message fields and of vLLM's
-``KVCacheManager`` where one exists.
+Pool records (``PoolConfig``, ``PoolInfo``, ``PoolState``, ``FreeMode``, ...) and an
+allocation's ``ItemStatus`` are the core's own classes, re-exported. Every record is a frozen,
+slotted dataclass (or a slotted class on the hot path) with the names of the matching
+``kvcm.v1`` message fields and of vLLM's ``KVCacheManager`` where one exists.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
@@ -27,6 +26,7 @@ from kvcm.core.pool_types import (
     PoolSummary,
     Usage,
 )
+from kvcm.core.program import ItemStatus
 from kvcm.core.stats import PrefixCacheStats
 from kvcm.wire.events import EventBatch
 
@@ -68,24 +68,6 @@ class UseClientDefault:
 
 
 USE_CLIENT_DEFAULT: Final = UseClientDefault()
-
-
-@enum.unique
-class ItemStatus(enum.IntEnum):
-    """Outcome of one allocation of a Step (values are the wire values)."""
-
-    OK = 1
-    """Allocated."""
-    DOES_NOT_FIT = 2
-    """Not enough free blocks (vLLM's ``allocate_slots`` returning ``None``); nothing changed."""
-    NO_TOKEN_BUDGET = 3
-    """A lookup allocation found nothing to compute within the step's token budget."""
-    NOT_EXECUTED = 4
-    """The Step stopped before this allocation; nothing changed for it."""
-    HIT_STALE = 5
-    """A caller-supplied hit checked when its allocation ran no longer held the request's
-    block hashes (an earlier op of the Step evicted them); nothing changed for it and the
-    Step stopped there. Look the request up again."""
 
 
 class KVCacheBlocks:

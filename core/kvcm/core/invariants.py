@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Final
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcm.core.block import KVCacheBlock
-from kvcm.core.program import ItemStatus, StepOutcome
+from kvcm.core.program import EXECUTED_STATUSES, StepOutcome
 from kvcm.core.request import Request, RequestStatus
 from kvcm.core.stats import PrefixCacheStats, PrefixCachingMetrics
 
@@ -70,7 +70,7 @@ _INT64_LIMIT: Final = 1 << 63
 _GROUP_ID_NBYTES: Final = 4
 _INT_ONLY: Final = frozenset({int})
 _GROUP_ID: Final = operator.itemgetter(slice(-4, None))  # a cache key's group id bytes
-_VALID_STATUSES: Final = frozenset(int(status) for status in ItemStatus)
+_VALID_STATUSES: Final = frozenset(int(status) for status in EXECUTED_STATUSES)
 
 
 @dataclass(frozen=True, slots=True)

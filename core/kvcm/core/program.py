@@ -47,6 +47,7 @@ from typing import Final
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
 
 __all__ = [
+    "EXECUTED_STATUSES",
     "AllocOptions",
     "HitSpec",
     "ItemStatus",
@@ -76,12 +77,28 @@ class OpKind(enum.IntEnum):
 
 @enum.unique
 class ItemStatus(enum.IntEnum):
-    """The outcome of one ALLOCATE (values equal ``kvcm.v1.ItemStatus``)."""
+    """The outcome of one ALLOCATE (values equal ``kvcm.v1.ItemStatus``; the SDK's too)."""
 
     OK = 1
+    """Allocated."""
     DOES_NOT_FIT = 2
+    """Not enough free blocks (vLLM's ``allocate_slots`` returning ``None``); nothing changed."""
     NO_TOKEN_BUDGET = 3
+    """A lookup allocation found nothing to compute within the step's token budget."""
+    NOT_EXECUTED = 4
+    """The Step stopped before this allocation; nothing changed for it. Never in a
+    ``StepOutcome`` (it lists executed allocations only): a result read against its program
+    (the SDK's ``StepResult``) gives it to the allocations the Step did not reach."""
     HIT_STALE = 5
+    """A caller-supplied hit checked when its allocation ran no longer held the request's
+    block hashes (an earlier op of the Step evicted them); nothing changed for it and the
+    Step stopped there. Look the request up again."""
+
+
+EXECUTED_STATUSES: Final = frozenset(
+    status for status in ItemStatus if status is not ItemStatus.NOT_EXECUTED
+)
+"""The statuses an executed ALLOCATE can have (what ``StepOutcome.alloc_statuses`` holds)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
