@@ -10,7 +10,7 @@ from google.protobuf import descriptor
 
 from kvcm.v1 import common_pb2, scheduler_pb2, service_pb2
 
-MODULES = ["admin", "common", "events", "lookup", "scheduler", "service", "worker"]
+MODULES = ["admin", "common", "events", "lookup", "pd", "scheduler", "service", "worker"]
 
 EXPECTED_RPCS = {
     "AdminService": {"CreatePool", "ListPools", "DescribePool", "DeletePool"},
@@ -37,7 +37,7 @@ EXPECTED_RPCS = {
         "TakePrefixCacheStats",
     },
     "EventService": {"SubscribeEvents"},
-    "LookupService": {"Lookup"},
+    "LookupService": {"Lookup", "RoutePd"},
 }
 
 # A 1-token decode step item (APPEND_TOKENS + ALLOCATE) must stay below this many bytes on the

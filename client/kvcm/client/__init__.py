@@ -4,7 +4,8 @@
   and asyncio, with the Step RPC (``StepBuilder`` -> ``StepResult``) as the hot path.
 - ``RemoteKVCacheManager``: vLLM 0.33's ``KVCacheManager`` methods over a kvcm pool.
 - ``WorkerClient``: registers a rank's layers and builds its KV-cache tensors.
-- ``lookup(LookupQuery)`` on both scheduler clients: routers' exact prefix lookup across pools.
+- ``lookup(LookupQuery)`` on both scheduler clients: routers' exact prefix lookup across pools;
+  ``route_pd(PdRouteQuery)``: a P/D proxy's choice of prefill and decode engine on it.
 
 Failures raise ``ServiceError`` subclasses (which are also the ``kvcm.common.errors`` classes
 the core raises), never ``grpc.RpcError``. Names are imported on first use, so importing the
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
     from kvcm.client.scheduler import EventStream, SchedulerClient
     from kvcm.client.worker import WorkerClient, WorkerRegistration
     from kvcm.core.lookup import LookupAnswer, LookupQuery, PoolHit, PoolLoad
+    from kvcm.core.pd_route import PdRoute, PdRouteQuery, PdScope
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -86,6 +88,9 @@ __all__ = [
     "LookupQuery",
     "LookupResult",
     "OutOfRangeError",
+    "PdRoute",
+    "PdRouteQuery",
+    "PdScope",
     "PermissionDeniedError",
     "PoolConfig",
     "PoolHit",
@@ -141,6 +146,9 @@ _MODULE_OF = {
     "PoolHit": "kvcm.core.lookup",
     "PoolLoad": "kvcm.core.lookup",
     "OutOfRangeError": "_errors",
+    "PdRoute": "kvcm.core.pd_route",
+    "PdRouteQuery": "kvcm.core.pd_route",
+    "PdScope": "kvcm.core.pd_route",
     "PermissionDeniedError": "_errors",
     "PoolConfig": "_types",
     "PoolInfo": "_types",

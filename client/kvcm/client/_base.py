@@ -109,7 +109,7 @@ _IDEMPOTENT_METHODS: Final = {
         "GetUsage",
     ),
     "kvcm.v1.EventService": ("SubscribeEvents",),
-    "kvcm.v1.LookupService": ("Lookup",),
+    "kvcm.v1.LookupService": ("Lookup", "RoutePd"),
 }
 
 

@@ -6,6 +6,7 @@ import warnings
 from kvcm.v1 import admin_pb2 as kvcm_dot_v1_dot_admin__pb2
 from kvcm.v1 import events_pb2 as kvcm_dot_v1_dot_events__pb2
 from kvcm.v1 import lookup_pb2 as kvcm_dot_v1_dot_lookup__pb2
+from kvcm.v1 import pd_pb2 as kvcm_dot_v1_dot_pd__pb2
 from kvcm.v1 import scheduler_pb2 as kvcm_dot_v1_dot_scheduler__pb2
 from kvcm.v1 import worker_pb2 as kvcm_dot_v1_dot_worker__pb2
 
@@ -1312,6 +1313,11 @@ class LookupServiceStub:
                 request_serializer=kvcm_dot_v1_dot_lookup__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvcm_dot_v1_dot_lookup__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.RoutePd = channel.unary_unary(
+                '/kvcm.v1.LookupService/RoutePd',
+                request_serializer=kvcm_dot_v1_dot_pd__pb2.RoutePdRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_pd__pb2.RoutePdResponse.FromString,
+                _registered_method=True)
 
 
 class LookupServiceServicer:
@@ -1331,6 +1337,17 @@ class LookupServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RoutePd(self, request, context):
+        """For a P/D proxy: the prefill and the decode engine for one prompt, ranked by exact prefix
+        hit and load, the decode engine's own hit and, for bidirectional transfers, vLLM's
+        remote_num_tokens (see pd.proto). Read-only. INVALID_ARGUMENT as Lookup, and an empty
+        prefill_scope or decode_scope (named). NOT_FOUND: a scope names an unknown pool (named).
+        RESOURCE_EXHAUSTED and authentication as Lookup.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LookupServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1338,6 +1355,11 @@ def add_LookupServiceServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvcm_dot_v1_dot_lookup__pb2.LookupRequest.FromString,
                     response_serializer=kvcm_dot_v1_dot_lookup__pb2.LookupResponse.SerializeToString,
+            ),
+            'RoutePd': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoutePd,
+                    request_deserializer=kvcm_dot_v1_dot_pd__pb2.RoutePdRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_pd__pb2.RoutePdResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1368,6 +1390,33 @@ class LookupService:
             '/kvcm.v1.LookupService/Lookup',
             kvcm_dot_v1_dot_lookup__pb2.LookupRequest.SerializeToString,
             kvcm_dot_v1_dot_lookup__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoutePd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcm.v1.LookupService/RoutePd',
+            kvcm_dot_v1_dot_pd__pb2.RoutePdRequest.SerializeToString,
+            kvcm_dot_v1_dot_pd__pb2.RoutePdResponse.FromString,
             options,
             channel_credentials,
             insecure,

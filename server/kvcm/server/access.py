@@ -153,6 +153,7 @@ RULES: Final[Mapping[str, Rule]] = {
     ),
     "/kvcm.v1.EventService/SubscribeEvents": _READ,
     "/kvcm.v1.LookupService/Lookup": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
+    "/kvcm.v1.LookupService/RoutePd": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
     # HTTP, by verb and route template.
     "GET /metrics": Rule(roles=("scrape",), pool=PoolFrom.SERVER),
     "GET /healthz": _OPEN,
@@ -161,6 +162,7 @@ RULES: Final[Mapping[str, Rule]] = {
     "GET /v1/pools/{pool}": Rule(roles=READ_ROLES, pool=PoolFrom.PATH),
     "GET /v1/pools/{pool}/events": Rule(roles=READ_ROLES, pool=PoolFrom.PATH),
     "POST /v1/lookup": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
+    "POST /v1/pd/route": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
     # The inspector page and the API docs: static HTML without data (a browser sends no bearer
     # header when it navigates); they ask for the token and send it to the routes above.
     "GET /": _OPEN,

@@ -51,6 +51,7 @@ from kvcm.server.rpc import (
     checkpoint_of,
     lookup_as,
     recover,
+    route_pd_as,
     subscriber_keepalive,
 )
 from kvcm.server.settings import ServerSettings, split_address
@@ -305,6 +306,8 @@ class KVCMServer:
             authenticate=self.tokens.principal if self.tokens is not None else None,
             refusals=self.tokens.refusals if self.tokens is not None else None,
             wiring=self._pool_wiring,
+            pd_route=functools.partial(route_pd_as, self.state),
+            pd_routes=self.state.pd_routes,
         )
         # Taken before uvicorn reads the files: a change after it is seen (a change before
         # only costs a reload of what is already loaded).

@@ -23,10 +23,12 @@ from pydantic import BaseModel
 
 from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcm.core.lookup import LookupAnswer, LookupQuery
+from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.server.access import RefusalLog, may_read
 from kvcm.server.http._collector import JournalStatsLike, KVCMCollector, kvcm_version
 from kvcm.server.http._guard import TokenGuard, check_routes
 from kvcm.server.http._inspector import add_inspector_routes
+from kvcm.server.http._pd_route import add_pd_route
 from kvcm.server.http._views import PoolLike, PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats, StepProgressBook
 
@@ -242,6 +244,8 @@ def build_app(
     progress: StepProgressBook | None = None,
     journal: Callable[[], JournalStatsLike | None] | None = None,
     wiring: Callable[[Sequence[str]], Mapping[str, PoolWiring]] | None = None,
+    pd_route: Callable[[PdRouteQuery, Principal | None], Awaitable[PdRoute]] | None = None,
+    pd_routes: Mapping[str, int] | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
@@ -280,6 +284,8 @@ def build_app(
         wiring: the hashing parameters (no seed) and ZMQ stream of the pools named, by pool
             id, shown in ``/v1/pools`` as ``hashing`` and ``zmq_events`` (``None``, or a pool
             missing from the answer: left out).
+        pd_route: routes a P/D query as a principal (``None``: no ``/v1/pd/route`` route).
+        pd_routes: the P/D routing calls' counters by metric name (``None``: exported as 0).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
@@ -288,7 +294,14 @@ def build_app(
         refusals = RefusalLog()
     prometheus_registry = CollectorRegistry(auto_describe=False)
     collector = KVCMCollector(
-        registry, rpc_stats, loop_lag, reclaims, zmq_counters, progress=progress, journal=journal
+        registry,
+        rpc_stats,
+        loop_lag,
+        reclaims,
+        zmq_counters,
+        progress=progress,
+        journal=journal,
+        pd_routes=pd_routes,
     )
     prometheus_registry.register(collector)
     _register_runtime_collectors(prometheus_registry)
@@ -400,6 +413,10 @@ def build_app(
 
     if lookup is not None:
         _add_lookup_route(app, lookup, refusals)
+    if pd_route is not None:
+        add_pd_route(
+            app, pd_route, refusals, max_body_bytes=MAX_LOOKUP_BODY_BYTES, error_model=ErrorBody
+        )
     add_inspector_routes(app, registry)
     check_routes(app.routes)
     if authenticate is not None:

@@ -67,6 +67,13 @@ class MetricSpec:
 
 
 _POOL = ("pool",)
+_PD_ROUTE_METRICS = (
+    "kvcm_pd_routes_total",
+    "kvcm_pd_route_prompt_tokens_total",
+    "kvcm_pd_route_decode_hit_tokens_total",
+    "kvcm_pd_route_prefill_computed_tokens_total",
+    "kvcm_pd_route_remote_tokens_total",
+)
 _JOURNAL_METRICS = (
     "kvcm_journal_records_total",
     "kvcm_journal_fsyncs_total",
@@ -306,6 +313,37 @@ METRICS: tuple[MetricSpec, ...] = (
         "listing; the others were answered).",
     ),
     MetricSpec(
+        name="kvcm_pd_routes_total",
+        kind="counter",
+        labels=(),
+        help="P/D routing calls answered with at least one pool (RoutePd, POST /v1/pd/route).",
+    ),
+    MetricSpec(
+        name="kvcm_pd_route_prompt_tokens_total",
+        kind="counter",
+        labels=(),
+        help="Prompt tokens of the P/D routing calls answered.",
+    ),
+    MetricSpec(
+        name="kvcm_pd_route_decode_hit_tokens_total",
+        kind="counter",
+        labels=(),
+        help="Of those, tokens the chosen decode engine already held (not pulled).",
+    ),
+    MetricSpec(
+        name="kvcm_pd_route_prefill_computed_tokens_total",
+        kind="counter",
+        labels=(),
+        help="Of those, tokens the chosen prefill engine computes (neither held nor pulled).",
+    ),
+    MetricSpec(
+        name="kvcm_pd_route_remote_tokens_total",
+        kind="counter",
+        labels=(),
+        help="Bidirectional routes: tokens the prefill engine may pull from the decode engine "
+        "(remote_num_tokens).",
+    ),
+    MetricSpec(
         name="kvcm_lookup_index_keys",
         kind="gauge",
         labels=(),
@@ -475,6 +513,7 @@ class KVCMCollector:
         progress: each pool's step progress; ``None``: exported empty.
         journal: the data directory's journal, read at each scrape (``None``, or it answers
             ``None``: exported empty).
+        pd_routes: the P/D routing calls' counters by metric name (``None``: exported as 0).
 
     Attributes:
         reader: reads the pools (one pool that cannot be read is left out and counted); the
@@ -491,7 +530,9 @@ class KVCMCollector:
         *,
         progress: StepProgressBook | None = None,
         journal: Callable[[], JournalStatsLike | None] | None = None,
+        pd_routes: Mapping[str, int] | None = None,
     ) -> None:
+        self._pd_routes = pd_routes if pd_routes is not None else {}
         self._progress = progress
         self._journal = journal
         self._zmq = zmq_counters
@@ -601,6 +642,10 @@ class KVCMCollector:
         yield batches
         yield peers
         yield from self._zmq_wire_families()
+        for name in _PD_ROUTE_METRICS:
+            pd_family = _scalar_family(name)
+            pd_family.add_metric([], self._pd_routes.get(name, 0))
+            yield pd_family
         keys = _scalar_family("kvcm_lookup_index_keys")
         indexed = _scalar_family("kvcm_lookup_index_pools")
         index = getattr(self._registry, "index", None)

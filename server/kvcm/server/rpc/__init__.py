@@ -14,7 +14,8 @@ from kvcm.server.rpc._events import EventServicer, subscriber_keepalive
 from kvcm.server.rpc._handlers import UndecodableRequest, register_services
 from kvcm.server.rpc._interceptor import MethodInterceptor, TelemetryInterceptor
 from kvcm.server.rpc._leases import LeaseMonitor
-from kvcm.server.rpc._lookup import LookupDeniedError, LookupServicer, lookup_as
+from kvcm.server.rpc._lookup import LookupDeniedError, lookup_as
+from kvcm.server.rpc._pd_route import PD_ROUTE_COUNTERS, RoutingServicer, route_pd_as
 from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import PRINCIPAL, PoolRuntime, Principal, ServerState, may_hash
 from kvcm.server.rpc._status import (
@@ -30,6 +31,8 @@ from kvcm.v1 import service_pb2
 __all__ = [
     "LookupDeniedError",
     "lookup_as",
+    "PD_ROUTE_COUNTERS",
+    "route_pd_as",
     "PRINCIPAL",
     "Principal",
     "may_hash",
@@ -74,6 +77,6 @@ def add_servicers(server: grpc.aio.Server, state: ServerState) -> None:
             "WorkerService": WorkerServicer(state),
             "SchedulerService": SchedulerServicer(state),
             "EventService": EventServicer(state),
-            "LookupService": LookupServicer(state),
+            "LookupService": RoutingServicer(state),
         },
     )

@@ -190,6 +190,8 @@ class ServerState:
         subscriber_lease_s: How long an event stream may wait for its reader to accept one
             message before it is ended (0: forever).
         reclaims: Lease reclaims so far, by (pool id, lease kind).
+        pd_routes: The P/D routing calls' counters, by metric name (``RoutePd``, ``POST
+            /v1/pd/route``).
         progress: Each pool's step progress (the last applied Step's step_seq and age).
         kv_events: The ZMQ KV-event stream (``None``: off, or while a journal is replayed:
             what was published before a restart is replayed on request, not re-sent).
@@ -217,6 +219,7 @@ class ServerState:
     transfer_lease_s: float = 0.0
     subscriber_lease_s: float = 0.0
     reclaims: dict[tuple[str, str], int] = field(default_factory=dict)
+    pd_routes: dict[str, int] = field(default_factory=dict)
     progress: StepProgressBook = field(default_factory=StepProgressBook)
     clock: AwakeClock = field(default_factory=AwakeClock)
     kv_events: KvEventStream | None = None

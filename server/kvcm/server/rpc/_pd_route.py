@@ -1,0 +1,111 @@
+"""LookupService/RoutePd: the prefill and the decode engine for a prompt (a codec over two
+exact lookups and :func:`kvcm.core.pd_route.rank_pd`).
+
+Each role's scope is looked up as ``Lookup`` looks it up (:func:`lookup_as`: the caller's
+readable pools only, long token prompts hashed off the loop), then both are ranked. Errors name
+the role's field (``prefill_scope.pool_ids[1]``), not Lookup's ``scope``. Each answered call
+adds to the server's P/D counters (``kvcm_pd_route*``), which ``/metrics`` reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, TypeAlias
+
+import grpc
+
+from kvcm.common.errors import InvalidArgumentError, NotFoundError
+from kvcm.core.pd_route import PdRoute, PdRouteQuery, rank_pd
+from kvcm.core.pool import PoolRegistry
+from kvcm.server.rpc._lookup import LookupDeniedError, LookupServicer, lookup_as
+from kvcm.server.rpc._state import PRINCIPAL, Principal, ServerState
+from kvcm.server.rpc._status import AbortRpc
+from kvcm.v1 import pd_pb2
+from kvcm.wire.pd import pd_route_query_from_proto, pd_route_to_proto
+
+__all__ = ["PD_ROUTE_COUNTERS", "RoutingServicer", "route_pd", "route_pd_as"]
+
+Context: TypeAlias = Any
+
+PD_ROUTE_COUNTERS: Final = (
+    "kvcm_pd_routes_total",
+    "kvcm_pd_route_prompt_tokens_total",
+    "kvcm_pd_route_decode_hit_tokens_total",
+    "kvcm_pd_route_prefill_computed_tokens_total",
+    "kvcm_pd_route_remote_tokens_total",
+)
+"""The counters each routing call adds to, in ``ServerState.pd_routes`` (see docs/metrics.md)."""
+
+
+def _renamed(text: str, role: str) -> str:
+    return text.replace("scope.", f"{role}.", 1)
+
+
+async def route_pd(
+    registry: PoolRegistry, query: PdRouteQuery, principal: Principal | None
+) -> PdRoute:
+    """Route ``query`` as ``principal`` sees the pools (``None``: authentication off).
+
+    Raises:
+        LookupDeniedError: A scope names a pool the principal may not read (named by role).
+        NotFoundError: A scope names an unknown pool (``prefill_scope.pool_ids[i]``).
+        InvalidArgumentError, ResourceExhaustedError: As :func:`lookup_as`.
+    """
+    answers = []
+    for role in ("prefill_scope", "decode_scope"):
+        try:
+            answers.append(await lookup_as(registry, query.role_query(role), principal))
+        except NotFoundError as exc:
+            message = str(exc.args[0]) if exc.args else str(exc)
+            raise NotFoundError(
+                _renamed(message, role), field=_renamed(exc.field or "", role)
+            ) from None
+        except LookupDeniedError as exc:
+            raise LookupDeniedError(_renamed(str(exc), role)) from None
+        except InvalidArgumentError as exc:
+            message = str(exc.args[0]) if exc.args else str(exc)
+            raise InvalidArgumentError(
+                _renamed(message, role), field=_renamed(exc.field or "", role)
+            ) from None
+    return rank_pd(query, answers[0], answers[1])
+
+
+def _count(counters: dict[str, int], route: PdRoute) -> None:
+    if not route.decode and not route.prefill:
+        return
+    for name, value in zip(
+        PD_ROUTE_COUNTERS,
+        (
+            1,
+            route.num_tokens,
+            route.decode_hit_tokens,
+            route.prefill_compute_tokens,
+            route.remote_num_tokens,
+        ),
+        strict=True,
+    ):
+        counters[name] = counters.get(name, 0) + value
+
+
+async def route_pd_as(
+    state: ServerState, query: PdRouteQuery, principal: Principal | None
+) -> PdRoute:
+    """:func:`route_pd` over ``state``'s pools, counted in ``state.pd_routes`` (gRPC and HTTP
+    share it)."""
+    route = await route_pd(state.registry, query, principal)
+    _count(state.pd_routes, route)
+    return route
+
+
+class RoutingServicer(LookupServicer):
+    """LookupService: Lookup, and RoutePd for P/D proxies."""
+
+    async def RoutePd(  # noqa: N802 - gRPC method name
+        self, request: pd_pb2.RoutePdRequest, context: Context
+    ) -> pd_pb2.RoutePdResponse:
+        """The prefill and the decode engine for the prompt, ranked (see pd.proto)."""
+        query = pd_route_query_from_proto(request)
+        try:
+            route = await route_pd_as(self._state, query, PRINCIPAL.get())
+        except LookupDeniedError as exc:
+            raise AbortRpc(grpc.StatusCode.PERMISSION_DENIED, f"RoutePd: {exc}") from None
+        return pd_route_to_proto(route)
