@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheLayout
@@ -609,7 +611,7 @@ def test_vllm_max_concurrency() -> None:
     assert concurrency((1024 + 129) * 3, *hybrid) == 3
 
 
-def test_a_tensor_past_a_uint64_is_refused_and_mamba_align_is_not_supported_yet() -> None:
+def test_a_tensor_past_a_uint64_is_refused_and_mamba_align_is_planned() -> None:
     big = FullAttentionSpec(
         block_size=1 << 10, num_kv_heads=1 << 16, head_size=1 << 16, dtype="float32"
     )
@@ -617,10 +619,31 @@ def test_a_tensor_past_a_uint64_is_refused_and_mamba_align_is_not_supported_yet(
     with pytest.raises(ConfigError, match="uint64") as caught:
         plan_kv_cache([{"layer.0": big}], [1 << 40], options)
     assert caught.value.field == "layer_specs"
+    # vLLM's "align" mode (prefix caching of hybrid Mamba models) is planned: a request holds
+    # the running state, the state it was read from, a prefill checkpoint and its speculative
+    # blocks; an unknown mode is refused, naming the field.
     align = MambaSpec(
-        block_size=16, shapes=((4, 64),), dtypes=("float32",), mamba_cache_mode="align"
+        block_size=16,
+        shapes=((4, 64),),
+        dtypes=("float32",),
+        mamba_cache_mode="align",
+        num_speculative_blocks=1,
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=16,
     )
-    with pytest.raises(ConfigError, match=r"'model.layers.3.mixer'.*'align' is not supported yet"):
+    limits = PlanningOptions(max_model_len=64).limits()
+    assert align.max_memory_usage_bytes(limits) == 4 * align.page_size_bytes
+    assert align.max_num_blocks_per_req(limits, 64) == 64 // 16 + 1
+    none = replace(align, mamba_cache_mode="none")
+    assert none.max_memory_usage_bytes(limits) == 2 * align.page_size_bytes
+    plan = plan_kv_cache(
+        [{"model.layers.3.mixer": align}], [1 << 30], PlanningOptions(max_model_len=64)
+    )
+    assert plan.kv_cache_groups[0].kv_cache_spec == align
+    with pytest.raises(InvalidArgumentError, match=r"'model.layers.3.mixer'.*'all'") as mode:
         plan_kv_cache(
-            [{"model.layers.3.mixer": align}], [1 << 30], PlanningOptions(max_model_len=64)
+            [{"model.layers.3.mixer": replace(align, mamba_cache_mode="all")}],
+            [1 << 30],
+            PlanningOptions(max_model_len=64),
         )
+    assert mode.value.field == "rank_specs[0][model.layers.3.mixer].mamba_cache_mode"

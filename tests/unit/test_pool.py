@@ -108,11 +108,11 @@ def test_requests_are_validated_before_they_change_anything() -> None:
 def test_allocation_does_not_fit_is_counted_and_free_forgets() -> None:
     pool = _pool()
     prompt = list(range(200))
-    request = pool.add_request(1, "r1", prompt, _hashes(pool, prompt))
-    assert pool.allocate_slots(request, 200, None) is not None  # 13 of 15 usable blocks
+    pool.add_request(1, "r1", prompt, _hashes(pool, prompt))
+    assert pool.allocate(1, 200, 0) is not None  # 13 of 15 usable blocks
     assert pool.allocations_not_fit_total == 0
-    big = pool.add_request(2, "r2", list(range(256)), b"")
-    assert pool.allocate_slots(big, 256, None) is None
+    pool.add_request(2, "r2", list(range(256)), b"")
+    assert pool.allocate(2, 256, 0) is None
     assert pool.snapshot().allocations_not_fit_total == 1
     pool.free(2, preempt=True)
     assert pool.request(2).num_preemptions == 1
@@ -222,11 +222,11 @@ def test_registration_checks_limits_memory_order_and_mamba_mode() -> None:
     # The layer order is part of a registration: the same layers in another order differ.
     with pytest.raises(AlreadyExistsError, match="order"):
         pool.register_worker(0, 3, dict(reversed(specs.items())), 40 * page, limits=limits)
-    align = MambaSpec(
-        block_size=16, shapes=((4, 64),), dtypes=("float32",), mamba_cache_mode="align"
+    unknown_mode = MambaSpec(
+        block_size=16, shapes=((4, 64),), dtypes=("float32",), mamba_cache_mode="all"
     )
-    with pytest.raises(ConfigError, match=r"'model.layers.1.mixer'.*not supported yet") as mode:
-        pool.register_worker(1, 3, {"model.layers.1.mixer": align}, 40 * page, limits=limits)
+    with pytest.raises(InvalidArgumentError, match=r"'model.layers.1.mixer'.*'all'") as mode:
+        pool.register_worker(1, 3, {"model.layers.1.mixer": unknown_mode}, 40 * page, limits=limits)
     assert mode.value.field == "layer_specs[model.layers.1.mixer].mamba_cache_mode"
     assert list(pool.registrations) == [0]
     # A pending rank whose call ended is withdrawn; a planned pool keeps its ranks.

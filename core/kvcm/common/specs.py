@@ -58,6 +58,7 @@ __all__ = [
     "UINT64_MAX",
     "UniformTypeKVCacheSpecs",
     "check_plannable_spec",
+    "pins_hash_block_size",
 ]
 
 UINT64_MAX: Final = (1 << 64) - 1
@@ -100,7 +101,8 @@ class SizingLimits:
             times ``max_num_batched_tokens``); sliding-window and chunked-local layers
             reserve for them. ``None`` means ``max_model_len``.
         max_num_encoder_input_tokens: Encoder length cross-attention layers cache.
-        mamba_cache_mode: ``"none"`` (kvcm's supported mode) or ``"align"``.
+        mamba_cache_mode: vLLM's ``CacheConfig.mamba_cache_mode``: ``"none"`` or ``"align"``
+            (prefix caching of hybrid Mamba models).
     """
 
     max_model_len: int
@@ -679,8 +681,13 @@ class MambaSpec(KVCacheSpec):
         dtypes: Element type of each state tensor.
         page_size_padded: Page size in bytes after padding, if padded.
         mamba_type: The Mamba variant (``"mamba2"``, ...).
-        mamba_cache_mode: ``"none"``: only the latest state is kept.
+        mamba_cache_mode: ``"none"``: only the latest state is kept; ``"align"``: states at
+            block boundaries are checkpoints that may enter the prefix cache.
         num_speculative_blocks: Extra blocks for speculative decoding.
+        num_prefill_checkpoint_blocks: Align mode: blocks reserved for a checkpoint the
+            backend exports inside a prefill chunk (0: chunks end at checkpoints instead).
+        prefill_checkpoint_alignment: Token granularity at which the backend can export such
+            a checkpoint, if it can.
     """
 
     kind: ClassVar[str] = "mamba"
@@ -691,10 +698,6 @@ class MambaSpec(KVCacheSpec):
         can_scale_block_size=False,
         can_pad_page=True,
         state_packing=StatePacking.ALWAYS,
-        prefix_caching_unsupported=(
-            "Mamba prefix caching needs mamba_cache_mode 'align', "
-            "which kvcm does not implement; disable enable_caching"
-        ),
     )
 
     shapes: tuple[tuple[int, ...], ...]
@@ -703,6 +706,8 @@ class MambaSpec(KVCacheSpec):
     mamba_type: str = "mamba2"
     mamba_cache_mode: str = "none"
     num_speculative_blocks: int = 0
+    num_prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
 
     def __post_init__(self) -> None:
         KVCacheSpec.__post_init__(self)
@@ -722,6 +727,10 @@ class MambaSpec(KVCacheSpec):
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", dtypes)
         _check_int(self, "num_speculative_blocks", self.num_speculative_blocks, minimum=0)
+        _check_int(
+            self, "num_prefill_checkpoint_blocks", self.num_prefill_checkpoint_blocks, minimum=0
+        )
+        _check_optional_int(self, "prefill_checkpoint_alignment", self.prefill_checkpoint_alignment)
         _check_padding(self, self.page_size_padded, self.real_page_size_bytes)
 
     @property
@@ -752,22 +761,29 @@ class MambaSpec(KVCacheSpec):
         """The same spec with ``page_size_padded`` set."""
         return replace(self, page_size_padded=page_size_bytes)
 
+    def _align(self, limits: SizingLimits) -> bool:
+        # The layer's own mode (what its worker reports) or the engine's.
+        return self.mamba_cache_mode == "align" or limits.mamba_cache_mode == "align"
+
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
-        """The latest state (two in align mode) plus the speculative blocks."""
-        live = 2 if limits.mamba_cache_mode == "align" else 1
+        """The latest state (in align mode also the state read and a prefill checkpoint)
+        plus the speculative blocks."""
+        live = 2 + self.num_prefill_checkpoint_blocks if self._align(limits) else 1
         return self.page_size_bytes * (live + self.num_speculative_blocks)
 
     def max_num_blocks_per_req(self, limits: SizingLimits, max_len: int) -> int:
-        """Mamba rows hold the live states only (non-align mode)."""
-        if limits.mamba_cache_mode == "align":
+        """Align-mode rows have a column per block of tokens; otherwise the live states."""
+        if self._align(limits):
             return _cdiv(max_len, self.block_size) + self.num_speculative_blocks
         return _cdiv(self.max_memory_usage_bytes(limits), self.page_size_bytes)
 
     def is_uniform_with(self, specs: Mapping[str, KVCacheSpec]) -> bool:
-        """Uniform with Mamba layers of the same page size and speculative blocks."""
+        """Uniform with Mamba layers of the same page size, speculative and checkpoint blocks."""
         return all(
             isinstance(spec, MambaSpec)
             and spec.num_speculative_blocks == self.num_speculative_blocks
+            and spec.num_prefill_checkpoint_blocks == self.num_prefill_checkpoint_blocks
+            and spec.prefill_checkpoint_alignment == self.prefill_checkpoint_alignment
             and spec.page_size_bytes == self.page_size_bytes
             for spec in specs.values()
         )
@@ -860,6 +876,17 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return cls(block_size=block_size, kv_cache_specs=kv_cache_specs)
 
 
+def pins_hash_block_size(spec: KVCacheSpec) -> bool:
+    """Whether a layer forces the hash block size to the scheduler block size.
+
+    Mamba layers do outside vLLM's "align" mode, where their states sit at block boundaries
+    and finer hashes serve sub-block hits.
+    """
+    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+        return False
+    return spec.traits.pins_hash_block_size
+
+
 def check_plannable_spec(layer_name: str, spec: KVCacheSpec, field: str = "layer_specs") -> None:
     """Refuse a layer spec that kvcm cannot plan yet, naming the layer and the field.
 
@@ -872,25 +899,16 @@ def check_plannable_spec(layer_name: str, spec: KVCacheSpec, field: str = "layer
         field: Where the spec came from, for the error's ``field``.
 
     Raises:
-        ConfigError: A Mamba layer in vLLM's "align" cache mode (prefix caching for hybrid
-            Mamba models): kvcm plans and manages only "none" mode so far.
         InvalidArgumentError: An unknown Mamba cache mode, or a page larger than a uint64.
     """
     if isinstance(spec, UniformTypeKVCacheSpecs):
         for inner_name, inner in spec.kv_cache_specs.items():
             check_plannable_spec(inner_name, inner, field)
         return
-    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "none":
-        mode = spec.mamba_cache_mode
-        if mode == "align":
-            raise ConfigError(
-                f"layer {layer_name!r}: MambaSpec.mamba_cache_mode 'align' is not supported "
-                "yet (kvcm plans Mamba layers in 'none' mode only; vLLM picks 'align' for "
-                "hybrid Mamba models with prefix caching on)",
-                field=f"{field}[{layer_name}].mamba_cache_mode",
-            )
+    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode not in ("none", "align"):
         raise InvalidArgumentError(
-            f"layer {layer_name!r}: MambaSpec.mamba_cache_mode must be 'none', got {mode!r}",
+            f"layer {layer_name!r}: MambaSpec.mamba_cache_mode must be 'none' or 'align', "
+            f"got {spec.mamba_cache_mode!r}",
             field=f"{field}[{layer_name}].mamba_cache_mode",
         )
     if spec.page_size_bytes > UINT64_MAX:

@@ -496,6 +496,33 @@ class BlockPool:
             )
         return key
 
+    def move_block_hashes(self, source: KVCacheBlock, target: KVCacheBlock) -> None:
+        """Re-key ``source``'s prefix-cache entries to ``target`` (no events: they stay live).
+
+        Used when the request owning ``source`` keeps writing into it while a private copy
+        (``target``, uncached) holds the cached contents.
+
+        Args:
+            source: A cached block.
+            target: An uncached block.
+
+        Raises:
+            FailedPreconditionError: ``target`` is cached already; nothing changes.
+        """
+        if target.block_hash is not None:
+            raise FailedPreconditionError(
+                f"block {target.block_id} is cached and cannot take block {source.block_id}'s "
+                "prefix-cache entries"
+            )
+        num_tokens = source.block_hash_num_tokens
+        for key in self._drop_block_keys(source):
+            # The first key becomes the target's primary key, with the source's length.
+            self._add_key(key, target, num_tokens if num_tokens is not None else 0)
+
+    def drop_cached_block(self, block: KVCacheBlock) -> None:
+        """Remove every prefix-cache entry of ``block`` (in use or not), emitting removals."""
+        self._evict_cached_block(block)
+
     # ----------------------------------------------------------------------- eviction
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the given blocks from the prefix cache; blocks in use stay allocated.

@@ -7,7 +7,9 @@ Three shapes, chosen as vLLM 0.33 chooses them:
 * ``HybridKVCacheCoordinator``: several groups with caching. A cache hit must hold for every
   group at one length, found by a fixed-point search (full attention first, since its
   left-to-right scan gives the tightest first bound) with hits aligned to the scheduler block
-  size (the lcm of the groups' block sizes).
+  size (the lcm of the groups' block sizes), or to the hash block size where vLLM serves
+  sub-block hits (``partial_hash_hits_enabled``: an align-mode Mamba group with blocks larger
+  than the hash block, and every other cached group able to look up hash-block boundaries).
 
 Sparse prefix-cache retention (vLLM's ``prefix_cache_retention_interval``) decides which
 sliding-window blocks enter the prefix cache: ``None`` keeps every block that can serve a hit,
@@ -35,6 +37,7 @@ from kvcm.core.single_type_managers import (
     ManagerOptions,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
+    manager_class_for_spec,
 )
 
 if TYPE_CHECKING:
@@ -56,6 +59,34 @@ __all__ = [
 
 def _cdiv(a: int, b: int) -> int:
     return -(a // -b)
+
+
+def partial_hash_hits_enabled(kv_cache_config: KVCacheConfig, hash_block_size: int) -> bool:
+    """Whether a hybrid pool serves sub-block prefix hits, as vLLM 0.33 decides it.
+
+    It does when an align-mode Mamba group's block is larger than the hash block and every
+    other group either looks up hash-block boundaries itself or has blocks of one hash block.
+
+    Args:
+        kv_cache_config: The pool's groups.
+        hash_block_size: Tokens per request block hash.
+
+    Returns:
+        Whether hits land on hash-block boundaries.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if not any(
+        isinstance(group.kv_cache_spec, MambaSpec)
+        and group.kv_cache_spec.mamba_cache_mode == "align"
+        and group.kv_cache_spec.block_size > hash_block_size
+        for group in groups
+    ):
+        return False
+    return all(
+        manager_class_for_spec(group.kv_cache_spec).supports_fine_grained_hash_lookup
+        or group.kv_cache_spec.block_size == hash_block_size
+        for group in groups
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,6 +152,15 @@ class KVCacheCoordinator:
         kv_cache_config = config.kv_cache_config
         self.scheduler_block_size = config.scheduler_block_size
         self.hash_block_size = config.hash_block_size
+        # Sub-block hits: only a hybrid pool with caching (vLLM's hybrid coordinator).
+        self.enable_partial_hash_hits = (
+            enable_caching
+            and len(kv_cache_config.kv_cache_groups) > 1
+            and partial_hash_hits_enabled(kv_cache_config, config.hash_block_size)
+        )
+        self.cache_hit_alignment_tokens = (
+            config.hash_block_size if self.enable_partial_hash_hits else config.scheduler_block_size
+        )
         self.block_pool = BlockPool(
             num_gpu_blocks=kv_cache_config.num_blocks,
             enable_caching=enable_caching,
@@ -134,6 +174,7 @@ class KVCacheCoordinator:
             max_in_flight_tokens=config.max_in_flight_tokens,
             records_new_block_ids=config.needs_kv_cache_zeroing,
             retention_interval=config.prefix_cache_retention_interval,
+            cache_hit_alignment_tokens=self.cache_hit_alignment_tokens,
         )
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(group.kv_cache_spec, self.block_pool, group_id, options)
@@ -162,6 +203,9 @@ class KVCacheCoordinator:
         num_encoder_tokens: int,
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
+        prefill_end: int = 0,
     ) -> int:
         """Free blocks an allocation would consume over all groups.
 
@@ -172,10 +216,17 @@ class KVCacheCoordinator:
             num_encoder_tokens: Encoder tokens (cross-attention groups).
             total_computed_tokens: Local plus external computed tokens.
             apply_admission_cap: Apply the recycling types' per-request cap.
+            num_local_computed_tokens: Locally computed tokens, hit included.
+            num_tokens_main_model: ``num_tokens`` without lookahead slots (None: the same).
+            prefill_end: Where the request's prefill ends; align-mode Mamba reserves a
+                prefill checkpoint only on the chunk reaching it when retention keeps only
+                the replay boundaries (interval 0), so it is ignored otherwise.
 
         Returns:
             The number of blocks.
         """
+        if self.retention_interval != 0:
+            prefill_end = 0
         total = 0
         for manager, is_cross, group_blocks in zip(
             self.single_type_managers, self._is_cross, new_computed_blocks, strict=True
@@ -187,7 +238,14 @@ class KVCacheCoordinator:
                 )
             else:
                 total += manager.get_num_blocks_to_allocate(
-                    request_id, num_tokens, group_blocks, total_computed_tokens, apply_admission_cap
+                    request_id,
+                    num_tokens,
+                    group_blocks,
+                    total_computed_tokens,
+                    apply_admission_cap,
+                    num_local_computed_tokens=num_local_computed_tokens,
+                    num_tokens_main_model=num_tokens_main_model,
+                    prefill_end=prefill_end,
                 )
         return total
 
@@ -216,7 +274,9 @@ class KVCacheCoordinator:
                 return
         num_total = num_local_computed_tokens + num_external_computed_tokens
         for manager, group_blocks in zip(managers, new_computed_blocks, strict=True):
-            manager.add_local_computed_blocks(request_id, group_blocks, num_total)
+            manager.add_local_computed_blocks(
+                request_id, group_blocks, num_total, num_local_computed_tokens
+            )
         if num_external_computed_tokens > 0:
             for manager in managers:
                 manager.allocate_external_computed_blocks(
@@ -224,7 +284,11 @@ class KVCacheCoordinator:
                 )
 
     def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_encoder_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
     ) -> tuple[list[KVCacheBlock], ...]:
         """Grow every group's table to ``num_tokens`` slots (encoder tokens for cross).
 
@@ -232,14 +296,24 @@ class KVCacheCoordinator:
             request_id: The request.
             num_tokens: Token slots needed in total.
             num_encoder_tokens: Encoder tokens, for cross-attention groups.
+            num_tokens_main_model: ``num_tokens`` without lookahead slots (None: the same).
 
         Returns:
             The new blocks per group.
         """
         return tuple(
-            manager.allocate_new_blocks(request_id, num_encoder_tokens if is_cross else num_tokens)
+            manager.allocate_new_blocks(request_id, num_encoder_tokens)
+            if is_cross
+            else manager.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
             for manager, is_cross in zip(self.single_type_managers, self._is_cross, strict=True)
         )
+
+    def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """Drain every group's queued (source, copy) block pairs, in group order."""
+        copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        for manager in self.single_type_managers:
+            copies.extend(manager.take_pending_cow_copies())
+        return copies
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int) -> int:
         """Prefix of the computed tokens that may be cached."""
@@ -487,7 +561,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return tuple(groups)
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int) -> int:
-        """Only scheduler-block-aligned prefixes can ever be hit."""
+        """Only scheduler-block-aligned prefixes can ever be hit (any with sub-block hits)."""
+        if self.enable_partial_hash_hits:
+            return num_computed_tokens
         return num_computed_tokens - num_computed_tokens % self.scheduler_block_size
 
     def find_longest_cache_hit(
@@ -499,7 +575,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         """
         hit_blocks: list[list[KVCacheBlock] | None] = [None] * self._num_groups
         hit_lengths = [0] * self._num_groups
-        alignment = self.scheduler_block_size
+        alignment = self.cache_hit_alignment_tokens
         hit_length = max_cache_hit_length
         longest = 0
         while True:

@@ -36,6 +36,7 @@ from kvcm.common.events import BlockStored
 from kvcm.common.specs import (
     KVCacheSpec,
     UniformTypeKVCacheSpecs,
+    pins_hash_block_size,
 )
 from kvcm.core.coordinator import (
     CoordinatorConfig,
@@ -248,7 +249,7 @@ def _resolve_block_sizes(
         if (
             len(specs) <= 1
             or not config.enable_caching
-            or any(spec.traits.pins_hash_block_size for spec in specs)
+            or any(pins_hash_block_size(spec) for spec in specs)
         ):
             hash_block_size = scheduler_block_size
         else:
@@ -538,8 +539,17 @@ class KVCacheManager:
             request.status is RequestStatus.WAITING or request.status is RequestStatus.PREEMPTED
         ):
             watermark_blocks = self.watermark_blocks
+        # Where the prefill ends (the scheduler splits chunks against it; resumed requests
+        # replay their output tokens).
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if options.full_sequence_must_fit and not self._full_sequence_fits(
-            request, new_computed, total_computed, watermark_blocks, options.num_encoder_tokens
+            request,
+            new_computed,
+            total_computed,
+            watermark_blocks,
+            options.num_encoder_tokens,
+            num_local_computed,
+            prefill_end,
         ):
             return None
 
@@ -559,6 +569,9 @@ class KVCacheManager:
             new_computed,
             num_encoder_tokens=options.num_encoder_tokens,
             total_computed_tokens=num_local_computed + num_external,
+            num_local_computed_tokens=num_local_computed,
+            num_tokens_main_model=num_tokens_main_model,
+            prefill_end=prefill_end,
         )
         available_blocks = self.block_pool.get_num_free_blocks() - options.reserved_blocks
         if num_blocks_to_allocate + watermark_blocks > available_blocks:
@@ -570,7 +583,7 @@ class KVCacheManager:
                 request_id, new_computed, num_local_computed, num_external
             )
         new_blocks = coordinator.allocate_new_blocks(
-            request_id, num_tokens_need_slot, options.num_encoder_tokens
+            request_id, num_tokens_need_slot, options.num_encoder_tokens, num_tokens_main_model
         )
         self._requests.add(request_id)
         if self.enable_caching and not options.delay_cache_blocks:
@@ -701,13 +714,15 @@ class KVCacheManager:
             if value < 0:
                 raise InvalidArgumentError(f"options.{field} must be >= 0, got {value}")
 
-    def _full_sequence_fits(
+    def _full_sequence_fits(  # noqa: PLR0917 (private; one call site)
         self,
         request: Request,
         new_computed: tuple[Sequence[KVCacheBlock], ...],
         total_computed: int,
         watermark_blocks: int,
         num_encoder_tokens: int,
+        num_local_computed: int,
+        prefill_end: int,
     ) -> bool:
         # Admission gate: would the whole sequence fit now, given the hit and the blocks that
         # recycling attention types can reuse (their per-request admission cap)?
@@ -719,6 +734,9 @@ class KVCacheManager:
             num_encoder_tokens=num_encoder_tokens,
             total_computed_tokens=total_computed,
             apply_admission_cap=True,
+            num_local_computed_tokens=num_local_computed,
+            num_tokens_main_model=full_num_tokens,
+            prefill_end=prefill_end,
         )
         return num_blocks + watermark_blocks <= self.block_pool.get_num_free_blocks()
 
@@ -891,6 +909,21 @@ class KVCacheManager:
         Only recorded when workers must zero new blocks (Mamba or mixed-precision pools).
         """
         return self.coordinator.take_new_block_ids()
+
+    def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[KVCacheBlock]]:
+        """Drain the block copies workers must run before this step's forward.
+
+        A sub-block prefix hit is served through a private copy of the shared block that
+        holds it (vLLM's ``take_kv_cache_block_copies``).
+
+        Returns:
+            ``(source_block_id, destination_block_id)`` pairs in queue order, and the blocks
+            (both ends of each pair) holding one extra reference each until the copies ran:
+            the caller drops those with ``block_pool.free_blocks`` afterwards.
+        """
+        pairs = self.coordinator.take_pending_cow_copies()
+        copies = [(source.block_id, cow.block_id) for source, cow in pairs]
+        return copies, [block for pair in pairs for block in pair]
 
     def new_step_starts(self) -> None:
         """Tell the managers a scheduler step starts."""

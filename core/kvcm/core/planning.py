@@ -41,6 +41,7 @@ from kvcm.common.specs import (
     KVCacheSpec,
     SizingLimits,
     UniformTypeKVCacheSpecs,
+    pins_hash_block_size,
 )
 from kvcm.core.grouping import (
     get_kv_cache_groups,
@@ -413,7 +414,7 @@ def resolve_kv_cache_block_sizes(
     if not options.enable_caching:
         return scheduler_block_size, scheduler_block_size
     if any(
-        spec.traits.pins_hash_block_size
+        pins_hash_block_size(spec)
         for group in groups
         for spec in _group_layer_specs(group.kv_cache_spec)
     ):

@@ -10,17 +10,21 @@ Each manager answers four questions for its attention type, with vLLM 0.33's ans
 * how blocks are allocated, cached and freed.
 
 In scope: full attention (also MLA and sink), sliding window (with vLLM's sparse prefix-cache
-retention), chunked local attention, Mamba without prefix caching, and cross attention. Eagle,
-DCP/PCP, Mamba "align" mode and partial (sub-block) hash hits are not implemented.
+retention), chunked local attention, Mamba (with prefix caching in vLLM's "align" mode), and
+cross attention. Sub-block ("partial") hash hits are served where vLLM 0.33 serves them: in a
+hybrid pool with an align-mode Mamba group whose block is larger than the hash block, full
+attention and Mamba find hits on hash-block boundaries, and a hit ending inside a block is
+served through a private copy of that block (``take_pending_cow_copies``). Eagle, DCP/PCP and
+KV-connector boundary-state offloads are not implemented.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
-from kvcm.common.errors import ConfigError
+from kvcm.common.errors import ConfigError, FailedPreconditionError
 from kvcm.common.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -32,7 +36,7 @@ from kvcm.common.specs import (
 )
 
 if TYPE_CHECKING:
-    from kvcm.common.hashing import BlockHash
+    from kvcm.common.hashing import BlockHash, BlockHashWithGroupId
     from kvcm.core.block import KVCacheBlock
     from kvcm.core.block_pool import BlockPool
     from kvcm.core.request import Request
@@ -89,6 +93,8 @@ class ManagerOptions:
             ``prefix_cache_retention_interval``): ``None`` every block that can serve a hit;
             ``0`` only the window before each replay boundary or shared-prefix junction;
             ``n > 0`` those plus the window before every ``n``-token boundary.
+        cache_hit_alignment_tokens: Granularity of hits when it differs from the scheduler
+            block size: the hash block size of a hybrid pool serving sub-block hits.
     """
 
     enable_caching: bool
@@ -97,6 +103,7 @@ class ManagerOptions:
     max_in_flight_tokens: int
     records_new_block_ids: bool
     retention_interval: int | None = None
+    cache_hit_alignment_tokens: int | None = None
 
 
 class SingleTypeKVCacheManager:
@@ -108,10 +115,14 @@ class SingleTypeKVCacheManager:
         block_pool: The shared block pool.
         kv_cache_group_id: Index of the group in the KV-cache config.
         enable_caching: Whether this group caches and looks up full blocks.
-        cache_hit_alignment_tokens: Granularity of cache hits (the scheduler block size).
+        cache_hit_alignment_tokens: Granularity of cache hits (the scheduler block size, or
+            the hash block size where sub-block hits are served).
         req_to_blocks: Request id -> its block table (null blocks stand for skipped blocks).
         num_cached_block: Request id -> how many leading blocks are already cached.
     """
+
+    # Whether the manager can find hits on hash-block boundaries inside its blocks.
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
 
     # NOTE: the null block's ref_cnt is not maintained; it is never freed or touched here.
 
@@ -138,7 +149,9 @@ class SingleTypeKVCacheManager:
         self.block_pool = block_pool
         self.kv_cache_group_id = kv_cache_group_id
         self.enable_caching = options.enable_caching
-        self.cache_hit_alignment_tokens = options.scheduler_block_size
+        self.cache_hit_alignment_tokens = (
+            options.cache_hit_alignment_tokens or options.scheduler_block_size
+        )
         self.retention_interval = options.retention_interval
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
         # Only attention blocks are zeroed by workers; Mamba states are written before read.
@@ -149,6 +162,10 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self._null_block = block_pool.null_block
+        # Sub-block hits: request -> (index, shared block) of a hit ending inside a block,
+        # redirected to a private copy at the next allocation; copies not yet handed out.
+        self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
+        self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
 
     # ----------------------------------------------------------------- attention window
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -168,6 +185,12 @@ class SingleTypeKVCacheManager:
         return False
 
     # ----------------------------------------------------------------------- estimates
+    def _has_partial_local_hit(
+        self, new_computed_blocks: Sequence[KVCacheBlock], num_local_computed_tokens: int
+    ) -> bool:
+        # A hit ending inside one of this group's blocks: that shared block is copied.
+        return bool(new_computed_blocks) and num_local_computed_tokens % self.block_size != 0
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -175,6 +198,10 @@ class SingleTypeKVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
+        *,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
+        prefill_end: int = 0,
     ) -> int:
         """Free blocks an allocation up to ``num_tokens`` slots would consume.
 
@@ -185,10 +212,34 @@ class SingleTypeKVCacheManager:
             total_computed_tokens: Local plus external computed tokens.
             apply_admission_cap: Apply the per-request cap of recycling attention types
                 (full-sequence admission check only).
+            num_local_computed_tokens: Locally computed tokens, hit included (a hit ending
+                inside a block needs one more block for its private copy).
+            num_tokens_main_model: ``num_tokens`` without lookahead (draft) slots; ``None``:
+                ``num_tokens``. Read by align-mode Mamba only.
+            prefill_end: Where the request's prefill ends when only the prefill-end
+                checkpoint is retained (0 otherwise). Read by align-mode Mamba only.
 
         Returns:
             New blocks to take from the free queue, plus hit blocks that are evictable.
         """
+        num_blocks = self._num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens, apply_admission_cap
+        )
+        if num_local_computed_tokens and self._has_partial_local_hit(
+            new_computed_blocks, num_local_computed_tokens
+        ):
+            # The private copy of the hit's last block.
+            num_blocks += 1
+        return num_blocks
+
+    def _num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool,
+    ) -> int:
         num_required_blocks = _cdiv(num_tokens, self.block_size)
         if apply_admission_cap and self.max_admission_blocks_per_request is not None:
             num_required_blocks = min(num_required_blocks, self.max_admission_blocks_per_request)
@@ -217,6 +268,7 @@ class SingleTypeKVCacheManager:
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_total_computed_tokens: int,
+        num_local_computed_tokens: int = 0,
     ) -> None:
         """Adopt a new request's cache-hit blocks, touching them so they cannot be evicted.
 
@@ -224,6 +276,8 @@ class SingleTypeKVCacheManager:
             request_id: The request (it holds no blocks yet).
             new_computed_blocks: Its hit blocks (null blocks for skipped positions allowed).
             num_total_computed_tokens: Local plus external computed tokens.
+            num_local_computed_tokens: Locally computed tokens, hit included; a hit ending
+                inside a block is redirected to a private copy at the next allocation.
         """
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         num_skipped_blocks = self.get_num_skipped_tokens(num_total_computed_tokens) // (
@@ -238,6 +292,14 @@ class SingleTypeKVCacheManager:
         req_blocks.extend(new_computed_blocks)
         # Hits (and the null padding) are cached already; cache_blocks starts after them.
         self.num_cached_block[request_id] = len(req_blocks)
+        if num_local_computed_tokens and self._has_partial_local_hit(
+            new_computed_blocks, num_local_computed_tokens
+        ):
+            # The shared last block is copied at allocation; the copy is cached again once
+            # full, so the cached count stops before it.
+            block_idx = num_local_computed_tokens // self.block_size
+            self._partial_hit_reqs[request_id] = (block_idx, new_computed_blocks[-1])
+            self.num_cached_block[request_id] = block_idx
 
     def allocate_external_computed_blocks(
         self,
@@ -269,27 +331,68 @@ class SingleTypeKVCacheManager:
         if self.records_new_block_ids:
             self.new_block_ids.extend([block.block_id for block in new_blocks])
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
+    ) -> list[KVCacheBlock]:
         """Grow the request's table to at least ``num_tokens`` slots.
+
+        A hit that ended inside a block first gets its private copy of that block.
 
         Args:
             request_id: The request.
             num_tokens: Token slots needed in total.
+            num_tokens_main_model: ``num_tokens`` without lookahead slots (align-mode Mamba
+                only; ``None``: ``num_tokens``).
 
         Returns:
-            The newly allocated blocks (possibly none).
+            The newly allocated blocks (possibly none), the private copy first.
         """
+        cow_blocks: list[KVCacheBlock] = []
+        if self._partial_hit_reqs:
+            partial = self._partial_hit_reqs.pop(request_id, None)
+            if partial is not None:
+                cow_block = self.block_pool.get_new_blocks(1)[0]
+                self._apply_cow(request_id, partial[0], partial[1], cow_block)
+                # vLLM records the copy's id for zeroing whatever the group's type.
+                self.new_block_ids.append(cow_block.block_id)
+                cow_blocks.append(cow_block)
         req_blocks = self.req_to_blocks.get(request_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
         num_new_blocks = _cdiv(num_tokens, self.block_size) - len(req_blocks)
         if num_new_blocks <= 0:
-            return []
+            return cow_blocks
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         if self.records_new_block_ids:
             self.new_block_ids.extend([block.block_id for block in new_blocks])
-        return new_blocks
+        return cow_blocks + new_blocks if cow_blocks else new_blocks
+
+    def _apply_cow(
+        self, request_id: str, block_idx: int, source: KVCacheBlock, cow_block: KVCacheBlock
+    ) -> None:
+        # Put the private copy in the shared block's place and queue the copy. Both ends
+        # stay referenced until the copy ran: the source keeps the request's reference, the
+        # copy takes one more than the request's (released with take_pending_cow_copies).
+        req_blocks = self.req_to_blocks[request_id]
+        if req_blocks[block_idx] is not source or source.is_null or source.ref_cnt <= 0:
+            raise FailedPreconditionError(
+                f"request {request_id!r}: block {block_idx} of group {self.kv_cache_group_id} "
+                "is not the shared block its sub-block hit adopted"
+            )
+        req_blocks[block_idx] = cow_block
+        self._pending_cow_copies.append((source, cow_block))
+        cow_block.ref_cnt += 1
+
+    def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """Drain the (source, copy) block pairs queued since the last call.
+
+        Each pair holds one extra reference on both blocks, which the caller drops (after
+        the copy ran) with ``block_pool.free_blocks``.
+        """
+        copies = self._pending_cow_copies
+        self._pending_cow_copies = []
+        return copies
 
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids of blocks allocated since the last call (for worker-side zeroing)."""
@@ -367,6 +470,8 @@ class SingleTypeKVCacheManager:
         """
         req_blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+        if self._partial_hit_reqs:
+            self._partial_hit_reqs.pop(request_id, None)
         if not req_blocks:
             return
         start = 0
@@ -423,6 +528,8 @@ class SingleTypeKVCacheManager:
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention (also MLA and sink attention): every block is kept until the end."""
 
+    supports_fine_grained_hash_lookup: ClassVar[bool] = True
+
     def find_longest_cache_hit(
         self,
         block_hashes: Sequence[BlockHash],
@@ -454,10 +561,38 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 for group_blocks, block in zip(computed, cached, strict=True):
                     group_blocks.append(block)
         hit_length = len(computed[0]) * block_size
+        if alignment_tokens < block_size:
+            # Sub-block hits: extend into the first block that missed, at its last cached
+            # hash boundary.
+            return self._extend_into_partial_block(
+                block_hashes, max_length, group_ids, alignment_tokens, computed, hit_length
+            )
         hit_length -= hit_length % alignment_tokens
         num_blocks = _cdiv(hit_length, block_size)
         for group_blocks in computed:
             del group_blocks[num_blocks:]
+        return GroupHit(computed, hit_length)
+
+    def _extend_into_partial_block(  # noqa: PLR0917
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        group_ids: list[int],
+        hash_block_size: int,
+        computed: tuple[list[KVCacheBlock], ...],
+        hit_length: int,
+    ) -> GroupHit:
+        # `block_hashes` are hash-block granular here (the alignment is the hash block).
+        scale = self.block_size // hash_block_size
+        first = len(computed[0]) * scale
+        last = min(first + scale - 1, max_length // hash_block_size, len(block_hashes))
+        get_cached_block = self.block_pool.get_cached_block
+        for fine_idx in range(last - 1, first - 1, -1):
+            cached = get_cached_block(block_hashes[fine_idx], group_ids)
+            if cached:
+                for group_blocks, block in zip(computed, cached, strict=True):
+                    group_blocks.append(block)
+                return GroupHit(computed, (fine_idx + 1) * hash_block_size)
         return GroupHit(computed, hit_length)
 
     def cache_blocks(
@@ -679,8 +814,27 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return GroupHit(computed, len(computed[0]) * block_size)
 
 
+def _checkpoint_position(num_tokens: int, granularity: int) -> int:
+    """The last reusable Mamba state of a ``num_tokens`` prefill, on a ``granularity`` boundary.
+
+    At least one token is left to recompute (a resend needs its logits), so the position is
+    strictly below ``num_tokens``.
+    """
+    return max((num_tokens - 1) // granularity * granularity, 0)
+
+
 class MambaManager(SingleTypeKVCacheManager):
-    """Mamba state blocks without prefix caching: only the latest state is kept."""
+    """Mamba state blocks.
+
+    Without prefix caching ("none" mode) only the latest state (and the speculative blocks)
+    is kept. In vLLM's "align" mode (prefix caching) the state after every block boundary is
+    a checkpoint that may enter the prefix cache: the table holds one block per
+    ``block_size`` tokens, null except for the states still needed (the running one, the one
+    it was read from, the speculative blocks, a prefill checkpoint) and states whose blocks
+    were cached. A hit is the last cached checkpoint at or below the candidate length.
+    """
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -690,18 +844,33 @@ class MambaManager(SingleTypeKVCacheManager):
         options: ManagerOptions,
         max_admission_blocks_per_request: int | None = None,
     ) -> None:
-        """Create the manager; Mamba prefix caching ("align" mode) is not supported."""
+        """Create the manager; prefix caching needs "align" mode, as in vLLM."""
         super().__init__(
             kv_cache_spec, block_pool, kv_cache_group_id, options, max_admission_blocks_per_request
         )
         assert isinstance(kv_cache_spec, MambaSpec)
-        if options.enable_caching:
+        self.align = kv_cache_spec.mamba_cache_mode == "align"
+        if options.enable_caching and not self.align:
             raise ConfigError(
-                f"group {kv_cache_group_id}: Mamba prefix caching needs mamba_cache_mode "
-                "'align', which kvcm does not implement; disable enable_caching"
+                f"group {kv_cache_group_id}: Mamba prefix caching requires mamba_cache_mode='align'"
             )
+        self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
         # Speculative decoding keeps extra state blocks after the running one.
         self._num_speculative_tokens = kv_cache_spec.num_speculative_blocks * self.block_size
+        self._has_prefill_checkpoint_blocks = (
+            self.align and kv_cache_spec.num_prefill_checkpoint_blocks > 0
+        )
+        self._checkpoint_alignment = kv_cache_spec.prefill_checkpoint_alignment
+        # Keys cached this step: another request's state there is written by this step's
+        # forward, so a hit on it waits for the next step.
+        self.cached_blocks_this_step: set[BlockHashWithGroupId] = set()
+        # Align-mode bookkeeping per request: where the previous step's running state is,
+        # how many leading blocks were retired, whether it allocated since its hit, and
+        # the prefill checkpoint (position, block index) of the current allocation.
+        self._last_state_block_idx: dict[str, int] = {}
+        self._num_retired_blocks: dict[str, int] = {}
+        self._allocated_block_reqs: set[str] = set()
+        self._checkpoints: dict[str, tuple[int, int]] = {}
 
     @property
     def skips_tokens(self) -> bool:
@@ -712,6 +881,82 @@ class MambaManager(SingleTypeKVCacheManager):
         """Only the state after the last computed token is needed."""
         return num_computed_tokens - 1
 
+    # ------------------------------------------------------------------------- lookups
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        alignment_tokens: int,
+    ) -> GroupHit:
+        """Scan right to left for the last cached state; blocks before it are null.
+
+        With sub-block hits (alignment below the block size) every hash boundary is probed;
+        otherwise every block boundary that lands on the alignment.
+        """
+        pool = self.block_pool
+        null_block = self._null_block
+        group_ids = list(kv_cache_group_ids)
+        block_size = self.block_size
+        if alignment_tokens < block_size and block_size % alignment_tokens == 0:
+            scale = block_size // alignment_tokens
+            num_units = min(max_length // alignment_tokens, len(block_hashes))
+            for fine_idx in range(num_units - 1, -1, -1):
+                cached = pool.get_cached_block(block_hashes[fine_idx], group_ids)
+                if cached:
+                    num_null = fine_idx // scale
+                    blocks = tuple([null_block] * num_null + [block] for block in cached)
+                    return GroupHit(blocks, (fine_idx + 1) * alignment_tokens)
+            return GroupHit(tuple([] for _ in group_ids), 0)
+        hashes = hashes_at_block_size(block_hashes, pool.hash_block_size, block_size)
+        for i in range(min(max_length // block_size, len(hashes)) - 1, -1, -1):
+            cached = pool.get_cached_block(hashes[i], group_ids)
+            if not cached:
+                continue
+            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
+                continue
+            blocks = tuple([null_block] * i + [block] for block in cached)
+            return GroupHit(blocks, (i + 1) * block_size)
+        return GroupHit(tuple([] for _ in group_ids), 0)
+
+    # ----------------------------------------------------------------------- estimates
+    def _needs_internal_checkpoint(
+        self,
+        request_id: str,
+        query_start: int,
+        query_end: int,
+        checkpoint_position: int,
+        prefill_end: int,
+    ) -> bool:
+        # Whether this chunk exports a prefill checkpoint into a reserved block: the backend
+        # must be able to (vLLM's is_mamba_prefill_checkpoint_valid), and the checkpoint's
+        # column must not already hold a live state.
+        alignment = self._checkpoint_alignment
+        if not self._has_prefill_checkpoint_blocks or query_end < prefill_end or not alignment:
+            return False
+        block_size = self.block_size
+        hash_block_size = self.block_pool.hash_block_size
+        checkpoint_idx = _cdiv(query_end, block_size) - 2
+        initial_state_idx = (query_start - 1) // block_size
+        if not (
+            query_start % hash_block_size == 0
+            and checkpoint_idx > initial_state_idx
+            and query_start + hash_block_size <= checkpoint_position
+            and query_start < checkpoint_position < query_end
+            and (checkpoint_position - query_start) % alignment == 0
+            and checkpoint_idx >= 0
+        ):
+            return False
+        blocks = self.req_to_blocks.get(request_id, ())
+        return (
+            checkpoint_idx >= len(blocks)
+            or blocks[checkpoint_idx].is_null
+            or (
+                request_id in self._allocated_block_reqs
+                and checkpoint_idx >= len(blocks) - self.num_speculative_blocks
+            )
+        )
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -719,19 +964,303 @@ class MambaManager(SingleTypeKVCacheManager):
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
+        *,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
+        prefill_end: int = 0,
     ) -> int:
-        """As the base class, with room for the speculative state blocks."""
-        return super().get_num_blocks_to_allocate(
-            request_id,
-            num_tokens + self._num_speculative_tokens,
-            new_computed_blocks,
-            total_computed_tokens,
-            apply_admission_cap,
-        )
+        """As the base class, with the speculative state blocks; align mode counts states.
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """As the base class, with room for the speculative state blocks."""
-        return super().allocate_new_blocks(request_id, num_tokens + self._num_speculative_tokens)
+        A hit on a state cached by another request this step answers more blocks than the
+        pool holds, so the request waits for the next step.
+        """
+        if new_computed_blocks and new_computed_blocks[-1].block_hash in (
+            self.cached_blocks_this_step
+        ):
+            return self.block_pool.num_gpu_blocks + 1
+        if not self.align:
+            return super().get_num_blocks_to_allocate(
+                request_id,
+                num_tokens + self._num_speculative_tokens,
+                new_computed_blocks,
+                total_computed_tokens,
+                apply_admission_cap,
+                num_local_computed_tokens=num_local_computed_tokens,
+            )
+        # Draft models have no Mamba layers: lookahead slots need no state.
+        if num_tokens_main_model is not None:
+            num_tokens = num_tokens_main_model
+        block_size = self.block_size
+        num_required = _cdiv(num_tokens, block_size) + self.num_speculative_blocks
+        num_new = (
+            num_required - len(new_computed_blocks) - len(self.req_to_blocks.get(request_id, ()))
+        )
+        has_partial_hit = (
+            self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)
+            or request_id in self._partial_hit_reqs
+        )
+        if has_partial_hit:
+            num_new = max(num_new, 0) + 1
+        checkpoint_position = _checkpoint_position(num_tokens, self.cache_hit_alignment_tokens)
+        if not self._needs_internal_checkpoint(
+            request_id, total_computed_tokens, num_tokens, checkpoint_position, prefill_end
+        ):
+            checkpoint_position = 0
+        if not apply_admission_cap:
+            if checkpoint_position > 0:
+                self._checkpoints[request_id] = (
+                    checkpoint_position,
+                    _cdiv(num_tokens, block_size) - 2,
+                )
+            else:
+                self._checkpoints.pop(request_id, None)
+        if num_new > 0:
+            # At most: the next state, a partial hit's copy, a checkpoint, and (first
+            # allocation only) the speculative blocks.
+            cap = 1 + int(has_partial_hit) + int(checkpoint_position > 0)
+            if request_id not in self._allocated_block_reqs:
+                cap += self.num_speculative_blocks
+            num_new = min(num_new, cap)
+        num_evictable = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                num_evictable += 1
+        # May be negative when earlier steps over-allocated, as in vLLM.
+        return num_new + num_evictable
+
+    # ---------------------------------------------------------------------- allocation
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
+    ) -> list[KVCacheBlock]:
+        """As the base class with the speculative blocks; align mode places the states.
+
+        In align mode the table gets null blocks up to the state before the running one,
+        a block for the running state (and a reserved prefill checkpoint), the speculative
+        blocks; speculative blocks left behind move to the end of the table; a sub-block
+        hit is copied into a private block.
+        """
+        if not self.align:
+            return super().allocate_new_blocks(
+                request_id, num_tokens + self._num_speculative_tokens
+            )
+        if num_tokens_main_model is not None:
+            num_tokens = num_tokens_main_model
+        req_blocks = self.req_to_blocks.get(request_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+        num_spec = self.num_speculative_blocks
+        num_required = _cdiv(num_tokens, self.block_size) + num_spec
+        checkpoint_block = int(request_id in self._checkpoints)
+        partial_hit = self._partial_hit_reqs.get(request_id)
+        allocated_before = request_id in self._allocated_block_reqs
+        if num_required <= len(req_blocks) and partial_hit is None and not checkpoint_block:
+            self._allocated_block_reqs.add(request_id)
+            return []
+        prev_len = len(req_blocks)
+        # Where the state this step reads sits: behind the speculative blocks of a running
+        # request, or the last hit block of a new one.
+        if allocated_before:
+            self._last_state_block_idx[request_id] = prev_len - 1 - num_spec
+        elif prev_len > 0:
+            self._last_state_block_idx[request_id] = prev_len - 1
+        num_skipped = num_required - num_spec - 1
+        null_end = num_skipped - checkpoint_block
+        if prev_len < num_skipped and prev_len < null_end:
+            req_blocks.extend([self._null_block] * (null_end - prev_len))
+        if allocated_before:
+            # Speculative scratch blocks this step leaves behind move to the end.
+            for block_idx in range(prev_len - num_spec, prev_len):
+                if block_idx >= null_end:
+                    break
+                self._relocate_speculative_block(request_id, req_blocks, block_idx)
+        num_new = max(num_required - len(req_blocks), 0)
+        if partial_hit is not None:
+            num_new += 1
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        returned = req_blocks[prev_len:]
+        if partial_hit is not None:
+            block_idx, source = partial_hit
+            cow_block = new_blocks[0]
+            new_blocks = new_blocks[1:]
+            if allocated_before:
+                # A running request keeps writing its table's block (workers' tables only
+                # grow), so the cache entry moves to the copy instead, filled by the copy
+                # queued before this step's forward; hits on it wait for the next step.
+                self.block_pool.move_block_hashes(source, cow_block)
+                self._pending_cow_copies.append((source, cow_block))
+                source.ref_cnt += 1
+                if cow_block.block_hash is not None:
+                    self.cached_blocks_this_step.add(cow_block.block_hash)
+            else:
+                self._apply_cow(request_id, block_idx, source, cow_block)
+                returned = [cow_block, *returned]
+        req_blocks.extend(new_blocks)
+        self._allocated_block_reqs.add(request_id)
+        self._partial_hit_reqs.pop(request_id, None)
+        returned.extend(new_blocks)
+        return returned
+
+    def _relocate_speculative_block(
+        self, request_id: str, req_blocks: list[KVCacheBlock], block_idx: int
+    ) -> None:
+        block = req_blocks[block_idx]
+        if block.is_null or block.ref_cnt != 1 or block.block_hash is not None:
+            raise FailedPreconditionError(
+                f"request {request_id!r}: speculative Mamba block {block_idx} of group "
+                f"{self.kv_cache_group_id} is shared or cached and cannot move"
+            )
+        req_blocks.append(block)
+        req_blocks[block_idx] = self._null_block
+
+    # ------------------------------------------------------------------------- release
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free states no longer needed; align mode also frees the state read two steps ago."""
+        if not self.align:
+            super().remove_skipped_blocks(request_id, num_computed_tokens)
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return
+        num_skipped_tokens = num_computed_tokens - 1
+        if num_skipped_tokens > 0:
+            # Retire every state below the running one; nulls between states are skipped.
+            first = self._num_retired_blocks.get(request_id, 0)
+            last = min(num_skipped_tokens // self.block_size, len(blocks))
+            if first < last:
+                freed: list[KVCacheBlock] = []
+                for i in range(last - 1, first - 1, -1):
+                    block = blocks[i]
+                    if block.is_null:
+                        continue
+                    freed.append(block)
+                    blocks[i] = self._null_block
+                if freed:
+                    self.block_pool.free_blocks(freed)
+                self._num_retired_blocks[request_id] = last
+        last_state = self._last_state_block_idx.get(request_id)
+        if last_state is not None and last_state < _cdiv(num_computed_tokens, self.block_size) - 1:
+            block = blocks[last_state]
+            if not block.is_null:
+                self.block_pool.free_blocks([block])
+                blocks[last_state] = self._null_block
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks and its align-mode bookkeeping."""
+        if self.align:
+            self._allocated_block_reqs.discard(request_id)
+            self._last_state_block_idx.pop(request_id, None)
+            self._num_retired_blocks.pop(request_id, None)
+            self._checkpoints.pop(request_id, None)
+        super().free(request_id)
+
+    # ------------------------------------------------------------------------- caching
+    def _block_mask(
+        self, start_block: int, end_block: int, boundaries: Sequence[int]
+    ) -> list[bool] | None:
+        # Sparse retention: one state per retention segment, plus the state at each
+        # boundary a later request may resume at (floored to the hit alignment).
+        interval = self.retention_interval
+        if interval is None:
+            return None
+        block_size = self.block_size
+        mask = [False] * (end_block - start_block)
+        if interval > 0:
+            per_segment = interval // block_size
+            if per_segment <= 1:
+                return None
+            first = (start_block + per_segment) // per_segment * per_segment - 1
+            for i in range(first - start_block, len(mask), per_segment):
+                mask[i] = True
+        alignment = self.cache_hit_alignment_tokens
+        for boundary in boundaries:
+            boundary_block = boundary // alignment * alignment // block_size - 1
+            if start_block <= boundary_block < end_block:
+                mask[boundary_block - start_block] = True
+        return mask
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, boundaries: Sequence[int] = ()
+    ) -> None:
+        """Cache full states; align mode also keys the prefill checkpoint or prompt tail.
+
+        Args:
+            request: The request.
+            num_tokens: Tokens to cache, including those cached already.
+            boundaries: The replay boundary, then the shared-prefix junction if any.
+        """
+        request_id = request.request_id
+        num_before = self.num_cached_block.get(request_id, 0)
+        super().cache_blocks(request, num_tokens, boundaries)
+        num_after = self.num_cached_block.get(request_id, 0)
+        cached_this_step = self.cached_blocks_this_step
+        if self.align:
+            junction = boundaries[1] if len(boundaries) > 1 else 0
+            key = self._cache_partial_tail_block(request, num_tokens, junction)
+            if key is not None:
+                cached_this_step.add(key)
+        if num_after > num_before:
+            blocks = self.req_to_blocks[request_id]
+            for block in blocks[num_before:num_after]:
+                if block.is_null or block.block_hash is None:
+                    continue
+                cached_this_step.add(block.block_hash)
+
+    def _cache_partial_tail_block(
+        self, request: Request, num_tokens: int, junction: int
+    ) -> BlockHashWithGroupId | None:
+        block_size = self.block_size
+        blocks = self.req_to_blocks[request.request_id]
+        checkpoint = self._checkpoints.get(request.request_id)
+        if checkpoint is not None:
+            # The reserved block holds the state at the checkpoint: key it there, unless
+            # nothing can reach it (then its state is transient and no key may stay).
+            position, block_idx = checkpoint
+            block = blocks[block_idx]
+            reachable = position == _checkpoint_position(
+                request.num_prompt_tokens, self.cache_hit_alignment_tokens
+            )
+            if not reachable and position % block_size == 0:
+                state_idx = position // block_size - 1
+                mask = self._block_mask(state_idx, state_idx + 1, ())
+                reachable = mask is None or mask[0]
+            if not reachable and position != junction:
+                self.block_pool.drop_cached_block(block)
+                return None
+            if block.block_hash_num_tokens == position:
+                return None
+            return self.block_pool.cache_partial_block(
+                request,
+                block,
+                position,
+                self.kv_cache_group_id,
+                block_size,
+                replace_existing_hashes=True,
+            )
+        hash_block_size = self.block_pool.hash_block_size
+        if num_tokens <= 0 or num_tokens % hash_block_size:
+            return None
+        # Only the prompt's last hash boundary (where a resend resumes) is keyed.
+        if num_tokens != _checkpoint_position(request.num_prompt_tokens, hash_block_size):
+            return None
+        block_idx = _cdiv(num_tokens, block_size) - 1
+        if block_idx >= len(blocks):
+            return None
+        source = blocks[block_idx]
+        if source.is_null or source.block_hash_num_tokens == num_tokens:
+            return None
+        key = self.block_pool.cache_partial_block(
+            request, source, num_tokens, self.kv_cache_group_id, block_size
+        )
+        if key is not None and num_tokens % block_size:
+            # The next step's forward overwrites this state: copy it at the next allocation.
+            self._partial_hit_reqs[request.request_id] = (block_idx, source)
+            self.num_cached_block[request.request_id] = block_idx
+        return key
+
+    def new_step_starts(self) -> None:
+        """States cached last step are complete now."""
+        if self.cached_blocks_this_step:
+            self.cached_blocks_this_step.clear()
 
 
 class CrossAttentionManager(SingleTypeKVCacheManager):
@@ -742,6 +1271,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_total_computed_tokens: int,
+        num_local_computed_tokens: int = 0,
     ) -> None:
         """Encoder states are never shared; there is nothing to adopt."""
         return
