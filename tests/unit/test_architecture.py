@@ -10,7 +10,9 @@ under the source roots reads every import (module level, in functions, under
 - each import lies within its package's "may import" column (or the standard library), and a
   confined third-party module is imported only where the table confines it;
 - nobody imports another package's private module (``kvcm.a._b`` from outside ``kvcm.a``);
-- the core's modules import each other without circles.
+- the core's modules import each other without circles;
+- the README's layout table has the same packages in the same folders, and every kvcm name
+  its architecture picture draws exists.
 
 A second test imports the SDK in a fresh interpreter where the server's dependencies cannot
 be imported at all.
@@ -246,6 +248,58 @@ def test_the_core_api_page_has_a_row_per_core_module() -> None:
     assert documented == public, (
         f"undocumented: {sorted(public - documented)}; gone: {sorted(documented - public)}"
     )
+
+
+README_TEXT = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _readme_layout() -> list[tuple[str, str]]:
+    """(folder, package or "") of each row of the README's layout table."""
+    rows = []
+    lines = README_TEXT.split("| folder | package | what it holds |", 1)[1].splitlines()
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        (folder,) = _names(cells[0])
+        packages = _names(cells[1])
+        rows.append((folder.rstrip("/"), packages[0] if packages else ""))
+    return rows
+
+
+def _defines(module: str, name: str) -> bool:
+    """Whether ``module`` (a module of the tree) defines or re-exports ``name``."""
+    source = MODULES[module].read_text(encoding="utf-8")
+    return bool(re.search(rf"^(class|def) {name}\b|^{name}\b|\"{name}\"", source, re.MULTILINE))
+
+
+def test_the_readme_layout_table_is_the_tree() -> None:
+    # The README's layout table is the roots table of docs/architecture.md for readers: one
+    # row per package, in the folder that holds it; every other row names a folder that exists.
+    rows = _readme_layout()
+    by_package = {package: folder for folder, package in rows if package}
+    assert by_package == {package: root for package, (root, _) in SOURCE_ROOTS.items()}, (
+        "README layout table vs the source roots of docs/architecture.md"
+    )
+    for folder, _ in rows:
+        assert (ROOT / folder).is_dir(), f"README layout table: {folder}/ does not exist"
+
+
+def test_the_readme_picture_names_what_exists() -> None:
+    # Every kvcm name drawn in the README's architecture picture is a package or module of the
+    # tree, or a name one of them defines; the server's folders it draws exist.
+    picture = README_TEXT.split("## Architecture", 1)[1].split("```", 2)[1]
+    names = set(re.findall(r"\bkvcm(?:\.[A-Za-z_][A-Za-z0-9_]*)+", picture))
+    assert {"kvcm.server", "kvcm.core", "kvcm.client", "kvcm.wire", "kvcm.v1"} <= names
+    for name in sorted(names):
+        if name in MODULES:
+            continue
+        module, _, attribute = name.rpartition(".")
+        assert module in MODULES, f"README picture: {name}"
+        assert _defines(module, attribute), f"README picture: {name}"
+    server = ROOT / "server" / "kvcm" / "server"
+    for folder in re.findall(r"\|\s+([a-z]+)/\s", picture):
+        assert (server / folder).is_dir(), f"README picture: server/kvcm/server/{folder}/"
 
 
 def test_the_table_keeps_the_core_pure() -> None:
