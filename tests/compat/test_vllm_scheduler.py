@@ -32,9 +32,10 @@ from kvcm.common.errors import ConfigError
 from kvcm.core.manager import KVCacheManager
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import PoolConfig
+from kvcm.integrations.vllm._sinks import LocalSink
 
 
-class ReplayCheckingSink:
+class ReplayCheckingSink(LocalSink):
     """Runs each closed step through ``Pool.run_step`` on a fresh pool; compares with the mirror."""
 
     def __init__(self) -> None:
@@ -108,7 +109,8 @@ class ReplayCheckingSink:
             return
         self.num_interpreted += 1
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        del timeout_s
         self.closed = True
 
 

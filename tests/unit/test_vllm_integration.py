@@ -1,4 +1,4 @@
-"""kvcm.integrations.vllm without vLLM: settings and the Step recorder.
+"""kvcm.integrations.vllm without vLLM: settings, the Step recorder and the sinks.
 
 The schedulers themselves need vLLM and are tested against it in
 tests/compat/test_vllm_scheduler.py.
@@ -12,8 +12,15 @@ import pytest
 
 from kvcm.common.errors import ConfigError
 from kvcm.core.program import ItemStatus, OpKind
-from kvcm.integrations.vllm import CollectingSink, KvcmSettings, StepRecorder
+from kvcm.integrations.vllm import (
+    CollectingSink,
+    KvcmSettings,
+    NullSink,
+    StepRecorder,
+    StepSink,
+)
 from kvcm.integrations.vllm._convert import RequestView
+from kvcm.integrations.vllm._shipper import GrpcStepShipper
 
 HASH = 32
 
@@ -170,3 +177,40 @@ def test_request_view_refuses_multimodal_and_embeddings() -> None:
     request.prompt_embeds = object()
     with pytest.raises(Exception, match="prompt embeddings"):
         RequestView(request)
+
+
+# ----------------------------------------------------------------------------- sinks
+def test_local_sinks_ship_nothing_and_say_so() -> None:
+    """What the manager asks every sink, answered by the sinks that ship nothing."""
+    for sink in (NullSink(), CollectingSink()):
+        assert sink.acknowledges_each_answer is False
+        assert sink.wants_snapshot is False
+        assert sink.flush(0.0) is True
+        assert sink.lag() is None
+        sink.submit_snapshot(3, b"ignored")
+        sink.close(0.0)
+    collecting = CollectingSink()
+    collecting.close()
+    assert collecting.closed
+
+
+@pytest.mark.parametrize("synchronous", [False, True])
+def test_the_shipper_is_a_step_sink_and_remote_mode_acknowledges_each_answer(
+    synchronous: bool,
+) -> None:
+    """The gRPC shipper answers the protocol: remote mode is its synchronous flavour."""
+    shipper: StepSink = GrpcStepShipper(
+        address="127.0.0.1:1",
+        pool_id="p",
+        pool_config=lambda: pytest.fail("no pool is created by these calls"),
+        synchronous=synchronous,
+    )
+    try:
+        assert shipper.acknowledges_each_answer is synchronous
+        assert shipper.wants_snapshot is False
+        assert shipper.flush(0.0) is True  # nothing submitted
+        lag = shipper.lag()
+        assert lag is not None
+        assert lag.backlog_steps == 0
+    finally:
+        shipper.close(0.0)

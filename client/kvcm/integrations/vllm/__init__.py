@@ -11,14 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvcm.integrations.vllm._manager import MirrorKVCacheManager, MirrorManagerConfig
-from kvcm.integrations.vllm._recorder import (
-    CollectingSink,
-    NullSink,
-    RecordedStep,
-    StepRecorder,
-    StepSink,
-)
+from kvcm.integrations.vllm._recorder import RecordedStep, StepRecorder
 from kvcm.integrations.vllm._settings import KvcmSettings
+from kvcm.integrations.vllm._sinks import CollectingSink, LocalSink, NullSink, StepSink
 
 if TYPE_CHECKING:
     from kvcm.integrations.vllm._scheduler import (
@@ -45,6 +40,7 @@ __all__ = [
     "KvcmAsyncScheduler",
     "KvcmScheduler",
     "KvcmSettings",
+    "LocalSink",
     "MirrorKVCacheManager",
     "MirrorManagerConfig",
     "NullSink",

@@ -6,7 +6,10 @@ vLLM's signatures and results, answered by an in-process :class:`kvcm.core.manag
 KVCacheManager` (the mirror of the pool). vLLM's requests are used as they are: the core reads
 them through :class:`~kvcm.integrations.vllm._convert.RequestView`, so block hashes are vLLM's
 ``request.block_hashes``, never recomputed. Every mutation is also recorded into the step's
-kvcm Step program (:class:`~kvcm.integrations.vllm._recorder.StepRecorder`).
+kvcm Step program (:class:`~kvcm.integrations.vllm._recorder.StepRecorder`), which the
+manager's sink takes: the sink is what the mode picks (none: no server; the asynchronous
+shipper: mirror mode; the shipper acknowledging each answer: remote mode; see
+:mod:`kvcm.integrations.vllm._sinks`). The decisions are the core's in every mode.
 
 Prefix-cache stats are vLLM's own ``PrefixCacheStats`` values, recorded where vLLM records
 them (at admission), and KV events come out as vLLM's event structs, so
@@ -19,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcm.common.hashing import HashAlgorithm, external_block_hash
 from kvcm.common.specs import SlidingWindowSpec
@@ -36,8 +39,11 @@ from kvcm.core.program import HitSpec
 from kvcm.core.request import Request
 from kvcm.core.snapshot import encode_state, fresh_extras
 from kvcm.integrations.vllm._convert import RequestView, convert_kv_cache_config, to_vllm_events
-from kvcm.integrations.vllm._recorder import NullSink, StepRecorder, StepSink
-from kvcm.integrations.vllm._shipper import GrpcStepShipper, ShippingLag
+from kvcm.integrations.vllm._recorder import StepRecorder
+from kvcm.integrations.vllm._sinks import NullSink, StepSink
+
+if TYPE_CHECKING:
+    from kvcm.integrations.vllm._shipper import ShippingLag
 
 __all__ = ["MirrorKVCacheManager", "MirrorManagerConfig"]
 
@@ -124,6 +130,7 @@ class MirrorKVCacheManager:
     Attributes:
         core: kvcm's manager (the mirror of the pool).
         recorder: The step recorder.
+        sink: Where closed steps go (see :mod:`kvcm.integrations.vllm._sinks`).
         coordinator: What vLLM reads from its coordinator.
         block_pool: kvcm's block pool.
         kv_cache_config: vLLM's KV-cache config.
@@ -132,9 +139,6 @@ class MirrorKVCacheManager:
     """
 
     mamba_shared_prefix_checkpoint = False
-    # Remote mode: every allocate_slots closes a program of its own, which a synchronous sink
-    # ships and the server acknowledges before the answer goes back to vLLM.
-    acknowledge_each_answer = False
     use_eagle = False
     retained_hit_group_ids: tuple[int, ...] = ()
 
@@ -143,7 +147,7 @@ class MirrorKVCacheManager:
 
         Args:
             config: The manager's settings (vLLM's constructor arguments).
-            sink: Where closed steps go; ``None``: dropped.
+            sink: Where closed steps go; ``None``: dropped (a :class:`NullSink`).
 
         Raises:
             ConfigError: The KV-cache config needs something kvcm does not do.
@@ -198,12 +202,16 @@ class MirrorKVCacheManager:
             ],
             core.block_pool,
         )
+        sink = sink if sink is not None else NullSink()
         self.recorder = StepRecorder(
-            sink if sink is not None else NullSink(),
+            sink,
             num_groups=core.num_kv_cache_groups,
             hash_block_size=core.hash_block_size,
             send_hashes=config.enable_caching,
         )
+        # Remote mode: every allocate_slots closes a program of its own, which the sink ships
+        # and the server acknowledges before the answer goes back to vLLM.
+        self._acknowledge_each_answer = sink.acknowledges_each_answer
         self._views: dict[str, RequestView] = {}
         self._slot_options: dict[tuple[int, ...], SlotOptions] = {}
         # Under sparse retention every admission tells the server's copy the junction its
@@ -219,6 +227,18 @@ class MirrorKVCacheManager:
         self._cache_groups = (
             caching if all(m.block_size == core.hash_block_size for m in caching) else ()
         )
+
+    # ------------------------------------------------------------------ the sink
+    @property
+    def sink(self) -> StepSink:
+        """Where closed steps go: what the mode picked (see :mod:`~kvcm.integrations.vllm.
+        _sinks`). Set it before the first step; the current program goes to the new sink."""
+        return self.recorder.sink
+
+    @sink.setter
+    def sink(self, sink: StepSink) -> None:
+        self.recorder.sink = sink
+        self._acknowledge_each_answer = sink.acknowledges_each_answer
 
     # ------------------------------------------------------------------ requests
     def _view(self, request: Any) -> RequestView:
@@ -343,7 +363,7 @@ class MirrorKVCacheManager:
             None if options is DEFAULT_SLOT_OPTIONS else options,
             result,
         )
-        if self.acknowledge_each_answer:
+        if self._acknowledge_each_answer:
             self.close_step()  # remote mode: the server acknowledges before vLLM sees it
         return result
 
@@ -588,8 +608,7 @@ class MirrorKVCacheManager:
         See :class:`~kvcm.integrations.vllm._shipper.ShippingLag`: steps not acknowledged
         yet, the age of the oldest, close-to-acknowledgement percentiles.
         """
-        sink = self.recorder.sink
-        return sink.lag() if isinstance(sink, GrpcStepShipper) else None
+        return self.recorder.sink.lag()
 
     def flush(self, timeout_s: float) -> bool:
         """Close the current program and wait until the sink shipped everything (taking the
@@ -597,9 +616,7 @@ class MirrorKVCacheManager:
         For a step boundary (``shutdown()``, tests); a sink that does not ship is flushed.
         """
         self.close_step()
-        sink: Any = self.recorder.sink
-        if not hasattr(sink, "flush"):
-            return True
+        sink = self.recorder.sink
         deadline = time.monotonic() + timeout_s
         while True:
             if sink.wants_snapshot:
@@ -618,6 +635,6 @@ class MirrorKVCacheManager:
         """
         recorder = self.recorder
         recorder.close_step()
-        sink: Any = recorder.sink
-        if getattr(sink, "wants_snapshot", False):
+        sink = recorder.sink
+        if sink.wants_snapshot:
             sink.submit_snapshot(recorder.num_steps, self.snapshot())

@@ -2,11 +2,12 @@
 
 The mirror answers every KV-cache manager call locally and notes the calls that change the
 pool; once per ``schedule()`` (and once per ``update_from_output()`` that changed anything) the
-step is closed and handed to a :class:`StepSink` as a :class:`RecordedStep`: a
+step is closed and handed to a sink as a :class:`RecordedStep`: a
 :class:`~kvcm.core.program.StepProgram` with the answers the mirror gave (a
-:class:`~kvcm.core.program.StepOutcome`). Sinks are pluggable: the local ones here keep or
-drop steps; the gRPC shipper sends them to the kvcm server, which runs the same interpreter on
-the authoritative copy and verifies the answers.
+:class:`~kvcm.core.program.StepOutcome`). Sinks are pluggable
+(:mod:`kvcm.integrations.vllm._sinks`: the protocol, and local sinks that keep or drop
+steps); the gRPC shipper sends them to the kvcm server, which runs the same interpreter on the
+authoritative copy and verifies the answers.
 
 Recording is split in two so that it costs the scheduler's thread next to nothing:
 
@@ -20,7 +21,7 @@ Recording is split in two so that it costs the scheduler's thread next to nothin
 
 Requests are keyed by small ints in order of first appearance; a request's prompt and vLLM's
 block hashes go out once (ADD_REQUEST), and later tokens and hashes as deltas (APPEND_TOKENS).
-A recorder whose sink is a :class:`NullSink` notes nothing (nothing would read it).
+A recorder whose sink is a ``NullSink`` notes nothing (nothing would read it).
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvcm.core.manager import KVCacheBlocks
 from kvcm.core.program import (
@@ -41,20 +41,16 @@ from kvcm.core.program import (
     StepOutcome,
     StepProgram,
 )
+from kvcm.integrations.vllm._sinks import NullSink
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
     from kvcm.core.manager import SlotOptions
     from kvcm.integrations.vllm._convert import RequestView
+    from kvcm.integrations.vllm._sinks import StepSink
 
-__all__ = [
-    "CollectingSink",
-    "NullSink",
-    "RecordedStep",
-    "StepRecorder",
-    "StepSink",
-]
+__all__ = ["RecordedStep", "StepRecorder"]
 
 _ADD_REQUEST = int(OpKind.ADD_REQUEST)
 _APPEND_TOKENS = int(OpKind.APPEND_TOKENS)
@@ -118,48 +114,6 @@ class RecordedStep:
             self._recorder.build_through(self)
         assert self._expected is not None
         return self._expected
-
-
-class StepSink(Protocol):
-    """Where closed steps go (a local sink, or the gRPC shipper)."""
-
-    def submit(self, step: RecordedStep) -> None:
-        """Take one closed step; must not block the scheduler for long (ship asynchronously)."""
-
-    def close(self) -> None:
-        """Flush and release resources (the scheduler's ``shutdown()``)."""
-
-
-class NullSink:
-    """Drops every step (mirror mode without a server: the local copy is the only one)."""
-
-    def submit(self, step: RecordedStep) -> None:
-        """Drop ``step``."""
-        del step
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-@dataclass(slots=True)
-class CollectingSink:
-    """Keeps every step in memory (tests and debugging).
-
-    Attributes:
-        steps: The steps, in submission order.
-        closed: Whether ``close`` was called.
-    """
-
-    steps: list[RecordedStep] = field(default_factory=list)
-    closed: bool = False
-
-    def submit(self, step: RecordedStep) -> None:
-        """Keep ``step``."""
-        self.steps.append(step)
-
-    def close(self) -> None:
-        """Mark the sink closed."""
-        self.closed = True
 
 
 class _Tracked:

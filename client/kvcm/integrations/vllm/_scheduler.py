@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 from kvcm.client import TlsConfig
 from kvcm.common.errors import ConfigError
 from kvcm.integrations.vllm._manager import MirrorKVCacheManager, MirrorManagerConfig
-from kvcm.integrations.vllm._recorder import NullSink
 from kvcm.integrations.vllm._settings import KvcmSettings
 from kvcm.integrations.vllm._shipper import GrpcStepShipper
+from kvcm.integrations.vllm._sinks import NullSink
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from kvcm.integrations.vllm._recorder import StepSink
+    from kvcm.integrations.vllm._sinks import StepSink
 
 __all__ = [
     "KvcmAsyncScheduler",
@@ -45,6 +45,9 @@ __all__ = [
 # Blocks of the pool vLLM's constructor builds and the subclass throws away (null block + 1).
 _PLACEHOLDER_NUM_BLOCKS = 2
 _SCHEDULER_SIGNATURE = inspect.signature(Scheduler.__init__)
+# vLLM's P/D connectors whose every call into the KV-cache manager kvcm answers as vLLM's
+# manager does (tests/compat/test_pd_nixl.py); kvcm's own subclass records the handoffs.
+SUPPORTED_KV_CONNECTORS = ("NixlConnector", "NixlPullConnector", "KvcmNixlConnector")
 
 
 def check_supported(vllm_config: Any) -> None:
@@ -56,8 +59,10 @@ def check_supported(vllm_config: Any) -> None:
     parallel = vllm_config.parallel_config
     refusals = [
         (
-            vllm_config.kv_transfer_config is not None,
-            "KV connectors (--kv-transfer-config) are not supported with kvcm",
+            vllm_config.kv_transfer_config is not None
+            and vllm_config.kv_transfer_config.kv_connector not in SUPPORTED_KV_CONNECTORS,
+            "of the KV connectors (--kv-transfer-config) kvcm supports vLLM's pull-mode "
+            f"NIXL connector only ({', '.join(SUPPORTED_KV_CONNECTORS)})",
         ),
         (
             getattr(vllm_config, "ec_transfer_config", None) is not None,
@@ -183,8 +188,7 @@ class _KvcmSchedulerMixin:
                 hash_algorithm=scheduler.cache_config.prefix_caching_hash_algo,
             ),
         )
-        self.kv_cache_manager.acknowledge_each_answer = settings.mode == "remote"
-        self.kv_cache_manager.recorder.sink = self.make_step_sink(settings)
+        self.kv_cache_manager.sink = self.make_step_sink(settings)
 
     def _check_loop(self, vllm_config: Any) -> None:
         # vLLM runs a scheduler_cls under the loop async_scheduling selects, whatever the
@@ -203,11 +207,13 @@ class _KvcmSchedulerMixin:
             )
 
     def make_step_sink(self, settings: KvcmSettings) -> StepSink:
-        """Where the scheduler's Step programs go (called once the mirror is built).
+        """Where the scheduler's Step programs go: the sink the mode picks (called once the
+        mirror is built; see :mod:`kvcm.integrations.vllm._sinks`).
 
-        Without an address the mirror is the only copy; with one, a
-        :class:`~kvcm.integrations.vllm._shipper.GrpcStepShipper` ships them to the server.
-        Override to collect or inspect the programs.
+        Without an address the mirror is the only copy (:class:`NullSink`); with one, a
+        :class:`~kvcm.integrations.vllm._shipper.GrpcStepShipper` ships them to the server, in
+        the background in mirror mode, acknowledging each answer in remote mode. Override to
+        collect or inspect the programs.
         """
         if settings.address is None:
             return NullSink()
@@ -246,15 +252,11 @@ class _KvcmSchedulerMixin:
         return output
 
     def shutdown(self) -> None:
-        """Ship what is pending, close the sink, then shut vLLM's scheduler down."""
+        """Ship what is pending (up to ``shutdown_timeout_s``), close the sink, then shut
+        vLLM's scheduler down."""
         manager = self.kv_cache_manager
-        sink: Any = manager.recorder.sink
-        if isinstance(sink, GrpcStepShipper):
-            manager.flush(self.kvcm_settings.shutdown_timeout_s)
-            sink.close(0.0)
-        else:
-            manager.close_step()
-            sink.close()
+        manager.flush(self.kvcm_settings.shutdown_timeout_s)
+        manager.sink.close(0.0)
         super().shutdown()  # type: ignore[misc]
 
 

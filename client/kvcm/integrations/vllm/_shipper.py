@@ -1,10 +1,11 @@
 """Shipping the mirror's Step programs to the kvcm server, off the scheduler's critical path.
 
-:class:`GrpcStepShipper` is the :class:`~kvcm.integrations.vllm._recorder.StepSink` of mirror
-mode with a server address. ``submit`` only appends the closed step to a bounded backlog; one
-background thread sends the steps in order, one Step RPC each (``step_seq`` makes a retry after
-a lost reply run once), and compares every answer with what the mirror answered. So the
-scheduler never waits for kvcm: a slow or unreachable server only grows the backlog.
+:class:`GrpcStepShipper` is the :class:`~kvcm.integrations.vllm._sinks.StepSink` of mirror
+mode with a server address (``synchronous``: of remote mode). ``submit`` only appends the
+closed step to a bounded backlog; one background thread sends the steps in order, one Step
+RPC each (``step_seq`` makes a retry after a lost reply run once), and compares every answer
+with what the mirror answered. So the scheduler never waits for kvcm: a slow or unreachable
+server only grows the backlog.
 
 The server's copy is repaired from the mirror whenever it cannot be trusted: the pool is gone
 (deleted by an operator, or a server restarted without a data directory), a Step is refused or
@@ -238,6 +239,8 @@ class GrpcStepShipper:
     Attributes:
         pool_id: The pool on the server.
         stats: Counters (see :class:`ShipperStats`).
+        acknowledges_each_answer: ``synchronous`` (remote mode): ``submit`` returns once the
+            server acknowledged the step, so the mirror closes one after each allocation.
     """
 
     def __init__(
@@ -301,6 +304,7 @@ class GrpcStepShipper:
         self._snapshot: tuple[int, bytes] | None = None
         self._last_error = ""
         self._synchronous = synchronous
+        self.acknowledges_each_answer = synchronous
         # An idle engine renews its pool's scheduler lease a few times per lease.
         self._keepalive_s = lease_s / 3 if lease_s > 0 else None
         self._last_call = clock()
