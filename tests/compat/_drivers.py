@@ -39,6 +39,9 @@ class GroupDesc:
         dtype: Attention dtype name (mixed dtypes make workers zero new blocks).
         num_speculative_blocks: Mamba speculative state blocks.
         extra_retained_tokens: Sliding-window tokens kept below the window.
+        mamba_cache_mode: Mamba ``"none"`` or ``"align"`` (prefix caching of hybrid models).
+        num_prefill_checkpoint_blocks: Align-mode Mamba blocks for in-chunk checkpoints.
+        prefill_checkpoint_alignment: Token granularity of such checkpoints.
     """
 
     kind: str
@@ -47,6 +50,9 @@ class GroupDesc:
     dtype: str = "float16"
     num_speculative_blocks: int = 0
     extra_retained_tokens: int = 0
+    mamba_cache_mode: str = "none"
+    num_prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
 
 
 @dataclass(frozen=True)
@@ -72,11 +78,12 @@ class Layout:
 
     @property
     def hash_block_size(self) -> int:
-        """vLLM's rule: gcd of the block sizes for a cached hybrid pool without Mamba."""
+        """vLLM's rule: gcd of the block sizes for a cached hybrid pool, unless a Mamba group
+        is outside align mode."""
         sizes = [g.block_size for g in self.groups]
         if len(sizes) <= 1 or not self.enable_caching:
             return self.scheduler_block_size
-        if any(g.kind == MAMBA for g in self.groups):
+        if any(g.kind == MAMBA and g.mamba_cache_mode != "align" for g in self.groups):
             return self.scheduler_block_size
         return math.gcd(*sizes)
 
@@ -96,6 +103,13 @@ class RequestSpec:
 STATUSES = ("WAITING", "WAITING_FOR_REMOTE_KVS", "RUNNING", "PREEMPTED", "FINISHED_STOPPED")
 
 BlockIds = tuple[tuple[int, ...], ...]
+
+
+def _copy_pair(copy: Any) -> tuple[int, int]:
+    # vLLM hands KVCacheBlockCopy records, kvcm (source, destination) id pairs.
+    if isinstance(copy, tuple):
+        return (int(copy[0]), int(copy[1]))
+    return (int(copy.src_block_id), int(copy.dst_block_id))
 
 
 def _ids(blocks: Any) -> BlockIds:
@@ -236,8 +250,10 @@ class VllmSide:
                 block_size=g.block_size,
                 shapes=((2, 4), (4,)),
                 dtypes=(dtype, dtype),
-                mamba_cache_mode="none",
+                mamba_cache_mode=g.mamba_cache_mode,
                 num_speculative_blocks=g.num_speculative_blocks,
+                num_prefill_checkpoint_blocks=g.num_prefill_checkpoint_blocks,
+                prefill_checkpoint_alignment=g.prefill_checkpoint_alignment,
             )
         raise ValueError(g.kind)
 
@@ -395,6 +411,12 @@ class VllmSide:
         """Start a scheduler step."""
         self.manager.new_step_starts()
 
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Drain the block copies (sub-block hits) and release their retained blocks."""
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        self.manager.block_pool.free_blocks(retained)
+        return [_copy_pair(copy) for copy in copies]
+
     def num_free_blocks(self) -> int:
         """Blocks allocatable now."""
         return int(self.manager.block_pool.get_num_free_blocks())
@@ -491,7 +513,10 @@ class KvcmSide:
                 block_size=g.block_size,
                 shapes=((2, 4), (4,)),
                 dtypes=(dtype, dtype),
+                mamba_cache_mode=g.mamba_cache_mode,
                 num_speculative_blocks=g.num_speculative_blocks,
+                num_prefill_checkpoint_blocks=g.num_prefill_checkpoint_blocks,
+                prefill_checkpoint_alignment=g.prefill_checkpoint_alignment,
             )
         raise ValueError(g.kind)
 
@@ -621,6 +646,12 @@ class KvcmSide:
     def new_step_starts(self) -> None:
         """Start a scheduler step."""
         self.manager.new_step_starts()
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Drain the block copies (sub-block hits) and release their retained blocks."""
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        self.manager.block_pool.free_blocks(retained)
+        return [_copy_pair(copy) for copy in copies]
 
     def num_free_blocks(self) -> int:
         """Blocks allocatable now."""

@@ -1,0 +1,313 @@
+"""Hybrid Mamba models with prefix caching: kvcm's KVCacheManager against vLLM 0.33.0's.
+
+vLLM runs the Mamba layers of a hybrid model in "align" mode when prefix caching is on: the
+state after every block boundary is a checkpoint that may enter the prefix cache, and when
+the hash block is smaller than the Mamba block, hits land on hash-block boundaries and a hit
+ending inside a block is served through a copy of that block. Each scenario drives both
+managers through the same seeded scheduler-like loop (chunks split as vLLM's scheduler
+splits them for align mode: at block boundaries, the last cacheable boundary and the
+prompt's tail hash boundary), with shared prefixes, resends, decode, preemption under
+pressure and finishes, and compares every answer: block ids, hits and junctions, copies,
+new block ids, events, stats, the hit rate and, after every step, the whole pool state.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import pytest
+from _drivers import FULL, MAMBA, SWA, GroupDesc, KvcmSide, Layout, RequestSpec, VllmSide
+from _workloads import Pair, Tally
+
+
+def _checkpoint(num_tokens: int, granularity: int) -> int:
+    return max((num_tokens - 1) // granularity * granularity, 0)
+
+
+@dataclass(frozen=True)
+class MambaScenario:
+    """A hybrid layout and how hard the loop drives it."""
+
+    name: str
+    layout: Layout
+    steps: int
+    token_budget: int
+    max_running: int = 6
+    max_output: int = 40
+    max_lookahead: int = 0
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: list[int]
+    num_output: int
+    num_computed: int = 0
+    running: bool = False
+    generated: int = 0
+    junction: int = 0
+    chunks: list[int] = field(default_factory=list)
+
+
+class _Loop:
+    """The scheduler-like loop: one step = lookups, allocations, copies, outputs."""
+
+    def __init__(self, scenario: MambaScenario, seed: int, pair: Pair) -> None:
+        self.s = scenario
+        self.layout = scenario.layout
+        self.pair = pair
+        self.rng = random.Random(seed)
+        mamba = next(g for g in self.layout.groups if g.kind == MAMBA)
+        self.block = mamba.block_size
+        self.hash_block = self.layout.hash_block_size
+        self.partial = self.hash_block < self.block
+        self.ckpt_blocks = mamba.num_prefill_checkpoint_blocks > 0
+        self.ckpt_alignment = mamba.prefill_checkpoint_alignment
+        self.prefixes = [
+            [self.rng.randrange(1, 30000) for _ in range(self.layout.max_model_len)]
+            for _ in range(4)
+        ]
+        self.sent: list[list[int]] = []
+        self.waiting: list[_Req] = []
+        self.running: list[_Req] = []
+        self.next_id = 0
+        self.num_copies = 0
+        self.sub_block_hits = 0
+
+    # ------------------------------------------------------------------ requests
+    def _new_prompt(self) -> list[int]:
+        rng = self.rng
+        if self.sent and rng.random() < 0.2:
+            return list(rng.choice(self.sent))  # a resend: hits end at its tail boundary
+        limit = self.layout.max_model_len - self.s.max_output - 8
+        shared = rng.choice(self.prefixes)[: rng.randrange(0, limit)]
+        own = [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 200))]
+        return (shared + own)[:limit]
+
+    def _add(self) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        prompt = self._new_prompt()
+        self.sent.append(prompt)
+        self.pair.both("add_request", RequestSpec(rid, prompt))
+        self.waiting.append(_Req(rid, prompt, self.rng.randrange(1, self.s.max_output)))
+
+    def _split(self, req: _Req, start: int, num_new: int) -> int:
+        # vLLM's scheduler for align mode (no Eagle, no shared-prefix checkpoint).
+        num_prompt = len(req.prompt)
+        num_tokens = num_prompt + req.generated
+        prefill_end = max(num_prompt, num_tokens - 1)
+        if start >= prefill_end:
+            return num_new
+        block = self.block
+        end = start + num_new
+        last_cache = _checkpoint(num_tokens, block)
+        checkpoint = _checkpoint(prefill_end, self.hash_block if self.partial else block)
+        internal = (
+            self.ckpt_blocks
+            and end >= prefill_end
+            and self.ckpt_alignment is not None
+            and start % self.hash_block == 0
+            and -(-end // block) - 2 > (start - 1) // block
+            and start + self.hash_block <= checkpoint
+            and start < checkpoint < end
+            and (checkpoint - start) % self.ckpt_alignment == 0
+        )
+        if internal:
+            last_cache = 0
+        if end < prefill_end:
+            aligned = end // block * block
+            if aligned > start or block <= self.s.token_budget:
+                end = aligned
+        tail = _checkpoint(num_prompt, self.hash_block) if self.partial and not internal else 0
+        junction = req.junction
+        floored = start + (junction - start) // block * block
+        stops = (
+            (start // block + 1) * block if start % block and not internal else 0,
+            last_cache,
+            tail if last_cache < tail < num_prompt else 0,
+            floored if start < junction < end else 0,
+        )
+        end = min((stop for stop in stops if start < stop < end), default=end)
+        return max(end - start, 0)
+
+    def _preempt(self, req: _Req) -> None:
+        self.pair.call("free", req.rid)
+        self.pair.tally.preemptions += 1
+        req.num_computed = 0
+        req.running = False
+        self.pair.both("update", req.rid, status="PREEMPTED", num_computed_tokens=0)
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+
+    def _finish(self, req: _Req) -> None:
+        self.pair.call("free", req.rid)
+        self.pair.both("update", req.rid, status="FINISHED_STOPPED")
+        self.pair.both("drop_request", req.rid)
+        self.running.remove(req)
+
+    # ------------------------------------------------------------------ one step
+    def step(self, index: int) -> None:
+        pair = self.pair
+        pair.where = f"step {index}"
+        pair.call("new_step_starts")
+        budget = self.s.token_budget
+        scheduled: list[tuple[_Req, int]] = []
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            num_tokens = len(req.prompt) + req.generated
+            remaining = num_tokens - req.num_computed
+            num_new = self._split(req, req.num_computed, min(remaining, budget))
+            if num_new <= 0:
+                continue
+            lookahead = self.rng.randrange(0, self.s.max_lookahead + 1) if remaining == 1 else 0
+            options = {"num_lookahead_tokens": lookahead} if lookahead else {}
+            if pair.allocate(req.rid, num_new, False, **options) is None:
+                self._preempt(req)
+                continue
+            scheduled.append((req, num_new))
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.s.max_running:
+            req = self.waiting[0]
+            _ids, hit, junction = pair.call("get_computed_blocks", req.rid, None)
+            req.junction = junction
+            if hit:
+                pair.tally.hits += 1
+                self.sub_block_hits += hit % self.block != 0
+            num_tokens = len(req.prompt) + req.generated
+            num_new = self._split(req, hit, min(num_tokens - hit, budget))
+            if num_new <= 0:
+                break
+            gate = self.rng.random() < 0.3
+            if pair.allocate(req.rid, num_new, True, full_sequence_must_fit=gate) is None:
+                break
+            pair.call("record_prefix_cache_stats", req.rid, hit)
+            self.waiting.pop(0)
+            req.num_computed = hit
+            req.running = True
+            pair.both("update", req.rid, status="RUNNING", num_computed_tokens=hit)
+            self.running.append(req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+        self.num_copies += len(pair.call("take_copies"))
+        pair.call("take_new_block_ids")
+        pair.events()
+        for req, num_new in scheduled:
+            if not req.running:
+                continue
+            req.num_computed += num_new
+            pair.both("update", req.rid, num_computed_tokens=req.num_computed)
+            if req.num_computed >= len(req.prompt) + req.generated:
+                if req.generated >= req.num_output:
+                    self._finish(req)
+                    continue
+                req.generated += 1
+                pair.both("append_tokens", req.rid, [self.rng.randrange(1, 30000)])
+        pair.call("make_prefix_cache_stats")
+        pair.hit_rate()
+        pair.usage()
+        pair.call("num_free_blocks")
+        pair.snapshot()
+
+    def run(self) -> None:
+        for index in range(self.s.steps):
+            while len(self.waiting) < 3:
+                self._add()
+            self.step(index)
+        for req in list(self.running):
+            self._finish(req)
+        self.pair.call("take_copies")
+        self.pair.events()
+        self.pair.snapshot()
+
+
+def _mamba(block_size: int, **kw: object) -> GroupDesc:
+    return GroupDesc(MAMBA, block_size, mamba_cache_mode="align", **kw)  # type: ignore[arg-type]
+
+
+SCENARIOS = [
+    # Hash block 64 under a Mamba block of 256: sub-block hits and their copies.
+    MambaScenario(
+        "full64-mamba256-dense",
+        Layout((GroupDesc(FULL, 64), _mamba(256)), num_blocks=90, max_model_len=1536),
+        steps=180,
+        token_budget=512,
+    ),
+    MambaScenario(
+        "full64-mamba256-retention-default",
+        Layout((GroupDesc(FULL, 64), _mamba(256)), num_blocks=90, max_model_len=1536, retention=0),
+        steps=180,
+        token_budget=512,
+    ),
+    MambaScenario(
+        "full64-swa64-mamba256",
+        Layout(
+            (GroupDesc(FULL, 64), GroupDesc(SWA, 64, 128), _mamba(256)),
+            num_blocks=120,
+            max_model_len=1536,
+        ),
+        steps=150,
+        token_budget=512,
+    ),
+    MambaScenario(
+        "full64-swa64-mamba256-retention-512",
+        Layout(
+            (GroupDesc(FULL, 64), GroupDesc(SWA, 64, 128), _mamba(256)),
+            num_blocks=120,
+            max_model_len=1536,
+            retention=512,
+        ),
+        steps=150,
+        token_budget=512,
+    ),
+    # Prefill checkpoints exported inside a chunk, speculative blocks and lookahead slots.
+    MambaScenario(
+        "full64-mamba256-checkpoints-spec",
+        Layout(
+            (
+                GroupDesc(FULL, 64),
+                _mamba(
+                    256,
+                    num_speculative_blocks=1,
+                    num_prefill_checkpoint_blocks=1,
+                    prefill_checkpoint_alignment=64,
+                ),
+            ),
+            num_blocks=160,
+            max_model_len=1536,
+            retention=0,
+        ),
+        steps=150,
+        token_budget=768,
+        max_lookahead=2,
+    ),
+    # Hash block equal to the Mamba block: hits on whole blocks only, no copies.
+    MambaScenario(
+        "full128-mamba128",
+        Layout((GroupDesc(FULL, 128), _mamba(128)), num_blocks=120, max_model_len=1024),
+        steps=150,
+        token_budget=384,
+    ),
+]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_mamba_align_matches_vllm(vllm: ModuleType, scenario: MambaScenario) -> None:
+    del vllm
+    tally = Tally()
+    pair = Pair(VllmSide(scenario.layout), KvcmSide(scenario.layout), tally)
+    loop = _Loop(scenario, seed=sum(map(ord, scenario.name)), pair=pair)
+    loop.run()
+    print(
+        f"\n{scenario.name}: {tally.ops} ops compared, {tally.snapshots} snapshots, "
+        f"{tally.hits} hits ({loop.sub_block_hits} sub-block), {loop.num_copies} copies, "
+        f"{tally.not_fit} does-not-fit, {tally.preemptions} preemptions, {tally.events} events"
+    )
+    assert tally.hits > 0
+    assert tally.ops > 2000
+    if loop.partial:
+        assert loop.sub_block_hits > 0
+        assert loop.num_copies > 0
