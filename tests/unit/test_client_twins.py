@@ -1,9 +1,10 @@
-"""The two scheduler clients are one: SchedulerClient is generated from AsyncSchedulerClient.
+"""The SDK's twins cannot drift: the two scheduler clients, and the SDK's and core's knobs.
 
 ``scripts/gen_sync_client.py`` derives ``kvcm.client.scheduler`` from ``kvcm.client.aio``;
 these tests fail when the generated module is stale and check what the generation promises:
 the same public methods with the same signatures and docstrings, coroutines on one side and
-plain functions on the other.
+plain functions on the other. The SDK's ``SlotOptions`` must stay the core's allocate_slots
+knobs plus ``num_in_flight_tokens``.
 """
 
 from __future__ import annotations
@@ -49,3 +50,31 @@ def test_the_twins_have_the_same_methods_signatures_and_docs() -> None:
         waits = name != "subscribe_events"
         assert inspect.iscoroutinefunction(aio_member) is waits, name
         assert not inspect.iscoroutinefunction(sync_member), name
+
+
+def test_the_sdk_slot_options_are_the_core_knobs_plus_in_flight_tokens() -> None:
+    # kvcm.client.SlotOptions is what a caller gives one allocation: the core's allocate_slots
+    # knobs (kvcm.core.manager.SlotOptions) plus num_in_flight_tokens, which the core carries
+    # in AllocOptions. A knob added to the core without the SDK (or the other way) fails here,
+    # and so does a knob core_alloc_options drops on the way to the core.
+    import dataclasses
+
+    from kvcm.client import SlotOptions
+    from kvcm.client._step import core_alloc_options
+    from kvcm.core.manager import SlotOptions as CoreSlotOptions
+
+    sdk = {field.name: field.default for field in dataclasses.fields(SlotOptions)}
+    core = {field.name: field.default for field in dataclasses.fields(CoreSlotOptions)}
+    assert sdk.keys() == core.keys() | {"num_in_flight_tokens"}
+    # Unset lookahead is None in the SDK (the unary wire field stays absent), 0 in the core;
+    # both read as the Step's default_num_lookahead_tokens.
+    assert (sdk.pop("num_lookahead_tokens"), core.pop("num_lookahead_tokens")) == (None, 0)
+    assert sdk.pop("num_in_flight_tokens") == 0
+    assert sdk == core
+    changed = {
+        name: (not default if isinstance(default, bool) else 3)
+        for name, default in {**core, "num_lookahead_tokens": 0}.items()
+    }
+    converted = core_alloc_options(SlotOptions(**changed, num_in_flight_tokens=5))
+    assert converted.slot_options == CoreSlotOptions(**changed)
+    assert converted.num_in_flight_tokens == 5

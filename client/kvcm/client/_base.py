@@ -37,12 +37,8 @@ from kvcm.client._types import (
     ItemStatus,
     KVCacheBlocks,
     PoolConfig,
-    PoolInfo,
-    PoolSummary,
-    PrefixCacheStats,
     RequestBlocks,
     SlotOptions,
-    Usage,
     UseClientDefault,
 )
 from kvcm.common.errors import InvalidArgumentError
@@ -52,10 +48,6 @@ from kvcm.wire import (
     fill_grouped,
     grouped_from_proto,
     pool_config_to_proto,
-    pool_info_from_proto,
-    pool_summaries_from_proto,
-    prefix_cache_stats_from_proto,
-    usage_from_proto,
 )
 
 __all__ = [
@@ -457,16 +449,6 @@ def build_resync_chunks(
         yield scheduler_pb2.ResyncPoolRequest(data=bytes(view[start : start + RESYNC_CHUNK_BYTES]))
 
 
-def decode_pool_info(message: admin_pb2.PoolInfo) -> PoolInfo:
-    """Decode a ``PoolInfo``."""
-    return pool_info_from_proto(message)
-
-
-def decode_pool_summaries(message: admin_pb2.ListPoolsResponse) -> list[PoolSummary]:
-    """Decode ``ListPools``' answer."""
-    return pool_summaries_from_proto(message)
-
-
 # -------------------------------------------------------------------------- scheduler
 def build_add_request(
     pool_id: str,
@@ -580,15 +562,3 @@ def decode_request_blocks(
         is_cached=tuple(message.is_cached),
         block_hashes=hashes,
     )
-
-
-def decode_usage(message: scheduler_pb2.GetUsageResponse) -> Usage:
-    """Decode ``GetUsage``' answer."""
-    return usage_from_proto(message)
-
-
-def decode_prefix_cache_stats(
-    message: scheduler_pb2.TakePrefixCacheStatsResponse,
-) -> PrefixCacheStats | None:
-    """Decode ``TakePrefixCacheStats``' answer (``None`` when the pool's log_stats is off)."""
-    return prefix_cache_stats_from_proto(message)

@@ -56,7 +56,13 @@ from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.core.program import StepProgram
 from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2
-from kvcm.wire import outcome_from_proto
+from kvcm.wire import (
+    outcome_from_proto,
+    pool_info_from_proto,
+    pool_summaries_from_proto,
+    prefix_cache_stats_from_proto,
+    usage_from_proto,
+)
 from kvcm.wire.lookup import lookup_query_to_proto, lookup_result_from_proto
 from kvcm.wire.pd import pd_route_from_proto, pd_route_query_to_proto
 
@@ -91,7 +97,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
         """
         request = _base.build_create_pool(pool_id, config)
         response = await self._unary("CreatePool", self._stubs.admin.CreatePool, request, timeout)
-        return _base.decode_pool_info(response.pool)
+        return pool_info_from_proto(response.pool)
 
     async def lookup(
         self, query: LookupQuery, *, timeout: Timeout = USE_CLIENT_DEFAULT
@@ -133,7 +139,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
         """Every pool, sorted by id."""
         request = admin_pb2.ListPoolsRequest()
         response = await self._unary("ListPools", self._stubs.admin.ListPools, request, timeout)
-        return _base.decode_pool_summaries(response)
+        return pool_summaries_from_proto(response)
 
     async def describe_pool(
         self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
@@ -147,7 +153,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
         response = await self._unary(
             "DescribePool", self._stubs.admin.DescribePool, request, timeout
         )
-        return _base.decode_pool_info(response.pool)
+        return pool_info_from_proto(response.pool)
 
     async def delete_pool(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> None:
         """Delete a pool and its requests.
@@ -478,7 +484,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
         """The pool's usage and block counts."""
         request = scheduler_pb2.GetUsageRequest(pool_id=pool_id)
         response = await self._unary("GetUsage", self._stubs.scheduler.GetUsage, request, timeout)
-        return _base.decode_usage(response)
+        return usage_from_proto(response)
 
     async def take_prefix_cache_stats(
         self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
@@ -488,7 +494,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
         response = await self._unary(
             "TakePrefixCacheStats", self._stubs.scheduler.TakePrefixCacheStats, request, timeout
         )
-        return _base.decode_prefix_cache_stats(response)
+        return prefix_cache_stats_from_proto(response)
 
     # ----------------------------------------------------------------------------- events
     def subscribe_events(

@@ -125,8 +125,9 @@ class WorkerClient(ChannelClient):
             The unified config, this rank's tensors and the pool's hashing parameters.
 
         Raises:
-            InvalidArgumentError: No layers, or a spec kvcm cannot plan (ConfigError for a
-                Mamba layer in "align" mode), checked before anything is sent.
+            InvalidArgumentError: No layers, or a spec kvcm cannot plan (a Mamba cache mode
+                other than "none" or "align", a page larger than a uint64), checked before
+                anything is sent.
             DeadlineExceededError: Not every rank registered in time, or within the server's
                 registration timeout (this registration is dropped: call again).
             ServiceAlreadyExistsError: This rank registered before with other specs, layer
