@@ -78,3 +78,32 @@ def test_the_sdk_slot_options_are_the_core_knobs_plus_in_flight_tokens() -> None
     converted = core_alloc_options(SlotOptions(**changed, num_in_flight_tokens=5))
     assert converted.slot_options == CoreSlotOptions(**changed)
     assert converted.num_in_flight_tokens == 5
+
+
+def test_every_client_stands_on_one_channel_client_base() -> None:
+    # The channel, settings, stubs, error mapping and retries are written once, in
+    # kvcm.client._base: the sync base and the asyncio base have the same surface, and each
+    # client derives from one of them.
+    from kvcm.client import WorkerClient
+    from kvcm.client._base import AsyncChannelClient, ChannelClient
+
+    assert issubclass(SchedulerClient, ChannelClient)
+    assert issubclass(WorkerClient, ChannelClient)
+    assert issubclass(AsyncSchedulerClient, AsyncChannelClient)
+    sync = {"_unary", "close", "__enter__", "__exit__"}
+    aio = {"_unary", "close", "__aenter__", "__aexit__"}
+    assert sync <= set(vars(ChannelClient))
+    assert aio <= set(vars(AsyncChannelClient))
+    for name in ("_unary", "close"):
+        assert inspect.signature(getattr(ChannelClient, name)) == inspect.signature(
+            getattr(AsyncChannelClient, name)
+        )
+        assert inspect.iscoroutinefunction(getattr(AsyncChannelClient, name))
+        assert not inspect.iscoroutinefunction(getattr(ChannelClient, name))
+    # The clients themselves open no channel and map no error: none defines its own plumbing.
+    for client in (SchedulerClient, AsyncSchedulerClient, WorkerClient):
+        assert not (sync | aio | {"_open_channel"}) & set(vars(client)), client
+    assert str(inspect.signature(SchedulerClient)) == str(inspect.signature(AsyncSchedulerClient))
+    worker = inspect.signature(WorkerClient).parameters
+    assert list(worker) == list(inspect.signature(SchedulerClient).parameters)
+    assert worker["timeout"].default == 600.0
