@@ -13,6 +13,7 @@ import inspect
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvcm.client import AsyncSchedulerClient, SchedulerClient
 
@@ -71,7 +72,7 @@ def test_the_sdk_slot_options_are_the_core_knobs_plus_in_flight_tokens() -> None
     assert (sdk.pop("num_lookahead_tokens"), core.pop("num_lookahead_tokens")) == (None, 0)
     assert sdk.pop("num_in_flight_tokens") == 0
     assert sdk == core
-    changed = {
+    changed: dict[str, Any] = {
         name: (not default if isinstance(default, bool) else 3)
         for name, default in {**core, "num_lookahead_tokens": 0}.items()
     }
