@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -512,3 +513,37 @@ def test_long_hash_prompts_are_walked_past_the_split_chunks() -> None:
         raw = b"".join(_hashes(pool, probe))
         answer = registry.lookup(LookupQuery(block_hashes=raw, num_tokens=len(probe)))
         assert answer.pools[0].num_hit_tokens == _own_hit(pool, probe) == num_shared * 4
+
+
+def test_pools_leaving_the_walk_at_and_across_chunk_edges() -> None:
+    """Many pools whose hits end around the walk's 256-block chunks (some with holes from
+    evictions) answer what each pool's own lookup does, for hash and token prompts, whole
+    answers and best k."""
+    rng = random.Random(26)
+    registry = PoolRegistry()
+    cached = list(range(700 * 4))  # 700 blocks of 4 tokens
+    pools = []
+    for index, num_blocks in enumerate((0, 1, 255, 256, 257, 300, 511, 512, 513, 600, 700)):
+        pool = registry.create(
+            f"p{index:02d}",
+            PoolConfig(max_model_len=8192, explicit_layout=_layout([_full()], 800)),
+        )
+        if num_blocks:
+            _serve(pool, 1, [*cached[: num_blocks * 4], 7])
+        pools.append(pool)
+    assert registry.lookup(LookupQuery(token_ids=[1, 2, 3, 4, 5])).pools  # indexes them all
+    for pool in pools[5:]:
+        assert pool.manager is not None
+        pool.evict_blocks(rng.sample(range(1, pool.manager.block_pool.num_gpu_blocks), 3))
+    for num_shared in (1, 255, 256, 257, 299, 512, 513, 650, 700):
+        probe = cached[: num_shared * 4] + [100_000 + i for i in range(6)]
+        expected = {pool.name: _own_hit(pool, probe) for pool in pools}
+        raw = b"".join(_hashes(pools[0], probe))
+        for query in (
+            LookupQuery(block_hashes=raw, num_tokens=len(probe)),
+            LookupQuery(token_ids=probe),
+        ):
+            answer = registry.lookup(query)
+            assert {hit.pool_id: hit.num_hit_tokens for hit in answer.pools} == expected
+            best = registry.lookup(dataclasses.replace(query, max_results=3))
+            assert best.pools == answer.pools[:3]
