@@ -222,7 +222,7 @@ def test_grpc_lookup_errors_name_the_field(server: EmbeddedServer) -> None:
         with pytest.raises(ServiceInvalidArgumentError, match="load_weight"):
             client._unary(
                 "Lookup",
-                client._lookup.Lookup,
+                stub.Lookup,
                 lookup_pb2.LookupRequest(
                     tokens=lookup_pb2.TokenPrompt(token_ids=[1]), load_weight=float("inf")
                 ),
