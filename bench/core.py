@@ -18,6 +18,9 @@ Rows (median and p99 of each side, ratio = vLLM / kvcm: above 1 means kvcm is fa
    block short of the prefix and pins the junction.
 5. hashing 1k blocks of 16 tokens with each algorithm (``bench/hashing.py``'s workloads).
 6. memory per block at 1M blocks: ``tracemalloc`` of constructing the block pool.
+7. hybrid Mamba rows (``bench/mamba_core.py``, shown after the manager rows): decode and
+   admission with a sub-block hit on a full attention + Mamba "align" model (hash block 64
+   under a Mamba block of 256).
 
 Both sides run with ``gc.freeze()`` after setup, as vLLM's engine does; samples interleave.
 
@@ -46,6 +49,7 @@ if str(Path(__file__).parent) not in sys.path:
 
 from _common import Row, Sample, import_vllm, init_vllm_none_hash, measure, print_table
 from hashing import bench_hashing
+from mamba_core import bench_mamba_rows
 
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
@@ -566,6 +570,7 @@ def run_benchmarks(
     """Every row of the table, in display order."""
     ref = import_vllm(*VLLM_MODULES) if with_vllm else None
     rows = bench_manager_rows(config, ref, profile=profile)
+    rows += bench_mamba_rows(ref, quick=config == QUICK)
     rows += bench_hash_rows(config, with_vllm=ref is not None)
     rows += bench_memory_rows(config, ref)
     return rows
