@@ -97,11 +97,14 @@ attention_specs: st.SearchStrategy[KVCacheSpec] = st.one_of(
     st.builds(lambda a: EncoderOnlyAttentionSpec(**a), attention()),
 )
 mamba_specs = st.builds(
-    lambda bs, shapes, dts, spec_blocks: MambaSpec(
+    lambda bs, shapes, dts, spec_blocks, align: MambaSpec(
         block_size=bs,
         shapes=tuple(shapes),
         dtypes=tuple(dts[: len(shapes)] + [DType.FLOAT16] * (len(shapes) - len(dts))),
         num_speculative_blocks=spec_blocks,
+        mamba_cache_mode="align" if align is not None else "none",
+        num_prefill_checkpoint_blocks=0 if align is None else align[0],
+        prefill_checkpoint_alignment=None if align is None else align[1],
     ),
     block_sizes,
     st.lists(
@@ -109,6 +112,7 @@ mamba_specs = st.builds(
     ),
     st.lists(dtypes, max_size=3),
     st.integers(0, 3),
+    st.none() | st.tuples(st.integers(0, 2), st.none() | st.integers(1, 512)),
 )
 specs = st.one_of(attention_specs, mamba_specs)
 

@@ -152,7 +152,7 @@ class TensorShape(_message.Message):
     def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MambaSpec(_message.Message):
-    __slots__ = ("block_size", "shapes", "dtypes", "page_size_padded_bytes", "mamba_type", "mamba_cache_mode", "num_speculative_blocks")
+    __slots__ = ("block_size", "shapes", "dtypes", "page_size_padded_bytes", "mamba_type", "mamba_cache_mode", "num_speculative_blocks", "num_prefill_checkpoint_blocks", "prefill_checkpoint_alignment")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHAPES_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,8 @@ class MambaSpec(_message.Message):
     MAMBA_TYPE_FIELD_NUMBER: _ClassVar[int]
     MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_CHECKPOINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHECKPOINT_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     shapes: _containers.RepeatedCompositeFieldContainer[TensorShape]
     dtypes: _containers.RepeatedScalarFieldContainer[DataType]
@@ -167,7 +169,9 @@ class MambaSpec(_message.Message):
     mamba_type: str
     mamba_cache_mode: str
     num_speculative_blocks: int
-    def __init__(self, block_size: _Optional[int] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., page_size_padded_bytes: _Optional[int] = ..., mamba_type: _Optional[str] = ..., mamba_cache_mode: _Optional[str] = ..., num_speculative_blocks: _Optional[int] = ...) -> None: ...
+    num_prefill_checkpoint_blocks: int
+    prefill_checkpoint_alignment: int
+    def __init__(self, block_size: _Optional[int] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., page_size_padded_bytes: _Optional[int] = ..., mamba_type: _Optional[str] = ..., mamba_cache_mode: _Optional[str] = ..., num_speculative_blocks: _Optional[int] = ..., num_prefill_checkpoint_blocks: _Optional[int] = ..., prefill_checkpoint_alignment: _Optional[int] = ...) -> None: ...
 
 class UniformTypeKVCacheSpecs(_message.Message):
     __slots__ = ("block_size", "kv_cache_specs")

@@ -119,6 +119,9 @@ def _mamba_to_proto(spec: MambaSpec, message: common_pb2.KVCacheSpec) -> None:
     mamba.mamba_type = spec.mamba_type
     mamba.mamba_cache_mode = spec.mamba_cache_mode
     mamba.num_speculative_blocks = spec.num_speculative_blocks
+    mamba.num_prefill_checkpoint_blocks = spec.num_prefill_checkpoint_blocks
+    if spec.prefill_checkpoint_alignment is not None:
+        mamba.prefill_checkpoint_alignment = spec.prefill_checkpoint_alignment
 
 
 def _uniform_to_proto(spec: UniformTypeKVCacheSpecs, message: common_pb2.KVCacheSpec) -> None:
@@ -165,6 +168,8 @@ def _mamba_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheSpe
         mamba_type=mamba.mamba_type or "mamba2",
         mamba_cache_mode=mamba.mamba_cache_mode or "none",
         num_speculative_blocks=mamba.num_speculative_blocks,
+        num_prefill_checkpoint_blocks=mamba.num_prefill_checkpoint_blocks,
+        prefill_checkpoint_alignment=_optional(mamba, "prefill_checkpoint_alignment"),
     )
 
 
