@@ -12,7 +12,9 @@ under the source roots reads every import (module level, in functions, under
 - nobody imports another package's private module (``kvcm.a._b`` from outside ``kvcm.a``);
 - the core's modules import each other without circles;
 - the README's layout table has the same packages in the same folders, and every kvcm name
-  its architecture picture draws exists.
+  its architecture picture draws exists;
+- docs/core-api.md names classes that exist, with fields they have, and lists the manager's
+  whole public surface.
 
 A second test imports the SDK in a fresh interpreter where the server's dependencies cannot
 be imported at all.
@@ -247,6 +249,86 @@ def test_the_core_api_page_has_a_row_per_core_module() -> None:
     }
     assert documented == public, (
         f"undocumented: {sorted(public - documented)}; gone: {sorted(documented - public)}"
+    )
+
+
+CORE_API_TEXT = (ROOT / "docs" / "core-api.md").read_text(encoding="utf-8")
+
+
+def _core_api_rows() -> Iterator[tuple[list[str], str]]:
+    """(modules of the row, as ``kvcm.core.x``; the row's contents cell) of the module tables."""
+    for heading, package in (("## `kvcm.common`", "kvcm.common"), ("## `kvcm.core`", "kvcm.core")):
+        section = CORE_API_TEXT.split(heading, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+        for line in section.splitlines():
+            if line.startswith("| `"):
+                first, contents = line.strip().strip("|").split("|", 1)
+                yield [f"{package}.{name}" for name in _names(first)], contents
+
+
+def test_the_core_api_page_names_what_exists() -> None:
+    # Each class a row of docs/core-api.md names is defined by one of the row's modules (or,
+    # for a cross-reference, by another module of the tree), and each
+    # ``Record(field, ...)`` it spells out lists fields the record has. A renamed class or a
+    # field that moved makes the page false; this makes the test fail instead.
+    import dataclasses
+    import importlib
+
+    everything = [
+        importlib.import_module(name)
+        for name in MODULES
+        if _within_any(name, ("kvcm.common", "kvcm.core")) and "._" not in name
+    ]
+    for modules, contents in _core_api_rows():
+        mine = [importlib.import_module(name) for name in modules]
+        for match in re.finditer(r"`([A-Z][A-Za-z0-9]+)(?:\(([^`]*)\))?`", contents):
+            name, args = match.group(1), match.group(2)
+            owners = [m for m in mine if hasattr(m, name)] or [
+                m for m in everything if hasattr(m, name)
+            ]
+            if not owners:
+                # A cross-reference to a layer above (the SDK's StepBuilder, say).
+                assert any(_defines(module, name) for module in MODULES), (
+                    f"docs/core-api.md ({', '.join(modules)}): no {name}"
+                )
+                continue
+            record = getattr(owners[0], name)
+            if args is None or not isinstance(record, type):
+                continue
+            fields = (
+                [f.name for f in dataclasses.fields(record)]
+                if dataclasses.is_dataclass(record)
+                else list(getattr(record, "_fields", ()))
+            )
+            if not fields:
+                continue
+            for arg in (a.split("=")[0].strip() for a in args.split(",")):
+                assert arg in fields, f"docs/core-api.md: {name} has no field {arg!r}"
+
+
+def test_the_core_api_page_has_the_managers_surface() -> None:
+    # The code block of "The manager's surface" lists KVCacheManager's public methods and
+    # properties, and the fields of KVCacheManagerConfig and SlotOptions in their order.
+    import dataclasses
+
+    from kvcm.core import manager
+
+    block = CORE_API_TEXT.split("### The manager's surface", 1)[1].split("```python", 1)[1]
+    block = block.split("```", 1)[0]
+    classes = dict(re.findall(r"^class (\w+)[^\n]*\n((?:    [^\n]*\n)+)", block, re.MULTILINE))
+    for name in ("KVCacheManagerConfig", "SlotOptions"):
+        documented = re.findall(r"^    (\w+):", classes[name], re.MULTILINE)
+        actual = [field.name for field in dataclasses.fields(getattr(manager, name))]
+        assert documented == actual, f"docs/core-api.md: {name} fields"
+    surface = classes["KVCacheManager"]
+    documented = set(re.findall(r"^    (?:def )?(\w+)[:(]", surface, re.MULTILINE))
+    public = {
+        name
+        for name, member in vars(manager.KVCacheManager).items()
+        if not name.startswith("_") or name == "__init__"
+    }
+    assert documented == public, (
+        f"docs/core-api.md: KVCacheManager undocumented {sorted(public - documented)}, "
+        f"gone {sorted(documented - public)}"
     )
 
 
