@@ -15,6 +15,7 @@ mirror's. ``KVCM_LONG=1`` runs four times the requests.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
@@ -421,16 +422,73 @@ def test_group_roles_kvcm_does_not_model_are_refused(
 
 
 def test_unsupported_spec_refused(vllm: ModuleType) -> None:
-    """A KV-cache spec kvcm does not model (Mamba) is refused before vLLM builds anything."""
+    """A KV-cache spec kvcm does not model (cross attention, Mamba states that compress
+    several tokens) is refused before vLLM builds anything."""
     import torch
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import (
+        CrossAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
 
     from kvcm.integrations.vllm._convert import convert_kv_cache_config
 
     del vllm
-    spec = MambaSpec(block_size=16, shapes=((2, 4),), dtypes=(torch.float16,))
+    cross = CrossAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
     config = KVCacheConfig(
-        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["m"], spec)]
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["c"], cross)]
     )
-    with pytest.raises(ConfigError, match="MambaSpec"):
+    with pytest.raises(ConfigError, match="CrossAttentionSpec"):
         convert_kv_cache_config(config)
+    packed = MambaSpec(block_size=16, shapes=((2, 4),), dtypes=(torch.float16,), tokens_per_state=4)
+    config.kv_cache_groups[0] = KVCacheGroupSpec(["m"], packed)
+    with pytest.raises(ConfigError, match="tokens_per_state"):
+        convert_kv_cache_config(config)
+
+
+def test_mamba_align_converts_and_its_sub_block_alignment_is_accepted(vllm: ModuleType) -> None:
+    """A hybrid full attention + align-mode Mamba config (hash block 64 under a Mamba block of
+    256) converts field for field, and the hash-block hit alignment EngineCore resolves for
+    it is what kvcm's core uses; the same alignment without the Mamba group is refused."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    from kvcm.integrations.vllm._convert import check_engine_resolution, convert_kv_cache_config
+
+    del vllm
+    full = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    mamba = MambaSpec(
+        block_size=256,
+        shapes=((2, 4), (8,)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_cache_mode="align",
+        num_speculative_blocks=1,
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=64,
+    )
+    config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mixer"], mamba)],
+        hash_block_size=64,
+        cache_hit_alignment_tokens=64,
+    )
+    converted = convert_kv_cache_config(config).kv_cache_groups[1].kv_cache_spec
+    assert (converted.mamba_cache_mode, converted.num_speculative_blocks) == ("align", 1)
+    assert converted.num_prefill_checkpoint_blocks == 1
+    assert converted.prefill_checkpoint_alignment == 64
+    assert converted.page_size_bytes == mamba.page_size_bytes
+    check_engine_resolution(
+        config, scheduler_block_size=256, hash_block_size=64, enable_caching=True
+    )
+    config.kv_cache_groups[1] = KVCacheGroupSpec(["attn2"], replace(full, block_size=256))
+    with pytest.raises(ConfigError, match="kvcm on 256"):
+        check_engine_resolution(
+            config, scheduler_block_size=256, hash_block_size=64, enable_caching=True
+        )

@@ -16,6 +16,7 @@ from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcm.core.coordinator import partial_hash_hits_enabled
 from kvcm.core.request import Request, RequestStatus
 
 __all__ = [
@@ -57,8 +58,8 @@ def convert_spec(spec: Any, where: str = "kv_cache_spec") -> kvcm_specs.KVCacheS
     """kvcm's spec for one of vLLM 0.33's KV-cache specs.
 
     Only the kinds kvcm's core models are accepted, by exact type: full attention (with a
-    recorded window or chunk), MLA, sliding window, chunked local attention, and uniform
-    groups of those.
+    recorded window or chunk), MLA, sliding window, chunked local attention, Mamba (in
+    either cache mode, "align" included), and uniform groups of those.
 
     Raises:
         ConfigError: The kind (or a setting of it) is not supported; the message names it.
@@ -96,9 +97,31 @@ def convert_spec(spec: Any, where: str = "kv_cache_spec") -> kvcm_specs.KVCacheS
         return kvcm_specs.ChunkedLocalAttentionSpec(
             **_attention_kwargs(spec, where), attention_chunk_size=spec.attention_chunk_size
         )
+    if kind == "MambaSpec":
+        return _convert_mamba(spec, where)
     raise ConfigError(
         f"{where}: {kind} layers are not supported by kvcm's vLLM integration yet (supported: "
-        "full attention, MLA, sliding window, chunked local attention)"
+        "full attention, MLA, sliding window, chunked local attention, Mamba)"
+    )
+
+
+def _convert_mamba(spec: Any, where: str) -> kvcm_specs.MambaSpec:
+    if getattr(spec, "tokens_per_state", -1) > 1:
+        raise ConfigError(
+            f"{where}: Mamba states covering {spec.tokens_per_state} tokens each "
+            "(tokens_per_state) are not supported"
+        )
+    mamba_type = getattr(spec.mamba_type, "name", spec.mamba_type)
+    return kvcm_specs.MambaSpec(
+        block_size=spec.block_size,
+        shapes=tuple(tuple(shape) for shape in spec.shapes),
+        dtypes=tuple(_dtype(dtype, where) for dtype in spec.dtypes),
+        page_size_padded=spec.page_size_padded,
+        mamba_type=str(mamba_type).lower(),
+        mamba_cache_mode=spec.mamba_cache_mode,
+        num_speculative_blocks=spec.num_speculative_blocks,
+        num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+        prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
     )
 
 
@@ -150,10 +173,11 @@ def check_engine_resolution(
     arguments), the granularity prefix-cache hits land on
     (``resolve_cache_hit_alignment_tokens``) and, through its planning, the sliding-window
     retention policy (``CacheConfig.prefix_cache_retention_interval``), and writes them into
-    every KV-cache config. kvcm's core hashes at ``hash_block_size``, lands every hit on the
-    scheduler block size and applies the retention policy as vLLM does (the mirror passes it
-    on); a value that asks for anything else is refused, naming it and the setting that
-    avoids it.
+    every KV-cache config. kvcm's core hashes at ``hash_block_size``, lands hits where vLLM
+    does (on the hash block size for a hybrid model with an align-mode Mamba group whose
+    blocks are larger than a hash block, vLLM's partial hash hits; on the scheduler block
+    size otherwise) and applies the retention policy as vLLM does (the mirror passes it on);
+    a value that asks for anything else is refused, naming it and the setting that avoids it.
 
     Args:
         config: vLLM's (scheduler's) ``KVCacheConfig``.
@@ -164,7 +188,6 @@ def check_engine_resolution(
     Raises:
         ConfigError: The message names the field, vLLM's value, what kvcm would use, and the fix.
     """
-    del enable_caching  # every retention policy is kvcm's too, with caching on or off
     resolved_hash = config.hash_block_size
     if resolved_hash is not None and resolved_hash != hash_block_size:
         raise ConfigError(
@@ -173,13 +196,21 @@ def check_engine_resolution(
             "EngineCore resolves (resolve_kv_cache_block_sizes)"
         )
     alignment = config.cache_hit_alignment_tokens
-    if alignment is not None and alignment != scheduler_block_size:
+    kvcm_alignment = scheduler_block_size
+    converted = convert_kv_cache_config(config)
+    if (
+        enable_caching
+        and len(converted.kv_cache_groups) > 1
+        and partial_hash_hits_enabled(converted, hash_block_size)
+    ):
+        kvcm_alignment = hash_block_size
+    if alignment is not None and alignment != kvcm_alignment:
         raise ConfigError(
             f"kv_cache_config.cache_hit_alignment_tokens={alignment}: vLLM lands prefix-cache "
-            f"hits on {alignment}-token hash blocks (partial hash hits, Mamba 'align' mode); "
-            f"kvcm lands them on the scheduler block size ({scheduler_block_size}) and does not "
-            f"serve partial hash hits yet: pass --prefix-match-unit {scheduler_block_size}, or "
-            "run this model on vLLM's own scheduler"
+            f"hits on {alignment}-token boundaries here, kvcm on {kvcm_alignment} (it serves "
+            "sub-block hits, as vLLM 0.33 does, only beside an align-mode Mamba group whose "
+            f"blocks are larger than a hash block): pass --prefix-match-unit "
+            f"{scheduler_block_size}, or run this model on vLLM's own scheduler"
         )
 
 
