@@ -134,6 +134,8 @@ def test_rejected_step_names_the_op_and_changes_nothing(client: SchedulerClient,
     assert rejection is not None
     assert rejection.op_index == 4
     assert "alloc_num_computed_tokens" in rejection.field
+    # The KVCMError attributes say the same, as an in-process core's rejection does.
+    assert (caught.value.op_index, caught.value.field) == (4, rejection.field)
     assert _snapshot(client, pool, [1]) == before
     with pytest.raises(ServiceNotFoundError):
         client.get_block_ids(pool, 2)  # the ADD_REQUEST did not run either

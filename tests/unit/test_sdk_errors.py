@@ -123,6 +123,8 @@ def test_step_rejection_trailer_is_decoded() -> None:
     assert error.rejection.op_index == 17
     assert error.rejection.field == "alloc_num_computed_tokens[5]"
     assert error.rejection.reason == "exceeds the request's 33 tokens"
+    # The attributes every KVCMError has say the same, as the in-process core's error would.
+    assert (error.op_index, error.field) == (17, "alloc_num_computed_tokens[5]")
 
 
 def test_whole_step_rejection_has_no_op_index_and_garbage_is_ignored() -> None:
@@ -137,6 +139,7 @@ def test_whole_step_rejection_has_no_op_index_and_garbage_is_ignored() -> None:
     )
     assert error.rejection is not None
     assert error.rejection.op_index is None
+    assert (error.op_index, error.field) == (None, "step_seq")
     garbage = error_from_rpc(
         _FakeRpcError(
             grpc.StatusCode.INVALID_ARGUMENT, "x", ((STEP_REJECTION_TRAILER, b"\xff\xff"),)
@@ -144,6 +147,7 @@ def test_whole_step_rejection_has_no_op_index_and_garbage_is_ignored() -> None:
         "Step",
     )
     assert garbage.rejection is None
+    assert (garbage.op_index, garbage.field) == (None, None)
 
 
 def test_not_found_reads_like_the_others() -> None:

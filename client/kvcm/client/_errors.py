@@ -21,7 +21,9 @@ contract violation, so code written against the core catches the same classes re
         └── InternalError                       INTERNAL, UNKNOWN, DATA_LOSS, ABORTED
 
 A rejected Step also carries ``rejection`` (the op index and field at fault), decoded from the
-``kvcm-step-rejection-bin`` trailer.
+``kvcm-step-rejection-bin`` trailer; its op index and field are also the error's ``op_index``
+and ``field``, the attributes every ``KVCMError`` has, so code that reads them works the same
+on an in-process core's error and on the service's.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ class ServiceError(KVCMError):
         details: The server's message (names the field at fault for INVALID_ARGUMENT).
         method: The RPC's short name (``"Step"``, ``"AllocateSlots"``).
         rejection: For a rejected Step, which op and field failed; else ``None``.
+        field: The rejection's field (``None`` without one), as the core's errors name it.
+        op_index: The rejection's op index (``None`` without one, or for a whole Step).
     """
 
     def __init__(
@@ -132,7 +136,11 @@ class ServiceError(KVCMError):
             method: The RPC's short name.
             rejection: A rejected Step's details, if any.
         """
-        super().__init__(details)
+        super().__init__(
+            details,
+            field=(rejection.field or None) if rejection is not None else None,
+            op_index=rejection.op_index if rejection is not None else None,
+        )
         self.code = code
         self.details = details
         self.method = method
