@@ -7,10 +7,12 @@ arguments (validated once, in ``ClientSettings``), open the channel with the bea
 the trace-context interceptors, hold one stub per service (``Stubs``), and run every unary
 call through ``_unary``: the call's deadline, then ``error_from_rpc`` (``_errors.py``) on
 failure, raised ``from`` the gRPC error. A scheduler call is ``build_*`` (Python values to a
-``kvcm.v1`` request) + one ``_unary`` + ``decode_*`` (the answer to SDK values).
+``kvcm.v1`` request) + one ``_unary`` + a decoder (``kvcm.wire``'s, or ``decode_*`` here for
+the SDK's own records).
 
 Retries: the channel's service config retries the calls ``service.proto`` declares idempotent
-(``RegisterWorker``, ``Get*``/``List*``/``Describe*``, ``SubscribeEvents``) on UNAVAILABLE. A
+(``RegisterWorker``, ``Get*``/``List*``/``Describe*``, ``SubscribeEvents``, ``Lookup``,
+``RoutePd``) on UNAVAILABLE. A
 ``Step`` is idempotent only when it carries a ``step_seq``, which a service config cannot see,
 so the clients retry such Steps themselves with the same policy (``RETRY_POLICY``).
 """
