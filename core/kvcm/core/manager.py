@@ -40,13 +40,18 @@ from kvcm.common.specs import (
 )
 from kvcm.core.coordinator import (
     CoordinatorConfig,
+    HybridKVCacheCoordinator,
     KVCacheCoordinator,
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
     lcm_of_block_sizes,
 )
 from kvcm.core.request import RequestStatus
-from kvcm.core.single_type_managers import FullAttentionManager
+from kvcm.core.single_type_managers import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
 from kvcm.core.stats import PrefixCacheStats, PrefixCachingMetrics
 
 if TYPE_CHECKING:
@@ -212,6 +217,27 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in self.blocks))
 
 
+def _running_fast_groups(
+    coordinator: KVCacheCoordinator, hash_block_size: int
+) -> tuple[SingleTypeKVCacheManager, ...]:
+    # The groups of a cached pool whose running requests take _allocate_running_groups: full
+    # attention and sliding window only (no admission caps, encoder or per-step state);
+    # empty where the single-group path applies or another type is present.
+    managers = coordinator.single_type_managers
+    if type(coordinator) not in (UnitaryKVCacheCoordinator, HybridKVCacheCoordinator):
+        return ()
+    if not all(type(m) in (FullAttentionManager, SlidingWindowManager) for m in managers):
+        return ()
+    only = managers[0]
+    if (
+        len(managers) == 1
+        and type(only) is FullAttentionManager
+        and only.block_size == hash_block_size
+    ):
+        return ()  # the single-group path
+    return managers
+
+
 class CacheHit(NamedTuple):
     """What ``get_computed_blocks`` finds: hit blocks per group and the hit length."""
 
@@ -345,6 +371,21 @@ class KVCacheManager:
             and type(only) is FullAttentionManager
             and only.block_size == self.hash_block_size
             else None
+        )
+        # The running fast path of every other cached pool of full-attention and
+        # sliding-window groups (hybrid models): the general path's decisions, in its order,
+        # without its per-call generality (hits, external tokens, encoder, watermark).
+        self._fast_groups = _running_fast_groups(self.coordinator, self.hash_block_size)
+        self._fast_skipping = tuple(m for m in managers if m.skips_tokens)
+        # Full attention registers a prompt's partial tail block whenever it caches with a
+        # hash block smaller than its block: then caching cannot be skipped by a count.
+        self._fast_cache_always = any(
+            type(m) is FullAttentionManager and m.block_size != self.hash_block_size
+            for m in managers
+        )
+        # The hybrid coordinator caches only scheduler-block-aligned prefixes.
+        self._fast_cache_alignment = (
+            self.scheduler_block_size if type(self.coordinator) is HybridKVCacheCoordinator else 1
         )
 
     # --------------------------------------------------------------------------- state
@@ -526,6 +567,14 @@ class KVCacheManager:
             req_blocks = fast.req_to_blocks.get(request.request_id)
             if req_blocks is not None:
                 return self._allocate_running(fast, req_blocks, request, num_new_tokens)
+        elif (
+            self._fast_groups
+            and hit is None
+            and options is DEFAULT_SLOT_OPTIONS
+            and request.status is RequestStatus.RUNNING
+            and request.request_id in self._fast_groups[0].req_to_blocks
+        ):
+            return self._allocate_running_groups(request, num_new_tokens)
         new_computed, num_new_computed = self._check_allocation(
             request, num_new_tokens, hit, options
         )
@@ -626,6 +675,68 @@ class KVCacheManager:
         if not new_blocks:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks((new_blocks,))
+
+    def _allocate_running_groups(
+        self, request: Request, num_new_tokens: int
+    ) -> KVCacheBlocks | None:
+        # allocate_slots for a running request of full-attention and sliding-window groups
+        # with default options: the general path's steps and decisions in its order (free out
+        # of window, estimate, allocate group by group, cache), without a hit, external or
+        # encoder tokens, lookahead or watermark, which a running request never has here.
+        self._check_request(request)
+        num_computed = request.num_computed_tokens
+        if num_new_tokens <= 0 or num_computed + num_new_tokens > self.max_model_len:
+            self._check_allocation(request, num_new_tokens, None, DEFAULT_SLOT_OPTIONS)
+        request_id = request.request_id
+        num_processed = num_computed - request.num_in_flight_tokens
+        for manager in self._fast_skipping:
+            manager.remove_skipped_blocks(request_id, num_processed if num_processed > 0 else 0)
+        num_tokens = num_computed + num_new_tokens
+        groups = self._fast_groups
+        num_to_allocate = 0
+        for manager in groups:
+            block_size = manager.block_size
+            num_held = len(manager.req_to_blocks[request_id])
+            if request_id not in manager.num_cached_block:
+                # Not cached yet: blocks before the window need no new block.
+                num_skipped = manager.get_num_skipped_tokens(num_computed) // block_size
+                num_held = max(num_held, num_skipped)
+            num_missing = -(-num_tokens // block_size) - num_held
+            if num_missing > 0:
+                num_to_allocate += num_missing
+        pool = self.block_pool
+        if num_to_allocate > pool.get_num_free_blocks():
+            return None
+        new_blocks: list[list[KVCacheBlock]] | None = None
+        for index, manager in enumerate(groups):
+            req_blocks = manager.req_to_blocks[request_id]
+            num_new_blocks = -(-num_tokens // manager.block_size) - len(req_blocks)
+            if num_new_blocks <= 0:
+                continue
+            allocated = pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(allocated)
+            if manager.records_new_block_ids:
+                manager.new_block_ids.extend([block.block_id for block in allocated])
+            if new_blocks is None:
+                new_blocks = [[] for _ in groups]
+            new_blocks[index] = allocated
+        num_cacheable = min(num_tokens, request.num_tokens)
+        if self._fast_cache_always or self._completes_block(request, num_cacheable):
+            self.coordinator.cache_blocks(request, num_cacheable)
+        if new_blocks is None:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(tuple(new_blocks))
+
+    def _completes_block(self, request: Request, num_cacheable: int) -> bool:
+        # Whether caching num_cacheable tokens would cache a block in some group (else the
+        # coordinator's cache_blocks changes nothing).
+        num_tokens = num_cacheable - num_cacheable % self._fast_cache_alignment
+        num_tokens = min(num_tokens, len(request.block_hashes) * self.hash_block_size)
+        request_id = request.request_id
+        for manager in self._fast_groups:
+            if num_tokens // manager.block_size > manager.num_cached_block.get(request_id, 0):
+                return True
+        return False
 
     def _check_allocation(
         self,
