@@ -69,6 +69,8 @@ class Layout:
     max_in_flight_tokens: int | None = None
     # prefix_cache_retention_interval: None dense, 0 vLLM's CacheConfig default, n periodic.
     retention: int | None = None
+    # vLLM's --prefix-match-unit: the hash block size of a cached hybrid pool, if set.
+    prefix_match_unit: int | None = None
 
     @property
     def scheduler_block_size(self) -> int:
@@ -85,6 +87,8 @@ class Layout:
             return self.scheduler_block_size
         if any(g.kind == MAMBA and g.mamba_cache_mode != "align" for g in self.groups):
             return self.scheduler_block_size
+        if self.prefix_match_unit is not None:
+            return self.prefix_match_unit
         return math.gcd(*sizes)
 
 
@@ -479,6 +483,9 @@ class KvcmSide:
                 log_stats=True,
                 watermark=layout.watermark,
                 prefix_cache_retention_interval=layout.retention,
+                hash_block_size=(
+                    None if layout.prefix_match_unit is None else layout.hash_block_size
+                ),
             )
         )
         self.hasher = BlockHasher(

@@ -284,6 +284,20 @@ SCENARIOS = [
         token_budget=768,
         max_lookahead=2,
     ),
+    # As vLLM serves real hybrid models: attention blocks as large as the Mamba block, and
+    # --prefix-match-unit 64 for hits on 64-token boundaries.
+    MambaScenario(
+        "full256-mamba256-prefix-match-unit-64",
+        Layout(
+            (GroupDesc(FULL, 256), _mamba(256)),
+            num_blocks=26,
+            max_model_len=1536,
+            retention=0,
+            prefix_match_unit=64,
+        ),
+        steps=150,
+        token_budget=512,
+    ),
     # Hash block equal to the Mamba block: hits on whole blocks only, no copies.
     MambaScenario(
         "full128-mamba128",
