@@ -23,7 +23,7 @@ from kvcm.client import (
     WorkerRegistration,
 )
 from kvcm.common.dtypes import DType
-from kvcm.common.errors import AlreadyExistsError, ConfigError, InvalidArgumentError
+from kvcm.common.errors import AlreadyExistsError, InvalidArgumentError
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from kvcm.core.limits import Limits
 from kvcm.server.embedded import start_embedded_server
@@ -265,25 +265,27 @@ def test_a_tensor_overflowing_uint64_is_invalid_argument_and_nothing_is_recorded
     client.delete_pool("override")
 
 
-def test_mamba_align_mode_is_refused_by_the_sdk_and_the_wire(
+def test_an_unknown_mamba_cache_mode_is_refused_by_the_sdk_and_the_wire(
     client: SchedulerClient, kvcm_address: str
 ) -> None:
-    align = MambaSpec(
+    # "none" and "align" plan (vLLM 0.33's modes); anything else is refused before anything
+    # is sent, and the server refuses it the same way, recording nothing.
+    bogus = MambaSpec(
         block_size=16, shapes=((4, 64), (2, 96)), dtypes=("bfloat16", "float32"),
-        mamba_cache_mode="align",
+        mamba_cache_mode="all",
     )  # fmt: skip
-    specs: dict[str, KVCacheSpec] = {"model.layers.0.mixer": align}
-    client.create_pool("align", PoolConfig(max_model_len=64, world_size=1))
+    specs: dict[str, KVCacheSpec] = {"model.layers.0.mixer": bogus}
+    client.create_pool("bogus", PoolConfig(max_model_len=64, world_size=1))
     with (
         WorkerClient(kvcm_address, timeout=10.0) as worker,
-        pytest.raises(ConfigError, match=r"'model.layers.0.mixer'.*'align'.*not supported"),
+        pytest.raises(InvalidArgumentError, match=r"'model.layers.0.mixer'.*'none' or 'align'"),
     ):
-        worker.register("align", 0, 1, specs, 64 * MIB)
-    details = _raw_register_error(kvcm_address, "align", specs, 64 * MIB)
-    assert "not supported yet" in details
+        worker.register("bogus", 0, 1, specs, 64 * MIB)
+    details = _raw_register_error(kvcm_address, "bogus", specs, 64 * MIB)
+    assert "'none' or 'align'" in details
     assert "model.layers.0.mixer" in details
-    assert client.describe_pool("align").registered_ranks == ()
-    client.delete_pool("align")
+    assert client.describe_pool("bogus").registered_ranks == ()
+    client.delete_pool("bogus")
 
 
 # ----------------------------------------------------------------------------- limits
