@@ -586,6 +586,13 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--in-process", action="store_true", help="drive the allocation core in this process"
     )
+    where.add_argument(
+        "--pd",
+        action="store_true",
+        help="the P/D demo instead: kvcm pd-proxy against round robin over simulated prefill "
+        "and decode engines, with faults (examples/pd_demo.py; its own flags follow: "
+        "--conversations, --turns, --never-pull-every, --die-after, --concurrency, --seed)",
+    )
     parser.add_argument(
         "--grpc-address",
         default=DEFAULT_GRPC_ADDRESS,
@@ -617,7 +624,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python examples/demo.py [--remote ADDRESS | --in-process] ...``; the exit code."""
+    """``python examples/demo.py [--remote ADDRESS | --in-process | --pd] ...``; the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--pd" in argv:
+        from pd_demo import main as pd_main
+
+        return pd_main([arg for arg in argv if arg != "--pd"])
     args = _parser().parse_args(argv)
     if args.in_process:
         return run_demo(

@@ -92,7 +92,40 @@ def _build_parser() -> argparse.ArgumentParser:
     for command in (pools, describe, lookup, events):
         add_connection_flags(command)
         command.add_argument("--json", action="store_true", help="print JSON, for scripts")
+    pd_proxy = commands.add_parser(
+        "pd-proxy",
+        help="OpenAI-compatible P/D proxy: prefill and decode engines picked by kvcm (docs/pd.md)",
+    )
+    _add_pd_proxy_flags(pd_proxy)
+    add_connection_flags(pd_proxy)
     return parser
+
+
+# What `kvcm[proxy]` adds to the base install.
+_PROXY_DEPENDENCIES = frozenset({"fastapi", "starlette", "uvicorn", "httpx", "httpcore"})
+
+
+def _add_pd_proxy_flags(parser: argparse.ArgumentParser) -> None:
+    try:
+        from kvcm.cli.pd_proxy import add_pd_proxy_flags
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in _PROXY_DEPENDENCIES:
+            raise
+        parser.set_defaults(proxy_missing=exc.name)
+        return
+    add_pd_proxy_flags(parser)
+
+
+def _pd_proxy(args: argparse.Namespace, connection: Connection) -> int:
+    missing = getattr(args, "proxy_missing", None)
+    if missing:
+        raise UsageError(
+            f"the proxy's dependencies are not installed ({missing} is missing): "
+            "pip install 'kvcm[proxy]'"
+        )
+    from kvcm.cli.pd_proxy import run_pd_proxy
+
+    return run_pd_proxy(args, connection)
 
 
 def _add_lookup_flags(lookup: argparse.ArgumentParser) -> None:
@@ -365,6 +398,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Connection], int]] = {
     "describe": _describe,
     "lookup": _lookup,
     "events": _events,
+    "pd-proxy": _pd_proxy,
 }
 
 
