@@ -138,8 +138,8 @@ def _layout(num_blocks: int) -> KVCacheConfig:
 
 def _fill(pool: Pool, requests: Sequence[tuple[list[int], list[bytes]]], first_key: int) -> None:
     for key, (tokens, hashes) in enumerate(requests, start=first_key):
-        request = pool.add_request(key, str(key), tokens, b"".join(hashes))
-        if pool.allocate_slots(request, len(tokens), None) is None:
+        pool.add_request(key, str(key), tokens, b"".join(hashes))
+        if pool.allocate(key, len(tokens), 0) is None:
             raise RuntimeError(f"pool {pool.name}: filling request {key} did not fit")
         pool.free(key, preempt=False)
 
@@ -343,12 +343,14 @@ def bench_index_cost(repeats: int, seed: int) -> Row:
     keys = iter(range(1000, 1000 + 4 * repeats))
 
     def churn(pool: Pool) -> Sample:
+        manager = pool.ready_manager()
+
         def sample() -> float:
             key = next(keys)
             hashes = b"".join(rng.randbytes(32) for _ in range(64))
             start = time.perf_counter()
             request = pool.add_request(key, "r", tokens, hashes)
-            pool.allocate_slots(request, len(tokens), None)
+            manager.allocate_slots(request, len(tokens))
             pool.free(key, preempt=False)
             return time.perf_counter() - start
 

@@ -15,6 +15,7 @@ from kvcm.common.hashing import BlockHasher, HashAlgorithm, MultiModalFeature
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvcm.core.lookup import LookupQuery, PoolHit, PoolLoad, PrefixIndex
 from kvcm.core.pool import Pool, PoolConfig, PoolRegistry
+from kvcm.core.program import HitSpec
 from kvcm.core.request import Request
 from kvcm.core.snapshot import decode_pool, encode_pool
 
@@ -76,8 +77,8 @@ def _serve(pool: Pool, key: int, tokens: list[int], *, finish: bool = True) -> N
     hashes = b"".join(_hashes(pool, tokens)) if pool.options.enable_caching else b""
     pool.add_request(key, f"r{key}", tokens, hashes)
     hit = pool.get_computed_blocks(key, None)
-    request = pool.request(key)
-    if pool.allocate_slots(request, len(tokens) - hit.num_computed_tokens, hit) is None:
+    found = HitSpec(num_tokens=hit.num_computed_tokens, block_ids=hit.blocks.get_block_ids())
+    if pool.allocate(key, len(tokens) - hit.num_computed_tokens, 0, hit=found) is None:
         pool.free(key, preempt=False)
         return
     if finish:
@@ -168,7 +169,7 @@ def test_hash_prompts_lora_salt_and_multimodal_keys() -> None:
         "mm_features": [MultiModalFeature("img", 4, 6)],
     }
     pool.add_request(1, "r1", prompt, b"".join(_hashes(pool, prompt, **extra)), lora_name="adapter")
-    assert pool.allocate_slots(pool.request(1), 33, None) is not None
+    assert pool.allocate(1, 33, 0) is not None
     plain = registry.lookup(LookupQuery(token_ids=prompt, pool_ids=["p"]))
     assert plain.pools[0].num_hit_tokens == 0  # other keys: other hashes
     keyed = registry.lookup(LookupQuery(token_ids=prompt, pool_ids=["p"], **extra))  # type: ignore[arg-type]

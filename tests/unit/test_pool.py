@@ -28,6 +28,7 @@ from kvcm.core.pool import (
     check_pool_id,
     hash_length_bytes,
 )
+from kvcm.core.program import HitSpec
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
 LAYOUT = KVCacheConfig(
@@ -125,9 +126,10 @@ def test_lookup_stats_accumulate_and_drain_separately() -> None:
     pool = _pool()
     prompt = list(range(48))
     for key in (1, 2):
-        request = pool.add_request(key, f"r{key}", prompt, _hashes(pool, prompt))
+        pool.add_request(key, f"r{key}", prompt, _hashes(pool, prompt))
         hit = pool.get_computed_blocks(key, None)
-        assert pool.allocate_slots(request, 48 - hit.num_computed_tokens, hit) is not None
+        found = HitSpec(num_tokens=hit.num_computed_tokens, block_ids=hit.blocks.get_block_ids())
+        assert pool.allocate(key, 48 - hit.num_computed_tokens, 0, hit=found) is not None
     snapshot = pool.snapshot()
     assert (snapshot.requests, snapshot.queries, snapshot.hits) == (2, 96, 32)
     taken = pool.take_prefix_cache_stats()
@@ -142,8 +144,8 @@ def test_lookup_stats_accumulate_and_drain_separately() -> None:
 def test_snapshot_counts_cached_blocks_as_the_blocks_say() -> None:
     pool = _pool()
     prompt = list(range(40))  # two full blocks cached, the third partial
-    request = pool.add_request(1, "r1", prompt, _hashes(pool, prompt))
-    assert pool.allocate_slots(request, 40, None) is not None
+    pool.add_request(1, "r1", prompt, _hashes(pool, prompt))
+    assert pool.allocate(1, 40, 0) is not None
     assert pool.manager is not None
     hashed = sum(1 for block in pool.manager.block_pool.blocks if block.block_hash is not None)
     assert hashed == 2
@@ -159,8 +161,8 @@ def test_event_log_numbers_resumes_and_forgets() -> None:
     assert pool.check_event_start(None) == 1
     for key in range(3):
         prompt = [key * 100 + i for i in range(16)]
-        request = pool.add_request(key, str(key), prompt, _hashes(pool, prompt))
-        pool.allocate_slots(request, 16, None)
+        pool.add_request(key, str(key), prompt, _hashes(pool, prompt))
+        pool.allocate(key, 16, 0)
         assert pool.publish_events(float(key)) == 1
     assert pool.last_event_sequence == 3
     assert pool.oldest_event_sequence == 2

@@ -47,7 +47,6 @@ from kvcm.core.lookup import (
 from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
-    KVCacheBlocks,
     KVCacheManager,
     KVCacheManagerConfig,
     SlotOptions,
@@ -588,23 +587,6 @@ class Pool:
         hit = manager.get_computed_blocks(request, max_cache_hit_length)
         manager.record_prefix_cache_stats(request, hit.num_computed_tokens)
         return hit
-
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        hit: CacheHit | None,
-        options: SlotOptions = DEFAULT_SLOT_OPTIONS,
-    ) -> KVCacheBlocks | None:
-        """allocate_slots on a validated request; counts "does not fit", marks RUNNING."""
-        manager = self.manager
-        assert manager is not None
-        blocks = manager.allocate_slots(request, num_new_tokens, hit, options)
-        if blocks is None:
-            self.allocations_not_fit_total += 1
-            return None
-        request.status = RequestStatus.RUNNING
-        return blocks
 
     # ------------------------------------------------------------------- Step programs
     def run_step(self, program: StepProgram, *, phase: PhaseHook | None = None) -> StepOutcome:

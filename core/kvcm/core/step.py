@@ -5,6 +5,12 @@
 executes it (:func:`execute_program`). The unary calls of :class:`~kvcm.core.pool.Pool` use the
 same check functions, so a rule is written once.
 
+Both phases walk the program with one dispatcher (:func:`_walk`) over the op table
+(:mod:`kvcm.core.op_table`): it keeps the one cursor (the ``request_keys`` position and each
+kind's ordinal, which indexes the kind's columns) and hands each op to its kind's handler.
+Every kind has a validate and an execute handler, side by side below; a handler is made per
+walk, for the kinds the program uses, and keeps the columns it reads in its closure.
+
 Atomicity: validation walks the ops through a shadow of the request table (keys added and
 finished, token and hash counts after appends, whether the request holds blocks) and checks
 everything execution could refuse: column consumption, counts against the request's tokens,
@@ -45,6 +51,7 @@ from typing import TYPE_CHECKING, Final, TypeAlias
 from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, KVCMError
 from kvcm.common.hashing import BlockHash
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, CacheHit, KVCacheBlocks, SlotOptions
+from kvcm.core.op_table import KEYED, OP_TABLE
 from kvcm.core.program import (
     NO_LOOKUP_BOUND,
     AllocOptions,
@@ -56,11 +63,26 @@ from kvcm.core.program import (
 )
 from kvcm.core.request import Request, RequestStatus
 from kvcm.core.step_checks import (
+    HOLDS_MAYBE,
+    HOLDS_NO,
+    HOLDS_YES,
+    Shadow,
+    check_add,
+    check_allocate,
     check_append,
+    check_append_slow,
+    check_commit,
+    check_consumed,
+    check_evict,
     check_hit,
     check_limits,
     check_new_request,
-    validate_program,
+    check_program_fields,
+    check_record,
+    hashes_expected,
+    reject,
+    too_few,
+    verify_append,
 )
 
 if TYPE_CHECKING:
@@ -80,24 +102,29 @@ __all__ = [
     "validate_program",
 ]
 
-_ADD: Final = int(OpKind.ADD_REQUEST)
-_ALLOCATE: Final = int(OpKind.ALLOCATE)
 _APPEND: Final = int(OpKind.APPEND_TOKENS)
-_CACHE: Final = int(OpKind.CACHE_BLOCKS)
-_SKIPPED: Final = int(OpKind.REMOVE_SKIPPED_BLOCKS)
+_ALLOCATE: Final = int(OpKind.ALLOCATE)
 _PREEMPT: Final = int(OpKind.PREEMPT)
-_NEW_STEP: Final = int(OpKind.NEW_STEP_STARTS)
-_EVICT: Final = int(OpKind.EVICT_BLOCKS)
-_RESET: Final = int(OpKind.RESET_PREFIX_CACHE)
-_RECORD: Final = int(OpKind.RECORD_PREFIX_STATS)
+_FINISH: Final = int(OpKind.FINISH)
 _OK: Final = int(ItemStatus.OK)
 _DOES_NOT_FIT: Final = int(ItemStatus.DOES_NOT_FIT)
 _NO_TOKEN_BUDGET: Final = int(ItemStatus.NO_TOKEN_BUDGET)
 _HIT_STALE: Final = int(ItemStatus.HIT_STALE)
+_NONE_DEFERRED: Final[frozenset[int]] = frozenset()
+_NUM_KINDS: Final = max(OP_TABLE) + 1
+_KEYED_BY_KIND: Final = [KEYED.get(kind, 0) for kind in range(_NUM_KINDS)]
 
 
 PhaseHook: TypeAlias = Callable[[str], AbstractContextManager[object]]
 """Wraps a phase of the interpreter (``"validate"``, ``"execute"``): e.g. a tracing span."""
+
+Handler: TypeAlias = Callable[[int, int, int], None]
+"""One op: ``(op_index, key position, ordinal among its kind)``; raises :class:`_Stop` to end
+the walk after this op."""
+
+
+class _Stop(Exception):  # noqa: N818 - control flow, never escapes the walk
+    """An execute handler ends the walk after its op (an ALLOCATE that did not fit)."""
 
 
 class StepExecutionBug(AssertionError):  # noqa: N818 - a bug, not an error to handle
@@ -164,7 +191,31 @@ def run_step(pool: Pool, program: StepProgram, *, phase: PhaseHook | None = None
     return outcome
 
 
-# ------------------------------------------------------------------------------ execution
+def validate_program(pool: Pool, manager: KVCacheManager, program: StepProgram) -> frozenset[int]:
+    """Validate a whole program against the pool without changing anything.
+
+    Returns:
+        The ALLOCATE indices whose caller-supplied hit must be checked against the cache when
+        the op runs (an earlier op may evict, or the Step appends the hashes it needs).
+
+    Raises:
+        KVCMError: The first failing op (``op_index`` set) or the malformed program.
+    """
+    check_program_fields(program)
+    v = Shadow(pool, manager, program)
+    _, num_keys, counts = _walk(program.ops, lambda kind: _PAIRS[kind][0](v))
+    check_consumed(program, num_keys, counts, pool.hashing.hash_length_bytes)
+    options_by_index = program.alloc_options
+    num_allocs = counts[_ALLOCATE]
+    if options_by_index and max(options_by_index) >= num_allocs:
+        raise InvalidArgumentError(
+            f"alloc_options names alloc index {max(options_by_index)} but the Step has "
+            f"{num_allocs} ALLOCATE ops",
+            field="alloc_options",
+        )
+    return frozenset(v.deferred_hits) if v.deferred_hits else _NONE_DEFERRED
+
+
 def execute_program(
     pool: Pool,
     manager: KVCacheManager,
@@ -183,201 +234,337 @@ def execute_program(
     Raises:
         StepExecutionBug: The core refused an op validation accepted (a bug).
     """
+    outcome = StepOutcome(token_budget_left=program.token_budget)
+    x = _Execution(pool, manager, program, outcome, deferred_hits)
     try:
-        return _execute(pool, manager, program, deferred_hits)
+        executed, _, _ = _walk(program.ops, lambda kind: _PAIRS[kind][1](x))
     except KVCMError as exc:  # pragma: no cover - validation covers what execution refuses
         raise StepExecutionBug(f"the core refused a validated Step op: {exc!r}") from exc
+    outcome.num_ops_executed = executed
+    return outcome
 
 
-def _execute(
-    pool: Pool, manager: KVCacheManager, program: StepProgram, deferred_hits: frozenset[int]
-) -> StepOutcome:
-    requests = pool.requests
-    keys = program.request_keys
+# ----------------------------------------------------------------------------- the walk
+def _walk(ops: list[int], make: Callable[[int], Handler]) -> tuple[int, int, list[int]]:
+    """The one dispatcher: hand each op to its kind's handler, keeping the one cursor.
+
+    Args:
+        ops: The program's ops.
+        make: The handler of an op kind (called once per kind the program uses).
+
+    Returns:
+        The ops walked (all, or up to the one whose handler raised :class:`_Stop`), the
+        ``request_keys``
+        entries they took, and per op kind value how many ops of that kind they were.
+
+    Raises:
+        InvalidArgumentError: An op of no kind (names ``ops[i]``).
+    """
+    handlers: dict[int, Handler] = {}
+    counts = [0] * _NUM_KINDS
+    keyed = _KEYED_BY_KIND
+    k = op_index = 0
+    try:
+        for op_index, op in enumerate(ops):
+            try:
+                handler = handlers[op]
+            except KeyError:
+                if op not in OP_TABLE:
+                    raise reject(
+                        InvalidArgumentError(f"ops[{op_index}] has unknown kind {op}"),
+                        op_index,
+                        op,
+                        f"ops[{op_index}]",
+                    ) from None
+                handler = handlers[op] = make(op)
+            n = counts[op]
+            counts[op] = n + 1
+            handler(op_index, k, n)
+            k += keyed[op]
+    except _Stop:
+        return op_index + 1, k, counts
+    return len(ops), k, counts
+
+
+class _Execution:
+    """What the execute handlers of one walk share."""
+
+    __slots__ = ("deferred_hits", "manager", "outcome", "pool", "program")
+
+    def __init__(
+        self,
+        pool: Pool,
+        manager: KVCacheManager,
+        program: StepProgram,
+        outcome: StepOutcome,
+        deferred_hits: frozenset[int],
+    ) -> None:
+        self.pool = pool
+        self.manager = manager
+        self.program = program
+        self.outcome = outcome
+        self.deferred_hits = deferred_hits
+
+
+# ---------------------------------------------------------------------------- ADD_REQUEST
+def _validate_add(v: Shadow) -> Handler:
+    def check(op_index: int, k: int, n: int) -> None:
+        check_add(v, op_index, n)
+
+    return check
+
+
+def _execute_add(x: _Execution) -> Handler:
+    pool, new_requests = x.pool, x.program.new_requests
+
+    def run(op_index: int, k: int, n: int) -> None:
+        new = new_requests[n]
+        pool.add_request(
+            new.key,
+            new.request_id,
+            new.prompt_token_ids,
+            new.block_hashes,
+            lora_id=new.lora_id,
+            lora_name=new.lora_name,
+            cache_salt=new.cache_salt,
+            skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+        )
+
+    return run
+
+
+# -------------------------------------------------------------------------- APPEND_TOKENS
+def _validate_append(v: Shadow) -> Handler:
+    # A decode step's op: a cheap test sends only suspicious appends to the full checks.
+    pool, program = v.pool, v.program
+    keys, table_get, first_sight, verify = v.keys, v.table.get, v.first_sight, v.verify
+    num_keys = len(keys)
+    counts_tokens, counts_hashes = program.append_num_tokens, program.append_num_block_hashes
+    num_appends = min(len(counts_tokens), len(counts_hashes))
+    num_token_ids = len(program.append_token_ids)
+    num_hash_bytes = len(program.append_block_hashes)
+    max_model_len = pool.max_model_len
+    hash_block_size = pool.hashing.hash_block_size if pool.options.enable_caching else 0
     hash_length = pool.hashing.hash_length_bytes
-    append_tokens = program.append_token_ids
-    append_hashes = program.append_block_hashes
-    append_counts = program.append_num_tokens
-    append_hash_counts = program.append_num_block_hashes
-    alloc_new = program.alloc_num_new_tokens
-    alloc_computed = program.alloc_num_computed_tokens
-    allocate = manager.allocate_slots
-    running = RequestStatus.RUNNING
-    options_by_index = program.alloc_options
-    default_lookahead = program.default_num_lookahead_tokens
-    default_options = (
-        SlotOptions(num_lookahead_tokens=default_lookahead)
-        if default_lookahead
-        else DEFAULT_SLOT_OPTIONS
+    token_cursor = hash_cursor = 0
+
+    def check(op_index: int, k: int, n: int) -> None:
+        nonlocal token_cursor, hash_cursor
+        if k >= num_keys:
+            raise too_few(op_index, _APPEND, "request_keys")
+        key = keys[k]
+        state = table_get(key) or first_sight(op_index, _APPEND, k, key)
+        if n >= num_appends:
+            raise too_few(op_index, _APPEND, "append_num_tokens")
+        num_tokens = counts_tokens[n]
+        num_hashes = counts_hashes[n]
+        start = token_cursor
+        token_cursor += num_tokens
+        hash_cursor += num_hashes * hash_length
+        before = state[0]
+        hashes_before = state[2]
+        if (
+            num_tokens <= 0
+            or num_hashes < 0
+            or before + num_tokens > max_model_len
+            or token_cursor > num_token_ids
+            or hash_cursor > num_hash_bytes
+            or (
+                num_hashes
+                and not hashes_expected(
+                    before, num_tokens, num_hashes, hashes_before, hash_block_size
+                )
+            )
+        ):
+            check_append_slow(
+                v, op_index, key, n, before, hashes_before,
+                num_tokens=num_tokens, num_hashes=num_hashes,
+                short=token_cursor > num_token_ids or hash_cursor > num_hash_bytes,
+            )  # fmt: skip
+        state[0] = before + num_tokens
+        state[2] = hashes_before + num_hashes
+        if verify:
+            verify_append(v, op_index, n, state, start, num_tokens, num_hashes)
+
+    return check
+
+
+def _execute_append(x: _Execution) -> Handler:
+    program = x.program
+    requests, keys = x.pool.requests, program.request_keys
+    counts_tokens, counts_hashes = program.append_num_tokens, program.append_num_block_hashes
+    token_ids, hashes = program.append_token_ids, program.append_block_hashes
+    hash_length = x.pool.hashing.hash_length_bytes
+    token_cursor = hash_cursor = 0
+
+    def run(op_index: int, k: int, n: int) -> None:
+        nonlocal token_cursor, hash_cursor
+        request = requests[keys[k]]
+        num_tokens = counts_tokens[n]
+        num_hashes = counts_hashes[n]
+        if num_tokens == 1:  # a decode step's
+            request.all_token_ids.append(token_ids[token_cursor])
+        else:
+            request.all_token_ids.extend(token_ids[token_cursor : token_cursor + num_tokens])
+        token_cursor += num_tokens
+        if num_hashes:
+            size = num_hashes * hash_length
+            raw = hashes[hash_cursor : hash_cursor + size]
+            hash_cursor += size
+            request.block_hashes.extend(
+                [BlockHash(raw[i : i + hash_length]) for i in range(0, size, hash_length)]
+            )
+
+    return run
+
+
+# ------------------------------------------------------------------------------- ALLOCATE
+def _validate_allocate(v: Shadow) -> Handler:
+    # A decode step's op: a cheap test sends only suspicious allocations to the full checks.
+    program = v.program
+    keys, table_get, first_sight, allocated_add = (
+        v.keys,
+        v.table.get,
+        v.first_sight,
+        v.allocated.add,
     )
-    budget = program.token_budget
-    stop = not program.continue_on_does_not_fit
-    outcome = StepOutcome()
+    num_keys = len(keys)
+    options_get = program.alloc_options.get if program.alloc_options else None
+    alloc_new, alloc_computed = program.alloc_num_new_tokens, program.alloc_num_computed_tokens
+    num_allocs = min(len(alloc_new), len(alloc_computed))
+    max_model_len = v.pool.max_model_len
+
+    def check(op_index: int, k: int, n: int) -> None:
+        if k >= num_keys:
+            raise too_few(op_index, _ALLOCATE, "request_keys")
+        key = keys[k]
+        state = table_get(key) or first_sight(op_index, _ALLOCATE, k, key)
+        if n >= num_allocs:
+            raise too_few(op_index, _ALLOCATE, "alloc_num_new_tokens")
+        num_new = alloc_new[n]
+        num_computed = alloc_computed[n]
+        entry = options_get(n) if options_get is not None else None
+        if (
+            entry is not None
+            or num_computed < 0
+            or num_computed > state[0]
+            or num_new <= 0
+            or num_computed + num_new > max_model_len
+        ):
+            check_allocate(v, op_index, key, state, num_new, num_computed, entry, n)
+        allocated_add(key)
+        if state[1] != HOLDS_YES:
+            state[1] = HOLDS_MAYBE
+
+    return check
+
+
+def _execute_allocate(x: _Execution) -> Handler:
+    # The one allocation path: every ALLOCATE reaches the one allocate_slots call below, and
+    # its bookkeeping (the not-fit counter, RUNNING, the answer) is written once.
+    pool, manager, program, outcome = x.pool, x.manager, x.program, x.outcome
+    requests, keys, deferred_hits = pool.requests, program.request_keys, x.deferred_hits
+    alloc_new, alloc_computed = program.alloc_num_new_tokens, program.alloc_num_computed_tokens
+    options_get = program.alloc_options.get if program.alloc_options else None
+    lookahead = program.default_num_lookahead_tokens
+    default_options = (
+        SlotOptions(num_lookahead_tokens=lookahead) if lookahead else DEFAULT_SLOT_OPTIONS
+    )
+    allocate = manager.allocate_slots
     statuses, counts, block_ids = (
         outcome.alloc_statuses,
         outcome.alloc_num_block_ids,
         outcome.alloc_block_ids,
     )
     no_blocks = [0] * manager.num_kv_cache_groups
-    cold = _ColdOps(pool, manager, program, outcome)
-    k = n_append = n_alloc = token_cursor = hash_cursor = 0
-    executed = 0
-    for op in program.ops:
-        executed += 1
-        if op == _ALLOCATE:
-            request = requests[keys[k]]
-            k += 1
-            num_new = alloc_new[n_alloc]
-            request.num_computed_tokens = alloc_computed[n_alloc]
-            entry = options_by_index.get(n_alloc) if options_by_index else None
-            n_alloc += 1
-            if entry is not None:
-                if entry.hit is not None and (n_alloc - 1) in deferred_hits:
-                    entry = _fresh_hit_or_none(pool, manager, request, entry, outcome)
-                    if entry is None:
-                        if stop:
-                            break
-                        continue
-                status, budget = _allocate_with_options(
-                    pool, manager, request, num_new, entry, default_lookahead, budget, outcome
-                )
-                if status != _OK:
-                    if stop:
-                        break
-                elif entry.slot_options.delay_cache_blocks:
-                    outcome.delayed_keys.append(keys[k - 1])
-                continue
+    running = RequestStatus.RUNNING
+    stop = not program.continue_on_does_not_fit
+    budget = program.token_budget
+
+    def run(op_index: int, k: int, n: int) -> None:
+        nonlocal budget
+        request = requests[keys[k]]
+        num_new = alloc_new[n]
+        request.num_computed_tokens = alloc_computed[n]
+        entry = options_get(n) if options_get is not None else None
+        hit: CacheHit | None = None
+        looked = False
+        if entry is None:
             request.num_in_flight_tokens = 0
-            blocks = allocate(request, num_new, None, default_options)
-            if blocks is None:
-                pool.allocations_not_fit_total += 1
-                statuses.append(_DOES_NOT_FIT)
-                counts.extend(no_blocks)
+            options = default_options
+        else:
+            prepared = _prepare_allocation(
+                x, request, num_new, entry, n in deferred_hits, lookahead, budget
+            )
+            if prepared is None:  # answered without allocating
                 if stop:
-                    break
-                continue
-            request.status = running
-            statuses.append(_OK)
+                    raise _Stop
+                return
+            num_new, hit, options = prepared
+            looked = entry.lookup is not None
+        blocks = allocate(request, num_new, hit, options)
+        if blocks is None:
+            pool.allocations_not_fit_total += 1
+            statuses.append(_DOES_NOT_FIT)
+            counts.extend(no_blocks)
+            if looked:
+                assert hit is not None
+                outcome.lookup_num_computed_tokens.append(hit.num_computed_tokens)
+                outcome.lookup_num_new_tokens.append(0)
+            if stop:
+                raise _Stop
+            return
+        request.status = running
+        statuses.append(_OK)
+        if looked:
+            assert hit is not None
+            manager.record_prefix_cache_stats(request, hit.num_computed_tokens)
+            ids = manager.get_block_ids(request.request_id)
+            _answer(outcome, None, 0, ids, hit.num_computed_tokens, num_new)
+        else:
             for group in blocks.blocks:
                 counts.append(len(group))
-                block_ids.extend([block.block_id for block in group])
-            if budget is not None:
-                budget = max(0, budget - num_new)
-        elif op == _APPEND:
-            request = requests[keys[k]]
-            k += 1
-            num_tokens = append_counts[n_append]
-            num_hashes = append_hash_counts[n_append]
-            n_append += 1
-            tokens = append_tokens[token_cursor : token_cursor + num_tokens]
-            token_cursor += num_tokens
-            if not num_hashes:
-                request.all_token_ids.extend(tokens)
-                continue
-            size = num_hashes * hash_length
-            raw = append_hashes[hash_cursor : hash_cursor + size]
-            hash_cursor += size
-            request.all_token_ids.extend(tokens)
-            request.block_hashes.extend(
-                [BlockHash(raw[i : i + hash_length]) for i in range(0, size, hash_length)]
-            )
-        else:
-            k = cold.run(op, k)
-    outcome.num_ops_executed = executed
-    outcome.token_budget_left = budget
-    return outcome
+                if group:  # a decode step's allocation is mostly empty
+                    block_ids.extend([block.block_id for block in group])
+        if budget is not None:
+            budget = outcome.token_budget_left = max(0, budget - num_new)
+        if entry is not None and options.delay_cache_blocks:
+            outcome.delayed_keys.append(keys[k])
+
+    return run
 
 
-class _ColdOps:
-    """Runs the validated ops other than ALLOCATE and APPEND_TOKENS, with their cursors."""
-
-    __slots__ = ("keys", "manager", "n_add", "n_cache", "n_evict", "n_evict_ids", "n_record",
-                 "n_skipped", "outcome", "pool", "program")  # fmt: skip
-
-    def __init__(
-        self, pool: Pool, manager: KVCacheManager, program: StepProgram, outcome: StepOutcome
-    ) -> None:
-        self.pool = pool
-        self.manager = manager
-        self.program = program
-        self.outcome = outcome
-        self.keys = program.request_keys
-        self.n_add = self.n_cache = self.n_skipped = self.n_evict = self.n_evict_ids = 0
-        self.n_record = 0
-
-    def run(self, op: int, k: int) -> int:
-        """Run ``op`` (its request named by ``request_keys[k]``); returns the next key cursor."""
-        pool, manager, program = self.pool, self.manager, self.program
-        if op == _NEW_STEP:
-            manager.new_step_starts()
-            return k
-        if op == _RESET:
-            self.outcome.reset.append(manager.reset_prefix_cache())
-            return k
-        if op == _EVICT:
-            count = program.evict_num_block_ids[self.n_evict]
-            start = self.n_evict_ids
-            self.n_evict += 1
-            self.n_evict_ids = start + count
-            manager.evict_blocks(program.evict_block_ids[start : start + count])
-            return k
-        if op == _ADD:
-            new = program.new_requests[self.n_add]
-            self.n_add += 1
-            pool.add_request(
-                new.key,
-                new.request_id,
-                new.prompt_token_ids,
-                new.block_hashes,
-                lora_id=new.lora_id,
-                lora_name=new.lora_name,
-                cache_salt=new.cache_salt,
-                skip_reading_prefix_cache=new.skip_reading_prefix_cache,
-            )
-            return k
-        key = self.keys[k]
-        request = pool.requests[key]
-        if op == _CACHE:
-            num_computed = program.cache_num_computed_tokens[self.n_cache]
-            self.n_cache += 1
-            if manager.holds_blocks(request.request_id):
-                manager.cache_blocks(request, manager.num_cacheable_tokens(request, num_computed))
-        elif op == _SKIPPED:
-            total = program.remove_skipped_total_computed_tokens[self.n_skipped]
-            self.n_skipped += 1
-            if manager.holds_blocks(request.request_id):
-                manager.remove_skipped_blocks(request.request_id, total)
-        elif op == _RECORD:
-            hits = program.record_hit_tokens[self.n_record]
-            self.n_record += 1
-            manager.record_prefix_cache_stats(request, hits)
-        else:  # PREEMPT or FINISH; validation allowed no other kind
-            pool.free(key, preempt=op == _PREEMPT)
-        return k + 1
-
-
-def _allocate_with_options(  # noqa: PLR0917 (private helper)
-    pool: Pool,
-    manager: KVCacheManager,
+def _prepare_allocation(  # noqa: PLR0917 (private helper)
+    x: _Execution,
     request: Request,
     num_new: int,
     entry: AllocOptions,
-    default_lookahead: int,
+    deferred_hit: bool,
+    lookahead: int,
     budget: int | None,
-    outcome: StepOutcome,
-) -> tuple[int, int | None]:
-    options = entry.slot_options
-    if options.num_lookahead_tokens == 0 and default_lookahead:
-        options = _with_lookahead(options, default_lookahead)
-    request.num_in_flight_tokens = entry.num_in_flight_tokens
+) -> tuple[int, CacheHit | None, SlotOptions] | None:
+    """An ALLOCATE's options applied: ``(num_new, hit, options)`` to allocate with, or
+    ``None`` once it answered without allocating (HIT_STALE, DOES_NOT_FIT, NO_TOKEN_BUDGET)."""
+    pool, manager, outcome = x.pool, x.manager, x.outcome
     num_groups = manager.num_kv_cache_groups
-    hit: CacheHit | None = None
     looked = entry.lookup is not None
-    if manager.holds_blocks(request.request_id) and (looked or entry.hit is not None):
+    holds = manager.holds_blocks(request.request_id)
+    if deferred_hit and not holds:
+        assert entry.hit is not None
+        try:
+            check_hit(pool, manager, request, entry.hit, request.num_tokens)
+        except FailedPreconditionError:
+            _answer(outcome, _HIT_STALE, num_groups, None, None, 0)
+            return None  # nothing adopted, nothing allocated
+    options = entry.slot_options
+    if options.num_lookahead_tokens == 0 and lookahead:
+        options = replace(options, num_lookahead_tokens=lookahead)
+    request.num_in_flight_tokens = entry.num_in_flight_tokens
+    if holds and (looked or entry.hit is not None):
         # continue_on_does_not_fit: an earlier ALLOCATE of this request in the Step fit.
         pool.allocations_not_fit_total += 1
         _answer(outcome, _DOES_NOT_FIT, num_groups, None, 0 if looked else None, 0)
-        return _DOES_NOT_FIT, budget
+        return None
     if entry.lookup is not None:
         bound = None if entry.lookup == NO_LOOKUP_BOUND else entry.lookup
         hit = manager.get_computed_blocks(request, bound)
@@ -392,52 +579,155 @@ def _allocate_with_options(  # noqa: PLR0917 (private helper)
             num_new = min(num_new, budget)
         if num_new <= 0:
             _answer(outcome, _NO_TOKEN_BUDGET, num_groups, None, hit.num_computed_tokens, 0)
-            return _NO_TOKEN_BUDGET, budget
-    elif entry.hit is not None:
-        hit = hit_of(manager, entry.hit)
+            return None
+        return num_new, hit, options
+    if entry.hit is not None:
         # The caller's lookup also found where a shared prefix ends (sparse retention).
         junction = entry.hit.shared_prefix_boundary
         if junction is not None:
             manager.set_shared_prefix_boundary(request.request_id, junction)
-    blocks = pool.allocate_slots(request, num_new, hit, options)
-    if blocks is None:
-        looked_tokens = hit.num_computed_tokens if looked and hit is not None else None
-        _answer(outcome, _DOES_NOT_FIT, num_groups, None, looked_tokens, 0)
-        return _DOES_NOT_FIT, budget
-    if looked:
-        assert hit is not None
-        manager.record_prefix_cache_stats(request, hit.num_computed_tokens)
-        ids = manager.get_block_ids(request.request_id)
-        _answer(outcome, _OK, num_groups, ids, hit.num_computed_tokens, num_new)
-    else:
-        _answer(outcome, _OK, num_groups, blocks.get_block_ids(), None, 0)
-    if budget is not None:
-        budget = max(0, budget - num_new)
-    return _OK, budget
+        return num_new, hit_of(manager, entry.hit), options
+    return num_new, None, options
 
 
-def _fresh_hit_or_none(
-    pool: Pool,
-    manager: KVCacheManager,
-    request: Request,
-    entry: AllocOptions,
-    outcome: StepOutcome,
-) -> AllocOptions | None:
-    """A deferred hit checked against the cache now: ``entry``, or ``None`` after answering
-    HIT_STALE (nothing adopted, nothing allocated)."""
-    assert entry.hit is not None
-    if manager.holds_blocks(request.request_id):
-        return entry  # an earlier ALLOCATE of it fit: _allocate_with_options answers that
-    try:
-        check_hit(pool, manager, request, entry.hit, request.num_tokens)
-    except FailedPreconditionError:
-        _answer(outcome, _HIT_STALE, manager.num_kv_cache_groups, None, None, 0)
-        return None
-    return entry
+# ------------------------------------------------------- CACHE_BLOCKS, REMOVE_SKIPPED_BLOCKS
+def _validate_commit(v: Shadow) -> Handler:
+    def check(op_index: int, k: int, n: int) -> None:
+        check_commit(v, op_index, v.program.ops[op_index], k, n)
+
+    return check
 
 
-def _with_lookahead(options: SlotOptions, lookahead: int) -> SlotOptions:
-    return replace(options, num_lookahead_tokens=lookahead)
+def _execute_cache(x: _Execution) -> Handler:
+    manager, requests, keys = x.manager, x.pool.requests, x.program.request_keys
+    column = x.program.cache_num_computed_tokens
+
+    def run(op_index: int, k: int, n: int) -> None:
+        request = requests[keys[k]]
+        if manager.holds_blocks(request.request_id):  # else its ALLOCATE did not fit
+            manager.cache_blocks(request, manager.num_cacheable_tokens(request, column[n]))
+
+    return run
+
+
+def _execute_skipped(x: _Execution) -> Handler:
+    manager, requests, keys = x.manager, x.pool.requests, x.program.request_keys
+    column = x.program.remove_skipped_total_computed_tokens
+
+    def run(op_index: int, k: int, n: int) -> None:
+        request_id = requests[keys[k]].request_id
+        if manager.holds_blocks(request_id):  # else its ALLOCATE did not fit
+            manager.remove_skipped_blocks(request_id, column[n])
+
+    return run
+
+
+# --------------------------------------------------------------------------- PREEMPT, FINISH
+def _validate_free(v: Shadow) -> Handler:
+    def check(op_index: int, k: int, n: int) -> None:
+        op = v.program.ops[op_index]
+        key, state = v.state(op_index, op, k)
+        if op == _PREEMPT:
+            state[1] = HOLDS_NO
+        else:
+            v.table[key] = None
+            v.allocated.discard(key)
+
+    return check
+
+
+def _execute_free(x: _Execution) -> Handler:
+    pool, keys, ops = x.pool, x.program.request_keys, x.program.ops
+
+    def run(op_index: int, k: int, n: int) -> None:
+        pool.free(keys[k], preempt=ops[op_index] == _PREEMPT)
+
+    return run
+
+
+# ------------------------------------------------------------------------------ EVICT_BLOCKS
+def _validate_evict(v: Shadow) -> Handler:
+    start = 0
+
+    def check(op_index: int, k: int, n: int) -> None:
+        nonlocal start
+        start += check_evict(v, op_index, n, start)
+
+    return check
+
+
+def _execute_evict(x: _Execution) -> Handler:
+    manager, counts, ids = x.manager, x.program.evict_num_block_ids, x.program.evict_block_ids
+    start = 0
+
+    def run(op_index: int, k: int, n: int) -> None:
+        nonlocal start
+        count = counts[n]
+        manager.evict_blocks(ids[start : start + count])
+        start += count
+
+    return run
+
+
+# ----------------------------------------------------------------------- RECORD_PREFIX_STATS
+def _validate_record(v: Shadow) -> Handler:
+    def check(op_index: int, k: int, n: int) -> None:
+        check_record(v, op_index, k, n)
+
+    return check
+
+
+def _execute_record(x: _Execution) -> Handler:
+    manager, requests, keys = x.manager, x.pool.requests, x.program.request_keys
+    column = x.program.record_hit_tokens
+
+    def run(op_index: int, k: int, n: int) -> None:
+        manager.record_prefix_cache_stats(requests[keys[k]], column[n])
+
+    return run
+
+
+# ----------------------------------------------------- NEW_STEP_STARTS, RESET_PREFIX_CACHE
+def _validate_nothing(v: Shadow) -> Handler:
+    def check(op_index: int, k: int, n: int) -> None:
+        pass  # nothing to check: they take no columns
+
+    return check
+
+
+def _execute_new_step(x: _Execution) -> Handler:
+    new_step_starts = x.manager.new_step_starts
+
+    def run(op_index: int, k: int, n: int) -> None:
+        new_step_starts()
+
+    return run
+
+
+def _execute_reset(x: _Execution) -> Handler:
+    manager, resets = x.manager, x.outcome.reset
+
+    def run(op_index: int, k: int, n: int) -> None:
+        resets.append(manager.reset_prefix_cache())
+
+    return run
+
+
+_PAIRS: Final[dict[int, tuple[Callable[[Shadow], Handler], Callable[[_Execution], Handler]]]] = {
+    int(OpKind.ADD_REQUEST): (_validate_add, _execute_add),
+    int(OpKind.APPEND_TOKENS): (_validate_append, _execute_append),
+    int(OpKind.ALLOCATE): (_validate_allocate, _execute_allocate),
+    int(OpKind.CACHE_BLOCKS): (_validate_commit, _execute_cache),
+    int(OpKind.REMOVE_SKIPPED_BLOCKS): (_validate_commit, _execute_skipped),
+    int(OpKind.PREEMPT): (_validate_free, _execute_free),
+    int(OpKind.FINISH): (_validate_free, _execute_free),
+    int(OpKind.NEW_STEP_STARTS): (_validate_nothing, _execute_new_step),
+    int(OpKind.EVICT_BLOCKS): (_validate_evict, _execute_evict),
+    int(OpKind.RESET_PREFIX_CACHE): (_validate_nothing, _execute_reset),
+    int(OpKind.RECORD_PREFIX_STATS): (_validate_record, _execute_record),
+}
+"""Per op kind, its validate and execute handlers' makers (one row per op table row)."""
+assert set(_PAIRS) == set(OP_TABLE), "every op kind has a validate and an execute handler"
 
 
 def hit_of(manager: KVCacheManager, hit: HitSpec) -> CacheHit:
@@ -451,14 +741,16 @@ def hit_of(manager: KVCacheManager, hit: HitSpec) -> CacheHit:
 
 def _answer(  # noqa: PLR0917 (private helper)
     outcome: StepOutcome,
-    status: int,
+    status: int | None,
     num_groups: int,
     ids: tuple[list[int], ...] | None,
     hit_tokens: int | None,
     num_new: int,
 ) -> None:
-    """One allocation's answer (``hit_tokens`` set: it looked the request up)."""
-    outcome.alloc_statuses.append(status)
+    """One allocation's answer (``hit_tokens`` set: it looked the request up; ``status``
+    ``None``: appended already)."""
+    if status is not None:
+        outcome.alloc_statuses.append(status)
     if ids is None:
         outcome.alloc_num_block_ids.extend([0] * num_groups)
     else:

@@ -1,7 +1,8 @@
-"""The Step program's checks: validation against a shadow of the request table.
+"""The Step program's checks: the rules validation applies, and its shadow request table.
 
-:func:`validate_program` is the half of :mod:`kvcm.core.step` that decides whether a program
-runs at all; the unary calls of :class:`~kvcm.core.pool.Pool` use the same functions
+:mod:`kvcm.core.step` walks a program once to validate it; its per-op validators keep the
+cheap tests of a decode step inline and call the checks here, which produce the messages.
+The unary calls of :class:`~kvcm.core.pool.Pool` use the same functions
 (:func:`check_new_request`, :func:`check_append`, :func:`check_hit`). See
 :mod:`kvcm.core.step` for the rules.
 """
@@ -23,14 +24,8 @@ from kvcm.common.hashing import BlockHash
 from kvcm.core.block_pool import _group_suffix
 from kvcm.core.limits import Limits
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
-from kvcm.core.program import (
-    NO_LOOKUP_BOUND,
-    AllocOptions,
-    HitSpec,
-    ItemStatus,
-    OpKind,
-    StepProgram,
-)
+from kvcm.core.op_table import COLUMNS, OP_TABLE, op_name
+from kvcm.core.program import NO_LOOKUP_BOUND, AllocOptions, HitSpec, OpKind, StepProgram
 from kvcm.core.request import Request
 from kvcm.core.single_type_managers import hashes_at_block_size
 
@@ -39,51 +34,61 @@ if TYPE_CHECKING:
     from kvcm.core.pool import Pool
 
 __all__ = [
+    "HOLDS_MAYBE",
+    "HOLDS_NO",
+    "HOLDS_YES",
+    "Shadow",
+    "check_add",
+    "check_alloc_options",
+    "check_allocate",
     "check_append",
+    "check_append_slow",
+    "check_commit",
+    "check_consumed",
+    "check_evict",
     "check_hit",
     "check_limits",
     "check_new_request",
-    "validate_program",
+    "check_program_fields",
+    "check_record",
+    "hashes_expected",
+    "reject",
+    "too_few",
+    "verify_append",
 ]
 
 _ADD: Final = int(OpKind.ADD_REQUEST)
 _APPEND: Final = int(OpKind.APPEND_TOKENS)
 _ALLOCATE: Final = int(OpKind.ALLOCATE)
 _CACHE: Final = int(OpKind.CACHE_BLOCKS)
-_SKIPPED: Final = int(OpKind.REMOVE_SKIPPED_BLOCKS)
-_PREEMPT: Final = int(OpKind.PREEMPT)
-_FINISH: Final = int(OpKind.FINISH)
-_NEW_STEP: Final = int(OpKind.NEW_STEP_STARTS)
 _EVICT: Final = int(OpKind.EVICT_BLOCKS)
-_RESET: Final = int(OpKind.RESET_PREFIX_CACHE)
 _RECORD: Final = int(OpKind.RECORD_PREFIX_STATS)
-_OK: Final = int(ItemStatus.OK)
-_DOES_NOT_FIT: Final = int(ItemStatus.DOES_NOT_FIT)
-_NO_TOKEN_BUDGET: Final = int(ItemStatus.NO_TOKEN_BUDGET)
+# The kinds that can evict cached blocks (a caller's hit is then checked when it runs).
+_EVICTING: Final = frozenset(
+    {int(OpKind.ALLOCATE), int(OpKind.EVICT_BLOCKS), int(OpKind.RESET_PREFIX_CACHE)}
+)
 # Shadow "holds blocks" states: unknown (ask the core), no, yes, maybe (allocated in this
 # program: it may not have fit).
-_UNKNOWN, _NO, _YES, _MAYBE = -1, 0, 1, 2
-_NONE_DEFERRED: frozenset[int] = frozenset()
+_UNKNOWN: Final = -1
+HOLDS_NO: Final = 0
+HOLDS_YES: Final = 1
+HOLDS_MAYBE: Final = 2
 
 
-def _name(op: int) -> str:
-    try:
-        return OpKind(op).name
-    except ValueError:
-        return str(op)
-
-
-def _reject(error: KVCMError, op_index: int | None, op: int, field: str) -> KVCMError:
+def reject(error: KVCMError, op_index: int | None, op: int, field: str) -> KVCMError:
     """``error`` for op ``op_index`` (or the program as a whole), naming ``field``."""
     if op_index is None:
         error.field, error.op_index = field, None
         return error
-    prefixed = type(error)(f"ops[{op_index}] {_name(op)}: {error}", field=field, op_index=op_index)
+    prefixed = type(error)(
+        f"ops[{op_index}] {op_name(op)}: {error}", field=field, op_index=op_index
+    )
     return prefixed
 
 
-def _too_few(op_index: int, op: int, column: str) -> KVCMError:
-    return _reject(InvalidArgumentError(f"{column} has too few entries"), op_index, op, column)
+def too_few(op_index: int, op: int, column: str) -> KVCMError:
+    """``column`` has no entry left for op ``op_index``."""
+    return reject(InvalidArgumentError(f"{column} has too few entries"), op_index, op, column)
 
 
 def check_limits(limits: Limits, program: StepProgram) -> None:
@@ -109,181 +114,83 @@ def check_limits(limits: Limits, program: StepProgram) -> None:
 
 
 # ----------------------------------------------------------------------------- validation
-class _Shadow:
-    """One validation pass: the shadow request table and the cold ops' cursors.
+class Shadow:
+    """One validation pass: the shadow request table.
 
-    ``table`` maps a request key to ``[num_tokens, holds blocks, num_hashes, tokens or None]``
-    (tokens only when the pool verifies hashes), or to ``None`` once finished in this program.
+    ``table`` maps a request key to ``[num_tokens, holds blocks, num_hashes, tokens or None,
+    request]`` (tokens only when the pool verifies hashes), or to ``None`` once finished in
+    this program.
     """
 
     __slots__ = (
         "allocated",
         "deferred_hits",
-        "evicting",
         "keys",
         "manager",
-        "n_add",
-        "n_cache",
-        "n_evict",
-        "n_evict_ids",
-        "n_record",
-        "n_skipped",
         "pool",
         "program",
+        "requests_get",
         "table",
         "verify",
     )
 
     def __init__(self, pool: Pool, manager: KVCacheManager, program: StepProgram) -> None:
+        """An empty shadow of ``pool``'s request table for ``program``."""
         self.pool = pool
         self.manager = manager
         self.program = program
         self.keys = program.request_keys
         self.table: dict[int, list[Any] | None] = {}
+        self.requests_get = pool.requests.get
         self.verify = pool.options.verify_block_hashes
-        self.n_add = self.n_cache = self.n_skipped = self.n_evict = self.n_evict_ids = 0
-        self.n_record = 0
-        self.evicting = False  # an op that can evict cached blocks was seen
         self.allocated: set[int] = set()
         self.deferred_hits: set[int] = set()  # alloc indices whose hit is checked at run time
 
     def state(self, op_index: int, op: int, k: int) -> tuple[int, list[Any]]:
         """The shadow of the request named by ``request_keys[k]`` (first sight: the table)."""
         if k >= len(self.keys):
-            raise _too_few(op_index, op, "request_keys")
+            raise too_few(op_index, op, "request_keys")
         key = self.keys[k]
         state = self.table.get(key)
-        if state is None:
-            request = None if key in self.table else self.pool.requests.get(key)
-            if request is None:
-                raise _reject(
-                    NotFoundError(
-                        f"request_keys[{k}]={key} is not live in pool {self.pool.name!r}"
-                    ),
-                    op_index,
-                    op,
-                    f"request_keys[{k}]",
-                )
-            tokens = list(request.all_token_ids) if self.verify else None
-            state = [request.num_tokens, _UNKNOWN, len(request.block_hashes), tokens, request]
-            self.table[key] = state
-        return key, state
+        return key, state if state is not None else self.first_sight(op_index, op, k, key)
+
+    def first_sight(self, op_index: int, op: int, k: int, key: int) -> list[Any]:
+        """The shadow of ``key`` (``request_keys[k]``), not in the table yet or finished."""
+        request = self.requests_get(key)
+        if request is None or key in self.table:
+            raise reject(
+                NotFoundError(f"request_keys[{k}]={key} is not live in pool {self.pool.name!r}"),
+                op_index,
+                op,
+                f"request_keys[{k}]",
+            )
+        tokens = request.all_token_ids
+        state = [
+            len(tokens),
+            _UNKNOWN,
+            len(request.block_hashes),
+            list(tokens) if self.verify else None,
+            request,
+        ]
+        self.table[key] = state
+        return state
 
     def holds(self, key: int, state: list[Any]) -> int:
         """The shadow's "holds blocks" state (asked of the core once)."""
         if state[1] == _UNKNOWN:
             request = state[4]
             assert isinstance(request, Request)
-            state[1] = _YES if self.manager.holds_blocks(request.request_id) else _NO
+            state[1] = HOLDS_YES if self.manager.holds_blocks(request.request_id) else HOLDS_NO
         value = state[1]
         assert isinstance(value, int)
         return value
 
-
-def validate_program(pool: Pool, manager: KVCacheManager, program: StepProgram) -> frozenset[int]:
-    """Validate a whole program against the pool without changing anything.
-
-    Returns:
-        The ALLOCATE indices whose caller-supplied hit must be checked against the cache when
-        the op runs (an earlier op may evict, or the Step appends the hashes it needs).
-
-    Raises:
-        KVCMError: The first failing op (``op_index`` set) or the malformed program.
-    """
-    _check_program_fields(program)
-    v = _Shadow(pool, manager, program)
-    keys = program.request_keys
-    num_keys = len(keys)
-    max_model_len = pool.max_model_len
-    hash_block_size = pool.hashing.hash_block_size if pool.options.enable_caching else 0
-    hash_length = pool.hashing.hash_length_bytes
-    options_by_index = program.alloc_options
-    alloc_new = program.alloc_num_new_tokens
-    alloc_computed = program.alloc_num_computed_tokens
-    num_allocs = min(len(alloc_new), len(alloc_computed))
-    append_tokens = program.append_num_tokens
-    append_hashes = program.append_num_block_hashes
-    num_appends = min(len(append_tokens), len(append_hashes))
-    num_token_ids = len(program.append_token_ids)
-    num_hash_bytes = len(program.append_block_hashes)
-    verify = v.verify
-    table_get = v.table.get
-    k = n_append = n_alloc = token_cursor = hash_cursor = 0
-    # APPEND_TOKENS and ALLOCATE are a decode step's ops: checked inline, with a fast test that
-    # sends only suspicious ops to the full checks (which produce the messages).
-    for op_index, op in enumerate(program.ops):
-        if op == _APPEND:
-            state = table_get(keys[k]) if k < num_keys else None
-            key, state = (keys[k], state) if state is not None else v.state(op_index, op, k)
-            k += 1
-            if n_append >= num_appends:
-                raise _too_few(op_index, op, "append_num_tokens")
-            num_tokens = append_tokens[n_append]
-            num_hashes = append_hashes[n_append]
-            start = token_cursor
-            token_cursor += num_tokens
-            hash_cursor += num_hashes * hash_length
-            before = state[0]
-            hashes_before = state[2]
-            if (
-                num_tokens <= 0
-                or num_hashes < 0
-                or before + num_tokens > max_model_len
-                or token_cursor > num_token_ids
-                or hash_cursor > num_hash_bytes
-                or (
-                    num_hashes
-                    and not _hashes_expected(
-                        before, num_tokens, num_hashes, hashes_before, hash_block_size
-                    )
-                )
-            ):
-                _check_append_slow(
-                    v, op_index, key, n_append, before, hashes_before,
-                    num_tokens=num_tokens, num_hashes=num_hashes,
-                    short=token_cursor > num_token_ids or hash_cursor > num_hash_bytes,
-                )  # fmt: skip
-            state[0] = before + num_tokens
-            state[2] = hashes_before + num_hashes
-            if verify:
-                _verify_append(v, op_index, n_append, state, start, num_tokens, num_hashes)
-            n_append += 1
-        elif op == _ALLOCATE:
-            state = table_get(keys[k]) if k < num_keys else None
-            key, state = (keys[k], state) if state is not None else v.state(op_index, op, k)
-            k += 1
-            if n_alloc >= num_allocs:
-                raise _too_few(op_index, op, "alloc_num_new_tokens")
-            num_new = alloc_new[n_alloc]
-            num_computed = alloc_computed[n_alloc]
-            entry = options_by_index.get(n_alloc) if options_by_index else None
-            have = state[0]
-            if (
-                entry is not None
-                or num_computed < 0
-                or num_computed > have
-                or num_new <= 0
-                or num_computed + num_new > max_model_len
-            ):
-                _check_allocate(v, op_index, key, state, num_new, num_computed, entry, n_alloc)
-            v.allocated.add(key)
-            if state[1] != _YES:
-                state[1] = _MAYBE
-            v.evicting = True
-            n_alloc += 1
-        else:
-            k = _check_cold_op(v, op_index, op, k)
-    _check_consumed(v, k, n_alloc, n_append, token_cursor, hash_cursor)
-    if options_by_index and max(options_by_index) >= n_alloc:
-        raise InvalidArgumentError(
-            f"alloc_options names alloc index {max(options_by_index)} but the Step has "
-            f"{n_alloc} ALLOCATE ops",
-            field="alloc_options",
-        )
-    return frozenset(v.deferred_hits) if v.deferred_hits else _NONE_DEFERRED
+    def evicting_before(self, op_index: int) -> bool:
+        """Whether an op before ``op_index`` can evict cached blocks."""
+        return not _EVICTING.isdisjoint(self.program.ops[:op_index])
 
 
-def _check_program_fields(program: StepProgram) -> None:
+def check_program_fields(program: StepProgram) -> None:
     """The program-wide scalars."""
     if program.default_num_lookahead_tokens < 0:
         raise InvalidArgumentError(
@@ -302,7 +209,7 @@ def _check_program_fields(program: StepProgram) -> None:
             )
 
 
-def _hashes_expected(
+def hashes_expected(
     before: int, num_tokens: int, num_hashes: int, hashes_before: int, hash_block_size: int
 ) -> bool:
     """Whether an append's hashes are the ones it must carry (see ``check_append``)."""
@@ -314,8 +221,8 @@ def _hashes_expected(
     )
 
 
-def _check_append_slow(  # noqa: PLR0917 (private helper)
-    v: _Shadow,
+def check_append_slow(  # noqa: PLR0917 (private helper)
+    v: Shadow,
     op_index: int,
     key: int,
     n_append: int,
@@ -326,20 +233,21 @@ def _check_append_slow(  # noqa: PLR0917 (private helper)
     num_hashes: int,
     short: bool,
 ) -> None:
+    """The full checks of an append the cheap test found suspicious (they name the fault)."""
     field = f"append_num_tokens[{n_append}]"
     if num_hashes < 0:
-        raise _reject(
+        raise reject(
             InvalidArgumentError(f"append_num_block_hashes[{n_append}] must be >= 0"),
             op_index,
             _APPEND,
             f"append_num_block_hashes[{n_append}]",
         )
     if num_tokens < 0:
-        raise _reject(
+        raise reject(
             InvalidArgumentError(f"{field} must be > 0, got {num_tokens}"), op_index, _APPEND, field
         )
     if short:
-        raise _reject(
+        raise reject(
             InvalidArgumentError("append_token_ids or append_block_hashes is too short"),
             op_index,
             _APPEND,
@@ -350,7 +258,7 @@ def _check_append_slow(  # noqa: PLR0917 (private helper)
             v.pool, key, num_tokens, num_hashes, num_before=before, hashes_before=hashes_before
         )
     except InvalidArgumentError as exc:
-        raise _reject(exc, op_index, _APPEND, field) from None
+        raise reject(exc, op_index, _APPEND, field) from None
 
 
 def check_append(
@@ -388,8 +296,8 @@ def check_append(
         )
 
 
-def _verify_append(  # noqa: PLR0917 (private helper)
-    v: _Shadow,
+def verify_append(  # noqa: PLR0917 (private helper)
+    v: Shadow,
     op_index: int,
     n_append: int,
     state: list[Any],
@@ -397,7 +305,7 @@ def _verify_append(  # noqa: PLR0917 (private helper)
     num_tokens: int,
     num_hashes: int,
 ) -> None:
-    # verify_block_hashes (a debugging option): hash the shadow's tokens like the server.
+    """verify_block_hashes (a debugging option): hash the shadow's tokens like the server."""
     tokens = state[3]
     request = state[4]
     assert isinstance(tokens, list)
@@ -414,7 +322,7 @@ def _verify_append(  # noqa: PLR0917 (private helper)
         v.pool.computed_hashes(tokens, request.lora_name, request.cache_salt)[first:][:num_hashes]
         != sent
     ):
-        raise _reject(
+        raise reject(
             InvalidArgumentError(
                 f"request key {request.request_id}: block_hashes differ from the server's"
             ),
@@ -424,8 +332,8 @@ def _verify_append(  # noqa: PLR0917 (private helper)
         )
 
 
-def _check_allocate(  # noqa: PLR0917 (private helper)
-    v: _Shadow,
+def check_allocate(  # noqa: PLR0917 (private helper)
+    v: Shadow,
     op_index: int,
     key: int,
     state: list[Any],
@@ -434,27 +342,26 @@ def _check_allocate(  # noqa: PLR0917 (private helper)
     entry: AllocOptions | None,
     index: int,
 ) -> None:
+    """The full checks of ALLOCATE number ``index`` (its options, its hit, its counts)."""
     num_tokens = state[0]
     assert isinstance(num_tokens, int)
     max_model_len = v.pool.max_model_len
 
-    def reject(
-        message: str, field: str, error: type[KVCMError] = InvalidArgumentError
-    ) -> KVCMError:
-        return _reject(error(message), op_index, _ALLOCATE, field)
+    def fail(message: str, field: str, error: type[KVCMError] = InvalidArgumentError) -> KVCMError:
+        return reject(error(message), op_index, _ALLOCATE, field)
 
     if num_computed < 0:
-        raise reject(
+        raise fail(
             f"alloc_num_computed_tokens[{index}] must be >= 0, got {num_computed}",
             f"alloc_num_computed_tokens[{index}]",
         )
     if num_new < 0:
-        raise reject(
+        raise fail(
             f"alloc_num_new_tokens[{index}] must be >= 0, got {num_new}",
             f"alloc_num_new_tokens[{index}]",
         )
     if num_computed > num_tokens:
-        raise reject(
+        raise fail(
             f"alloc_num_computed_tokens[{index}]={num_computed} exceeds the request's "
             f"{num_tokens} tokens",
             f"alloc_num_computed_tokens[{index}]",
@@ -462,22 +369,22 @@ def _check_allocate(  # noqa: PLR0917 (private helper)
     options = entry.slot_options if entry is not None else DEFAULT_SLOT_OPTIONS
     hit_tokens = 0
     if entry is not None:
-        _check_alloc_options(v, entry, index, num_tokens, num_computed, reject)
+        check_alloc_options(v, entry, index, num_tokens, num_computed, fail)
         if entry.lookup is not None or entry.hit is not None:
             where = "lookup" if entry.lookup is not None else "hit"
             if num_computed:
-                raise reject(
+                raise fail(
                     f"alloc_num_computed_tokens[{index}]={num_computed}: an ALLOCATE with a "
                     f"{where} is for a request with no computed tokens",
                     f"alloc_num_computed_tokens[{index}]",
                 )
             if key in v.allocated and not v.program.continue_on_does_not_fit:
-                raise reject(
+                raise fail(
                     f"an ALLOCATE with a {where} follows another ALLOCATE of request key {key}",
                     f"alloc_options[{index}].{where}",
                 )
-            if v.holds(key, state) == _YES:
-                raise reject(
+            if v.holds(key, state) == HOLDS_YES:
+                raise fail(
                     f"alloc_options[{index}]: a {where} for a request that holds blocks",
                     f"alloc_options[{index}].{where}",
                 )
@@ -489,47 +396,48 @@ def _check_allocate(  # noqa: PLR0917 (private helper)
             # The cache part of the check is exact here only when nothing earlier in the
             # program can evict and the request's hashes are all in the table already;
             # otherwise the interpreter checks it when the ALLOCATE runs (HIT_STALE).
-            deferred = v.evicting or state[2] != len(request.block_hashes)
+            deferred = v.evicting_before(op_index) or state[2] != len(request.block_hashes)
             try:
                 check_hit(v.pool, v.manager, request, entry.hit, num_tokens, cache=not deferred)
             except KVCMError as exc:
-                raise _reject(exc, op_index, _ALLOCATE, f"alloc_options[{index}].hit") from None
+                raise reject(exc, op_index, _ALLOCATE, f"alloc_options[{index}].hit") from None
             if deferred:
                 v.deferred_hits.add(index)
             hit_tokens = entry.hit.num_tokens
     if num_new == 0 and hit_tokens == 0 and options.num_external_computed_tokens == 0:
-        raise reject(
+        raise fail(
             f"alloc_num_new_tokens[{index}] must be > 0 when there is nothing to adopt",
             f"alloc_num_new_tokens[{index}]",
         )
     if num_computed + hit_tokens + num_new > max_model_len:
-        raise reject(
+        raise fail(
             f"alloc_num_computed_tokens[{index}] + hit + alloc_num_new_tokens[{index}] = "
             f"{num_computed + hit_tokens + num_new} exceeds max_model_len {max_model_len}",
             f"alloc_num_new_tokens[{index}]",
         )
 
 
-def _check_alloc_options(  # noqa: PLR0917 (private helper)
-    v: _Shadow,
+def check_alloc_options(  # noqa: PLR0917 (private helper)
+    v: Shadow,
     entry: AllocOptions,
     index: int,
     num_tokens: int,
     num_computed: int,
-    reject: object,
+    fail: object,
 ) -> None:
-    assert callable(reject)
+    """ALLOCATE number ``index``'s options (``fail(message, field)`` makes the error)."""
+    assert callable(fail)
     options = entry.slot_options
     field = f"alloc_options[{index}]"
     if entry.lookup is not None and entry.hit is not None:
-        raise reject(f"{field}: lookup and hit are exclusive", f"{field}.hit")
+        raise fail(f"{field}: lookup and hit are exclusive", f"{field}.hit")
     if entry.lookup is not None and entry.lookup < NO_LOOKUP_BOUND:
-        raise reject(
+        raise fail(
             f"{field}.lookup must be >= 0 (or -1: the default), got {entry.lookup}",
             f"{field}.lookup",
         )
     if entry.num_in_flight_tokens < 0:
-        raise reject(f"{field}.num_in_flight_tokens must be >= 0", f"{field}.num_in_flight_tokens")
+        raise fail(f"{field}.num_in_flight_tokens must be >= 0", f"{field}.num_in_flight_tokens")
     for name in (
         "num_lookahead_tokens",
         "num_external_computed_tokens",
@@ -538,19 +446,19 @@ def _check_alloc_options(  # noqa: PLR0917 (private helper)
     ):
         value = getattr(options, name)
         if value < 0:
-            raise reject(
+            raise fail(
                 f"{field}.options.{name} must be >= 0, got {value}", f"{field}.options.{name}"
             )
     external = options.num_external_computed_tokens
     if num_computed + external > num_tokens:
-        raise reject(
+        raise fail(
             f"{field}.options.num_external_computed_tokens={external}: with "
             f"{num_computed} computed tokens it exceeds the request's {num_tokens} tokens",
             f"{field}.options.num_external_computed_tokens",
         )
     pool = v.pool
     if options.num_lookahead_tokens > pool.max_model_len:
-        raise reject(
+        raise fail(
             f"{field}.options.num_lookahead_tokens={options.num_lookahead_tokens} exceeds "
             f"max_model_len {pool.max_model_len}",
             f"{field}.options.num_lookahead_tokens",
@@ -559,13 +467,13 @@ def _check_alloc_options(  # noqa: PLR0917 (private helper)
         m.block_size for m in v.manager.coordinator.single_type_managers
     )
     if options.num_encoder_tokens > capacity:
-        raise reject(
+        raise fail(
             f"{field}.options.num_encoder_tokens={options.num_encoder_tokens} exceeds the "
             f"pool's {capacity} token slots",
             f"{field}.options.num_encoder_tokens",
         )
     if options.reserved_blocks > v.manager.block_pool.num_gpu_blocks:
-        raise reject(
+        raise fail(
             f"{field}.options.reserved_blocks={options.reserved_blocks} exceeds the pool's "
             f"{v.manager.block_pool.num_gpu_blocks} blocks",
             f"{field}.options.reserved_blocks",
@@ -641,68 +549,31 @@ def check_hit(
                 )
 
 
-def _check_cold_op(v: _Shadow, op_index: int, op: int, k: int) -> int:
-    """Check an op other than APPEND_TOKENS and ALLOCATE; returns the next key cursor."""
-    if op == _NEW_STEP:
-        return k
-    if op == _RESET:
-        v.evicting = True
-        return k
-    if op == _ADD:
-        _check_add(v, op_index)
-        return k
-    if op == _EVICT:
-        _check_evict(v, op_index)
-        v.evicting = True
-        return k
-    if op in (_CACHE, _SKIPPED):
-        _check_commit(v, op_index, op, k)
-        return k + 1
-    if op == _RECORD:
-        _check_record(v, op_index, k)
-        return k + 1
-    if op == _PREEMPT:
-        _, state = v.state(op_index, op, k)
-        state[1] = _NO
-        return k + 1
-    if op == _FINISH:
-        key, _ = v.state(op_index, op, k)
-        v.table[key] = None
-        v.allocated.discard(key)
-        return k + 1
-    raise _reject(
-        InvalidArgumentError(f"ops[{op_index}] has unknown kind {op}"),
-        op_index,
-        op,
-        f"ops[{op_index}]",
-    )
-
-
-def _check_add(v: _Shadow, op_index: int) -> None:
+def check_add(v: Shadow, op_index: int, n_add: int) -> None:
+    """ADD_REQUEST number ``n_add``: a key not live, a valid prompt (and hashes)."""
     program = v.program
-    n_add = v.n_add
     if n_add >= len(program.new_requests):
-        raise _too_few(op_index, _ADD, "new_requests")
+        raise too_few(op_index, _ADD, "new_requests")
     new = program.new_requests[n_add]
     field = f"new_requests[{n_add}]"
     key = new.key
     live = v.table[key] is not None if key in v.table else key in v.pool.requests
     if live:
         error = AlreadyExistsError(v.pool.live_key_message(key))
-        raise _reject(error, op_index, _ADD, field)
+        raise reject(error, op_index, _ADD, field)
     try:
         check_new_request(v.pool, new.key, new.prompt_token_ids, new.block_hashes, new.lora_id)
     except InvalidArgumentError as exc:
-        raise _reject(exc, op_index, _ADD, field) from None
+        raise reject(exc, op_index, _ADD, field) from None
     if key < 0:
-        raise _reject(InvalidArgumentError("key must be >= 0"), op_index, _ADD, field)
+        raise reject(InvalidArgumentError("key must be >= 0"), op_index, _ADD, field)
     if v.verify and new.block_hashes:
         size = v.pool.hashing.hash_length_bytes
         raw = new.block_hashes
         sent = [BlockHash(raw[i : i + size]) for i in range(0, len(raw), size)]
         computed = v.pool.computed_hashes(new.prompt_token_ids, new.lora_name, new.cache_salt)
         if computed[: len(sent)] != sent:
-            raise _reject(
+            raise reject(
                 InvalidArgumentError(f"request key {key}: block_hashes differ from the server's"),
                 op_index,
                 _ADD,
@@ -718,13 +589,12 @@ def _check_add(v: _Shadow, op_index: int) -> None:
     tokens = list(new.prompt_token_ids) if v.verify else None
     v.table[key] = [
         len(new.prompt_token_ids),
-        _NO,
+        HOLDS_NO,
         len(new.block_hashes) // v.pool.hashing.hash_length_bytes,
         tokens,
         request,
     ]
     v.allocated.discard(key)
-    v.n_add += 1
 
 
 def check_new_request(
@@ -758,15 +628,15 @@ def check_new_request(
         raise InvalidArgumentError(f"lora_id must be >= 0, got {lora_id}")
 
 
-def _check_evict(v: _Shadow, op_index: int) -> None:
+def check_evict(v: Shadow, op_index: int, n: int, start: int) -> int:
+    """EVICT_BLOCKS number ``n``, its ids from ``evict_block_ids[start]``: ids in the pool
+    (not the null block). Returns how many ids it takes."""
     program = v.program
-    n = v.n_evict
     if n >= len(program.evict_num_block_ids):
-        raise _too_few(op_index, _EVICT, "evict_num_block_ids")
+        raise too_few(op_index, _EVICT, "evict_num_block_ids")
     count = program.evict_num_block_ids[n]
-    start = v.n_evict_ids
     if count < 0 or start + count > len(program.evict_block_ids):
-        raise _reject(
+        raise reject(
             InvalidArgumentError("evict_block_ids is too short"),
             op_index,
             _EVICT,
@@ -776,7 +646,7 @@ def _check_evict(v: _Shadow, op_index: int) -> None:
     for position in range(start, start + count):
         block_id = program.evict_block_ids[position]
         if not 1 <= block_id < num_blocks:
-            raise _reject(
+            raise reject(
                 InvalidArgumentError(
                     f"evict_block_ids[{position}]={block_id} is outside [1, {num_blocks})"
                 ),
@@ -784,69 +654,55 @@ def _check_evict(v: _Shadow, op_index: int) -> None:
                 _EVICT,
                 f"evict_block_ids[{position}]",
             )
-    v.n_evict += 1
-    v.n_evict_ids = start + count
+    return count
 
 
-def _check_commit(v: _Shadow, op_index: int, op: int, k: int) -> None:
-    """CACHE_BLOCKS / REMOVE_SKIPPED_BLOCKS: a request holding blocks, a count in range."""
+def check_commit(v: Shadow, op_index: int, op: int, k: int, index: int) -> None:
+    """CACHE_BLOCKS / REMOVE_SKIPPED_BLOCKS number ``index``: a request holding blocks, a
+    count in range."""
     key, state = v.state(op_index, op, k)
-    program = v.program
-    if op == _CACHE:
-        name, column, index = (
-            "cache_num_computed_tokens",
-            program.cache_num_computed_tokens,
-            v.n_cache,
-        )
-        v.n_cache += 1
-    else:
-        name, column, index = (
-            "remove_skipped_total_computed_tokens",
-            program.remove_skipped_total_computed_tokens,
-            v.n_skipped,
-        )
-        v.n_skipped += 1
+    (name,) = OP_TABLE[op].columns
+    column = getattr(v.program, name)
     if index >= len(column):
-        raise _too_few(op_index, op, name)
+        raise too_few(op_index, op, name)
     value = column[index]
     num_tokens = state[0]
     assert isinstance(num_tokens, int)
     if value < 0 or value > num_tokens:
-        raise _reject(
+        raise reject(
             InvalidArgumentError(f"{name}[{index}]={value} is outside [0, {num_tokens}]"),
             op_index,
             op,
             f"{name}[{index}]",
         )
     holds = v.holds(key, state)
-    if holds == _NO:
-        raise _reject(
+    if holds == HOLDS_NO:
+        raise reject(
             NotFoundError(f"request key {key} holds no blocks in pool {v.pool.name!r}"),
             op_index,
             op,
             f"request_keys[{k}]",
         )
-    if op == _CACHE and holds == _YES and key not in v.allocated:
+    if op == _CACHE and holds == HOLDS_YES and key not in v.allocated:
         request = state[4]
         assert isinstance(request, Request)
         if int(state[2]) == len(request.block_hashes):
             try:
                 v.manager.check_cacheable(request, value)
             except InvalidArgumentError as exc:
-                raise _reject(exc, op_index, op, f"{name}[{index}]") from None
+                raise reject(exc, op_index, op, f"{name}[{index}]") from None
 
 
-def _check_record(v: _Shadow, op_index: int, k: int) -> None:
-    """RECORD_PREFIX_STATS: a live request, a hit of at most its tokens."""
+def check_record(v: Shadow, op_index: int, k: int, index: int) -> None:
+    """RECORD_PREFIX_STATS number ``index``: a live request, a hit of at most its tokens."""
     _, state = v.state(op_index, _RECORD, k)
-    index = v.n_record
     column = v.program.record_hit_tokens
     if index >= len(column):
-        raise _too_few(op_index, _RECORD, "record_hit_tokens")
+        raise too_few(op_index, _RECORD, "record_hit_tokens")
     value = column[index]
     num_tokens = state[0]
     if not 0 <= value <= num_tokens:
-        raise _reject(
+        raise reject(
             InvalidArgumentError(
                 f"record_hit_tokens[{index}]={value} is outside [0, {num_tokens}] (the "
                 "request's tokens)"
@@ -855,35 +711,31 @@ def _check_record(v: _Shadow, op_index: int, k: int) -> None:
             _RECORD,
             f"record_hit_tokens[{index}]",
         )
-    v.n_record += 1
 
 
-def _check_consumed(  # noqa: PLR0917 (private helper)
-    v: _Shadow, num_keys: int, num_allocs: int, num_appends: int, num_ids: int, num_bytes: int
+def check_consumed(
+    program: StepProgram, num_keys: int, counts: Sequence[int], hash_length: int
 ) -> None:
-    """Every column entry was consumed by an op: none missing, none left over."""
-    p = v.program
-    columns = (
-        ("request_keys", num_keys, len(p.request_keys)),
-        ("new_requests", v.n_add, len(p.new_requests)),
-        ("alloc_num_new_tokens", num_allocs, len(p.alloc_num_new_tokens)),
-        ("alloc_num_computed_tokens", num_allocs, len(p.alloc_num_computed_tokens)),
-        ("append_num_tokens", num_appends, len(p.append_num_tokens)),
-        ("append_num_block_hashes", num_appends, len(p.append_num_block_hashes)),
-        ("append_token_ids", num_ids, len(p.append_token_ids)),
-        ("append_block_hashes", num_bytes, len(p.append_block_hashes)),
-        ("cache_num_computed_tokens", v.n_cache, len(p.cache_num_computed_tokens)),
-        (
-            "remove_skipped_total_computed_tokens",
-            v.n_skipped,
-            len(p.remove_skipped_total_computed_tokens),
-        ),
-        ("evict_num_block_ids", v.n_evict, len(p.evict_num_block_ids)),
-        ("evict_block_ids", v.n_evict_ids, len(p.evict_block_ids)),
-        ("record_hit_tokens", v.n_record, len(p.record_hit_tokens)),
-    )
-    for name, used, size in columns:
-        if used != size:
+    """Every column entry was consumed by an op: none missing, none left over.
+
+    Args:
+        program: The program.
+        num_keys: The ``request_keys`` entries its ops took.
+        counts: Per op kind value, how many ops of that kind it has.
+        hash_length: Bytes per block hash (a bytes column's unit).
+    """
+    used = {"request_keys": num_keys}
+    for kind, row in OP_TABLE.items():
+        for name in row.columns:
+            used[name] = counts[kind]
+        for span in row.spans:
+            taken = sum(getattr(program, span.count)[: counts[kind]])
+            if isinstance(getattr(program, span.data), bytes):
+                taken *= hash_length
+            used[span.data] = taken
+    for name in COLUMNS:
+        size = len(getattr(program, name))
+        if used[name] != size:
             raise InvalidArgumentError(
-                f"{name} has {size} entries, the ops consume {used}", field=name
+                f"{name} has {size} entries, the ops consume {used[name]}", field=name
             )
