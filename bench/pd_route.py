@@ -1,0 +1,143 @@
+"""The P/D routing call's latency (``RoutePd``), against one ``Lookup`` over the decode pools.
+
+A ``kvcm serve`` process on 127.0.0.1 holds ``--prefill`` prefill and ``--decode`` decode pools
+(full attention, 16-token blocks), warmed with multi-turn conversations spread over them (each
+conversation's history cached on one decode pool, its system prompt on the prefill pools). Each
+sample routes the next turn of a random conversation through the SDK (``SchedulerClient``,
+one gRPC call), as ``kvcm pd-proxy`` does per request. Rows: token prompts, hashed prompts,
+bidirectional, and, for scale, a single ``Lookup`` over the decode scope (RoutePd is two
+lookups and a ranking). Prints the median and the p99 of each row, in milliseconds.
+
+    python bench/pd_route.py                    # 2 prefill + 8 decode pools, 2k-token prompts
+    python bench/pd_route.py --decode 64 --samples 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import frozen_gc, kvcm_server, p99
+
+from kvcm.client import LookupQuery, PdRouteQuery, PdScope, PoolConfig, SchedulerClient
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.specs import FullAttentionSpec
+
+BLOCK = 16
+
+
+def _config(num_blocks: int, role: str) -> PoolConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=DType.BFLOAT16)
+    layout = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=(),
+        kv_cache_groups=(KVCacheGroupSpec(layer_names=("layer.0",), kv_cache_spec=spec),),
+    )
+    return PoolConfig(max_model_len=32768, explicit_layout=layout, labels={"role": role})
+
+
+def _cache(client: SchedulerClient, pool_id: str, key: int, prompt: list[int]) -> None:
+    hashes = client.block_hasher(pool_id).hash_token_ids(prompt)
+    client.add_request(pool_id, key, prompt, hashes)
+    hit = client.get_computed_blocks(pool_id, key)
+    client.allocate_slots(
+        pool_id, key, len(prompt) - hit.num_computed_tokens, hit.num_computed_tokens, hit=hit
+    )
+    client.free(pool_id, key)
+
+
+def _row(name: str, run: Callable[[], object], samples: int) -> None:
+    for _ in range(5):
+        run()
+    times = []
+    with frozen_gc():
+        for _ in range(samples):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+    times.sort()
+    median, tail = statistics.median(times) * 1e3, p99(times) * 1e3
+    print(f"{name:<52} median {median:7.2f} ms   p99 {tail:7.2f} ms", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefill", type=int, default=2, help="prefill pools (default 2)")
+    parser.add_argument("--decode", type=int, default=8, help="decode pools (default 8)")
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    prefill = [f"bench-p{i}" for i in range(args.prefill)]
+    decode = [f"bench-d{i}" for i in range(args.decode)]
+    system = [rng.randrange(1, 50_000) for _ in range(512)]
+    histories = [
+        system + [rng.randrange(1, 50_000) for _ in range(args.prompt_tokens - 512)]
+        for _ in range(args.conversations)
+    ]
+    blocks = max(4096, 2 * args.conversations * args.prompt_tokens // BLOCK // args.decode)
+    with kvcm_server() as address, SchedulerClient(address, timeout=30.0) as client:
+        for pool_id in prefill:
+            client.create_pool(pool_id, _config(blocks, "prefill"))
+            _cache(client, pool_id, 1, system)
+        for pool_id in decode:
+            client.create_pool(pool_id, _config(blocks, "decode"))
+        for index, history in enumerate(histories):
+            _cache(client, decode[index % len(decode)], index + 2, history)
+        print(
+            f"{args.prefill} prefill + {args.decode} decode pools of {blocks} blocks; "
+            f"{args.conversations} conversations of {args.prompt_tokens} tokens cached; "
+            f"{args.samples} samples per row",
+            flush=True,
+        )
+
+        turns = [history + [rng.randrange(1, 50_000) for _ in range(32)] for history in histories]
+        hasher = client.block_hasher(decode[0])
+        hashed_turns = [b"".join(hasher.hash_token_ids(turn)) for turn in turns]
+
+        def next_turn() -> list[int]:
+            return rng.choice(turns)
+
+        def route(bidirectional: bool, hashed: bool) -> Callable[[], object]:
+            def run() -> object:
+                index = rng.randrange(len(turns))
+                if hashed:
+                    query = LookupQuery(
+                        block_hashes=hashed_turns[index], num_tokens=len(turns[index])
+                    )
+                else:
+                    query = LookupQuery(token_ids=turns[index])
+                answer = client.route_pd(
+                    PdRouteQuery(
+                        prompt=query,
+                        prefill=PdScope(labels={"role": "prefill"}),
+                        decode=PdScope(labels={"role": "decode"}),
+                        bidirectional=bidirectional,
+                    )
+                )
+                assert answer.decode_hit_tokens >= args.prompt_tokens - BLOCK
+                return answer
+
+            return run
+
+        def lookup() -> object:
+            return client.lookup(LookupQuery(token_ids=next_turn(), labels={"role": "decode"}))
+
+        _row("RoutePd, token prompt", route(False, False), args.samples)
+        _row("RoutePd, token prompt, bidirectional", route(True, False), args.samples)
+        _row("RoutePd, hashed prompt", route(False, True), args.samples)
+        _row("Lookup over the decode pools, token prompt", lookup, args.samples)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
