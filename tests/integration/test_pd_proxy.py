@@ -307,3 +307,50 @@ def test_text_prompts_are_tokenized_by_the_engine_and_bad_bodies_refused(
         assert http.post("/v1/completions", content=b"not json").status_code == 400
         assert http.post("/v1/completions", json=[1, 2]).status_code == 400
         assert http.get("/healthcheck").json()["decode"] == 2
+
+
+def test_the_kvcm_pd_proxy_command_serves_and_refuses_bad_flags(
+    cluster: _Cluster, server: EmbeddedServer
+) -> None:
+    import socket
+    import subprocess
+
+    cli = [sys.executable, "-m", "kvcm.cli", "pd-proxy", "--grpc-address", server.grpc_address]
+    bad = subprocess.run(
+        [*cli, "--prefill", "not-a-url", "--decode", "http://127.0.0.1:1=x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "--prefill 'not-a-url': expected URL=POOL" in bad.stderr
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    engines = [
+        *("--prefill", f"{cluster.prefill.url}={cluster.prefill.pool_id}"),
+        *(arg for e in cluster.decode for arg in ("--decode", f"{e.url}={e.pool_id}")),
+    ]
+    process = subprocess.Popen(
+        [*cli, "--port", str(port), *engines], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        assert "kvcm pd-proxy: http://127.0.0.1:" in process.stdout.readline()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30.0) as http:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    assert http.get("/healthcheck").status_code == 200
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+            output, headers = _complete(http, list(range(500, 560)), stream=True)
+            assert len(output) == 6
+            assert headers["x-kvcm-prefill"] == cluster.prefill.pool_id
+            assert http.get("/v1/pd/stats").json()["routed_by_kvcm"] == 1
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
