@@ -86,6 +86,10 @@ class Setup:
         pipeline_parallel_size: Ranks splitting the layers.
         serve_defaults: Build the config as ``vllm serve`` does (``AsyncEngineArgs`` for the
             OpenAI server); only the model, caching and ``scheduler_cls`` are given.
+        kv_transfer: ``KVTransferConfig`` fields (``--kv-transfer-config``), e.g. vLLM's
+            ``NixlConnector`` in the producer or consumer role; ``None``: no connector.
+        fabric: The :class:`TransferFabric` the simulated workers move KV through (needed
+            with ``kv_transfer``; one per set of engines that transfer to each other).
     """
 
     num_blocks: int | None = 160
@@ -105,6 +109,8 @@ class Setup:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     serve_defaults: bool = False
+    kv_transfer: dict[str, Any] | None = None
+    fabric: Any = None
 
 
 @cache
@@ -225,6 +231,7 @@ def _explicit_config(setup: Setup, scheduler_cls: Any, additional_config: Any, e
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVTransferConfig,
         LoRAConfig,
         ModelConfig,
         ParallelConfig,
@@ -268,6 +275,9 @@ def _explicit_config(setup: Setup, scheduler_cls: Any, additional_config: Any, e
         ),
         lora_config=LoRAConfig(max_loras=2, max_lora_rank=8) if setup.lora else None,
         kv_events_config=events,
+        kv_transfer_config=(
+            KVTransferConfig(**setup.kv_transfer) if setup.kv_transfer is not None else None
+        ),
         additional_config=additional_config or {},
     )
 
@@ -292,6 +302,14 @@ class SimulatedWorker:
         self.layout: tuple[str, int] | None = None
         self._prompt_lengths: dict[str, int] = {}
         self._pending: Any = None
+        # The rank whose output the executor returns moves the KV (one per engine).
+        world = vllm_config.parallel_config.world_size
+        self.nixl: SimulatedNixl | None = (
+            SimulatedNixl(vllm_config, setup.fabric)
+            if setup.kv_transfer is not None and rank == world - 1
+            else None
+        )
+        self._connector_output: Any = None
 
     def _layers(self) -> range:
         parallel = self.vllm_config.parallel_config
@@ -359,9 +377,15 @@ class SimulatedWorker:
         an empty batch answers at once with vLLM's empty output, as its model runner does."""
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
+        if self.nixl is not None:
+            # The connector's worker side runs every step, a batch or not (vLLM's runner).
+            self._connector_output = self.nixl.step(scheduler_output.kv_connector_metadata)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._forget(scheduler_output.finished_req_ids)
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            output, self._connector_output = self._connector_output, None
+            if output is None:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return dataclasses.replace(EMPTY_MODEL_RUNNER_OUTPUT, kv_connector_output=output)
         self._pending = scheduler_output
         return None
 
@@ -391,14 +415,157 @@ class SimulatedWorker:
             computed, num_tokens = known[req_id]
             end = computed + output.num_scheduled_tokens[req_id]
             sampled.append([token_at(req_id, end)] if end >= num_tokens else [])
+        connector_output, self._connector_output = self._connector_output, None
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            kv_connector_output=connector_output,
         )
 
     def shutdown(self) -> None:
         """Nothing to release."""
+
+
+class TransferFabric:
+    """The wire between simulated engines' NIXL workers, deterministic and test-driven.
+
+    Time is the driver's turn (``now``, set before each turn): a pull takes ``pull_turns``
+    turns, and a lease of ``s`` seconds (``kv_lease_duration``, a heartbeat's extension) lasts
+    ``s / seconds_per_turn`` turns. ``failures[req_id]`` makes the decode side's pull for
+    ``req_id`` fail: ``"fail"`` (the whole load fails, as a NIXL transfer error reports it) or
+    an index (the blocks from that one on come back invalid). ``log`` keeps what happened,
+    ``(turn, event, engine_id, req_id)``.
+    """
+
+    def __init__(self, pull_turns: int = 1, seconds_per_turn: float = 1.0) -> None:
+        self.now = 0
+        self.pull_turns = pull_turns
+        self.seconds_per_turn = seconds_per_turn
+        self.failures: dict[str, str | int] = {}
+        self.log: list[tuple[int, str, str, str]] = []
+        self._notifs: dict[str, list[str]] = {}
+        self._heartbeats: dict[str, set[str]] = {}
+
+    def notify(self, engine_id: str, request_id: str) -> None:
+        """Tell the producer ``engine_id`` its request's blocks were read (or are not needed)."""
+        self._notifs.setdefault(engine_id, []).append(request_id)
+
+    def heartbeat(self, engine_id: str, request_ids: set[str]) -> None:
+        """A consumer renews the leases of ``request_ids`` on ``engine_id``."""
+        self._heartbeats.setdefault(engine_id, set()).update(request_ids)
+
+    def take(self, engine_id: str) -> tuple[list[str], set[str]]:
+        """The notifications and heartbeats addressed to ``engine_id`` since its last step."""
+        return self._notifs.pop(engine_id, []), self._heartbeats.pop(engine_id, set())
+
+    def turns(self, seconds: float) -> int:
+        """``seconds`` of wall time in turns."""
+        return max(0, round(seconds / self.seconds_per_turn))
+
+
+class SimulatedNixl:
+    """The worker side of vLLM's pull-mode ``NixlConnector``, over a :class:`TransferFabric`.
+
+    What the scheduler side hands the workers each step (``NixlConnectorMetadata``) is acted
+    on as NIXL's workers act on it: a consumer pulls the blocks of each request to receive and
+    reports it in ``finished_recving`` (a failed pull also in ``failed_recving`` and its blocks
+    in ``invalid_block_ids``), then notifies the producer, whose worker reports the request in
+    ``finished_sending``; a full local hit or an abort only notifies. A producer keeps each
+    finished request's blocks until notified or until its lease (renewed by heartbeats) runs
+    out, then reports it in ``finished_sending``.
+    """
+
+    def __init__(self, vllm_config: Any, fabric: TransferFabric) -> None:
+        transfer = vllm_config.kv_transfer_config
+        self.engine_id: str = transfer.engine_id
+        self.fabric = fabric
+        self.lease_s = float(transfer.get_from_extra_config("kv_lease_duration", 30))
+        self._recving: dict[str, tuple[int, Any]] = {}
+        self._to_process: set[str] = set()
+        self._to_send: dict[str, int] = {}
+
+    def step(self, metadata: Any) -> Any:
+        """Act on the step's metadata; answer what finished (``KVConnectorOutput``) or None."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        fabric = self.fabric
+        now = fabric.now
+        if metadata is not None:
+            self._start(metadata, now)
+        notifs, heartbeats = fabric.take(self.engine_id)
+        for req_id in heartbeats:
+            if req_id in self._to_send:
+                self._to_send[req_id] = max(self._to_send[req_id], now + fabric.turns(self.lease_s))
+        sending: set[str] = set()
+        for req_id in notifs:
+            if req_id in self._to_send or req_id in self._to_process:
+                self._to_process.discard(req_id)
+                self._to_send.pop(req_id, None)
+                sending.add(req_id)
+                fabric.log.append((now, "read", self.engine_id, req_id))
+            else:
+                fabric.log.append((now, "read-after-expiry", self.engine_id, req_id))
+        for req_id, deadline in list(self._to_send.items()):
+            if now >= deadline:
+                del self._to_send[req_id]
+                self._to_process.discard(req_id)
+                sending.add(req_id)
+                fabric.log.append((now, "lease-expired", self.engine_id, req_id))
+        recving, failed, invalid = self._finish_pulls(now)
+        output = KVConnectorOutput(
+            finished_sending=sending or None,
+            finished_recving=recving or None,
+            invalid_block_ids=invalid,
+            failed_recving=failed,
+        )
+        return None if output.is_empty() else output
+
+    def _start(self, metadata: Any, now: int) -> None:
+        fabric = self.fabric
+        for req_id, meta in metadata.reqs_to_recv.items():
+            remote = meta.remote
+            if meta.awaiting_kvs or any(meta.local_block_ids):
+                self._recving[req_id] = (now + fabric.pull_turns, meta)
+                fabric.log.append((now, "pull", self.engine_id, req_id))
+            else:
+                # A full local hit or an abort: the producer may free its blocks.
+                fabric.notify(remote.engine_id, remote.request_id)
+                fabric.log.append((now, "release", self.engine_id, req_id))
+        self._to_process |= set(metadata.reqs_in_batch)
+        self._to_process -= set(metadata.reqs_not_processed)
+        for req_id, expiry in metadata.reqs_to_send.items():
+            if req_id in self._to_process:
+                self._to_send[req_id] = now + fabric.turns(expiry - metadata.scheduler_clock)
+        for engine_id, info in metadata.heartbeat_by_engine.items():
+            fabric.heartbeat(engine_id, set(info.req_ids))
+
+    def _finish_pulls(self, now: int) -> tuple[set[str], set[str], set[int]]:
+        fabric = self.fabric
+        recving: set[str] = set()
+        failed: set[str] = set()
+        invalid: set[int] = set()
+        for req_id, (done, meta) in list(self._recving.items()):
+            if now < done:
+                continue
+            del self._recving[req_id]
+            recving.add(req_id)
+            failure = fabric.failures.get(req_id)
+            blocks = list(meta.local_block_ids[0]) if meta.local_block_ids else []
+            if failure == "fail":
+                # NIXL's worker: the request fails, its blocks are invalid, and the
+                # producer is not notified (its lease reclaims the blocks).
+                failed.add(req_id)
+                invalid.update(blocks)
+                fabric.log.append((now, "pull-failed", self.engine_id, req_id))
+                continue
+            if isinstance(failure, int):
+                invalid.update(blocks[failure:])
+                fabric.log.append((now, "pull-partly-invalid", self.engine_id, req_id))
+            else:
+                fabric.log.append((now, "pulled", self.engine_id, req_id))
+            fabric.notify(meta.remote.engine_id, meta.remote.request_id)
+        return recving, failed, invalid
 
 
 def _done(value: Any) -> Future[Any]:
@@ -472,6 +639,11 @@ def _executor_base() -> type:
 
         def check_health(self) -> None:
             return None
+
+        def get_kv_connector_handshake_metadata(self) -> list[dict[Any, Any]]:
+            # Simulated workers register no NIXL agent: nothing to serve, so the
+            # connector's scheduler side opens no handshake listener.
+            return []
 
         def shutdown(self) -> None:
             self.collective_rpc("shutdown")
@@ -562,6 +734,7 @@ class RequestPlan:
     lora: int = 0
     cache_salt: str | None = None
     abort_step: int = -1
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def plan_workload(
@@ -608,7 +781,16 @@ def _engine_request(plan: RequestPlan) -> Any:
         request_id=plan.request_id,
         prompt_token_ids=list(plan.prompt),
         mm_features=None,
-        sampling_params=SamplingParams(max_tokens=plan.max_tokens, ignore_eos=True),
+        sampling_params=SamplingParams(
+            max_tokens=plan.max_tokens,
+            ignore_eos=True,
+            # A copy: vLLM's connector rewrites the request's parameters in place.
+            extra_args=(
+                {"kv_transfer_params": dict(plan.kv_transfer_params)}
+                if plan.kv_transfer_params is not None
+                else None
+            ),
+        ),
         pooling_params=None,
         arrival_time=0.0,
         lora_request=lora,
