@@ -46,10 +46,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Final, TypeAlias
+from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias
 
 from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, KVCMError
 from kvcm.common.hashing import BlockHash
+from kvcm.core import step_checks as checks
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, CacheHit, KVCacheBlocks, SlotOptions
 from kvcm.core.op_table import KEYED, OP_TABLE
 from kvcm.core.program import (
@@ -62,28 +63,7 @@ from kvcm.core.program import (
     StepProgram,
 )
 from kvcm.core.request import Request, RequestStatus
-from kvcm.core.step_checks import (
-    HOLDS_MAYBE,
-    HOLDS_NO,
-    HOLDS_YES,
-    Shadow,
-    check_add,
-    check_allocate,
-    check_append,
-    check_append_slow,
-    check_commit,
-    check_consumed,
-    check_evict,
-    check_hit,
-    check_limits,
-    check_new_request,
-    check_program_fields,
-    check_record,
-    hashes_expected,
-    reject,
-    too_few,
-    verify_append,
-)
+from kvcm.core.step_checks import check_append, check_hit, check_limits, check_new_request
 
 if TYPE_CHECKING:
     from kvcm.core.manager import KVCacheManager
@@ -201,10 +181,10 @@ def validate_program(pool: Pool, manager: KVCacheManager, program: StepProgram) 
     Raises:
         KVCMError: The first failing op (``op_index`` set) or the malformed program.
     """
-    check_program_fields(program)
-    v = Shadow(pool, manager, program)
+    checks.check_program_fields(program)
+    v = checks.Shadow(pool, manager, program)
     _, num_keys, counts = _walk(program.ops, lambda kind: _PAIRS[kind][0](v))
-    check_consumed(program, num_keys, counts, pool.hashing.hash_length_bytes)
+    checks.check_consumed(program, num_keys, counts, pool.hashing.hash_length_bytes)
     options_by_index = program.alloc_options
     num_allocs = counts[_ALLOCATE]
     if options_by_index and max(options_by_index) >= num_allocs:
@@ -254,8 +234,8 @@ def _walk(ops: list[int], make: Callable[[int], Handler]) -> tuple[int, int, lis
 
     Returns:
         The ops walked (all, or up to the one whose handler raised :class:`_Stop`), the
-        ``request_keys``
-        entries they took, and per op kind value how many ops of that kind they were.
+        ``request_keys`` entries they took, and per op kind value how many ops of that kind
+        they were.
 
     Raises:
         InvalidArgumentError: An op of no kind (names ``ops[i]``).
@@ -270,7 +250,7 @@ def _walk(ops: list[int], make: Callable[[int], Handler]) -> tuple[int, int, lis
                 handler = handlers[op]
             except KeyError:
                 if op not in OP_TABLE:
-                    raise reject(
+                    raise checks.reject(
                         InvalidArgumentError(f"ops[{op_index}] has unknown kind {op}"),
                         op_index,
                         op,
@@ -286,32 +266,19 @@ def _walk(ops: list[int], make: Callable[[int], Handler]) -> tuple[int, int, lis
     return len(ops), k, counts
 
 
-class _Execution:
+class _Execution(NamedTuple):
     """What the execute handlers of one walk share."""
 
-    __slots__ = ("deferred_hits", "manager", "outcome", "pool", "program")
-
-    def __init__(
-        self,
-        pool: Pool,
-        manager: KVCacheManager,
-        program: StepProgram,
-        outcome: StepOutcome,
-        deferred_hits: frozenset[int],
-    ) -> None:
-        self.pool = pool
-        self.manager = manager
-        self.program = program
-        self.outcome = outcome
-        self.deferred_hits = deferred_hits
+    pool: Pool
+    manager: KVCacheManager
+    program: StepProgram
+    outcome: StepOutcome
+    deferred_hits: frozenset[int]
 
 
 # ---------------------------------------------------------------------------- ADD_REQUEST
-def _validate_add(v: Shadow) -> Handler:
-    def check(op_index: int, k: int, n: int) -> None:
-        check_add(v, op_index, n)
-
-    return check
+def _validate_add(v: checks.Shadow) -> Handler:
+    return lambda op_index, k, n: checks.check_add(v, op_index, n)
 
 
 def _execute_add(x: _Execution) -> Handler:
@@ -334,7 +301,7 @@ def _execute_add(x: _Execution) -> Handler:
 
 
 # -------------------------------------------------------------------------- APPEND_TOKENS
-def _validate_append(v: Shadow) -> Handler:
+def _validate_append(v: checks.Shadow) -> Handler:
     # A decode step's op: a cheap test sends only suspicious appends to the full checks.
     pool, program = v.pool, v.program
     keys, table_get, first_sight, verify = v.keys, v.table.get, v.first_sight, v.verify
@@ -351,11 +318,11 @@ def _validate_append(v: Shadow) -> Handler:
     def check(op_index: int, k: int, n: int) -> None:
         nonlocal token_cursor, hash_cursor
         if k >= num_keys:
-            raise too_few(op_index, _APPEND, "request_keys")
+            raise checks.too_few(op_index, _APPEND, "request_keys")
         key = keys[k]
         state = table_get(key) or first_sight(op_index, _APPEND, k, key)
         if n >= num_appends:
-            raise too_few(op_index, _APPEND, "append_num_tokens")
+            raise checks.too_few(op_index, _APPEND, "append_num_tokens")
         num_tokens = counts_tokens[n]
         num_hashes = counts_hashes[n]
         start = token_cursor
@@ -371,12 +338,12 @@ def _validate_append(v: Shadow) -> Handler:
             or hash_cursor > num_hash_bytes
             or (
                 num_hashes
-                and not hashes_expected(
+                and not checks.hashes_expected(
                     before, num_tokens, num_hashes, hashes_before, hash_block_size
                 )
             )
         ):
-            check_append_slow(
+            checks.check_append_slow(
                 v, op_index, key, n, before, hashes_before,
                 num_tokens=num_tokens, num_hashes=num_hashes,
                 short=token_cursor > num_token_ids or hash_cursor > num_hash_bytes,
@@ -384,7 +351,7 @@ def _validate_append(v: Shadow) -> Handler:
         state[0] = before + num_tokens
         state[2] = hashes_before + num_hashes
         if verify:
-            verify_append(v, op_index, n, state, start, num_tokens, num_hashes)
+            checks.verify_append(v, op_index, n, state, start, num_tokens, num_hashes)
 
     return check
 
@@ -419,15 +386,10 @@ def _execute_append(x: _Execution) -> Handler:
 
 
 # ------------------------------------------------------------------------------- ALLOCATE
-def _validate_allocate(v: Shadow) -> Handler:
+def _validate_allocate(v: checks.Shadow) -> Handler:
     # A decode step's op: a cheap test sends only suspicious allocations to the full checks.
-    program = v.program
-    keys, table_get, first_sight, allocated_add = (
-        v.keys,
-        v.table.get,
-        v.first_sight,
-        v.allocated.add,
-    )
+    program, keys, table_get, first_sight = v.program, v.keys, v.table.get, v.first_sight
+    allocated_add, holds_yes, holds_maybe = v.allocated.add, checks.HOLDS_YES, checks.HOLDS_MAYBE
     num_keys = len(keys)
     options_get = program.alloc_options.get if program.alloc_options else None
     alloc_new, alloc_computed = program.alloc_num_new_tokens, program.alloc_num_computed_tokens
@@ -436,11 +398,11 @@ def _validate_allocate(v: Shadow) -> Handler:
 
     def check(op_index: int, k: int, n: int) -> None:
         if k >= num_keys:
-            raise too_few(op_index, _ALLOCATE, "request_keys")
+            raise checks.too_few(op_index, _ALLOCATE, "request_keys")
         key = keys[k]
         state = table_get(key) or first_sight(op_index, _ALLOCATE, k, key)
         if n >= num_allocs:
-            raise too_few(op_index, _ALLOCATE, "alloc_num_new_tokens")
+            raise checks.too_few(op_index, _ALLOCATE, "alloc_num_new_tokens")
         num_new = alloc_new[n]
         num_computed = alloc_computed[n]
         entry = options_get(n) if options_get is not None else None
@@ -451,10 +413,10 @@ def _validate_allocate(v: Shadow) -> Handler:
             or num_new <= 0
             or num_computed + num_new > max_model_len
         ):
-            check_allocate(v, op_index, key, state, num_new, num_computed, entry, n)
+            checks.check_allocate(v, op_index, key, state, num_new, num_computed, entry, n)
         allocated_add(key)
-        if state[1] != HOLDS_YES:
-            state[1] = HOLDS_MAYBE
+        if state[1] != holds_yes:
+            state[1] = holds_maybe
 
     return check
 
@@ -591,11 +553,8 @@ def _prepare_allocation(  # noqa: PLR0917 (private helper)
 
 
 # ------------------------------------------------------- CACHE_BLOCKS, REMOVE_SKIPPED_BLOCKS
-def _validate_commit(v: Shadow) -> Handler:
-    def check(op_index: int, k: int, n: int) -> None:
-        check_commit(v, op_index, v.program.ops[op_index], k, n)
-
-    return check
+def _validate_commit(v: checks.Shadow) -> Handler:
+    return lambda op_index, k, n: checks.check_commit(v, op_index, v.program.ops[op_index], k, n)
 
 
 def _execute_cache(x: _Execution) -> Handler:
@@ -623,12 +582,12 @@ def _execute_skipped(x: _Execution) -> Handler:
 
 
 # --------------------------------------------------------------------------- PREEMPT, FINISH
-def _validate_free(v: Shadow) -> Handler:
+def _validate_free(v: checks.Shadow) -> Handler:
     def check(op_index: int, k: int, n: int) -> None:
         op = v.program.ops[op_index]
         key, state = v.state(op_index, op, k)
         if op == _PREEMPT:
-            state[1] = HOLDS_NO
+            state[1] = checks.HOLDS_NO
         else:
             v.table[key] = None
             v.allocated.discard(key)
@@ -637,21 +596,17 @@ def _validate_free(v: Shadow) -> Handler:
 
 
 def _execute_free(x: _Execution) -> Handler:
-    pool, keys, ops = x.pool, x.program.request_keys, x.program.ops
-
-    def run(op_index: int, k: int, n: int) -> None:
-        pool.free(keys[k], preempt=ops[op_index] == _PREEMPT)
-
-    return run
+    free, keys, ops = x.pool.free, x.program.request_keys, x.program.ops
+    return lambda op_index, k, n: free(keys[k], preempt=ops[op_index] == _PREEMPT)
 
 
 # ------------------------------------------------------------------------------ EVICT_BLOCKS
-def _validate_evict(v: Shadow) -> Handler:
+def _validate_evict(v: checks.Shadow) -> Handler:
     start = 0
 
     def check(op_index: int, k: int, n: int) -> None:
         nonlocal start
-        start += check_evict(v, op_index, n, start)
+        start += checks.check_evict(v, op_index, n, start)
 
     return check
 
@@ -670,50 +625,33 @@ def _execute_evict(x: _Execution) -> Handler:
 
 
 # ----------------------------------------------------------------------- RECORD_PREFIX_STATS
-def _validate_record(v: Shadow) -> Handler:
-    def check(op_index: int, k: int, n: int) -> None:
-        check_record(v, op_index, k, n)
-
-    return check
+def _validate_record(v: checks.Shadow) -> Handler:
+    return lambda op_index, k, n: checks.check_record(v, op_index, k, n)
 
 
 def _execute_record(x: _Execution) -> Handler:
-    manager, requests, keys = x.manager, x.pool.requests, x.program.request_keys
-    column = x.program.record_hit_tokens
-
-    def run(op_index: int, k: int, n: int) -> None:
-        manager.record_prefix_cache_stats(requests[keys[k]], column[n])
-
-    return run
+    record, requests = x.manager.record_prefix_cache_stats, x.pool.requests
+    keys, column = x.program.request_keys, x.program.record_hit_tokens
+    return lambda op_index, k, n: record(requests[keys[k]], column[n])
 
 
 # ----------------------------------------------------- NEW_STEP_STARTS, RESET_PREFIX_CACHE
-def _validate_nothing(v: Shadow) -> Handler:
-    def check(op_index: int, k: int, n: int) -> None:
-        pass  # nothing to check: they take no columns
-
-    return check
+def _validate_nothing(v: checks.Shadow) -> Handler:
+    return lambda op_index, k, n: None  # nothing to check: they take no columns
 
 
 def _execute_new_step(x: _Execution) -> Handler:
     new_step_starts = x.manager.new_step_starts
-
-    def run(op_index: int, k: int, n: int) -> None:
-        new_step_starts()
-
-    return run
+    return lambda op_index, k, n: new_step_starts()
 
 
 def _execute_reset(x: _Execution) -> Handler:
     manager, resets = x.manager, x.outcome.reset
-
-    def run(op_index: int, k: int, n: int) -> None:
-        resets.append(manager.reset_prefix_cache())
-
-    return run
+    return lambda op_index, k, n: resets.append(manager.reset_prefix_cache())
 
 
-_PAIRS: Final[dict[int, tuple[Callable[[Shadow], Handler], Callable[[_Execution], Handler]]]] = {
+_Pair: TypeAlias = tuple[Callable[[checks.Shadow], Handler], Callable[[_Execution], Handler]]
+_PAIRS: Final[dict[int, _Pair]] = {
     int(OpKind.ADD_REQUEST): (_validate_add, _execute_add),
     int(OpKind.APPEND_TOKENS): (_validate_append, _execute_append),
     int(OpKind.ALLOCATE): (_validate_allocate, _execute_allocate),

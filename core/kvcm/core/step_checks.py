@@ -371,39 +371,9 @@ def check_allocate(  # noqa: PLR0917 (private helper)
     if entry is not None:
         check_alloc_options(v, entry, index, num_tokens, num_computed, fail)
         if entry.lookup is not None or entry.hit is not None:
-            where = "lookup" if entry.lookup is not None else "hit"
-            if num_computed:
-                raise fail(
-                    f"alloc_num_computed_tokens[{index}]={num_computed}: an ALLOCATE with a "
-                    f"{where} is for a request with no computed tokens",
-                    f"alloc_num_computed_tokens[{index}]",
-                )
-            if key in v.allocated and not v.program.continue_on_does_not_fit:
-                raise fail(
-                    f"an ALLOCATE with a {where} follows another ALLOCATE of request key {key}",
-                    f"alloc_options[{index}].{where}",
-                )
-            if v.holds(key, state) == HOLDS_YES:
-                raise fail(
-                    f"alloc_options[{index}]: a {where} for a request that holds blocks",
-                    f"alloc_options[{index}].{where}",
-                )
-        if entry.lookup is not None:
-            return  # the lookup caps num_new_tokens at execution
-        if entry.hit is not None:
-            request = state[4]
-            assert isinstance(request, Request)
-            # The cache part of the check is exact here only when nothing earlier in the
-            # program can evict and the request's hashes are all in the table already;
-            # otherwise the interpreter checks it when the ALLOCATE runs (HIT_STALE).
-            deferred = v.evicting_before(op_index) or state[2] != len(request.block_hashes)
-            try:
-                check_hit(v.pool, v.manager, request, entry.hit, num_tokens, cache=not deferred)
-            except KVCMError as exc:
-                raise reject(exc, op_index, _ALLOCATE, f"alloc_options[{index}].hit") from None
-            if deferred:
-                v.deferred_hits.add(index)
-            hit_tokens = entry.hit.num_tokens
+            hit_tokens = _check_adoption(v, op_index, key, state, num_computed, entry, index, fail)
+            if entry.lookup is not None:
+                return  # the lookup caps num_new_tokens at execution
     if num_new == 0 and hit_tokens == 0 and options.num_external_computed_tokens == 0:
         raise fail(
             f"alloc_num_new_tokens[{index}] must be > 0 when there is nothing to adopt",
@@ -415,6 +385,53 @@ def check_allocate(  # noqa: PLR0917 (private helper)
             f"{num_computed + hit_tokens + num_new} exceeds max_model_len {max_model_len}",
             f"alloc_num_new_tokens[{index}]",
         )
+
+
+def _check_adoption(  # noqa: PLR0917 (private helper)
+    v: Shadow,
+    op_index: int,
+    key: int,
+    state: list[Any],
+    num_computed: int,
+    entry: AllocOptions,
+    index: int,
+    fail: Any,
+) -> int:
+    """An ALLOCATE with a lookup or a caller's hit: a request with nothing computed and no
+    blocks, not allocated before in the program; the hit's shape (and, when that is exact
+    already, the cache). Returns the hit's tokens (0 for a lookup)."""
+    where = "lookup" if entry.lookup is not None else "hit"
+    if num_computed:
+        raise fail(
+            f"alloc_num_computed_tokens[{index}]={num_computed}: an ALLOCATE with a "
+            f"{where} is for a request with no computed tokens",
+            f"alloc_num_computed_tokens[{index}]",
+        )
+    if key in v.allocated and not v.program.continue_on_does_not_fit:
+        raise fail(
+            f"an ALLOCATE with a {where} follows another ALLOCATE of request key {key}",
+            f"alloc_options[{index}].{where}",
+        )
+    if v.holds(key, state) == HOLDS_YES:
+        raise fail(
+            f"alloc_options[{index}]: a {where} for a request that holds blocks",
+            f"alloc_options[{index}].{where}",
+        )
+    if entry.hit is None:
+        return 0
+    request = state[4]
+    assert isinstance(request, Request)
+    # The cache part of the check is exact here only when nothing earlier in the program can
+    # evict and the request's hashes are all in the table already; otherwise the interpreter
+    # checks it when the ALLOCATE runs (HIT_STALE).
+    deferred = v.evicting_before(op_index) or state[2] != len(request.block_hashes)
+    try:
+        check_hit(v.pool, v.manager, request, entry.hit, state[0], cache=not deferred)
+    except KVCMError as exc:
+        raise reject(exc, op_index, _ALLOCATE, f"alloc_options[{index}].hit") from None
+    if deferred:
+        v.deferred_hits.add(index)
+    return entry.hit.num_tokens
 
 
 def check_alloc_options(  # noqa: PLR0917 (private helper)
