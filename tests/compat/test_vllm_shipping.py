@@ -219,6 +219,48 @@ def test_the_server_copy_equals_the_mirror_after_every_step(
         mirrored.shutdown()
 
 
+def test_remote_mode_answers_nothing_the_server_has_not_acknowledged(
+    server: EmbeddedServer, vllm: Any
+) -> None:
+    """Remote mode is the mirror with a sink that acknowledges each answer: when an
+    ``allocate_slots`` returns to vLLM, the server has run its program (nothing is pending) and
+    its pool equals the mirror's."""
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    del vllm
+    setup = Setup(num_blocks=70, sliding_window=32, retention_interval=None, max_model_len=512)
+    plans = plan_workload(41, 12, setup)
+    pool_id = "engine-remote-acks"
+    config = {"kvcm": {"address": server.grpc_address, "pool_id": pool_id, "mode": "remote"}}
+    mirrored = build_engine(setup, KvcmScheduler, config)
+    manager = mirrored.scheduler.kv_cache_manager
+    assert manager.sink.acknowledges_each_answer
+    allocate = manager.allocate_slots
+    answers: list[Any] = []
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        blocks = allocate(*args, **kwargs)
+        lag = manager.shipping_lag()
+        assert lag is not None
+        assert lag.backlog_steps == 0
+        assert lag.last_acked_step_seq == lag.last_closed_step_seq == manager.recorder.num_steps
+        assert server_pool_state(server, pool_id) == mirror_state(mirrored)
+        answers.append(blocks)
+        return blocks
+
+    manager.allocate_slots = checked
+    try:
+        turns = sum(1 for _ in run(mirrored, plans, record=False, max_steps=2000))
+        stats = _shipper(mirrored).stats
+        print(f"{turns} turns, {len(answers)} answers, {stats}")
+        assert len(answers) > 50
+        assert any(blocks is None for blocks in answers)  # some did not fit: preemptions
+        assert stats.mismatches == 0
+        assert stats.resyncs == 0
+    finally:
+        mirrored.shutdown()
+
+
 def _fault_run(
     server_address: str, faults: dict[int, Callable[[Engine], None]], *, max_backlog: int = 4096
 ) -> tuple[Engine, int]:
