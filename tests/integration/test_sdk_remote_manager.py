@@ -276,3 +276,32 @@ def test_remote_manager_answers_like_the_core(client: SchedulerClient, batched: 
         remote.get_block_ids("never-seen")
     remote.close()
     client.delete_pool(pool_id)
+
+
+def test_a_new_manager_gets_what_the_pool_cached_before_it(client: SchedulerClient) -> None:
+    """The server decides, so a manager attaches to a pool in any state: a prefix an earlier
+    manager cached is a hit for the next one (a fresh local copy of the pool, which a mirror
+    would start from, has no such hit). Why this class is not the vLLM integration's mirror."""
+    pool_id = "remote-manager-reattach"
+    layout = _layout(num_blocks=64)
+    client.create_pool(pool_id, PoolConfig(max_model_len=MAX_MODEL_LEN, explicit_layout=layout))
+    prompt = list(range(1000, 1064))  # four full blocks
+    with RemoteKVCacheManager(client, pool_id) as first:
+        request = Request("first", prompt, block_hasher=first.block_hasher)
+        assert first.allocate_slots(request, len(prompt)) is not None
+        request.num_computed_tokens = len(prompt)
+        request.status = RequestStatus.FINISHED_STOPPED
+        first.free(request)
+    with RemoteKVCacheManager(client, pool_id) as second:
+        request = Request("second", [*prompt, 7, 8, 9], block_hasher=second.block_hasher)
+        hit = second.get_computed_blocks(request)
+        assert hit.num_computed_tokens == len(prompt)
+        fresh = KVCacheManager(
+            KVCacheManagerConfig(kv_cache_config=layout, max_model_len=MAX_MODEL_LEN)
+        )
+        local = Request("second", [*prompt, 7, 8, 9], block_hasher=second.block_hasher)
+        assert fresh.get_computed_blocks(local).num_computed_tokens == 0
+        blocks = second.allocate_slots(request, 3, hit.num_computed_tokens, hit.blocks)
+        assert blocks is not None
+        assert second.get_block_ids("second")[0][:4] == list(hit.blocks.get_block_ids()[0])
+    client.delete_pool(pool_id)

@@ -3,6 +3,15 @@
 A scheduler written against vLLM's in-process manager calls the same methods with the same
 arguments and reads results of the same shapes; the pool lives in the kvcm server.
 
+This is the manager of a scheduler that keeps **no copy** of its pool: the server decides every
+answer, so it attaches to a pool in any state (prefixes cached by earlier runs included) and
+follows what others change there (an operator's evictions or clear of the prefix cache). vLLM
+itself runs on ``kvcm.integrations.vllm`` instead, whose one manager is a local mirror of the
+pool (kvcm's core decides, and the server's copy gets the Step programs; its ``remote`` mode
+waits for the server to acknowledge each answer). The mirror cannot stand in for this class:
+the server has no call that hands a pool's state to a new client, and a mirror that attaches
+to a pool replaces the pool's state with its own.
+
 What is batched: calls that answer nothing (``free``, ``cache_blocks``,
 ``remove_skipped_blocks``, ``new_step_starts``, and the tokens and block hashes a request gained
 since it was last sent) are queued, in call order, and travel as ops of the next Step RPC. Calls
@@ -457,24 +466,18 @@ class RemoteKVCacheManager:
         A finished request (status ``FINISHED_*``) is forgotten; any other is preempted: the
         pool keeps its tokens and counts the preemption. Unknown requests are ignored.
         """
-        tracked = self._by_id.get(request.request_id)
-        if tracked is None:
-            return
-        pending = self._pending
-        if _is_finished(request.status):
-            self._journal.append((pending.num_ops, _FREED, tracked, 0, 0))
-            pending.finish(tracked.key)
-            del self._by_id[request.request_id]
-        else:
-            pending.preempt(tracked.key)
+        self._free(request, finished=_is_finished(request.status))
 
     def free_with_mode(self, request: SchedulerRequest, mode: FreeMode) -> None:
         """``free`` with an explicit mode instead of reading the request's status (queued)."""
+        self._free(request, finished=mode is FreeMode.FINISHED)
+
+    def _free(self, request: SchedulerRequest, *, finished: bool) -> None:
         tracked = self._by_id.get(request.request_id)
         if tracked is None:
             return
         pending = self._pending
-        if mode is FreeMode.FINISHED:
+        if finished:
             self._journal.append((pending.num_ops, _FREED, tracked, 0, 0))
             pending.finish(tracked.key)
             del self._by_id[request.request_id]
