@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvcm.common.hashing import HashAlgorithm, external_block_hash
-from kvcm.common.specs import SlidingWindowSpec
+from kvcm.common.specs import MambaSpec, SlidingWindowSpec
 from kvcm.core.manager import (
     DEFAULT_SLOT_OPTIONS,
     CacheHit,
@@ -108,20 +108,21 @@ class _CoordinatorView:
     Attributes:
         single_type_managers: One view per group.
         block_pool: kvcm's block pool.
-        enable_partial_hash_hits: Always ``False`` (a Mamba-align feature kvcm refuses).
+        enable_partial_hash_hits: Whether hits land on hash blocks inside larger blocks
+            (beside an align-mode Mamba group), as the core decided it.
         eagle_group_ids: Always empty (EAGLE block dropping is refused).
         num_reprefillable_tokens: Always 0.
     """
 
-    __slots__ = ("block_pool", "single_type_managers")
+    __slots__ = ("block_pool", "enable_partial_hash_hits", "single_type_managers")
 
-    enable_partial_hash_hits = False
     eagle_group_ids: tuple[int, ...] = ()
     num_reprefillable_tokens = 0
 
     def __init__(self, single_type_managers: list[_GroupView], block_pool: Any) -> None:
         self.single_type_managers = single_type_managers
         self.block_pool = block_pool
+        self.enable_partial_hash_hits = False
 
 
 class MirrorKVCacheManager:
@@ -202,6 +203,8 @@ class MirrorKVCacheManager:
             ],
             core.block_pool,
         )
+        # vLLM's scheduler reads whether hits land inside blocks (Mamba align mode).
+        self.coordinator.enable_partial_hash_hits = core.coordinator.enable_partial_hash_hits
         sink = sink if sink is not None else NullSink()
         self.recorder = StepRecorder(
             sink,
@@ -217,7 +220,7 @@ class MirrorKVCacheManager:
         # Under sparse retention every admission tells the server's copy the junction its
         # lookup found (0 included, so a stale one from an earlier lookup never lingers).
         self._sends_junctions = core.config.prefix_cache_retention_interval is not None and any(
-            isinstance(m.kv_cache_spec, SlidingWindowSpec)
+            isinstance(m.kv_cache_spec, (SlidingWindowSpec, MambaSpec))
             for m in core.coordinator.caching_managers
         )
         # The groups whose cache_blocks completes blocks only (no partial tail entries, which
@@ -527,8 +530,16 @@ class MirrorKVCacheManager:
         )
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        """No copy-on-write copies (a Mamba-align feature kvcm refuses)."""
-        return [], []
+        """Drain the block copies workers run before this step's forward (sub-block hits
+        beside an align-mode Mamba group) as vLLM's ``KVCacheBlockCopy`` records, and the
+        blocks that hold one extra reference each until the copies ran (vLLM's scheduler
+        drops them through ``block_pool.free_blocks``)."""
+        copies, retained = self.core.take_kv_cache_block_copies()
+        if not copies:
+            return [], []
+        from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+        return [KVCacheBlockCopy(src, dst) for src, dst in copies], retained
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """No boundary-state hand-offs (Mamba align mode only)."""

@@ -77,10 +77,6 @@ def check_supported(vllm_config: Any) -> None:
             "prefill context parallelism (PCP) is not supported with kvcm",
         ),
         (
-            vllm_config.cache_config.mamba_cache_mode == "align",
-            "Mamba align mode (mamba_cache_mode='align') is not supported with kvcm",
-        ),
-        (
             vllm_config.speculative_config is not None,
             "speculative decoding is not supported with kvcm yet",
         ),
@@ -167,6 +163,7 @@ class _KvcmSchedulerMixin:
             hash_block_size=arguments["hash_block_size"] or block_size,
             enable_caching=vllm_config.cache_config.enable_prefix_caching,
         )
+        self._check_copies(settings, kv_cache_config, arguments["hash_block_size"] or block_size)
         arguments["kv_cache_config"] = dataclasses.replace(
             kv_cache_config, num_blocks=min(kv_cache_config.num_blocks, _PLACEHOLDER_NUM_BLOCKS)
         )
@@ -189,6 +186,28 @@ class _KvcmSchedulerMixin:
             ),
         )
         self.kv_cache_manager.sink = self.make_step_sink(settings)
+
+    @staticmethod
+    def _check_copies(settings: KvcmSettings, kv_cache_config: Any, hash_block_size: int) -> None:
+        # Sub-block hits beside an align-mode Mamba group copy blocks; the Step programs a
+        # kvcm server replays do not carry the copies yet, so only a server-less mirror may
+        # serve them.
+        from kvcm.core.coordinator import partial_hash_hits_enabled
+        from kvcm.integrations.vllm._convert import convert_kv_cache_config
+
+        if settings.address is None:
+            return
+        converted = convert_kv_cache_config(kv_cache_config)
+        if len(converted.kv_cache_groups) > 1 and partial_hash_hits_enabled(
+            converted, hash_block_size
+        ):
+            mamba_block = max(g.kv_cache_spec.block_size for g in converted.kv_cache_groups)
+            raise ConfigError(
+                "sub-block prefix hits (Mamba align mode with a hash block smaller than the "
+                "Mamba block) copy blocks, which kvcm's Step programs do not carry to a "
+                f"server yet: pass --prefix-match-unit {mamba_block}, or run the mirror "
+                "without a kvcm server address"
+            )
 
     def _check_loop(self, vllm_config: Any) -> None:
         # vLLM runs a scheduler_cls under the loop async_scheduling selects, whatever the

@@ -1,0 +1,208 @@
+"""vLLM's real EngineCore serving a hybrid full attention + Mamba model with prefix caching, once
+on vLLM's own scheduler and once on kvcm's (mirror mode), compared turn by turn.
+
+The simulated workers report the layer specs of a hybrid model in vLLM's Mamba "align" mode
+(what vLLM picks for hybrid Mamba models with prefix caching on): a full-attention layer and
+a Mamba layer, both with 256-token blocks (the Mamba state page padded to the attention page,
+as vLLM unifies them), and ``--prefix-match-unit 64``. EngineCore resolves the hash block size
+(64), the scheduler block size (256) and the hit alignment (64: sub-block hits); vLLM's
+scheduler then splits prefill chunks at Mamba checkpoints, and hits ending inside a Mamba block
+are served through block copies that travel in ``SchedulerOutput.kv_cache_block_copies``.
+Every turn's ``SchedulerOutput`` (block ids and copies included), engine outputs (stats
+included) and KV events must be equal.
+"""
+
+from __future__ import annotations
+
+import random
+from types import ModuleType
+from typing import Any
+
+import pytest
+from _engine_core import (
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    VOCAB,
+    Engine,
+    RequestPlan,
+    Setup,
+    SimulatedWorker,
+    assert_same_runs,
+    executor_class,
+    vllm_config,
+    workload_scale,
+)
+
+MAMBA_BLOCK = 256
+HASH_BLOCK = 64
+
+
+def _layer_specs(block_size: int) -> dict[str, Any]:
+    # Layer 0 full attention, layer 1 a Mamba mixer in align mode (its page padded to the
+    # attention page, as vLLM unifies the pages of a hybrid model).
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    attention = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16
+    )
+    mamba = MambaSpec(
+        block_size=MAMBA_BLOCK,
+        shapes=((4, 32), (8, 16)),
+        dtypes=(torch.float16, torch.float32),
+        page_size_padded=attention.page_size_bytes,
+        mamba_cache_mode="align",
+    )
+    return {"model.layers.0.self_attn.attn": attention, "model.layers.1.mixer": mamba}
+
+
+class _HybridMambaWorker(SimulatedWorker):
+    """Reports the hybrid model's layer specs."""
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        return _layer_specs(self.vllm_config.cache_config.block_size)
+
+
+def _build(setup: Setup, scheduler_cls: Any = None) -> Engine:
+    from vllm.v1.engine.core import EngineCore
+
+    base = executor_class(setup)
+
+    def init_executor(self: Any) -> None:
+        base._init_executor(self)
+        world = self.vllm_config.parallel_config.world_size
+        self.workers = [_HybridMambaWorker(self.vllm_config, r, setup) for r in range(world)]
+
+    executor = type("HybridMambaExecutor", (base,), {"_init_executor": init_executor})
+    config = vllm_config(setup, scheduler_cls)
+    # What vLLM's hybrid-model config sets with prefix caching on, and the user's prefix
+    # match unit (EngineCore resolves the hash block size and hit alignment from them).
+    config.cache_config.mamba_cache_mode = "align"
+    config.cache_config.mamba_block_size = MAMBA_BLOCK
+    config.cache_config.prefix_match_unit = HASH_BLOCK
+    config.parallel_config.distributed_executor_backend = executor
+    core = EngineCore(config, executor, setup.log_stats)
+    return Engine(core, setup)
+
+
+def _plans(seed: int, num_requests: int, max_len: int) -> list[RequestPlan]:
+    # Shared prefixes of every length (hits at hash boundaries inside Mamba blocks), exact
+    # resends (hits at the prompt's tail boundary), long prompts (chunked at checkpoints).
+    rng = random.Random(seed)
+    prefixes = [tuple(rng.randrange(VOCAB) for _ in range(max_len)) for _ in range(3)]
+    plans: list[RequestPlan] = []
+    step = 0
+    for index in range(num_requests):
+        step += rng.choice((0, 1, 1, 2, 3))
+        if plans and rng.random() < 0.2:
+            prompt = rng.choice(plans).prompt
+        else:
+            shared = rng.choice(prefixes)[: rng.randrange(0, max_len // 2)]
+            own = tuple(rng.randrange(VOCAB) for _ in range(rng.randrange(1, 300)))
+            prompt = (shared + own)[: max_len // 2 + 200]
+        plans.append(
+            RequestPlan(
+                arrival_step=step,
+                request_id=f"r{index}",
+                prompt=prompt,
+                max_tokens=rng.choice((1, 8, 30, 80)),
+            )
+        )
+    return plans
+
+
+CASES = {
+    "sync": Setup(
+        block_size=MAMBA_BLOCK,
+        num_blocks=60,
+        max_model_len=2048,
+        max_num_batched_tokens=512,
+        max_num_seqs=8,
+    ),
+    "async-pressure": Setup(
+        block_size=MAMBA_BLOCK,
+        num_blocks=30,
+        max_model_len=2048,
+        max_num_batched_tokens=512,
+        max_num_seqs=8,
+        async_scheduling=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hybrid_mamba_engine_turns_equal_vllm(case: str, vllm: ModuleType) -> None:
+    """kvcm's scheduler answers EngineCore exactly as vLLM's, sub-block hits and copies too."""
+    from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
+
+    del vllm
+    setup = CASES[case]
+    plans = _plans(len(case), 32 * workload_scale(), setup.max_model_len)
+    reference = _build(setup)
+    kvcm_cls = KvcmAsyncScheduler if setup.async_scheduling else KvcmScheduler
+    mirrored = _build(setup, kvcm_cls)
+    copies = {"n": 0}
+    try:
+        ref_config = reference.scheduler.kv_cache_config
+        assert mirrored.scheduler.kv_cache_config == ref_config
+        assert ref_config.hash_block_size == HASH_BLOCK
+        assert ref_config.cache_hit_alignment_tokens == HASH_BLOCK
+        assert reference.scheduler.mamba_partial_cache_hit
+        assert mirrored.scheduler.mamba_partial_cache_hit
+        manager = mirrored.scheduler.kv_cache_manager
+        assert manager.coordinator.enable_partial_hash_hits
+        original = manager.take_kv_cache_block_copies
+
+        def counting() -> tuple[list[Any], list[Any]]:
+            found = original()
+            copies["n"] += len(found[0])
+            return found
+
+        manager.take_kv_cache_block_copies = counting
+        tally = assert_same_runs(reference, mirrored, plans)
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+    print(
+        f"{case}: {tally.turns} turns, {tally.batches} batches, {tally.events} events, "
+        f"{tally.hits} hits, {copies['n']} block copies, {tally.preempted} preemptions"
+    )
+    assert tally.batches > 50
+    assert tally.hits > 0
+    assert copies["n"] > 0
+    assert tally.finished == len(plans)
+
+
+def test_sub_block_hits_with_a_kvcm_server_are_refused(vllm: ModuleType) -> None:
+    """The copies of sub-block hits do not travel in Step programs yet: a mirror that ships to
+    a kvcm server refuses the configuration (naming the workaround) before anything is built;
+    one hash block per Mamba block (no copies) is accepted."""
+    from kvcm.common.errors import ConfigError
+    from kvcm.integrations.vllm._scheduler import KvcmScheduler
+
+    del vllm
+    setup = CASES["sync"]
+    config = vllm_config(setup, KvcmScheduler, {"kvcm": {"address": "127.0.0.1:1"}})
+    config.cache_config.mamba_cache_mode = "align"
+    kv_cache_config = _kv_cache_config()
+    with pytest.raises(ConfigError, match=f"--prefix-match-unit {MAMBA_BLOCK}"):
+        KvcmScheduler._check_copies(_settings(config), kv_cache_config, HASH_BLOCK)
+    KvcmScheduler._check_copies(_settings(config), kv_cache_config, MAMBA_BLOCK)
+
+
+def _settings(config: Any) -> Any:
+    from kvcm.integrations.vllm._settings import KvcmSettings
+
+    return KvcmSettings.from_sources(config.additional_config)
+
+
+def _kv_cache_config() -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([name], spec) for name, spec in _layer_specs(MAMBA_BLOCK).items()
+        ],
+    )
