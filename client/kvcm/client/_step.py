@@ -26,6 +26,7 @@ from typing import Final
 from kvcm.client._types import DEFAULT_SLOT_OPTIONS, ItemStatus, KVCacheBlocks, SlotOptions
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.core import manager as _core_manager
+from kvcm.core.op_table import OpWriter
 from kvcm.core.program import (
     NO_LOOKUP_BOUND,
     AllocOptions,
@@ -39,18 +40,6 @@ from kvcm.v1 import scheduler_pb2
 from kvcm.wire import outcome_from_proto, program_to_proto
 
 __all__ = ["LookupResult", "StepBuilder", "StepResult", "core_alloc_options"]
-
-_OP_ADD: Final = int(OpKind.ADD_REQUEST)
-_OP_APPEND: Final = int(OpKind.APPEND_TOKENS)
-_OP_ALLOCATE: Final = int(OpKind.ALLOCATE)
-_OP_CACHE: Final = int(OpKind.CACHE_BLOCKS)
-_OP_REMOVE_SKIPPED: Final = int(OpKind.REMOVE_SKIPPED_BLOCKS)
-_OP_PREEMPT: Final = int(OpKind.PREEMPT)
-_OP_FINISH: Final = int(OpKind.FINISH)
-_OP_NEW_STEP: Final = int(OpKind.NEW_STEP_STARTS)
-_OP_EVICT: Final = int(OpKind.EVICT_BLOCKS)
-_OP_RECORD_PREFIX_STATS: Final = int(OpKind.RECORD_PREFIX_STATS)
-_OP_RESET: Final = int(OpKind.RESET_PREFIX_CACHE)
 
 _OK: Final = int(ItemStatus.OK)
 
@@ -117,9 +106,11 @@ def _joined(block_hashes: Sequence[bytes] | bytes) -> bytes:
 class StepBuilder:
     """Records one scheduler step's operations as a core ``StepProgram``.
 
-    Operations run on the server (or in-process, ``Pool.run_step(builder.program)``) in the
-    order they are recorded, exactly as the equivalent unary calls would; the whole program is
-    validated first, and a rejected one changes nothing. A builder is meant to be used once;
+    Each operation is written through the core's op table (``kvcm.core.op_table.OpWriter``),
+    which knows the columns each op kind fills. Operations run on the server (or in-process,
+    ``Pool.run_step(builder.program)``) in the order they are recorded, exactly as the
+    equivalent unary calls would; the whole program is validated first, and a rejected one
+    changes nothing. A builder is meant to be used once;
     ``program`` and ``to_proto`` may be read again.
 
     Attributes:
@@ -134,7 +125,7 @@ class StepBuilder:
             (by default the Step stops right after it).
     """
 
-    __slots__ = ("_hashes", "_lookup_allocs", "program")
+    __slots__ = ("_lookup_allocs", "_writer", "program")
 
     def __init__(
         self,
@@ -158,7 +149,7 @@ class StepBuilder:
             default_num_lookahead_tokens=default_num_lookahead_tokens,
             continue_on_does_not_fit=continue_on_does_not_fit,
         )
-        self._hashes: list[bytes] = []
+        self._writer = OpWriter(self.program)
         self._lookup_allocs: list[int] = []
 
     @classmethod
@@ -170,7 +161,7 @@ class StepBuilder:
         """
         builder = cls.__new__(cls)
         builder.program = program
-        builder._hashes = []
+        builder._writer = OpWriter(program)
         builder._lookup_allocs = sorted(
             index for index, entry in program.alloc_options.items() if entry.lookup is not None
         )
@@ -238,8 +229,7 @@ class StepBuilder:
             cache_salt: Only used by servers that verify hashes.
             skip_reading_prefix_cache: Never look this request up in the prefix cache.
         """
-        self.program.ops.append(_OP_ADD)
-        self.program.new_requests.append(
+        self._writer.op(OpKind.ADD_REQUEST)(
             NewRequestSpec(
                 key=request_key,
                 request_id=request_id,
@@ -265,24 +255,15 @@ class StepBuilder:
             token_ids: The new tokens (non-empty).
             block_hashes: Hashes of the hash blocks these tokens completed, in order.
         """
-        program = self.program
-        program.ops.append(_OP_APPEND)
-        program.request_keys.append(request_key)
-        program.append_num_tokens.append(len(token_ids))
-        program.append_token_ids.extend(token_ids)
-        program.append_num_block_hashes.append(len(block_hashes))
-        if block_hashes:
-            self._hashes.extend(block_hashes)
+        self._writer.op(OpKind.APPEND_TOKENS)(request_key, token_ids, block_hashes)
 
     def preempt(self, request_key: int) -> None:
         """Free the request's blocks and keep it (a preemption)."""
-        self.program.ops.append(_OP_PREEMPT)
-        self.program.request_keys.append(request_key)
+        self._writer.op(OpKind.PREEMPT)(request_key)
 
     def finish(self, request_key: int) -> None:
         """Free the request's blocks and forget it (its key may be reused)."""
-        self.program.ops.append(_OP_FINISH)
-        self.program.request_keys.append(request_key)
+        self._writer.op(OpKind.FINISH)(request_key)
 
     # -------------------------------------------------------------------- manager calls
     def allocate(
@@ -328,12 +309,9 @@ class StepBuilder:
             hit = HitSpec(
                 num_tokens=num_hit_tokens, block_ids=tuple(list(g) for g in hit.block_ids)
             )
-        program = self.program
-        index = len(program.alloc_num_new_tokens)
-        program.ops.append(_OP_ALLOCATE)
-        program.request_keys.append(request_key)
-        program.alloc_num_new_tokens.append(num_new_tokens)
-        program.alloc_num_computed_tokens.append(num_computed_tokens)
+        program, writer = self.program, self._writer
+        index = writer.count(OpKind.ALLOCATE)
+        writer.op(OpKind.ALLOCATE)(request_key, num_new_tokens, num_computed_tokens)
         if lookup or hit is not None or options is not DEFAULT_SLOT_OPTIONS:
             bound = None
             if lookup:
@@ -372,69 +350,62 @@ class StepBuilder:
             )
         if block_hashes is not None and len(block_hashes) != count:
             raise InvalidArgumentError("block_hashes must have one entry per request")
-        program = self.program
-        first = len(program.alloc_num_new_tokens)
+        program, writer = self.program, self._writer
+        first = writer.count(OpKind.ALLOCATE)
         ones = [1] * count
-        program.ops.extend([_OP_APPEND, _OP_ALLOCATE] * count)
+        program.ops.extend([int(OpKind.APPEND_TOKENS), int(OpKind.ALLOCATE)] * count)
         keys = program.request_keys
         for key in request_keys:
             keys.append(key)
             keys.append(key)
-        program.append_num_tokens.extend(ones)
+        # The op table's columns, in its order: APPEND_TOKENS' token and hash counts (their
+        # entries go to the spans), ALLOCATE's new and computed tokens.
+        num_tokens, num_hashes = writer.columns(OpKind.APPEND_TOKENS)
+        num_tokens.extend(ones)
         program.append_token_ids.extend(token_ids)
         if block_hashes is None:
-            program.append_num_block_hashes.extend([0] * count)
+            num_hashes.extend([0] * count)
         else:
-            program.append_num_block_hashes.extend([1 if h else 0 for h in block_hashes])
-            self._hashes.extend(h for h in block_hashes if h)
-        program.alloc_num_new_tokens.extend(ones)
-        program.alloc_num_computed_tokens.extend(num_computed_tokens)
+            num_hashes.extend([1 if h else 0 for h in block_hashes])
+            writer.pending([h for h in block_hashes if h])
+        num_new, num_computed = writer.columns(OpKind.ALLOCATE)
+        num_new.extend(ones)
+        num_computed.extend(num_computed_tokens)
         return range(first, first + count)
 
     def cache_blocks(self, request_key: int, num_computed_tokens: int) -> None:
         """Cache the request's full blocks within its first ``num_computed_tokens`` tokens."""
-        self.program.ops.append(_OP_CACHE)
-        self.program.request_keys.append(request_key)
-        self.program.cache_num_computed_tokens.append(num_computed_tokens)
+        self._writer.op(OpKind.CACHE_BLOCKS)(request_key, num_computed_tokens)
 
     def remove_skipped_blocks(self, request_key: int, total_computed_tokens: int) -> None:
         """Free the request's blocks outside the attention window."""
-        self.program.ops.append(_OP_REMOVE_SKIPPED)
-        self.program.request_keys.append(request_key)
-        self.program.remove_skipped_total_computed_tokens.append(total_computed_tokens)
+        self._writer.op(OpKind.REMOVE_SKIPPED_BLOCKS)(request_key, total_computed_tokens)
 
     def new_step_starts(self) -> None:
         """Tell the managers a scheduler step starts (NEW_STEP_STARTS)."""
-        self.program.ops.append(_OP_NEW_STEP)
+        self._writer.op(OpKind.NEW_STEP_STARTS)()
 
     # ---------------------------------------------------------------------- pool-wide ops
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Evict these cached blocks from the prefix cache (EVICT_BLOCKS; unknown ids are
         refused by the server's validation)."""
-        self.program.ops.append(_OP_EVICT)
-        self.program.evict_num_block_ids.append(len(block_ids))
-        self.program.evict_block_ids.extend(block_ids)
+        self._writer.op(OpKind.EVICT_BLOCKS)(block_ids)
 
     def reset_prefix_cache(self) -> None:
         """Reset the prefix cache if no block is in use (RESET_PREFIX_CACHE; whether it did is
         ``StepResult.resets``)."""
-        self.program.ops.append(_OP_RESET)
+        self._writer.op(OpKind.RESET_PREFIX_CACHE)()
 
     def record_prefix_stats(self, request_key: int, num_hits: int) -> None:
         """Count an admitted request in the pool's prefix-cache statistics with ``num_hits``
         hit tokens (RECORD_PREFIX_STATS: vLLM records at admission; a lookup allocation
         counts itself)."""
-        self.program.ops.append(_OP_RECORD_PREFIX_STATS)
-        self.program.request_keys.append(request_key)
-        self.program.record_hit_tokens.append(num_hits)
+        self._writer.op(OpKind.RECORD_PREFIX_STATS)(request_key, num_hits)
 
     # --------------------------------------------------------------------------- output
     def build(self) -> StepProgram:
         """The core program recorded so far (the builder's own object, hashes joined)."""
-        if self._hashes:
-            self.program.append_block_hashes += b"".join(self._hashes)
-            self._hashes.clear()
-        return self.program
+        return self._writer.flush()
 
     @property
     def num_ops(self) -> int:
@@ -444,7 +415,7 @@ class StepBuilder:
     @property
     def num_allocations(self) -> int:
         """Allocations recorded so far."""
-        return len(self.program.alloc_num_new_tokens)
+        return self._writer.count(OpKind.ALLOCATE)
 
     @property
     def lookup_allocations(self) -> tuple[int, ...]:

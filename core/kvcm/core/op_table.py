@@ -30,21 +30,27 @@ cursor (the key position and each kind's ordinal) finds every argument; a span's
 the next ``count`` entries of its data column (``append_block_hashes`` counts hashes of the
 pool's hash length). The rows are listed in the order the consumption check names a column
 that has too many or too few entries.
+
+:class:`OpWriter` writes ops into a program the same way: ``writer.op(kind, key, *values)``
+with one value per per-op column in the row's order (for a span's count column, the span's
+entries: the writer counts them). The SDK's ``StepBuilder`` and the vLLM integration's
+``StepRecorder`` build their programs through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
-from kvcm.core.program import OpKind
+from kvcm.core.program import OpKind, StepProgram
 
 __all__ = [
     "COLUMNS",
     "KEYED",
     "OP_TABLE",
     "OpColumns",
+    "OpWriter",
     "Span",
     "op_name",
 ]
@@ -130,3 +136,107 @@ def op_name(op: int) -> str:
     """The op kind's name (``str(op)`` for a value that is no kind)."""
     row = OP_TABLE.get(op)
     return str(op) if row is None else row.kind.name
+
+
+_Put = Callable[[Any], object]
+
+
+class OpWriter:
+    """Appends ops to a program's columns as the op table says (see the module docstring).
+
+    ``writer.op(kind)`` is the kind's writer, made once per writer: called with the request key
+    (keyed kinds only) and one value per per-op column, in the row's order (for a span's count
+    column, the span's entries: the writer counts them). Hashes written to a bytes column are
+    kept aside and joined once by :meth:`flush`.
+    """
+
+    __slots__ = ("_pending", "_writers", "program")
+
+    def __init__(self, program: StepProgram) -> None:
+        """Write into ``program`` (its columns keep what they hold)."""
+        self.program = program
+        self._pending: list[bytes] = []
+        self._writers: dict[int, Callable[..., None]] = {}
+
+    def op(self, kind: int) -> Callable[..., None]:
+        """The writer of ``kind``'s ops (``KeyError``: no such kind)."""
+        writer = self._writers.get(kind)
+        if writer is None:
+            writer = self._writers[kind] = self._make(OP_TABLE[kind])
+        return writer
+
+    def columns(self, kind: int) -> tuple[list[Any], ...]:
+        """``kind``'s per-op columns, in the row's order (to extend them in bulk)."""
+        return tuple(getattr(self.program, name) for name in OP_TABLE[kind].columns)
+
+    def count(self, kind: int) -> int:
+        """The ops of ``kind`` written so far (kinds with per-op columns)."""
+        return len(getattr(self.program, OP_TABLE[kind].columns[0]))
+
+    def flush(self) -> StepProgram:
+        """Join the hashes kept aside into the program; returns it."""
+        if self._pending:
+            self.program.append_block_hashes += b"".join(self._pending)
+            self._pending.clear()
+        return self.program
+
+    def pending(self, hashes: Sequence[bytes]) -> None:
+        """Keep hashes aside for the bytes column (written in bulk with :meth:`columns`)."""
+        self._pending.extend(hashes)
+
+    def _put(self, row: OpColumns, column: str) -> _Put:
+        counts = getattr(self.program, column)
+        span = next((span for span in row.spans if span.count == column), None)
+        if span is None:
+            return counts.append  # type: ignore[no-any-return]
+        data = getattr(self.program, span.data)
+        gather = self._pending.extend if isinstance(data, bytes) else data.extend
+
+        def put(entries: Sequence[Any]) -> None:
+            counts.append(len(entries))
+            gather(entries)
+
+        return put
+
+    def _make(self, row: OpColumns) -> Callable[..., None]:
+        kind, ops = int(row.kind), self.program.ops.append
+        puts = [self._put(row, column) for column in row.columns]
+        key = self.program.request_keys.append if row.keyed else None
+        if key is None and not puts:
+            return lambda: ops(kind)
+        if key is None:
+            (put,) = puts
+
+            def unkeyed(a: object) -> None:
+                ops(kind)
+                put(a)
+
+            return unkeyed
+        if not puts:
+
+            def keyed(k: int) -> None:
+                ops(kind)
+                key(k)
+
+            return keyed
+        if len(puts) == 1:
+            (put,) = puts
+
+            def keyed1(k: int, a: object) -> None:
+                ops(kind)
+                key(k)
+                put(a)
+
+            return keyed1
+        first, second = puts
+
+        def keyed2(k: int, a: object, b: object) -> None:
+            ops(kind)
+            key(k)
+            first(a)
+            second(b)
+
+        return keyed2
+
+
+assert all(len(row.columns) <= (2 if row.keyed else 1) for row in _ROWS), "OpWriter's shapes"
