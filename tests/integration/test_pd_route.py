@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from kvcm.client import (
+    HeldRequest,
     LookupQuery,
     PdRoute,
     PdRouteQuery,
@@ -390,3 +391,73 @@ def test_a_scope_inside_the_prompt_is_refused() -> None:
             prefill=PdScope(pool_ids=["a"]),
             decode=PdScope(pool_ids=["b"]),
         )
+
+
+def test_held_requests_give_the_exact_prefix_the_prefill_may_read(server: EmbeddedServer) -> None:
+    """remote_num_tokens with held: what the held request's own blocks hold of the prompt,
+    hash by hash, not the decode pool's hit (which other requests' cached blocks may extend)."""
+    a, b, c = (list(range(base, base + n * BLOCK)) for base, n in ((100, 3), (900, 3), (5000, 5)))
+    with SchedulerClient(server.grpc_address) as client:
+        client.create_pool("hd-p", _config(64, "hd-prefill"))
+        client.create_pool("hd-d", _config(64, "hd-decode"))
+        client.create_pool("hd-d2", _config(64, "hd-decode"))
+
+        def hold(key: int, request_id: str, prompt: list[int], keep: bool) -> None:
+            hashes = client.block_hasher("hd-d").hash_token_ids(prompt)
+            client.add_request("hd-d", key, prompt, hashes, request_id=request_id)
+            hit = client.get_computed_blocks("hd-d", key)
+            computed = hit.num_computed_tokens
+            client.allocate_slots("hd-d", key, len(prompt) - computed, computed, hit=hit)
+            if not keep:
+                client.free("hd-d", key)
+
+        hold(1, "x", [*a, *b, 1, 2, 3, 4, 5], keep=True)  # held: shares a with the prompt
+        hold(2, "y", [*a, *c, 7, 7, 7], keep=False)  # cached, not held: a + c
+        prompt = [*a, *c, *range(20)]
+
+        def route(held: list[HeldRequest], bidirectional: bool = True) -> PdRoute:
+            return client.route_pd(
+                PdRouteQuery(
+                    prompt=LookupQuery(token_ids=prompt, load_weight=0.0),
+                    prefill=PdScope(pool_ids=["hd-p"]),
+                    decode=PdScope(labels={"role": "hd-decode"}),
+                    bidirectional=bidirectional,
+                    held=held,
+                )
+            )
+
+        plain = route([])
+        assert (plain.decode[0].pool_id, plain.decode_hit_tokens) == ("hd-d", 8 * BLOCK)
+        assert plain.remote_num_tokens == 8 * BLOCK  # the pool's hit
+        x = route([HeldRequest("hd-d", "x")])
+        assert (x.held_request_id, x.remote_num_tokens) == ("x", 3 * BLOCK)
+        assert x.prefill_compute_tokens == len(prompt) - 3 * BLOCK
+        # y is no longer held (freed); a request on another pool is not the best pool's.
+        gone = route([HeldRequest("hd-d", "y"), HeldRequest("hd-d2", "x")])
+        assert (gone.held_request_id, gone.remote_num_tokens) == ("", 0)
+        assert gone.prefill_compute_tokens == len(prompt)
+        hold(3, "z", [*prompt, 99, 98], keep=True)  # holds the whole prompt
+        z = route([HeldRequest("hd-d", "x"), HeldRequest("hd-d", "z")])
+        assert z.held_request_id == "z"
+        assert z.remote_num_tokens == (len(prompt) - 1) // BLOCK * BLOCK  # capped as a hit
+        with httpx.Client(base_url=f"http://{server.http_address}", timeout=10.0) as http:
+            body = {
+                "tokens": {"token_ids": prompt},
+                "prefill_scope": {"pool_ids": ["hd-p"]},
+                "decode_scope": {"labels": {"role": "hd-decode"}},
+                "load_weight": 0,
+                "bidirectional": True,
+                "held": [{"pool_id": "hd-d", "request_id": "x"}],
+            }
+            answer = http.post("/v1/pd/route", json=body).json()
+            assert (answer["held_request_id"], answer["remote_num_tokens"]) == ("x", 3 * BLOCK)
+            refused = http.post("/v1/pd/route", json={**body, "bidirectional": False})
+            assert refused.status_code == 400
+            assert "held is for bidirectional routes" in refused.json()["error"]["message"]
+            empty = http.post(
+                "/v1/pd/route", json={**body, "held": [{"pool_id": "hd-d", "request_id": ""}]}
+            )
+            assert empty.status_code == 400
+            assert "held[0].request_id" in empty.json()["error"]["message"]
+        with pytest.raises(InvalidArgumentError, match="held is for bidirectional"):
+            route([HeldRequest("hd-d", "x")], bidirectional=False)

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from kvcm.client.scheduler import EventStream, SchedulerClient
     from kvcm.client.worker import WorkerClient, WorkerRegistration
     from kvcm.core.lookup import LookupAnswer, LookupQuery, PoolHit, PoolLoad
-    from kvcm.core.pd_route import PdRoute, PdRouteQuery, PdScope
+    from kvcm.core.pd_route import HeldRequest, PdRoute, PdRouteQuery, PdScope
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -81,6 +81,7 @@ __all__ = [
     "FreeMode",
     "LeaseExpiry",
     "HashingParameters",
+    "HeldRequest",
     "InternalError",
     "ItemStatus",
     "KVCacheBlocks",
@@ -137,6 +138,7 @@ _MODULE_OF = {
     "FreeMode": "_types",
     "LeaseExpiry": "_types",
     "HashingParameters": "_types",
+    "HeldRequest": "kvcm.core.pd_route",
     "InternalError": "_errors",
     "ItemStatus": "_types",
     "KVCacheBlocks": "_types",

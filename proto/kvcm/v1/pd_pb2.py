@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvcm.v1 import lookup_pb2 as kvcm_dot_v1_dot_lookup__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kvcm/v1/pd.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/lookup.proto\"\x98\x02\n\x0eRoutePdRequest\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.kvcm.v1.TokenPromptH\x00\x12%\n\x06hashes\x18\x02 \x01(\x0b\x32\x13.kvcm.v1.HashPromptH\x00\x12+\n\rprefill_scope\x18\x03 \x01(\x0b\x32\x14.kvcm.v1.LookupScope\x12*\n\x0c\x64\x65\x63ode_scope\x18\x04 \x01(\x0b\x32\x14.kvcm.v1.LookupScope\x12\x18\n\x0bload_weight\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0bmax_results\x18\x06 \x01(\r\x12\x15\n\rbidirectional\x18\x07 \x01(\x08\x42\x08\n\x06promptB\x0e\n\x0c_load_weight\"\xca\x02\n\x0fRoutePdResponse\x12!\n\x07prefill\x18\x01 \x03(\x0b\x32\x10.kvcm.v1.PoolHit\x12 \n\x06\x64\x65\x63ode\x18\x02 \x03(\x0b\x32\x10.kvcm.v1.PoolHit\x12%\n\x07skipped\x18\x03 \x03(\x0b\x32\x14.kvcm.v1.SkippedPool\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x64\x65\x63ode_hit_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_pull_tokens\x18\x06 \x01(\x04\x12\x19\n\x11remote_num_tokens\x18\x07 \x01(\x04\x12\x1e\n\x16prefill_compute_tokens\x18\x08 \x01(\x04\x12\"\n\x1anum_prefill_pools_in_scope\x18\t \x01(\r\x12!\n\x19num_decode_pools_in_scope\x18\n \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kvcm/v1/pd.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/lookup.proto\"\xbc\x02\n\x0eRoutePdRequest\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.kvcm.v1.TokenPromptH\x00\x12%\n\x06hashes\x18\x02 \x01(\x0b\x32\x13.kvcm.v1.HashPromptH\x00\x12+\n\rprefill_scope\x18\x03 \x01(\x0b\x32\x14.kvcm.v1.LookupScope\x12*\n\x0c\x64\x65\x63ode_scope\x18\x04 \x01(\x0b\x32\x14.kvcm.v1.LookupScope\x12\x18\n\x0bload_weight\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0bmax_results\x18\x06 \x01(\r\x12\x15\n\rbidirectional\x18\x07 \x01(\x08\x12\"\n\x04held\x18\x08 \x03(\x0b\x32\x14.kvcm.v1.HeldRequestB\x08\n\x06promptB\x0e\n\x0c_load_weight\"2\n\x0bHeldRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\xe3\x02\n\x0fRoutePdResponse\x12!\n\x07prefill\x18\x01 \x03(\x0b\x32\x10.kvcm.v1.PoolHit\x12 \n\x06\x64\x65\x63ode\x18\x02 \x03(\x0b\x32\x10.kvcm.v1.PoolHit\x12%\n\x07skipped\x18\x03 \x03(\x0b\x32\x14.kvcm.v1.SkippedPool\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x64\x65\x63ode_hit_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_pull_tokens\x18\x06 \x01(\x04\x12\x19\n\x11remote_num_tokens\x18\x07 \x01(\x04\x12\x1e\n\x16prefill_compute_tokens\x18\x08 \x01(\x04\x12\"\n\x1anum_prefill_pools_in_scope\x18\t \x01(\r\x12!\n\x19num_decode_pools_in_scope\x18\n \x01(\r\x12\x17\n\x0fheld_request_id\x18\x0b \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,7 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcm.v1.pd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ROUTEPDREQUEST']._serialized_start=52
-  _globals['_ROUTEPDREQUEST']._serialized_end=332
-  _globals['_ROUTEPDRESPONSE']._serialized_start=335
-  _globals['_ROUTEPDRESPONSE']._serialized_end=665
+  _globals['_ROUTEPDREQUEST']._serialized_end=368
+  _globals['_HELDREQUEST']._serialized_start=370
+  _globals['_HELDREQUEST']._serialized_end=420
+  _globals['_ROUTEPDRESPONSE']._serialized_start=423
+  _globals['_ROUTEPDRESPONSE']._serialized_end=778
 # @@protoc_insertion_point(module_scope)

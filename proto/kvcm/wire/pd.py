@@ -13,7 +13,7 @@ from google.protobuf import json_format  # type: ignore[import-untyped]
 
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.lookup import DEFAULT_LOAD_WEIGHT, LookupAnswer
-from kvcm.core.pd_route import PdRoute, PdRouteQuery, PdScope
+from kvcm.core.pd_route import HeldRequest, PdRoute, PdRouteQuery, PdScope
 from kvcm.v1 import lookup_pb2, pd_pb2
 from kvcm.wire.lookup import (
     lookup_query_from_proto,
@@ -52,6 +52,8 @@ def pd_route_query_to_proto(query: PdRouteQuery) -> pd_pb2.RoutePdRequest:
     ):
         target.pool_ids.extend(scope.pool_ids)
         target.labels.update(scope.labels)
+    for item in query.held:
+        message.held.add(pool_id=item.pool_id, request_id=item.request_id)
     return message
 
 
@@ -81,6 +83,7 @@ def pd_route_query_from_proto(message: pd_pb2.RoutePdRequest) -> PdRouteQuery:
             labels=dict(message.decode_scope.labels),
         ),
         bidirectional=message.bidirectional,
+        held=tuple(HeldRequest(item.pool_id, item.request_id) for item in message.held),
     )
 
 
@@ -119,6 +122,7 @@ def pd_route_to_proto(route: PdRoute) -> pd_pb2.RoutePdResponse:
         prefill_compute_tokens=route.prefill_compute_tokens,
         num_prefill_pools_in_scope=route.num_prefill_pools_in_scope,
         num_decode_pools_in_scope=route.num_decode_pools_in_scope,
+        held_request_id=route.held_request_id,
     )
     message.prefill.extend(lookup_result_to_proto(LookupAnswer(route.prefill, (), 0)).pools)
     message.decode.extend(lookup_result_to_proto(LookupAnswer(route.decode, (), 0)).pools)
@@ -142,6 +146,7 @@ def pd_route_from_proto(message: pd_pb2.RoutePdResponse) -> PdRoute:
         prefill_compute_tokens=message.prefill_compute_tokens,
         num_prefill_pools_in_scope=message.num_prefill_pools_in_scope,
         num_decode_pools_in_scope=message.num_decode_pools_in_scope,
+        held_request_id=message.held_request_id,
     )
 
 

@@ -9,14 +9,21 @@ adds to the server's P/D counters (``kvcm_pd_route*``), which ``/metrics`` reads
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Final, TypeAlias
 
 import grpc
 
 from kvcm.common.errors import InvalidArgumentError, NotFoundError
-from kvcm.core.pd_route import PdRoute, PdRouteQuery, rank_pd
+from kvcm.core.lookup import hash_prompt, hashing_work
+from kvcm.core.pd_route import PdRoute, PdRouteQuery, held_prefix, rank_pd
 from kvcm.core.pool import PoolRegistry
-from kvcm.server.rpc._lookup import LookupDeniedError, LookupServicer, lookup_as
+from kvcm.server.rpc._lookup import (
+    OFF_LOOP_HASH_BLOCKS,
+    LookupDeniedError,
+    LookupServicer,
+    lookup_as,
+)
 from kvcm.server.rpc._state import PRINCIPAL, Principal, ServerState
 from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import pd_pb2
@@ -66,7 +73,26 @@ async def route_pd(
             raise InvalidArgumentError(
                 _renamed(message, role), field=_renamed(exc.field or "", role)
             ) from None
-    return rank_pd(query, answers[0], answers[1])
+    held = None
+    if query.bidirectional and query.held and answers[1].pools:
+        held = await _held_on_best(registry, query, answers[1].pools[0].pool_id)
+    return rank_pd(query, answers[0], answers[1], held)
+
+
+async def _held_on_best(
+    registry: PoolRegistry, query: PdRouteQuery, pool_id: str
+) -> tuple[str, int] | None:
+    """:func:`held_prefix` on the best decode pool (a long token prompt hashed off the loop)."""
+    request_ids = query.held_on(pool_id)
+    if not request_ids or pool_id not in registry:
+        return None
+    pool = registry.get(pool_id)
+    hashed = None
+    if hashing_work([pool], query.prompt) >= OFF_LOOP_HASH_BLOCKS:
+        hashed = await asyncio.to_thread(hash_prompt, [pool], query.prompt)
+        if pool_id not in registry or registry.get(pool_id) is not pool:
+            return None  # replaced meanwhile
+    return held_prefix(pool, request_ids, query.prompt, hashed)
 
 
 def _count(counters: dict[str, int], route: PdRoute) -> None:
