@@ -1,15 +1,18 @@
 """The Step codec: ``kvcm.v1.StepRequest``/``StepResponse`` <-> the core's program values.
 
 Decoding is a list copy per column (a decode step of hundreds of requests costs a few lists,
-no per-op objects); the semantics live in :mod:`kvcm.core.step`, not here.
+no per-op objects); the semantics live in :mod:`kvcm.core.step`, not here. The packed columns
+are the op table's (:data:`kvcm.core.op_table.COLUMNS`): the program's and the message's
+fields have the same names.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, Final, cast
 
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.manager import SlotOptions
+from kvcm.core.op_table import COLUMNS
 from kvcm.core.program import (
     NO_LOOKUP_BOUND,
     AllocOptions,
@@ -34,6 +37,9 @@ __all__ = [
 
 # The trailing-metadata key a rejected Step carries its kvcm.v1.StepRejection in.
 STEP_REJECTION_TRAILER = "kvcm-step-rejection-bin"
+# The op table's columns that are packed repeated scalars on the wire (new_requests is a
+# list of messages, append_block_hashes one bytes field).
+_PACKED: Final = tuple(c for c in COLUMNS if c not in ("new_requests", "append_block_hashes"))
 
 
 def step_rejection_to_trailer(
@@ -125,22 +131,11 @@ def program_from_proto(msg: scheduler_pb2.StepRequest) -> StepProgram:
             )
         last = index
         options[index] = alloc_options_from_proto(entry, position)
-    return StepProgram(
+    program = StepProgram(
         ops=list(msg.ops),
-        request_keys=list(msg.request_keys),
         new_requests=[_new_request(new) for new in msg.new_requests],
-        alloc_num_new_tokens=list(msg.alloc_num_new_tokens),
-        alloc_num_computed_tokens=list(msg.alloc_num_computed_tokens),
         alloc_options=options,
-        append_num_tokens=list(msg.append_num_tokens),
-        append_token_ids=list(msg.append_token_ids),
-        append_num_block_hashes=list(msg.append_num_block_hashes),
         append_block_hashes=msg.append_block_hashes,
-        cache_num_computed_tokens=list(msg.cache_num_computed_tokens),
-        remove_skipped_total_computed_tokens=list(msg.remove_skipped_total_computed_tokens),
-        evict_num_block_ids=list(msg.evict_num_block_ids),
-        evict_block_ids=list(msg.evict_block_ids),
-        record_hit_tokens=list(msg.record_hit_tokens),
         default_num_lookahead_tokens=msg.default_num_lookahead_tokens,
         token_budget=msg.token_budget if msg.HasField("token_budget") else None,
         continue_on_does_not_fit=msg.continue_on_does_not_fit,
@@ -149,6 +144,9 @@ def program_from_proto(msg: scheduler_pb2.StepRequest) -> StepProgram:
         scheduler_step_seq=msg.scheduler_step_seq,
         step_age_s=msg.step_age_s,
     )
+    for name in _PACKED:
+        setattr(program, name, list(getattr(msg, name)))
+    return program
 
 
 def _slot_options_to_proto(options: SlotOptions, in_flight: int) -> scheduler_pb2.SlotOptions:
@@ -170,21 +168,12 @@ def _slot_options_to_proto(options: SlotOptions, in_flight: int) -> scheduler_pb
 
 def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRequest:
     """The wire Step of a program, for pool ``pool_id``."""
+    packed: dict[str, Any] = {name: getattr(program, name) for name in _PACKED}
     msg = scheduler_pb2.StepRequest(
         pool_id=pool_id,
         ops=cast("list[scheduler_pb2.StepOpKind]", program.ops),
-        request_keys=program.request_keys,
-        alloc_num_new_tokens=program.alloc_num_new_tokens,
-        alloc_num_computed_tokens=program.alloc_num_computed_tokens,
-        append_num_tokens=program.append_num_tokens,
-        append_token_ids=program.append_token_ids,
-        append_num_block_hashes=program.append_num_block_hashes,
         append_block_hashes=program.append_block_hashes,
-        cache_num_computed_tokens=program.cache_num_computed_tokens,
-        remove_skipped_total_computed_tokens=program.remove_skipped_total_computed_tokens,
-        evict_num_block_ids=program.evict_num_block_ids,
-        evict_block_ids=program.evict_block_ids,
-        record_hit_tokens=program.record_hit_tokens,
+        **packed,
         default_num_lookahead_tokens=program.default_num_lookahead_tokens,
         continue_on_does_not_fit=program.continue_on_does_not_fit,
     )
