@@ -4,23 +4,10 @@ A :class:`StepProgram` is what a scheduler sends once per step (the SDK's ``Step
 the vLLM mirror build one; ``kvcm.wire`` turns it into a ``kvcm.v1.StepRequest`` and back), what
 :meth:`kvcm.core.pool.Pool.run_step` interprets, and what the journal records. It is columnar,
 exactly like the wire message, so that decoding is a list copy and a decode step of hundreds of
-requests costs a few lists rather than hundreds of objects::
-
-    op kind                request_keys   other columns consumed, front to back
-    ADD_REQUEST            -              new_requests (1; the key is inside)
-    APPEND_TOKENS          1              append_num_tokens (1), append_token_ids (that many),
-                                          append_num_block_hashes (1), append_block_hashes
-                                          (that many hashes, concatenated)
-    ALLOCATE               1              alloc_num_new_tokens (1), alloc_num_computed_tokens
-                                          (1), alloc_options[alloc index] when present
-    CACHE_BLOCKS           1              cache_num_computed_tokens (1)
-    REMOVE_SKIPPED_BLOCKS  1              remove_skipped_total_computed_tokens (1)
-    PREEMPT                1              -
-    FINISH                 1              -
-    NEW_STEP_STARTS        -              -
-    EVICT_BLOCKS           -              evict_block_ids (evict_num_block_ids (1) of them)
-    RESET_PREFIX_CACHE     -              -
-    RECORD_PREFIX_STATS    1              record_hit_tokens (1)
+requests costs a few lists rather than hundreds of objects. Which columns each op kind
+consumes, front to back, is the op table's to say (:mod:`kvcm.core.op_table`: a row per
+kind, from which the interpreter, the consumption check, the codec and the SDK's builder
+derive what they walk or fill).
 
 Every column is consumed exactly. The interpreter's contract (:mod:`kvcm.core.step` has the
 full rules; docs/api.md the atomicity guarantee):
