@@ -28,6 +28,7 @@ close until the server's copy equals the mirror's.
     python bench/vllm_scheduler.py              # N = 8, 64, 256, full and hybrid (~3 min)
     python bench/vllm_scheduler.py --running 64 --kinds full --steps 200
     python bench/vllm_scheduler.py --lag        # the lag figures only
+    python bench/vllm_scheduler.py --mode remote --running 8 64 --kinds full --steps 100
 
 Targets (issue 22): mirror median <= 0.9x vLLM's everywhere (aim 0.8x).
 """
@@ -130,11 +131,8 @@ class _Side:
         """Untimed: let the mirror's shipper finish, forget the executor's batch log."""
         self.engine.take_scheduled()
         self.engine.take_events()
-        flush = getattr(self.manager, "recorder", None)
-        if flush is not None:
-            sink = self.manager.recorder.sink
-            if hasattr(sink, "flush"):
-                sink.flush(10.0)
+        if self.name != "vllm":
+            self.manager.sink.flush(10.0)
 
     def run_block(self, count: int) -> None:
         """``count`` timed turns back to back (the shipper running beside them), then drain."""
@@ -167,7 +165,9 @@ def _setup(kind: str, num_running: int, steps: int, sync: bool) -> Any:
     )
 
 
-def _build(setup: Any, target: str | None, pool_id: str, num_running: int, steps: int) -> Any:
+def _build(
+    setup: Any, target: str | None, pool_id: str, num_running: int, steps: int, mode: str
+) -> Any:
     from _engine_core import build_engine
 
     from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
@@ -176,7 +176,7 @@ def _build(setup: Any, target: str | None, pool_id: str, num_running: int, steps
         engine = build_engine(setup)
     else:
         cls = KvcmAsyncScheduler if setup.async_scheduling else KvcmScheduler
-        config = {"kvcm": {"address": target, "pool_id": pool_id, "mode": "mirror"}}
+        config = {"kvcm": {"address": target, "pool_id": pool_id, "mode": mode}}
         engine = build_engine(setup, cls, config)
     for plan in _plans(num_running, 3 * steps + 100):
         engine.add(plan)
@@ -208,23 +208,27 @@ class _Row:
 def _back_to_back(engine: Any, steps: int) -> float:
     """The process's CPU seconds per engine turn, back to back, until the server's copy is
     equal (whole turns: the simulated model and the shipper included)."""
+    from kvcm.integrations.vllm import MirrorKVCacheManager
+
     start = time.process_time()
     for _ in range(steps):
         engine.step()
         if len(engine.core.model_executor.scheduled) > 64:
             engine.take_scheduled()
     manager = engine.scheduler.kv_cache_manager
-    if hasattr(manager, "flush"):
+    if isinstance(manager, MirrorKVCacheManager):
         manager.flush(60.0)
     return (time.process_time() - start) / steps
 
 
-def bench(kind: str, num_running: int, steps: int, target: str, sync: bool) -> _Row:
-    """One row: the mirror against vLLM's own manager, same workload, same run."""
+def bench(
+    kind: str, num_running: int, steps: int, target: str, sync: bool, mode: str = "mirror"
+) -> _Row:
+    """One row: kvcm's manager (in ``mode``) against vLLM's own, same workload, same run."""
     setup = _setup(kind, num_running, steps, sync)
     engines = [
-        _build(setup, None, "", num_running, steps),
-        _build(setup, target, f"bench-{kind}-{num_running}", num_running, steps),
+        _build(setup, None, "", num_running, steps, mode),
+        _build(setup, target, f"bench-{kind}-{num_running}-{mode}", num_running, steps, mode),
     ]
     sides = [
         _Side(name, engine, _TimedScheduler(engine.scheduler), [], [])
@@ -271,7 +275,7 @@ def lag(num_running: int, steps: int, period_s: float, target: str, sync: bool) 
     """The shipper against one mirror engine stepping every ``period_s`` (0: back to back)."""
     setup = _setup("full", num_running, steps, sync)
     pool_id = f"lag-{num_running}-{int(period_s * 1000)}"
-    engine = _build(setup, target, pool_id, num_running, steps)
+    engine = _build(setup, target, pool_id, num_running, steps, "mirror")
     manager = engine.scheduler.kv_cache_manager
     assert manager.flush(30.0)
     shipper = manager.recorder.sink
@@ -307,12 +311,13 @@ def lag(num_running: int, steps: int, period_s: float, target: str, sync: bool) 
     return line
 
 
-def _print_rows(rows: list[_Row], sync: bool) -> None:
+def _print_rows(rows: list[_Row], sync: bool, mode: str = "mirror") -> None:
     loop = "Scheduler (sync)" if sync else "AsyncScheduler"
     print(
         f"vLLM 0.33 EngineCore + {loop}, per engine turn: schedule() + update_from_output(), "
         "wall ms and the process's CPU ms (the mirror's shipping thread included); whole turn "
-        "back to back, CPU ms. mirror: kvcm's, shipping to kvcm serve; x = mirror / vLLM"
+        f"back to back, CPU ms. mirror: kvcm's, in {mode} mode with kvcm serve; "
+        "x = mirror / vLLM"
     )
     header = (
         f"{'kind':<7}{'N':>4} | {'wall p50 vLLM':>13}{'mirror':>8}{'x':>6} {'p99 vLLM':>9}"
@@ -345,6 +350,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sync", action="store_true", help="KvcmScheduler, no async loop")
     parser.add_argument("--lag", action="store_true", help="the lag figures only")
+    parser.add_argument(
+        "--mode",
+        choices=("mirror", "remote"),
+        default="mirror",
+        help="kvcm's mode (remote: a round trip per allocate_slots; no lag figures)",
+    )
     parser.add_argument("--lag-steps", type=int, default=400)
     args = parser.parse_args(argv)
     if import_vllm("vllm.v1.engine.core") is None:
@@ -353,11 +364,13 @@ def main(argv: list[str] | None = None) -> None:
         target = stack.enter_context(kvcm_server())
         if not args.lag:
             rows = [
-                bench(kind, n, args.steps, target, args.sync)
+                bench(kind, n, args.steps, target, args.sync, args.mode)
                 for kind in args.kinds
                 for n in args.running
             ]
-            _print_rows(rows, args.sync)
+            _print_rows(rows, args.sync, args.mode)
+        if args.mode == "remote":
+            return  # the server acknowledges each answer: it never lags
         for n in (8, 256):
             for period_s in (0.0, 0.01):
                 print(lag(n, args.lag_steps, period_s, target, args.sync), flush=True)
