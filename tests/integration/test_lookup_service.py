@@ -323,3 +323,46 @@ def test_long_prompts_over_many_seeds_are_hashed_off_the_loop(server: EmbeddedSe
             client.lookup(LookupQuery(token_ids=[1] * (1 << 22), pool_ids=long_pools))
     # The same through the coroutine itself, on a registry the server does not run.
     assert asyncio.run(lookup_as(PoolRegistry(), LookupQuery(token_ids=[1]), None)).pools == ()
+
+
+def test_a_large_pool_is_indexed_off_the_loop_at_its_first_lookup(server: EmbeddedServer) -> None:
+    """A pool caching OFF_LOOP_INDEX_BLOCKS blocks or more is indexed at its first lookup in a
+    worker thread holding the pool (lent, as for a lane: calls on it wait), then answers
+    exactly, through the coroutine and over gRPC."""
+    from kvcm.server.rpc import lookup_as
+    from kvcm.server.rpc._lookup import OFF_LOOP_INDEX_BLOCKS
+
+    rng = random.Random(26)
+    num_blocks = OFF_LOOP_INDEX_BLOCKS + 64
+    prompt = [rng.randrange(30000) for _ in range(num_blocks * 16 + 5)]
+    config = dataclasses.replace(_config([_full()], num_blocks + 8), max_model_len=len(prompt))
+    state = server.server.state
+    with SchedulerClient(server.grpc_address) as client:
+        client.create_pool("indexed-off-loop", config)
+        _serve(client, "indexed-off-loop", 1, prompt)
+        pool = state.registry.get("indexed-off-loop")
+        assert pool.manager is not None
+        assert pool.manager.block_pool.num_cached_blocks >= OFF_LOOP_INDEX_BLOCKS
+        hashes = client.block_hasher("indexed-off-loop").hash_token_ids(prompt)
+        query = LookupQuery(
+            block_hashes=b"".join(hashes), num_tokens=len(prompt), pool_ids=["indexed-off-loop"]
+        )
+
+        async def first_lookup() -> tuple[tuple[bool, bool, int], object, tuple[bool, bool, int]]:
+            index = state.registry.index
+            before = index.num_pools
+            task = asyncio.ensure_future(lookup_as(state.registry, query, None, state=state))
+            await asyncio.sleep(0)  # the lookup runs until the indexing thread is started
+            during = (pool.lent, "indexed-off-loop" in state.lanes, index.num_pools - before)
+            answer = await task
+            after = (pool.lent, "indexed-off-loop" in state.lanes, index.num_pools - before)
+            return during, answer, after
+
+        during, answer, after = server.call(first_lookup())
+        assert during == (True, True, 0)  # lent to the thread, not answered from the index yet
+        assert after == (False, False, 1)
+        expected = _own_hit(client, "indexed-off-loop", 2, prompt)
+        assert expected == num_blocks * 16
+        assert [hit.num_hit_tokens for hit in answer.pools] == [expected]  # type: ignore[attr-defined]
+        assert [hit.num_hit_tokens for hit in client.lookup(query).pools] == [expected]
+        client.delete_pool("indexed-off-loop")

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from itertools import chain, compress, count, islice, repeat
 from operator import attrgetter, itemgetter, ne
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias, cast, overload
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias, cast, overload
 
 from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcm.common.hashing import (
@@ -64,6 +64,7 @@ __all__ = [
     "LookupQuery",
     "LookupAnswer",
     "PoolHit",
+    "PendingPool",
     "PoolLoad",
     "PrefixIndex",
     "Profile",
@@ -149,6 +150,21 @@ class _Kind:
         self.members: list[_Member] = []
 
 
+class PendingPool:
+    """A pool being indexed (:meth:`PrefixIndex.reserve`): its slot is taken, its bits may be
+    set, and no answer includes it yet."""
+
+    __slots__ = ("member",)
+
+    def __init__(self, member: _Member) -> None:
+        self.member = member
+
+    @property
+    def pool(self) -> Pool:
+        """The pool."""
+        return self.member.pool
+
+
 class PrefixIndex:
     """Cache key -> bitmask of the pools caching it, over every indexed pool of a registry.
 
@@ -192,29 +208,61 @@ class PrefixIndex:
         member = self._by_pool.get(pool)
         if member is not None:
             return member
-        manager = pool.manager
-        if manager is None or pool.lent or not _indexable(manager):
-            # A lent pool changes in another thread: its keys cannot be copied now (it is
-            # indexed at a later lookup; this one answers it as busy).
+        pending = self.reserve(pool)
+        if pending is None:
             return None
-        self.remove(pool.name)  # a former incarnation under the same name, if any
+        self.attach(pending)
+        self.commit(pending)
+        return pending.member
+
+    def reserve(self, pool: Pool) -> PendingPool | None:
+        """Take a slot for indexing ``pool`` in three steps: this one, :meth:`attach` (the
+        O(cache) part, which may run in a thread holding the pool) and :meth:`commit`
+        (answers include the pool from then on); or :meth:`abandon`.
+
+        ``None``: the pool is indexed already, or cannot be now (not READY, not one
+        full-attention group, or lent to another thread: a later lookup indexes it).
+        A reserved slot is in no answer's mask, so its bits being set meanwhile change
+        no answer.
+        """
+        manager = pool.manager
+        if pool in self._by_pool or manager is None or pool.lent or not _indexable(manager):
+            return None
         try:
             slot = self._slots.index(None)
         except ValueError:
             slot = len(self._slots)
             self._slots.append(None)
         key = (_profile(pool), pool.max_model_len)
-        kind = self._kinds.get(key)
-        if kind is None:
-            kind = self._kinds[key] = _Kind(key)
+        kind = self._kinds.get(key) or _Kind(key)  # a new kind is stored by commit
         member = _Member(pool, manager, slot, kind)
         self._slots[slot] = member
-        self._by_name[pool.name] = member
-        self._by_pool[pool] = member
+        return PendingPool(member)
+
+    def attach(self, pending: PendingPool) -> None:
+        """Set the reserved slot's bit on every key the pool caches now; from then on the
+        pool's allocator keeps it exact. Run by whoever owns the pool (the event loop, or a
+        thread it is lent to)."""
+        member = pending.member
+        member.block_pool.attach_index(self._keys, member.bit, self._lock)
+
+    def commit(self, pending: PendingPool) -> None:
+        """Answer the attached pool from now on (replacing a former incarnation under its
+        name, if any)."""
+        member = pending.member
+        self.remove(member.name)
+        kind = member.kind = self._kinds.setdefault(member.kind.key, member.kind)
+        self._by_name[member.name] = member
+        self._by_pool[member.pool] = member
         insort(kind.members, member, key=_NAME)  # answers sort by name last (_ranked_all)
         kind.mask |= member.bit
-        manager.block_pool.attach_index(self._keys, member.bit, self._lock)
-        return member
+
+    def abandon(self, pending: PendingPool) -> None:
+        """Give a reserved slot back, clearing its bits if they were set (the pool went away
+        while it was attached)."""
+        member = pending.member
+        member.block_pool.detach_index()
+        self._slots[member.slot] = None
 
     def remove(self, name: str) -> None:
         """Stop indexing the pool called ``name`` (nothing if it is not indexed)."""
@@ -845,26 +893,6 @@ def _hit_parts(
     return shared
 
 
-def _member_row(
-    member: _Member,
-    num_hit: int,
-    num_tokens: int,
-    weight: float,
-    parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]],
-) -> _Row:
-    # NOTE: _ranked_all inlines this (its loop is the cost of an all-pools answer).
-    num_free = member.free_queue.num_free_blocks
-    num_usable = member.num_usable
-    usage = 1.0 - num_free / num_usable if num_usable else 0.0
-    score = num_hit / num_tokens - weight * usage
-    num_running = len(member.running)
-    num_waiting = len(member.requests) - num_running
-    load = _new(PoolLoad, (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0))
-    groups, tiers = _hit_parts(parts, num_hit, member.medium)
-    hit = _new(PoolHit, (member.name, num_hit, groups, tiers, num_tokens, load, score))
-    return (-score, num_waiting, usage, member.name, hit)
-
-
 def _ranked_all(groups: Iterable[_Group], rows: list[_Row], weight: float) -> tuple[PoolHit, ...]:
     """Every pool answered, best first."""
     append = rows.append
@@ -906,7 +934,7 @@ def _ranked_all(groups: Iterable[_Group], rows: list[_Row], weight: float) -> tu
 def _top(
     groups: Iterable[_Group],
     slots: Sequence[_Member | None],
-    rows: list[_Row],
+    rows: list[tuple[Any, ...]],
     weight: float,
     limit: int,
 ) -> tuple[PoolHit, ...]:
@@ -925,19 +953,53 @@ def _top(
         key=_FIRST,
         reverse=True,
     )
-    parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]] = {}
+    # Candidates are ranked on keys read once (an indexed pool's row holds None where a
+    # PoolHit goes, then what makes it); only the winners' PoolHits are made.
     for bound, num_blocks, mask, group in levels:
         if len(rows) >= limit:
             rows = heapq.nsmallest(limit, rows)
             if -rows[-1][0] > bound:
                 break
         num_hit = num_blocks * group.block_size
-        num_tokens = group.num_tokens
-        for slot in _slots_of(mask):
-            member = slots[slot]
+        append = rows.append
+        for member in map(slots.__getitem__, _slots_of(mask)):
             assert member is not None
-            rows.append(_member_row(member, num_hit, num_tokens, weight, parts))
-    return tuple(map(_ANSWER, heapq.nsmallest(limit, rows)))
+            num_free = member.free_queue.num_free_blocks
+            num_usable = member.num_usable
+            usage = 1.0 - num_free / num_usable if num_usable else 0.0
+            score = bound - weight * usage  # bound: num_hit / num_tokens
+            num_running = len(member.running)
+            num_waiting = len(member.requests) - num_running
+            append(
+                (
+                    -score,
+                    num_waiting,
+                    usage,
+                    member.name,
+                    None,
+                    member,
+                    num_hit,
+                    group.num_tokens,
+                    num_free,
+                    num_running,
+                )
+            )
+    parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]] = {}
+    return tuple(_top_answer(row, parts) for row in heapq.nsmallest(limit, rows))
+
+
+def _top_answer(
+    row: tuple[Any, ...], parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]]
+) -> PoolHit:
+    """The PoolHit of a ranked row: a direct row's own, or made from what an indexed pool's
+    row read (the same reads the row was ranked on)."""
+    hit: PoolHit | None = row[4]
+    if hit is not None:
+        return hit
+    neg_score, num_waiting, usage, name, _, member, num_hit, num_tokens, num_free, num_running = row
+    groups, tiers = _hit_parts(parts, num_hit, member.medium)
+    load = _new(PoolLoad, (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0))
+    return _new(PoolHit, (name, num_hit, groups, tiers, num_tokens, load, -neg_score))
 
 
 _ANSWER = itemgetter(4)

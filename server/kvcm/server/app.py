@@ -302,7 +302,7 @@ class KVCMServer:
             progress=self.state.progress,
             journal=lambda: self.state.journal,
             zmq_counters=self.kv_events.counters if self.kv_events is not None else None,
-            lookup=functools.partial(lookup_as, self.state.registry),
+            lookup=functools.partial(lookup_as, self.state.registry, state=self.state),
             authenticate=self.tokens.principal if self.tokens is not None else None,
             refusals=self.tokens.refusals if self.tokens is not None else None,
             wiring=self._pool_wiring,
