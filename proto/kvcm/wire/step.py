@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Final, cast
 
 from kvcm.common.errors import InvalidArgumentError
-from kvcm.core.manager import SlotOptions
+from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
 from kvcm.core.op_table import COLUMNS
 from kvcm.core.program import (
     NO_LOOKUP_BOUND,
@@ -37,6 +37,14 @@ __all__ = [
 
 # The trailing-metadata key a rejected Step carries its kvcm.v1.StepRejection in.
 STEP_REJECTION_TRAILER = "kvcm-step-rejection-bin"
+# The framing of one StepRequest.alloc_options entry (length-delimited) and of its
+# alloc_index (a varint), from the message descriptors.
+_ALLOC_OPTIONS_TAG: Final = bytes(
+    ((scheduler_pb2.StepRequest.DESCRIPTOR.fields_by_name["alloc_options"].number << 3) | 2,)
+)
+_ALLOC_INDEX_TAG: Final = bytes(
+    ((scheduler_pb2.StepAllocOptions.DESCRIPTOR.fields_by_name["alloc_index"].number << 3) | 0,)
+)
 # The op table's columns that are packed repeated scalars on the wire (new_requests is a
 # list of messages, append_block_hashes one bytes field).
 _PACKED: Final = tuple(c for c in COLUMNS if c not in ("new_requests", "append_block_hashes"))
@@ -200,8 +208,39 @@ def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRe
             wire.lora_name = new.lora_name
         if new.cache_salt is not None:
             wire.cache_salt = new.cache_salt
-    for index in sorted(program.alloc_options):
-        entry = program.alloc_options[index]
+    if program.alloc_options:
+        _alloc_options_to_proto(msg, program.alloc_options)
+    return msg
+
+
+def _alloc_options_to_proto(
+    msg: scheduler_pb2.StepRequest, entries: dict[int, AllocOptions]
+) -> None:
+    # Entries with an in-flight count and nothing else (every allocation of vLLM's async loop)
+    # are appended as their encoding: the options part serialized by protobuf once per count,
+    # framed per entry, merged in runs (a message object per entry costs ~5x more). Others are
+    # built as messages; the entries stay in alloc_index order, so the bytes are the same.
+    bodies: dict[int, bytes] = {}
+    run: list[bytes] = []
+    for index in sorted(entries):
+        entry = entries[index]
+        if (
+            entry.lookup is None
+            and entry.hit is None
+            and entry.slot_options is DEFAULT_SLOT_OPTIONS
+        ):
+            body = bodies.get(entry.num_in_flight_tokens)
+            if body is None:
+                body = bodies[entry.num_in_flight_tokens] = scheduler_pb2.StepAllocOptions(
+                    options=_slot_options_to_proto(entry.slot_options, entry.num_in_flight_tokens)
+                ).SerializeToString()
+            if index:  # proto3 leaves a zero alloc_index out
+                body = _ALLOC_INDEX_TAG + _varint(index) + body
+            run.append(_ALLOC_OPTIONS_TAG + _varint(len(body)) + body)
+            continue
+        if run:
+            msg.MergeFromString(b"".join(run))
+            run = []
         wire_entry = msg.alloc_options.add(alloc_index=index)
         wire_entry.options.CopyFrom(
             _slot_options_to_proto(entry.slot_options, entry.num_in_flight_tokens)
@@ -217,7 +256,20 @@ def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRe
             for group in entry.hit.block_ids:
                 wire_entry.hit.blocks.block_ids.extend(group)
                 wire_entry.hit.blocks.num_block_ids.append(len(group))
-    return msg
+    if run:
+        msg.MergeFromString(b"".join(run))
+
+
+def _varint(value: int) -> bytes:
+    # Protobuf's base-128 varint of a non-negative int.
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def outcome_to_proto(outcome: StepOutcome) -> scheduler_pb2.StepResponse:
