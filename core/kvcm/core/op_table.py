@@ -58,10 +58,17 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """A run of entries in ``data`` whose length is the op's entry in ``count``."""
+    """A run of entries in ``data`` whose length is the op's entry in ``count``.
+
+    Attributes:
+        count: The per-op column holding the run's length.
+        data: The column holding the runs, one after the other.
+        hashes: ``data`` is bytes and its entries are block hashes of the pool's length.
+    """
 
     count: str
     data: str
+    hashes: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +102,7 @@ _ROWS: Final = (
         columns=("append_num_tokens", "append_num_block_hashes"),
         spans=(
             Span("append_num_tokens", "append_token_ids"),
-            Span("append_num_block_hashes", "append_block_hashes"),
+            Span("append_num_block_hashes", "append_block_hashes", hashes=True),
         ),
     ),
     OpColumns(OpKind.CACHE_BLOCKS, keyed=True, columns=("cache_num_computed_tokens",)),
@@ -189,8 +196,7 @@ class OpWriter:
         span = next((span for span in row.spans if span.count == column), None)
         if span is None:
             return counts.append  # type: ignore[no-any-return]
-        data = getattr(self.program, span.data)
-        gather = self._pending.extend if isinstance(data, bytes) else data.extend
+        gather = self._pending.extend if span.hashes else getattr(self.program, span.data).extend
 
         def put(entries: Sequence[Any]) -> None:
             counts.append(len(entries))

@@ -10,6 +10,7 @@ The unary calls of :class:`~kvcm.core.pool.Pool` use the same functions
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Final
 
 from kvcm.common.errors import (
@@ -741,18 +742,30 @@ def check_consumed(
         counts: Per op kind value, how many ops of that kind it has.
         hash_length: Bytes per block hash (a bytes column's unit).
     """
-    used = {"request_keys": num_keys}
-    for kind, row in OP_TABLE.items():
-        for name in row.columns:
-            used[name] = counts[kind]
-        for span in row.spans:
-            taken = sum(getattr(program, span.count)[: counts[kind]])
-            if isinstance(getattr(program, span.data), bytes):
-                taken *= hash_length
-            used[span.data] = taken
-    for name in COLUMNS:
-        size = len(getattr(program, name))
-        if used[name] != size:
-            raise InvalidArgumentError(
-                f"{name} has {size} entries, the ops consume {used[name]}", field=name
-            )
+    used = [num_keys, *map(counts.__getitem__, _KINDS)]
+    for position, kind, count_column, hashed in _SPANS:
+        n = counts[kind]
+        if n:
+            taken = sum(getattr(program, count_column)[:n])
+            used[position] = taken * hash_length if hashed else taken
+    sizes = list(map(len, _COLUMN_VALUES(program)))
+    if used == sizes:
+        return
+    name, size, consumed = next(
+        (name, size, consumed)
+        for name, size, consumed in zip(COLUMNS, sizes, used, strict=True)
+        if size != consumed
+    )
+    raise InvalidArgumentError(f"{name} has {size} entries, the ops consume {consumed}", field=name)
+
+
+# Per column after request_keys (in COLUMNS' order), the kind whose ops consume it; a span's
+# data column (its position in COLUMNS, its kind, its count column, whether it holds hashes)
+# consumes what the count column says instead.
+_KINDS: Final = tuple(kind for kind, row in OP_TABLE.items() for _ in (*row.columns, *row.spans))
+_SPANS: Final = tuple(
+    (COLUMNS.index(span.data), kind, span.count, span.hashes)
+    for kind, row in OP_TABLE.items()
+    for span in row.spans
+)
+_COLUMN_VALUES: Final = attrgetter(*COLUMNS)
