@@ -37,6 +37,8 @@ class MambaScenario:
     max_running: int = 6
     max_output: int = 40
     max_lookahead: int = 0
+    # Steps after which kvcm's side is replaced by a pool restored from its snapshot.
+    round_trips: tuple[int, ...] = ()
 
 
 @dataclass
@@ -87,7 +89,7 @@ class _Loop:
         return (shared + own)[:limit]
 
     def _add(self) -> None:
-        rid = f"r{self.next_id}"
+        rid = str(self.next_id)  # numeric: a snapshot names requests by their int keys
         self.next_id += 1
         prompt = self._new_prompt()
         self.sent.append(prompt)
@@ -217,11 +219,58 @@ class _Loop:
             while len(self.waiting) < 3:
                 self._add()
             self.step(index)
+            if index in self.s.round_trips:
+                _round_trip(self.pair.ours, self.layout)
+                self.pair.snapshot()
         for req in list(self.running):
             self._finish(req)
         self.pair.call("take_copies")
         self.pair.events()
         self.pair.snapshot()
+
+
+def _round_trip(side: KvcmSide, layout: Layout) -> None:
+    # Snapshot kvcm's manager (align-mode bookkeeping, partial hits and pending copies
+    # included), restore it into a fresh pool as a server does (every invariant checked), and
+    # carry on with the restored manager and requests.
+    from kvcm.common.hashing import HashAlgorithm
+    from kvcm.core.pool_types import PoolConfig
+    from kvcm.core.snapshot import decode_pool, encode_state, fresh_extras
+
+    manager = side.manager
+    requests = {int(rid): request for rid, request in side.requests.items()}
+    data = encode_state(
+        manager,
+        requests,
+        {key: str(key) for key in requests},
+        extras=fresh_extras(last_step_seq=0, max_model_len=layout.max_model_len),
+    )
+    config = manager.config
+    pool = decode_pool(
+        data,
+        "round-trip",
+        PoolConfig(
+            max_model_len=config.max_model_len,
+            explicit_layout=config.kv_cache_config,
+            scheduler_block_size=manager.scheduler_block_size,
+            hash_block_size=manager.hash_block_size,
+            max_in_flight_tokens=config.max_in_flight_tokens,
+            enable_caching=config.enable_caching,
+            hash_algorithm=HashAlgorithm(layout.hash_algorithm),
+            hash_seed=layout.hash_seed,
+            enable_kv_cache_events=True,
+            log_stats=True,
+            watermark=config.watermark,
+            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+        ),
+    )
+    assert pool.manager is not None
+    side.manager = pool.manager
+    side.requests = {str(key): request for key, request in pool.requests.items()}
+    for request in side.requests.values():
+        # A server's requests get their hashes from the client's programs; this side hashes
+        # the tokens it appends itself, as before.
+        request._block_hasher = side.hasher
 
 
 def _mamba(block_size: int, **kw: object) -> GroupDesc:
@@ -283,6 +332,7 @@ SCENARIOS = [
         steps=150,
         token_budget=768,
         max_lookahead=2,
+        round_trips=tuple(range(1, 150, 2)),
     ),
     # As vLLM serves real hybrid models: attention blocks as large as the Mamba block, and
     # --prefix-match-unit 64 for hits on 64-token boundaries.
@@ -297,6 +347,7 @@ SCENARIOS = [
         ),
         steps=150,
         token_budget=512,
+        round_trips=tuple(range(0, 150, 2)),
     ),
     # Hash block equal to the Mamba block: hits on whole blocks only, no copies.
     MambaScenario(

@@ -54,6 +54,7 @@ from kvcm.core.limits import DEFAULT_LIMITS, Limits
 from kvcm.core.pool_types import PoolState
 from kvcm.core.program import StepOutcome
 from kvcm.core.request import Request, RequestStatus
+from kvcm.core.single_type_managers import MambaManager
 from kvcm.core.stats import PrefixCacheStats
 
 if TYPE_CHECKING:
@@ -256,6 +257,7 @@ def _manager_state(manager: KVCacheManager, rename: Mapping[str, str]) -> dict[s
                     rename.get(rid, rid): count for rid, count in group.num_cached_block.items()
                 },
                 "new_block_ids": array("q", group.new_block_ids),
+                **_group_extra(group, rename),
             }
         )
     metrics = manager.prefix_caching_metrics
@@ -274,6 +276,89 @@ def _manager_state(manager: KVCacheManager, rename: Mapping[str, str]) -> dict[s
     if junctions:  # sparse retention: where each request's last lookup found a shared prefix
         state["junctions"] = {rename.get(rid, rid): at for rid, at in sorted(junctions.items())}
     return state
+
+
+def _group_extra(group: Any, rename: Mapping[str, str]) -> dict[str, object]:
+    # Per-step state of sub-block hits and align-mode Mamba, only where there is some (older
+    # snapshots have none): the copies not handed out yet and the partial hits awaiting
+    # their copy; Mamba's previous state, retired prefix, allocated requests, prefill
+    # checkpoints and the keys cached this step.
+    extra: dict[str, object] = {}
+    if group._partial_hit_reqs:
+        extra["partial_hits"] = {
+            rename.get(rid, rid): [index, block.block_id]
+            for rid, (index, block) in group._partial_hit_reqs.items()
+        }
+    if group._pending_cow_copies:
+        extra["pending_copies"] = [
+            [source.block_id, copy.block_id] for source, copy in group._pending_cow_copies
+        ]
+    if isinstance(group, MambaManager) and group.align:
+        mamba = {
+            "last_state": {rename.get(r, r): i for r, i in group._last_state_block_idx.items()},
+            "retired": {rename.get(r, r): i for r, i in group._num_retired_blocks.items()},
+            "allocated": sorted(rename.get(r, r) for r in group._allocated_block_reqs),
+            "checkpoints": {
+                rename.get(r, r): [position, index]
+                for r, (position, index) in group._checkpoints.items()
+            },
+            "cached_this_step": sorted(bytes(key) for key in group.cached_blocks_this_step),
+        }
+        if any(mamba.values()):
+            extra["mamba"] = mamba
+    return {"extra": extra} if extra else {}
+
+
+def _restore_group_extra(group: Any, saved: object, where: str, blocks: list[Any]) -> None:
+    n = len(blocks)
+    s = fields_of(saved, where, (), ("partial_hits", "pending_copies", "mamba"))
+    hits = as_type(s.get("partial_hits", {}), f"{where}.partial_hits", dict)
+    group._partial_hit_reqs = {}
+    for rid, pair in hits.items():
+        index, block_id = as_ints(pair, f"{where}.partial_hits[{rid!r}]", 0, n, 2)
+        group._partial_hit_reqs[as_type(rid, f"{where}.partial_hits", str)] = (
+            index,
+            blocks[block_id],
+        )
+    group._pending_cow_copies = []
+    for k, pair in enumerate(as_list(s.get("pending_copies", []), f"{where}.pending_copies")):
+        source, copy = as_ints(pair, f"{where}.pending_copies[{k}]", 1, n, 2)
+        group._pending_cow_copies.append((blocks[source], blocks[copy]))
+    if not isinstance(group, MambaManager) or not group.align:
+        if "mamba" in s:
+            raise bad(f"{where}.mamba", "is saved for a group that is not align-mode Mamba")
+        return
+    m = fields_of(
+        s.get("mamba", {}),
+        f"{where}.mamba",
+        (),
+        ("last_state", "retired", "allocated", "checkpoints", "cached_this_step"),
+    )
+
+    def counts(name: str) -> dict[str, int]:
+        table = as_type(m.get(name, {}), f"{where}.mamba.{name}", dict)
+        return {
+            as_type(rid, f"{where}.mamba.{name}", str): as_int(
+                value, f"{where}.mamba.{name}[{rid!r}]", -1, COUNTER_LIMIT
+            )
+            for rid, value in table.items()
+        }
+
+    group._last_state_block_idx = counts("last_state")
+    group._num_retired_blocks = counts("retired")
+    group._allocated_block_reqs = {
+        as_type(rid, f"{where}.mamba.allocated", str)
+        for rid in as_list(m.get("allocated", []), f"{where}.mamba.allocated")
+    }
+    checkpoints = as_type(m.get("checkpoints", {}), f"{where}.mamba.checkpoints", dict)
+    group._checkpoints = {}
+    for rid, pair in checkpoints.items():
+        position, index = as_ints(pair, f"{where}.mamba.checkpoints[{rid!r}]", 0, COUNTER_LIMIT, 2)
+        group._checkpoints[as_type(rid, f"{where}.mamba.checkpoints", str)] = (position, index)
+    group.cached_blocks_this_step = {
+        as_type(key, f"{where}.mamba.cached_this_step", bytes)
+        for key in as_list(m.get("cached_this_step", []), f"{where}.mamba.cached_this_step")
+    }
 
 
 def _requests_state(
@@ -472,7 +557,9 @@ def _restore_manager(manager: KVCacheManager, state: object) -> None:
         raise bad("manager.groups", f"has {len(saved_groups)} groups, the config {len(groups)}")
     for index, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
         where = f"manager.groups[{index}]"
-        g = fields_of(saved, where, ("req_to_blocks", "num_cached_block", "new_block_ids"))
+        g = fields_of(
+            saved, where, ("req_to_blocks", "num_cached_block", "new_block_ids"), ("extra",)
+        )
         tables = as_type(g["req_to_blocks"], f"{where}.req_to_blocks", dict)
         group.req_to_blocks = {
             as_type(rid, f"{where}.req_to_blocks", str): [
@@ -488,6 +575,7 @@ def _restore_manager(manager: KVCacheManager, state: object) -> None:
             for rid, count in counts.items()
         }
         group.new_block_ids = as_ints(g["new_block_ids"], f"{where}.new_block_ids", 0, n)
+        _restore_group_extra(group, g.get("extra", {}), f"{where}.extra", blocks)
     holders = as_list(s["requests"], "manager.requests")
     manager._requests = {as_type(rid, "manager.requests", str) for rid in holders}
     junctions = as_type(s.get("junctions", {}), "manager.junctions", dict)
