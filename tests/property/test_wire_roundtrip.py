@@ -207,6 +207,7 @@ def pool_configs(draw: st.DrawFn) -> PoolConfig:
         kv_cache_memory_bytes=draw(_maybe(st.integers(1, (1 << 64) - 1))),
         auto_fit_max_model_len=draw(st.booleans()),
         kv_cache_layout=draw(st.sampled_from(list(KVCacheLayout))),
+        host_tier_bytes=draw(st.integers(0, (1 << 64) - 1)),
     )
 
 

@@ -18,7 +18,7 @@ in a block table, never changes. A lookup answers with the block inserted first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -112,6 +112,7 @@ class BlockPool:
         "_num_events_taken",
         "_secondary_keys",
         "blocks",
+        "demote",
         "enable_caching",
         "enable_kv_cache_events",
         "free_block_queue",
@@ -174,6 +175,9 @@ class BlockPool:
         self.kv_event_queue: list[KVCacheEvent] = []
         self._num_events_taken = 0
         self.num_evicted_blocks = 0
+        # A pool with a host tier (kvcm.core.host_tier) sets this to HostTier.demote: a cached
+        # block evicted for reuse gives its key and id to it first.
+        self.demote: Callable[[BlockHashWithGroupId, int], object] | None = None
 
     # ------------------------------------------------------------------------ lookups
     def get_cached_block(
@@ -231,8 +235,11 @@ class BlockPool:
         if self.enable_caching:
             # Evicted keys leave the cross-pool index in one batch (one lock round).
             batch = self._index_batch = None if self._index is None else []
+            demote = self.demote
             for block in blocks:
                 if block.block_hash is not None:
+                    if demote is not None:
+                        demote(block.block_hash, block.block_id)
                     self._evict_cached_block(block)
                 block.ref_cnt = 1
             if batch is not None:

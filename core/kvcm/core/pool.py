@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from kvcm.common.config import KVCacheConfig
+from kvcm.common.config import KVCacheConfig, pool_bytes_per_block
 from kvcm.common.errors import (
     AlreadyExistsError,
     ConfigError,
@@ -34,6 +34,14 @@ from kvcm.common.events import AllBlocksCleared, KVCacheEvent
 from kvcm.common.hashing import BlockHash, resolve_none_hash_seed
 from kvcm.common.specs import UINT64_MAX, KVCacheSpec, check_plannable_spec
 from kvcm.core.event_log import EventBatchRecord, EventLog, OutOfRangeError
+from kvcm.core.host_tier import (
+    HostAdmission,
+    HostTier,
+    admit_with_host_hit,
+    host_hit_tokens,
+    swap_in,
+    swap_out,
+)
 from kvcm.core.limits import DEFAULT_LIMITS, Limits, check_pool_blocks
 from kvcm.core.lookup import (
     LookupAnswer,
@@ -162,6 +170,7 @@ class Pool:
         )
         self.state = PoolState.PENDING_WORKERS
         self.manager: KVCacheManager | None = None
+        self.host_tier: HostTier | None = None
         self.kv_cache_config: KVCacheConfig | None = None
         self.plan: UnifiedPlan | None = None
         self.max_model_len = options.max_model_len
@@ -204,6 +213,15 @@ class Pool:
             )
         )
         self.manager = manager
+        block_bytes = pool_bytes_per_block(config.kv_cache_groups)
+        if options.enable_caching and block_bytes and options.host_tier_bytes >= block_bytes:
+            # A budget below one block (or a pool without caching) keeps no tier.
+            self.host_tier = HostTier(
+                options.host_tier_bytes // block_bytes,
+                block_bytes=block_bytes,
+                enable_events=options.enable_kv_cache_events,
+            )
+            manager.block_pool.demote = self.host_tier.demote
         self.kv_cache_config = scheduler_config
         self.max_model_len = max_model_len
         self.hashing = HashingParameters(
@@ -572,6 +590,8 @@ class Pool:
             return
         request.status = RequestStatus.FINISHED_STOPPED
         manager.free(request)
+        if self.host_tier is not None:
+            self.host_tier.drop_swapped(request.request_id)
         del self.requests[key]
         del self.request_ids[key]
 
@@ -587,6 +607,102 @@ class Pool:
         hit = manager.get_computed_blocks(request, max_cache_hit_length)
         manager.record_prefix_cache_stats(request, hit.num_computed_tokens)
         return hit
+
+    # ------------------------------------------------------------------------ host tier
+    def _host(self) -> tuple[KVCacheManager, HostTier]:
+        manager = self.ready_manager()
+        if self.host_tier is None:
+            raise FailedPreconditionError(
+                f"pool {self.name!r} has no host tier (config.host_tier_bytes is 0)"
+            )
+        return manager, self.host_tier
+
+    def lookup_tiers(self, key: int) -> tuple[CacheHit, int]:
+        """A waiting request's device hit and the tokens the host tier holds after it.
+
+        Raises:
+            FailedPreconditionError: The pool has no host tier.
+            NotFoundError: Unknown key.
+        """
+        manager, host = self._host()
+        request = self.request(key)
+        hit = manager.get_computed_blocks(request)
+        return hit, host_hit_tokens(manager, host, request, hit.num_computed_tokens)
+
+    def admit_with_host(self, key: int, num_new_tokens: int) -> HostAdmission | None:
+        """Admit a waiting request with its device hit and its host hit (one call).
+
+        The host tokens come back as host-to-device copies; the request is RUNNING with
+        both hits computed. ``None`` when it does not fit.
+
+        Raises:
+            FailedPreconditionError: The pool has no host tier, or the request holds blocks.
+            NotFoundError: Unknown key.
+        """
+        manager, host = self._host()
+        request = self.request(key)
+        if manager.holds_blocks(request.request_id):
+            raise FailedPreconditionError(f"request key {key} holds blocks already")
+        hit, num_host = self.lookup_tiers(key)
+        request.num_computed_tokens = 0
+        admission = admit_with_host_hit(
+            manager, host, request, num_new_tokens, hit=hit, num_host_hit_tokens=num_host
+        )
+        if admission is None:
+            self.allocations_not_fit_total += 1
+            return None
+        manager.record_prefix_cache_stats(request, hit.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = hit.num_computed_tokens + num_host
+        return admission
+
+    def swap_out(self, key: int) -> list[tuple[int, int]] | None:
+        """Preempt a running request by swapping its blocks to the host tier.
+
+        Returns the device-to-host copies, or ``None`` (nothing changed) when the tier has
+        no room: then preempt by recomputation (``free(key, preempt=True)``).
+
+        Raises:
+            FailedPreconditionError: No host tier, the request holds no blocks, or it is
+                swapped out already.
+            NotFoundError: Unknown key.
+        """
+        manager, host = self._host()
+        request = self.request(key)
+        if not manager.holds_blocks(request.request_id):
+            raise FailedPreconditionError(f"request key {key} holds no blocks")
+        copies = swap_out(manager, host, request)
+        if copies is None:
+            return None
+        self.free(key, preempt=True)
+        return copies
+
+    def swap_in(self, key: int, num_new_tokens: int) -> HostAdmission | None:
+        """Re-admit a swapped request (device hit first, the rest copied back from host).
+
+        ``None`` when it does not fit (it stays swapped).
+
+        Raises:
+            FailedPreconditionError: No host tier, or the request is not swapped out.
+            NotFoundError: Unknown key.
+        """
+        manager, host = self._host()
+        request = self.request(key)
+        request.num_computed_tokens = 0
+        admission = swap_in(manager, host, request, num_new_tokens)
+        if admission is None:
+            self.allocations_not_fit_total += 1
+            return None
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = (
+            admission.num_device_hit_tokens + admission.num_host_hit_tokens
+        )
+        return admission
+
+    def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's copies since the last take (see ``HostTier.take_copies``)."""
+        _, host = self._host()
+        return host.take_copies()
 
     # ------------------------------------------------------------------- Step programs
     def run_step(self, program: StepProgram, *, phase: PhaseHook | None = None) -> StepOutcome:
@@ -751,6 +867,8 @@ class Pool:
         if manager is None or not self.options.enable_kv_cache_events:
             return 0
         events = manager.take_events()
+        if self.host_tier is not None:
+            events += self.host_tier.take_events()
         return self._events.append(events, now) if events else 0
 
     def publish_cleared(self, now: float) -> int:

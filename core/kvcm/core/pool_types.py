@@ -174,6 +174,8 @@ class PoolConfig:
         kv_cache_memory_bytes: Planning: bytes every rank gives, replacing what it offers.
         auto_fit_max_model_len: Planning: shrink ``max_model_len`` to what every rank holds.
         kv_cache_layout: Planning: the workers' KV-cache axis order.
+        host_tier_bytes: Host memory for the pool's host tier (:mod:`kvcm.core.host_tier`):
+            device blocks evicted from the prefix cache are demoted to it; 0: no host tier.
     """
 
     max_model_len: int
@@ -201,6 +203,7 @@ class PoolConfig:
     kv_cache_memory_bytes: int | None = None
     auto_fit_max_model_len: bool = False
     kv_cache_layout: KVCacheLayout = KVCacheLayout.LBNHC
+    host_tier_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_labels(self.labels)
@@ -269,6 +272,12 @@ class PoolConfig:
                 raise InvalidArgumentError(
                     f"config.{name} must be >= 1, got {value}", field=f"config.{name}"
                 )
+        host = self.host_tier_bytes
+        if type(host) is not int or not 0 <= host <= UINT64_MAX:
+            raise InvalidArgumentError(
+                f"config.host_tier_bytes must be an int in [0, 2**64), got {host!r}",
+                field="config.host_tier_bytes",
+            )
         memory = self.kv_cache_memory_bytes
         if memory is not None and memory > UINT64_MAX:
             raise InvalidArgumentError(

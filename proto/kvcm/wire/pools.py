@@ -100,6 +100,7 @@ def pool_config_to_proto(config: PoolConfig) -> admin_pb2.PoolConfig:
     message.auto_fit_max_model_len = config.auto_fit_max_model_len
     if config.kv_cache_layout is not _DEFAULT_LAYOUT:
         message.kv_cache_layout = config.kv_cache_layout.name
+    message.host_tier_bytes = config.host_tier_bytes
     return message
 
 
@@ -147,6 +148,7 @@ def pool_config_from_proto(message: admin_pb2.PoolConfig, field: str = "config")
         kv_cache_layout=KVCacheLayout.parse(
             message.kv_cache_layout or _DEFAULT_LAYOUT.name, f"{field}.kv_cache_layout"
         ),
+        host_tier_bytes=message.host_tier_bytes,
         **optional,
     )
 

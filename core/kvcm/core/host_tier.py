@@ -1,0 +1,882 @@
+"""The host tier: a second block pool in host memory behind a pool's device blocks.
+
+A pool created with a host byte budget (``PoolConfig.host_tier_bytes``) keeps a
+:class:`HostTier` of ``budget // bytes_per_block`` host blocks. It is an index and an
+allocator, like the device :class:`~kvcm.core.block_pool.BlockPool`: it decides which host
+block holds what and answers the copies the workers make; it moves no bytes.
+
+* **Demotion.** A cached device block that the device pool evicts to reuse it (vLLM's
+  ``get_new_blocks`` taking a free cached block) is demoted instead of lost: its key is stored
+  in a host block and a device-to-host copy ``(device_block_id, host_block_id)`` is recorded.
+  Blocks dropped by id (``evict_blocks``: their contents are bad) and a prefix-cache reset are
+  not demoted. A key the tier already holds is only touched (no copy).
+* **Eviction.** Host blocks not pinned are evicted least recently used first; a block is used
+  when it is stored, touched or loaded. ``touch`` of a request's keys in prefix order leaves
+  the head most recent, so a request's tail goes before its head (vLLM's LRU does the same).
+* **Loads.** A request whose prefix continues in the tier after its device hit is admitted
+  with those tokens as external computed tokens; its new device blocks for them get
+  host-to-device copies ``(host_block_id, device_block_id)``. The host copy stays: a key may
+  be in both tiers (the host tier is *inclusive* after a load), so evicting the block from the
+  device again costs no copy. A key is never in the host tier twice.
+* **Swaps.** ``swap_out`` copies every block of a preempted request (its partial and decode
+  blocks included) to pinned host blocks; ``swap_in`` maps them back to the device blocks of
+  the re-admitted request and unpins them. A swapped request's host blocks are never evicted.
+* **Pending stores** (for vLLM's offloading connector, whose copies complete asynchronously):
+  ``store(..., ready=False)`` reserves blocks that are neither loadable nor evictable until
+  ``complete_store``.
+* **Events.** When events are on, the tier records ``BlockStored`` / ``BlockRemoved`` with
+  ``medium="CPU"``, one key per event, in the placeholder form vLLM's offloading connector
+  uses (``token_ids=[]``, ``block_size=0``, no parent): the device events already carried
+  the tokens.
+
+Copies are ordered for the workers: every device-to-host copy of a step runs before its
+host-to-device copies, and all of them before the step's forward pass (a demoted device
+block is rewritten by its new owner only after its copy).
+
+Everything here is pure and deterministic: no I/O, no clocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError
+from kvcm.common.events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from kvcm.common.hashing import (
+    BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+)
+
+if TYPE_CHECKING:
+    from kvcm.core.manager import CacheHit, KVCacheBlocks, KVCacheManager
+    from kvcm.core.request import Request
+
+__all__ = [
+    "HIT",
+    "MISS",
+    "PENDING",
+    "HostAdmission",
+    "HostTier",
+    "HostTierStats",
+    "admit_with_host_hit",
+    "host_hit_tokens",
+    "swap_in",
+    "swap_out",
+]
+
+MISS: Final = 0
+"""``lookup``: the tier does not hold the key."""
+HIT: Final = 1
+"""``lookup``: the tier holds the key, ready to load."""
+PENDING: Final = 2
+"""``lookup``: the key's store has not completed."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierStats:
+    """The tier's state and cumulative counters (for metrics).
+
+    Attributes:
+        num_blocks: Host blocks in the tier.
+        num_used: Host blocks holding a key or a swapped block.
+        num_pinned: Host blocks that cannot be evicted now (loads, swaps, pending stores).
+        num_swapped_requests: Requests swapped out now.
+        demotions: Device blocks copied to the tier on eviction.
+        demotions_present: Evicted device blocks whose key the tier held (no copy).
+        demotions_dropped: Evicted device blocks lost because every host block was pinned.
+        evictions: Host blocks evicted to make room.
+        stores: Blocks stored through ``store`` (vLLM's offloading connector).
+        loads: Host-to-device block copies for hits.
+        hit_tokens: Tokens admitted from the tier.
+        swap_outs: Requests swapped out.
+        swap_ins: Requests swapped in.
+        swapped_blocks_out: Blocks copied to the tier by swap-outs.
+        swapped_blocks_in: Blocks copied back by swap-ins.
+    """
+
+    num_blocks: int
+    num_used: int
+    num_pinned: int
+    num_swapped_requests: int
+    demotions: int
+    demotions_present: int
+    demotions_dropped: int
+    evictions: int
+    stores: int
+    loads: int
+    hit_tokens: int
+    swap_outs: int
+    swap_ins: int
+    swapped_blocks_out: int
+    swapped_blocks_in: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Swapped:
+    # Per group, per block position: the host block (None for a null device block) and the
+    # key it holds (None for a private, unkeyed block).
+    tables: tuple[tuple[tuple[int, BlockHashWithGroupId | None] | None, ...], ...]
+    num_tokens: int
+
+
+class HostTier:
+    """Host blocks of one pool: a keyed LRU store, swapped requests, and pending copies.
+
+    Attributes:
+        num_blocks: Host blocks in the tier.
+        block_bytes: Bytes one host block holds (0: not known).
+        enable_events: Whether events are recorded for ``take_events``.
+        medium: Medium reported in events.
+    """
+
+    # NOTE: the tier's state.
+    # * _where maps each key the tier holds to its host block; _key_of is its inverse.
+    # * _lru holds the keys that can be evicted (ready, not pinned), least recent first.
+    #   A key is in _lru iff it is in _where, is ready and has no pin.
+    # * _pins counts pins per host block (loads in flight, swapped requests); _pending holds
+    #   keys whose store has not completed. Private (unkeyed) blocks of swapped requests are
+    #   in _private and always pinned by their request.
+    # * Every host block is exactly one of: free (_free), keyed (_key_of), private (_private).
+    __slots__ = (
+        "_counters",
+        "_d2h",
+        "_events",
+        "_free",
+        "_guard",
+        "_h2d",
+        "_key_of",
+        "_lru",
+        "_pending",
+        "_pins",
+        "_private",
+        "_swapped",
+        "_where",
+        "block_bytes",
+        "enable_events",
+        "medium",
+        "num_blocks",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        block_bytes: int = 0,
+        enable_events: bool = False,
+        medium: str = MEDIUM_CPU,
+    ) -> None:
+        """Create an empty tier.
+
+        Args:
+            num_blocks: Host blocks (>= 0).
+            block_bytes: Bytes per host block, for usage reports (>= 0).
+            enable_events: Record events for ``take_events``.
+            medium: Medium reported in events.
+
+        Raises:
+            InvalidArgumentError: A count is negative or not an int.
+        """
+        for name, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes)):
+            if type(value) is not int or value < 0:
+                raise InvalidArgumentError(f"{name} must be an int >= 0, got {value!r}", field=name)
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.enable_events = bool(enable_events)
+        self.medium = medium
+        self._where: dict[BlockHashWithGroupId, int] = {}
+        self._key_of: dict[int, BlockHashWithGroupId] = {}
+        self._lru: dict[BlockHashWithGroupId, None] = {}
+        self._pins: dict[int, int] = {}
+        self._pending: set[BlockHashWithGroupId] = set()
+        self._private: set[int] = set()
+        self._swapped: dict[str, _Swapped] = {}
+        # Keys an admission is about to load: demotions during its allocation skip them.
+        self._guard: frozenset[BlockHashWithGroupId] = frozenset()
+        # Lowest host block ids are used first (popped from the end).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._d2h: list[tuple[int, int]] = []
+        self._h2d: list[tuple[int, int]] = []
+        self._events: list[KVCacheEvent] = []
+        self._counters = dict.fromkeys(
+            (
+                "demotions",
+                "demotions_present",
+                "demotions_dropped",
+                "evictions",
+                "stores",
+                "loads",
+                "hit_tokens",
+                "swap_outs",
+                "swap_ins",
+                "swapped_blocks_out",
+                "swapped_blocks_in",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------------- reads
+    def __contains__(self, key: object) -> bool:
+        """Whether the tier holds ``key`` (ready or pending)."""
+        return key in self._where
+
+    def lookup(self, key: BlockHashWithGroupId) -> int:
+        """:data:`HIT`, :data:`PENDING` (stored, not completed) or :data:`MISS`."""
+        if key not in self._where:
+            return MISS
+        return PENDING if key in self._pending else HIT
+
+    def host_block(self, key: BlockHashWithGroupId) -> int | None:
+        """The host block holding ``key``, or ``None``."""
+        return self._where.get(key)
+
+    def match_prefix(self, keys: Iterable[BlockHashWithGroupId]) -> int:
+        """How many of ``keys``, from the first, the tier holds ready to load."""
+        where = self._where
+        pending = self._pending
+        count = 0
+        for key in keys:
+            if key not in where or key in pending:
+                break
+            count += 1
+        return count
+
+    def lru_keys(self) -> list[BlockHashWithGroupId]:
+        """The evictable keys, next to evict first. O(tier)."""
+        return list(self._lru)
+
+    def keys(self) -> dict[BlockHashWithGroupId, int]:
+        """Every key the tier holds and its host block. O(tier)."""
+        return dict(self._where)
+
+    def swapped(self) -> dict[str, tuple[int, tuple[tuple[int | None, ...], ...]]]:
+        """Swapped requests: owner -> (tokens, host block per group and position)."""
+        return {
+            owner: (
+                record.num_tokens,
+                tuple(
+                    tuple(None if entry is None else entry[0] for entry in table)
+                    for table in record.tables
+                ),
+            )
+            for owner, record in self._swapped.items()
+        }
+
+    def pinned(self) -> dict[int, int]:
+        """Pins per pinned host block. O(pinned)."""
+        return dict(self._pins)
+
+    def pending_keys(self) -> set[BlockHashWithGroupId]:
+        """Keys whose store has not completed."""
+        return set(self._pending)
+
+    def private_blocks(self) -> set[int]:
+        """Host blocks of swapped requests that hold no key."""
+        return set(self._private)
+
+    @property
+    def num_free(self) -> int:
+        """Host blocks holding nothing."""
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        """Host blocks that an allocation may evict now."""
+        return len(self._lru)
+
+    def stats(self) -> HostTierStats:
+        """The tier's state and counters."""
+        counters = self._counters
+        return HostTierStats(
+            num_blocks=self.num_blocks,
+            num_used=self.num_blocks - len(self._free),
+            num_pinned=len(self._pins),
+            num_swapped_requests=len(self._swapped),
+            **counters,
+        )
+
+    # ---------------------------------------------------------------------- mapping
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Drain the copies recorded since the last take: ``(device_to_host, host_to_device)``.
+
+        ``device_to_host`` pairs are ``(device_block_id, host_block_id)``,
+        ``host_to_device`` pairs ``(host_block_id, device_block_id)``; the workers run the
+        first list before the second.
+        """
+        d2h, h2d = self._d2h, self._h2d
+        self._d2h, self._h2d = [], []
+        return d2h, h2d
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the recorded events, oldest first (empty when events are off)."""
+        events = self._events
+        self._events = []
+        return events
+
+    # ------------------------------------------------------------------------ writes
+    def touch(self, keys: Sequence[BlockHashWithGroupId]) -> None:
+        """Mark keys (a request's, head first) used: the head ends most recent."""
+        lru = self._lru
+        for key in reversed(keys):
+            if key in lru:
+                del lru[key]
+                lru[key] = None
+
+    def demote(self, key: BlockHashWithGroupId, device_block_id: int) -> int | None:
+        """Keep an evicted device block's key: the host block it is copied to, or ``None``.
+
+        ``None`` when the tier holds the key already (touched, no copy) or has no block to
+        give (every block pinned; the key is lost, as without a tier).
+        """
+        if key in self._where:
+            self._counters["demotions_present"] += 1
+            if key in self._lru:
+                del self._lru[key]
+                self._lru[key] = None
+            return None
+        host_id = self._take_block(())
+        if host_id is None:
+            self._counters["demotions_dropped"] += 1
+            return None
+        self._insert(key, host_id, ready=True)
+        self._d2h.append((device_block_id, host_id))
+        self._counters["demotions"] += 1
+        return host_id
+
+    def store(
+        self,
+        keys: Sequence[BlockHashWithGroupId],
+        *,
+        ready: bool = True,
+    ) -> tuple[list[BlockHashWithGroupId], list[int], list[BlockHashWithGroupId]] | None:
+        """Reserve host blocks for the keys the tier does not hold yet (all or nothing).
+
+        Keys held already are left as they are; the offered keys are never evicted to make
+        room. With ``ready=False`` the new blocks are pending until ``complete_store``.
+
+        Returns:
+            ``(stored_keys, host_block_ids, evicted_keys)``, or ``None`` when the tier cannot
+            give enough blocks (nothing changes then).
+        """
+        new: list[BlockHashWithGroupId] = []
+        seen: set[BlockHashWithGroupId] = set()
+        for key in keys:
+            if key not in self._where and key not in seen:
+                new.append(key)
+                seen.add(key)
+        protected = set(keys)
+        num_evict = len(new) - len(self._free)
+        if num_evict > 0:
+            evictable = sum(1 for key in self._lru if key not in protected)
+            if num_evict > evictable:
+                return None
+        evicted: list[BlockHashWithGroupId] = []
+        host_ids: list[int] = []
+        for key in new:
+            host_id = self._take_block(protected, evicted)
+            assert host_id is not None
+            self._insert(key, host_id, ready=ready)
+            host_ids.append(host_id)
+        self._counters["stores"] += len(new)
+        return new, host_ids, evicted
+
+    def complete_store(self, keys: Iterable[BlockHashWithGroupId], *, success: bool) -> None:
+        """Make pending keys loadable (``success``) or release them (failed copies)."""
+        for key in keys:
+            if key not in self._pending:
+                continue
+            self._pending.discard(key)
+            host_id = self._where[key]
+            if success:
+                if host_id not in self._pins:
+                    self._lru[key] = None
+                if self.enable_events:
+                    self._stored_event(key)
+            else:
+                del self._where[key]
+                del self._key_of[host_id]
+                self._pins.pop(host_id, None)
+                self._free.append(host_id)
+
+    def pin(self, keys: Iterable[BlockHashWithGroupId]) -> list[int]:
+        """Protect held, ready keys from eviction (a load in flight); their host blocks.
+
+        Raises:
+            FailedPreconditionError: A key is not held or not ready; nothing changes.
+        """
+        keys = list(keys)
+        for key in keys:
+            if key not in self._where or key in self._pending:
+                raise FailedPreconditionError(f"host tier holds no ready block for key {key!r}")
+        host_ids = []
+        for key in keys:
+            host_id = self._where[key]
+            self._pin_block(host_id, key)
+            host_ids.append(host_id)
+        return host_ids
+
+    def unpin(self, keys: Iterable[BlockHashWithGroupId]) -> None:
+        """Drop one pin per key (a finished load).
+
+        Raises:
+            FailedPreconditionError: A key is not pinned; nothing changes.
+        """
+        keys = list(keys)
+        for key in keys:
+            if self._pins.get(self._where.get(key, -1), 0) < 1:
+                raise FailedPreconditionError(f"host tier key {key!r} is not pinned")
+        for key in keys:
+            self._unpin_block(self._where[key], key)
+
+    def load(self, pairs: Sequence[tuple[BlockHashWithGroupId, int]]) -> list[tuple[int, int]]:
+        """Record host-to-device copies of held keys into device blocks; touch the keys.
+
+        Args:
+            pairs: ``(key, device_block_id)`` per block, a request's in prefix order.
+
+        Returns:
+            The ``(host_block_id, device_block_id)`` copies (also kept for ``take_copies``).
+
+        Raises:
+            FailedPreconditionError: A key is not held or not ready; nothing changes.
+        """
+        for key, _ in pairs:
+            if key not in self._where or key in self._pending:
+                raise FailedPreconditionError(f"host tier holds no ready block for key {key!r}")
+        copies = [(self._where[key], device_id) for key, device_id in pairs]
+        self.touch([key for key, _ in pairs])
+        self._h2d.extend(copies)
+        self._counters["loads"] += len(copies)
+        return copies
+
+    def swap_out(
+        self,
+        owner: str,
+        tables: Sequence[Sequence[tuple[BlockHashWithGroupId | None, int] | None]],
+        num_tokens: int,
+    ) -> list[tuple[int, int]] | None:
+        """Copy a preempted request's blocks to pinned host blocks (all or nothing).
+
+        Args:
+            owner: The request id (at most one swap per owner).
+            tables: Per group, per block position: ``(key or None, device_block_id)``, or
+                ``None`` for a null (skipped) device block. A keyed block whose key the tier
+                holds is pinned without a copy.
+            num_tokens: The request's computed tokens the blocks hold.
+
+        Returns:
+            The ``(device_block_id, host_block_id)`` copies, or ``None`` when the tier cannot
+            give enough blocks (nothing changes).
+
+        Raises:
+            FailedPreconditionError: ``owner`` is swapped out already.
+        """
+        if owner in self._swapped:
+            raise FailedPreconditionError(f"request {owner!r} is swapped out already")
+        where, pending = self._where, self._pending
+        held = {
+            entry[0]
+            for table in tables
+            for entry in table
+            if entry is not None and entry[0] in where and entry[0] not in pending
+        }
+        needed = sum(
+            1 for table in tables for entry in table if entry is not None and entry[0] not in held
+        )
+        # Keys appearing twice (two groups never share a key; a table never repeats one)
+        # would need one block: counted as two, which only makes the check stricter.
+        evictable = sum(1 for key in self._lru if key not in held)
+        if needed > len(self._free) + evictable:
+            return None
+        copies: list[tuple[int, int]] = []
+        out_tables = []
+        for table in tables:
+            out: list[tuple[int, BlockHashWithGroupId | None] | None] = []
+            for entry in table:
+                if entry is None:
+                    out.append(None)
+                    continue
+                key, device_id = entry
+                if key is not None and key in self._where and key not in self._pending:
+                    host_id = self._where[key]
+                    self._pin_block(host_id, key)
+                    out.append((host_id, key))
+                    continue
+                new_id = self._take_block(held)
+                assert new_id is not None
+                if key is not None and key not in self._where:
+                    self._insert(key, new_id, ready=True)
+                    self._pin_block(new_id, key)
+                    out.append((new_id, key))
+                else:  # unkeyed, or its key's store is pending: a private copy
+                    self._private.add(new_id)
+                    self._pins[new_id] = 1
+                    out.append((new_id, None))
+                copies.append((device_id, new_id))
+            out_tables.append(tuple(out))
+        self._swapped[owner] = _Swapped(tuple(out_tables), num_tokens)
+        self._d2h.extend(copies)
+        self._counters["swap_outs"] += 1
+        self._counters["swapped_blocks_out"] += len(copies)
+        return copies
+
+    def swapped_tokens(self, owner: str) -> int | None:
+        """The tokens a swapped request keeps in the tier, or ``None`` if it is not swapped."""
+        record = self._swapped.get(owner)
+        return None if record is None else record.num_tokens
+
+    def swapped_keys(self, owner: str) -> tuple[tuple[BlockHashWithGroupId | None, ...], ...]:
+        """Per group and position, the key each swapped block holds (``None``: unkeyed)."""
+        record = self._swapped[owner]
+        return tuple(
+            tuple(None if entry is None else entry[1] for entry in table) for table in record.tables
+        )
+
+    def swap_in(
+        self, owner: str, device_tables: Sequence[Sequence[int | None]]
+    ) -> list[tuple[int, int]]:
+        """Map a swapped request's host blocks back to device blocks and release them.
+
+        Args:
+            owner: The swapped request.
+            device_tables: Per group, per block position: the device block to copy into, or
+                ``None`` where no copy is needed (a device hit, a null block, past the end).
+
+        Returns:
+            The ``(host_block_id, device_block_id)`` copies.
+
+        Raises:
+            FailedPreconditionError: ``owner`` is not swapped out.
+        """
+        record = self._swapped.pop(owner, None)
+        if record is None:
+            raise FailedPreconditionError(f"request {owner!r} is not swapped out")
+        copies: list[tuple[int, int]] = []
+        for group, table in enumerate(record.tables):
+            targets = device_tables[group] if group < len(device_tables) else ()
+            for position, entry in enumerate(table):
+                if entry is None:
+                    continue
+                host_id, key = entry
+                device_id = targets[position] if position < len(targets) else None
+                if device_id is not None:
+                    copies.append((host_id, device_id))
+                self._release_swapped(host_id, key)
+        self._h2d.extend(copies)
+        self._counters["swap_ins"] += 1
+        self._counters["swapped_blocks_in"] += len(copies)
+        return copies
+
+    def drop_swapped(self, owner: str) -> bool:
+        """Forget a swapped request without copying it back (it finished or was aborted)."""
+        record = self._swapped.pop(owner, None)
+        if record is None:
+            return False
+        for table in record.tables:
+            for entry in table:
+                if entry is not None:
+                    self._release_swapped(*entry)
+        return True
+
+    def note_hit_tokens(self, num_tokens: int) -> None:
+        """Count tokens admitted from the tier (hit-rate metrics)."""
+        self._counters["hit_tokens"] += num_tokens
+
+    def reset(self) -> bool:
+        """Forget every key, if nothing is pinned, pending or swapped; ``False`` otherwise."""
+        if self._pins or self._pending or self._swapped:
+            return False
+        for key in list(self._where):
+            self._removed_event(key)
+        self._where.clear()
+        self._key_of.clear()
+        self._lru.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        return True
+
+    def clear(self) -> None:
+        """Forget everything, pins, pending stores and swapped requests included (an engine's
+        cache reset, after which it ignores the copies in flight)."""
+        for key in list(self._where):
+            if key not in self._pending:
+                self._removed_event(key)
+        self._where.clear()
+        self._key_of.clear()
+        self._lru.clear()
+        self._pins.clear()
+        self._pending.clear()
+        self._private.clear()
+        self._swapped.clear()
+        self._d2h, self._h2d = [], []
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    # --------------------------------------------------------------------- internals
+    def _insert(self, key: BlockHashWithGroupId, host_id: int, *, ready: bool) -> None:
+        self._where[key] = host_id
+        self._key_of[host_id] = key
+        if ready:
+            self._lru[key] = None
+            if self.enable_events:
+                self._stored_event(key)
+        else:
+            self._pending.add(key)
+
+    def _take_block(
+        self,
+        protected: Iterable[BlockHashWithGroupId] | set[BlockHashWithGroupId],
+        evicted: list[BlockHashWithGroupId] | None = None,
+    ) -> int | None:
+        if self._free:
+            return self._free.pop()
+        guard = self._guard
+        for key in self._lru:
+            if key not in protected and key not in guard:
+                break
+        else:
+            return None
+        del self._lru[key]
+        host_id = self._where.pop(key)
+        del self._key_of[host_id]
+        self._counters["evictions"] += 1
+        self._removed_event(key)
+        if evicted is not None:
+            evicted.append(key)
+        return host_id
+
+    def _pin_block(self, host_id: int, key: BlockHashWithGroupId | None) -> None:
+        count = self._pins.get(host_id, 0)
+        self._pins[host_id] = count + 1
+        if count == 0 and key is not None:
+            self._lru.pop(key, None)
+
+    def _unpin_block(self, host_id: int, key: BlockHashWithGroupId | None) -> None:
+        count = self._pins[host_id] - 1
+        if count:
+            self._pins[host_id] = count
+            return
+        del self._pins[host_id]
+        if key is not None and key not in self._pending:
+            self._lru[key] = None  # most recent
+
+    def _release_swapped(self, host_id: int, key: BlockHashWithGroupId | None) -> None:
+        if key is None:
+            del self._pins[host_id]
+            self._private.discard(host_id)
+            self._free.append(host_id)
+        else:
+            self._unpin_block(host_id, key)
+
+    def _stored_event(self, key: BlockHashWithGroupId) -> None:
+        self._events.append(
+            BlockStored(
+                block_hashes=[get_block_hash(key)],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=0,
+                lora_id=None,
+                medium=self.medium,
+                lora_name=None,
+                group_idx=get_group_id(key),
+            )
+        )
+
+    def _removed_event(self, key: BlockHashWithGroupId) -> None:
+        if self.enable_events and key not in self._pending:
+            self._events.append(
+                BlockRemoved(
+                    block_hashes=[get_block_hash(key)],
+                    medium=self.medium,
+                    group_idx=get_group_id(key),
+                )
+            )
+
+
+# ------------------------------------------------------------------ pool-level glue
+def _group_keys(
+    manager: KVCacheManager, request: Request, group_id: int, start_block: int, end_block: int
+) -> list[BlockHashWithGroupId]:
+    block_size = manager.coordinator.single_type_managers[group_id].block_size
+    scale = block_size // manager.hash_block_size
+    hashes = request.block_hashes
+    return [
+        make_block_hash_with_group_id(hashes[(i + 1) * scale - 1], group_id)
+        for i in range(start_block, end_block)
+    ]
+
+
+def _host_capable(manager: KVCacheManager) -> bool:
+    from kvcm.core.single_type_managers import FullAttentionManager
+
+    managers = manager.coordinator.single_type_managers
+    return bool(managers) and all(type(m) is FullAttentionManager for m in managers)
+
+
+def host_hit_tokens(
+    manager: KVCacheManager,
+    host: HostTier,
+    request: Request,
+    num_device_hit_tokens: int,
+    max_hit_tokens: int | None = None,
+) -> int:
+    """Tokens past the device hit that the host tier holds for every group, whole blocks.
+
+    Host hits are answered for pools whose groups are all full attention (0 otherwise).
+    Like a device hit, the last token is left to compute (``max_hit_tokens`` defaults to
+    ``num_tokens - 1``).
+    """
+    if not manager.enable_caching or request.skip_reading_prefix_cache:
+        return 0
+    if not _host_capable(manager):
+        return 0
+    limit = request.num_tokens - 1 if max_hit_tokens is None else max_hit_tokens
+    hash_block_size = manager.hash_block_size
+    num_hit = limit
+    for group_id, single in enumerate(manager.coordinator.single_type_managers):
+        block_size = single.block_size
+        start = num_device_hit_tokens // block_size
+        num_full = min(len(request.block_hashes) * hash_block_size, limit) // block_size
+        if start >= num_full:
+            return 0
+        matched = host.match_prefix(_group_keys(manager, request, group_id, start, num_full))
+        num_hit = min(num_hit, (start + matched) * block_size)
+    return max(0, num_hit - num_device_hit_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class HostAdmission:
+    """What admitting a request with host hits gave.
+
+    Attributes:
+        blocks: The new device blocks per group (``allocate_slots``' answer).
+        num_device_hit_tokens: Tokens hit on the device.
+        num_host_hit_tokens: Tokens loaded from the host tier.
+        host_to_device: The ``(host_block_id, device_block_id)`` copies.
+    """
+
+    blocks: KVCacheBlocks
+    num_device_hit_tokens: int
+    num_host_hit_tokens: int
+    host_to_device: list[tuple[int, int]]
+
+
+def admit_with_host_hit(
+    manager: KVCacheManager,
+    host: HostTier,
+    request: Request,
+    num_new_tokens: int,
+    *,
+    hit: CacheHit,
+    num_host_hit_tokens: int,
+) -> HostAdmission | None:
+    """Admit a waiting request with its device hit and ``num_host_hit_tokens`` from the tier.
+
+    The host tokens are the allocation's external computed tokens: their device blocks are
+    allocated (and cached, as vLLM caches a connector's tokens), and each gets a host-to-device
+    copy. ``None`` when the blocks do not fit (nothing changes but what ``allocate_slots``
+    changes then).
+
+    Raises:
+        InvalidArgumentError: ``num_host_hit_tokens`` exceeds what the tier holds.
+    """
+    from kvcm.core.manager import SlotOptions
+
+    if num_host_hit_tokens:
+        available = host_hit_tokens(
+            manager,
+            host,
+            request,
+            hit.num_computed_tokens,
+            hit.num_computed_tokens + num_host_hit_tokens,
+        )
+        if available < num_host_hit_tokens:
+            raise InvalidArgumentError(
+                f"num_host_hit_tokens {num_host_hit_tokens} exceeds the host tier's hit "
+                f"{available}",
+                field="num_host_hit_tokens",
+            )
+    end = hit.num_computed_tokens + num_host_hit_tokens
+    group_keys: list[tuple[int, list[BlockHashWithGroupId]]] = []
+    if num_host_hit_tokens:
+        for group_id, single in enumerate(manager.coordinator.single_type_managers):
+            start = hit.num_computed_tokens // single.block_size
+            stop = end // single.block_size
+            group_keys.append(
+                (single.block_size, _group_keys(manager, request, group_id, start, stop))
+            )
+    options = SlotOptions(num_external_computed_tokens=num_host_hit_tokens)
+    # The allocation may evict device blocks, whose demotions must not evict the host
+    # blocks about to be loaded.
+    host._guard = frozenset(key for _, keys in group_keys for key in keys)
+    try:
+        blocks = manager.allocate_slots(request, num_new_tokens, hit, options)
+    finally:
+        host._guard = frozenset()
+    if blocks is None:
+        return None
+    copies: list[tuple[int, int]] = []
+    if num_host_hit_tokens:
+        tables = manager.get_blocks(request.request_id).blocks
+        pairs: list[tuple[BlockHashWithGroupId, int]] = []
+        for group_id, (block_size, keys) in enumerate(group_keys):
+            start = hit.num_computed_tokens // block_size
+            table = tables[group_id]
+            pairs.extend((key, table[start + i].block_id) for i, key in enumerate(keys))
+        copies = host.load(pairs)
+        host.note_hit_tokens(num_host_hit_tokens)
+    return HostAdmission(blocks, hit.num_computed_tokens, num_host_hit_tokens, copies)
+
+
+def swap_out(
+    manager: KVCacheManager, host: HostTier, request: Request
+) -> list[tuple[int, int]] | None:
+    """Copy a running request's blocks to pinned host blocks (the copies).
+
+    The caller then preempts the request (frees its device blocks). ``None`` when the tier
+    has no room: nothing changes, and the caller preempts by recomputation as without a tier.
+    """
+    blocks = manager.get_blocks(request.request_id).blocks
+    tables = [
+        [None if block.is_null else (block.block_hash, block.block_id) for block in group_blocks]
+        for group_blocks in blocks
+    ]
+    copies = host.swap_out(request.request_id, tables, request.num_computed_tokens)
+    return copies
+
+
+def swap_in(
+    manager: KVCacheManager, host: HostTier, request: Request, num_new_tokens: int
+) -> HostAdmission | None:
+    """Re-admit a swapped request: its device hit, then its swapped blocks copied back.
+
+    ``None`` when the blocks do not fit (the request stays swapped). The request's computed
+    tokens after the call are ``num_device_hit_tokens + num_host_hit_tokens`` of the answer.
+
+    Raises:
+        FailedPreconditionError: The request is not swapped out.
+    """
+    from kvcm.core.manager import SlotOptions
+
+    num_swapped = host.swapped_tokens(request.request_id)
+    if num_swapped is None:
+        raise FailedPreconditionError(f"request {request.request_id!r} is not swapped out")
+    hit = manager.get_computed_blocks(request, num_swapped)
+    num_external = num_swapped - hit.num_computed_tokens
+    options = SlotOptions(num_external_computed_tokens=num_external)
+    blocks = manager.allocate_slots(request, num_new_tokens, hit, options)
+    if blocks is None:
+        return None
+    tables = manager.get_blocks(request.request_id).blocks
+    device_tables: list[list[int | None]] = []
+    for group_id, single in enumerate(manager.coordinator.single_type_managers):
+        first = hit.num_computed_tokens // single.block_size
+        device_tables.append(
+            [
+                None if i < first or block.is_null else block.block_id
+                for i, block in enumerate(tables[group_id])
+            ]
+        )
+    copies = host.swap_in(request.request_id, device_tables)
+    return HostAdmission(blocks, hit.num_computed_tokens, num_external, copies)
