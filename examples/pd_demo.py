@@ -68,6 +68,9 @@ class PdDemoOptions:
         die_after: decode-1 dies before this fraction of the turns (1: never).
         transfer_lease_s: The server's transfer lease.
         kv_lease_s: The prefill engine's lease on a source nobody pulled.
+        decoder_ttl_s: Bidirectional: how long a decode engine holds a finished request's
+            blocks (vLLM's ``decoder_kv_blocks_ttl``, 480 s by default; short here so the leak
+            check need not wait).
         concurrency: Requests in flight at once (the turns of different conversations).
         seed: The workload's seed.
     """
@@ -78,11 +81,12 @@ class PdDemoOptions:
     system_tokens: int = 256
     max_tokens: int = 16
     decode_blocks: int = 400
-    prefill_blocks: int = 512
+    prefill_blocks: int = 192
     never_pull_every: int = 7
     die_after: float = 0.75
     transfer_lease_s: float = 1.0
     kv_lease_s: float = 5.0
+    decoder_ttl_s: float = 10.0
     concurrency: int = 4
     seed: int = 0
 
@@ -96,6 +100,7 @@ class PdReport:
     failed: int = 0
     prompt_tokens: int = 0
     pulled_tokens: int = 0
+    prefill_pulled_tokens: int = 0
     decode_hit_tokens: int = 0
     prefill_computed_tokens: int = 0
     transfers: int = 0
@@ -178,13 +183,17 @@ def _complete(
             return None
         for line in answer.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                out += json.loads(line[6:])["choices"][0]["token_ids"]
+                for choice in json.loads(line[6:])["choices"]:
+                    out += choice["token_ids"]
     return out
 
 
-def run_policy(address: str, policy: str, options: PdDemoOptions, prefix: str) -> PdReport:
-    """Run the workload once, behind a proxy with ``policy``, on fresh pools."""
-    report = PdReport(policy=policy)
+def run_policy(
+    address: str, policy: str, options: PdDemoOptions, prefix: str, *, bidirectional: bool = False
+) -> PdReport:
+    """Run the workload once, behind a proxy with ``policy``, on fresh pools (with
+    ``bidirectional``: engines and proxy do vLLM's bidirectional transfers)."""
+    report = PdReport(policy=f"{policy}+bidir" if bidirectional else policy)
     client = SchedulerClient(address)
     prefill = SimEngine(
         name=f"{prefix}prefill-0",
@@ -192,6 +201,7 @@ def run_policy(address: str, policy: str, options: PdDemoOptions, prefix: str) -
         pool_id=f"{prefix}prefill-0",
         kvcm_address=address,
         kv_lease_s=options.kv_lease_s,
+        bidirectional=bidirectional,
     )
     decode = [
         SimEngine(
@@ -200,6 +210,8 @@ def run_policy(address: str, policy: str, options: PdDemoOptions, prefix: str) -
             pool_id=f"{prefix}decode-{i}",
             kvcm_address=address,
             never_pull_every=options.never_pull_every if i == 1 else 0,
+            bidirectional=bidirectional,
+            decoder_ttl_s=options.decoder_ttl_s,
         )
         for i in range(2)
     ]
@@ -213,6 +225,7 @@ def run_policy(address: str, policy: str, options: PdDemoOptions, prefix: str) -
         prefill=(Engine(url=prefill.url, pool_id=prefill.pool_id, role="prefill"),),
         decode=tuple(Engine(url=e.url, pool_id=e.pool_id, role="decode") for e in decode),
         policy=policy,
+        bidirectional=bidirectional,
     )
     connection = Connection(address=address, tls=None, token=None, timeout_s=10.0)
     proxy, thread, url = _serve_proxy(build_proxy_app(config, connection))
@@ -247,10 +260,10 @@ def run_policy(address: str, policy: str, options: PdDemoOptions, prefix: str) -
     report.route_p50_ms = stats.get("route_p50_ms", 0.0)
     report.route_p99_ms = stats.get("route_p99_ms", 0.0)
     report.by_engine = stats["by_engine"]
-    # Past every lease (transfer, prefill source, a dead engine's scheduler lease).
-    wait_s = max(options.transfer_lease_s, options.kv_lease_s, 1.0) + 2.5
-    deadline = time.monotonic() + wait_s + 10.0
-    time.sleep(wait_s)
+    # Whatever is still held must go within the leases (transfer, prefill source, a decode
+    # engine's held blocks, a dead engine's scheduler lease); what is left after that leaked.
+    leases = max(options.transfer_lease_s, options.kv_lease_s, options.decoder_ttl_s, 1.0)
+    deadline = time.monotonic() + leases + 5.0
     while True:
         held = [client.get_usage(engine.pool_id) for engine in engines]
         if all(usage.num_requests == 0 for usage in held) or time.monotonic() > deadline:
@@ -261,10 +274,13 @@ def run_policy(address: str, policy: str, options: PdDemoOptions, prefix: str) -
     for engine in engines:
         stats_ = engine.stats
         report.prompt_tokens += stats_.prompt_tokens if engine.role == "decode" else 0
-        report.pulled_tokens += stats_.pulled_tokens
+        if engine.role == "decode":
+            report.pulled_tokens += stats_.pulled_tokens
+        else:
+            report.prefill_pulled_tokens += stats_.pulled_tokens
         report.decode_hit_tokens += stats_.hit_tokens if engine.role == "decode" else 0
         report.prefill_computed_tokens += stats_.computed_tokens if engine.role == "prefill" else 0
-        report.transfers += stats_.transfers if engine.role == "prefill" else 0
+        report.transfers += stats_.sources_released if engine.role == "prefill" else 0
         report.sources_expired += stats_.expired
         report.abandoned += stats_.abandoned
         report.load_failures += stats_.load_failures
@@ -284,6 +300,7 @@ def print_reports(reports: Sequence[PdReport], out: TextIO) -> None:
         ("decode tokens pulled", lambda r: str(r.pulled_tokens)),
         ("decode tokens saved (own hit)", lambda r: str(r.decode_hit_tokens)),
         ("prefill tokens computed", lambda r: str(r.prefill_computed_tokens)),
+        ("prefill tokens pulled from decode", lambda r: str(r.prefill_pulled_tokens)),
         ("transfers completed", lambda r: str(r.transfers)),
         ("sources expired (lease)", lambda r: str(r.sources_expired)),
         ("transfers abandoned (fault)", lambda r: str(r.abandoned)),
@@ -296,17 +313,27 @@ def print_reports(reports: Sequence[PdReport], out: TextIO) -> None:
     print(f"{'':{width}}  " + "  ".join(f"{r.policy:>16}" for r in reports), file=out)
     for name, cell in rows:
         print(f"{name:{width}}  " + "  ".join(f"{cell(r):>16}" for r in reports), file=out)
-    if len(reports) == 2 and reports[1].pulled_tokens:
-        ratio = reports[0].pulled_tokens / reports[1].pulled_tokens
-        print(f"tokens pulled, {reports[0].policy} / {reports[1].policy}: {ratio:.2f}", file=out)
+    baseline = reports[-1]
+    for report in reports[:-1]:
+        if baseline.pulled_tokens and baseline.prefill_computed_tokens:
+            print(
+                f"{report.policy} / {baseline.policy}: decode tokens pulled "
+                f"{report.pulled_tokens / baseline.pulled_tokens:.2f}, prefill tokens computed "
+                f"{report.prefill_computed_tokens / baseline.prefill_computed_tokens:.2f}",
+                file=out,
+            )
 
 
 def run_pd_demo(address: str, options: PdDemoOptions, out: TextIO = sys.stdout) -> list[PdReport]:
-    """Both policies on ``address``'s server, printed; returns the reports."""
+    """kvcm, kvcm with bidirectional transfers, and round robin on ``address``'s server,
+    printed; returns the reports (in that order)."""
     reports = []
-    for index, policy in enumerate(("kvcm", "round-robin")):
-        print(f"running {policy} ...", file=out, flush=True)
-        reports.append(run_policy(address, policy, options, prefix=f"pd{index}-"))
+    runs = (("kvcm", False), ("kvcm", True), ("round-robin", False))
+    for index, (policy, bidirectional) in enumerate(runs):
+        print(f"running {policy}{' +bidir' if bidirectional else ''} ...", file=out, flush=True)
+        reports.append(
+            run_policy(address, policy, options, f"pd{index}-", bidirectional=bidirectional)
+        )
     print_reports(reports, out)
     return reports
 

@@ -73,8 +73,10 @@ class EngineStats:
         computed_tokens: Prompt tokens computed (decode engines: after a failed pull).
         pulled_tokens: Decode engines: prompt tokens pulled from a prefill engine.
         load_failures: Decode engines: pulls whose source was gone (recomputed instead).
-        transfers: Decode engines: transfers completed (prefill side: sources released).
-        expired: Prefill engines: sources freed by ``kv_lease_s`` (nobody pulled them).
+        transfers: Decode engines: transfers started (pulls from a prefill engine).
+        sources_released: Sources (held requests) freed once their puller said it read them.
+        expired: Sources freed by their lease (``kv_lease_s``, ``decoder_ttl_s``): nobody
+            pulled them.
         abandoned: Decode engines: transfers abandoned by the ``never_pull_every`` fault.
         failed: Requests answered with an error.
     """
@@ -86,6 +88,7 @@ class EngineStats:
     pulled_tokens: int = 0
     load_failures: int = 0
     transfers: int = 0
+    sources_released: int = 0
     expired: int = 0
     abandoned: int = 0
     failed: int = 0
@@ -108,6 +111,12 @@ class SimEngine:
         kvcm_address: The kvcm server's gRPC address.
         kv_lease_s: Prefill: how long a source waits for its pull.
         never_pull_every: Decode fault: abandon every n-th transfer (0: never).
+        bidirectional: vLLM's ``bidirectional_kv_xfer``: a decode engine holds a finished
+            request's blocks for ``decoder_ttl_s`` and answers the params to pull them with;
+            a prefill engine given such params pulls what it lacks (at least
+            ``kv_recompute_threshold`` tokens) before computing the rest.
+        decoder_ttl_s: vLLM's ``decoder_kv_blocks_ttl``.
+        kv_recompute_threshold: vLLM's ``kv_recompute_threshold``.
         token: kvcm bearer token.
         stats: What it did.
         received: The ``kv_transfer_params`` of every completion it got, in order.
@@ -120,6 +129,9 @@ class SimEngine:
     kvcm_address: str
     kv_lease_s: float = 5.0
     never_pull_every: int = 0
+    bidirectional: bool = False
+    decoder_ttl_s: float = 480.0
+    kv_recompute_threshold: int = 64
     token: str | None = None
     stats: EngineStats = field(default_factory=EngineStats)
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -191,9 +203,11 @@ class SimEngine:
             body = await request.json()
             held = engine._held.pop(str(body.get("remote_request_id")), None)
             if held is not None:
-                async with state["lock"]:
-                    await state["client"].free(engine.pool_id, held.key)
-                engine.stats.transfers += 1
+                # NOTE: not under the engine's lock: the puller may hold its own engine's lock
+                # while it waits for this answer (a prefill pulling from a decode engine that
+                # is itself pulling from it would wait on each other). One free is atomic.
+                await state["client"].free(engine.pool_id, held.key)
+                engine.stats.sources_released += 1
             return {"released": held is not None}
 
         async def complete(request: Request, chat: bool) -> Response:
@@ -223,14 +237,23 @@ class SimEngine:
         return tokenize_text(str(prompt))
 
     async def _reap(self, state: dict[str, Any]) -> None:
-        """Free prefill sources nobody pulled within ``kv_lease_s``."""
+        """Free sources nobody pulled within their lease; keep the pool's scheduler lease.
+
+        A live engine renews its pool's scheduler lease (``KeepAlive`` every 0.25 s) as a vLLM
+        engine does by stepping, so only a dead engine's requests are reclaimed by the server.
+        """
+        client: AsyncSchedulerClient = state["client"]
+        renewed = 0.0
         while True:
             await asyncio.sleep(0.05)
             now = time.monotonic()
+            if now - renewed >= 0.25:
+                await client.keep_alive(self.pool_id)
+                renewed = now
             for request_id, held in list(self._held.items()):
                 if held.deadline <= now and self._held.pop(request_id, None) is not None:
                     async with state["lock"]:
-                        await state["client"].free(self.pool_id, held.key)
+                        await client.free(self.pool_id, held.key)
                     self.stats.expired += 1
 
     async def _admit(self, state: dict[str, Any], tokens: list[int]) -> tuple[int, CacheHit]:
@@ -249,7 +272,7 @@ class SimEngine:
         result: tuple[list[int], dict[str, Any] | None]
         async with state["lock"]:  # one "scheduler step" at a time, as an engine core
             if params.get("do_remote_decode"):
-                result = await self._prefill(state, tokens)
+                result = await self._prefill(state, tokens, params)
             else:
                 result = await self._decode(state, tokens, params, body)
         output, kv_params = result
@@ -258,30 +281,69 @@ class SimEngine:
         return self._answer(body, chat, tokens, output, kv_params)
 
     async def _prefill(
-        self, state: dict[str, Any], tokens: list[int]
+        self, state: dict[str, Any], tokens: list[int], params: dict[str, Any]
     ) -> tuple[list[int], dict[str, Any]]:
         client: AsyncSchedulerClient = state["client"]
         key, found = await self._admit(state, tokens)
         hit = found.num_computed_tokens
-        blocks = await client.allocate_slots(self.pool_id, key, len(tokens) - hit, hit, hit=found)
+        start = hit
+        pending: CacheHit | None = found  # the hit goes with the request's first allocation
+        remote = bool(params.get("remote_block_ids"))  # bidirectional: a decode engine's blocks
+        count = min(int(params.get("remote_num_tokens") or 0), len(tokens)) - hit
+        if remote and count >= self.kv_recompute_threshold:
+            # vLLM's prefill side of a bidirectional transfer: the decode engine's tokens as
+            # external tokens, caching delayed until they are read.
+            options = SlotOptions(num_external_computed_tokens=count, delay_cache_blocks=True)
+            blocks = await client.allocate_slots(
+                self.pool_id, key, 0, hit, hit=found, options=options
+            )
+            if blocks is None:
+                await client.free(self.pool_id, key)
+                raise _EngineFaultError(f"{self.name}: the prompt does not fit")
+            pending = None
+            if await self._pull(params):
+                self.stats.pulled_tokens += count
+                start = hit + count
+                await client.cache_blocks(self.pool_id, key, start)
+            else:  # the source is gone: recompute from the local hit
+                self.stats.load_failures += 1
+        elif remote:  # too little to pull: tell the decode engine to let its blocks go
+            await self._pull(params)
+        blocks = await client.allocate_slots(
+            self.pool_id, key, len(tokens) - start, start, hit=pending
+        )
         if blocks is None:
             await client.free(self.pool_id, key)
             raise _EngineFaultError(f"{self.name}: the prompt does not fit")
         self.stats.hit_tokens += hit
-        self.stats.computed_tokens += len(tokens) - hit
+        self.stats.computed_tokens += len(tokens) - start
         request_id = f"{self.name}-{key}"
         self._held[request_id] = _Held(key, time.monotonic() + self.kv_lease_s)
+        return [_next_token(tokens)], await self._source_params(
+            client, key, request_id, len(tokens), for_decode=True
+        )
+
+    async def _source_params(
+        self,
+        client: AsyncSchedulerClient,
+        key: int,
+        request_id: str,
+        num_tokens: int,
+        *,
+        for_decode: bool,
+    ) -> dict[str, Any]:
+        """The kv_transfer_params another engine pulls this request's blocks with."""
         block_ids = await client.get_block_ids(self.pool_id, key)
         host, _, port = self.url.removeprefix("http://").partition(":")
-        return [_next_token(tokens)], {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
+        return {
+            "do_remote_prefill": for_decode,
+            "do_remote_decode": not for_decode,
             "remote_block_ids": [list(group) for group in block_ids],
             "remote_engine_id": self.name,
             "remote_request_id": request_id,
             "remote_host": host,
             "remote_port": int(port),
-            "remote_num_tokens": len(tokens),
+            "remote_num_tokens": num_tokens,
         }
 
     async def _decode(
@@ -338,8 +400,15 @@ class SimEngine:
             await client.append_tokens(self.pool_id, key, [token])
             if len(output) >= max_tokens:
                 break
-        await client.free(self.pool_id, key)
-        return output, None
+        if not self.bidirectional:
+            await client.free(self.pool_id, key)
+            return output, None
+        # vLLM's decode side with bidirectional_kv_xfer: the finished request keeps its blocks
+        # for decoder_kv_blocks_ttl, for the next turn's prefill engine to pull.
+        request_id = f"{self.name}-{key}"
+        self._held[request_id] = _Held(key, time.monotonic() + self.decoder_ttl_s)
+        params = await self._source_params(client, key, request_id, computed, for_decode=False)
+        return output, params
 
     async def _pull(self, params: dict[str, Any]) -> bool:
         """Read the source blocks, then tell the prefill engine (NIXL's notification);
@@ -399,6 +468,10 @@ class SimEngine:
                 chunk = {"id": document["id"], "model": model, "choices": [delta]}
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
                 await asyncio.sleep(0)
+            if kv_params is not None:  # the last chunk carries the params, as the body does
+                final = {"id": document["id"], "model": model, "choices": []}
+                final["kv_transfer_params"] = kv_params
+                yield f"data: {json.dumps(final)}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -23,6 +23,8 @@ def test_the_pd_demo_pulls_less_with_kvcm_and_leaks_nothing() -> None:
         die_after=0.67,
         transfer_lease_s=0.5,
         kv_lease_s=1.0,
+        decoder_ttl_s=3.0,
+        prefill_blocks=48,  # the prefill engine forgets histories the decode engines hold
         concurrency=1,  # arrivals in a fixed order: the comparison is deterministic
     )
     settings = ServerSettings(
@@ -33,8 +35,8 @@ def test_the_pd_demo_pulls_less_with_kvcm_and_leaks_nothing() -> None:
     )
     out = io.StringIO()
     with start_embedded_server(settings) as server:
-        kvcm, round_robin = run_pd_demo(server.grpc_address, options, out)
-    for report in (kvcm, round_robin):
+        kvcm, bidirectional, round_robin = run_pd_demo(server.grpc_address, options, out)
+    for report in (kvcm, bidirectional, round_robin):
         assert report.requests == 15
         assert report.failed == 0  # abandoned pulls and the dead engine are failed over
         assert report.leaked_blocks == 0
@@ -42,5 +44,9 @@ def test_the_pd_demo_pulls_less_with_kvcm_and_leaks_nothing() -> None:
         assert report.pulled_tokens + report.decode_hit_tokens <= report.prompt_tokens
     assert kvcm.abandoned + round_robin.abandoned >= 1
     assert kvcm.pulled_tokens < round_robin.pulled_tokens
+    # Bidirectional: the prefill engine pulls histories the decode engines hold instead of
+    # computing them.
+    assert bidirectional.prefill_pulled_tokens > 0
+    assert bidirectional.prefill_computed_tokens < kvcm.prefill_computed_tokens
     assert kvcm.route_p50_ms > 0
     assert "leaked blocks" in out.getvalue()

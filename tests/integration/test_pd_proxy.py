@@ -64,7 +64,9 @@ def server() -> Iterator[EmbeddedServer]:
 
 
 class _Cluster:
-    def __init__(self, server: EmbeddedServer, prefix: str, never_pull_every: int = 0) -> None:
+    def __init__(self, server: EmbeddedServer, prefix: str, fault: int | str = 0) -> None:
+        never_pull_every = fault if isinstance(fault, int) else 0
+        self.bidirectional = fault == "bidirectional"
         self.client = SchedulerClient(server.grpc_address)
         self.prefill = SimEngine(
             name=f"{prefix}p0",
@@ -72,6 +74,8 @@ class _Cluster:
             pool_id=f"{prefix}p0",
             kvcm_address=server.grpc_address,
             kv_lease_s=1.0,
+            bidirectional=self.bidirectional,
+            kv_recompute_threshold=16,
         )
         self.decode = [
             SimEngine(
@@ -80,6 +84,8 @@ class _Cluster:
                 pool_id=f"{prefix}d{i}",
                 kvcm_address=server.grpc_address,
                 never_pull_every=never_pull_every if i == 0 else 0,
+                bidirectional=self.bidirectional,
+                decoder_ttl_s=1.5,
             )
             for i in range(2)
         ]
@@ -100,6 +106,7 @@ class _Cluster:
             ),
             policy=policy,
             timeout_s=30.0,
+            bidirectional=self.bidirectional,
         )
         app = build_proxy_app(config, self.connection)
         server = uvicorn.Server(
@@ -160,7 +167,8 @@ def _complete(
             if line == "data: [DONE]":
                 done = True
                 continue
-            tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+            for choice in json.loads(line[6:])["choices"]:
+                tokens += choice["token_ids"]
         headers = answer.headers
     assert done
     return tokens, headers
@@ -229,7 +237,7 @@ def test_the_next_turn_goes_to_the_decode_engine_holding_its_prefix(cluster: _Cl
         assert params["remote_engine_id"] == cluster.prefill.name
         assert params["remote_host"] == "127.0.0.1"
         assert params["remote_block_ids"]
-    assert cluster.prefill.stats.transfers == 6  # every source was pulled and released
+    assert cluster.prefill.stats.sources_released == 6  # every source was pulled and released
     held = _settle(cluster)
     assert all(requests == 0 for requests, _ in held.values()), held
     # Nothing is held: every block is free (cached blocks count as free).
@@ -354,3 +362,45 @@ def test_the_kvcm_pd_proxy_command_serves_and_refuses_bad_flags(
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+@pytest.mark.parametrize("cluster", ["bidirectional"], indirect=True)
+def test_bidirectional_the_prefill_pulls_exactly_what_the_decode_engine_holds(
+    cluster: _Cluster,
+) -> None:
+    """The decode engine answers the blocks it holds after a turn; on the next turn the proxy
+    hands the prefill engine those params with kvcm's remote_num_tokens: the prefix of the new
+    prompt the held request really holds, not the count the decode engine reported."""
+    url = cluster.proxy("kvcm")
+    turn1 = list(range(40_000, 40_000 + 6 * BLOCK + 3))
+    with httpx.Client(base_url=url, timeout=30.0) as http:
+        output, headers = _complete(http, turn1, stream=True)
+        decode = next(e for e in cluster.decode if e.pool_id == headers["x-kvcm-decode"])
+        # The decode engine holds turn 1 (prompt and output; the last token is not computed).
+        held_tokens = len(turn1) + len(output) - 1
+        turn2 = [*turn1, *output, *range(70, 90)]
+        prefill = cluster.prefill
+        before = (prefill.stats.pulled_tokens, prefill.stats.computed_tokens)
+        _, headers = _complete(http, turn2, stream=False)
+        assert headers["x-kvcm-decode"] == decode.pool_id
+        sent = prefill.received[-1]
+        assert sent["do_remote_decode"] is True
+        assert sent["remote_engine_id"] == decode.name
+        exact = min(held_tokens // BLOCK, (len(turn2) - 1) // BLOCK) * BLOCK
+        assert sent["remote_num_tokens"] == exact
+        own_hit = len(turn1) // BLOCK * BLOCK  # what the prefill engine computed on turn 1
+        pulled = prefill.stats.pulled_tokens - before[0]
+        assert pulled == exact - own_hit
+        assert prefill.stats.computed_tokens - before[1] == len(turn2) - exact
+        # A client that rewrote the history after 2 blocks: the decode engine still holds
+        # turn 2's blocks, but only 2 of them match; that is what the prefill engine is told.
+        edited = [*turn2[: 2 * BLOCK + 5], *range(900, 900 + 3 * BLOCK)]
+        _complete(http, edited, stream=False)
+        told = prefill.received[-1]
+        assert told["remote_engine_id"] == decode.name
+        assert told["remote_num_tokens"] == 2 * BLOCK  # the decode engine reported far more
+        stats = http.get("/v1/pd/stats").json()
+    assert stats["failed"] == 0
+    held = _settle(cluster)  # decoder_ttl_s and kv_lease_s pass: every held request freed
+    assert all(requests == 0 for requests, _ in held.values()), held
+    assert all(blocks == 0 for _, blocks in held.values()), held

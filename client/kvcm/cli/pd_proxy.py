@@ -29,7 +29,7 @@ import logging
 import statistics
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvcm.cli._connect import Connection, UsageError
 from kvcm.client import (
     AsyncSchedulerClient,
+    HeldRequest,
     LookupQuery,
     PdRoute,
     PdRouteQuery,
@@ -62,6 +63,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("kvcm.pd_proxy")
+MAX_HELD_REQUESTS: Final = 1024
 POLICIES: Final = ("kvcm", "round-robin")
 _PREFILL_PARAMS: Final = {
     "do_remote_decode": True,
@@ -104,6 +106,12 @@ class ProxyConfig:
         down_s: An engine that could not be reached is left out of the routing this long.
         decode_attempts: Decode engines tried per request (the next one of the ranking after
             an unreachable one or a 5xx before streaming).
+        bidirectional: The engines run vLLM's NIXL connector with ``bidirectional_kv_xfer``:
+            the proxy keeps the params decode engines answer (blocks they hold), routes with
+            them (``RoutePd`` ``held``) and gives the prefill engine the held request that
+            matches the prompt, with kvcm's exact ``remote_num_tokens``.
+        decoder_kv_ttl_s: How long a decode engine holds a finished request's blocks (vLLM's
+            ``decoder_kv_blocks_ttl``): older params are dropped.
     """
 
     prefill: tuple[Engine, ...]
@@ -113,6 +121,8 @@ class ProxyConfig:
     timeout_s: float = 300.0
     down_s: float = 10.0
     decode_attempts: int = 2
+    bidirectional: bool = False
+    decoder_kv_ttl_s: float = 480.0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -125,6 +135,8 @@ class ProxyConfig:
                 raise UsageError(f"two {role} engines share a pool id: {sorted(seen)}")
         if not 0.0 <= self.load_weight <= 1e6:
             raise UsageError(f"--load-weight must be in [0, 1e6], got {self.load_weight}")
+        if self.bidirectional and self.policy != "kvcm":
+            raise UsageError("--bidirectional needs --policy kvcm (the exact remote_num_tokens)")
         if self.decode_attempts < 1:
             raise UsageError("--decode-attempts must be >= 1")
 
@@ -188,6 +200,40 @@ class PdProxy:
         self._prefill_by_pool = {engine.pool_id: engine for engine in config.prefill}
         self._decode_by_pool = {engine.pool_id: engine for engine in config.decode}
         self._down_until: dict[str, float] = {}
+        # (decode pool, request id) -> (the params it answered, when its blocks expire).
+        self._held: OrderedDict[tuple[str, str], tuple[dict[str, Any], float]] = OrderedDict()
+
+    def remember(self, engine: Engine, params: Mapping[str, Any]) -> None:
+        """Keep the params a decode engine answered for blocks it holds (bidirectional)."""
+        request_id = params.get("remote_request_id")
+        if not (params.get("do_remote_decode") and params.get("remote_block_ids")) or not (
+            isinstance(request_id, str) and request_id
+        ):
+            return
+        key = (engine.pool_id, request_id)
+        self._held[key] = (dict(params), time.monotonic() + self.config.decoder_kv_ttl_s)
+        self._held.move_to_end(key)
+        while len(self._held) > MAX_HELD_REQUESTS:
+            self._held.popitem(last=False)
+
+    def held(self) -> list[HeldRequest]:
+        """The decode engines' held requests whose blocks have not expired."""
+        now = time.monotonic()
+        for key in [key for key, (_, expiry) in self._held.items() if expiry <= now]:
+            del self._held[key]
+        return [HeldRequest(pool_id, request_id) for pool_id, request_id in self._held]
+
+    def take_held(self, route: PdRoute | None) -> dict[str, Any] | None:
+        """The params of the held request ``route`` chose, with its exact
+        ``remote_num_tokens`` (``None``: none)."""
+        if route is None or not route.held_request_id or not route.decode:
+            return None
+        entry = self._held.pop((route.decode[0].pool_id, route.held_request_id), None)
+        if entry is None:
+            return None
+        params = dict(entry[0])
+        params["remote_num_tokens"] = route.remote_num_tokens
+        return params
 
     def _up(self, engines: Sequence[Engine]) -> list[Engine]:
         """``engines`` less those found unreachable within ``down_s`` (all if none is up)."""
@@ -225,6 +271,8 @@ class PdProxy:
             ),
             prefill=PdScope(pool_ids=tuple(self._prefill_by_pool)),
             decode=PdScope(pool_ids=tuple(self._decode_by_pool)),
+            bidirectional=self.config.bidirectional,
+            held=self.held() if self.config.bidirectional else (),
         )
         started = time.perf_counter()
         try:
@@ -282,11 +330,17 @@ class PdProxy:
         return answer.content
 
     async def prefill(
-        self, engine: Engine, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
+        self,
+        engine: Engine,
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        source: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Run the prompt on the prefill engine; returns its ``kv_transfer_params``."""
+        """Run the prompt on the prefill engine (``source``: a decode engine's held blocks to
+        pull from, bidirectional); returns its ``kv_transfer_params``."""
         request = dict(body)
-        request["kv_transfer_params"] = dict(_PREFILL_PARAMS)
+        request["kv_transfer_params"] = dict(source) if source else dict(_PREFILL_PARAMS)
         request["stream"] = False
         request["max_tokens"] = 1
         if "max_completion_tokens" in request:
@@ -305,11 +359,12 @@ class PdProxy:
         path: str,
         body: Mapping[str, Any],
         headers: Mapping[str, str],
+        source: Mapping[str, Any] | None,
     ) -> tuple[Engine, dict[str, Any]]:
         """Prefill on the first engine of ``engines`` that can be reached."""
         for engine in engines[:-1]:
             try:
-                params = await self.prefill(engine, path, body, headers)
+                params = await self.prefill(engine, path, body, headers, source)
             except _UpstreamError as exc:
                 if not exc.unreachable:
                     raise
@@ -317,7 +372,7 @@ class PdProxy:
                 continue
             self._count(engine)
             return engine, params
-        params = await self.prefill(engines[-1], path, body, headers)
+        params = await self.prefill(engines[-1], path, body, headers, source)
         self._count(engines[-1])
         return engines[-1], params
 
@@ -376,12 +431,19 @@ class PdProxy:
         kept = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         kept["x-kvcm-decode"] = engine.pool_id
 
+        watch = _ParamsWatch() if self.config.bidirectional else None
+
         async def relay() -> AsyncIterator[bytes]:
             try:
                 async for chunk in upstream.aiter_raw():
+                    if watch is not None:
+                        watch.feed(chunk)
                     yield chunk
             finally:
                 await upstream.aclose()
+                params = watch.params() if watch is not None else None
+                if params is not None:
+                    self.remember(engine, params)
 
         return StreamingResponse(
             relay(),
@@ -414,7 +476,8 @@ class PdProxy:
             tokens = await self.prompt_tokens(body, chat, self._up(self.config.prefill)[0])
             self.stats.prompt_tokens += len(tokens)
             prefill, decode, route = await self.pick(tokens, body)
-            chosen, params = await self._prefill_first(prefill, path, body, headers)
+            source = self.take_held(route)
+            chosen, params = await self._prefill_first(prefill, path, body, headers, source)
             response = await self.decode(decode, path, body, params, headers)
         except _UpstreamError as exc:
             self.stats.failed += 1
@@ -424,6 +487,39 @@ class PdProxy:
         if route is not None:
             response.headers["x-kvcm-decode-hit-tokens"] = str(route.decode_hit_tokens)
         return response
+
+
+class _ParamsWatch:
+    """Finds ``kv_transfer_params`` in a relayed answer: a JSON body, or the data lines of a
+    server-sent event stream (the last chunk carries them); at most 8 MiB are kept."""
+
+    _LIMIT: Final = 8 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> None:
+        if len(self._buffer) + len(chunk) <= self._LIMIT:
+            self._buffer += chunk
+
+    def params(self) -> dict[str, Any] | None:
+        text = self._buffer.decode("utf-8", "replace")
+        documents = [text]
+        if text.lstrip().startswith("data:"):
+            documents = [
+                line[5:].strip()
+                for line in text.splitlines()
+                if line.startswith("data:") and "kv_transfer_params" in line
+            ]
+        for document in reversed(documents):
+            try:
+                parsed = json.loads(document)
+            except ValueError:
+                continue
+            params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+            if isinstance(params, dict):
+                return params
+        return None
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -539,6 +635,8 @@ def load_config(args: argparse.Namespace) -> ProxyConfig:
         policy=args.policy,
         load_weight=args.load_weight,
         decode_attempts=args.decode_attempts,
+        bidirectional=args.bidirectional,
+        decoder_kv_ttl_s=args.decoder_kv_ttl,
     )
 
 
@@ -557,6 +655,15 @@ def add_pd_proxy_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--decode-attempts", type=int, default=2, help="decode engines tried per request"
+    )
+    parser.add_argument(
+        "--bidirectional",
+        action="store_true",
+        help="engines run vLLM's bidirectional_kv_xfer: prefill engines pull what the decode "
+        "engine holds, with kvcm's exact remote_num_tokens",
+    )
+    parser.add_argument(
+        "--decoder-kv-ttl", type=float, default=480.0, help="vLLM's decoder_kv_blocks_ttl (s)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="listen host (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
