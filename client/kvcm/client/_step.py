@@ -125,7 +125,7 @@ class StepBuilder:
             (by default the Step stops right after it).
     """
 
-    __slots__ = ("_lookup_allocs", "_writer", "program")
+    __slots__ = ("_allocations", "_lookup_allocs", "_writer", "program")
 
     def __init__(
         self,
@@ -150,6 +150,7 @@ class StepBuilder:
             continue_on_does_not_fit=continue_on_does_not_fit,
         )
         self._writer = OpWriter(self.program)
+        self._allocations = self._writer.columns(OpKind.ALLOCATE)[0]  # one entry per ALLOCATE
         self._lookup_allocs: list[int] = []
 
     @classmethod
@@ -162,6 +163,7 @@ class StepBuilder:
         builder = cls.__new__(cls)
         builder.program = program
         builder._writer = OpWriter(program)
+        builder._allocations = builder._writer.columns(OpKind.ALLOCATE)[0]
         builder._lookup_allocs = sorted(
             index for index, entry in program.alloc_options.items() if entry.lookup is not None
         )
@@ -229,7 +231,7 @@ class StepBuilder:
             cache_salt: Only used by servers that verify hashes.
             skip_reading_prefix_cache: Never look this request up in the prefix cache.
         """
-        self._writer.op(OpKind.ADD_REQUEST)(
+        self._writer.op[OpKind.ADD_REQUEST](
             NewRequestSpec(
                 key=request_key,
                 request_id=request_id,
@@ -255,15 +257,15 @@ class StepBuilder:
             token_ids: The new tokens (non-empty).
             block_hashes: Hashes of the hash blocks these tokens completed, in order.
         """
-        self._writer.op(OpKind.APPEND_TOKENS)(request_key, token_ids, block_hashes)
+        self._writer.op[OpKind.APPEND_TOKENS](request_key, token_ids, block_hashes)
 
     def preempt(self, request_key: int) -> None:
         """Free the request's blocks and keep it (a preemption)."""
-        self._writer.op(OpKind.PREEMPT)(request_key)
+        self._writer.op[OpKind.PREEMPT](request_key)
 
     def finish(self, request_key: int) -> None:
         """Free the request's blocks and forget it (its key may be reused)."""
-        self._writer.op(OpKind.FINISH)(request_key)
+        self._writer.op[OpKind.FINISH](request_key)
 
     # -------------------------------------------------------------------- manager calls
     def allocate(
@@ -310,8 +312,8 @@ class StepBuilder:
                 num_tokens=num_hit_tokens, block_ids=tuple(list(g) for g in hit.block_ids)
             )
         program, writer = self.program, self._writer
-        index = writer.count(OpKind.ALLOCATE)
-        writer.op(OpKind.ALLOCATE)(request_key, num_new_tokens, num_computed_tokens)
+        index = len(self._allocations)
+        writer.op[OpKind.ALLOCATE](request_key, num_new_tokens, num_computed_tokens)
         if lookup or hit is not None or options is not DEFAULT_SLOT_OPTIONS:
             bound = None
             if lookup:
@@ -351,7 +353,7 @@ class StepBuilder:
         if block_hashes is not None and len(block_hashes) != count:
             raise InvalidArgumentError("block_hashes must have one entry per request")
         program, writer = self.program, self._writer
-        first = writer.count(OpKind.ALLOCATE)
+        first = len(self._allocations)
         ones = [1] * count
         program.ops.extend([int(OpKind.APPEND_TOKENS), int(OpKind.ALLOCATE)] * count)
         keys = program.request_keys
@@ -375,32 +377,32 @@ class StepBuilder:
 
     def cache_blocks(self, request_key: int, num_computed_tokens: int) -> None:
         """Cache the request's full blocks within its first ``num_computed_tokens`` tokens."""
-        self._writer.op(OpKind.CACHE_BLOCKS)(request_key, num_computed_tokens)
+        self._writer.op[OpKind.CACHE_BLOCKS](request_key, num_computed_tokens)
 
     def remove_skipped_blocks(self, request_key: int, total_computed_tokens: int) -> None:
         """Free the request's blocks outside the attention window."""
-        self._writer.op(OpKind.REMOVE_SKIPPED_BLOCKS)(request_key, total_computed_tokens)
+        self._writer.op[OpKind.REMOVE_SKIPPED_BLOCKS](request_key, total_computed_tokens)
 
     def new_step_starts(self) -> None:
         """Tell the managers a scheduler step starts (NEW_STEP_STARTS)."""
-        self._writer.op(OpKind.NEW_STEP_STARTS)()
+        self._writer.op[OpKind.NEW_STEP_STARTS]()
 
     # ---------------------------------------------------------------------- pool-wide ops
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Evict these cached blocks from the prefix cache (EVICT_BLOCKS; unknown ids are
         refused by the server's validation)."""
-        self._writer.op(OpKind.EVICT_BLOCKS)(block_ids)
+        self._writer.op[OpKind.EVICT_BLOCKS](block_ids)
 
     def reset_prefix_cache(self) -> None:
         """Reset the prefix cache if no block is in use (RESET_PREFIX_CACHE; whether it did is
         ``StepResult.resets``)."""
-        self._writer.op(OpKind.RESET_PREFIX_CACHE)()
+        self._writer.op[OpKind.RESET_PREFIX_CACHE]()
 
     def record_prefix_stats(self, request_key: int, num_hits: int) -> None:
         """Count an admitted request in the pool's prefix-cache statistics with ``num_hits``
         hit tokens (RECORD_PREFIX_STATS: vLLM records at admission; a lookup allocation
         counts itself)."""
-        self._writer.op(OpKind.RECORD_PREFIX_STATS)(request_key, num_hits)
+        self._writer.op[OpKind.RECORD_PREFIX_STATS](request_key, num_hits)
 
     # --------------------------------------------------------------------------- output
     def build(self) -> StepProgram:
@@ -415,7 +417,7 @@ class StepBuilder:
     @property
     def num_allocations(self) -> int:
         """Allocations recorded so far."""
-        return self._writer.count(OpKind.ALLOCATE)
+        return len(self._allocations)
 
     @property
     def lookup_allocations(self) -> tuple[int, ...]:

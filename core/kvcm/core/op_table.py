@@ -148,29 +148,40 @@ def op_name(op: int) -> str:
 _Put = Callable[[Any], object]
 
 
+class _Writers(dict[int, Callable[..., None]]):
+    """Per op kind, its writer, made on first use."""
+
+    __slots__ = ("_make",)
+
+    def __init__(self, make: Callable[[OpColumns], Callable[..., None]]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, kind: int) -> Callable[..., None]:
+        writer = self[kind] = self._make(OP_TABLE[kind])
+        return writer
+
+
 class OpWriter:
     """Appends ops to a program's columns as the op table says (see the module docstring).
 
-    ``writer.op(kind)`` is the kind's writer, made once per writer: called with the request key
+    ``writer.op[kind]`` is the kind's writer, made on first use: called with the request key
     (keyed kinds only) and one value per per-op column, in the row's order (for a span's count
     column, the span's entries: the writer counts them). Hashes written to a bytes column are
     kept aside and joined once by :meth:`flush`.
+
+    Attributes:
+        program: The program written to.
+        op: Per op kind, its writer (``KeyError``: no such kind).
     """
 
-    __slots__ = ("_pending", "_writers", "program")
+    __slots__ = ("_pending", "op", "program")
 
     def __init__(self, program: StepProgram) -> None:
         """Write into ``program`` (its columns keep what they hold)."""
         self.program = program
         self._pending: list[bytes] = []
-        self._writers: dict[int, Callable[..., None]] = {}
-
-    def op(self, kind: int) -> Callable[..., None]:
-        """The writer of ``kind``'s ops (``KeyError``: no such kind)."""
-        writer = self._writers.get(kind)
-        if writer is None:
-            writer = self._writers[kind] = self._make(OP_TABLE[kind])
-        return writer
+        self.op: dict[int, Callable[..., None]] = _Writers(self._make)
 
     def columns(self, kind: int) -> tuple[list[Any], ...]:
         """``kind``'s per-op columns, in the row's order (to extend them in bulk)."""
@@ -191,58 +202,71 @@ class OpWriter:
         """Keep hashes aside for the bytes column (written in bulk with :meth:`columns`)."""
         self._pending.extend(hashes)
 
-    def _put(self, row: OpColumns, column: str) -> _Put:
-        counts = getattr(self.program, column)
-        span = next((span for span in row.spans if span.count == column), None)
-        if span is None:
-            return counts.append  # type: ignore[no-any-return]
-        gather = self._pending.extend if span.hashes else getattr(self.program, span.data).extend
-
-        def put(entries: Sequence[Any]) -> None:
-            counts.append(len(entries))
-            gather(entries)
-
-        return put
-
     def _make(self, row: OpColumns) -> Callable[..., None]:
-        kind, ops = int(row.kind), self.program.ops.append
-        puts = [self._put(row, column) for column in row.columns]
-        key = self.program.request_keys.append if row.keyed else None
-        if key is None and not puts:
-            return lambda: ops(kind)
-        if key is None:
-            (put,) = puts
+        # One closure per kind, its appends spelled out for the shapes the table has (a writer
+        # is called once per op, on the builders' hot paths); other shapes take the loop.
+        kind, program = int(row.kind), self.program
+        ops, keys = program.ops.append, program.request_keys.append
+        columns: list[tuple[_Put, _Put | None]] = []
+        for column in row.columns:
+            span = next((span for span in row.spans if span.count == column), None)
+            gather = None
+            if span is not None:
+                gather = self._pending.extend if span.hashes else getattr(program, span.data).extend
+            columns.append((getattr(program, column).append, gather))
+        shape = (row.keyed, *(gather is not None for _, gather in columns))
+        if shape == (True, False, False):
+            (first, _), (second, _) = columns
 
-            def unkeyed(a: object) -> None:
+            def keyed_values(k: int, a: object, b: object) -> None:
                 ops(kind)
-                put(a)
+                keys(k)
+                first(a)
+                second(b)
 
-            return unkeyed
-        if not puts:
+            return keyed_values
+        if shape == (True, True, True):
+            (count1, data1), (count2, data2) = columns
+            assert data1 is not None
+            assert data2 is not None
 
-            def keyed(k: int) -> None:
+            def keyed_spans(k: int, a: Sequence[Any], b: Sequence[Any]) -> None:
                 ops(kind)
-                key(k)
+                keys(k)
+                count1(len(a))
+                data1(a)
+                count2(len(b))
+                data2(b)
 
-            return keyed
-        if len(puts) == 1:
-            (put,) = puts
+            return keyed_spans
+        if shape == (True, False):
+            ((only, _),) = columns
 
-            def keyed1(k: int, a: object) -> None:
+            def keyed_value(k: int, a: object) -> None:
                 ops(kind)
-                key(k)
-                put(a)
+                keys(k)
+                only(a)
 
-            return keyed1
-        first, second = puts
+            return keyed_value
+        return self._any_shape(kind, row.keyed, columns)
 
-        def keyed2(k: int, a: object, b: object) -> None:
+    def _any_shape(
+        self, kind: int, keyed: bool, columns: list[tuple[_Put, _Put | None]]
+    ) -> Callable[..., None]:
+        ops, keys = self.program.ops.append, self.program.request_keys.append
+
+        def write(*args: Any) -> None:
+            values = args[1:] if keyed else args
+            if len(values) != len(columns):
+                raise TypeError(f"op kind {kind} takes {len(columns)} column values")
             ops(kind)
-            key(k)
-            first(a)
-            second(b)
+            if keyed:
+                keys(args[0])
+            for (put, gather), value in zip(columns, values, strict=True):
+                if gather is None:
+                    put(value)
+                else:
+                    put(len(value))
+                    gather(value)
 
-        return keyed2
-
-
-assert all(len(row.columns) <= (2 if row.keyed else 1) for row in _ROWS), "OpWriter's shapes"
+        return write
