@@ -97,7 +97,7 @@ class _Cluster:
             address=server.grpc_address, tls=None, token=None, timeout_s=5.0
         )
 
-    def proxy(self, policy: str) -> str:
+    def proxy(self, policy: str, connection: Connection | None = None) -> str:
         config = ProxyConfig(
             prefill=(Engine(url=self.prefill.url, pool_id=self.prefill.pool_id, role="prefill"),),
             decode=tuple(
@@ -108,7 +108,7 @@ class _Cluster:
             timeout_s=30.0,
             bidirectional=self.bidirectional,
         )
-        app = build_proxy_app(config, self.connection)
+        app = build_proxy_app(config, connection or self.connection)
         server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
         )
@@ -404,3 +404,18 @@ def test_bidirectional_the_prefill_pulls_exactly_what_the_decode_engine_holds(
     held = _settle(cluster)  # decoder_ttl_s and kv_lease_s pass: every held request freed
     assert all(requests == 0 for requests, _ in held.values()), held
     assert all(blocks == 0 for _, blocks in held.values()), held
+
+
+def test_without_kvcm_the_proxy_routes_round_robin_and_says_so(cluster: _Cluster) -> None:
+    down = Connection(address="127.0.0.1:1", tls=None, token=None, timeout_s=0.5)
+    url = cluster.proxy("kvcm", down)
+    with httpx.Client(base_url=url, timeout=30.0) as http:
+        seen = [
+            _complete(http, list(range(i, i + 40)), stream=False)[1]["x-kvcm-decode"]
+            for i in range(2)
+        ]
+        stats = http.get("/v1/pd/stats").json()
+    assert seen == [engine.pool_id for engine in cluster.decode]
+    assert stats["kvcm_unavailable"] == 2
+    assert stats["routed_round_robin"] == 2
+    assert stats["failed"] == 0

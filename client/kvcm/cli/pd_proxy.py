@@ -48,8 +48,8 @@ from kvcm.client import (
     PdRoute,
     PdRouteQuery,
     PdScope,
-    ServiceError,
 )
+from kvcm.common.errors import KVCMError
 
 __all__ = [
     "POLICIES",
@@ -196,7 +196,6 @@ class PdProxy:
         self._http = http
         self._prefill_cycle: Iterator[int] = itertools.cycle(range(len(config.prefill)))
         self._decode_cycle: Iterator[int] = itertools.cycle(range(len(config.decode)))
-        self._by_pool = {engine.pool_id: engine for engine in config.prefill + config.decode}
         self._prefill_by_pool = {engine.pool_id: engine for engine in config.prefill}
         self._decode_by_pool = {engine.pool_id: engine for engine in config.decode}
         self._down_until: dict[str, float] = {}
@@ -247,13 +246,15 @@ class PdProxy:
 
     # ------------------------------------------------------------------- routing
     def _round_robin(self) -> tuple[list[Engine], list[Engine]]:
-        prefill = self.config.prefill[next(self._prefill_cycle)]
-        first = next(self._decode_cycle)
-        decode = [
-            self.config.decode[(first + i) % len(self.config.decode)]
-            for i in range(len(self.config.decode))
-        ]
-        return self._up([prefill, *self.config.prefill]), self._up(decode)
+        """vLLM's example policy: the next engine of each role (then the others, in order, as
+        fail-overs)."""
+
+        def rotated(engines: tuple[Engine, ...], first: int) -> list[Engine]:
+            return [engines[(first + i) % len(engines)] for i in range(len(engines))]
+
+        prefill = rotated(self.config.prefill, next(self._prefill_cycle))
+        decode = rotated(self.config.decode, next(self._decode_cycle))
+        return self._up(prefill), self._up(decode)
 
     async def pick(
         self, token_ids: Sequence[int], body: Mapping[str, Any]
@@ -263,22 +264,22 @@ class PdProxy:
             self.stats.routed_round_robin += 1
             return (*self._round_robin(), None)
         salt = body.get("cache_salt")
-        query = PdRouteQuery(
-            prompt=LookupQuery(
-                token_ids=list(token_ids),
-                cache_salt=salt if isinstance(salt, str) else None,
-                load_weight=self.config.load_weight,
-            ),
-            prefill=PdScope(pool_ids=tuple(self._prefill_by_pool)),
-            decode=PdScope(pool_ids=tuple(self._decode_by_pool)),
-            bidirectional=self.config.bidirectional,
-            held=self.held() if self.config.bidirectional else (),
-        )
         started = time.perf_counter()
         try:
+            query = PdRouteQuery(
+                prompt=LookupQuery(
+                    token_ids=list(token_ids),
+                    cache_salt=salt if isinstance(salt, str) else None,
+                    load_weight=self.config.load_weight,
+                ),
+                prefill=PdScope(pool_ids=tuple(self._prefill_by_pool)),
+                decode=PdScope(pool_ids=tuple(self._decode_by_pool)),
+                bidirectional=self.config.bidirectional,
+                held=self.held() if self.config.bidirectional else (),
+            )
             route = await self._kvcm.route_pd(query)
             self.stats.route_latencies_s.append(time.perf_counter() - started)
-        except ServiceError as exc:
+        except KVCMError as exc:  # kvcm down or refusing (an empty prompt): the engines judge
             _log.warning("kvcm could not route (%s); routing round robin", exc)
             self.stats.kvcm_unavailable += 1
             self.stats.routed_round_robin += 1
@@ -308,10 +309,11 @@ class PdProxy:
         else:
             request = {"model": body.get("model"), "prompt": prompt}
         answer = await self._post(engine, "/tokenize", request, {})
-        tokens = json.loads(answer)["tokens"]
-        if not isinstance(tokens, list):
-            raise _UpstreamError(engine, 502, b"/tokenize answered no token list")
-        return [int(token) for token in tokens]
+        try:
+            tokens = json.loads(answer)["tokens"]
+            return [int(token) for token in tokens]
+        except (ValueError, TypeError, KeyError):
+            raise _UpstreamError(engine, 502, b"/tokenize answered no token list") from None
 
     # ---------------------------------------------------------------- forwarding
     async def _post(
@@ -347,8 +349,12 @@ class PdProxy:
             request["max_completion_tokens"] = 1
         request.pop("stream_options", None)
         request.pop("min_tokens", None)
-        answer = json.loads(await self._post(engine, path, request, headers))
-        params = answer.get("kv_transfer_params")
+        content = await self._post(engine, path, request, headers)
+        try:
+            answer = json.loads(content)
+        except ValueError:
+            answer = None
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict):
             raise _UpstreamError(engine, 502, b"the prefill engine answered no kv_transfer_params")
         return params
