@@ -13,7 +13,8 @@ After every step:
 * the device pool keeps every invariant ``kvcm.core.invariants.pool_violations`` checks;
 * every host block is exactly one of free, keyed (one key) or private (a swapped block);
   keys are held once; the tier holds at most its capacity;
-* the eviction order is exactly the held, ready, unpinned keys, in the model's order;
+* the recency order holds every key once, in the model's order (pins keep a key's place);
+  the evictable keys are exactly the ready, unpinned ones;
 * pins are exactly the swapped requests' references;
 * every copy answered moved the block the model says: a demotion copies the evicted device
   block into the host block its key got; a load copies the host block of the request's key
@@ -64,7 +65,7 @@ class HostModel:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.hold: dict[Key, int] = {}
-        self.order: list[Key] = []  # evictable keys, front evicted first
+        self.order: list[Key] = []  # every held key, least recently used first
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest
         self.pins: dict[int, int] = {}
         self.private: set[int] = set()
@@ -75,16 +76,16 @@ class HostModel:
         if self.free:
             return self.free.pop()
         for key in self.order:
-            if key not in protected and key not in self.guard:
+            pinned = self.pins.get(self.hold[key], 0) > 0
+            if key not in protected and key not in self.guard and not pinned:
                 self.order.remove(key)
                 return self.hold.pop(key)
         return None
 
     def demote(self, key: Key, device_id: int) -> tuple[int, int] | None:
         if key in self.hold:
-            if key in self.order:
-                self.order.remove(key)
-                self.order.append(key)
+            self.order.remove(key)
+            self.order.append(key)
             return None
         host_id = self.take(set())
         if host_id is None:
@@ -101,15 +102,13 @@ class HostModel:
 
     def load(self, keys: list[Key], device_ids: list[int]) -> list[tuple[int, int]]:
         for key in reversed(keys):
-            if key in self.order:
-                self.order.remove(key)
-                self.order.append(key)
+            self.order.remove(key)
+            self.order.append(key)
         return [(self.hold[key], device) for key, device in zip(keys, device_ids, strict=True)]
 
-    def pin(self, host_id: int, key: Key | None) -> None:
+    def pin(self, host_id: int) -> None:
+        # Pins keep a key's place in the recency order.
         self.pins[host_id] = self.pins.get(host_id, 0) + 1
-        if key is not None and key in self.order:
-            self.order.remove(key)
 
     def unpin(self, host_id: int, key: Key | None) -> None:
         self.pins[host_id] -= 1
@@ -119,38 +118,40 @@ class HostModel:
         if key is None:
             self.private.discard(host_id)
             self.free.append(host_id)
-        else:
-            self.order.append(key)
 
     def swap_out(
         self, owner: str, table: list[tuple[Key | None, int]]
     ) -> list[tuple[int, int]] | None:
         held = {key for key, _ in table if key is not None and key in self.hold}
         needed = sum(1 for key, _ in table if key not in held)
-        if needed > len(self.free) + sum(1 for key in self.order if key not in held):
+        evictable = [k for k in self.order if k not in held and not self.pins.get(self.hold[k])]
+        if needed > len(self.free) + len(evictable):
             return None
         copies: list[tuple[int, int]] = []
         record: list[tuple[int, Key | None]] = []
         for key, device_id in table:
             if key is not None and key in self.hold:
-                self.pin(self.hold[key], key)
+                self.pin(self.hold[key])
                 record.append((self.hold[key], key))
                 continue
             host_id = self.take(held)
             assert host_id is not None
             if key is not None:
                 self.hold[key] = host_id
-                self.pin(host_id, None)
+                self.order.append(key)
+                self.pin(host_id)
                 record.append((host_id, key))
             else:
                 self.private.add(host_id)
-                self.pin(host_id, None)
+                self.pin(host_id)
                 record.append((host_id, None))
             copies.append((device_id, host_id))
         self.swapped[owner] = record
         return copies
 
-    def swap_in(self, owner: str, first_copied: int, device_ids: list[int]) -> list[tuple[int, int]]:
+    def swap_in(
+        self, owner: str, first_copied: int, device_ids: list[int]
+    ) -> list[tuple[int, int]]:
         copies = []
         for position, (host_id, key) in enumerate(self.swapped.pop(owner)):
             if position >= first_copied:
@@ -176,7 +177,8 @@ class HostTierMachine(RuleBasedStateMachine):
             ),
         )
         host = self.pool.host_tier
-        assert host is not None and host.num_blocks == self.num_host
+        assert host is not None
+        assert host.num_blocks == self.num_host
         self.host: HostTier = host
         self.model = HostModel(self.num_host)
         self.hasher = BlockHasher(BLOCK_SIZE, self.pool.hashing.algorithm, self.pool.hashing.seed)
@@ -215,9 +217,7 @@ class HostTierMachine(RuleBasedStateMachine):
     def admit(self, tokens: list[int]) -> None:
         key = self.next_key
         self.next_key += 1
-        self.pool.add_request(
-            key, f"r{key}", tokens, b"".join(self.hasher.hash_token_ids(tokens))
-        )
+        self.pool.add_request(key, f"r{key}", tokens, b"".join(self.hasher.hash_token_ids(tokens)))
         hit, num_host = self.pool.lookup_tiers(key)
         keys = self._keys(key)
         first = hit.num_computed_tokens // BLOCK_SIZE
@@ -316,7 +316,8 @@ class HostTierMachine(RuleBasedStateMachine):
     def tiers_equal_the_model(self) -> None:
         host, model = self.host, self.model
         assert host.keys() == model.hold
-        assert host.lru_keys() == model.order
+        assert host.recency() == model.order
+        assert host.lru_keys() == [k for k in model.order if not model.pins.get(model.hold[k])]
         assert host.pinned() == model.pins
         assert host.private_blocks() == model.private
         assert sorted(host.swapped()) == sorted(model.swapped)
@@ -335,7 +336,9 @@ class HostTierMachine(RuleBasedStateMachine):
         assert not (set(keyed.values()) & private)
         assert len(keyed) + len(private) + free == host.num_blocks
         assert host.stats().num_used == host.num_blocks - free
-        # The evictable order: exactly the held, ready, unpinned keys.
+        # The recency order holds every key once; the evictable ones are the ready, unpinned.
+        assert sorted(host.recency()) == sorted(keyed)
+        assert host.num_evictable == len(host.lru_keys())
         pinned = host.pinned()
         assert set(host.lru_keys()) == {
             key

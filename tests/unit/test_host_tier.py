@@ -55,14 +55,17 @@ def _flood(pool: Pool, key: int, num_blocks: int, base: int) -> None:
 def test_off_by_default_and_the_budget_is_checked() -> None:
     pool = Pool("p", PoolConfig(max_model_len=256, explicit_layout=LAYOUT))
     assert pool.host_tier is None
-    assert pool.manager is not None and pool.manager.block_pool.demote is None
+    assert pool.manager is not None
+    assert pool.manager.block_pool.demote is None
     with pytest.raises(FailedPreconditionError, match="no host tier"):
         pool.take_host_copies()
     with pytest.raises(InvalidArgumentError) as info:
         PoolConfig(max_model_len=256, explicit_layout=LAYOUT, host_tier_bytes=-1)
     assert info.value.field == "config.host_tier_bytes"
     host = _pool(3).host_tier
-    assert host is not None and host.num_blocks == 3 and host.block_bytes == BLOCK_BYTES
+    assert host is not None
+    assert host.num_blocks == 3
+    assert host.block_bytes == BLOCK_BYTES
 
 
 def test_evicted_blocks_demote_and_a_later_request_loads_them_back() -> None:
@@ -79,7 +82,8 @@ def test_evicted_blocks_demote_and_a_later_request_loads_them_back() -> None:
     # a request's blocks tail first, so its tail is evicted first).
     assert sorted(device for device, _ in d2h) == sorted(first_ids)
     assert [host_id for _, host_id in d2h] == [0, 1, 2, 3]
-    assert host.stats().demotions == 4 and host.stats().num_used == 4
+    assert host.stats().demotions == 4
+    assert host.stats().num_used == 4
 
     _add(pool, 3, [*prompt, *range(7000, 7016)])
     hit, num_host = pool.lookup_tiers(3)
@@ -97,14 +101,17 @@ def test_evicted_blocks_demote_and_a_later_request_loads_them_back() -> None:
     # Its five new device blocks evicted five of the flood's cached blocks: demoted in the
     # same step, so the workers copy them out before the loads write into them.
     d2h_now, h2d_now = pool.take_host_copies()
-    assert h2d_now == admission.host_to_device and len(d2h_now) == 5
+    assert h2d_now == admission.host_to_device
+    assert len(d2h_now) == 5
     assert {device for device, _ in d2h_now} == set(table)
     request = pool.request(3)
-    assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 64
+    assert request.status is RequestStatus.RUNNING
+    assert request.num_computed_tokens == 64
     # The loaded blocks are cached on the device again; the host keeps its copies (inclusive).
     blocks = pool.manager.block_pool.blocks  # type: ignore[union-attr]
     assert all(blocks[device].block_hash is not None for device in table)
-    assert host.stats().num_used == 9 and host.stats().hit_tokens == 64
+    assert host.stats().num_used == 9
+    assert host.stats().hit_tokens == 64
 
 
 def test_a_full_tier_evicts_least_recently_used_and_events_carry_the_medium() -> None:
@@ -122,10 +129,12 @@ def test_a_full_tier_evicts_least_recently_used_and_events_carry_the_medium() ->
     assert len(gpu_removed) == 4
     stored = [e for e in cpu if isinstance(e, BlockStored)]
     removed = [e for e in cpu if isinstance(e, BlockRemoved)]
-    assert len(stored) == 4 and len(removed) == 2
+    assert len(stored) == 4
+    assert len(removed) == 2
     # The two demoted first were evicted from the host: the two kept are the last two.
     kept = {make_block_hash_with_group_id(BlockHash(e.block_hashes[0]), 0) for e in stored[2:]}
-    assert set(host.keys()) == kept and host.lru_keys() == [
+    assert set(host.keys()) == kept
+    assert host.lru_keys() == [
         make_block_hash_with_group_id(BlockHash(e.block_hashes[0]), 0) for e in stored[2:]
     ]
     assert all(e.token_ids == [] and e.group_idx == 0 for e in stored)
@@ -151,7 +160,8 @@ def test_the_device_path_decides_as_without_a_tier() -> None:
     without = _pool(0, enable_kv_cache_events=True)
     assert without.host_tier is None
     assert trace(with_tier) == trace(without)
-    assert with_tier.host_tier is not None and with_tier.host_tier.stats().demotions > 0
+    assert with_tier.host_tier is not None
+    assert with_tier.host_tier.stats().demotions > 0
 
 
 def test_swap_out_and_in_copy_every_block_back() -> None:
@@ -162,10 +172,12 @@ def test_swap_out_and_in_copy_every_block_back() -> None:
     ids = _run(pool, 1, tokens)
     pool.request(1).num_computed_tokens = 40
     copies = pool.swap_out(1)
-    assert copies is not None and [device for device, _ in copies] == ids
+    assert copies is not None
+    assert [device for device, _ in copies] == ids
     assert pool.request(1).status is RequestStatus.PREEMPTED
     assert not pool.manager.holds_blocks("1")  # type: ignore[union-attr]
-    assert host.stats().num_pinned == 3 and host.swapped_tokens("1") == 40
+    assert host.stats().num_pinned == 3
+    assert host.swapped_tokens("1") == 40
     with pytest.raises(FailedPreconditionError):
         pool.swap_out(1)  # holds no blocks now
     # The two full blocks are still cached on the device: only the partial one is copied back.
@@ -174,7 +186,8 @@ def test_swap_out_and_in_copy_every_block_back() -> None:
     assert (admission.num_device_hit_tokens, admission.num_host_hit_tokens) == (32, 8)
     table = pool.manager.get_block_ids("1")[0]  # type: ignore[union-attr]
     assert admission.host_to_device == [(copies[2][1], table[2])]
-    assert host.stats().num_pinned == 0 and host.swapped_tokens("1") is None
+    assert host.stats().num_pinned == 0
+    assert host.swapped_tokens("1") is None
     assert pool.request(1).num_computed_tokens == 40
     with pytest.raises(FailedPreconditionError, match="not swapped"):
         pool.swap_in(1, 1)
@@ -189,9 +202,11 @@ def test_swap_in_after_device_eviction_copies_all_and_finish_releases() -> None:
     out = pool.swap_out(1)
     assert out is not None
     _flood(pool, 2, 15, 5000)  # the device loses the two cached blocks (already in the tier)
-    assert host.stats().demotions_present == 2 and host.stats().demotions == 0
+    assert host.stats().demotions_present == 2
+    assert host.stats().demotions == 0
     admission = pool.swap_in(1, 1)
-    assert admission is not None and admission.num_host_hit_tokens == 40
+    assert admission is not None
+    assert admission.num_host_hit_tokens == 40
     assert [h for h, _ in admission.host_to_device] == [h for _, h in out]
     # A swapped request that finishes releases its host blocks.
     pool.request(1).num_computed_tokens = 41
@@ -199,7 +214,8 @@ def test_swap_in_after_device_eviction_copies_all_and_finish_releases() -> None:
     pool.request(3).num_computed_tokens = 16
     assert pool.swap_out(3) is not None
     pool.free(3, preempt=False)
-    assert host.stats().num_pinned == 0 and host.swapped() == {}
+    assert host.stats().num_pinned == 0
+    assert host.swapped() == {}
 
 
 def test_a_tier_without_room_refuses_a_swap_and_changes_nothing() -> None:
@@ -217,11 +233,14 @@ def test_pending_stores_pins_and_bad_input() -> None:
     a, b, c = (make_block_hash_with_group_id(BlockHash(bytes([i]) * 32), 0) for i in range(3))
     stored = host.store([a, b], ready=False)
     assert stored == ([a, b], [0, 1], [])
-    assert host.lookup(a) == PENDING and host.lookup(c) == MISS
+    assert host.lookup(a) == PENDING
+    assert host.lookup(c) == MISS
     assert host.store([c]) is None  # nothing evictable: pending blocks are not
     host.complete_store([a], success=True)
     host.complete_store([b], success=False)
-    assert host.lookup(a) == HIT and host.lookup(b) == MISS and host.num_free == 1
+    assert host.lookup(a) == HIT
+    assert host.lookup(b) == MISS
+    assert host.num_free == 1
     assert host.pin([a]) == [0]
     assert host.store([b, c]) is None  # a is pinned
     with pytest.raises(FailedPreconditionError):
@@ -241,4 +260,6 @@ def test_pending_stores_pins_and_bad_input() -> None:
     assert all(e.medium == MEDIUM_CPU for e in events)
     with pytest.raises(InvalidArgumentError):
         HostTier(-1)
-    assert host.reset() and host.keys() == {} and host.num_free == 2
+    assert host.reset()
+    assert host.keys() == {}
+    assert host.num_free == 2

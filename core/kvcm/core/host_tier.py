@@ -10,9 +10,11 @@ block holds what and answers the copies the workers make; it moves no bytes.
   in a host block and a device-to-host copy ``(device_block_id, host_block_id)`` is recorded.
   Blocks dropped by id (``evict_blocks``: their contents are bad) and a prefix-cache reset are
   not demoted. A key the tier already holds is only touched (no copy).
-* **Eviction.** Host blocks not pinned are evicted least recently used first; a block is used
-  when it is stored, touched or loaded. ``touch`` of a request's keys in prefix order leaves
-  the head most recent, so a request's tail goes before its head (vLLM's LRU does the same).
+* **Eviction.** Keyed host blocks are kept in recency order; the least recent one that is
+  neither pinned nor pending is evicted first. A block is used when it is stored, touched or
+  loaded; pins do not change recency (vLLM's LRU keeps recency apart from transfer pins too).
+  ``touch`` of a request's keys in prefix order leaves the head most recent, so a request's
+  tail goes before its head (as in vLLM's LRU).
 * **Loads.** A request whose prefix continues in the tier after its device hit is admitted
   with those tokens as external computed tokens; its new device blocks for them get
   host-to-device copies ``(host_block_id, device_block_id)``. The host copy stays: a key may
@@ -135,8 +137,8 @@ class HostTier:
 
     # NOTE: the tier's state.
     # * _where maps each key the tier holds to its host block; _key_of is its inverse.
-    # * _lru holds the keys that can be evicted (ready, not pinned), least recent first.
-    #   A key is in _lru iff it is in _where, is ready and has no pin.
+    # * _order holds every key of _where, least recent first; the evictable ones (ready, no
+    #   pin) are counted in _num_evictable. Eviction walks _order from the front.
     # * _pins counts pins per host block (loads in flight, swapped requests); _pending holds
     #   keys whose store has not completed. Private (unkeyed) blocks of swapped requests are
     #   in _private and always pinned by their request.
@@ -149,7 +151,8 @@ class HostTier:
         "_guard",
         "_h2d",
         "_key_of",
-        "_lru",
+        "_num_evictable",
+        "_order",
         "_pending",
         "_pins",
         "_private",
@@ -189,7 +192,8 @@ class HostTier:
         self.medium = medium
         self._where: dict[BlockHashWithGroupId, int] = {}
         self._key_of: dict[int, BlockHashWithGroupId] = {}
-        self._lru: dict[BlockHashWithGroupId, None] = {}
+        self._order: dict[BlockHashWithGroupId, None] = {}
+        self._num_evictable = 0
         self._pins: dict[int, int] = {}
         self._pending: set[BlockHashWithGroupId] = set()
         self._private: set[int] = set()
@@ -246,7 +250,11 @@ class HostTier:
 
     def lru_keys(self) -> list[BlockHashWithGroupId]:
         """The evictable keys, next to evict first. O(tier)."""
-        return list(self._lru)
+        return [key for key in self._order if self._evictable(key)]
+
+    def recency(self) -> list[BlockHashWithGroupId]:
+        """Every key, least recently used first (pinned and pending ones included). O(tier)."""
+        return list(self._order)
 
     def keys(self) -> dict[BlockHashWithGroupId, int]:
         """Every key the tier holds and its host block. O(tier)."""
@@ -285,7 +293,7 @@ class HostTier:
     @property
     def num_evictable(self) -> int:
         """Host blocks that an allocation may evict now."""
-        return len(self._lru)
+        return self._num_evictable
 
     def stats(self) -> HostTierStats:
         """The tier's state and counters."""
@@ -319,11 +327,11 @@ class HostTier:
     # ------------------------------------------------------------------------ writes
     def touch(self, keys: Sequence[BlockHashWithGroupId]) -> None:
         """Mark keys (a request's, head first) used: the head ends most recent."""
-        lru = self._lru
+        order = self._order
         for key in reversed(keys):
-            if key in lru:
-                del lru[key]
-                lru[key] = None
+            if key in order:
+                del order[key]
+                order[key] = None
 
     def demote(self, key: BlockHashWithGroupId, device_block_id: int) -> int | None:
         """Keep an evicted device block's key: the host block it is copied to, or ``None``.
@@ -333,9 +341,8 @@ class HostTier:
         """
         if key in self._where:
             self._counters["demotions_present"] += 1
-            if key in self._lru:
-                del self._lru[key]
-                self._lru[key] = None
+            del self._order[key]
+            self._order[key] = None
             return None
         host_id = self._take_block(())
         if host_id is None:
@@ -368,11 +375,8 @@ class HostTier:
                 new.append(key)
                 seen.add(key)
         protected = set(keys)
-        num_evict = len(new) - len(self._free)
-        if num_evict > 0:
-            evictable = sum(1 for key in self._lru if key not in protected)
-            if num_evict > evictable:
-                return None
+        if not self._can_take(len(new), protected):
+            return None
         evicted: list[BlockHashWithGroupId] = []
         host_ids: list[int] = []
         for key in new:
@@ -392,12 +396,13 @@ class HostTier:
             host_id = self._where[key]
             if success:
                 if host_id not in self._pins:
-                    self._lru[key] = None
+                    self._num_evictable += 1
                 if self.enable_events:
                     self._stored_event(key)
             else:
                 del self._where[key]
                 del self._key_of[host_id]
+                del self._order[key]
                 self._pins.pop(host_id, None)
                 self._free.append(host_id)
 
@@ -488,8 +493,7 @@ class HostTier:
         )
         # Keys appearing twice (two groups never share a key; a table never repeats one)
         # would need one block: counted as two, which only makes the check stricter.
-        evictable = sum(1 for key in self._lru if key not in held)
-        if needed > len(self._free) + evictable:
+        if not self._can_take(needed, held):
             return None
         copies: list[tuple[int, int]] = []
         out_tables = []
@@ -593,7 +597,8 @@ class HostTier:
             self._removed_event(key)
         self._where.clear()
         self._key_of.clear()
-        self._lru.clear()
+        self._order.clear()
+        self._num_evictable = 0
         self._free = list(range(self.num_blocks - 1, -1, -1))
         return True
 
@@ -605,7 +610,8 @@ class HostTier:
                 self._removed_event(key)
         self._where.clear()
         self._key_of.clear()
-        self._lru.clear()
+        self._order.clear()
+        self._num_evictable = 0
         self._pins.clear()
         self._pending.clear()
         self._private.clear()
@@ -614,11 +620,32 @@ class HostTier:
         self._free = list(range(self.num_blocks - 1, -1, -1))
 
     # --------------------------------------------------------------------- internals
+    def _evictable(self, key: BlockHashWithGroupId) -> bool:
+        return key not in self._pending and self._where[key] not in self._pins
+
+    def _can_take(self, num_blocks: int, protected: set[BlockHashWithGroupId]) -> bool:
+        # Whether `num_blocks` blocks can be had from the free list and evictions that spare
+        # `protected` and the guard (walks the order only as far as it must).
+        short = num_blocks - len(self._free)
+        if short <= 0:
+            return True
+        if short > self._num_evictable:
+            return False
+        guard = self._guard
+        evictable = self._evictable
+        for key in self._order:
+            if key not in protected and key not in guard and evictable(key):
+                short -= 1
+                if short == 0:
+                    return True
+        return False
+
     def _insert(self, key: BlockHashWithGroupId, host_id: int, *, ready: bool) -> None:
         self._where[key] = host_id
         self._key_of[host_id] = key
+        self._order[key] = None
         if ready:
-            self._lru[key] = None
+            self._num_evictable += 1
             if self.enable_events:
                 self._stored_event(key)
         else:
@@ -632,12 +659,14 @@ class HostTier:
         if self._free:
             return self._free.pop()
         guard = self._guard
-        for key in self._lru:
-            if key not in protected and key not in guard:
+        evictable = self._evictable
+        for key in self._order:
+            if key not in protected and key not in guard and evictable(key):
                 break
         else:
             return None
-        del self._lru[key]
+        del self._order[key]
+        self._num_evictable -= 1
         host_id = self._where.pop(key)
         del self._key_of[host_id]
         self._counters["evictions"] += 1
@@ -649,8 +678,8 @@ class HostTier:
     def _pin_block(self, host_id: int, key: BlockHashWithGroupId | None) -> None:
         count = self._pins.get(host_id, 0)
         self._pins[host_id] = count + 1
-        if count == 0 and key is not None:
-            self._lru.pop(key, None)
+        if count == 0 and key is not None and key not in self._pending:
+            self._num_evictable -= 1
 
     def _unpin_block(self, host_id: int, key: BlockHashWithGroupId | None) -> None:
         count = self._pins[host_id] - 1
@@ -659,7 +688,7 @@ class HostTier:
             return
         del self._pins[host_id]
         if key is not None and key not in self._pending:
-            self._lru[key] = None  # most recent
+            self._num_evictable += 1
 
     def _release_swapped(self, host_id: int, key: BlockHashWithGroupId | None) -> None:
         if key is None:
