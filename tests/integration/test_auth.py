@@ -38,7 +38,7 @@ from kvcm.server.access import RULES
 from kvcm.server.auth import TokenTable
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.http import build_app
-from kvcm.server.rpc import lookup_as
+from kvcm.server.rpc import lookup_as, route_pd
 from kvcm.server.settings import ServerSettings
 from kvcm.server.telemetry import RpcStats
 from kvcm.v1 import scheduler_pb2, service_pb2, service_pb2_grpc
@@ -93,6 +93,7 @@ EXPECTED: dict[str, tuple[frozenset[str], bool]] = {
     },
     "/kvcm.v1.EventService/SubscribeEvents": (frozenset(A_READERS), True),
     "/kvcm.v1.LookupService/Lookup": (VALID, False),
+    "/kvcm.v1.LookupService/RoutePd": (VALID, False),
     "GET /metrics": (frozenset({"admin", "scrape"}), False),
     "GET /healthz": (OPEN, False),
     "GET /readyz": (OPEN, False),
@@ -102,6 +103,7 @@ EXPECTED: dict[str, tuple[frozenset[str], bool]] = {
     "GET /": (OPEN, False),
     "GET /docs": (OPEN, False),
     "POST /v1/lookup": (VALID, False),
+    "POST /v1/pd/route": (VALID, False),
     "GET /openapi.json": (VALID, False),
     "HEAD /openapi.json": (VALID, False),
 }
@@ -120,7 +122,11 @@ def _http_routes() -> list[str]:
     """``VERB /path`` of every route the server's HTTP app declares."""
     registry = PoolRegistry()
     app = build_app(
-        registry, RpcStats(), lambda: True, lookup=functools.partial(lookup_as, registry)
+        registry,
+        RpcStats(),
+        lambda: True,
+        lookup=functools.partial(lookup_as, registry),
+        pd_route=functools.partial(route_pd, registry),
     )
     return [
         f"{verb} {route.path}"  # type: ignore[attr-defined]

@@ -15,7 +15,7 @@ from kvcm.server.rpc._handlers import UndecodableRequest, register_services
 from kvcm.server.rpc._interceptor import MethodInterceptor, TelemetryInterceptor
 from kvcm.server.rpc._leases import LeaseMonitor
 from kvcm.server.rpc._lookup import LookupDeniedError, lookup_as
-from kvcm.server.rpc._pd_route import PD_ROUTE_COUNTERS, RoutingServicer, route_pd_as
+from kvcm.server.rpc._pd_route import PD_ROUTE_COUNTERS, RoutingServicer, route_pd, route_pd_as
 from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import PRINCIPAL, PoolRuntime, Principal, ServerState, may_hash
 from kvcm.server.rpc._status import (
@@ -32,6 +32,7 @@ __all__ = [
     "LookupDeniedError",
     "lookup_as",
     "PD_ROUTE_COUNTERS",
+    "route_pd",
     "route_pd_as",
     "PRINCIPAL",
     "Principal",
