@@ -647,3 +647,29 @@ def test_a_tensor_past_a_uint64_is_refused_and_mamba_align_is_planned() -> None:
             PlanningOptions(max_model_len=64),
         )
     assert mode.value.field == "rank_specs[0][model.layers.3.mixer].mamba_cache_mode"
+
+
+def test_hybrid_attention_block_size_fits_a_mamba_state_in_one_attention_page() -> None:
+    """vLLM's choice for a hybrid model: the smallest kernel-aligned block whose attention
+    page holds a Mamba state; a larger configured block stays; align-mode checkpoints and
+    MLA kernels widen the alignment; a model without Mamba state keeps its block."""
+    per_token = 2 * 8 * 128 * 2  # K and V, 8 heads of 128, bf16
+    for mamba_page in (1, per_token * 16, per_token * 16 + 1, 3_000_000):
+        block = planning.hybrid_attention_block_size(per_token, mamba_page)
+        assert block % 16 == 0
+        assert block * per_token >= mamba_page
+        assert block == 16 or (block - 16) * per_token < mamba_page
+    assert planning.hybrid_attention_block_size(per_token, 100, block_size=64) == 64
+    assert planning.hybrid_attention_block_size(per_token, 3_000_000) == 736
+    assert (
+        planning.hybrid_attention_block_size(per_token, 3_000_000, checkpoint_alignment=64) == 768
+    )
+    assert planning.hybrid_attention_block_size(per_token, 3_000_000, mla=True) == 768
+    assert (
+        planning.hybrid_attention_block_size(per_token, 3_000_000, backend_block_alignment=48)
+        == 768
+    )
+    assert planning.hybrid_attention_block_size(per_token, 0) == 16
+    with pytest.raises(ConfigError, match="kernel_block_alignment") as bad:
+        planning.hybrid_attention_block_size(per_token, 1, kernel_block_alignment=0)
+    assert bad.value.field == "kernel_block_alignment"

@@ -63,6 +63,7 @@ __all__ = [
     "get_kv_cache_capacity",
     "get_kv_cache_config_from_groups",
     "get_kv_cache_groups",
+    "hybrid_attention_block_size",
     "layer_spec",
     "max_memory_usage_bytes",
     "merge_rank_specs",
@@ -382,6 +383,61 @@ def scheduler_kv_cache_config(config: KVCacheConfig) -> KVCacheConfig:
         for group in config.kv_cache_groups
     )
     return replace(config, kv_cache_groups=groups)
+
+
+def hybrid_attention_block_size(
+    attention_page_per_token: int,
+    mamba_page_size: int,
+    *,
+    block_size: int = 16,
+    kernel_block_alignment: int = 16,
+    backend_block_alignment: int = 1,
+    checkpoint_alignment: int | None = None,
+    mla: bool = False,
+) -> int:
+    """The attention block size vLLM 0.33 picks for a hybrid attention + Mamba model.
+
+    Every group of a hybrid model shares one page size, so the attention page must hold a
+    Mamba state: vLLM takes the smallest multiple of the kernel block alignment whose
+    attention page is at least the Mamba page (then pads the Mamba page up to it), rounded up
+    to the alignment every attention backend of the model needs, unless the configured block
+    size is larger already. In "align" mode the Mamba block is this size too, and in-chunk
+    prefill checkpoints must land on block boundaries.
+
+    Args:
+        attention_page_per_token: Bytes of one token's attention KV (all heads of a rank).
+        mamba_page_size: Bytes of one Mamba state block (the largest, unpadded).
+        block_size: The configured block size (``--block-size``).
+        kernel_block_alignment: The attention backend's smallest kernel block size.
+        backend_block_alignment: The lcm of the smallest kernel blocks of every non-Mamba
+            backend of the model.
+        checkpoint_alignment: Align mode: the granularity of in-chunk prefill checkpoints.
+        mla: The attention layers are MLA (whose decode kernels need 128-token multiples).
+
+    Returns:
+        The attention block size (the Mamba block size in align mode).
+
+    Raises:
+        ConfigError: A size is not positive.
+    """
+    for name, value in (
+        ("attention_page_per_token", attention_page_per_token),
+        ("block_size", block_size),
+        ("kernel_block_alignment", kernel_block_alignment),
+        ("backend_block_alignment", backend_block_alignment),
+    ):
+        if type(value) is not int or value <= 0:
+            raise ConfigError(f"{name} must be a positive int, got {value!r}", field=name)
+    if mamba_page_size <= 0:
+        return block_size
+    alignment = max(kernel_block_alignment, block_size)
+    if mla:
+        alignment = max(alignment, 128)
+    if checkpoint_alignment:
+        alignment = math.lcm(alignment, checkpoint_alignment)
+    attention_block = alignment * _cdiv(mamba_page_size, alignment * attention_page_per_token)
+    attention_block = backend_block_alignment * _cdiv(attention_block, backend_block_alignment)
+    return max(block_size, attention_block)
 
 
 def resolve_kv_cache_block_sizes(
