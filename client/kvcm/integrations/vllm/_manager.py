@@ -114,15 +114,70 @@ class _CoordinatorView:
         num_reprefillable_tokens: Always 0.
     """
 
-    __slots__ = ("block_pool", "enable_partial_hash_hits", "single_type_managers")
+    __slots__ = ("_coordinator", "block_pool", "enable_partial_hash_hits", "single_type_managers")
 
     eagle_group_ids: tuple[int, ...] = ()
     num_reprefillable_tokens = 0
 
-    def __init__(self, single_type_managers: list[_GroupView], block_pool: Any) -> None:
+    def __init__(
+        self, single_type_managers: list[_GroupView], block_pool: Any, coordinator: Any
+    ) -> None:
         self.single_type_managers = single_type_managers
         self.block_pool = block_pool
+        self._coordinator = coordinator
         self.enable_partial_hash_hits = False
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any,
+        *,
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """Blocks an allocation would take (a read; vLLM's scheduler sizes what an in-flight
+        prefill still needs with it when it admits an asynchronous KV load)."""
+        # Without speculative decoding (refused) the main model's tokens are all the tokens;
+        # the local hit and the prefill end size Mamba groups only, which kvcm's coordinator
+        # sizes without them (P/D with Mamba layers is not covered yet: docs/pd.md).
+        del num_local_computed_tokens, num_tokens_main_model, prefill_end
+        return int(
+            self._coordinator.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks,
+                num_encoder_tokens=num_encoder_tokens,
+                total_computed_tokens=total_computed_tokens,
+                apply_admission_cap=apply_admission_cap,
+            )
+        )
+
+
+class _BlockPoolView:
+    """kvcm's block pool as vLLM's scheduler reaches it through ``kv_cache_manager.block_pool``:
+    every read goes to the pool; ``free_blocks`` of the blocks a deferred free popped frees
+    their request (:meth:`MirrorKVCacheManager.pop_blocks_for_free`), other blocks go back to
+    the pool as vLLM's would."""
+
+    __slots__ = ("_free_deferred", "_pool")
+
+    def __init__(self, pool: Any, free_deferred: Callable[[tuple[int, ...]], bool]) -> None:
+        self._pool = pool
+        self._free_deferred = free_deferred
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    def free_blocks(self, ordered_blocks: Any) -> None:
+        """Return blocks to the pool, in order (vLLM's signature)."""
+        blocks = list(ordered_blocks)
+        if not self._free_deferred(tuple(block.block_id for block in blocks)):
+            self._pool.free_blocks(blocks)
 
 
 class MirrorKVCacheManager:
@@ -189,7 +244,8 @@ class MirrorKVCacheManager:
         self.log_stats = config.log_stats
         self.prefix_cache_stats: Any = PrefixCacheStats() if config.log_stats else None
         self.num_kv_cache_groups = core.num_kv_cache_groups
-        self.block_pool = core.block_pool
+        # vLLM's scheduler returns a deferred free's blocks through block_pool.free_blocks.
+        self.block_pool = _BlockPoolView(core.block_pool, self._free_deferred)
         self.watermark_blocks = core.watermark_blocks
         self.empty_kv_cache_blocks = core.empty_kv_cache_blocks
         self._specs = tuple(group.kv_cache_spec for group in config.kv_cache_config.kv_cache_groups)
@@ -202,6 +258,7 @@ class MirrorKVCacheManager:
                 )
             ],
             core.block_pool,
+            core.coordinator,
         )
         # vLLM's scheduler reads whether hits land inside blocks (Mamba align mode).
         self.coordinator.enable_partial_hash_hits = core.coordinator.enable_partial_hash_hits
@@ -216,6 +273,9 @@ class MirrorKVCacheManager:
         # and the server acknowledges before the answer goes back to vLLM.
         self._acknowledge_each_answer = sink.acknowledges_each_answer
         self._views: dict[str, RequestView] = {}
+        # Deferred frees (pop_blocks_for_free): the popped block ids in vLLM's free order ->
+        # the request, freed when vLLM's scheduler hands those blocks back.
+        self._deferred: dict[tuple[int, ...], RequestView] = {}
         self._slot_options: dict[tuple[int, ...], SlotOptions] = {}
         # Under sparse retention every admission tells the server's copy the junction its
         # lookup found (0 included, so a stale one from an earlier lookup never lingers).
@@ -409,16 +469,56 @@ class MirrorKVCacheManager:
         processed_computed_tokens: int,
         num_prompt_tokens: int | None = None,
     ) -> None:
-        """Free blocks out of the attention window (vLLM's signature)."""
+        """Free blocks out of the attention window (vLLM's signature). vLLM's scheduler calls
+        it directly only with a KV connector, when a request finishes; one that never got
+        blocks (aborted before it was scheduled) has none to skip, as in vLLM's manager."""
         del num_prompt_tokens  # R-SWA gap eviction: R-SWA specs are refused
+        if not self.core.holds_blocks(request_id):
+            return
         self.core.remove_skipped_blocks(request_id, processed_computed_tokens)
-        self.recorder.remove_skipped_blocks(request_id, processed_computed_tokens)
+        self.recorder.remove_skipped_blocks(self._views[request_id], processed_computed_tokens)
 
     def pop_blocks_for_free(self, request: Any) -> list[Any]:
-        """Deferred frees exist only with KV connectors, which kvcm refuses."""
-        raise NotImplementedError(
-            f"pop_blocks_for_free({request.request_id!r}): KV connectors are not supported"
-        )
+        """vLLM's deferred free: an asynchronous KV-consumer engine (P/D decode) frees a
+        request while a step that may still write its blocks is in flight. The blocks go to
+        vLLM's scheduler, which hands them back through ``block_pool.free_blocks`` once that
+        step completed; the request keeps them in kvcm until then and is freed (one FINISH,
+        the same blocks in the same order) at that moment, on the server's copy too.
+
+        Raises:
+            NotImplementedError: A pool of several KV-cache groups (vLLM frees the popped
+                blocks in an order kvcm's free does not reproduce).
+        """
+        request_id = request.request_id
+        if not self.core.holds_blocks(request_id):
+            return []
+        if self.num_kv_cache_groups > 1:
+            raise NotImplementedError(
+                f"pop_blocks_for_free({request_id!r}): kvcm defers frees for single-group "
+                "pools only (an asynchronous KV-consumer engine freed a request while a step "
+                "was in flight)"
+            )
+        null_block = self.core.block_pool.null_block
+        blocks = list(self.core.get_blocks(request_id).blocks[0])
+        start = 0
+        while start < len(blocks) and blocks[start] is null_block:
+            start += 1  # vLLM hands back the blocks past the skipped (null) head
+        blocks = blocks[start:]
+        self._deferred[tuple(block.block_id for block in reversed(blocks))] = self._view(request)
+        return blocks
+
+    def _free_deferred(self, block_ids: tuple[int, ...]) -> bool:
+        # block_pool.free_blocks of a deferred free's blocks: free their request now.
+        view = self._deferred.pop(block_ids, None)
+        if view is None:
+            return False
+        request_id = view.request_id
+        self.core.free(view)
+        self.recorder.free(request_id, finished=True)
+        self._views.pop(request_id, None)
+        if not self._views:
+            self.close_step()
+        return True
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drop blocks from the prefix cache by id."""

@@ -244,10 +244,17 @@ class StepRecorder:
             (_CACHE_BLOCKS, view, tokens, len(tokens), hashes, len(hashes), num_computed_tokens)
         )
 
-    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        """Note one remove_skipped_blocks call (the request must be known)."""
-        if not self._off:
-            self._notes.append((_REMOVE_SKIPPED, request_id, total_computed_tokens))
+    def remove_skipped_blocks(self, view: RequestView, total_computed_tokens: int) -> None:
+        """Note one remove_skipped_blocks call (the request must hold blocks). The request's
+        tokens go first: vLLM counts tokens an asynchronous step sampled after the request's
+        last allocation (a KV connector's request_finished), which the pool must know of."""
+        if self._off:
+            return
+        tokens = view.all_token_ids
+        hashes = view.block_hashes
+        self._notes.append(
+            (_REMOVE_SKIPPED, view, tokens, len(tokens), hashes, len(hashes), total_computed_tokens)
+        )
 
     def free(self, request_id: str, *, finished: bool) -> None:
         """Note a free: FINISH forgets the request, PREEMPT keeps its tokens in the pool."""
@@ -359,9 +366,10 @@ class StepRecorder:
                     ops.append(op)
                     keys.append(found.key)
             elif op == _REMOVE_SKIPPED:
+                key = self._sync_request(program, note)
                 ops.append(_REMOVE_SKIPPED)
-                keys.append(tracked_by_id[note[1]].key)
-                program.remove_skipped_total_computed_tokens.append(note[2])
+                keys.append(key)
+                program.remove_skipped_total_computed_tokens.append(note[6])
             elif op == _EVICT_BLOCKS:
                 ids = note[1]
                 ops.append(_EVICT_BLOCKS)
