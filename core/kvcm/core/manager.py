@@ -376,7 +376,7 @@ class KVCacheManager:
         # sliding-window groups (hybrid models): the general path's decisions, in its order,
         # without its per-call generality (hits, external tokens, encoder, watermark).
         self._fast_groups = _running_fast_groups(self.coordinator, self.hash_block_size)
-        self._fast_skipping = tuple(m for m in managers if m.skips_tokens)
+        self._fast_windows = tuple(m for m in managers if type(m) is SlidingWindowManager)
         # Full attention registers a prompt's partial tail block whenever it caches with a
         # hash block smaller than its block: then caching cannot be skipped by a count.
         self._fast_cache_always = any(
@@ -689,8 +689,17 @@ class KVCacheManager:
             self._check_allocation(request, num_new_tokens, None, DEFAULT_SLOT_OPTIONS)
         request_id = request.request_id
         num_processed = num_computed - request.num_in_flight_tokens
-        for manager in self._fast_skipping:
-            manager.remove_skipped_blocks(request_id, num_processed if num_processed > 0 else 0)
+        null_block = self.block_pool.null_block
+        for window in self._fast_windows:
+            # Most steps free nothing: the last block before the window is null already
+            # (removal walks back from it to the first null) or there is none yet.
+            block_size = window.block_size
+            num_skipped = num_processed - window.sliding_window + 1 - window.extra_retained_tokens
+            if num_skipped >= block_size:
+                blocks = window.req_to_blocks[request_id]
+                last = min(num_skipped // block_size, len(blocks))
+                if last and blocks[last - 1] is not null_block:
+                    window.remove_skipped_blocks(request_id, num_processed)
         num_tokens = num_computed + num_new_tokens
         groups = self._fast_groups
         num_to_allocate = 0
