@@ -653,10 +653,18 @@ class BlockPool:
         assert index is not None
         bit = self._index_bit
         get = index.get
+        # Consecutive keys (a request's blocks in order) mostly hold the same mask object:
+        # its successor is made once and shared, so a prefix's keys keep sharing one mask
+        # (cheap to read for a lookup's walk, and no new int per key here).
+        old: object = index  # never a value
+        new = bit
         with self._index_lock:
             for key in keys:
                 holders = get(key)
-                index[key] = bit if holders is None else holders | bit
+                if holders is not old:
+                    old = holders
+                    new = bit if holders is None else holders | bit
+                index[key] = new
 
     def _key_gone(self, key: BlockHashWithGroupId) -> None:
         batch = self._index_batch
@@ -669,9 +677,14 @@ class BlockPool:
         index = self._index
         assert index is not None
         keep = ~self._index_bit
+        old: object = index  # never a value; masks shared as in _index_keys
+        holders = 0
         with self._index_lock:
             for key in keys:
-                holders = index[key] & keep
+                value = index[key]
+                if value is not old:
+                    old = value
+                    holders = value & keep
                 if holders:
                     index[key] = holders
                 else:

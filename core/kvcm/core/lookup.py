@@ -35,7 +35,7 @@ from bisect import insort
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, count, islice, repeat
-from operator import attrgetter, itemgetter, ne
+from operator import attrgetter, is_not, itemgetter
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias, cast, overload
 
@@ -844,8 +844,11 @@ def _walk(keys: Mapping[BlockHashWithGroupId, int], group: _Group) -> list[tuple
     of the group still matching caches. ``running`` is the mask of the pools caching every
     block so far; a pool leaves it at the first block it misses, and its hit is the blocks
     before. Per block, only the key's making and its read run (in C); the intersection is
-    taken only where a block's holders differ from the block before's (a ``!=`` per block,
-    also in C): where they are equal, the pools still matching already all hold it.
+    taken only where a block's holders are another object than the block before's (an
+    ``is not`` per block, also in C): where they are the same, the pools still matching
+    already all hold it. The allocator shares one mask object along a run of keys with the
+    same holders (``BlockPool._index_keys``), so a cached prefix changes objects only where
+    its holders change; equal masks in distinct objects only cost an intersection more.
     """
     max_blocks = min((group.num_tokens - 1) // group.block_size, len(group.raw) // group.hash_size)
     get: Callable[[bytes, int], int] = keys.get  # type: ignore[assignment]
@@ -856,9 +859,11 @@ def _walk(keys: Mapping[BlockHashWithGroupId, int], group: _Group) -> list[tuple
     depth = 0
     for chunk in _key_chunks(group.raw, group.hash_size, max_blocks, _GROUP0_SUFFIX):
         holders = list(map(get, chunk, repeat(0)))
-        # Where the holders change: the chunk's first block (against the pools still
-        # matching), then each block whose holders differ from the block before's.
-        for offset in chain((0,), compress(count(1), map(ne, islice(holders, 1, None), holders))):
+        # Where the holders may change: the chunk's first block (against the pools still
+        # matching), then each block whose holders are not the block before's object.
+        for offset in chain(
+            (0,), compress(count(1), map(is_not, islice(holders, 1, None), holders))
+        ):
             matching = running & holders[offset]
             if matching != running:
                 levels.append((depth + offset, running ^ matching))
