@@ -63,7 +63,7 @@ class _HybridMambaWorker(SimulatedWorker):
         return _layer_specs(self.vllm_config.cache_config.block_size)
 
 
-def _build(setup: Setup, scheduler_cls: Any = None) -> Engine:
+def _build(setup: Setup, scheduler_cls: Any = None, match_unit: int = HASH_BLOCK) -> Engine:
     from vllm.v1.engine.core import EngineCore
 
     base = executor_class(setup)
@@ -79,7 +79,7 @@ def _build(setup: Setup, scheduler_cls: Any = None) -> Engine:
     # match unit (EngineCore resolves the hash block size and hit alignment from them).
     config.cache_config.mamba_cache_mode = "align"
     config.cache_config.mamba_block_size = MAMBA_BLOCK
-    config.cache_config.prefix_match_unit = HASH_BLOCK
+    config.cache_config.prefix_match_unit = match_unit
     config.parallel_config.distributed_executor_backend = executor
     core = EngineCore(config, executor, setup.log_stats)
     return Engine(core, setup)
@@ -206,3 +206,39 @@ def _kv_cache_config() -> Any:
             KVCacheGroupSpec([name], spec) for name, spec in _layer_specs(MAMBA_BLOCK).items()
         ],
     )
+
+
+def test_align_mode_programs_replay_on_the_server_interpreter(vllm: ModuleType) -> None:
+    """Align mode with one hash block per Mamba block (no sub-block hits, no copies): the
+    Step programs the mirror records replay on ``Pool.run_step`` (a kvcm server's
+    interpreter) to the mirror's state after every step, while the engine matches vLLM's."""
+    from test_vllm_scheduler import ReplayCheckingSink
+
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    del vllm
+
+    def make_step_sink(self: Any, settings: Any) -> ReplayCheckingSink:
+        del self, settings
+        return ReplayCheckingSink()
+
+    checked = type("ReplayedKvcmScheduler", (KvcmScheduler,), {"make_step_sink": make_step_sink})
+    setup = CASES["sync"]
+    plans = _plans(7, 24 * workload_scale(), setup.max_model_len)
+    reference = _build(setup, match_unit=MAMBA_BLOCK)
+    mirrored = _build(setup, checked, match_unit=MAMBA_BLOCK)
+    try:
+        assert not mirrored.scheduler.mamba_partial_cache_hit
+        sink = mirrored.scheduler.kv_cache_manager.recorder.sink
+        sink.mirror = mirrored.scheduler.kv_cache_manager
+        tally = assert_same_runs(reference, mirrored, plans)
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+    print(
+        f"align replay: {tally.turns} turns, {tally.hits} hits; "
+        f"{sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step"
+    )
+    assert tally.hits > 0
+    assert sink.interpreter_error is None, sink.interpreter_error
+    assert sink.num_interpreted == sink.num_steps > 50
