@@ -270,8 +270,8 @@ class WorkerServiceServicer:
         registers anew). Registering the same rank again with the same specs, order and memory is
         idempotent; with different ones it is ALREADY_EXISTS. INVALID_ARGUMENT: rank >=
         world_size, world_size not the pool's, empty or duplicate layer names, an unset spec, a
-        page or tensor past a uint64, a Mamba layer in "align" mode (not supported yet), specs
-        that cannot be planned. FAILED_PRECONDITION: the specs do not match the pool's explicit
+        page or tensor past a uint64, a Mamba layer whose cache mode is neither "none" nor
+        "align", specs that cannot be planned. FAILED_PRECONDITION: the specs do not match the pool's explicit
         layout, or ranks disagree on layers. RESOURCE_EXHAUSTED: the memory holds fewer than 2
         blocks or more than the server's block limit, or more ranks than the server's limit of
         pending registrations. A plan that fails answers every waiting rank with the same status
