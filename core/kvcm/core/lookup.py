@@ -137,10 +137,30 @@ class _Member:
         self.requests = pool.requests
 
 
-class _Kind:
-    """The indexed pools of one :data:`KindKey`: their members and the mask of their bits."""
+_Columns: TypeAlias = tuple[
+    list[int], list[Any], list[Any], list[Any], list[str], list[int], list[str]
+]
+"""Per pool, side by side: slot, free queue, running requests' table, requests' table, name,
+usable blocks, medium (what answering every pool reads, without visiting each member)."""
 
-    __slots__ = ("key", "mask", "members")
+
+def _columns_of(members: Sequence[_Member]) -> _Columns:
+    return (
+        list(map(_SLOT, members)),
+        list(map(_FREE_QUEUE, members)),
+        list(map(_RUNNING, members)),
+        list(map(_REQUESTS, members)),
+        list(map(_NAME, members)),
+        list(map(_NUM_USABLE, members)),
+        list(map(_MEDIUM, members)),
+    )
+
+
+class _Kind:
+    """The indexed pools of one :data:`KindKey`: their members, the mask of their bits, and
+    their columns (built when first read after the members change)."""
+
+    __slots__ = ("_columns", "key", "mask", "members")
 
     # NOTE: members are kept sorted by name.
 
@@ -148,6 +168,17 @@ class _Kind:
         self.key = key
         self.mask = 0
         self.members: list[_Member] = []
+        self._columns: _Columns | None = None
+
+    def columns(self) -> _Columns:
+        """The members' columns, kept until the members change."""
+        if self._columns is None:
+            self._columns = _columns_of(self.members)
+        return self._columns
+
+    def changed(self) -> None:
+        """The members changed (drops the columns)."""
+        self._columns = None
 
 
 class PendingPool:
@@ -256,6 +287,7 @@ class PrefixIndex:
         self._by_pool[member.pool] = member
         insort(kind.members, member, key=_NAME)  # answers sort by name last (_ranked_all)
         kind.mask |= member.bit
+        kind.changed()
 
     def abandon(self, pending: PendingPool) -> None:
         """Give a reserved slot back, clearing its bits if they were set (the pool went away
@@ -274,6 +306,7 @@ class PrefixIndex:
         kind = member.kind
         kind.members.remove(member)
         kind.mask &= ~member.bit
+        kind.changed()
         if not kind.members:
             del self._kinds[kind.key]
         member.block_pool.detach_index()
@@ -548,6 +581,7 @@ def lookup(
         else:
             group.members = group.members + members
             group.mask |= mask
+        groups[profile].kinds.append((kind, members))
     rows = _direct_rows(others, query, prompts, skipped) if others else []
     for group in groups.values():
         group.levels = _walk(index._keys, group)
@@ -747,7 +781,16 @@ def _key_chunks(
 class _Group:
     """Indexed pools in scope sharing a hashing profile: one walk answers them all."""
 
-    __slots__ = ("block_size", "hash_size", "levels", "mask", "members", "num_tokens", "raw")
+    __slots__ = (
+        "block_size",
+        "hash_size",
+        "kinds",
+        "levels",
+        "mask",
+        "members",
+        "num_tokens",
+        "raw",
+    )
 
     def __init__(
         self, hashes: Sequence[BlockHash], num_tokens: int, members: list[_Member], mask: int
@@ -761,6 +804,7 @@ class _Group:
         # Indexed pools hash at their block size, so one profile means one block size.
         self.block_size = members[0].block_size
         self.levels: list[tuple[int, int]] = []
+        self.kinds: list[tuple[_Kind, list[_Member]]] = []  # the group's pools, by kind
 
 
 def _kind_reason(member: _Member, query: LookupQuery, prompts: _Prompts) -> str:
@@ -913,21 +957,25 @@ def _ranked_all(groups: Iterable[_Group], rows: list[_Row], weight: float) -> tu
                 for slot in _slots_of(mask):
                     hit_of[slot] = num_hit
         get = hit_of.get
-        for member in group.members:
-            num_hit = get(member.slot, 0)
-            num_free = member.free_queue.num_free_blocks
-            num_usable = member.num_usable
-            usage = 1.0 - num_free / num_usable if num_usable else 0.0
-            score = num_hit / num_tokens - weight * usage
-            num_running = len(member.running)
-            num_waiting = len(member.requests) - num_running
-            name = member.name
-            shared = parts.get(num_hit)
-            if shared is None or member.medium not in shared[1]:
-                shared = _hit_parts(parts, num_hit, member.medium)
-            load = (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0)
-            hit = (name, num_hit, *shared, num_tokens, new(PoolLoad, load), score)
-            append((-score, num_waiting, usage, name, new(PoolHit, hit)))
+        for kind, members in group.kinds:
+            # A whole kind's columns are kept ready; a part of one is read here.
+            whole = len(members) == len(kind.members)
+            columns = kind.columns() if whole else _columns_of(members)
+            for slot, queue, running, requests, name, num_usable, medium in zip(
+                *columns, strict=True
+            ):
+                num_hit = get(slot, 0)
+                num_free = queue.num_free_blocks
+                usage = 1.0 - num_free / num_usable if num_usable else 0.0
+                score = num_hit / num_tokens - weight * usage
+                num_running = len(running)
+                num_waiting = len(requests) - num_running
+                shared = parts.get(num_hit)
+                if shared is None or medium not in shared[1]:
+                    shared = _hit_parts(parts, num_hit, medium)
+                load = (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0)
+                hit = (name, num_hit, *shared, num_tokens, new(PoolLoad, load), score)
+                append((-score, num_waiting, usage, name, new(PoolHit, hit)))
     # Stable passes, least significant key first: each sorts one float, int or str column
     # (specialized comparisons), where one pass over whole rows compares tuples element by
     # element. Members come in name order (see _Kind), so the first pass is linear.
@@ -1009,6 +1057,12 @@ def _top_answer(
 
 _ANSWER = itemgetter(4)
 _NAME = attrgetter("name")
+_SLOT = attrgetter("slot")
+_FREE_QUEUE = attrgetter("free_queue")
+_RUNNING = attrgetter("running")
+_REQUESTS = attrgetter("requests")
+_NUM_USABLE = attrgetter("num_usable")
+_MEDIUM = attrgetter("medium")
 _RANK_COLUMNS = (itemgetter(3), itemgetter(2), itemgetter(1), itemgetter(0))
 _FIRST = itemgetter(0)
 
