@@ -206,7 +206,7 @@ class PrefixIndex:
     and the mask of their bits, so a query over whole kinds builds nothing pool by pool.
     """
 
-    __slots__ = ("_by_name", "_by_pool", "_keys", "_kinds", "_lock", "_slots")
+    __slots__ = ("_by_name", "_by_pool", "_every", "_keys", "_kinds", "_lock", "_slots", "_version")
 
     def __init__(self) -> None:
         """An empty index."""
@@ -216,6 +216,10 @@ class PrefixIndex:
         self._by_name: dict[str, _Member] = {}
         self._by_pool: dict[Pool, _Member] = {}  # identity keys: a replaced pool misses
         self._kinds: dict[KindKey, _Kind] = {}
+        self._version = 0  # counts the changes of the indexed pools (commit, remove)
+        # The last scope found to hold exactly the indexed pools, and the version then: the
+        # same list of pools (compared by identity, in C) needs no dictionary read per pool.
+        self._every: tuple[list[Pool], int] | None = None
 
     def __len__(self) -> int:
         """Distinct keys cached by at least one indexed pool."""
@@ -288,6 +292,7 @@ class PrefixIndex:
         insort(kind.members, member, key=_NAME)  # answers sort by name last (_ranked_all)
         kind.mask |= member.bit
         kind.changed()
+        self._version += 1
 
     def abandon(self, pending: PendingPool) -> None:
         """Give a reserved slot back, clearing its bits if they were set (the pool went away
@@ -307,6 +312,7 @@ class PrefixIndex:
         kind.members.remove(member)
         kind.mask &= ~member.bit
         kind.changed()
+        self._version += 1
         if not kind.members:
             del self._kinds[kind.key]
         member.block_pool.detach_index()
@@ -661,10 +667,16 @@ def _sort_scope(
     """The scope's indexed pools by kind, and the others (indexing those that can be now).
 
     A scope holding every indexed pool (the common "all pools" query) reuses each kind's own
-    member list: one C-level pass of dictionary reads, no grouping.
+    member list: one C-level pass of dictionary reads, no grouping; and when it is the same
+    list of pools as the last such scope, with no pool indexed or removed since, one C-level
+    comparison by identity.
     """
+    every = index._every
+    if every is not None and every[1] == index._version and every[0] == pools:
+        return [(kind, kind.members) for kind in index._kinds.values()], []
     found = list(map(index._by_pool.get, pools))
     if len(found) == index.num_pools and None not in found:
+        index._every = (list(pools), index._version)
         return [(kind, kind.members) for kind in index._kinds.values()], []
     by_kind: dict[_Kind, list[_Member]] = {}
     others: list[Pool] = []
