@@ -242,3 +242,28 @@ def test_align_mode_programs_replay_on_the_server_interpreter(vllm: ModuleType) 
     assert tally.hits > 0
     assert sink.interpreter_error is None, sink.interpreter_error
     assert sink.num_interpreted == sink.num_steps > 50
+
+
+def test_kv_connectors_with_mamba_layers_are_refused(vllm: ModuleType) -> None:
+    """vLLM's connector lookup of a hybrid Mamba model (full attention's own hit, the Mamba
+    state moved by the connector) is not modelled: EngineCore's construction of kvcm's
+    scheduler fails, naming connectors and Mamba layers."""
+    from _engine_core import TransferFabric
+
+    from kvcm.common.errors import ConfigError
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    del vllm
+    setup = Setup(
+        block_size=MAMBA_BLOCK,
+        num_blocks=30,
+        max_model_len=2048,
+        kv_transfer={
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_consumer",
+            "engine_id": "decode",
+        },
+        fabric=TransferFabric(),
+    )
+    with pytest.raises(ConfigError, match=r"KV connectors .* with Mamba layers"):
+        _build(setup, KvcmScheduler)
