@@ -304,11 +304,20 @@ class SimulatedWorker:
         self._pending: Any = None
         # The rank whose output the executor returns moves the KV (one per engine).
         world = vllm_config.parallel_config.world_size
+        connector = (setup.kv_transfer or {}).get("kv_connector")
         self.nixl: SimulatedNixl | None = (
             SimulatedNixl(vllm_config, setup.fabric)
-            if setup.kv_transfer is not None and rank == world - 1
+            if setup.kv_transfer is not None
+            and connector != "OffloadingConnector"
+            and rank == world - 1
             else None
         )
+        # vLLM's OffloadingConnector: its worker side finishes each step's jobs in the step.
+        self.offload: Any = None
+        if connector == "OffloadingConnector" and rank == world - 1:
+            from _offload_sim import SimulatedOffloading
+
+            self.offload = SimulatedOffloading()
         self._connector_output: Any = None
 
     def _layers(self) -> range:
@@ -380,6 +389,8 @@ class SimulatedWorker:
         if self.nixl is not None:
             # The connector's worker side runs every step, a batch or not (vLLM's runner).
             self._connector_output = self.nixl.step(scheduler_output.kv_connector_metadata)
+        elif self.offload is not None:
+            self._connector_output = self.offload.step(scheduler_output.kv_connector_metadata)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._forget(scheduler_output.finished_req_ids)
             output, self._connector_output = self._connector_output, None

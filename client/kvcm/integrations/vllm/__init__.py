@@ -16,6 +16,7 @@ from kvcm.integrations.vllm._settings import KvcmSettings
 from kvcm.integrations.vllm._sinks import CollectingSink, LocalSink, NullSink, StepSink
 
 if TYPE_CHECKING:
+    from kvcm.integrations.vllm._offload import KvcmOffloadingManager, KvcmOffloadingSpec
     from kvcm.integrations.vllm._scheduler import (
         KvcmAsyncScheduler,
         KvcmScheduler,
@@ -25,9 +26,15 @@ if TYPE_CHECKING:
 # The schedulers subclass vLLM's: import vLLM only when one is asked for, so the settings, the
 # recorder and the sinks stay importable (and testable) without vLLM.
 _NEEDS_VLLM = frozenset({"KvcmAsyncScheduler", "KvcmScheduler", "check_supported"})
+# vLLM's offloading connector loads the spec by name from this package (spec_module_path).
+_OFFLOAD = frozenset({"KvcmOffloadingManager", "KvcmOffloadingSpec"})
 
 
 def __getattr__(name: str) -> Any:
+    if name in _OFFLOAD:
+        from kvcm.integrations.vllm import _offload
+
+        return getattr(_offload, name)
     if name in _NEEDS_VLLM:
         from kvcm.integrations.vllm import _scheduler
 
@@ -38,6 +45,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CollectingSink",
     "KvcmAsyncScheduler",
+    "KvcmOffloadingManager",
+    "KvcmOffloadingSpec",
     "KvcmScheduler",
     "KvcmSettings",
     "LocalSink",
