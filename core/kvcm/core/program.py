@@ -6,8 +6,8 @@ the vLLM mirror build one; ``kvcm.wire`` turns it into a ``kvcm.v1.StepRequest``
 exactly like the wire message, so that decoding is a list copy and a decode step of hundreds of
 requests costs a few lists rather than hundreds of objects. Which columns each op kind
 consumes, front to back, is the op table's to say (:mod:`kvcm.core.op_table`: a row per
-kind, from which the interpreter, the consumption check, the codec and the SDK's builder
-derive what they walk or fill).
+kind, from which the interpreter, the consumption check, the codec, the SDK's builder and
+the vLLM integration's recorder derive what they walk or fill).
 
 Every column is consumed exactly. The interpreter's contract (:mod:`kvcm.core.step` has the
 full rules; docs/api.md the atomicity guarantee):

@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvcm.core.manager import KVCacheBlocks
+from kvcm.core.op_table import OpWriter
 from kvcm.core.program import (
     AllocOptions,
     HitSpec,
@@ -44,7 +45,7 @@ from kvcm.core.program import (
 from kvcm.integrations.vllm._sinks import NullSink
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
     from kvcm.core.manager import SlotOptions
     from kvcm.integrations.vllm._convert import RequestView
@@ -52,20 +53,18 @@ if TYPE_CHECKING:
 
 __all__ = ["RecordedStep", "StepRecorder"]
 
-_ADD_REQUEST = int(OpKind.ADD_REQUEST)
-_APPEND_TOKENS = int(OpKind.APPEND_TOKENS)
-_ALLOCATE = int(OpKind.ALLOCATE)
-_CACHE_BLOCKS = int(OpKind.CACHE_BLOCKS)
-_REMOVE_SKIPPED = int(OpKind.REMOVE_SKIPPED_BLOCKS)
-_PREEMPT = int(OpKind.PREEMPT)
-_FINISH = int(OpKind.FINISH)
-_NEW_STEP_STARTS = int(OpKind.NEW_STEP_STARTS)
-_EVICT_BLOCKS = int(OpKind.EVICT_BLOCKS)
-_RESET_PREFIX_CACHE = int(OpKind.RESET_PREFIX_CACHE)
-_RECORD_PREFIX_STATS = int(OpKind.RECORD_PREFIX_STATS)
 _OK = int(ItemStatus.OK)
 _DOES_NOT_FIT = int(ItemStatus.DOES_NOT_FIT)
-_NEW_STEP_NOTE: tuple[Any, ...] = (_NEW_STEP_STARTS,)
+# A note is ``(op kind, ...)``. Notes of these kinds carry the request's view and what it held
+# when noted (the request is brought up to date first); the value says whether the note is an
+# ALLOCATE's. Notes of the other kinds carry the op's own values.
+_SYNCED: dict[int, bool] = {
+    OpKind.ALLOCATE: True,
+    OpKind.CACHE_BLOCKS: False,
+    OpKind.REMOVE_SKIPPED_BLOCKS: False,
+    OpKind.RECORD_PREFIX_STATS: False,
+}
+_NEW_STEP_NOTE: tuple[Any, ...] = (OpKind.NEW_STEP_STARTS,)
 
 
 class RecordedStep:
@@ -219,7 +218,7 @@ class StepRecorder:
         hashes = view.block_hashes
         self._notes.append(
             (
-                _ALLOCATE,
+                OpKind.ALLOCATE,
                 view,
                 tokens,
                 len(tokens),
@@ -241,7 +240,15 @@ class StepRecorder:
         tokens = view.all_token_ids
         hashes = view.block_hashes
         self._notes.append(
-            (_CACHE_BLOCKS, view, tokens, len(tokens), hashes, len(hashes), num_computed_tokens)
+            (
+                OpKind.CACHE_BLOCKS,
+                view,
+                tokens,
+                len(tokens),
+                hashes,
+                len(hashes),
+                num_computed_tokens,
+            )
         )
 
     def remove_skipped_blocks(self, view: RequestView, total_computed_tokens: int) -> None:
@@ -253,13 +260,21 @@ class StepRecorder:
         tokens = view.all_token_ids
         hashes = view.block_hashes
         self._notes.append(
-            (_REMOVE_SKIPPED, view, tokens, len(tokens), hashes, len(hashes), total_computed_tokens)
+            (
+                OpKind.REMOVE_SKIPPED_BLOCKS,
+                view,
+                tokens,
+                len(tokens),
+                hashes,
+                len(hashes),
+                total_computed_tokens,
+            )
         )
 
     def free(self, request_id: str, *, finished: bool) -> None:
         """Note a free: FINISH forgets the request, PREEMPT keeps its tokens in the pool."""
         if not self._off:
-            self._notes.append((_FINISH if finished else _PREEMPT, request_id))
+            self._notes.append((OpKind.FINISH if finished else OpKind.PREEMPT, request_id))
 
     def record_prefix_stats(self, view: RequestView, num_hits: int) -> None:
         """Note RECORD_PREFIX_STATS (vLLM counted an admitted request's lookup)."""
@@ -268,7 +283,7 @@ class StepRecorder:
         tokens = view.all_token_ids
         hashes = view.block_hashes
         self._notes.append(
-            (_RECORD_PREFIX_STATS, view, tokens, len(tokens), hashes, len(hashes), num_hits)
+            (OpKind.RECORD_PREFIX_STATS, view, tokens, len(tokens), hashes, len(hashes), num_hits)
         )
 
     def new_step_starts(self) -> None:
@@ -279,12 +294,12 @@ class StepRecorder:
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Note EVICT_BLOCKS (ids sorted, so the program does not depend on set order)."""
         if not self._off:
-            self._notes.append((_EVICT_BLOCKS, sorted(block_ids)))
+            self._notes.append((OpKind.EVICT_BLOCKS, sorted(block_ids)))
 
     def reset_prefix_cache(self, reset: bool) -> None:
         """Note RESET_PREFIX_CACHE and whether the mirror reset."""
         if not self._off:
-            self._notes.append((_RESET_PREFIX_CACHE, reset))
+            self._notes.append((OpKind.RESET_PREFIX_CACHE, reset))
 
     @property
     def pending(self) -> bool:
@@ -333,59 +348,54 @@ class StepRecorder:
         return None if tracked is None else tracked.key
 
     def _build(self, step: RecordedStep) -> None:
+        # Every op goes through the op table's writer: a note gives the kind and the values of
+        # its row's columns (for the synced kinds, after the request's key).
         program = StepProgram(continue_on_does_not_fit=True)
         expected = StepOutcome()
-        ops = program.ops
-        keys = program.request_keys
+        writer = OpWriter(program)
+        write = writer.op
+        append, allocate = write[OpKind.APPEND_TOKENS], write[OpKind.ALLOCATE]
+        allocated = writer.columns(OpKind.ALLOCATE)[0]
         tracked_by_id = self._tracked
         for note in step._notes:
-            op = note[0]
-            if op == _ALLOCATE:
-                key = self._sync_request(program, note)
-                self._add_allocate(program, expected, key, note)
-            elif op == _CACHE_BLOCKS:
-                key = self._sync_request(program, note)
-                ops.append(_CACHE_BLOCKS)
-                keys.append(key)
-                program.cache_num_computed_tokens.append(note[6])
-            elif op == _RECORD_PREFIX_STATS:
-                key = self._sync_request(program, note)
-                ops.append(_RECORD_PREFIX_STATS)
-                keys.append(key)
-                program.record_hit_tokens.append(note[6])
-            elif op == _NEW_STEP_STARTS:
-                ops.append(_NEW_STEP_STARTS)
-            elif op in (_FINISH, _PREEMPT):
+            kind = note[0]
+            allocating = _SYNCED.get(kind)
+            if allocating is not None:
+                key = self._sync_request(write, append, note)
+                if allocating:
+                    index = len(allocated)
+                    allocate(key, note[6], note[7])
+                    self._add_allocate(program, expected, index, note)
+                else:
+                    write[kind](key, note[6])
+            elif kind is OpKind.FINISH or kind is OpKind.PREEMPT:
                 # FINISH forgets the request; PREEMPT keeps its tokens in the pool.
                 found = (
                     tracked_by_id.pop(note[1], None)
-                    if op == _FINISH
+                    if kind is OpKind.FINISH
                     else tracked_by_id.get(note[1])
                 )
                 if found is not None:  # else never shown to the pool: nothing to free there
-                    ops.append(op)
-                    keys.append(found.key)
-            elif op == _REMOVE_SKIPPED:
-                key = self._sync_request(program, note)
-                ops.append(_REMOVE_SKIPPED)
-                keys.append(key)
-                program.remove_skipped_total_computed_tokens.append(note[6])
-            elif op == _EVICT_BLOCKS:
-                ids = note[1]
-                ops.append(_EVICT_BLOCKS)
-                program.evict_num_block_ids.append(len(ids))
-                program.evict_block_ids.extend(ids)
-            else:  # _RESET_PREFIX_CACHE
-                ops.append(_RESET_PREFIX_CACHE)
+                    write[kind](found.key)
+            elif kind is OpKind.RESET_PREFIX_CACHE:
+                write[kind]()
                 expected.reset.append(note[1])
+            else:  # NEW_STEP_STARTS, EVICT_BLOCKS: the note holds the op's values
+                write[kind](*note[1:])
+        writer.flush()
         program.step_seq = step.step_seq
-        expected.num_ops_executed = len(ops)
+        expected.num_ops_executed = len(program.ops)
         expected.step_seq = step.step_seq
         step._expected = expected
         step._program = program
         step._notes = []
 
-    def _sync_request(self, program: StepProgram, note: tuple[Any, ...]) -> int:
+    def _sync_request(
+        self,
+        write: dict[int, Callable[..., None]],
+        append: Callable[..., None],
+        note: tuple[Any, ...],
+    ) -> int:
         # ADD_REQUEST on first sight, then APPEND_TOKENS for whatever grew since; the lengths
         # are the ones the call saw (the lists may have grown since).
         _, view, tokens, num_tokens, hashes, num_hashes = note[:6]
@@ -398,8 +408,7 @@ class StepRecorder:
             self._next_key += 1
             num_prompt = view.num_prompt_tokens
             num_prompt_hashes = min(num_hashes, num_prompt // self._hash_block_size)
-            program.ops.append(_ADD_REQUEST)
-            program.new_requests.append(
+            write[OpKind.ADD_REQUEST](
                 NewRequestSpec(
                     key=key,
                     request_id=view.request_id,
@@ -416,25 +425,16 @@ class StepRecorder:
         sent_tokens = tracked.num_tokens_sent
         sent_hashes = tracked.num_hashes_sent
         if num_tokens != sent_tokens or num_hashes != sent_hashes:
-            program.ops.append(_APPEND_TOKENS)
-            program.request_keys.append(tracked.key)
-            program.append_num_tokens.append(num_tokens - sent_tokens)
-            program.append_token_ids.extend(tokens[sent_tokens:num_tokens])
-            program.append_num_block_hashes.append(num_hashes - sent_hashes)
-            program.append_block_hashes += b"".join(hashes[sent_hashes:num_hashes])
+            append(tracked.key, tokens[sent_tokens:num_tokens], hashes[sent_hashes:num_hashes])
             tracked.num_tokens_sent = num_tokens
             tracked.num_hashes_sent = num_hashes
         return tracked.key
 
     def _add_allocate(
-        self, program: StepProgram, expected: StepOutcome, key: int, note: tuple[Any, ...]
+        self, program: StepProgram, expected: StepOutcome, index: int, note: tuple[Any, ...]
     ) -> None:
-        num_new_tokens, num_computed, in_flight, hit, slot_options, result = note[6:]
-        index = len(program.alloc_num_new_tokens)
-        program.ops.append(_ALLOCATE)
-        program.request_keys.append(key)
-        program.alloc_num_new_tokens.append(num_new_tokens)
-        program.alloc_num_computed_tokens.append(num_computed)
+        # ALLOCATE number ``index`` (written already): its options and the mirror's answer.
+        in_flight, hit, slot_options, result = note[8:]
         if hit is not None or slot_options is not None or in_flight:
             if hit is None and slot_options is None:
                 # Every decode step of vLLM's async loop: one shared value per in-flight count.
@@ -457,7 +457,8 @@ class StepRecorder:
         if isinstance(result, KVCacheBlocks):
             for blocks in result.blocks:
                 expected.alloc_num_block_ids.append(len(blocks))
-                expected.alloc_block_ids.extend([block.block_id for block in blocks])
+                if blocks:  # a decode step's allocation is mostly empty
+                    expected.alloc_block_ids.extend([block.block_id for block in blocks])
             return
         for ids in result:
             expected.alloc_num_block_ids.append(len(ids))
