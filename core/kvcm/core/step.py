@@ -82,10 +82,6 @@ __all__ = [
     "validate_program",
 ]
 
-_APPEND: Final = int(OpKind.APPEND_TOKENS)
-_ALLOCATE: Final = int(OpKind.ALLOCATE)
-_PREEMPT: Final = int(OpKind.PREEMPT)
-_FINISH: Final = int(OpKind.FINISH)
 _OK: Final = int(ItemStatus.OK)
 _DOES_NOT_FIT: Final = int(ItemStatus.DOES_NOT_FIT)
 _NO_TOKEN_BUDGET: Final = int(ItemStatus.NO_TOKEN_BUDGET)
@@ -186,7 +182,7 @@ def validate_program(pool: Pool, manager: KVCacheManager, program: StepProgram) 
     _, num_keys, counts = _walk(program.ops, lambda kind: _PAIRS[kind][0](v))
     checks.check_consumed(program, num_keys, counts, pool.hashing.hash_length_bytes)
     options_by_index = program.alloc_options
-    num_allocs = counts[_ALLOCATE]
+    num_allocs = counts[OpKind.ALLOCATE]
     if options_by_index and max(options_by_index) >= num_allocs:
         raise InvalidArgumentError(
             f"alloc_options names alloc index {max(options_by_index)} but the Step has "
@@ -314,15 +310,16 @@ def _validate_append(v: checks.Shadow) -> Handler:
     hash_block_size = pool.hashing.hash_block_size if pool.options.enable_caching else 0
     hash_length = pool.hashing.hash_length_bytes
     token_cursor = hash_cursor = 0
+    kind = OpKind.APPEND_TOKENS
 
     def check(op_index: int, k: int, n: int) -> None:
         nonlocal token_cursor, hash_cursor
         if k >= num_keys:
-            raise checks.too_few(op_index, _APPEND, "request_keys")
+            raise checks.too_few(op_index, kind, "request_keys")
         key = keys[k]
-        state = table_get(key) or first_sight(op_index, _APPEND, k, key)
+        state = table_get(key) or first_sight(op_index, kind, k, key)
         if n >= num_appends:
-            raise checks.too_few(op_index, _APPEND, "append_num_tokens")
+            raise checks.too_few(op_index, kind, "append_num_tokens")
         num_tokens = counts_tokens[n]
         num_hashes = counts_hashes[n]
         start = token_cursor
@@ -395,14 +392,15 @@ def _validate_allocate(v: checks.Shadow) -> Handler:
     alloc_new, alloc_computed = program.alloc_num_new_tokens, program.alloc_num_computed_tokens
     num_allocs = min(len(alloc_new), len(alloc_computed))
     max_model_len = v.pool.max_model_len
+    kind = OpKind.ALLOCATE
 
     def check(op_index: int, k: int, n: int) -> None:
         if k >= num_keys:
-            raise checks.too_few(op_index, _ALLOCATE, "request_keys")
+            raise checks.too_few(op_index, kind, "request_keys")
         key = keys[k]
-        state = table_get(key) or first_sight(op_index, _ALLOCATE, k, key)
+        state = table_get(key) or first_sight(op_index, kind, k, key)
         if n >= num_allocs:
-            raise checks.too_few(op_index, _ALLOCATE, "alloc_num_new_tokens")
+            raise checks.too_few(op_index, kind, "alloc_num_new_tokens")
         num_new = alloc_new[n]
         num_computed = alloc_computed[n]
         entry = options_get(n) if options_get is not None else None
@@ -583,21 +581,24 @@ def _execute_skipped(x: _Execution) -> Handler:
 
 # --------------------------------------------------------------------------- PREEMPT, FINISH
 def _validate_free(v: checks.Shadow) -> Handler:
+    ops, state_of, table, discard = v.program.ops, v.state, v.table, v.allocated.discard
+    preempt, holds_no = OpKind.PREEMPT, checks.HOLDS_NO
+
     def check(op_index: int, k: int, n: int) -> None:
-        op = v.program.ops[op_index]
-        key, state = v.state(op_index, op, k)
-        if op == _PREEMPT:
-            state[1] = checks.HOLDS_NO
+        op = ops[op_index]
+        key, state = state_of(op_index, op, k)
+        if op == preempt:
+            state[1] = holds_no
         else:
-            v.table[key] = None
-            v.allocated.discard(key)
+            table[key] = None
+            discard(key)
 
     return check
 
 
 def _execute_free(x: _Execution) -> Handler:
-    free, keys, ops = x.pool.free, x.program.request_keys, x.program.ops
-    return lambda op_index, k, n: free(keys[k], preempt=ops[op_index] == _PREEMPT)
+    free, keys, ops, preempt = x.pool.free, x.program.request_keys, x.program.ops, OpKind.PREEMPT
+    return lambda op_index, k, n: free(keys[k], preempt=ops[op_index] == preempt)
 
 
 # ------------------------------------------------------------------------------ EVICT_BLOCKS
@@ -652,17 +653,17 @@ def _execute_reset(x: _Execution) -> Handler:
 
 _Pair: TypeAlias = tuple[Callable[[checks.Shadow], Handler], Callable[[_Execution], Handler]]
 _PAIRS: Final[dict[int, _Pair]] = {
-    int(OpKind.ADD_REQUEST): (_validate_add, _execute_add),
-    int(OpKind.APPEND_TOKENS): (_validate_append, _execute_append),
-    int(OpKind.ALLOCATE): (_validate_allocate, _execute_allocate),
-    int(OpKind.CACHE_BLOCKS): (_validate_commit, _execute_cache),
-    int(OpKind.REMOVE_SKIPPED_BLOCKS): (_validate_commit, _execute_skipped),
-    int(OpKind.PREEMPT): (_validate_free, _execute_free),
-    int(OpKind.FINISH): (_validate_free, _execute_free),
-    int(OpKind.NEW_STEP_STARTS): (_validate_nothing, _execute_new_step),
-    int(OpKind.EVICT_BLOCKS): (_validate_evict, _execute_evict),
-    int(OpKind.RESET_PREFIX_CACHE): (_validate_nothing, _execute_reset),
-    int(OpKind.RECORD_PREFIX_STATS): (_validate_record, _execute_record),
+    OpKind.ADD_REQUEST: (_validate_add, _execute_add),
+    OpKind.APPEND_TOKENS: (_validate_append, _execute_append),
+    OpKind.ALLOCATE: (_validate_allocate, _execute_allocate),
+    OpKind.CACHE_BLOCKS: (_validate_commit, _execute_cache),
+    OpKind.REMOVE_SKIPPED_BLOCKS: (_validate_commit, _execute_skipped),
+    OpKind.PREEMPT: (_validate_free, _execute_free),
+    OpKind.FINISH: (_validate_free, _execute_free),
+    OpKind.NEW_STEP_STARTS: (_validate_nothing, _execute_new_step),
+    OpKind.EVICT_BLOCKS: (_validate_evict, _execute_evict),
+    OpKind.RESET_PREFIX_CACHE: (_validate_nothing, _execute_reset),
+    OpKind.RECORD_PREFIX_STATS: (_validate_record, _execute_record),
 }
 """Per op kind, its validate and execute handlers' makers (one row per op table row)."""
 assert set(_PAIRS) == set(OP_TABLE), "every op kind has a validate and an execute handler"

@@ -58,16 +58,8 @@ __all__ = [
     "verify_append",
 ]
 
-_ADD: Final = int(OpKind.ADD_REQUEST)
-_APPEND: Final = int(OpKind.APPEND_TOKENS)
-_ALLOCATE: Final = int(OpKind.ALLOCATE)
-_CACHE: Final = int(OpKind.CACHE_BLOCKS)
-_EVICT: Final = int(OpKind.EVICT_BLOCKS)
-_RECORD: Final = int(OpKind.RECORD_PREFIX_STATS)
 # The kinds that can evict cached blocks (a caller's hit is then checked when it runs).
-_EVICTING: Final = frozenset(
-    {int(OpKind.ALLOCATE), int(OpKind.EVICT_BLOCKS), int(OpKind.RESET_PREFIX_CACHE)}
-)
+_EVICTING: Final = frozenset({OpKind.ALLOCATE, OpKind.EVICT_BLOCKS, OpKind.RESET_PREFIX_CACHE})
 # Shadow "holds blocks" states: unknown (ask the core), no, yes, maybe (allocated in this
 # program: it may not have fit).
 _UNKNOWN: Final = -1
@@ -240,18 +232,21 @@ def check_append_slow(  # noqa: PLR0917 (private helper)
         raise reject(
             InvalidArgumentError(f"append_num_block_hashes[{n_append}] must be >= 0"),
             op_index,
-            _APPEND,
+            OpKind.APPEND_TOKENS,
             f"append_num_block_hashes[{n_append}]",
         )
     if num_tokens < 0:
         raise reject(
-            InvalidArgumentError(f"{field} must be > 0, got {num_tokens}"), op_index, _APPEND, field
+            InvalidArgumentError(f"{field} must be > 0, got {num_tokens}"),
+            op_index,
+            OpKind.APPEND_TOKENS,
+            field,
         )
     if short:
         raise reject(
             InvalidArgumentError("append_token_ids or append_block_hashes is too short"),
             op_index,
-            _APPEND,
+            OpKind.APPEND_TOKENS,
             field,
         )
     try:
@@ -259,7 +254,7 @@ def check_append_slow(  # noqa: PLR0917 (private helper)
             v.pool, key, num_tokens, num_hashes, num_before=before, hashes_before=hashes_before
         )
     except InvalidArgumentError as exc:
-        raise reject(exc, op_index, _APPEND, field) from None
+        raise reject(exc, op_index, OpKind.APPEND_TOKENS, field) from None
 
 
 def check_append(
@@ -328,7 +323,7 @@ def verify_append(  # noqa: PLR0917 (private helper)
                 f"request key {request.request_id}: block_hashes differ from the server's"
             ),
             op_index,
-            _APPEND,
+            OpKind.APPEND_TOKENS,
             f"append_block_hashes[{n_append}]",
         )
 
@@ -349,7 +344,7 @@ def check_allocate(  # noqa: PLR0917 (private helper)
     max_model_len = v.pool.max_model_len
 
     def fail(message: str, field: str, error: type[KVCMError] = InvalidArgumentError) -> KVCMError:
-        return reject(error(message), op_index, _ALLOCATE, field)
+        return reject(error(message), op_index, OpKind.ALLOCATE, field)
 
     if num_computed < 0:
         raise fail(
@@ -429,7 +424,7 @@ def _check_adoption(  # noqa: PLR0917 (private helper)
     try:
         check_hit(v.pool, v.manager, request, entry.hit, state[0], cache=not deferred)
     except KVCMError as exc:
-        raise reject(exc, op_index, _ALLOCATE, f"alloc_options[{index}].hit") from None
+        raise reject(exc, op_index, OpKind.ALLOCATE, f"alloc_options[{index}].hit") from None
     if deferred:
         v.deferred_hits.add(index)
     return entry.hit.num_tokens
@@ -571,20 +566,20 @@ def check_add(v: Shadow, op_index: int, n_add: int) -> None:
     """ADD_REQUEST number ``n_add``: a key not live, a valid prompt (and hashes)."""
     program = v.program
     if n_add >= len(program.new_requests):
-        raise too_few(op_index, _ADD, "new_requests")
+        raise too_few(op_index, OpKind.ADD_REQUEST, "new_requests")
     new = program.new_requests[n_add]
     field = f"new_requests[{n_add}]"
     key = new.key
     live = v.table[key] is not None if key in v.table else key in v.pool.requests
     if live:
         error = AlreadyExistsError(v.pool.live_key_message(key))
-        raise reject(error, op_index, _ADD, field)
+        raise reject(error, op_index, OpKind.ADD_REQUEST, field)
     try:
         check_new_request(v.pool, new.key, new.prompt_token_ids, new.block_hashes, new.lora_id)
     except InvalidArgumentError as exc:
-        raise reject(exc, op_index, _ADD, field) from None
+        raise reject(exc, op_index, OpKind.ADD_REQUEST, field) from None
     if key < 0:
-        raise reject(InvalidArgumentError("key must be >= 0"), op_index, _ADD, field)
+        raise reject(InvalidArgumentError("key must be >= 0"), op_index, OpKind.ADD_REQUEST, field)
     if v.verify and new.block_hashes:
         size = v.pool.hashing.hash_length_bytes
         raw = new.block_hashes
@@ -594,7 +589,7 @@ def check_add(v: Shadow, op_index: int, n_add: int) -> None:
             raise reject(
                 InvalidArgumentError(f"request key {key}: block_hashes differ from the server's"),
                 op_index,
-                _ADD,
+                OpKind.ADD_REQUEST,
                 field,
             )
     request = Request(
@@ -651,13 +646,13 @@ def check_evict(v: Shadow, op_index: int, n: int, start: int) -> int:
     (not the null block). Returns how many ids it takes."""
     program = v.program
     if n >= len(program.evict_num_block_ids):
-        raise too_few(op_index, _EVICT, "evict_num_block_ids")
+        raise too_few(op_index, OpKind.EVICT_BLOCKS, "evict_num_block_ids")
     count = program.evict_num_block_ids[n]
     if count < 0 or start + count > len(program.evict_block_ids):
         raise reject(
             InvalidArgumentError("evict_block_ids is too short"),
             op_index,
-            _EVICT,
+            OpKind.EVICT_BLOCKS,
             f"evict_num_block_ids[{n}]",
         )
     num_blocks = v.manager.block_pool.num_gpu_blocks
@@ -669,7 +664,7 @@ def check_evict(v: Shadow, op_index: int, n: int, start: int) -> int:
                     f"evict_block_ids[{position}]={block_id} is outside [1, {num_blocks})"
                 ),
                 op_index,
-                _EVICT,
+                OpKind.EVICT_BLOCKS,
                 f"evict_block_ids[{position}]",
             )
     return count
@@ -701,7 +696,7 @@ def check_commit(v: Shadow, op_index: int, op: int, k: int, index: int) -> None:
             op,
             f"request_keys[{k}]",
         )
-    if op == _CACHE and holds == HOLDS_YES and key not in v.allocated:
+    if op == OpKind.CACHE_BLOCKS and holds == HOLDS_YES and key not in v.allocated:
         request = state[4]
         assert isinstance(request, Request)
         if int(state[2]) == len(request.block_hashes):
@@ -713,10 +708,10 @@ def check_commit(v: Shadow, op_index: int, op: int, k: int, index: int) -> None:
 
 def check_record(v: Shadow, op_index: int, k: int, index: int) -> None:
     """RECORD_PREFIX_STATS number ``index``: a live request, a hit of at most its tokens."""
-    _, state = v.state(op_index, _RECORD, k)
+    _, state = v.state(op_index, OpKind.RECORD_PREFIX_STATS, k)
     column = v.program.record_hit_tokens
     if index >= len(column):
-        raise too_few(op_index, _RECORD, "record_hit_tokens")
+        raise too_few(op_index, OpKind.RECORD_PREFIX_STATS, "record_hit_tokens")
     value = column[index]
     num_tokens = state[0]
     if not 0 <= value <= num_tokens:
@@ -726,7 +721,7 @@ def check_record(v: Shadow, op_index: int, k: int, index: int) -> None:
                 "request's tokens)"
             ),
             op_index,
-            _RECORD,
+            OpKind.RECORD_PREFIX_STATS,
             f"record_hit_tokens[{index}]",
         )
 
