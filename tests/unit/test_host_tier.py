@@ -263,3 +263,23 @@ def test_pending_stores_pins_and_bad_input() -> None:
     assert host.reset()
     assert host.keys() == {}
     assert host.num_free == 2
+
+
+def test_a_host_hit_the_tier_does_not_hold_is_refused_before_any_change() -> None:
+    pool = _pool(32)
+    prompt = list(range(1000, 1064))
+    _run(pool, 1, prompt)
+    pool.free(1, preempt=False)
+    _flood(pool, 2, 15, 5000)
+    _add(pool, 3, [*prompt, *range(7000, 7016)])
+    hit, num_host = pool.lookup_tiers(3)
+    assert num_host == 64
+    before = pool.state_fingerprint()
+    for bad in (80, 40):  # past what the tier holds; not whole blocks
+        with pytest.raises(InvalidArgumentError) as info:
+            pool.admit_with_host(3, 80 - bad, looked_up=(hit, bad))
+        assert info.value.field == "num_host_hit_tokens"
+    assert pool.state_fingerprint() == before
+    admission = pool.admit_with_host(3, 16, looked_up=(hit, num_host))
+    assert admission is not None
+    assert admission.num_host_hit_tokens == 64

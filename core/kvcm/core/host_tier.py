@@ -40,6 +40,7 @@ Everything here is pure and deterministic: no I/O, no clocks.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -192,7 +193,9 @@ class HostTier:
         self.medium = medium
         self._where: dict[BlockHashWithGroupId, int] = {}
         self._key_of: dict[int, BlockHashWithGroupId] = {}
-        self._order: dict[BlockHashWithGroupId, None] = {}
+        # An OrderedDict: a plain dict walked from the front after many deletions there skips
+        # their dead slots (O(deleted) per walk); this one's links make it O(1).
+        self._order: OrderedDict[BlockHashWithGroupId, None] = OrderedDict()
         self._num_evictable = 0
         self._pins: dict[int, int] = {}
         self._pending: set[BlockHashWithGroupId] = set()
@@ -328,10 +331,10 @@ class HostTier:
     def touch(self, keys: Sequence[BlockHashWithGroupId]) -> None:
         """Mark keys (a request's, head first) used: the head ends most recent."""
         order = self._order
+        move = order.move_to_end
         for key in reversed(keys):
             if key in order:
-                del order[key]
-                order[key] = None
+                move(key)
 
     def demote(self, key: BlockHashWithGroupId, device_block_id: int) -> int | None:
         """Keep an evicted device block's key: the host block it is copied to, or ``None``.
@@ -341,8 +344,7 @@ class HostTier:
         """
         if key in self._where:
             self._counters["demotions_present"] += 1
-            del self._order[key]
-            self._order[key] = None
+            self._order.move_to_end(key)
             return None
         host_id = self._take_block(())
         if host_id is None:
@@ -812,28 +814,27 @@ def admit_with_host_hit(
     """
     from kvcm.core.manager import SlotOptions
 
-    if num_host_hit_tokens:
-        available = host_hit_tokens(
-            manager,
-            host,
-            request,
-            hit.num_computed_tokens,
-            hit.num_computed_tokens + num_host_hit_tokens,
-        )
-        if available < num_host_hit_tokens:
-            raise InvalidArgumentError(
-                f"num_host_hit_tokens {num_host_hit_tokens} exceeds the host tier's hit "
-                f"{available}",
-                field="num_host_hit_tokens",
-            )
-    end = hit.num_computed_tokens + num_host_hit_tokens
+    start_tokens = hit.num_computed_tokens
+    end = start_tokens + num_host_hit_tokens
     group_keys: list[tuple[int, list[BlockHashWithGroupId]]] = []
     if num_host_hit_tokens:
+        # Whole blocks of every group, within the request's hashes, all held ready.
+        fits = _host_capable(manager) and end <= len(request.block_hashes) * manager.hash_block_size
         for group_id, single in enumerate(manager.coordinator.single_type_managers):
-            start = hit.num_computed_tokens // single.block_size
-            stop = end // single.block_size
-            group_keys.append(
-                (single.block_size, _group_keys(manager, request, group_id, start, stop))
+            size = single.block_size
+            if not fits or start_tokens % size or end % size:
+                fits = False
+                break
+            keys = _group_keys(manager, request, group_id, start_tokens // size, end // size)
+            if host.match_prefix(keys) < len(keys):
+                fits = False
+                break
+            group_keys.append((size, keys))
+        if not fits:
+            raise InvalidArgumentError(
+                f"num_host_hit_tokens {num_host_hit_tokens} after a device hit of "
+                f"{start_tokens} is not a run of whole blocks the host tier holds",
+                field="num_host_hit_tokens",
             )
     options = SlotOptions(num_external_computed_tokens=num_host_hit_tokens)
     # The allocation may evict device blocks, whose demotions must not evict the host

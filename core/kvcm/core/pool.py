@@ -629,21 +629,25 @@ class Pool:
         hit = manager.get_computed_blocks(request)
         return hit, host_hit_tokens(manager, host, request, hit.num_computed_tokens)
 
-    def admit_with_host(self, key: int, num_new_tokens: int) -> HostAdmission | None:
-        """Admit a waiting request with its device hit and its host hit (one call).
+    def admit_with_host(
+        self, key: int, num_new_tokens: int, *, looked_up: tuple[CacheHit, int] | None = None
+    ) -> HostAdmission | None:
+        """Admit a waiting request with its device hit and its host hit.
 
-        The host tokens come back as host-to-device copies; the request is RUNNING with
-        both hits computed. ``None`` when it does not fit.
+        ``looked_up`` is what ``lookup_tiers`` answered just before (else it is looked up
+        here). The host tokens come back as host-to-device copies; the request is RUNNING
+        with both hits computed. ``None`` when it does not fit.
 
         Raises:
             FailedPreconditionError: The pool has no host tier, or the request holds blocks.
             NotFoundError: Unknown key.
+            InvalidArgumentError: The host hit is not whole blocks the tier holds.
         """
         manager, host = self._host()
         request = self.request(key)
         if manager.holds_blocks(request.request_id):
             raise FailedPreconditionError(f"request key {key} holds blocks already")
-        hit, num_host = self.lookup_tiers(key)
+        hit, num_host = self.lookup_tiers(key) if looked_up is None else looked_up
         request.num_computed_tokens = 0
         admission = admit_with_host_hit(
             manager, host, request, num_new_tokens, hit=hit, num_host_hit_tokens=num_host
