@@ -253,7 +253,7 @@ def bench_lookups(
         ]
 
     warm = LookupQuery(token_ids=[1, 2, 3])
-    server.call(core(warm, warm))  # indexes every pool
+    server.call(core(warm, warm), timeout=3600)  # indexes every pool (O(10M keys) on a 2-core VM)
     for values in (*timings.values(), *cpu_timings.values()):
         values.clear()
     with SchedulerClient(server.grpc_address, timeout=60) as client, frozen_gc():
@@ -372,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--pools", type=int, default=1000)
     parser.add_argument("--blocks-per-pool", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=30, help="timed lookups per prompt size")
+    parser.add_argument("--repeats", type=int, default=100, help="timed lookups per prompt size")
     parser.add_argument("--no-vllm", action="store_true", help="kvcm figures only")
     parser.add_argument("--no-events", action="store_true", help="skip the ZMQ stream rows")
     parser.add_argument("--seed", type=int, default=0)
