@@ -310,4 +310,5 @@ def test_openapi_schema_lists_the_routes(http: httpx.Client) -> None:
         "/v1/pools/{pool}",
         "/v1/pools/{pool}/events",
         "/v1/lookup",
+        "/v1/pd/route",
     }
