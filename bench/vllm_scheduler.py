@@ -28,6 +28,7 @@ close until the server's copy equals the mirror's.
     python bench/vllm_scheduler.py              # N = 8, 64, 256, full and hybrid (~3 min)
     python bench/vllm_scheduler.py --running 64 --kinds full --steps 200
     python bench/vllm_scheduler.py --lag        # the lag figures only
+    python bench/vllm_scheduler.py --no-lag     # the per-step table only
     python bench/vllm_scheduler.py --mode remote --running 8 64 --kinds full --steps 100
 
 Targets (issue 22): mirror median <= 0.9x vLLM's everywhere (aim 0.8x).
@@ -357,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
         help="kvcm's mode (remote: a round trip per allocate_slots; no lag figures)",
     )
     parser.add_argument("--lag-steps", type=int, default=400)
+    parser.add_argument("--no-lag", action="store_true", help="the per-step table only")
     args = parser.parse_args(argv)
     if import_vllm("vllm.v1.engine.core") is None:
         raise SystemExit("vLLM 0.33 is needed for this benchmark (see bench/_common.py)")
@@ -371,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
             _print_rows(rows, args.sync, args.mode)
         if args.mode == "remote":
             return  # the server acknowledges each answer: it never lags
-        for n in (8, 256):
+        for n in () if args.no_lag else (8, 256):
             for period_s in (0.0, 0.01):
                 print(lag(n, args.lag_steps, period_s, target, args.sync), flush=True)
 
