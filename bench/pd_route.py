@@ -19,13 +19,20 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import frozen_gc, kvcm_server, p99
 
-from kvcm.client import LookupQuery, PdRouteQuery, PdScope, PoolConfig, SchedulerClient
+from kvcm.client import (
+    HeldRequest,
+    LookupQuery,
+    PdRouteQuery,
+    PdScope,
+    PoolConfig,
+    SchedulerClient,
+)
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec
@@ -43,28 +50,38 @@ def _config(num_blocks: int, role: str) -> PoolConfig:
     return PoolConfig(max_model_len=32768, explicit_layout=layout, labels={"role": role})
 
 
-def _cache(client: SchedulerClient, pool_id: str, key: int, prompt: list[int]) -> None:
+def _cache(
+    client: SchedulerClient, pool_id: str, key: int, prompt: list[int], *, hold: bool = False
+) -> None:
+    """Serve ``prompt`` on the pool; ``hold``: keep its blocks (a decode engine's held
+    request, id ``h<key>``), else free them (cached)."""
     hashes = client.block_hasher(pool_id).hash_token_ids(prompt)
-    client.add_request(pool_id, key, prompt, hashes)
+    client.add_request(pool_id, key, prompt, hashes, request_id=f"h{key}")
     hit = client.get_computed_blocks(pool_id, key)
     client.allocate_slots(
         pool_id, key, len(prompt) - hit.num_computed_tokens, hit.num_computed_tokens, hit=hit
     )
-    client.free(pool_id, key)
+    if not hold:
+        client.free(pool_id, key)
 
 
-def _row(name: str, run: Callable[[], object], samples: int) -> None:
-    for _ in range(5):
-        run()
-    times = []
+def _rows(rows: Sequence[tuple[str, Callable[[], object]]], samples: int) -> None:
+    """Time every row, samples interleaved (row 1, row 2, ..., row 1, ...) so that the
+    machine's drift hits them alike; print each row's median and p99."""
+    for _, run in rows:
+        for _ in range(5):
+            run()
+    times: list[list[float]] = [[] for _ in rows]
     with frozen_gc():
         for _ in range(samples):
-            started = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - started)
-    times.sort()
-    median, tail = statistics.median(times) * 1e3, p99(times) * 1e3
-    print(f"{name:<52} median {median:7.2f} ms   p99 {tail:7.2f} ms", flush=True)
+            for index, (_, run) in enumerate(rows):
+                started = time.perf_counter()
+                run()
+                times[index].append(time.perf_counter() - started)
+    for (name, _), taken in zip(rows, times, strict=True):
+        taken.sort()
+        median, tail = statistics.median(taken) * 1e3, p99(taken) * 1e3
+        print(f"{name:<52} median {median:7.2f} ms   p99 {tail:7.2f} ms", flush=True)
 
 
 def main() -> int:
@@ -91,8 +108,13 @@ def main() -> int:
             _cache(client, pool_id, 1, system)
         for pool_id in decode:
             client.create_pool(pool_id, _config(blocks, "decode"))
+        held = []
         for index, history in enumerate(histories):
-            _cache(client, decode[index % len(decode)], index + 2, history)
+            pool_id = decode[index % len(decode)]
+            hold = index % 4 == 0  # a quarter of the conversations still held for a pull
+            _cache(client, pool_id, index + 2, history, hold=hold)
+            if hold:
+                held.append(HeldRequest(pool_id, f"h{index + 2}"))
         print(
             f"{args.prefill} prefill + {args.decode} decode pools of {blocks} blocks; "
             f"{args.conversations} conversations of {args.prompt_tokens} tokens cached; "
@@ -107,7 +129,9 @@ def main() -> int:
         def next_turn() -> list[int]:
             return rng.choice(turns)
 
-        def route(bidirectional: bool, hashed: bool) -> Callable[[], object]:
+        def route(
+            bidirectional: bool, hashed: bool, with_held: bool = False
+        ) -> Callable[[], object]:
             def run() -> object:
                 index = rng.randrange(len(turns))
                 if hashed:
@@ -122,6 +146,7 @@ def main() -> int:
                         prefill=PdScope(labels={"role": "prefill"}),
                         decode=PdScope(labels={"role": "decode"}),
                         bidirectional=bidirectional,
+                        held=held if with_held else (),
                     )
                 )
                 assert answer.decode_hit_tokens >= args.prompt_tokens - BLOCK
@@ -132,10 +157,19 @@ def main() -> int:
         def lookup() -> object:
             return client.lookup(LookupQuery(token_ids=next_turn(), labels={"role": "decode"}))
 
-        _row("RoutePd, token prompt", route(False, False), args.samples)
-        _row("RoutePd, token prompt, bidirectional", route(True, False), args.samples)
-        _row("RoutePd, hashed prompt", route(False, True), args.samples)
-        _row("Lookup over the decode pools, token prompt", lookup, args.samples)
+        _rows(
+            [
+                ("RoutePd, token prompt", route(False, False)),
+                ("RoutePd, token prompt, bidirectional", route(True, False)),
+                (
+                    f"RoutePd, token prompt, bidirectional, {len(held)} held",
+                    route(True, False, with_held=True),
+                ),
+                ("RoutePd, hashed prompt", route(False, True)),
+                ("Lookup over the decode pools, token prompt", lookup),
+            ],
+            args.samples,
+        )
     return 0
 
 
