@@ -457,6 +457,8 @@ class TransferFabric:
         self.log: list[tuple[int, str, str, str]] = []
         self._notifs: dict[str, list[str]] = {}
         self._heartbeats: dict[str, set[str]] = {}
+        # (engine id, request id) -> the turn the engine's lease on the request's blocks ends.
+        self.deadlines: dict[tuple[str, str], int] = {}
 
     def notify(self, engine_id: str, request_id: str) -> None:
         """Tell the producer ``engine_id`` its request's blocks were read (or are not needed)."""
@@ -507,7 +509,7 @@ class SimulatedNixl:
         notifs, heartbeats = fabric.take(self.engine_id)
         for req_id in heartbeats:
             if req_id in self._to_send:
-                self._to_send[req_id] = max(self._to_send[req_id], now + fabric.turns(self.lease_s))
+                self._hold(req_id, max(self._to_send[req_id], now + fabric.turns(self.lease_s)))
         sending: set[str] = set()
         for req_id in notifs:
             if req_id in self._to_send or req_id in self._to_process:
@@ -538,6 +540,13 @@ class SimulatedNixl:
             remote = meta.remote
             if meta.awaiting_kvs or any(meta.local_block_ids):
                 self._recving[req_id] = (now + fabric.pull_turns, meta)
+                deadline = fabric.deadlines.get((remote.engine_id, remote.request_id))
+                if deadline is not None and now >= deadline:
+                    # NIXL declines a read of blocks whose holder's lease (a decode engine's
+                    # TTL under bidirectional transfers) ran out: a failed load.
+                    fabric.failures[req_id] = "fail"
+                    fabric.log.append((now, "declined-expired", self.engine_id, req_id))
+                    continue
                 fabric.log.append((now, "pull", self.engine_id, req_id))
             else:
                 # A full local hit or an abort: the producer may free its blocks.
@@ -547,9 +556,13 @@ class SimulatedNixl:
         self._to_process -= set(metadata.reqs_not_processed)
         for req_id, expiry in metadata.reqs_to_send.items():
             if req_id in self._to_process:
-                self._to_send[req_id] = now + fabric.turns(expiry - metadata.scheduler_clock)
+                self._hold(req_id, now + fabric.turns(expiry - metadata.scheduler_clock))
         for engine_id, info in metadata.heartbeat_by_engine.items():
             fabric.heartbeat(engine_id, set(info.req_ids))
+
+    def _hold(self, req_id: str, deadline: int) -> None:
+        self._to_send[req_id] = deadline
+        self.fabric.deadlines[(self.engine_id, req_id)] = deadline
 
     def _finish_pulls(self, now: int) -> tuple[set[str], set[str], set[int]]:
         fabric = self.fabric

@@ -78,6 +78,7 @@ class Conversation:
             decode engine), ``"abort-before-schedule"`` (sent and aborted before the decode
             engine schedules it), ``"fail"`` / an int (the decode engine's pull fails, wholly
             or from that block on).
+        delays: Per turn index: driver turns the user takes before sending it.
     """
 
     conv_id: str
@@ -85,11 +86,13 @@ class Conversation:
     user_turns: list[tuple[int, ...]]
     max_tokens: int = 6
     faults: dict[int, str | int] = field(default_factory=dict)
+    delays: dict[int, int] = field(default_factory=dict)
     # The proxy's state.
     history: tuple[int, ...] = ()
     turn: int = 0
     next_at: int = 0
     pending: RequestPlan | None = None
+    decoded_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -100,6 +103,7 @@ class PdTally:
     prefill_batches: int = 0
     decode_batches: int = 0
     pulls: int = 0
+    prefill_pulls: int = 0
     pull_tokens: int = 0
     local_hit_tokens: int = 0
     events: int = 0
@@ -132,13 +136,31 @@ def _connector_meta(batch: Any) -> Any:
     }
 
 
+def _without_deadlines(outputs: Any) -> Any:
+    # A decode engine's bidirectional answer carries its blocks' expiry as a wall-clock value
+    # (perf_counter); keep whether it is set.
+    for client_outputs in (outputs or {}).values():
+        for output in client_outputs["outputs"]:
+            params = output.get("kv_transfer_params")
+            if params and params.get("remote_blocks_expiry_time") is not None:
+                params["remote_blocks_expiry_time"] = "set"
+    return outputs
+
+
 class PdCluster:
     """A prefill engine, a decode engine, their fabric, and the proxy between them."""
 
-    def __init__(self, prefill: Engine, decode: Engine, fabric: TransferFabric) -> None:
+    def __init__(
+        self,
+        prefill: Engine,
+        decode: Engine,
+        fabric: TransferFabric,
+        bidirectional: bool = False,
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.fabric = fabric
+        self.bidirectional = bidirectional
         self.decoded: dict[str, list[int]] = {}
         self.aborts: dict[int, str] = {}  # driver turn -> decode request to abort then
 
@@ -150,7 +172,7 @@ class PdCluster:
         return {
             "scheduled": plain(batches),
             "connector": [_connector_meta(b) for b in batches],
-            "outputs": plain(outputs),
+            "outputs": _without_deadlines(plain(outputs)),
             "executed": executed,
             "events": plain(engine.take_events()),
         }
@@ -158,7 +180,14 @@ class PdCluster:
     def run(self, conversations: list[Conversation], max_turns: int = 600) -> Iterator[Any]:
         """Drive the conversations to their end; one record per driver turn."""
         convs = [
-            Conversation(c.conv_id, c.arrival, list(c.user_turns), c.max_tokens, dict(c.faults))
+            Conversation(
+                c.conv_id,
+                c.arrival,
+                list(c.user_turns),
+                c.max_tokens,
+                dict(c.faults),
+                dict(c.delays),
+            )
             for c in conversations
         ]
         for conv in convs:
@@ -209,9 +238,12 @@ class PdCluster:
         request_id = f"{conv.conv_id}-{conv.turn}"
         prompt = conv.history + conv.user_turns[conv.turn]
         by_request[request_id] = conv
-        self.prefill.add(
-            RequestPlan(turn, request_id, prompt, 1, kv_transfer_params=PREFILL_PARAMS)
-        )
+        params = PREFILL_PARAMS
+        if self.bidirectional and conv.decoded_params is not None:
+            # vLLM's bidirectional flow: the decode engine kept the last turn's blocks and
+            # answered where they are; the prefill engine may pull them.
+            params = {**conv.decoded_params, "do_remote_decode": True, "do_remote_prefill": False}
+        self.prefill.add(RequestPlan(turn, request_id, prompt, 1, kv_transfer_params=params))
         conv.next_at = -1
 
     def _take_prefill(
@@ -245,16 +277,17 @@ class PdCluster:
                     continue
                 conv = by_request[output.request_id]
                 conv.history = conv.history + conv.user_turns[conv.turn] + tuple(generated)
+                conv.decoded_params = output.kv_transfer_params
                 self._end_turn(conv, turn + 1)
 
     @staticmethod
     def _end_turn(conv: Conversation, next_at: int) -> None:
         conv.turn += 1
-        conv.next_at = next_at
+        conv.next_at = next_at + conv.delays.get(conv.turn, 0)
 
 
 # ----------------------------------------------------------------------------- building
-def _setup(role: str, fabric: TransferFabric, engine_async: bool, **extra: Any) -> Setup:
+def _setup(role: str, fabric: TransferFabric, engine_async: bool, extra: dict[str, Any]) -> Setup:
     return Setup(
         num_blocks=96,
         max_model_len=1024,
@@ -277,16 +310,26 @@ def build_cluster(
     config: dict[str, Any] | None = None,
     *,
     pull_turns: int = 1,
+    bidirectional: bool = False,
 ) -> PdCluster:
     """A prefill and a decode engine on one fabric; ``scheduler``: kvcm's (sync, async) pair,
-    ``None`` for vLLM's; ``config``: the engines' ``additional_config`` per role."""
+    ``None`` for vLLM's; ``config``: the engines' ``additional_config`` per role;
+    ``bidirectional``: vLLM's ``bidirectional_kv_xfer`` (the prefill engine pulls what the
+    decode engine kept of the last turn)."""
     fabric = TransferFabric(pull_turns=pull_turns, seconds_per_turn=LEASE_S / LEASE_TURNS)
+    extra: dict[str, Any] = {}
+    if bidirectional:
+        extra = {
+            "bidirectional_kv_xfer": True,
+            "decoder_kv_blocks_ttl": LEASE_S * 2,  # 16 turns
+            "kv_recompute_threshold": 8,
+        }
     engines = []
     for role in ("prefill", "decode"):
         cls = None if scheduler is None else scheduler[1 if engine_async else 0]
-        extra = None if config is None else config[role]
-        engines.append(build_engine(_setup(role, fabric, engine_async), cls, extra))
-    return PdCluster(engines[0], engines[1], fabric)
+        additional = None if config is None else config[role]
+        engines.append(build_engine(_setup(role, fabric, engine_async, extra), cls, additional))
+    return PdCluster(engines[0], engines[1], fabric, bidirectional)
 
 
 def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
@@ -349,6 +392,23 @@ def scenario(name: str, seed: int = 0) -> list[Conversation]:
             )
             for i in range(4)
         ]
+    if name == "bidirectional":
+        # Multi-turn with bidirectional transfers: each next turn's prefill pulls the history
+        # the decode engine kept (one user pauses, within the decode engine's TTL); one decode
+        # pull fails. (Not a failed prefill-side pull: vLLM 0.33 then matches the same remote
+        # tokens again on the recompute and waits for a pull that never starts.)
+        return [
+            Conversation(
+                f"c{i}",
+                i * 3,
+                [system + _tokens(rng, 24)]
+                + [_tokens(rng, rng.randrange(4, 30)) for _ in range(2)],
+                max_tokens=rng.choice((12, 17)),
+                faults={1: "fail"} if i == 2 else {},
+                delays={2: LEASE_TURNS} if i == 1 else {},
+            )
+            for i in range(4)
+        ]
     if name == "all":
         # Every scenario at once, staggered, on the same two engines.
         mixed: list[Conversation] = []
@@ -377,6 +437,8 @@ def _count(tally: PdTally, p_record: Any, d_record: Any) -> None:
     tally.prefill_batches += len(p_record["scheduled"])
     tally.decode_batches += len(d_record["scheduled"])
     tally.events += len(p_record["events"]) + len(d_record["events"])
+    for meta in p_record["connector"]:
+        tally.prefill_pulls += sum(v[2] for v in (meta or {}).get("recv", {}).values())
     for meta in d_record["connector"]:
         for local, computed, awaiting, *_ in (meta or {}).get("recv", {}).values():
             if awaiting:
@@ -453,17 +515,25 @@ def test_pd_flow_on_kvcm_equals_vllm(
     name: str, mode: str, engine_async: bool, server: EmbeddedServer
 ) -> None:
     """Every turn of both engines equals vLLM's; the pools end equal and empty of requests."""
+    check_pd_flow(name, mode, engine_async, server)
+
+
+def check_pd_flow(name: str, mode: str, engine_async: bool, server: EmbeddedServer) -> PdTally:
+    """Run scenario ``name`` on vLLM's and kvcm's clusters; check every turn and the ends."""
     from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
 
     conversations = scenario(name, seed=len(name))
+    bidirectional = name == "bidirectional"
     suffix = f"{name}-{mode}-{'async' if engine_async else 'sync'}"
     pools = {role: f"pd-{role}-{suffix}" for role in ("prefill", "decode")}
     config = {
         role: {"kvcm": {"address": server.grpc_address, "pool_id": pool, "mode": mode}}
         for role, pool in pools.items()
     }
-    reference = build_cluster(engine_async, None)
-    kvcm = build_cluster(engine_async, (KvcmScheduler, KvcmAsyncScheduler), config)
+    reference = build_cluster(engine_async, None, bidirectional=bidirectional)
+    kvcm = build_cluster(
+        engine_async, (KvcmScheduler, KvcmAsyncScheduler), config, bidirectional=bidirectional
+    )
     try:
         tally = assert_same_pd_runs(reference, kvcm, conversations)
         for role, ref_engine, kvcm_engine in zip(
@@ -502,3 +572,7 @@ def test_pd_flow_on_kvcm_equals_vllm(
         assert tally.fabric.get("release", 0) >= 2
     if "lease-expiry" in covers:
         assert tally.fabric.get("lease-expired", 0) >= 2
+    if bidirectional:
+        # Prefill engines pulled what the decode engine kept of the conversations.
+        assert tally.prefill_pulls >= 8
+    return tally
