@@ -283,3 +283,46 @@ def test_a_host_hit_the_tier_does_not_hold_is_refused_before_any_change() -> Non
     admission = pool.admit_with_host(3, 16, looked_up=(hit, num_host))
     assert admission is not None
     assert admission.num_host_hit_tokens == 64
+
+
+def test_the_servers_metrics_read_the_tier() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvcm.core.pool import PoolRegistry
+    from kvcm.server.http import KVCMCollector
+    from kvcm.server.telemetry import RpcStats
+
+    registry = PoolRegistry()
+    pool = registry.create(
+        "p",
+        PoolConfig(max_model_len=512, explicit_layout=LAYOUT, host_tier_bytes=32 * BLOCK_BYTES),
+    )
+    registry.create("plain", PoolConfig(max_model_len=512, explicit_layout=LAYOUT))
+    prompt = list(range(1000, 1064))
+    _run(pool, 1, prompt)
+    pool.free(1, preempt=False)
+    _flood(pool, 2, 15, 5000)
+    _add(pool, 3, [*prompt, *range(7000, 7016)])
+    assert pool.admit_with_host(3, 16) is not None
+    pool.request(3).num_computed_tokens = 80
+    assert pool.swap_out(3) is not None
+    prometheus = CollectorRegistry(auto_describe=False)
+    prometheus.register(KVCMCollector(registry, RpcStats()))
+    text = generate_latest(prometheus).decode()
+    samples = {
+        (s.name, s.labels["pool"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("kvcm_host_tier")
+    }
+    stats = pool.host_tier.stats()  # type: ignore[union-attr]
+    assert samples["kvcm_host_tier_blocks", "p"] == 32
+    assert samples["kvcm_host_tier_used_blocks", "p"] == stats.num_used
+    assert samples["kvcm_host_tier_hit_tokens_total", "p"] == 64
+    assert samples["kvcm_host_tier_demoted_blocks_total", "p"] == stats.demotions
+    assert samples["kvcm_host_tier_loaded_blocks_total", "p"] == 4
+    assert samples["kvcm_host_tier_swap_outs_total", "p"] == 1
+    assert samples["kvcm_host_tier_swap_ins_total", "p"] == 0
+    assert samples["kvcm_host_tier_blocks", "plain"] == 0
+    assert samples["kvcm_host_tier_demoted_blocks_total", "plain"] == 0

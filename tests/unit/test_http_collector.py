@@ -40,6 +40,14 @@ class Snapshot:
     epoch: int = 1
     last_step_seq: int = 0
     scheduler_lease_s: float = 0.0
+    host_tier_blocks: int = 64
+    host_tier_used_blocks: int = 48
+    host_tier_hit_tokens: int = 320
+    host_tier_demoted_blocks: int = 30
+    host_tier_loaded_blocks: int = 20
+    host_tier_evicted_blocks: int = 5
+    host_tier_swap_outs: int = 3
+    host_tier_swap_ins: int = 2
 
 
 class Pool:
@@ -93,6 +101,14 @@ def test_pool_snapshot_fields_become_series_per_pool() -> None:
     assert samples["kvcm_allocations_not_fit_total", a] == 2
     assert samples["kvcm_registered_workers", a] == 1
     assert samples["kvcm_pool_world_size", a] == 2
+    assert samples["kvcm_host_tier_blocks", a] == 64
+    assert samples["kvcm_host_tier_used_blocks", a] == 48
+    assert samples["kvcm_host_tier_hit_tokens_total", a] == 320
+    assert samples["kvcm_host_tier_demoted_blocks_total", a] == 30
+    assert samples["kvcm_host_tier_loaded_blocks_total", a] == 20
+    assert samples["kvcm_host_tier_evicted_blocks_total", a] == 5
+    assert samples["kvcm_host_tier_swap_outs_total", a] == 3
+    assert samples["kvcm_host_tier_swap_ins_total", a] == 2
     assert samples["kvcm_pool_info", a | {("state", "READY")}] == 1
     group = a | {
         ("group", "0"),

@@ -1015,7 +1015,24 @@ class Pool:
             epoch=self.epoch,
             last_step_seq=self.last_step_seq,
             scheduler_lease_s=self.options.scheduler_lease_s,
+            **self._host_tier_counters(),
         )
+
+    def _host_tier_counters(self) -> dict[str, int]:
+        host = self.host_tier
+        if host is None:
+            return {}
+        stats = host.stats()
+        return {
+            "host_tier_blocks": stats.num_blocks,
+            "host_tier_used_blocks": stats.num_used,
+            "host_tier_hit_tokens": stats.hit_tokens,
+            "host_tier_demoted_blocks": stats.demotions,
+            "host_tier_loaded_blocks": stats.loads,
+            "host_tier_evicted_blocks": stats.evictions,
+            "host_tier_swap_outs": stats.swap_outs,
+            "host_tier_swap_ins": stats.swap_ins,
+        }
 
 
 class PoolRegistry:

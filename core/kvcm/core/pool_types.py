@@ -401,6 +401,15 @@ class PoolSnapshot:
     epoch: int = 0
     last_step_seq: int = 0
     scheduler_lease_s: float = 0.0
+    # The host tier (all 0 without one); counters cumulative since the pool was created.
+    host_tier_blocks: int = 0
+    host_tier_used_blocks: int = 0
+    host_tier_hit_tokens: int = 0
+    host_tier_demoted_blocks: int = 0
+    host_tier_loaded_blocks: int = 0
+    host_tier_evicted_blocks: int = 0
+    host_tier_swap_outs: int = 0
+    host_tier_swap_ins: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

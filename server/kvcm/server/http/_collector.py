@@ -201,6 +201,54 @@ METRICS: tuple[MetricSpec, ...] = (
         help="Worker ranks the pool expects (tensor x pipeline parallel size).",
     ),
     MetricSpec(
+        name="kvcm_host_tier_blocks",
+        kind="gauge",
+        labels=_POOL,
+        help="Host blocks in the pool's host tier (0: no host tier).",
+    ),
+    MetricSpec(
+        name="kvcm_host_tier_used_blocks",
+        kind="gauge",
+        labels=_POOL,
+        help="Host blocks holding a key or a swapped request's block.",
+    ),
+    MetricSpec(
+        name="kvcm_host_tier_hit_tokens_total",
+        kind="counter",
+        labels=_POOL,
+        help="Prompt tokens admitted from the host tier, after their device hit.",
+    ),
+    MetricSpec(
+        name="kvcm_host_tier_demoted_blocks_total",
+        kind="counter",
+        labels=_POOL,
+        help="Evicted device blocks copied to the host tier (device-to-host copies).",
+    ),
+    MetricSpec(
+        name="kvcm_host_tier_loaded_blocks_total",
+        kind="counter",
+        labels=_POOL,
+        help="Host blocks copied to the device for host hits (host-to-device copies).",
+    ),
+    MetricSpec(
+        name="kvcm_host_tier_evicted_blocks_total",
+        kind="counter",
+        labels=_POOL,
+        help="Host blocks evicted from the host tier to make room.",
+    ),
+    MetricSpec(
+        name="kvcm_host_tier_swap_outs_total",
+        kind="counter",
+        labels=_POOL,
+        help="Preempted requests whose blocks were swapped out to the host tier.",
+    ),
+    MetricSpec(
+        name="kvcm_host_tier_swap_ins_total",
+        kind="counter",
+        labels=_POOL,
+        help="Swapped requests whose blocks were copied back to the device.",
+    ),
+    MetricSpec(
         name="kvcm_pool_info",
         kind="gauge",
         labels=("pool", "state"),
@@ -430,6 +478,14 @@ _POOL_SCALARS: tuple[tuple[str, Callable[[PoolSnapshotLike], float]], ...] = (
     ("kvcm_allocations_not_fit_total", lambda s: s.allocations_not_fit_total),
     ("kvcm_registered_workers", lambda s: s.registered_workers),
     ("kvcm_pool_world_size", lambda s: s.world_size),
+    ("kvcm_host_tier_blocks", lambda s: s.host_tier_blocks),
+    ("kvcm_host_tier_used_blocks", lambda s: s.host_tier_used_blocks),
+    ("kvcm_host_tier_hit_tokens_total", lambda s: s.host_tier_hit_tokens),
+    ("kvcm_host_tier_demoted_blocks_total", lambda s: s.host_tier_demoted_blocks),
+    ("kvcm_host_tier_loaded_blocks_total", lambda s: s.host_tier_loaded_blocks),
+    ("kvcm_host_tier_evicted_blocks_total", lambda s: s.host_tier_evicted_blocks),
+    ("kvcm_host_tier_swap_outs_total", lambda s: s.host_tier_swap_outs),
+    ("kvcm_host_tier_swap_ins_total", lambda s: s.host_tier_swap_ins),
 )
 
 

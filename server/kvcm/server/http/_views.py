@@ -74,6 +74,22 @@ class PoolSnapshotLike(Protocol):
     def last_step_seq(self) -> int: ...
     @property
     def scheduler_lease_s(self) -> float: ...
+    @property
+    def host_tier_blocks(self) -> int: ...
+    @property
+    def host_tier_used_blocks(self) -> int: ...
+    @property
+    def host_tier_hit_tokens(self) -> int: ...
+    @property
+    def host_tier_demoted_blocks(self) -> int: ...
+    @property
+    def host_tier_loaded_blocks(self) -> int: ...
+    @property
+    def host_tier_evicted_blocks(self) -> int: ...
+    @property
+    def host_tier_swap_outs(self) -> int: ...
+    @property
+    def host_tier_swap_ins(self) -> int: ...
 
 
 class PoolLike(Protocol):
@@ -112,7 +128,9 @@ _NUMBERS = (
     "usage", "num_requests", "requests", "queries", "hits", "preempted_requests",
     "preempted_queries", "preempted_hits", "recent_hit_rate", "evicted_blocks_total",
     "events_emitted_total", "allocations_not_fit_total", "epoch", "last_step_seq",
-    "scheduler_lease_s",
+    "scheduler_lease_s", "host_tier_blocks", "host_tier_used_blocks", "host_tier_hit_tokens",
+    "host_tier_demoted_blocks", "host_tier_loaded_blocks", "host_tier_evicted_blocks",
+    "host_tier_swap_outs", "host_tier_swap_ins",
 )  # fmt: skip
 
 
