@@ -26,6 +26,7 @@ engine that never pulls (the prefill lease runs out); multi-turn conversations.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -576,3 +577,20 @@ def check_pd_flow(name: str, mode: str, engine_async: bool, server: EmbeddedServ
         # Prefill engines pulled what the decode engine kept of the conversations.
         assert tally.prefill_pulls >= 8
     return tally
+
+
+@pytest.mark.parametrize("connector", ["NixlPushConnector", "ExampleConnector"])
+def test_other_kv_connectors_are_refused(connector: str, vllm: Any) -> None:
+    """A KV connector kvcm does not answer for is refused before vLLM builds anything."""
+    from _engine_core import vllm_config
+
+    from kvcm.common.errors import ConfigError
+    from kvcm.integrations.vllm import check_supported
+
+    del vllm
+    setup = _setup("decode", TransferFabric(), False, {})
+    transfer = {**(setup.kv_transfer or {}), "kv_connector": connector}
+    config = vllm_config(dataclasses.replace(setup, kv_transfer=transfer))
+    with pytest.raises(ConfigError, match="NIXL connector only"):
+        check_supported(config)
+    check_supported(vllm_config(setup))  # vLLM's NixlConnector is accepted

@@ -46,8 +46,8 @@ __all__ = [
 _PLACEHOLDER_NUM_BLOCKS = 2
 _SCHEDULER_SIGNATURE = inspect.signature(Scheduler.__init__)
 # vLLM's P/D connectors whose every call into the KV-cache manager kvcm answers as vLLM's
-# manager does (tests/compat/test_pd_nixl.py); kvcm's own subclass records the handoffs.
-SUPPORTED_KV_CONNECTORS = ("NixlConnector", "NixlPullConnector", "KvcmNixlConnector")
+# manager does (tests/compat/test_pd_nixl*.py): the pull-mode NIXL connector.
+SUPPORTED_KV_CONNECTORS = ("NixlConnector", "NixlPullConnector")
 
 
 def check_supported(vllm_config: Any) -> None:
