@@ -130,7 +130,7 @@ def main() -> int:
             return rng.choice(turns)
 
         def route(
-            bidirectional: bool, hashed: bool, with_held: bool = False
+            bidirectional: bool, hashed: bool, with_held: bool = False, best: int = 0
         ) -> Callable[[], object]:
             def run() -> object:
                 index = rng.randrange(len(turns))
@@ -139,7 +139,7 @@ def main() -> int:
                         block_hashes=hashed_turns[index], num_tokens=len(turns[index])
                     )
                 else:
-                    query = LookupQuery(token_ids=turns[index])
+                    query = LookupQuery(token_ids=turns[index], max_results=best)
                 answer = client.route_pd(
                     PdRouteQuery(
                         prompt=query,
@@ -166,6 +166,7 @@ def main() -> int:
                     route(True, False, with_held=True),
                 ),
                 ("RoutePd, hashed prompt", route(False, True)),
+                ("RoutePd, token prompt, best 3 per role", route(False, False, best=3)),
                 ("Lookup over the decode pools, token prompt", lookup),
             ],
             args.samples,

@@ -271,6 +271,8 @@ class PdProxy:
                     token_ids=list(token_ids),
                     cache_salt=salt if isinstance(salt, str) else None,
                     load_weight=self.config.load_weight,
+                    # The engines tried per request, and one more in case one is down.
+                    max_results=self.config.decode_attempts + 1,
                 ),
                 prefill=PdScope(pool_ids=tuple(self._prefill_by_pool)),
                 decode=PdScope(pool_ids=tuple(self._decode_by_pool)),

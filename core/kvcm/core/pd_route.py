@@ -220,8 +220,9 @@ def held_prefix(
     size, pools not READY and pools lent to a long call answer ``("", 0)``. Cost: one pass over
     the pool's request ids, then O(blocks matched) per held request.
 
-    ``hashed``: the prompt's hashes for the pool, from :func:`~kvcm.core.lookup.hash_prompt`
-    (a server computes them off its event loop for long prompts); ``None``: hashed here.
+    ``hashed``: the prompt's hashes by profile, from :func:`~kvcm.core.lookup.hash_prompt`
+    (a server makes them once per call, off its event loop for long prompts); the pool's
+    profile missing: hashed here.
     """
     manager = pool.manager
     if manager is None or pool.state is not PoolState.READY or pool.lent or not request_ids:
@@ -230,11 +231,19 @@ def held_prefix(
     config = pool.kv_cache_config
     if config is None or config.kv_cache_groups[0].kv_cache_spec.block_size != block_size:
         return "", 0
-    if hashed is None:
+    hashing = pool.hashing
+    # Profile's fields (kvcm.core.lookup): the parameters that give a prompt these hashes.
+    profile: Profile = (
+        hashing.algorithm,
+        hashing.seed,
+        hashing.hash_block_size,
+        hashing.hash_length_bytes,
+    )
+    if hashed is None or profile not in hashed:
         hashed = hash_prompt([pool], prompt)
-    if len(hashed) != 1:
+    prompt_hashes = hashed.get(profile)
+    if not prompt_hashes:
         return "", 0
-    (prompt_hashes,) = hashed.values()
     num_tokens = len(prompt.token_ids) if prompt.token_ids is not None else prompt.num_tokens
     if not num_tokens:
         num_tokens = len(prompt_hashes) * block_size + 1

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeAlias
 
 import grpc
 
+from kvcm.common.hashing import BlockHash
 from kvcm.core.lookup import (
     LookupAnswer,
     LookupQuery,
     PendingPool,
+    Profile,
     hash_prompt,
     hashing_work,
     lookup,
@@ -58,6 +61,7 @@ async def lookup_as(
     principal: Principal | None,
     *,
     state: ServerState | None = None,
+    hashed: Mapping[Profile, Sequence[BlockHash]] | None = None,
 ) -> LookupAnswer:
     """``registry.lookup(query)`` as ``principal`` sees it (``None``: authentication off).
 
@@ -68,6 +72,8 @@ async def lookup_as(
     pool of the scope caching ``OFF_LOOP_INDEX_BLOCKS`` blocks or more that the index does not
     hold yet is indexed in a worker thread holding the pool, so its O(cache) indexing does not
     hold the loop (without it, or for smaller pools, the lookup indexes them itself).
+    ``hashed``: the prompt's hashes already made (:func:`~kvcm.core.lookup.hash_prompt`), for
+    a caller that looks the same prompt up in several scopes; profiles it lacks are hashed.
 
     Raises:
         LookupDeniedError: ``query.pool_ids`` names a pool the principal may not read.
@@ -101,8 +107,8 @@ async def lookup_as(
             if pending is not None:
                 await _index_in_lane(state, pending)
                 waited = True
-    hashed = None
-    if hashing_work(pools, query) >= OFF_LOOP_HASH_BLOCKS:  # 0 for hash prompts
+    work = hashing_work(pools, query)  # 0 for hash prompts
+    if hashed is None and work >= OFF_LOOP_HASH_BLOCKS:
         hashed = await asyncio.to_thread(hash_prompt, pools, query)
         waited = True
     if waited:

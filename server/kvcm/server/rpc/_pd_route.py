@@ -10,12 +10,14 @@ adds to the server's P/D counters (``kvcm_pd_route*``), which ``/metrics`` reads
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeAlias
 
 import grpc
 
 from kvcm.common.errors import InvalidArgumentError, NotFoundError
-from kvcm.core.lookup import hash_prompt, hashing_work
+from kvcm.common.hashing import BlockHash
+from kvcm.core.lookup import Profile, hash_prompt, hashing_work
 from kvcm.core.pd_route import PdRoute, PdRouteQuery, held_prefix, rank_pd
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.rpc._lookup import (
@@ -32,6 +34,7 @@ from kvcm.wire.pd import pd_route_query_from_proto, pd_route_to_proto
 __all__ = ["PD_ROUTE_COUNTERS", "RoutingServicer", "route_pd", "route_pd_as"]
 
 Context: TypeAlias = Any
+_ROLES: Final = ("prefill_scope", "decode_scope")
 
 PD_ROUTE_COUNTERS: Final = (
     "kvcm_pd_routes_total",
@@ -48,19 +51,30 @@ def _renamed(text: str, role: str) -> str:
 
 
 async def route_pd(
-    registry: PoolRegistry, query: PdRouteQuery, principal: Principal | None
+    registry: PoolRegistry,
+    query: PdRouteQuery,
+    principal: Principal | None,
+    *,
+    state: ServerState | None = None,
 ) -> PdRoute:
     """Route ``query`` as ``principal`` sees the pools (``None``: authentication off).
+
+    A token prompt is hashed once for both scopes (and the held requests), off the loop when
+    long; ``state``: the server's, for :func:`lookup_as`'s off-loop indexing.
 
     Raises:
         LookupDeniedError: A scope names a pool the principal may not read (named by role).
         NotFoundError: A scope names an unknown pool (``prefill_scope.pool_ids[i]``).
         InvalidArgumentError, ResourceExhaustedError: As :func:`lookup_as`.
     """
+    hashed = await _hash_once(registry, query)
     answers = []
-    for role in ("prefill_scope", "decode_scope"):
+    for role in _ROLES:
         try:
-            answers.append(await lookup_as(registry, query.role_query(role), principal))
+            role_query = query.role_query(role)
+            answers.append(
+                await lookup_as(registry, role_query, principal, state=state, hashed=hashed)
+            )
         except NotFoundError as exc:
             message = str(exc.args[0]) if exc.args else str(exc)
             raise NotFoundError(
@@ -75,20 +89,41 @@ async def route_pd(
             ) from None
     held = None
     if query.bidirectional and query.held and answers[1].pools:
-        held = await _held_on_best(registry, query, answers[1].pools[0].pool_id)
+        held = await _held_on_best(registry, query, answers[1].pools[0].pool_id, hashed)
     return rank_pd(query, answers[0], answers[1], held)
 
 
+async def _hash_once(
+    registry: PoolRegistry, query: PdRouteQuery
+) -> dict[Profile, list[BlockHash]] | None:
+    """A token prompt's hashes for every hashing profile of both scopes, made once (off the
+    loop when long); ``None`` for a hash prompt, or when a scope names an unknown pool (the
+    lookup then says which, by role)."""
+    if query.prompt.token_ids is None:
+        return None
+    try:
+        pools = {
+            pool.name: pool for role in _ROLES for pool in registry.scope(query.role_query(role))
+        }
+    except NotFoundError:
+        return None
+    if hashing_work(pools.values(), query.prompt) >= OFF_LOOP_HASH_BLOCKS:
+        return await asyncio.to_thread(hash_prompt, list(pools.values()), query.prompt)
+    return hash_prompt(pools.values(), query.prompt)
+
+
 async def _held_on_best(
-    registry: PoolRegistry, query: PdRouteQuery, pool_id: str
+    registry: PoolRegistry,
+    query: PdRouteQuery,
+    pool_id: str,
+    hashed: Mapping[Profile, Sequence[BlockHash]] | None,
 ) -> tuple[str, int] | None:
     """:func:`held_prefix` on the best decode pool (a long token prompt hashed off the loop)."""
     request_ids = query.held_on(pool_id)
     if not request_ids or pool_id not in registry:
         return None
     pool = registry.get(pool_id)
-    hashed = None
-    if hashing_work([pool], query.prompt) >= OFF_LOOP_HASH_BLOCKS:
+    if hashed is None and hashing_work([pool], query.prompt) >= OFF_LOOP_HASH_BLOCKS:
         hashed = await asyncio.to_thread(hash_prompt, [pool], query.prompt)
         if pool_id not in registry or registry.get(pool_id) is not pool:
             return None  # replaced meanwhile
@@ -117,7 +152,7 @@ async def route_pd_as(
 ) -> PdRoute:
     """:func:`route_pd` over ``state``'s pools, counted in ``state.pd_routes`` (gRPC and HTTP
     share it)."""
-    route = await route_pd(state.registry, query, principal)
+    route = await route_pd(state.registry, query, principal, state=state)
     _count(state.pd_routes, route)
     return route
 
