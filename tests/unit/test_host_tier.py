@@ -326,3 +326,33 @@ def test_the_servers_metrics_read_the_tier() -> None:
     assert samples["kvcm_host_tier_swap_ins_total", "p"] == 0
     assert samples["kvcm_host_tier_blocks", "plain"] == 0
     assert samples["kvcm_host_tier_demoted_blocks_total", "plain"] == 0
+
+
+def test_a_lookup_across_pools_reports_hits_per_tier() -> None:
+    from kvcm.core.lookup import LookupQuery
+    from kvcm.core.pool import PoolRegistry
+
+    registry = PoolRegistry()
+    tiered = registry.create(
+        "tiered",
+        PoolConfig(max_model_len=512, explicit_layout=LAYOUT, host_tier_bytes=32 * BLOCK_BYTES),
+    )
+    plain = registry.create("plain", PoolConfig(max_model_len=512, explicit_layout=LAYOUT))
+    prompt = list(range(1000, 1064))
+    for pool in (tiered, plain):
+        _run(pool, 1, prompt)
+        pool.free(1, preempt=False)
+    # The tiered pool loses the last two blocks from the device (demoted), keeps the first two.
+    head = tiered.manager.block_pool  # type: ignore[union-attr]
+    _flood(tiered, 2, 13, 5000)
+    assert head.num_cached_blocks == 15
+    answer = registry.lookup(LookupQuery(token_ids=[*prompt, 7]))
+    hits = {hit.pool_id: hit for hit in answer.pools}
+    device = hits["tiered"].num_hit_tokens
+    assert device == 32
+    assert dict(hits["tiered"].tier_hit_tokens) == {"GPU": 32, "CPU": 32}
+    assert dict(hits["plain"].tier_hit_tokens) == {"GPU": 64}
+    # What the lookup answers is what admitting the request finds.
+    _add(tiered, 3, [*prompt, 7])
+    hit, num_host = tiered.lookup_tiers(3)
+    assert (hit.num_computed_tokens, num_host) == (32, 32)

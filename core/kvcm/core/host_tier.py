@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Final
 from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError
 from kvcm.common.events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from kvcm.common.hashing import (
+    BlockHash,
     BlockHashWithGroupId,
     get_block_hash,
     get_group_id,
@@ -67,6 +68,7 @@ __all__ = [
     "HostTierStats",
     "admit_with_host_hit",
     "host_hit_tokens",
+    "prefix_host_hit_tokens",
     "swap_in",
     "swap_out",
 ]
@@ -727,11 +729,14 @@ class HostTier:
 
 # ------------------------------------------------------------------ pool-level glue
 def _group_keys(
-    manager: KVCacheManager, request: Request, group_id: int, start_block: int, end_block: int
+    manager: KVCacheManager,
+    hashes: Sequence[BlockHash],
+    group_id: int,
+    start_block: int,
+    end_block: int,
 ) -> list[BlockHashWithGroupId]:
     block_size = manager.coordinator.single_type_managers[group_id].block_size
     scale = block_size // manager.hash_block_size
-    hashes = request.block_hashes
     return [
         make_block_hash_with_group_id(hashes[(i + 1) * scale - 1], group_id)
         for i in range(start_block, end_block)
@@ -758,20 +763,31 @@ def host_hit_tokens(
     Like a device hit, the last token is left to compute (``max_hit_tokens`` defaults to
     ``num_tokens - 1``).
     """
-    if not manager.enable_caching or request.skip_reading_prefix_cache:
-        return 0
-    if not _host_capable(manager):
+    if request.skip_reading_prefix_cache:
         return 0
     limit = request.num_tokens - 1 if max_hit_tokens is None else max_hit_tokens
+    return prefix_host_hit_tokens(manager, host, request.block_hashes, num_device_hit_tokens, limit)
+
+
+def prefix_host_hit_tokens(
+    manager: KVCacheManager,
+    host: HostTier,
+    block_hashes: Sequence[BlockHash],
+    num_device_hit_tokens: int,
+    max_hit_tokens: int,
+) -> int:
+    """``host_hit_tokens`` of a prompt's block hashes (a Lookup's, with no request)."""
+    if not manager.enable_caching or not _host_capable(manager):
+        return 0
     hash_block_size = manager.hash_block_size
-    num_hit = limit
+    num_hit = max_hit_tokens
     for group_id, single in enumerate(manager.coordinator.single_type_managers):
         block_size = single.block_size
         start = num_device_hit_tokens // block_size
-        num_full = min(len(request.block_hashes) * hash_block_size, limit) // block_size
+        num_full = min(len(block_hashes) * hash_block_size, max_hit_tokens) // block_size
         if start >= num_full:
             return 0
-        matched = host.match_prefix(_group_keys(manager, request, group_id, start, num_full))
+        matched = host.match_prefix(_group_keys(manager, block_hashes, group_id, start, num_full))
         num_hit = min(num_hit, (start + matched) * block_size)
     return max(0, num_hit - num_device_hit_tokens)
 
@@ -825,7 +841,9 @@ def admit_with_host_hit(
             if not fits or start_tokens % size or end % size:
                 fits = False
                 break
-            keys = _group_keys(manager, request, group_id, start_tokens // size, end // size)
+            keys = _group_keys(
+                manager, request.block_hashes, group_id, start_tokens // size, end // size
+            )
             if host.match_prefix(keys) < len(keys):
                 fits = False
                 break

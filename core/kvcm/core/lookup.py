@@ -49,6 +49,7 @@ from kvcm.common.hashing import (
     make_block_hash_with_group_id,
 )
 from kvcm.core.coordinator import UnitaryKVCacheCoordinator
+from kvcm.core.host_tier import prefix_host_hit_tokens
 from kvcm.core.pool_types import PoolState, check_labels
 from kvcm.core.single_type_managers import FullAttentionManager
 
@@ -263,6 +264,8 @@ class PrefixIndex:
         manager = pool.manager
         if pool in self._by_pool or manager is None or pool.lent or not _indexable(manager):
             return None
+        if pool.host_tier is not None:
+            return None  # answered directly: its host hits are read from the tier
         try:
             slot = self._slots.index(None)
         except ValueError:
@@ -436,7 +439,9 @@ class PoolHit(NamedTuple):
             answers for the prompt now.
         group_hit_tokens: Per KV-cache group, the longest hit that group's cache alone
             holds (capped like the pool's; the pool's hit is what all groups agree on).
-        tier_hit_tokens: Per storage medium (``"GPU"`` until other tiers exist), the hit.
+        tier_hit_tokens: Per storage medium, the hit: ``"GPU"`` the device's
+            (``num_hit_tokens``); ``"CPU"``, for a pool with a host tier, the tokens its tier
+            holds after the device hit (not in ``num_hit_tokens`` nor the score).
         num_tokens: The prompt's length as this pool judges it.
         load: The pool's load.
         score: The ranking score (see the module docstring).
@@ -877,13 +882,20 @@ def _direct_rows(
         load = _new(
             PoolLoad, (usage, block_pool.get_num_free_blocks(), num_running, max(0, num_waiting))
         )
+        tiers = {block_pool.medium: num_hit}
+        host = pool.host_tier
+        if host is not None:
+            # What the host tier holds after the device hit (not in num_hit nor the score).
+            num_host = prefix_host_hit_tokens(manager, host, hashes, num_hit, num_tokens - 1)
+            if num_host:
+                tiers[host.medium] = num_host
         hit = _new(
             PoolHit,
             (
                 pool.name,
                 num_hit,
                 per_group,
-                MappingProxyType({block_pool.medium: num_hit}),
+                MappingProxyType(tiers),
                 num_tokens,
                 load,
                 score,
