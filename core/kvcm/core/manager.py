@@ -46,6 +46,7 @@ from kvcm.core.coordinator import (
     get_kv_cache_coordinator,
     lcm_of_block_sizes,
 )
+from kvcm.core.fork import copy_shared_tail, fork_granule
 from kvcm.core.request import RequestStatus
 from kvcm.core.single_type_managers import (
     FullAttentionManager,
@@ -387,6 +388,10 @@ class KVCacheManager:
         self._fast_cache_alignment = (
             self.scheduler_block_size if type(self.coordinator) is HybridKVCacheCoordinator else 1
         )
+        # Fork and copy-on-write (kvcm.core.fork): the lcm of the block sizes where the pool
+        # can fork (0: it cannot), and the copies answered since the last take.
+        self.fork_granule = fork_granule(self)
+        self.fork_copies: list[tuple[int, int]] = []
 
     # --------------------------------------------------------------------------- state
     @property
@@ -557,6 +562,13 @@ class KVCacheManager:
                 its hashes do not match its tokens, it has nothing to compute or adopt, or a
                 running request brings a hit.
         """
+        if (
+            self.fork_granule
+            and num_new_tokens > 0
+            and request.num_computed_tokens % self.fork_granule
+            and not copy_shared_tail(self, request, num_new_tokens, options)
+        ):
+            return None  # a shared partial block's copy and the new blocks do not fit
         fast = self._fast_group
         if (
             fast is not None
@@ -1053,6 +1065,10 @@ class KVCacheManager:
     def requests_holding_blocks(self) -> frozenset[str]:
         """The ids of the requests holding a block table (a copy; for fingerprints)."""
         return frozenset(self._requests)
+
+    def note_holder(self, request_id: str) -> None:
+        """Count a request whose block table was set up outside allocate_slots (a fork)."""
+        self._requests.add(request_id)
 
     def holds_blocks(self, request_id: str) -> bool:
         """Whether the request holds a block table (allocated and not freed)."""
