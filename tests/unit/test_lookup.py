@@ -548,3 +548,23 @@ def test_pools_leaving_the_walk_at_and_across_chunk_edges() -> None:
             assert {hit.pool_id: hit.num_hit_tokens for hit in answer.pools} == expected
             best = registry.lookup(dataclasses.replace(query, max_results=3))
             assert best.pools == answer.pools[:3]
+
+
+def test_unindexed_names_the_pools_a_lookup_would_index() -> None:
+    """PrefixIndex.unindexed: the scope's pools not indexed yet, in order; none once a lookup
+    indexed them all (the same list again is recognized by identity), a new pool again."""
+    registry = PoolRegistry()
+    pools = [_create(registry, f"p{i}", [_full()]) for i in range(3)]
+    swa = _create(registry, "swa", [_full(), _swa()])  # answered by its coordinator
+    index = registry.index
+    assert index.unindexed(registry.list()) == [*pools, swa]
+    registry.lookup(LookupQuery(token_ids=list(range(9))))
+    assert index.unindexed(registry.list()) == [swa]
+    registry.lookup(LookupQuery(token_ids=list(range(9)), pool_ids=["p0", "p1", "p2"]))
+    scope = registry.list()[:3]
+    assert index.unindexed(scope) == []
+    assert index.unindexed(scope) == []  # the same list of pools: by identity
+    late = _create(registry, "p3", [_full()])
+    assert index.unindexed(registry.list()) == [late, swa]
+    registry.delete("p0")
+    assert index.unindexed(registry.list()) == [late, swa]

@@ -35,7 +35,7 @@ from bisect import insort
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, count, islice, repeat
-from operator import attrgetter, is_not, itemgetter
+from operator import attrgetter, is_, is_not, itemgetter
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias, cast, overload
 
@@ -239,6 +239,15 @@ class PrefixIndex:
         """
         member = self._member(pool)
         return None if member is None else member.slot
+
+    def unindexed(self, pools: Sequence[Pool]) -> list[Pool]:
+        """The pools of ``pools`` the index does not hold, in order: a dictionary read per
+        pool in C, or one comparison by identity for the same list of pools as the last
+        scope found to be every indexed pool (nothing indexed or removed since)."""
+        every = self._every
+        if every is not None and every[1] == self._version and every[0] == pools:
+            return []
+        return list(compress(pools, map(is_, map(self._by_pool.get, pools), repeat(None))))
 
     def _member(self, pool: Pool) -> _Member | None:
         member = self._by_pool.get(pool)

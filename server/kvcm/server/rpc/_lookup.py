@@ -97,7 +97,7 @@ async def lookup_as(
     pools = registry.scope(query)
     waited = False
     if state is not None:
-        for pool in pools:
+        for pool in registry.index.unindexed(pools):  # usually none: O(1) for every pool
             manager = pool.manager
             if manager is None or manager.block_pool.num_cached_blocks < OFF_LOOP_INDEX_BLOCKS:
                 continue
