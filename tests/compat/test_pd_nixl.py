@@ -53,6 +53,8 @@ from kvcm.server.settings import ServerSettings
 # keeps that wall-clock beat out of the compared runs, which last seconds.
 LEASE_S = 600
 LEASE_TURNS = 8
+# Conversations of the "faults" scenario per workload_scale() (KVCM_LONG only).
+FAULTY_CONVERSATIONS = 320
 # Turns after a decode request is sent that an "abort-while-decoding" fault aborts it.
 ABORT_AFTER_TURNS = 4
 # What vLLM's P/D proxies send the prefill engine.
@@ -178,8 +180,9 @@ class PdCluster:
             "events": plain(engine.take_events()),
         }
 
-    def run(self, conversations: list[Conversation], max_turns: int = 600) -> Iterator[Any]:
+    def run(self, conversations: list[Conversation]) -> Iterator[Any]:
         """Drive the conversations to their end; one record per driver turn."""
+        max_turns = 600 + 12 * len(conversations)
         convs = [
             Conversation(
                 c.conv_id,
@@ -410,6 +413,30 @@ def scenario(name: str, seed: int = 0) -> list[Conversation]:
             )
             for i in range(4)
         ]
+    if name == "faults":
+        # Many transfers, most of them faulty, one new conversation per turn (KVCM_LONG).
+        kinds: list[str | int | None] = [
+            None,
+            "never-pull",
+            "fail",
+            1,
+            "abort-before-schedule",
+            "abort-while-decoding",
+        ]
+        convs = []
+        for i in range(FAULTY_CONVERSATIONS * workload_scale()):
+            fault = rng.choice(kinds)
+            prefix = system if rng.random() < 0.5 else ()
+            convs.append(
+                Conversation(
+                    f"f{i}",
+                    i,
+                    [prefix + _tokens(rng, rng.randrange(20, 100))],
+                    max_tokens=rng.choice((3, 8, 30)) if fault == "abort-while-decoding" else 3,
+                    faults={} if fault is None else {0: fault},
+                )
+            )
+        return convs
     if name == "all":
         # Every scenario at once, staggered, on the same two engines.
         mixed: list[Conversation] = []
@@ -509,6 +536,9 @@ PARAMS = [
     for mode in MODES
     for engine_async in (False, True)
 ]
+# KVCM_LONG=1: 1,280 conversations, over 1,000 with a faulty transfer, in both modes.
+if workload_scale() > 1:
+    PARAMS += [("faults", "mirror", False), ("faults", "remote", True)]
 
 
 @pytest.mark.parametrize(("name", "mode", "engine_async"), PARAMS)
@@ -573,6 +603,10 @@ def check_pd_flow(name: str, mode: str, engine_async: bool, server: EmbeddedServ
         assert tally.fabric.get("release", 0) >= 2
     if "lease-expiry" in covers:
         assert tally.fabric.get("lease-expired", 0) >= 2
+    if name == "faults":
+        faulty = sum(bool(c.faults) for c in conversations)
+        print(f"{suffix}: {faulty} faulty transfers of {len(conversations)}, 0 blocks leaked")
+        assert faulty >= 1000
     if bidirectional:
         # Prefill engines pulled what the decode engine kept of the conversations.
         assert tally.prefill_pulls >= 8
