@@ -25,6 +25,7 @@ Reported per pool:
   decisions every time) and each Step's time is its least over the runs.
 
     python bench/host_tier.py [--quick] [--seed N] [--ratio R] [--host-multiples 1,3] [--repeat 5]
+    python bench/host_tier.py --vllm [--seed N]   # the offloading managers compared (vLLM)
 """
 
 from __future__ import annotations
@@ -222,17 +223,59 @@ def _hit(hit: object) -> object:
     return HitSpec(num_tokens=hit.num_computed_tokens, block_ids=blocks)  # type: ignore[attr-defined]
 
 
+def compare_vllm(seed: int, num_requests: int, buffers: list[int]) -> None:
+    """vLLM's CPUOffloadingSpec against KvcmOffloadingSpec under vLLM's EngineCore (the
+    workload and recording of tests/compat/test_offload_spec.py)."""
+    from _common import import_vllm
+
+    if import_vllm("vllm.v1.kv_offload.base") is None:
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "compat"))
+    import test_offload_spec as compat
+
+    compat.NUM_REQUESTS = num_requests
+    print(
+        f"{'buffer':>7} {'manager':<20}{'calls':>6}{'stored':>8}{'evicted':>8}{'refused':>8}"
+        f"{'loaded':>8}{'hit tokens':>11}{'first diff':>11}"
+    )
+    for chunks in buffers:
+        runs = {
+            spec: compat._run(spec, chunks, seed)
+            for spec in ("CPUOffloadingSpec", "KvcmOffloadingSpec")
+        }
+        logs = [r["log"] for r in runs.values()]
+        first = next((i for i, (a, b) in enumerate(zip(*logs, strict=False)) if a != b), None)
+        for spec, r in runs.items():
+            stores = [e[2] for e in r["log"] if e[0] == "store"]
+            print(
+                f"{chunks:>7} {spec:<20}{len(r['log']):>6}"
+                f"{sum(len(d[0]) for d in stores if d):>8}{sum(len(d[1]) for d in stores if d):>8}"
+                f"{sum(1 for d in stores if d is None):>8}"
+                f"{sum(len(e[2]) for e in r['log'] if e[0] == 'load'):>8}"
+                f"{sum(h for _, h in r['hits']):>11}{'-' if first is None else first:>11}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="a smaller workload")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=None, help="default 1 (--vllm: 7)")
     parser.add_argument("--ratio", type=float, default=3.0, help="working set / device pool")
     parser.add_argument("--host-multiples", default="1,3", help="host bytes / device bytes")
     parser.add_argument("--repeat", type=int, default=5, help="runs per pool (least per Step)")
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="compare KvcmOffloadingSpec with vLLM's CPUOffloadingSpec under vLLM's EngineCore",
+    )
     args = parser.parse_args()
+    if args.vllm:
+        compare_vllm(7 if args.seed is None else args.seed, 50, [4000, 40])
+        return
     _instrument()
     conversations, turns = (24, 4) if args.quick else (48, 6)
-    workload = make_workload(args.seed, conversations, turns, (48, 160), 64)
+    seed = 1 if args.seed is None else args.seed
+    workload = make_workload(seed, conversations, turns, (48, 160), 64)
     num_blocks = max(64, int(workload.working_set_tokens / BLOCK_SIZE / args.ratio))
     device_bytes = num_blocks * SPEC.page_size_bytes
     batch, running = 4, 2

@@ -70,7 +70,7 @@ def _record(manager: Any, log: list[tuple[Any, ...]]) -> None:
     manager.prepare_load = load
 
 
-def _run(spec: str, num_chunks: int) -> dict[str, Any]:
+def _run(spec: str, num_chunks: int, seed: int = 7) -> dict[str, Any]:
     engine = build_engine(_setup(spec, num_chunks))
     try:
         connector = engine.scheduler.connector
@@ -80,7 +80,7 @@ def _run(spec: str, num_chunks: int) -> dict[str, Any]:
         hits: list[tuple[str, int]] = []
         events: list[Any] = []
         finished = 0
-        for record in run(engine, plan_workload(7, NUM_REQUESTS, engine.setup), record=False):
+        for record in run(engine, plan_workload(seed, NUM_REQUESTS, engine.setup), record=False):
             for batch in record.scheduled:
                 new_reqs = batch.scheduled_new_reqs
                 hits.extend((new.req_id, new.num_computed_tokens) for new in new_reqs)
