@@ -23,7 +23,7 @@ allocated; nothing half-built is returned.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +42,9 @@ from kvcm.common.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 __all__ = [
     "LayerPlacement",
+    "allocate_host_blocks",
     "allocate_kv_cache_tensors",
+    "copy_block_pages",
     "from_torch",
     "kv_cache_views",
     "layer_placements",
@@ -257,3 +259,72 @@ def allocate_kv_cache_tensors(
 def layer_specs_of(config: KVCacheConfig) -> Mapping[str, KVCacheSpec]:
     """Each layer's own spec, by layer name (uniform-type groups unpacked)."""
     return _layer_specs(tuple(config.kv_cache_groups))
+
+
+def _block_index(
+    field: str, ids: Sequence[int], num_blocks: int, device: torch.device
+) -> torch.Tensor:
+    for position, block_id in enumerate(ids):
+        if not 0 <= block_id < num_blocks:
+            raise InvalidArgumentError(
+                f"{field}[{position}]: block id {block_id} is outside 0..{num_blocks - 1}"
+            )
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
+def copy_block_pages(
+    sources: Mapping[str, torch.Tensor],
+    destinations: Mapping[str, torch.Tensor],
+    pairs: Sequence[tuple[int, int]],
+    *,
+    field: str = "copies",
+) -> None:
+    """Copy block pages ``(source id, destination id)`` in every layer, batched per layer.
+
+    ``sources`` and ``destinations`` are per-layer block tensors (block id first): the same
+    mapping for copies within one set (copy-on-write), a device and a host set for swaps.
+    Every source is read before any destination is written (one gather, one scatter per
+    layer), so a block may be both a destination and a later pair's source.
+
+    Raises:
+        InvalidArgumentError: A block id is out of range, a destination appears twice, or
+            the layer names differ; nothing is copied then.
+    """
+    if not pairs:
+        return
+    if set(sources) != set(destinations):
+        raise InvalidArgumentError(f"{field}: the source and destination layers differ")
+    targets = [dst for _, dst in pairs]
+    if len(set(targets)) != len(targets):
+        raise InvalidArgumentError(f"{field}: a destination block appears twice")
+    checked = []
+    for name, source in sources.items():
+        destination = destinations[name]
+        src = _block_index(f"{field}.source", [s for s, _ in pairs], source.shape[0], source.device)
+        dst = _block_index(
+            f"{field}.destination", targets, destination.shape[0], destination.device
+        )
+        checked.append((source, destination, src, dst))
+    for source, destination, src, dst in checked:
+        pages = source.index_select(0, src).to(destination.device, non_blocking=True)
+        destination.index_copy_(0, dst, pages)
+
+
+def allocate_host_blocks(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, *, pin_memory: bool | None = None
+) -> dict[str, torch.Tensor]:
+    """Host block tensors shaped as the device layers' pages: ``num_blocks`` per layer.
+
+    Args:
+        kv_caches: The device layers (``{layer name: tensor}``, block id first).
+        num_blocks: The host tier's blocks.
+        pin_memory: Pin the buffers (faster, asynchronous copies); ``None``: when CUDA is
+            available.
+    """
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    return {
+        name: torch.zeros(
+            (num_blocks, *layer.shape[1:]), dtype=layer.dtype, device="cpu", pin_memory=pin
+        )
+        for name, layer in kv_caches.items()
+    }

@@ -179,3 +179,41 @@ class WorkerClient(ChannelClient):
         from kvcm.client.tensors import allocate_kv_cache_tensors
 
         return allocate_kv_cache_tensors(registration.kv_cache_config, device=device)
+
+    @staticmethod
+    def apply_block_mappings(
+        kv_caches: Mapping[str, torch.Tensor],
+        *,
+        copies: Sequence[tuple[int, int]] = (),
+        host_blocks: Mapping[str, torch.Tensor] | None = None,
+        device_to_host: Sequence[tuple[int, int]] = (),
+        host_to_device: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        """Run one step's block mappings on this worker's tensors, before its forward pass.
+
+        The order is the one the core's decisions need: device-to-host copies (a demoted or
+        swapped-out block may be the block a load or a copy of the same step writes into),
+        then host-to-device loads, then copy-on-write copies within the device (a copy may
+        read a block loaded in the same step). Each stage is one gather and one scatter per
+        layer (``kvcm.client.tensors.copy_block_pages``).
+
+        Args:
+            kv_caches: The device layers (``allocate`` answered them).
+            copies: ``(source, destination)`` device block ids (fork copy-on-write).
+            host_blocks: The host tier's layers (``kvcm.client.tensors.allocate_host_blocks``);
+                needed with swaps.
+            device_to_host: ``(device_block_id, host_block_id)`` pairs.
+            host_to_device: ``(host_block_id, device_block_id)`` pairs.
+
+        Raises:
+            InvalidArgumentError: A block id is out of range, a destination appears twice in
+                a stage, or swaps come without host blocks.
+        """
+        from kvcm.client.tensors import copy_block_pages
+
+        if (device_to_host or host_to_device) and host_blocks is None:
+            raise InvalidArgumentError("host_blocks: swaps need the host tier's layers")
+        if host_blocks is not None:
+            copy_block_pages(kv_caches, host_blocks, device_to_host, field="device_to_host")
+            copy_block_pages(host_blocks, kv_caches, host_to_device, field="host_to_device")
+        copy_block_pages(kv_caches, kv_caches, copies)
