@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -481,9 +481,13 @@ def _count(tally: PdTally, p_record: Any, d_record: Any) -> None:
 
 
 def assert_same_pd_runs(
-    reference: PdCluster, kvcm: PdCluster, conversations: list[Conversation]
+    reference: PdCluster,
+    kvcm: PdCluster,
+    conversations: list[Conversation],
+    after_turn: Callable[[int, PdCluster], None] | None = None,
 ) -> PdTally:
-    """Both clusters' engines turn by turn: every record equal."""
+    """Both clusters' engines turn by turn: every record equal. ``after_turn(turn, kvcm)``
+    runs after each compared turn (faults)."""
     tally = PdTally()
     for expected, actual in zip(reference.run(conversations), kvcm.run(conversations), strict=True):
         turn, p_expected, d_expected = expected
@@ -495,6 +499,8 @@ def assert_same_pd_runs(
             for key in ("scheduled", "connector", "outputs", "executed", "events"):
                 assert got[key] == want[key], f"turn {turn}: the {role} engine's {key} differ"
         _count(tally, p_expected, d_expected)
+        if after_turn is not None:
+            after_turn(turn, kvcm)
     assert reference.fabric.log == kvcm.fabric.log
     for _, event, _, _ in reference.fabric.log:
         tally.fabric[event] = tally.fabric.get(event, 0) + 1
@@ -628,3 +634,61 @@ def test_other_kv_connectors_are_refused(connector: str, vllm: Any) -> None:
     with pytest.raises(ConfigError, match="NIXL connector only"):
         check_supported(config)
     check_supported(vllm_config(setup))  # vLLM's NixlConnector is accepted
+
+
+def _in_flight(cluster: PdCluster) -> tuple[int, int]:
+    # (prefill requests finished and holding blocks for a pull, decode requests pulling)
+    prefill = cluster.prefill.scheduler
+    num_running, num_waiting = prefill.get_request_counts()
+    held = len(prefill.requests) - num_running - num_waiting
+    pulling = sum(
+        r.status.name == "WAITING_FOR_REMOTE_KVS"
+        for r in cluster.decode.scheduler.requests.values()
+    )
+    return held, pulling
+
+
+def test_kvcm_restarted_mid_transfer(vllm: Any) -> None:
+    """The kvcm server dies (every pool with it) and comes back on the same port while
+    prefill engines hold blocks for pulls and decode engines pull: both engines schedule as
+    vLLM's throughout, and each pool is resynchronised to its engine's mirror."""
+    from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
+
+    del vllm
+    servers = [start_embedded_server(ServerSettings(grpc_address="127.0.0.1:0", http_address=""))]
+    address = servers[0].grpc_address
+    pools = {role: f"pd-{role}-restart" for role in ("prefill", "decode")}
+    config = {
+        role: {"kvcm": {"address": address, "pool_id": pool, "step_timeout_s": 2}}
+        for role, pool in pools.items()
+    }
+    restarts: list[tuple[int, tuple[int, int]]] = []
+
+    def restart(turn: int, cluster: PdCluster) -> None:
+        in_flight = _in_flight(cluster)
+        if restarts or turn < 10 or not all(in_flight):
+            return
+        for engine in cluster.engines():
+            assert engine.scheduler.kv_cache_manager.flush(10.0)
+        servers[0].stop()
+        servers[0] = start_embedded_server(ServerSettings(grpc_address=address, http_address=""))
+        restarts.append((turn, in_flight))
+
+    reference = build_cluster(False, None)
+    kvcm = build_cluster(False, (KvcmScheduler, KvcmAsyncScheduler), config)
+    try:
+        tally = assert_same_pd_runs(reference, kvcm, scenario("all", seed=3), restart)
+        assert restarts, "no turn had transfers in flight"
+        for role, engine in zip(("prefill", "decode"), kvcm.engines(), strict=True):
+            manager = engine.scheduler.kv_cache_manager
+            assert manager.flush(30.0)
+            stats = manager.sink.stats
+            assert stats.resyncs >= 1, stats
+            assert stats.mismatches == 0, stats
+            assert _server_state(servers[0], pools[role]) == pool_state(manager.core, [])
+            assert all(b.ref_cnt == 0 for b in manager.core.block_pool.blocks[1:])
+    finally:
+        for engine in (*kvcm.engines(), *reference.engines()):
+            engine.shutdown()
+        servers[0].stop()
+    print(f"restarted at turn {restarts[0][0]} (held, pulling) = {restarts[0][1]}: {tally}")
