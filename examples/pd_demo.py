@@ -84,7 +84,7 @@ class PdDemoOptions:
     prefill_blocks: int = 192
     never_pull_every: int = 7
     die_after: float = 0.75
-    transfer_lease_s: float = 1.0
+    transfer_lease_s: float = 3.0
     kv_lease_s: float = 5.0
     decoder_ttl_s: float = 10.0
     concurrency: int = 4

@@ -21,9 +21,9 @@ def test_the_pd_demo_pulls_less_with_kvcm_and_leaks_nothing() -> None:
         max_tokens=8,
         never_pull_every=4,
         die_after=0.67,
-        transfer_lease_s=0.5,
-        kv_lease_s=1.0,
-        decoder_ttl_s=3.0,
+        transfer_lease_s=2.0,
+        kv_lease_s=3.0,  # generous: a loaded CI machine must not expire sources mid-run
+        decoder_ttl_s=6.0,  # longer than a turn takes on a loaded machine
         prefill_blocks=48,  # the prefill engine forgets histories the decode engines hold
         concurrency=1,  # arrivals in a fixed order: the comparison is deterministic
     )

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from pd_engine import SimEngine
 
 BLOCK = 16
-TRANSFER_LEASE_S = 0.6
+TRANSFER_LEASE_S = 1.5  # generous: a pull on a loaded machine must finish within it
 
 
 def _pool(num_blocks: int) -> PoolConfig:
