@@ -208,27 +208,43 @@ def _kv_cache_config() -> Any:
     )
 
 
-def test_align_mode_programs_replay_on_the_server_interpreter(vllm: ModuleType) -> None:
-    """Align mode with one hash block per Mamba block (no sub-block hits, no copies): the
-    Step programs the mirror records replay on ``Pool.run_step`` (a kvcm server's
-    interpreter) to the mirror's state after every step, while the engine matches vLLM's."""
+@pytest.mark.parametrize("match_unit", [MAMBA_BLOCK, HASH_BLOCK])
+def test_align_mode_programs_replay_on_the_server_interpreter(
+    match_unit: int, vllm: ModuleType
+) -> None:
+    """The Step programs the mirror records replay on ``Pool.run_step`` (a kvcm server's
+    interpreter) to the mirror's state after every step, while the engine matches vLLM's:
+    with one hash block per Mamba block (no sub-block hits), and with sub-block hits, whose
+    copies the pool releases at the end of each program as vLLM's scheduler does at the end
+    of ``schedule()``."""
     from test_vllm_scheduler import ReplayCheckingSink
 
     from kvcm.integrations.vllm import KvcmScheduler
 
     del vllm
 
+    class PoolSink(ReplayCheckingSink):
+        # Only the real interpreter (Pool.run_step), compared with the mirror after each step.
+        def submit(self, step: Any) -> None:
+            core = self.mirror.core
+            if self.pool is None:
+                self.pool = self._make_pool()
+            if self.interpreter_error is None:
+                self._interpret(step, core, sorted(core.requests_holding_blocks))
+            self.num_steps += 1
+            self.num_ops += len(step.program.ops)
+
     def make_step_sink(self: Any, settings: Any) -> ReplayCheckingSink:
         del self, settings
-        return ReplayCheckingSink()
+        return PoolSink()
 
     checked = type("ReplayedKvcmScheduler", (KvcmScheduler,), {"make_step_sink": make_step_sink})
     setup = CASES["sync"]
     plans = _plans(7, 24 * workload_scale(), setup.max_model_len)
-    reference = _build(setup, match_unit=MAMBA_BLOCK)
-    mirrored = _build(setup, checked, match_unit=MAMBA_BLOCK)
+    reference = _build(setup, match_unit=match_unit)
+    mirrored = _build(setup, checked, match_unit=match_unit)
     try:
-        assert not mirrored.scheduler.mamba_partial_cache_hit
+        assert mirrored.scheduler.mamba_partial_cache_hit == (match_unit < MAMBA_BLOCK)
         sink = mirrored.scheduler.kv_cache_manager.recorder.sink
         sink.mirror = mirrored.scheduler.kv_cache_manager
         tally = assert_same_runs(reference, mirrored, plans)

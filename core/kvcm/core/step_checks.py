@@ -540,6 +540,7 @@ def check_hit(
             )
         hashes = hashes_at_block_size(request.block_hashes, hash_block_size, group.block_size)
         suffix = _group_suffix(group_id)
+        last = len(ids) - 1
         for position, block_id in enumerate(ids):
             if not 0 <= block_id < num_blocks:
                 raise InvalidArgumentError(f"hit block id {block_id} is outside [0, {num_blocks})")
@@ -552,8 +553,15 @@ def check_hit(
                 )
             if not cache:
                 continue
-            if position >= len(hashes) or not block_pool._maps_to(
-                hashes[position] + suffix,  # type: ignore[arg-type]
+            if position == last:
+                # The last block holds the hash where the hit ends: its block's own, or for a
+                # sub-block hit (beside align-mode Mamba) that of the hash block inside it.
+                end = hit.num_tokens // hash_block_size - 1
+                key = request.block_hashes[end] if 0 <= end < len(request.block_hashes) else None
+            else:
+                key = hashes[position] if position < len(hashes) else None
+            if key is None or not block_pool._maps_to(
+                key + suffix,  # type: ignore[arg-type]
                 block_id,
             ):
                 raise FailedPreconditionError(
