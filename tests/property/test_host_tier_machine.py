@@ -149,6 +149,25 @@ class HostModel:
         self.swapped[owner] = record
         return copies
 
+    def swap_out_group(
+        self, members: list[tuple[str, list[tuple[Key | None, int]]]]
+    ) -> dict[str, list[tuple[int, int]]] | None:
+        held = {k for _, t in members for k, _ in t if k is not None and k in self.hold}
+        # Distinct new keys are copied once; unkeyed blocks each.
+        new = {k for _, t in members for k, _ in t if k is not None and k not in self.hold}
+        needed = len(new) + sum(1 for _, t in members for k, _ in t if k is None)
+        evictable = [k for k in self.order if k not in held and not self.pins.get(self.hold[k])]
+        if needed > len(self.free) + len(evictable):
+            return None
+        self.guard = set(held)
+        out = {}
+        for owner, table in members:
+            copies = self.swap_out(owner, table)
+            assert copies is not None
+            out[owner] = copies
+        self.guard = set()
+        return out
+
     def swap_in(
         self, owner: str, first_copied: int, device_ids: list[int]
     ) -> list[tuple[int, int]]:
@@ -271,6 +290,27 @@ class HostTierMachine(RuleBasedStateMachine):
         self.running.pop(index)
         self.swapped.append(key)
         assert self.pool.request(key).status is RequestStatus.PREEMPTED
+
+    @precondition(lambda self: len(self.running) >= 2)
+    @rule(data=st.data())
+    def swap_out_group(self, data: st.DataObject) -> None:
+        keys = data.draw(
+            st.lists(st.sampled_from(self.running), min_size=2, max_size=3, unique=True)
+        )
+        tables = {key: self._table(key) for key in keys}
+        out = self.pool.swap_out_group(keys)
+        expected = self.model.swap_out_group([(str(key), tables[key]) for key in keys])
+        if expected is None:
+            assert out is None
+            event("swap_out_group: no room")
+            return
+        event("swap_out_group")
+        assert out is not None
+        assert {str(key): copies for key, copies in out.items()} == expected
+        for key in keys:
+            self.expected_d2h.extend(out[key])
+            self.running.remove(key)
+            self.swapped.append(key)
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data())

@@ -12,6 +12,7 @@ from kvcm.common.hashing import BlockHash, BlockHasher, make_block_hash_with_gro
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.host_tier import HIT, MISS, PENDING, HostTier
 from kvcm.core.pool import Pool, PoolConfig
+from kvcm.core.program import HitSpec
 from kvcm.core.request import RequestStatus
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
@@ -356,3 +357,45 @@ def test_a_lookup_across_pools_reports_hits_per_tier() -> None:
     _add(tiered, 3, [*prompt, 7])
     hit, num_host = tiered.lookup_tiers(3)
     assert (hit.num_computed_tokens, num_host) == (32, 32)
+
+
+def test_a_group_sharing_a_prefix_swaps_out_together_or_not_at_all() -> None:
+    def group_pool(host_blocks: int) -> Pool:
+        pool = _pool(host_blocks)
+        prefix = list(range(32))  # two full blocks the two requests share
+        _run(pool, 1, [*prefix, 100, 101, 102])
+        _add(pool, 2, [*prefix, 200, 201, 202, 203])
+        hit = pool.get_computed_blocks(2, None)
+        assert hit.num_computed_tokens == 32
+        spec = HitSpec(num_tokens=32, block_ids=hit.blocks.get_block_ids())
+        ids = pool.allocate(2, 4, 32, hit=spec)
+        assert ids is not None
+        pool.request(1).num_computed_tokens = 35
+        pool.request(2).num_computed_tokens = 36
+        return pool
+
+    small = group_pool(3)  # the group needs 4: 2 shared blocks once, 2 partial ones
+    before = small.state_fingerprint()
+    assert small.swap_out_group([1, 2]) is None
+    assert small.state_fingerprint() == before
+    assert small.host_tier is not None
+    assert small.host_tier.stats().num_used == 0
+
+    pool = group_pool(4)
+    tables = [pool.manager.get_block_ids(str(k))[0] for k in (1, 2)]  # type: ignore[union-attr]
+    assert tables[0][:2] == tables[1][:2]
+    out = pool.swap_out_group([1, 2])
+    assert out is not None
+    assert [d for d, _ in out[1]] == tables[0]
+    assert [d for d, _ in out[2]] == [tables[1][2]]  # the shared blocks were copied once
+    host = pool.host_tier
+    assert host is not None
+    assert host.stats().num_used == 4
+    assert sorted(host.pinned().values()) == [1, 1, 2, 2]
+    for key in (1, 2):
+        assert pool.request(key).status is RequestStatus.PREEMPTED
+        admission = pool.swap_in(key, 1)
+        assert admission is not None
+    assert host.pinned() == {}
+    with pytest.raises(FailedPreconditionError, match="twice"):
+        host.swap_out_group([("a", [], 0), ("a", [], 0)])

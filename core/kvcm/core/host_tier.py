@@ -71,6 +71,7 @@ __all__ = [
     "prefix_host_hit_tokens",
     "swap_in",
     "swap_out",
+    "swap_out_tables",
 ]
 
 MISS: Final = 0
@@ -531,6 +532,57 @@ class HostTier:
         self._counters["swapped_blocks_out"] += len(copies)
         return copies
 
+    def swap_out_group(
+        self,
+        members: Sequence[
+            tuple[str, Sequence[Sequence[tuple[BlockHashWithGroupId | None, int] | None]], int]
+        ],
+    ) -> dict[str, list[tuple[int, int]]] | None:
+        """``swap_out`` of several requests, all or none: ``(owner, tables, num_tokens)`` each.
+
+        A block the members share (a prefix one hit in another's cache) is copied once and
+        pinned by each. Returns each owner's copies, or ``None`` when the tier cannot give
+        the group enough blocks (nothing changes).
+
+        Raises:
+            FailedPreconditionError: An owner is swapped out already or named twice.
+        """
+        owners = [owner for owner, _, _ in members]
+        if len(set(owners)) != len(owners):
+            raise FailedPreconditionError("a request is named twice in the group")
+        for owner in owners:
+            if owner in self._swapped:
+                raise FailedPreconditionError(f"request {owner!r} is swapped out already")
+        where, pending = self._where, self._pending
+        held: set[BlockHashWithGroupId] = set()
+        new_keys: set[BlockHashWithGroupId] = set()
+        needed = 0
+        for _, tables, _ in members:
+            for table in tables:
+                for entry in table:
+                    if entry is None:
+                        continue
+                    key = entry[0]
+                    if key is not None and key in where and key not in pending:
+                        held.add(key)
+                    elif key is None or key in where or key not in new_keys:
+                        needed += 1  # a private copy, or the first copy of a new key
+                        if key is not None and key not in where:
+                            new_keys.add(key)
+        if not self._can_take(needed, held):
+            return None
+        # No member's block may be evicted for another's.
+        self._guard = frozenset(held)
+        try:
+            out: dict[str, list[tuple[int, int]]] = {}
+            for owner, tables, num_tokens in members:
+                copies = self.swap_out(owner, tables, num_tokens)
+                assert copies is not None
+                out[owner] = copies
+        finally:
+            self._guard = frozenset()
+        return out
+
     def swapped_tokens(self, owner: str) -> int | None:
         """The tokens a swapped request keeps in the tier, or ``None`` if it is not swapped."""
         record = self._swapped.get(owner)
@@ -885,13 +937,18 @@ def swap_out(
     The caller then preempts the request (frees its device blocks). ``None`` when the tier
     has no room: nothing changes, and the caller preempts by recomputation as without a tier.
     """
-    blocks = manager.get_blocks(request.request_id).blocks
-    tables = [
-        [None if block.is_null else (block.block_hash, block.block_id) for block in group_blocks]
-        for group_blocks in blocks
+    tables = swap_out_tables(manager, request)
+    return host.swap_out(request.request_id, tables, request.num_computed_tokens)
+
+
+def swap_out_tables(
+    manager: KVCacheManager, request: Request
+) -> list[list[tuple[BlockHashWithGroupId | None, int] | None]]:
+    """A request's blocks as ``HostTier.swap_out`` takes them."""
+    return [
+        [None if block.is_null else (block.block_hash, block.block_id) for block in blocks]
+        for blocks in manager.get_blocks(request.request_id).blocks
     ]
-    copies = host.swap_out(request.request_id, tables, request.num_computed_tokens)
-    return copies
 
 
 def swap_in(

@@ -41,6 +41,7 @@ from kvcm.core.host_tier import (
     host_hit_tokens,
     swap_in,
     swap_out,
+    swap_out_tables,
 )
 from kvcm.core.limits import DEFAULT_LIMITS, Limits, check_pool_blocks
 from kvcm.core.lookup import (
@@ -680,6 +681,33 @@ class Pool:
             return None
         self.free(key, preempt=True)
         return copies
+
+    def swap_out_group(self, keys: Sequence[int]) -> dict[int, list[tuple[int, int]]] | None:
+        """Preempt several running requests by swapping them out together, all or none.
+
+        Blocks they share are copied once. Returns each key's device-to-host copies, or
+        ``None`` (nothing changed) when the tier has no room for the whole group.
+
+        Raises:
+            FailedPreconditionError: No host tier, a request holds no blocks, or is named twice.
+            NotFoundError: Unknown key.
+        """
+        manager, host = self._host()
+        requests = [self.request(key) for key in keys]
+        for key, request in zip(keys, requests, strict=True):
+            if not manager.holds_blocks(request.request_id):
+                raise FailedPreconditionError(f"request key {key} holds no blocks")
+        out = host.swap_out_group(
+            [
+                (request.request_id, swap_out_tables(manager, request), request.num_computed_tokens)
+                for request in requests
+            ]
+        )
+        if out is None:
+            return None
+        for key in keys:
+            self.free(key, preempt=True)
+        return {key: out[request.request_id] for key, request in zip(keys, requests, strict=True)}
 
     def swap_in(self, key: int, num_new_tokens: int) -> HostAdmission | None:
         """Re-admit a swapped request (device hit first, the rest copied back from host).
