@@ -199,9 +199,11 @@ class _KvcmSchedulerMixin:
 
     @staticmethod
     def _check_copies(settings: KvcmSettings, kv_cache_config: Any, hash_block_size: int) -> None:
-        # Sub-block hits beside an align-mode Mamba group copy blocks; the Step programs a
-        # kvcm server replays do not carry the copies yet, so only a server-less mirror may
-        # serve them.
+        # Sub-block hits beside an align-mode Mamba group copy blocks. A server's pool releases
+        # the copies' references at the end of each program, which is the end of vLLM's
+        # schedule() only while programs are not coalesced (a shipper catching up) nor split
+        # per call (remote mode), and Step answers do not carry the copies: only a server-less
+        # mirror serves them for now.
         from kvcm.core.coordinator import partial_hash_hits_enabled
         from kvcm.integrations.vllm._convert import convert_kv_cache_config
 
@@ -214,9 +216,9 @@ class _KvcmSchedulerMixin:
             mamba_block = max(g.kv_cache_spec.block_size for g in converted.kv_cache_groups)
             raise ConfigError(
                 "sub-block prefix hits (Mamba align mode with a hash block smaller than the "
-                "Mamba block) copy blocks, which kvcm's Step programs do not carry to a "
-                f"server yet: pass --prefix-match-unit {mamba_block}, or run the mirror "
-                "without a kvcm server address"
+                "Mamba block) copy blocks, which kvcm does not keep in step with a server yet: "
+                f"pass --prefix-match-unit {mamba_block}, or run the mirror without a kvcm "
+                "server address"
             )
 
     def _check_loop(self, vllm_config: Any) -> None:
