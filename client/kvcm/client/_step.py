@@ -404,6 +404,12 @@ class StepBuilder:
         counts itself)."""
         self._writer.op[OpKind.RECORD_PREFIX_STATS](request_key, num_hits)
 
+    def fork(self, request_key: int, child_key: int, num_computed_tokens: int) -> None:
+        """Fork a running request (FORK; docs/fork-cow.md): ``child_key`` shares every block
+        holding its first ``num_computed_tokens`` tokens, the partial last block included.
+        The first write into a shared partial block is copied (``StepResult.copies``)."""
+        self._writer.op[OpKind.FORK](request_key, child_key, num_computed_tokens)
+
     # --------------------------------------------------------------------------- output
     def build(self) -> StepProgram:
         """The core program recorded so far (the builder's own object, hashes joined)."""
@@ -532,6 +538,13 @@ class StepResult:
     def resets(self) -> list[bool]:
         """Per executed RESET_PREFIX_CACHE, whether it reset."""
         return self.outcome.reset
+
+    @property
+    def copies(self) -> list[tuple[int, int]]:
+        """The Step's copy-on-write copies, ``(source, destination)`` block ids in the order
+        made: hand them to the workers (``WorkerClient.apply_block_mappings(copies=...)``)."""
+        ids = self.outcome.copy_block_ids
+        return list(zip(ids[::2], ids[1::2], strict=True))
 
     @property
     def num_allocations_executed(self) -> int:

@@ -242,7 +242,11 @@ def fork_request(
 
 
 def take_fork_copies(pool: Pool) -> list[tuple[int, int]]:
-    """Drain the pool's copy-on-write copies ``(source, destination)`` since the last take."""
+    """Drain the copy-on-write copies ``(source, destination)`` of the pool's last Step.
+
+    A unary ``Pool.allocate`` is a Step; a Step program's outcome answers its own copies too
+    (``StepOutcome.copy_block_ids``), and each Step starts with none.
+    """
     manager = pool.ready_manager()
     copies = manager.fork_copies
     manager.fork_copies = []

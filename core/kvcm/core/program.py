@@ -60,6 +60,7 @@ class OpKind(enum.IntEnum):
     EVICT_BLOCKS = 9
     RESET_PREFIX_CACHE = 10
     RECORD_PREFIX_STATS = 11
+    FORK = 12
 
 
 @enum.unique
@@ -179,6 +180,8 @@ class StepProgram:
     evict_num_block_ids: list[int] = field(default_factory=list)
     evict_block_ids: list[int] = field(default_factory=list)
     record_hit_tokens: list[int] = field(default_factory=list)
+    fork_child_keys: list[int] = field(default_factory=list)
+    fork_num_computed_tokens: list[int] = field(default_factory=list)
     default_num_lookahead_tokens: int = 0
     token_budget: int | None = None
     continue_on_does_not_fit: bool = False
@@ -206,6 +209,10 @@ class StepOutcome:
         reset: Per executed RESET_PREFIX_CACHE: whether it reset.
         token_budget_left: Budget after the executed ops (when the program set one).
         step_seq: Echo of the program's step_seq.
+        copy_block_ids: The block copies the Step's allocations made (copy-on-write of a
+            shared partial block after a FORK), flattened ``source, destination`` pairs in
+            the order made; workers run them before the step's forward pass. Transient: not
+            in snapshots or fingerprints.
         delayed_keys: The request keys of the executed ALLOCATEs that fit with
             ``delay_cache_blocks`` (P/D transfers the server tracks), in op order. Not on the
             wire and not part of a pool's state (snapshots and fingerprints leave it out).
@@ -220,4 +227,7 @@ class StepOutcome:
     reset: list[bool] = field(default_factory=list)
     token_budget_left: int | None = None
     step_seq: int | None = None
+    copy_block_ids: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
     delayed_keys: list[int] = field(default_factory=list, compare=False, metadata={TRANSIENT: True})

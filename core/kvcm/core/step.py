@@ -48,9 +48,15 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias
 
-from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, KVCMError
+from kvcm.common.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCMError,
+)
 from kvcm.common.hashing import BlockHash
 from kvcm.core import step_checks as checks
+from kvcm.core.fork import fork_request
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, CacheHit, KVCacheBlocks, SlotOptions
 from kvcm.core.op_table import KEYED, OP_TABLE
 from kvcm.core.program import (
@@ -212,11 +218,15 @@ def execute_program(
     """
     outcome = StepOutcome(token_budget_left=program.token_budget)
     x = _Execution(pool, manager, program, outcome, deferred_hits)
+    if manager.fork_copies:
+        manager.fork_copies = []  # a Step answers its own copies (kvcm.core.fork)
     try:
         executed, _, _ = _walk(program.ops, lambda kind: _PAIRS[kind][1](x))
     except KVCMError as exc:  # pragma: no cover - validation covers what execution refuses
         raise StepExecutionBug(f"the core refused a validated Step op: {exc!r}") from exc
     outcome.num_ops_executed = executed
+    if manager.fork_copies:
+        outcome.copy_block_ids = [block_id for pair in manager.fork_copies for block_id in pair]
     if manager.coordinator.enable_partial_hash_hits:
         # Sub-block hits (beside align-mode Mamba) queue block copies that hold an extra
         # reference on both ends until the copy ran. A program is one scheduler step, at
@@ -644,6 +654,90 @@ def _execute_record(x: _Execution) -> Handler:
     return lambda op_index, k, n: record(requests[keys[k]], column[n])
 
 
+# ------------------------------------------------------------------------------------ FORK
+def _validate_fork(v: checks.Shadow) -> Handler:
+    pool, manager, program = v.pool, v.manager, v.program
+    children, computed = program.fork_child_keys, program.fork_num_computed_tokens
+    kind = OpKind.FORK
+
+    def check(op_index: int, k: int, n: int) -> None:
+        key, state = v.state(op_index, kind, k)
+        if n >= len(children) or n >= len(computed):
+            column = "fork_child_keys" if n >= len(children) else "fork_num_computed_tokens"
+            raise checks.too_few(op_index, kind, column)
+        child, num_computed = children[n], computed[n]
+
+        def fail(error: KVCMError, field: str) -> KVCMError:
+            return checks.reject(error, op_index, kind, field)
+
+        if not manager.fork_granule:
+            raise fail(
+                FailedPreconditionError(
+                    f"pool {pool.name!r} cannot fork: its KV-cache groups must all be full "
+                    "attention hashed at their own block size"
+                ),
+                f"request_keys[{k}]",
+            )
+        parent: Request = state[4]
+        if (
+            pool.requests.get(key) is not parent
+            or key in v.allocated
+            or state[1] == checks.HOLDS_NO
+            or parent.status is not RequestStatus.RUNNING
+            or not manager.holds_blocks(parent.request_id)
+        ):
+            raise fail(
+                FailedPreconditionError(
+                    f"request key {key} must be running with blocks from before this Step "
+                    "(not allocated, preempted or added earlier in it) to be forked"
+                ),
+                f"request_keys[{k}]",
+            )
+        live = v.table[child] is not None if child in v.table else child in pool.requests
+        if live or child < 0:
+            error: KVCMError = (
+                AlreadyExistsError(pool.live_key_message(child))
+                if live
+                else InvalidArgumentError("key must be >= 0")
+            )
+            raise fail(error, f"fork_child_keys[{n}]")
+        slots = min(
+            len(group.req_to_blocks[parent.request_id]) * group.block_size
+            for group in manager.coordinator.single_type_managers
+        )
+        most = min(state[0], slots)
+        if not 0 <= num_computed <= most:
+            raise fail(
+                InvalidArgumentError(
+                    f"{num_computed} is outside 0..{most} (request key {key}'s tokens and slots)"
+                ),
+                f"fork_num_computed_tokens[{n}]",
+            )
+        shadow = Request(str(child), parent.prompt_token_ids, lora_id=parent.lora_id)
+        tokens = state[3]
+        v.table[child] = [
+            state[0],
+            checks.HOLDS_YES,
+            state[2],
+            list(tokens) if tokens is not None else None,
+            shadow,
+        ]
+        v.allocated.discard(child)
+
+    return check
+
+
+def _execute_fork(x: _Execution) -> Handler:
+    pool, keys = x.pool, x.program.request_keys
+    children, computed = x.program.fork_child_keys, x.program.fork_num_computed_tokens
+
+    def run(op_index: int, k: int, n: int) -> None:
+        parent = keys[k]
+        fork_request(pool, parent, children[n], pool.request_ids[parent], computed[n])
+
+    return run
+
+
 # ----------------------------------------------------- NEW_STEP_STARTS, RESET_PREFIX_CACHE
 def _validate_nothing(v: checks.Shadow) -> Handler:
     return lambda op_index, k, n: None  # nothing to check: they take no columns
@@ -672,6 +766,7 @@ _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.EVICT_BLOCKS: (_validate_evict, _execute_evict),
     OpKind.RESET_PREFIX_CACHE: (_validate_nothing, _execute_reset),
     OpKind.RECORD_PREFIX_STATS: (_validate_record, _execute_record),
+    OpKind.FORK: (_validate_fork, _execute_fork),
 }
 """Per op kind, its validate and execute handlers' makers (one row per op table row)."""
 assert set(_PAIRS) == set(OP_TABLE), "every op kind has a validate and an execute handler"

@@ -283,6 +283,8 @@ def outcome_to_proto(outcome: StepOutcome) -> scheduler_pb2.StepResponse:
         response.lookup_num_new_tokens.extend(outcome.lookup_num_new_tokens)
     if outcome.reset:
         response.reset.extend(outcome.reset)
+    if outcome.copy_block_ids:
+        response.copy_block_ids.extend(outcome.copy_block_ids)
     if outcome.token_budget_left is not None:
         response.token_budget_left = outcome.token_budget_left
     if outcome.step_seq is not None:
@@ -300,6 +302,7 @@ def outcome_from_proto(msg: scheduler_pb2.StepResponse) -> StepOutcome:
         lookup_num_computed_tokens=list(msg.lookup_num_computed_tokens),
         lookup_num_new_tokens=list(msg.lookup_num_new_tokens),
         reset=list(msg.reset),
+        copy_block_ids=list(msg.copy_block_ids),
         token_budget_left=msg.token_budget_left if msg.HasField("token_budget_left") else None,
         step_seq=msg.step_seq if msg.HasField("step_seq") else None,
     )
