@@ -5,12 +5,13 @@ request's block table as a list of block ids, reference counts derived from the 
 hash each full block was promoted with. It cannot know which free block the pool hands out, so
 it takes each new block id from the pool and checks it was free; everything else it predicts:
 
-* a fork shares the parent's computed blocks (the partial last one included), nothing copied;
+* a fork (a core call or a Step program's FORK op) shares the parent's computed blocks (the
+  partial last one included), nothing copied;
 * a decode into a partial last block that another request still holds gives the writer a new
   block in its place and answers the copy (that block's id -> the new one); a decode into a
   private or full block copies nothing;
 * a block that fills is promoted: cached under the request's hash of that block;
-* a free drops only the freed request's references;
+* a free (finish or preemption) drops only the freed request's references;
 * the common computed blocks of a group are the leading cached blocks all of them hold.
 
 After every step: the pool's own invariants (``pool_violations``), every block's ``ref_cnt``
@@ -35,6 +36,7 @@ from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.fork import fork_request, pool_common_computed_block_ids, take_fork_copies
 from kvcm.core.invariants import pool_violations
 from kvcm.core.pool import Pool, PoolConfig
+from kvcm.core.program import OpKind, StepProgram
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12
@@ -115,7 +117,20 @@ class ForkCowMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(sorted(self.tables)))
         child = self.next_key
         self.next_key += 1
-        fork_request(self.pool, parent, child, f"r{child}", self.computed[parent])
+        if data.draw(st.booleans()):
+            fork_request(self.pool, parent, child, f"r{child}", self.computed[parent])
+        else:  # the same through a Step program's FORK op
+            outcome = self.pool.run_step(
+                StepProgram(
+                    ops=[OpKind.FORK],
+                    request_keys=[parent],
+                    fork_child_keys=[child],
+                    fork_num_computed_tokens=[self.computed[parent]],
+                )
+            )
+            assert outcome.num_ops_executed == 1
+            assert outcome.copy_block_ids == []
+            assert self.pool.request_ids[child] == self.pool.request_ids[parent]
         shared = -(-self.computed[parent] // BLOCK_SIZE)
         self.tables[child] = self.tables[parent][:shared]
         self.tokens[child] = list(self.tokens[parent])
@@ -171,6 +186,14 @@ class ForkCowMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
         self._finish(data.draw(st.sampled_from(sorted(self.tables))))
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        # A preempted sample drops its references and holds nothing (it is not resumed here).
+        key = data.draw(st.sampled_from(sorted(self.tables)))
+        self.pool.free(key, preempt=True)
+        del self.tables[key], self.tokens[key], self.computed[key]
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())

@@ -12,6 +12,7 @@ from kvcm.common.specs import FullAttentionSpec, SlidingWindowSpec
 from kvcm.core.fork import fork_request, pool_common_computed_block_ids, take_fork_copies
 from kvcm.core.invariants import pool_violations
 from kvcm.core.pool import Pool, PoolConfig
+from kvcm.core.snapshot import decode_pool, encode_pool
 
 BS = 4
 FULL = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=DType.FLOAT16)
@@ -101,3 +102,21 @@ def test_fork_refusals_name_the_cause_and_change_nothing() -> None:
     with pytest.raises(FailedPreconditionError, match="full attention"):
         fork_request(hybrid, 1, 2, "child", 5)
     assert 2 not in hybrid.requests
+
+
+def test_a_restored_pool_keeps_the_sharing_and_copies_on_write() -> None:
+    pool = _pool(8)
+    parent = _admit(pool, 1, [1, 2, 3, 4, 5, 6])
+    fork_request(pool, 1, 2, "child", 6)
+    options = PoolConfig(max_model_len=64, explicit_layout=pool.options.explicit_layout)
+    restored = decode_pool(encode_pool(pool), "p", options)
+    assert restored.state_fingerprint() == pool.state_fingerprint()
+    assert list(pool_violations(restored)) == []
+    assert restored.request_ids[2] == "child"
+    for each in (pool, restored):
+        each.append_tokens(2, [9], b"")
+        assert each.allocate(2, 1, 6) == ([],)
+        (copy,) = take_fork_copies(each)
+        assert copy[0] == parent[1]
+        assert _table(each, 1) == parent
+    assert restored.state_fingerprint() == pool.state_fingerprint()
