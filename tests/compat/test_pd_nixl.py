@@ -19,9 +19,12 @@ prefix-cache stats included) and KV events; at the end the pools (free queue ord
 reference counts) are equal, nothing is held, and the server's copy equals each mirror.
 
 Scenarios: plain P/D; the decode engine's own prefix hit (it pulls only what it lacks);
-load failures (the whole pull, or blocks from an index on) recomputed; a decode request
-aborted before it was scheduled (the prefill engine's blocks are released at once); a decode
-engine that never pulls (the prefill lease runs out); multi-turn conversations.
+load failures (the whole pull, or blocks from an index on) recomputed; decode requests
+aborted before they were scheduled (the prefill engine's blocks are released at once) and
+while decoding (an asynchronous decode engine's deferred free); a decode engine that never
+pulls (the prefill lease runs out); multi-turn conversations. In CI all of them run at once
+per mode and loop; ``KVCM_LONG=1`` also runs each alone and 1,280 conversations with over
+1,000 faulty transfers. Faults of kvcm itself: the server restarted mid-transfer.
 """
 
 from __future__ import annotations
