@@ -114,7 +114,7 @@ def fork_blocks(
             group.num_cached_block[child_id] = min(group.num_cached_block[parent_id], len(shared))
     child.num_computed_tokens = num_computed
     child.status = RequestStatus.RUNNING
-    manager.note_holder(child_id)
+    manager.note_fork(parent_id, child_id)
 
 
 def copy_shared_tail(

@@ -389,9 +389,12 @@ class KVCacheManager:
             self.scheduler_block_size if type(self.coordinator) is HybridKVCacheCoordinator else 1
         )
         # Fork and copy-on-write (kvcm.core.fork): the lcm of the block sizes where the pool
-        # can fork (0: it cannot), and the copies answered since the last take.
+        # can fork (0: it cannot), the copies answered since the last take, and the requests
+        # that may share a partial block (forked ones; derived state: None until found from
+        # the block tables, as after a snapshot's restore).
         self.fork_granule = fork_granule(self)
         self.fork_copies: list[tuple[int, int]] = []
+        self._forked: set[str] | None = None if self.fork_granule else set()
 
     # --------------------------------------------------------------------------- state
     @property
@@ -562,8 +565,10 @@ class KVCacheManager:
                 its hashes do not match its tokens, it has nothing to compute or adopt, or a
                 running request brings a hit.
         """
+        forked = self._forked if self._forked is not None else self.forked_requests()
         if (
-            self.fork_granule
+            forked
+            and request.request_id in forked
             and num_new_tokens > 0
             and request.num_computed_tokens % self.fork_granule
             and not copy_shared_tail(self, request, num_new_tokens, options)
@@ -887,6 +892,8 @@ class KVCacheManager:
         """
         self.coordinator.free(request.request_id)
         self._requests.discard(request.request_id)
+        if self._forked:
+            self._forked.discard(request.request_id)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Free the blocks outside the attention window and put null blocks in their place.
@@ -1066,9 +1073,24 @@ class KVCacheManager:
         """The ids of the requests holding a block table (a copy; for fingerprints)."""
         return frozenset(self._requests)
 
-    def note_holder(self, request_id: str) -> None:
-        """Count a request whose block table was set up outside allocate_slots (a fork)."""
-        self._requests.add(request_id)
+    def note_fork(self, parent_id: str, child_id: str) -> None:
+        """Count a forked request's block table (set up by ``kvcm.core.fork``) and mark
+        both requests as possibly sharing a partial block (copy-on-write is checked for
+        them only)."""
+        self._requests.add(child_id)
+        self.forked_requests().update((parent_id, child_id))
+
+    def forked_requests(self) -> set[str]:
+        """The requests that may share a partial block: the forked ones, found from the
+        block tables when unknown (a request holding an uncached block that another holds)."""
+        if self._forked is None:
+            self._forked = {
+                request_id
+                for group in self.coordinator.single_type_managers
+                for request_id, blocks in group.req_to_blocks.items()
+                if any(block.ref_cnt > 1 and block.block_hash is None for block in blocks)
+            }
+        return self._forked
 
     def holds_blocks(self, request_id: str) -> bool:
         """Whether the request holds a block table (allocated and not freed)."""
