@@ -181,3 +181,40 @@ def test_with_a_small_buffer_they_differ_only_in_eviction_order(
     host = kvcm["manager"].host
     assert host.pinned() == {}
     assert host.num_free + len(host.keys()) == host.num_blocks
+
+
+def test_the_manager_pins_loads_releases_failed_stores_and_resets(vllm: ModuleType) -> None:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+
+    from kvcm.integrations.vllm import KvcmOffloadingManager
+
+    manager = KvcmOffloadingManager(2, enable_events=True)
+    ctx = ReqContext(req_id="r")
+    a, b, c = (make_offload_key(bytes([i]) * 32, 0) for i in range(3))
+    out = manager.prepare_store([a, b], ctx)
+    assert out is not None
+    assert out.keys_to_store == [a, b]
+    assert list(out.store_spec.block_ids) == [0, 1]  # type: ignore[attr-defined]
+    assert manager.lookup(a, ctx) is LookupResult.HIT_PENDING
+    manager.complete_store([a], ctx)
+    manager.complete_store([b], ctx, success=False)  # the copy failed: b's block is free again
+    assert manager.lookup(a, ctx) is LookupResult.HIT
+    assert manager.lookup(b, ctx) is LookupResult.MISS
+    spec = manager.prepare_load([a], ctx)
+    assert list(spec.block_ids) == [0]  # type: ignore[attr-defined]
+    # a is being loaded: a store that needs its block is refused, nothing changes.
+    assert manager.prepare_store([b, c], ctx) is None
+    manager.complete_load([a], ctx)
+    out = manager.prepare_store([b, c], ctx)
+    assert out is not None
+    assert out.evicted_keys == [a]
+    events = list(manager.take_events())
+    assert [(e.removed, e.metadata_only, e.keys) for e in events] == [
+        (False, False, [a]),
+        (True, True, [b]),
+        (True, False, [a]),
+    ]
+    assert all(e.medium.value == "CPU" for e in events)
+    manager.reset_cache()
+    assert manager.lookup(c, ctx) is LookupResult.MISS
+    assert manager.host.num_free == 2
