@@ -101,6 +101,23 @@ class HashingSummary(BaseModel):
     hash_length_bytes: int
 
 
+class HostTierSummary(BaseModel):
+    """The pool's host tier (docs/host-tier.md): its blocks and counters since creation.
+
+    ``hit_rate`` is ``hit_tokens`` over the prefix cache's queried tokens (0 before any).
+    """
+
+    blocks: int
+    used_blocks: int
+    hit_tokens: int
+    hit_rate: float
+    demoted_blocks: int
+    loaded_blocks: int
+    evicted_blocks: int
+    swap_outs: int
+    swap_ins: int
+
+
 class ZmqEventsSummary(BaseModel):
     """Where the pool's KV-event batches go out on vLLM's ZMQ wire (docs/kv-events.md)."""
 
@@ -142,6 +159,7 @@ class PoolSummary(BaseModel):
     last_step_seq: int
     scheduler_lease_s: float
     step_progress: StepProgressSummary | None = None
+    host_tier: HostTierSummary | None = None
     hashing: HashingSummary | None = None
     zmq_events: ZmqEventsSummary | None = None
 
@@ -215,6 +233,23 @@ def summarize(snapshot: PoolSnapshotLike) -> PoolSummary:
         last_event_sequence=snapshot.events_emitted_total,
         last_step_seq=snapshot.last_step_seq,
         scheduler_lease_s=snapshot.scheduler_lease_s,
+        host_tier=_host_tier(snapshot),
+    )
+
+
+def _host_tier(snapshot: PoolSnapshotLike) -> HostTierSummary | None:
+    if not snapshot.host_tier_blocks:
+        return None
+    return HostTierSummary(
+        blocks=snapshot.host_tier_blocks,
+        used_blocks=snapshot.host_tier_used_blocks,
+        hit_tokens=snapshot.host_tier_hit_tokens,
+        hit_rate=snapshot.host_tier_hit_tokens / snapshot.queries if snapshot.queries else 0.0,
+        demoted_blocks=snapshot.host_tier_demoted_blocks,
+        loaded_blocks=snapshot.host_tier_loaded_blocks,
+        evicted_blocks=snapshot.host_tier_evicted_blocks,
+        swap_outs=snapshot.host_tier_swap_outs,
+        swap_ins=snapshot.host_tier_swap_ins,
     )
 
 
