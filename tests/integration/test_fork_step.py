@@ -104,3 +104,20 @@ def test_bad_forks_name_the_field_and_change_nothing(
     again = StepBuilder()
     again.fork(1, 2, 3)
     assert client.step(name, again).outcome.num_ops_executed == 1
+
+
+def test_unary_fork_then_a_decode_answers_the_copy(client: SchedulerClient) -> None:
+    client.create_pool("fork-unary", _config())
+    setup = StepBuilder()
+    setup.add_request(1, [1, 2, 3], request_id="a")
+    setup.allocate(1, 3, 0)
+    (blocks,) = client.step("fork-unary", setup).blocks(0).get_block_ids()  # type: ignore[union-attr]
+    client.fork("fork-unary", 1, 2, 3)
+    with pytest.raises(AlreadyExistsError):
+        client.fork("fork-unary", 1, 2, 3)
+    decode = StepBuilder()
+    decode.append_tokens(2, [9])
+    decode.decode([2], [1], [3])
+    ((source, destination),) = client.step("fork-unary", decode).copies
+    assert source == blocks[0]
+    assert destination != source

@@ -389,6 +389,31 @@ class SchedulerClient(ChannelClient):
             "RemoveSkippedBlocks", self._stubs.scheduler.RemoveSkippedBlocks, request, timeout
         )
 
+    def fork(
+        self,
+        pool_id: str,
+        request_key: int,
+        child_key: int,
+        num_computed_tokens: int,
+        *,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> None:
+        """Fork a running request: ``child_key`` shares every block holding its first
+        ``num_computed_tokens`` tokens, the partial last block included (a Step with one
+        FORK; docs/fork-cow.md). The copies come later, in the answers of the allocations
+        that write into a shared partial block (``StepResult.copies``).
+
+        Raises:
+            ServiceFailedPreconditionError: The pool cannot fork, or the request is not
+                running with blocks.
+            ServiceAlreadyExistsError: ``child_key`` is live.
+            ServiceInvalidArgumentError: ``num_computed_tokens`` is beyond the request's
+                tokens or slots.
+        """
+        step = StepBuilder()
+        step.fork(request_key, child_key, num_computed_tokens)
+        self.step(pool_id, step, timeout=timeout)
+
     def evict_blocks(
         self, pool_id: str, block_ids: Iterable[int], *, timeout: Timeout = USE_CLIENT_DEFAULT
     ) -> None:
