@@ -48,7 +48,8 @@ OFF_LOOP_HASH_BLOCKS: Final = 4096
 (about 4 ms of sha256)."""
 OFF_LOOP_INDEX_BLOCKS: Final = 4096
 """A pool caching this many blocks or more is indexed for lookups (once, at its first lookup)
-in a worker thread holding the pool, not on the event loop (about 1 ms per 1,000 blocks)."""
+in a worker thread holding the pool, not on the event loop (1-2 ms per 1,000 blocks on a
+2-core VM)."""
 
 
 class LookupDeniedError(Exception):
