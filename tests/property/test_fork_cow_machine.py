@@ -16,7 +16,8 @@ it takes each new block id from the pool and checks it was free; everything else
 
 After every step: the pool's own invariants (``pool_violations``), every block's ``ref_cnt``
 equals the model's count and no referenced block is in the free queue, every request's table is
-the model's, every request's cached blocks hold its hashes and are in the prefix cache under
+the model's, every request that shares its partial block is one the manager checks for
+copies, every request's cached blocks hold its hashes and are in the prefix cache under
 them, every copy answered is well formed (source and destination differ, the destination was
 free and is now the writer's, the source is still held by another request).
 """
@@ -231,6 +232,16 @@ class ForkCowMachine(RuleBasedStateMachine):
                 continue
             assert block.ref_cnt == refs.get(block.block_id, 0), f"block {block.block_id}"
             assert (block.block_id in free_ids) == (block.ref_cnt == 0), "freed while held"
+
+    @invariant()
+    def every_request_sharing_a_partial_block_is_checked_for_copies(self) -> None:
+        # The manager checks copy-on-write only for the requests it knows may share one.
+        refs = self.refs()
+        forked = self.manager.forked_requests()
+        for key, table in self.tables.items():
+            index = self.computed[key] // BLOCK_SIZE
+            if self.computed[key] % BLOCK_SIZE and refs[table[index]] > 1:
+                assert str(key) in forked, f"request {key} shares its partial block unseen"
 
     @invariant()
     def prefix_cache_matches_the_model(self) -> None:
