@@ -60,6 +60,7 @@ from kvcm.core.manager import (
     KVCacheManagerConfig,
     SlotOptions,
 )
+from kvcm.core.op_table import KEYED
 from kvcm.core.planning import (
     UnifiedPlan,
     get_kv_cache_config_from_groups,
@@ -78,7 +79,14 @@ from kvcm.core.pool_types import (
     check_pool_id,
     hash_length_bytes,
 )
-from kvcm.core.program import AllocOptions, HitSpec, OpKind, StepOutcome, StepProgram
+from kvcm.core.program import (
+    AllocOptions,
+    HitSpec,
+    ItemStatus,
+    OpKind,
+    StepOutcome,
+    StepProgram,
+)
 from kvcm.core.request import Request, RequestStatus
 from kvcm.core.stats import PrefixCacheStats
 from kvcm.core.step import (
@@ -113,6 +121,28 @@ def _add_stats(total: PrefixCacheStats, drained: PrefixCacheStats) -> None:
     total.preempted_requests += drained.preempted_requests
     total.preempted_queries += drained.preempted_queries
     total.preempted_hits += drained.preempted_hits
+
+
+def _delayed_keys(program: StepProgram, outcome: StepOutcome) -> list[int]:
+    """The keys of ``outcome``'s executed ALLOCATEs of ``program`` that fit with
+    ``delay_cache_blocks`` (what the interpreter lists in ``StepOutcome.delayed_keys``)."""
+    keys: list[int] = []
+    options, statuses = program.alloc_options, outcome.alloc_statuses
+    k = n = 0
+    for op in program.ops[: outcome.num_ops_executed]:
+        if op == OpKind.ALLOCATE:
+            entry = options.get(n)
+            if (
+                entry is not None
+                and entry.slot_options.delay_cache_blocks
+                and n < len(statuses)
+                and statuses[n] == ItemStatus.OK
+                and k < len(program.request_keys)  # a retry is not validated again
+            ):
+                keys.append(program.request_keys[k])
+            n += 1
+        k += KEYED.get(op, 0)
+    return keys
 
 
 class Pool:
@@ -744,7 +774,17 @@ class Pool:
         Raises:
             KVCMError: See :func:`kvcm.core.step.run_step`.
         """
-        return run_step(self, program, phase=phase)
+        seq = program.step_seq
+        restored = self.last_step_outcome
+        if seq is None or seq != self.last_step_seq or restored is None or restored.delayed_keys:
+            return run_step(self, program, phase=phase)
+        # A retry answered from an outcome restored from a snapshot, which leaves the
+        # transient delayed_keys out: derive them from the retried program, so the server
+        # tracks its P/D transfers again as it did for the first answer.
+        outcome = run_step(self, program, phase=phase)
+        if outcome is restored:
+            outcome.delayed_keys = _delayed_keys(program, outcome)
+        return outcome
 
     def _run_one(self, program: StepProgram) -> StepOutcome:
         # A unary call: the same rules as the op in a Step, reported without the op prefix.
