@@ -246,6 +246,8 @@ def test_pending_stores_pins_and_bad_input() -> None:
     assert host.store([b, c]) is None  # a is pinned
     with pytest.raises(FailedPreconditionError):
         host.pin([b])
+    with pytest.raises(FailedPreconditionError):
+        host.unpin([a, a])  # pinned once: nothing changes
     host.unpin([a])
     with pytest.raises(FailedPreconditionError):
         host.unpin([a])

@@ -435,8 +435,10 @@ class HostTier:
             FailedPreconditionError: A key is not pinned; nothing changes.
         """
         keys = list(keys)
+        drops: dict[BlockHashWithGroupId, int] = {}
         for key in keys:
-            if self._pins.get(self._where.get(key, -1), 0) < 1:
+            drops[key] = drops.get(key, 0) + 1
+            if self._pins.get(self._where.get(key, -1), 0) < drops[key]:
                 raise FailedPreconditionError(f"host tier key {key!r} is not pinned")
         for key in keys:
             self._unpin_block(self._where[key], key)
