@@ -107,7 +107,7 @@ def tight(vllm: ModuleType) -> dict[str, dict[str, Any]]:
     return {spec: _run(spec, 40) for spec in ("CPUOffloadingSpec", "KvcmOffloadingSpec")}
 
 
-def test_vllm_loads_the_spec_by_name_and_module(vllm: ModuleType) -> None:
+def test_vllm_loads_the_spec_by_name_and_module(tight: dict[str, dict[str, Any]]) -> None:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -118,14 +118,11 @@ def test_vllm_loads_the_spec_by_name_and_module(vllm: ModuleType) -> None:
     )
     assert spec_cls is KvcmOffloadingSpec
     assert issubclass(spec_cls, OffloadingSpec)
-    engine = build_engine(_setup("KvcmOffloadingSpec", 64))
-    try:
-        manager = engine.scheduler.connector.connector_scheduler.manager
-        assert isinstance(manager, KvcmOffloadingManager)
-        # vLLM's CPU spec sized the buffer: one host block per chunk.
-        assert manager.host.num_blocks == 64
-    finally:
-        engine.shutdown()
+    # The engine built with the spec's name and module path runs kvcm's manager, sized by
+    # vLLM's CPU spec from cpu_bytes_to_use: one host block per chunk.
+    manager = tight["KvcmOffloadingSpec"]["manager"]
+    assert isinstance(manager, KvcmOffloadingManager)
+    assert manager.host.num_blocks == 40
 
 
 def test_with_room_for_everything_both_managers_decide_alike(
