@@ -1007,7 +1007,7 @@ def _ranked_all(groups: Iterable[_Group], rows: list[_Row], weight: float) -> tu
                 if shared is None or medium not in shared[1]:
                     shared = _hit_parts(parts, num_hit, medium)
                 load = (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0)
-                hit = (name, num_hit, *shared, num_tokens, new(PoolLoad, load), score)
+                hit = (name, num_hit, shared[0], shared[1], num_tokens, new(PoolLoad, load), score)
                 append((-score, num_waiting, usage, name, new(PoolHit, hit)))
     # Stable passes, least significant key first: each sorts one float, int or str column
     # (specialized comparisons), where one pass over whole rows compares tuples element by
