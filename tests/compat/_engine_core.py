@@ -459,6 +459,8 @@ class TransferFabric:
         self._heartbeats: dict[str, set[str]] = {}
         # (engine id, request id) -> the turn the engine's lease on the request's blocks ends.
         self.deadlines: dict[tuple[str, str], int] = {}
+        # Engines that died: pulls from them fail, notifications to them are lost.
+        self.dead: set[str] = set()
 
     def notify(self, engine_id: str, request_id: str) -> None:
         """Tell the producer ``engine_id`` its request's blocks were read (or are not needed)."""
@@ -575,6 +577,8 @@ class SimulatedNixl:
             del self._recving[req_id]
             recving.add(req_id)
             failure = fabric.failures.get(req_id)
+            if meta.remote.engine_id in fabric.dead:
+                failure = "fail"  # the source engine is gone with its blocks
             blocks = list(meta.local_block_ids[0]) if meta.local_block_ids else []
             if failure == "fail":
                 # NIXL's worker: the request fails, its blocks are invalid, and the

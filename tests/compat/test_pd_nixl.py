@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +170,11 @@ class PdCluster:
         self.bidirectional = bidirectional
         self.decoded: dict[str, list[int]] = {}
         self.aborts: dict[int, str] = {}  # driver turn -> decode request to abort then
+        # Called before each turn while the prefill engine lives; True: it dies now (it is
+        # never stepped again, the proxy sends it nothing more).
+        self.prefill_dies: Callable[[int, PdCluster], bool] | None = None
+        self.prefill_dead = False
+        self.in_prefill: set[str] = set()  # conversations whose turn the prefill engine runs
 
     def engines(self) -> tuple[Engine, Engine]:
         return self.prefill, self.decode
@@ -209,15 +215,29 @@ class PdCluster:
                 # The client went away while the decode engine runs the request.
                 self.decode.abort([aborted])
                 self._end_turn(by_request[aborted], turn + 1)
-            p_out, p_ran = self.prefill.step()
+            dies = self.prefill_dies
+            if not self.prefill_dead and dies is not None and dies(turn, self):
+                self.prefill_dead = True
+                self.fabric.dead.add("prefill")
+            p_out: dict[int, Any] | None = None
+            p_ran = False
+            if not self.prefill_dead:
+                p_out, p_ran = self.prefill.step()
             p_record = self._record(self.prefill, p_out, p_ran)
             d_out, d_ran = self.decode.step()
             d_record = self._record(self.decode, d_out, d_ran)
             self._take_prefill(p_out, by_request, turn)
             self._take_decode(d_out, by_request, turn)
             yield turn, p_record, d_record
+            if self.prefill_dead:
+                # Conversations waiting on the dead prefill engine end there.
+                for conv in convs:
+                    if conv.conv_id in self.in_prefill:
+                        conv.turn = len(conv.user_turns)
+                self.in_prefill.clear()
+            prefill_busy = not self.prefill_dead and self.prefill.has_work()
             if all(c.turn >= len(c.user_turns) for c in convs) and not (
-                self.prefill.has_work() or self.decode.has_work()
+                prefill_busy or self.decode.has_work()
             ):
                 return
         raise AssertionError(f"the P/D flow did not end in {max_turns} turns")
@@ -242,6 +262,9 @@ class PdCluster:
             return
         if conv.turn >= len(conv.user_turns) or conv.next_at != turn:
             return
+        if self.prefill_dead:
+            conv.turn = len(conv.user_turns)  # nowhere to prefill: the user gives up
+            return
         request_id = f"{conv.conv_id}-{conv.turn}"
         prompt = conv.history + conv.user_turns[conv.turn]
         by_request[request_id] = conv
@@ -251,6 +274,7 @@ class PdCluster:
             # answered where they are; the prefill engine may pull them.
             params = {**conv.decoded_params, "do_remote_decode": True, "do_remote_prefill": False}
         self.prefill.add(RequestPlan(turn, request_id, prompt, 1, kv_transfer_params=params))
+        self.in_prefill.add(conv.conv_id)
         conv.next_at = -1
 
     def _take_prefill(
@@ -261,6 +285,7 @@ class PdCluster:
                 if output.finish_reason is None:
                     continue
                 conv = by_request[output.request_id]
+                self.in_prefill.discard(conv.conv_id)
                 params = output.kv_transfer_params
                 assert params is not None
                 assert params["do_remote_prefill"], params
@@ -538,12 +563,14 @@ def server(vllm: Any) -> Iterator[EmbeddedServer]:
 
 
 MODES = ("mirror", "remote")
-# CI: every scenario at once ("all") per mode and loop; KVCM_LONG=1: each on its own too.
+# CI: every scenario at once ("all") in mirror mode (sync loop) and remote mode (both loops;
+# remote mode checks every answer with the server); KVCM_LONG=1: every pair, each scenario alone.
 PARAMS = [
     (name, mode, engine_async)
     for name in (("all", *SCENARIOS) if workload_scale() > 1 else ("all",))
     for mode in MODES
     for engine_async in (False, True)
+    if workload_scale() > 1 or mode == "remote" or not engine_async
 ]
 # KVCM_LONG=1: 1,280 conversations, over 1,000 with a faulty transfer, in both modes.
 if workload_scale() > 1:
@@ -695,3 +722,68 @@ def test_kvcm_restarted_mid_transfer(vllm: Any) -> None:
             engine.shutdown()
         servers[0].stop()
     print(f"restarted at turn {restarts[0][0]} (held, pulling) = {restarts[0][1]}: {tally}")
+
+
+def test_prefill_engine_dies_with_sources_held(vllm: Any) -> None:
+    """The prefill engine dies while it holds blocks for pulls: the decode engine's pulls from
+    it fail and are recomputed exactly as on vLLM's schedulers, and the server's scheduler
+    lease gives the dead engine's held blocks back to its pool (nothing leaks)."""
+    from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
+
+    del vllm
+    lease_s = 1.0
+    server = start_embedded_server(ServerSettings(grpc_address="127.0.0.1:0", http_address=""))
+    pools = {role: f"pd-{role}-dies" for role in ("prefill", "decode")}
+    config = {
+        role: {
+            "kvcm": {
+                "address": server.grpc_address,
+                "pool_id": pool,
+                "lease_s": lease_s if role == "prefill" else 0.0,
+            }
+        }
+        for role, pool in pools.items()
+    }
+    deaths: list[tuple[int, int, float]] = []
+
+    def dies(turn: int, cluster: PdCluster) -> bool:
+        held, pulling = _in_flight(cluster)
+        if turn < 8 or not held or not pulling:
+            return False
+        manager = cluster.prefill.scheduler.kv_cache_manager
+        if hasattr(manager, "sink"):  # kvcm's: the server has every step, then silence
+            assert manager.flush(10.0)
+            manager.sink.close(0.0)
+            deaths.append((turn, held, time.monotonic()))
+        return True
+
+    reference = build_cluster(False, None)
+    kvcm = build_cluster(False, (KvcmScheduler, KvcmAsyncScheduler), config)
+    reference.prefill_dies = kvcm.prefill_dies = dies
+    try:
+        tally = assert_same_pd_runs(reference, kvcm, scenario("all", seed=3))
+        assert deaths, "the prefill engine never held blocks while a pull ran"
+        turn, held, died_at = deaths[0]
+        assert tally.fabric.get("pull-failed", 0) >= 1
+        decode = kvcm.decode.scheduler.kv_cache_manager
+        assert decode.flush(30.0)
+        assert _server_state(server, pools["decode"]) == pool_state(decode.core, [])
+        # The dead engine's pool: its held requests are reclaimed by the lease, no block stays
+        # referenced.
+        while True:
+            state = _server_state(server, pools["prefill"])
+            if not any(state["ref_cnts"]):
+                reclaimed_after = time.monotonic() - died_at
+                break
+            assert time.monotonic() - died_at < lease_s + 10, "the lease never reclaimed"
+            time.sleep(0.05)
+        assert not state["tables"]
+    finally:
+        for engine in (*kvcm.engines(), *reference.engines()):
+            engine.shutdown()
+        server.stop()
+    print(
+        f"prefill died at turn {turn} holding {held} requests' blocks; reclaimed "
+        f"{reclaimed_after:.2f} s later (lease {lease_s} s): {tally}"
+    )
+    assert reclaimed_after >= lease_s
