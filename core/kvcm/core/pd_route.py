@@ -29,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple, TypeVar
 
-from kvcm.common.errors import InvalidArgumentError
+from kvcm.common.errors import InvalidArgumentError, KVCMError
 from kvcm.common.hashing import BlockHash
 from kvcm.core.lookup import LookupAnswer, LookupQuery, PoolHit, Profile, hash_prompt
 from kvcm.core.pool_types import PoolState
@@ -45,11 +45,22 @@ __all__ = [
     "PdRoute",
     "PdRouteQuery",
     "PdScope",
+    "by_role",
     "held_prefix",
     "rank_pd",
 ]
 
 MAX_HELD_REQUESTS: Final = 1024
+E = TypeVar("E", bound=KVCMError)
+
+
+def by_role(error: E, role: str) -> E:
+    """A role's lookup ``error`` naming the role's field (``prefill_scope.pool_ids[1]``)
+    instead of Lookup's ``scope``; it always names a field (``""``: the call as a whole)."""
+    renamed = error.rerooted("scope", role)
+    if renamed.path is None:
+        renamed.field = ""
+    return renamed
 
 
 class HeldRequest(NamedTuple):
@@ -117,9 +128,7 @@ class PdRouteQuery:
             try:
                 self.role_query(name)
             except InvalidArgumentError as exc:
-                where = (exc.field or "").replace("scope.", f"{name}.", 1)
-                message = str(exc.args[0] if exc.args else exc).replace("scope.", f"{name}.", 1)
-                raise InvalidArgumentError(message, field=where) from None
+                raise by_role(exc, name) from None
 
     def _check_held(self) -> None:
         if not self.held:

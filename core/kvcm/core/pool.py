@@ -792,11 +792,7 @@ class Pool:
         try:
             deferred_hits = validate_program(self, manager, program)
         except KVCMError as exc:
-            prefix = f"ops[0] {OpKind(program.ops[0]).name}: "
-            message = str(exc)
-            if message.startswith(prefix):
-                message = message[len(prefix) :]
-            raise type(exc)(message, field=exc.field) from None
+            raise exc.unlocated() from None
         return execute_program(self, manager, program, deferred_hits)
 
     def allocate(

@@ -73,10 +73,7 @@ def reject(error: KVCMError, op_index: int | None, op: int, field: str) -> KVCME
     if op_index is None:
         error.field, error.op_index = field, None
         return error
-    prefixed = type(error)(
-        f"ops[{op_index}] {op_name(op)}: {error}", field=field, op_index=op_index
-    )
-    return prefixed
+    return error.at_op(op_index, op_name(op), field)
 
 
 def too_few(op_index: int, op: int, column: str) -> KVCMError:

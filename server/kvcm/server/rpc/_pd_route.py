@@ -18,7 +18,7 @@ import grpc
 from kvcm.common.errors import InvalidArgumentError, NotFoundError
 from kvcm.common.hashing import BlockHash
 from kvcm.core.lookup import Profile, hash_prompt, hashing_work
-from kvcm.core.pd_route import PdRoute, PdRouteQuery, held_prefix, rank_pd
+from kvcm.core.pd_route import PdRoute, PdRouteQuery, by_role, held_prefix, rank_pd
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.rpc._lookup import (
     OFF_LOOP_HASH_BLOCKS,
@@ -75,18 +75,10 @@ async def route_pd(
             answers.append(
                 await lookup_as(registry, role_query, principal, state=state, hashed=hashed)
             )
-        except NotFoundError as exc:
-            message = str(exc.args[0]) if exc.args else str(exc)
-            raise NotFoundError(
-                _renamed(message, role), field=_renamed(exc.field or "", role)
-            ) from None
+        except (NotFoundError, InvalidArgumentError) as exc:
+            raise by_role(exc, role) from None
         except LookupDeniedError as exc:
             raise LookupDeniedError(_renamed(str(exc), role)) from None
-        except InvalidArgumentError as exc:
-            message = str(exc.args[0]) if exc.args else str(exc)
-            raise InvalidArgumentError(
-                _renamed(message, role), field=_renamed(exc.field or "", role)
-            ) from None
     held = None
     if query.bidirectional and query.held and answers[1].pools:
         held = await _held_on_best(registry, query, answers[1].pools[0].pool_id, hashed)

@@ -237,7 +237,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
                 num_in_flight_tokens=in_flight,
             )
         except KVCMError as exc:
-            if hit is not None and exc.field and ".hit" in exc.field:
+            if hit is not None and exc.path is not None and "hit" in exc.path[1:]:
                 raise type(exc)(f"new_computed: {exc}", field="new_computed") from None
             raise
         self._state.published(pool)
