@@ -63,7 +63,12 @@ class _HybridMambaWorker(SimulatedWorker):
         return _layer_specs(self.vllm_config.cache_config.block_size)
 
 
-def _build(setup: Setup, scheduler_cls: Any = None, match_unit: int = HASH_BLOCK) -> Engine:
+def _build(
+    setup: Setup,
+    scheduler_cls: Any = None,
+    match_unit: int = HASH_BLOCK,
+    additional_config: Any = None,
+) -> Engine:
     from vllm.v1.engine.core import EngineCore
 
     base = executor_class(setup)
@@ -74,7 +79,7 @@ def _build(setup: Setup, scheduler_cls: Any = None, match_unit: int = HASH_BLOCK
         self.workers = [_HybridMambaWorker(self.vllm_config, r, setup) for r in range(world)]
 
     executor = type("HybridMambaExecutor", (base,), {"_init_executor": init_executor})
-    config = vllm_config(setup, scheduler_cls)
+    config = vllm_config(setup, scheduler_cls, additional_config)
     # What vLLM's hybrid-model config sets with prefix caching on, and the user's prefix
     # match unit (EngineCore resolves the hash block size and hit alignment from them).
     config.cache_config.mamba_cache_mode = "align"
@@ -173,41 +178,6 @@ def test_hybrid_mamba_engine_turns_equal_vllm(case: str, vllm: ModuleType) -> No
     assert tally.finished == len(plans)
 
 
-def test_sub_block_hits_with_a_kvcm_server_are_refused(vllm: ModuleType) -> None:
-    """The copies of sub-block hits do not travel in Step programs yet: a mirror that ships to
-    a kvcm server refuses the configuration (naming the workaround) before anything is built;
-    one hash block per Mamba block (no copies) is accepted."""
-    from kvcm.common.errors import ConfigError
-    from kvcm.integrations.vllm._scheduler import KvcmScheduler
-
-    del vllm
-    setup = CASES["sync"]
-    config = vllm_config(setup, KvcmScheduler, {"kvcm": {"address": "127.0.0.1:1"}})
-    config.cache_config.mamba_cache_mode = "align"
-    kv_cache_config = _kv_cache_config()
-    with pytest.raises(ConfigError, match=f"--prefix-match-unit {MAMBA_BLOCK}"):
-        KvcmScheduler._check_copies(_settings(config), kv_cache_config, HASH_BLOCK)
-    KvcmScheduler._check_copies(_settings(config), kv_cache_config, MAMBA_BLOCK)
-
-
-def _settings(config: Any) -> Any:
-    from kvcm.integrations.vllm._settings import KvcmSettings
-
-    return KvcmSettings.from_sources(config.additional_config)
-
-
-def _kv_cache_config() -> Any:
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
-
-    return KVCacheConfig(
-        num_blocks=8,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec([name], spec) for name, spec in _layer_specs(MAMBA_BLOCK).items()
-        ],
-    )
-
-
 @pytest.mark.parametrize("match_unit", [MAMBA_BLOCK, HASH_BLOCK])
 def test_align_mode_programs_replay_on_the_server_interpreter(
     match_unit: int, vllm: ModuleType
@@ -215,8 +185,7 @@ def test_align_mode_programs_replay_on_the_server_interpreter(
     """The Step programs the mirror records replay on ``Pool.run_step`` (a kvcm server's
     interpreter) to the mirror's state after every step, while the engine matches vLLM's:
     with one hash block per Mamba block (no sub-block hits), and with sub-block hits, whose
-    copies the pool releases at the end of each program as vLLM's scheduler does at the end
-    of ``schedule()``."""
+    copies the programs drain (TAKE_BLOCK_COPIES) where vLLM's scheduler drains them."""
     from test_vllm_scheduler import ReplayCheckingSink
 
     from kvcm.integrations.vllm import KvcmScheduler

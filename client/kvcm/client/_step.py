@@ -410,6 +410,12 @@ class StepBuilder:
         The first write into a shared partial block is copied (``StepResult.copies``)."""
         self._writer.op[OpKind.FORK](request_key, child_key, num_computed_tokens)
 
+    def take_block_copies(self) -> None:
+        """Drain the block copies of sub-block prefix hits where vLLM's scheduler calls
+        ``take_kv_cache_block_copies`` (TAKE_BLOCK_COPIES; docs/mamba.md): they are answered
+        in ``StepResult.drained_copies`` and their blocks' extra references dropped."""
+        self._writer.op[OpKind.TAKE_BLOCK_COPIES]()
+
     # --------------------------------------------------------------------------- output
     def build(self) -> StepProgram:
         """The core program recorded so far (the builder's own object, hashes joined)."""
@@ -545,6 +551,20 @@ class StepResult:
         made: hand them to the workers (``WorkerClient.apply_block_mappings(copies=...)``)."""
         ids = self.outcome.copy_block_ids
         return list(zip(ids[::2], ids[1::2], strict=True))
+
+    @property
+    def drained_copies(self) -> list[list[tuple[int, int]]]:
+        """Per executed TAKE_BLOCK_COPIES, the sub-block hits' copies it drained,
+        ``(source, destination)`` block ids in order: the workers run them before that step's
+        forward pass."""
+        ids = self.outcome.drained_copy_block_ids
+        drains: list[list[tuple[int, int]]] = []
+        start = 0
+        for count in self.outcome.drained_num_copies:
+            end = start + 2 * count
+            drains.append(list(zip(ids[start:end:2], ids[start + 1 : end : 2], strict=True)))
+            start = end
+        return drains
 
     @property
     def num_allocations_executed(self) -> int:

@@ -25,6 +25,7 @@ from it, so a new op kind is a new row here plus its validate/execute pair in
     RECORD_PREFIX_STATS    yes    record_hit_tokens                  -
     FORK                   yes    fork_child_keys,                   -
                                   fork_num_computed_tokens
+    TAKE_BLOCK_COPIES      -      -                                  -
 
 A keyed op takes the next entry of ``request_keys``. Op number ``n`` of a kind (its ordinal
 among the program's ops of that kind) takes entry ``n`` of each of its per-op columns, so one
@@ -125,6 +126,7 @@ _ROWS: Final = (
     OpColumns(OpKind.RESET_PREFIX_CACHE, keyed=False),
     OpColumns(OpKind.RECORD_PREFIX_STATS, keyed=True, columns=("record_hit_tokens",)),
     OpColumns(OpKind.FORK, keyed=True, columns=("fork_child_keys", "fork_num_computed_tokens")),
+    OpColumns(OpKind.TAKE_BLOCK_COPIES, keyed=False),
 )
 
 OP_TABLE: Final[Mapping[int, OpColumns]] = {int(row.kind): row for row in _ROWS}

@@ -61,6 +61,7 @@ class OpKind(enum.IntEnum):
     RESET_PREFIX_CACHE = 10
     RECORD_PREFIX_STATS = 11
     FORK = 12
+    TAKE_BLOCK_COPIES = 13
 
 
 @enum.unique
@@ -213,6 +214,12 @@ class StepOutcome:
             shared partial block after a FORK), flattened ``source, destination`` pairs in
             the order made; workers run them before the step's forward pass. Transient: not
             in snapshots or fingerprints.
+        drained_copy_block_ids: The block copies of sub-block prefix hits (docs/mamba.md)
+            each executed TAKE_BLOCK_COPIES drained, flattened ``source, destination`` pairs
+            in drain order; workers run them before that step's forward pass. Transient.
+        drained_num_copies: Per executed TAKE_BLOCK_COPIES, how many pairs of
+            ``drained_copy_block_ids`` it drained (a coalesced program's drains, in order).
+            Transient.
         delayed_keys: The request keys of the executed ALLOCATEs that fit with
             ``delay_cache_blocks`` (P/D transfers the server tracks), in op order. Not on the
             wire and not part of a pool's state (snapshots and fingerprints leave it out).
@@ -228,6 +235,12 @@ class StepOutcome:
     token_budget_left: int | None = None
     step_seq: int | None = None
     copy_block_ids: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    drained_copy_block_ids: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    drained_num_copies: list[int] = field(
         default_factory=list, compare=False, metadata={TRANSIENT: True}
     )
     delayed_keys: list[int] = field(default_factory=list, compare=False, metadata={TRANSIENT: True})

@@ -227,14 +227,9 @@ def execute_program(
     outcome.num_ops_executed = executed
     if manager.fork_copies:
         outcome.copy_block_ids = [block_id for pair in manager.fork_copies for block_id in pair]
-    if manager.coordinator.enable_partial_hash_hits:
-        # Sub-block hits (beside align-mode Mamba) queue block copies that hold an extra
-        # reference on both ends until the copy ran. A program is one scheduler step, at
-        # whose end vLLM's scheduler drains the copies and drops those references; a pool
-        # does the same (its answers do not carry the copies yet: docs/mamba.md).
-        _copies, retained = manager.take_kv_cache_block_copies()
-        if retained:
-            manager.block_pool.free_blocks(retained)
+    # Sub-block hits (beside align-mode Mamba) queue block copies that stay pending, holding
+    # a reference on both ends, until a TAKE_BLOCK_COPIES drains them (where vLLM's scheduler
+    # calls take_kv_cache_block_copies), in this program or a later one.
     return outcome
 
 
@@ -753,6 +748,24 @@ def _execute_reset(x: _Execution) -> Handler:
     return lambda op_index, k, n: resets.append(manager.reset_prefix_cache())
 
 
+# ---------------------------------------------------------------------- TAKE_BLOCK_COPIES
+def _execute_take_copies(x: _Execution) -> Handler:
+    # vLLM's scheduler drains the copies (take_kv_cache_block_copies) and, its connectors
+    # deferring nothing beside Mamba layers, frees their retained ends at once.
+    manager, outcome = x.manager, x.outcome
+    drained, counts = outcome.drained_copy_block_ids, outcome.drained_num_copies
+
+    def run(op_index: int, k: int, n: int) -> None:
+        copies, retained = manager.take_kv_cache_block_copies()
+        counts.append(len(copies))
+        for source, destination in copies:
+            drained.extend((source, destination))
+        if retained:
+            manager.block_pool.free_blocks(retained)
+
+    return run
+
+
 _Pair: TypeAlias = tuple[Callable[[checks.Shadow], Handler], Callable[[_Execution], Handler]]
 _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.ADD_REQUEST: (_validate_add, _execute_add),
@@ -767,6 +780,7 @@ _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.RESET_PREFIX_CACHE: (_validate_nothing, _execute_reset),
     OpKind.RECORD_PREFIX_STATS: (_validate_record, _execute_record),
     OpKind.FORK: (_validate_fork, _execute_fork),
+    OpKind.TAKE_BLOCK_COPIES: (_validate_nothing, _execute_take_copies),
 }
 """Per op kind, its validate and execute handlers' makers (one row per op table row)."""
 assert set(_PAIRS) == set(OP_TABLE), "every op kind has a validate and an execute handler"

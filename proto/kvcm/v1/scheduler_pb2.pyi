@@ -30,6 +30,7 @@ class StepOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_OP_KIND_RESET_PREFIX_CACHE: _ClassVar[StepOpKind]
     STEP_OP_KIND_RECORD_PREFIX_STATS: _ClassVar[StepOpKind]
     STEP_OP_KIND_FORK: _ClassVar[StepOpKind]
+    STEP_OP_KIND_TAKE_BLOCK_COPIES: _ClassVar[StepOpKind]
 FREE_MODE_UNSPECIFIED: FreeMode
 FREE_MODE_FINISHED: FreeMode
 FREE_MODE_PREEMPTED: FreeMode
@@ -46,6 +47,7 @@ STEP_OP_KIND_EVICT_BLOCKS: StepOpKind
 STEP_OP_KIND_RESET_PREFIX_CACHE: StepOpKind
 STEP_OP_KIND_RECORD_PREFIX_STATS: StepOpKind
 STEP_OP_KIND_FORK: StepOpKind
+STEP_OP_KIND_TAKE_BLOCK_COPIES: StepOpKind
 
 class MultiModalFeature(_message.Message):
     __slots__ = ("identifier", "offset_tokens", "length_tokens")
@@ -436,7 +438,7 @@ class StepRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ..., evict_num_block_ids: _Optional[_Iterable[int]] = ..., evict_block_ids: _Optional[_Iterable[int]] = ..., record_hit_tokens: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., fork_child_keys: _Optional[_Iterable[int]] = ..., fork_num_computed_tokens: _Optional[_Iterable[int]] = ..., scheduler_step_seq: _Optional[int] = ..., step_age_s: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("num_ops_executed", "alloc_statuses", "alloc_num_block_ids", "alloc_block_ids", "lookup_num_computed_tokens", "lookup_num_new_tokens", "token_budget_left", "step_seq", "reset", "copy_block_ids")
+    __slots__ = ("num_ops_executed", "alloc_statuses", "alloc_num_block_ids", "alloc_block_ids", "lookup_num_computed_tokens", "lookup_num_new_tokens", "token_budget_left", "step_seq", "reset", "copy_block_ids", "drained_copy_block_ids", "drained_num_copies")
     NUM_OPS_EXECUTED_FIELD_NUMBER: _ClassVar[int]
     ALLOC_STATUSES_FIELD_NUMBER: _ClassVar[int]
     ALLOC_NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -447,6 +449,8 @@ class StepResponse(_message.Message):
     STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     COPY_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_COPY_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_NUM_COPIES_FIELD_NUMBER: _ClassVar[int]
     num_ops_executed: int
     alloc_statuses: _containers.RepeatedScalarFieldContainer[_common_pb2.ItemStatus]
     alloc_num_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -457,7 +461,9 @@ class StepResponse(_message.Message):
     step_seq: int
     reset: _containers.RepeatedScalarFieldContainer[bool]
     copy_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_ops_executed: _Optional[int] = ..., alloc_statuses: _Optional[_Iterable[_Union[_common_pb2.ItemStatus, str]]] = ..., alloc_num_block_ids: _Optional[_Iterable[int]] = ..., alloc_block_ids: _Optional[_Iterable[int]] = ..., lookup_num_computed_tokens: _Optional[_Iterable[int]] = ..., lookup_num_new_tokens: _Optional[_Iterable[int]] = ..., token_budget_left: _Optional[int] = ..., step_seq: _Optional[int] = ..., reset: _Optional[_Iterable[bool]] = ..., copy_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    drained_copy_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    drained_num_copies: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_ops_executed: _Optional[int] = ..., alloc_statuses: _Optional[_Iterable[_Union[_common_pb2.ItemStatus, str]]] = ..., alloc_num_block_ids: _Optional[_Iterable[int]] = ..., alloc_block_ids: _Optional[_Iterable[int]] = ..., lookup_num_computed_tokens: _Optional[_Iterable[int]] = ..., lookup_num_new_tokens: _Optional[_Iterable[int]] = ..., token_budget_left: _Optional[int] = ..., step_seq: _Optional[int] = ..., reset: _Optional[_Iterable[bool]] = ..., copy_block_ids: _Optional[_Iterable[int]] = ..., drained_copy_block_ids: _Optional[_Iterable[int]] = ..., drained_num_copies: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRejection(_message.Message):
     __slots__ = ("op_index", "field", "reason")

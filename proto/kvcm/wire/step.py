@@ -285,6 +285,9 @@ def outcome_to_proto(outcome: StepOutcome) -> scheduler_pb2.StepResponse:
         response.reset.extend(outcome.reset)
     if outcome.copy_block_ids:
         response.copy_block_ids.extend(outcome.copy_block_ids)
+    if outcome.drained_num_copies:
+        response.drained_copy_block_ids.extend(outcome.drained_copy_block_ids)
+        response.drained_num_copies.extend(outcome.drained_num_copies)
     if outcome.token_budget_left is not None:
         response.token_budget_left = outcome.token_budget_left
     if outcome.step_seq is not None:
@@ -303,6 +306,8 @@ def outcome_from_proto(msg: scheduler_pb2.StepResponse) -> StepOutcome:
         lookup_num_new_tokens=list(msg.lookup_num_new_tokens),
         reset=list(msg.reset),
         copy_block_ids=list(msg.copy_block_ids),
+        drained_copy_block_ids=list(msg.drained_copy_block_ids),
+        drained_num_copies=list(msg.drained_num_copies),
         token_budget_left=msg.token_budget_left if msg.HasField("token_budget_left") else None,
         step_seq=msg.step_seq if msg.HasField("step_seq") else None,
     )

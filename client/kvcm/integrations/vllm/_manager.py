@@ -631,15 +631,23 @@ class MirrorKVCacheManager:
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         """Drain the block copies workers run before this step's forward (sub-block hits
-        beside an align-mode Mamba group) as vLLM's ``KVCacheBlockCopy`` records, and the
-        blocks that hold one extra reference each until the copies ran (vLLM's scheduler
-        drops them through ``block_pool.free_blocks``)."""
+        beside an align-mode Mamba group) as vLLM's ``KVCacheBlockCopy`` records.
+
+        vLLM's scheduler drops the copies' extra references (``block_pool.free_blocks``) right
+        after draining them (it defers nothing without a KV connector, which Mamba layers
+        refuse); the mirror drops them here already, as the pool's TAKE_BLOCK_COPIES does, so
+        the recorded op is one whole mutation. The retained blocks answered are none.
+        """
         copies, retained = self.core.take_kv_cache_block_copies()
         if not copies:
             return [], []
+        self.core.block_pool.free_blocks(retained)
+        self.recorder.take_block_copies(copies)
+        if self._acknowledge_each_answer:
+            self.close_step()  # remote mode: the server answers the same copies first
         from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-        return [KVCacheBlockCopy(src, dst) for src, dst in copies], retained
+        return [KVCacheBlockCopy(src, dst) for src, dst in copies], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """No boundary-state hand-offs (Mamba align mode only)."""

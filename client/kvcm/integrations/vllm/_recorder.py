@@ -291,6 +291,12 @@ class StepRecorder:
         if not self._off:
             self._notes.append(_NEW_STEP_NOTE)
 
+    def take_block_copies(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Note TAKE_BLOCK_COPIES: the mirror drained these copies (sub-block hits) and
+        dropped their blocks' extra references."""
+        if not self._off:
+            self._notes.append((OpKind.TAKE_BLOCK_COPIES, tuple(copies)))
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Note EVICT_BLOCKS (ids sorted, so the program does not depend on set order)."""
         if not self._off:
@@ -380,6 +386,11 @@ class StepRecorder:
             elif kind is OpKind.RESET_PREFIX_CACHE:
                 write[kind]()
                 expected.reset.append(note[1])
+            elif kind is OpKind.TAKE_BLOCK_COPIES:
+                write[kind]()
+                expected.drained_num_copies.append(len(note[1]))
+                for pair in note[1]:
+                    expected.drained_copy_block_ids.extend(pair)
             else:  # NEW_STEP_STARTS, EVICT_BLOCKS: the note holds the op's values
                 write[kind](*note[1:])
         writer.flush()

@@ -163,7 +163,6 @@ class _KvcmSchedulerMixin:
             hash_block_size=arguments["hash_block_size"] or block_size,
             enable_caching=vllm_config.cache_config.enable_prefix_caching,
         )
-        self._check_copies(settings, kv_cache_config, arguments["hash_block_size"] or block_size)
         if vllm_config.kv_transfer_config is not None and any(
             type(group.kv_cache_spec).__name__ == "MambaSpec"
             for group in kv_cache_config.kv_cache_groups
@@ -196,30 +195,6 @@ class _KvcmSchedulerMixin:
             ),
         )
         self.kv_cache_manager.sink = self.make_step_sink(settings)
-
-    @staticmethod
-    def _check_copies(settings: KvcmSettings, kv_cache_config: Any, hash_block_size: int) -> None:
-        # Sub-block hits beside an align-mode Mamba group copy blocks. A server's pool releases
-        # the copies' references at the end of each program, which is the end of vLLM's
-        # schedule() only while programs are not coalesced (a shipper catching up) nor split
-        # per call (remote mode), and Step answers do not carry the copies: only a server-less
-        # mirror serves them for now.
-        from kvcm.core.coordinator import partial_hash_hits_enabled
-        from kvcm.integrations.vllm._convert import convert_kv_cache_config
-
-        if settings.address is None:
-            return
-        converted = convert_kv_cache_config(kv_cache_config)
-        if len(converted.kv_cache_groups) > 1 and partial_hash_hits_enabled(
-            converted, hash_block_size
-        ):
-            mamba_block = max(g.kv_cache_spec.block_size for g in converted.kv_cache_groups)
-            raise ConfigError(
-                "sub-block prefix hits (Mamba align mode with a hash block smaller than the "
-                "Mamba block) copy blocks, which kvcm does not keep in step with a server yet: "
-                f"pass --prefix-match-unit {mamba_block}, or run the mirror without a kvcm "
-                "server address"
-            )
 
     def _check_loop(self, vllm_config: Any) -> None:
         # vLLM runs a scheduler_cls under the loop async_scheduling selects, whatever the

@@ -197,6 +197,9 @@ def coalesce(steps: list[RecordedStep]) -> tuple[StepProgram, StepOutcome]:
         expected.alloc_num_block_ids += answers.alloc_num_block_ids
         expected.alloc_block_ids += answers.alloc_block_ids
         expected.reset += answers.reset
+        # Drains stay in step order, each with its own count: the copies split per step.
+        expected.drained_copy_block_ids += answers.drained_copy_block_ids
+        expected.drained_num_copies += answers.drained_num_copies
     program.append_block_hashes = b"".join(hashes)
     program.step_seq = steps[-1].program.step_seq
     program.num_steps = len(steps)
@@ -230,6 +233,8 @@ def outcomes_agree(expected: StepOutcome, actual: StepOutcome) -> bool:
         and actual.alloc_num_block_ids == expected.alloc_num_block_ids
         and actual.alloc_block_ids == expected.alloc_block_ids
         and actual.reset == expected.reset
+        and actual.drained_num_copies == expected.drained_num_copies
+        and actual.drained_copy_block_ids == expected.drained_copy_block_ids
     )
 
 
