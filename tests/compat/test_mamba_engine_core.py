@@ -185,21 +185,56 @@ def test_align_mode_programs_replay_on_the_server_interpreter(
     """The Step programs the mirror records replay on ``Pool.run_step`` (a kvcm server's
     interpreter) to the mirror's state after every step, while the engine matches vLLM's:
     with one hash block per Mamba block (no sub-block hits), and with sub-block hits, whose
-    copies the programs drain (TAKE_BLOCK_COPIES) where vLLM's scheduler drains them."""
+    copies the programs drain (TAKE_BLOCK_COPIES) where vLLM's scheduler drains them. Every
+    answer's drained copies equal the mirror's; and the same steps coalesced three at a time
+    (as a shipper catching up sends them) drain the same copies in the same order, each drain
+    counted apart, and leave a second pool equal to the first at every batch's end."""
+    from _program_replay import pool_state
     from test_vllm_scheduler import ReplayCheckingSink
 
     from kvcm.integrations.vllm import KvcmScheduler
+    from kvcm.integrations.vllm._shipper import coalesce, outcomes_agree
 
     del vllm
 
+    def state_of(pool: Any) -> dict[str, Any]:
+        state = pool_state(pool.manager, [])
+        state["tables"] = {
+            key: pool.manager.get_block_ids(request.request_id)
+            for key, request in sorted(pool.requests.items())
+            if pool.manager.holds_blocks(request.request_id)
+        }
+        return state
+
     class PoolSink(ReplayCheckingSink):
         # Only the real interpreter (Pool.run_step), compared with the mirror after each step.
+        coalesced_pool: Any = None
+        batch: list[Any]
+        num_drains = num_coalesced_drains = num_batches = 0
+
         def submit(self, step: Any) -> None:
             core = self.mirror.core
             if self.pool is None:
                 self.pool = self._make_pool()
+                self.coalesced_pool = self._make_pool()
+                self.batch = []
             if self.interpreter_error is None:
                 self._interpret(step, core, sorted(core.requests_holding_blocks))
+                answer = self.pool.last_step_outcome
+                if self.interpreter_error is None and not outcomes_agree(step.expected, answer):
+                    self.interpreter_error = f"step {step.step_seq}: drained copies differ"
+                self.num_drains += len(step.expected.drained_num_copies)
+            self.batch.append(step)
+            if len(self.batch) == 3 and self.interpreter_error is None:
+                program, expected = coalesce(self.batch)
+                self.batch = []
+                answer = self.coalesced_pool.run_step(program)
+                if not outcomes_agree(expected, answer):
+                    self.interpreter_error = f"steps to {program.step_seq}: coalesced answers"
+                elif state_of(self.coalesced_pool) != state_of(self.pool):
+                    self.interpreter_error = f"steps to {program.step_seq}: coalesced pool"
+                self.num_coalesced_drains += len(answer.drained_num_copies)
+                self.num_batches += 1
             self.num_steps += 1
             self.num_ops += len(step.program.ops)
 
@@ -222,11 +257,16 @@ def test_align_mode_programs_replay_on_the_server_interpreter(
         reference.shutdown()
     print(
         f"align replay: {tally.turns} turns, {tally.hits} hits; "
-        f"{sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step"
+        f"{sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step, "
+        f"{sink.num_drains} drains; {sink.num_batches} coalesced batches, "
+        f"{sink.num_coalesced_drains} drains in them"
     )
     assert tally.hits > 0
     assert sink.interpreter_error is None, sink.interpreter_error
     assert sink.num_interpreted == sink.num_steps > 50
+    assert sink.num_batches == sink.num_steps // 3
+    if match_unit < MAMBA_BLOCK:
+        assert sink.num_coalesced_drains > 0
 
 
 def test_kv_connectors_with_mamba_layers_are_refused(vllm: ModuleType) -> None:
