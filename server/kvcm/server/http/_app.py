@@ -21,7 +21,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel
 
-from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from kvcm.common.errors import NotFoundError
 from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.server.access import RefusalLog, may_read
@@ -29,6 +29,7 @@ from kvcm.server.http._collector import JournalStatsLike, KVCMCollector, kvcm_ve
 from kvcm.server.http._guard import TokenGuard, check_routes
 from kvcm.server.http._inspector import add_inspector_routes
 from kvcm.server.http._pd_route import add_pd_route
+from kvcm.server.http._queries import answer_json_query
 from kvcm.server.http._views import PoolLike, PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats, StepProgressBook
 
@@ -464,20 +465,12 @@ def build_app(
     return app
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    body = ErrorBody(error=ErrorDetail(code=code, message=message))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
 def _add_lookup_route(
     app: FastAPI,
     lookup: Callable[[LookupQuery, Principal | None], Awaitable[LookupAnswer]],
     refusals: RefusalLog,
 ) -> None:
-    from kvcm.server.rpc import LookupDeniedError
     from kvcm.wire.lookup import lookup_query_from_json, lookup_result_to_json
-
-    too_large = f"the body exceeds {MAX_LOOKUP_BODY_BYTES} bytes"
 
     @app.post(
         "/v1/lookup",
@@ -500,33 +493,12 @@ def _add_lookup_route(
         The body is a ``kvcm.v1.LookupRequest`` in protobuf's JSON mapping; the answer a
         ``LookupResponse`` (snake_case names, every field present).
         """
-        principal: Principal | None = getattr(request.state, "principal", None)
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_LOOKUP_BODY_BYTES:
-            return _error(413, "RESOURCE_EXHAUSTED", too_large)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_LOOKUP_BODY_BYTES:
-                return _error(413, "RESOURCE_EXHAUSTED", too_large)
-        try:
-            result = await lookup(lookup_query_from_json(bytes(body)), principal)
-        except InvalidArgumentError as exc:
-            return _error(400, "INVALID_ARGUMENT", str(exc))
-        except NotFoundError as exc:
-            return _error(404, "NOT_FOUND", str(exc.args[0]) if exc.args else str(exc))
-        except LookupDeniedError as exc:
-            if principal is not None:
-                client = request.client
-                refusals.refused(
-                    principal=principal.name,
-                    peer=f"{client.host}:{client.port}" if client else "",
-                    method="POST /v1/lookup",
-                    pool="",
-                    code="403",
-                    reason=str(exc),
-                )
-            return _error(403, "PERMISSION_DENIED", str(exc))
-        except ResourceExhaustedError as exc:
-            return _error(429, "RESOURCE_EXHAUSTED", str(exc))
-        return JSONResponse(lookup_result_to_json(result))
+        return await answer_json_query(
+            request,
+            method="POST /v1/lookup",
+            max_body_bytes=MAX_LOOKUP_BODY_BYTES,
+            decode=lookup_query_from_json,
+            answer=lookup,
+            encode=lookup_result_to_json,
+            refusals=refusals,
+        )

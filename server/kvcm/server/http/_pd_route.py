@@ -11,20 +11,15 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
 
-from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.server.access import RefusalLog
+from kvcm.server.http._queries import answer_json_query
 
 if TYPE_CHECKING:
     from kvcm.server.rpc import Principal
 
 __all__ = ["add_pd_route"]
-
-
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
 
 
 def add_pd_route(
@@ -44,10 +39,7 @@ def add_pd_route(
         max_body_bytes: Bodies over this are answered 413.
         error_model: The app's error body model (for the OpenAPI schema).
     """
-    from kvcm.server.rpc import LookupDeniedError
     from kvcm.wire.pd import pd_route_query_from_json, pd_route_to_json
-
-    too_large = f"the body exceeds {max_body_bytes} bytes"
 
     @app.post(
         "/v1/pd/route",
@@ -71,33 +63,12 @@ def add_pd_route(
         """The prefill and the decode engine for a prompt, ranked by exact prefix hit and
         load, with the decode engine's own hit and vLLM's ``remote_num_tokens`` (see
         docs/pd.md)."""
-        principal: Principal | None = getattr(request.state, "principal", None)
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body_bytes:
-            return _error(413, "RESOURCE_EXHAUSTED", too_large)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_body_bytes:
-                return _error(413, "RESOURCE_EXHAUSTED", too_large)
-        try:
-            route = await route_pd(pd_route_query_from_json(bytes(body)), principal)
-        except InvalidArgumentError as exc:
-            return _error(400, "INVALID_ARGUMENT", str(exc))
-        except NotFoundError as exc:
-            return _error(404, "NOT_FOUND", str(exc.args[0]) if exc.args else str(exc))
-        except LookupDeniedError as exc:
-            if principal is not None:
-                client = request.client
-                refusals.refused(
-                    principal=principal.name,
-                    peer=f"{client.host}:{client.port}" if client else "",
-                    method="POST /v1/pd/route",
-                    pool="",
-                    code="403",
-                    reason=str(exc),
-                )
-            return _error(403, "PERMISSION_DENIED", str(exc))
-        except ResourceExhaustedError as exc:
-            return _error(429, "RESOURCE_EXHAUSTED", str(exc))
-        return JSONResponse(pd_route_to_json(route))
+        return await answer_json_query(
+            request,
+            method="POST /v1/pd/route",
+            max_body_bytes=max_body_bytes,
+            decode=pd_route_query_from_json,
+            answer=route_pd,
+            encode=pd_route_to_json,
+            refusals=refusals,
+        )
