@@ -11,7 +11,7 @@ from functools import partial
 from itertools import chain, islice
 from operator import eq
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf import json_format  # type: ignore[import-untyped]
 
@@ -21,6 +21,7 @@ from kvcm.core.lookup import DEFAULT_LOAD_WEIGHT, LookupAnswer, LookupQuery, Poo
 from kvcm.v1 import lookup_pb2, scheduler_pb2
 
 __all__ = [
+    "parse_json_body",
     "lookup_query_from_json",
     "lookup_query_from_proto",
     "lookup_query_to_proto",
@@ -104,16 +105,17 @@ def lookup_query_from_proto(message: lookup_pb2.LookupRequest) -> LookupQuery:
 
 
 _MAX_REASON_CHARS = 300
+_M = TypeVar("_M")
 
 
-def lookup_query_from_json(body: bytes) -> LookupQuery:
-    """The query of a JSON body (``LookupRequest`` in protobuf's JSON mapping).
+def parse_json_body(body: bytes, message: _M) -> _M:
+    """``message`` filled from a JSON body in protobuf's JSON mapping (a route's request).
 
     Raises:
-        InvalidArgumentError: Not UTF-8, not JSON, an unknown field, a wrong type, or a value
-            out of its domain (the message names it).
+        InvalidArgumentError: Not UTF-8, not JSON, an unknown field or a wrong type
+            (``field="body"``; the parser's reason, cut to 300 characters since it may quote
+            the body).
     """
-    message = lookup_pb2.LookupRequest()
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -124,10 +126,21 @@ def lookup_query_from_json(body: bytes) -> LookupQuery:
     try:
         json_format.Parse(text, message)
     except (json_format.ParseError, RecursionError) as exc:
-        reason = str(exc)  # may quote the body: kept short
+        reason = str(exc)
         if len(reason) > _MAX_REASON_CHARS:
             reason = f"{reason[:_MAX_REASON_CHARS]}... ({len(reason)} characters)"
         raise InvalidArgumentError(f"request body: {reason}", field="body") from None
+    return message
+
+
+def lookup_query_from_json(body: bytes) -> LookupQuery:
+    """The query of a JSON body (``LookupRequest`` in protobuf's JSON mapping).
+
+    Raises:
+        InvalidArgumentError: Not UTF-8, not JSON, an unknown field, a wrong type, or a value
+            out of its domain (the message names it).
+    """
+    message = parse_json_body(body, lookup_pb2.LookupRequest())
     return lookup_query_from_proto(message)
 
 

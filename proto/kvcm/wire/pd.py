@@ -11,7 +11,6 @@ from typing import Any
 
 from google.protobuf import json_format  # type: ignore[import-untyped]
 
-from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.lookup import DEFAULT_LOAD_WEIGHT, LookupAnswer
 from kvcm.core.pd_route import HeldRequest, PdRoute, PdRouteQuery, PdScope
 from kvcm.v1 import lookup_pb2, pd_pb2
@@ -20,6 +19,7 @@ from kvcm.wire.lookup import (
     lookup_query_to_proto,
     lookup_result_from_proto,
     lookup_result_to_proto,
+    parse_json_body,
 )
 
 __all__ = [
@@ -30,8 +30,6 @@ __all__ = [
     "pd_route_to_json",
     "pd_route_to_proto",
 ]
-
-_MAX_REASON_CHARS = 300
 
 
 def pd_route_query_to_proto(query: PdRouteQuery) -> pd_pb2.RoutePdRequest:
@@ -94,21 +92,7 @@ def pd_route_query_from_json(body: bytes) -> PdRouteQuery:
         InvalidArgumentError: Not UTF-8, not JSON, an unknown field, a wrong type, or a value
             out of its domain (the message names it).
     """
-    message = pd_pb2.RoutePdRequest()
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidArgumentError(
-            f"request body: not UTF-8 JSON (byte {exc.start} is {body[exc.start]:#04x})",
-            field="body",
-        ) from None
-    try:
-        json_format.Parse(text, message)
-    except (json_format.ParseError, RecursionError) as exc:
-        reason = str(exc)  # may quote the body: kept short
-        if len(reason) > _MAX_REASON_CHARS:
-            reason = f"{reason[:_MAX_REASON_CHARS]}... ({len(reason)} characters)"
-        raise InvalidArgumentError(f"request body: {reason}", field="body") from None
+    message = parse_json_body(body, pd_pb2.RoutePdRequest())
     return pd_route_query_from_proto(message)
 
 
