@@ -401,24 +401,3 @@ def test_a_group_sharing_a_prefix_swaps_out_together_or_not_at_all() -> None:
     assert host.pinned() == {}
     with pytest.raises(FailedPreconditionError, match="twice"):
         host.swap_out_group([("a", [], 0), ("a", [], 0)])
-
-
-def test_a_restored_pool_starts_with_an_empty_tier_that_demotes() -> None:
-    from kvcm.core.snapshot import decode_pool, encode_pool
-
-    pool = _pool(8)
-    _run(pool, 1, list(range(64)))
-    pool.free(1, preempt=False)
-    _flood(pool, 2, 15, 5000)
-    assert pool.host_tier is not None
-    assert pool.host_tier.stats().num_used == 4
-    restored = decode_pool(encode_pool(pool), "p", pool.options)
-    assert restored.state_fingerprint() == pool.state_fingerprint()  # the tier is not in it
-    host = restored.host_tier
-    assert host is not None
-    assert host.keys() == {}  # a cache: it starts empty
-    _flood(restored, 3, 15, 9000)  # the flood's 15 cached blocks are evicted in turn
-    stats = host.stats()
-    assert stats.demotions == 15  # each demoted; the tier's 8 blocks keep the last 8
-    assert stats.evictions == 7
-    assert stats.num_used == 8

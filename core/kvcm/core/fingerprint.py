@@ -6,7 +6,9 @@ order, the prefix-cache map, pending events, eviction counter), each group manag
 (per-request block ids, cached block counts, new block ids), the manager's set of requests
 holding blocks and its prefix-cache statistics, the request table (tokens, hashes, status,
 computed and in-flight tokens, preemptions, LoRA, salt), the exactly-once guard, the counters,
-the sequenced event log and the statistics totals.
+the sequenced event log, the statistics totals, and the host tier's whole state (its keys in
+recency order with their host blocks, pending keys, pins, private blocks, the free list in
+order, swapped requests, counters, and the copies and events not taken yet).
 
 The cost is O(state): one pass over blocks, requests and events, no sorting beyond the
 dictionaries' keys. Two pools in the same state give the same bytes (dictionaries are written
@@ -121,6 +123,27 @@ def _request_state(pool: Pool) -> tuple[object, ...]:
     return tuple(out)
 
 
+def _host_tier_state(pool: Pool) -> tuple[object, ...] | None:
+    host = pool.host_tier
+    if host is None:
+        return None
+    where = host.keys()
+    return (
+        host.num_blocks,
+        tuple((key, where[key]) for key in host.recency()),
+        _canon(host.pending_keys()),
+        _canon(host.pinned()),
+        _canon(host.private_blocks()),
+        tuple(host._free),
+        _canon({owner: host.swapped_keys(owner) for owner in host.swapped()}),
+        _canon(host.swapped()),
+        _canon(host.stats()),
+        tuple(host._d2h),
+        tuple(host._h2d),
+        _canon(host._events),
+    )
+
+
 def state_fingerprint(pool: Pool) -> bytes:
     """The pool's state as canonical bytes (see the module docstring)."""
     outcome = pool.last_step_outcome
@@ -138,5 +161,6 @@ def state_fingerprint(pool: Pool) -> bytes:
         pool.oldest_event_sequence,
         _canon(pool.event_log_contents()),
         _canon(pool.stats_totals()),
+        _host_tier_state(pool),
     )
     return repr(state).encode()

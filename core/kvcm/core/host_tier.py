@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HIT",
+    "HOST_TIER_COUNTERS",
     "MISS",
     "PENDING",
     "HostAdmission",
@@ -69,6 +70,7 @@ __all__ = [
     "admit_with_host_hit",
     "host_hit_tokens",
     "prefix_host_hit_tokens",
+    "restore_swapped",
     "swap_in",
     "swap_out",
     "swap_out_tables",
@@ -121,12 +123,45 @@ class HostTierStats:
     swapped_blocks_in: int
 
 
+HOST_TIER_COUNTERS: Final = (
+    "demotions",
+    "demotions_present",
+    "demotions_dropped",
+    "evictions",
+    "stores",
+    "loads",
+    "hit_tokens",
+    "swap_outs",
+    "swap_ins",
+    "swapped_blocks_out",
+    "swapped_blocks_in",
+)
+"""The tier's cumulative counters, in the order snapshots write them."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Swapped:
     # Per group, per block position: the host block (None for a null device block) and the
     # key it holds (None for a private, unkeyed block).
     tables: tuple[tuple[tuple[int, BlockHashWithGroupId | None] | None, ...], ...]
     num_tokens: int
+
+
+def restore_swapped(
+    num_tokens: int,
+    rows: Sequence[Sequence[int]],
+    keyed: dict[int, BlockHashWithGroupId],
+    private: set[int],
+) -> _Swapped:
+    """A swapped request's record from its host blocks per group (-1: a null device block),
+    as a snapshot saved it (a private block holds no key; any other its block's key)."""
+    return _Swapped(
+        tuple(
+            tuple(None if h < 0 else (h, None if h in private else keyed[h]) for h in row)
+            for row in rows
+        ),
+        num_tokens,
+    )
 
 
 class HostTier:
@@ -211,22 +246,7 @@ class HostTier:
         self._d2h: list[tuple[int, int]] = []
         self._h2d: list[tuple[int, int]] = []
         self._events: list[KVCacheEvent] = []
-        self._counters = dict.fromkeys(
-            (
-                "demotions",
-                "demotions_present",
-                "demotions_dropped",
-                "evictions",
-                "stores",
-                "loads",
-                "hit_tokens",
-                "swap_outs",
-                "swap_ins",
-                "swapped_blocks_out",
-                "swapped_blocks_in",
-            ),
-            0,
-        )
+        self._counters = dict.fromkeys(HOST_TIER_COUNTERS, 0)
 
     # ------------------------------------------------------------------------- reads
     def __contains__(self, key: object) -> bool:

@@ -427,8 +427,11 @@ def _stored(event: BlockStored, path: str, hash_length: int | None) -> Iterator[
         yield Violation(f"{path}.parent_block_hash", "must be None or a block hash")
     if not _ints_in(event.token_ids, 0, TOKEN_ID_LIMIT):
         yield Violation(f"{path}.token_ids", "must be a list of token ids")
-    if not _int_in(event.block_size, 1, TOKEN_ID_LIMIT):
-        yield Violation(f"{path}.block_size", _range(1, TOKEN_ID_LIMIT))
+    # A host tier's events use the placeholder form of vLLM's offloading connector: no
+    # tokens and block_size 0 (the device's events carried the tokens).
+    low = 0 if event.token_ids == [] else 1
+    if not _int_in(event.block_size, low, TOKEN_ID_LIMIT):
+        yield Violation(f"{path}.block_size", _range(low, TOKEN_ID_LIMIT))
     if not _opt_int_in(event.lora_id, 0, _INT64_LIMIT):
         yield Violation(f"{path}.lora_id", "must be None or an int in [0, 2**63)")
     for name in ("lora_name", "kv_cache_spec_kind", "session_id"):

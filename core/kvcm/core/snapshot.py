@@ -32,11 +32,12 @@ from __future__ import annotations
 import struct
 import zlib
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, KVCMError
+from kvcm.common.events import BlockRemoved, BlockStored
 from kvcm.common.hashing import BlockHash, BlockHashWithGroupId
 from kvcm.core._snapshot_codec import (
     Reader,
@@ -49,6 +50,7 @@ from kvcm.core._snapshot_codec import (
     fields_of,
     short,
 )
+from kvcm.core.host_tier import HOST_TIER_COUNTERS, HostTier, restore_swapped
 from kvcm.core.invariants import COUNTER_LIMIT, REQUEST_KEY_LIMIT, TOKEN_ID_LIMIT, check_pool
 from kvcm.core.limits import DEFAULT_LIMITS, Limits
 from kvcm.core.pool_types import PoolState
@@ -104,8 +106,52 @@ def encode_pool(pool: Pool) -> bytes:
             "event_batches": _batch_state(pool),
             "stats_totals": list(pool.stats_totals()),
             "registrations": _registrations(pool),
+            **({} if pool.host_tier is None else {"host_tier": _host_tier_state(pool.host_tier)}),
         },
     )
+
+
+def _host_tier_state(host: HostTier) -> dict[str, object]:
+    # The tier's whole state: keys in recency order (least recent first) with their host
+    # blocks, which of them are pending, pins, private blocks, the free list in its order
+    # (the next block taken is its last), swapped requests, counters, the copies and events
+    # not taken yet. Host block -1 in a swapped table: a null device block.
+    keys = bytearray()
+    lengths: list[int] = []
+    blocks: list[int] = []
+    pending: list[int] = []
+    for position, key in enumerate(host._order):
+        keys += key
+        lengths.append(len(key))
+        blocks.append(host._where[key])
+        if key in host._pending:
+            pending.append(position)
+    d2h, h2d = host._d2h, host._h2d
+    return {
+        "num_blocks": host.num_blocks,
+        "keys": bytes(keys),
+        "key_lengths": array("q", lengths),
+        "key_blocks": array("q", blocks),
+        "pending": array("q", pending),
+        "pinned": array("q", list(host._pins)),
+        "pin_counts": array("q", list(host._pins.values())),
+        "private": array("q", sorted(host._private)),
+        "free": array("q", host._free),
+        "swapped": {
+            owner: [
+                record.num_tokens,
+                [
+                    array("q", [-1 if entry is None else entry[0] for entry in table])
+                    for table in record.tables
+                ],
+            ]
+            for owner, record in host._swapped.items()
+        },
+        "counters": array("q", [host._counters[name] for name in HOST_TIER_COUNTERS]),
+        "device_to_host": array("q", [i for pair in d2h for i in pair]),
+        "host_to_device": array("q", [i for pair in h2d for i in pair]),
+        "events": list(host._events),
+    }
 
 
 def _registrations(pool: Pool) -> list[object]:
@@ -420,6 +466,7 @@ def decode_pool(
         _restore_manager(manager, manager_state)
         _restore_requests(pool, request_state)
         _restore_extras(pool, extras)
+        _restore_host_tier(pool, extras)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         if isinstance(exc, InvalidArgumentError):
             raise
@@ -685,7 +732,9 @@ _EXTRAS_FIELDS: Final = (
 
 
 def _restore_extras(pool: Pool, extras: object) -> None:
-    e = fields_of(extras, "extras", _EXTRAS_FIELDS, optional=("event_batches", "registrations"))
+    e = fields_of(
+        extras, "extras", _EXTRAS_FIELDS, optional=("event_batches", "registrations", "host_tier")
+    )
     if e["max_model_len"] != pool.max_model_len:
         # The pool's config wins: a snapshot never changes how long a request may be.
         raise bad("extras.max_model_len", f"is {short(e['max_model_len'])}, the pool's "
@@ -724,3 +773,122 @@ def _restore_extras(pool: Pool, extras: object) -> None:
         as_type(total, "extras.stats_totals[0]", PrefixCacheStats),
         as_type(untaken, "extras.stats_totals[1]", PrefixCacheStats),
     )
+
+
+_HOST_TIER_FIELDS: Final = (
+    "num_blocks", "keys", "key_lengths", "key_blocks", "pending", "pinned", "pin_counts",
+    "private", "free", "swapped", "counters", "device_to_host", "host_to_device", "events",
+)  # fmt: skip
+
+
+def _restore_host_tier(pool: Pool, extras: Mapping[str, Any]) -> None:
+    """Install the snapshot's host tier (none saved: the pool's tier starts empty, as a copy
+    written by the vLLM mirror has none). Every host block must be exactly one of free, keyed
+    or private; pins, pending keys and swapped requests must agree with each other."""
+    host = pool.host_tier
+    if "host_tier" not in extras:
+        return
+    w = "extras.host_tier"
+    if host is None:
+        raise bad(w, "is saved for a pool whose config keeps no host tier")
+    s = fields_of(extras["host_tier"], w, _HOST_TIER_FIELDS)
+    nb = host.num_blocks
+    if s["num_blocks"] != nb:
+        raise bad(f"{w}.num_blocks", f"is {short(s['num_blocks'])}, the config's {nb}")
+    raw = as_type(s["keys"], f"{w}.keys", bytes)
+    lengths = as_ints(s["key_lengths"], f"{w}.key_lengths", 1, 1 << 16)
+    if sum(lengths) != len(raw):
+        raise bad(f"{w}.keys", "must hold exactly the key_lengths' bytes")
+    key_blocks = as_ints(s["key_blocks"], f"{w}.key_blocks", 0, nb, len(lengths))
+    order: list[BlockHashWithGroupId] = []
+    at = 0
+    for length in lengths:
+        order.append(BlockHashWithGroupId(raw[at : at + length]))
+        at += length
+    _distinct(order, f"{w}.keys", "repeats a key")
+    _distinct(key_blocks, f"{w}.key_blocks", "gives a host block two keys")
+    positions = as_ints(s["pending"], f"{w}.pending", 0, len(order))
+    _distinct(positions, f"{w}.pending", "names a key twice")
+    pending = {order[i] for i in positions}
+    pinned = as_ints(s["pinned"], f"{w}.pinned", 0, nb)
+    _distinct(pinned, f"{w}.pinned", "names a host block twice")
+    counts = as_ints(s["pin_counts"], f"{w}.pin_counts", 1, COUNTER_LIMIT, len(pinned))
+    pins = dict(zip(pinned, counts, strict=True))
+    private = as_ints(s["private"], f"{w}.private", 0, nb)
+    _distinct(private, f"{w}.private", "names a host block twice")
+    free = as_ints(s["free"], f"{w}.free", 0, nb)
+    _distinct(free, f"{w}.free", "names a host block twice")
+    keyed = dict(zip(key_blocks, order, strict=True))
+    if set(free) & set(keyed) or set(free) & set(private) or set(keyed) & set(private):
+        raise bad(f"{w}.free", "must hold the blocks that are neither keyed nor private")
+    if len(free) + len(keyed) + len(private) != nb:
+        raise bad(f"{w}.free", f"with the keyed and private blocks must make the {nb} blocks")
+    for host_id in pinned:
+        key = keyed.get(host_id)
+        if (key is None and host_id not in private) or key in pending:
+            raise bad(f"{w}.pinned", f"pins host block {host_id}, neither ready nor private")
+    num_groups = len(pool.ready_manager().coordinator.single_type_managers)
+    refs: dict[int, int] = {}
+    swapped: dict[str, tuple[int, list[list[int]]]] = {}
+    for owner, record in as_type(s["swapped"], f"{w}.swapped", dict).items():
+        where = f"{w}.swapped[{owner!r}]"
+        as_type(owner, where, str)
+        if not owner.isdigit() or int(owner) not in pool.requests:
+            raise bad(where, "names no request of the snapshot")
+        num_tokens, tables = as_list(record, where, 2)
+        as_int(num_tokens, f"{where}[0]", 0, COUNTER_LIMIT)
+        rows = [
+            as_ints(table, f"{where}[1][{g}]", -1, nb)
+            for g, table in enumerate(as_list(tables, f"{where}[1]", num_groups))
+        ]
+        for host_id in (h for row in rows for h in row if h >= 0):
+            if host_id not in private and (host_id not in keyed or keyed[host_id] in pending):
+                raise bad(where, f"holds host block {host_id}, neither ready nor private")
+            refs[host_id] = refs.get(host_id, 0) + 1
+        swapped[owner] = (num_tokens, rows)
+    for host_id in private:
+        if refs.get(host_id) != 1 or pins.get(host_id) != 1:
+            raise bad(f"{w}.private", f"block {host_id} must be one swapped block, pinned once")
+    for host_id, count in refs.items():
+        if pins.get(host_id, 0) < count:
+            raise bad(f"{w}.pin_counts", f"pin host block {host_id} fewer times than swapped")
+    counters = as_ints(s["counters"], f"{w}.counters", 0, COUNTER_LIMIT, len(HOST_TIER_COUNTERS))
+    n = len(pool.ready_manager().block_pool.blocks)
+    copies = []
+    for name, first, second in (("device_to_host", n, nb), ("host_to_device", nb, n)):
+        flat = as_ints(s[name], f"{w}.{name}", 0, max(n, nb))
+        if len(flat) % 2:
+            raise bad(f"{w}.{name}", "must hold pairs")
+        pairs = list(zip(flat[::2], flat[1::2], strict=True))
+        for index, (a, b) in enumerate(pairs):
+            if a >= first or b >= second:
+                raise bad(f"{w}.{name}[{2 * index}]", f"pair {(a, b)} is out of range")
+        copies.append(pairs)
+    events = as_list(s["events"], f"{w}.events")
+    for index, event in enumerate(events):
+        as_type(event, f"{w}.events[{index}]", BlockStored, BlockRemoved)
+    host._order = OrderedDict.fromkeys(order)
+    host._where = {key: host_id for host_id, key in keyed.items()}
+    host._key_of = keyed
+    host._pending = pending
+    host._pins = pins
+    host._private = set(private)
+    host._free = free
+    host._swapped = {
+        owner: restore_swapped(num_tokens, rows, keyed, set(private))
+        for owner, (num_tokens, rows) in swapped.items()
+    }
+    host._counters = dict(zip(HOST_TIER_COUNTERS, counters, strict=True))
+    host._num_evictable = sum(
+        1 for key in order if key not in pending and host._where[key] not in pins
+    )
+    host._d2h, host._h2d = copies
+    host._events = events
+
+
+def _distinct(values: Sequence[object], where: str, message: str) -> None:
+    seen: set[object] = set()
+    for index, value in enumerate(values):
+        if value in seen:
+            raise bad(f"{where}[{index}]", message)
+        seen.add(value)
