@@ -401,3 +401,31 @@ def test_a_group_sharing_a_prefix_swaps_out_together_or_not_at_all() -> None:
     assert host.pinned() == {}
     with pytest.raises(FailedPreconditionError, match="twice"):
         host.swap_out_group([("a", [], 0), ("a", [], 0)])
+
+
+def test_a_device_prefix_cache_reset_keeps_the_tier_as_vllm_keeps_its_connector() -> None:
+    # vLLM's KVCacheManager.reset_prefix_cache clears the device cache only; the offloading
+    # connector's store is cleared by the scheduler's reset_connector_cache (reset_connector
+    # =True), which kvcm's offloading manager answers with HostTier.clear().
+    pool = _pool(8, enable_kv_cache_events=True)
+    host = pool.host_tier
+    assert host is not None
+    prompt = list(range(64))
+    _run(pool, 1, prompt)
+    pool.free(1, preempt=False)
+    _flood(pool, 2, 15, 5000)  # the prompt's four blocks are demoted
+    kept = host.keys()
+    assert len(kept) == 4
+    pool.publish_events(0.0)
+    assert pool.reset_prefix_cache()
+    assert host.keys() == kept  # nothing demoted by the reset, nothing dropped
+    pool.publish_events(1.0)
+    last = [event for event, now in pool.event_log_contents() if now == 1.0]
+    assert last
+    assert all(getattr(event, "medium", None) != MEDIUM_CPU for event in last)
+    _add(pool, 3, [*prompt, 7])
+    hit, num_host = pool.lookup_tiers(3)
+    assert (hit.num_computed_tokens, num_host) == (0, 64)
+    host.clear()  # the connector's reset
+    assert host.keys() == {}
+    assert pool.lookup_tiers(3)[1] == 0
