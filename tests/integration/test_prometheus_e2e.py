@@ -26,6 +26,8 @@ import pytest
 from workload import create_pool, run_shared_prefix_workload
 
 from kvcm.client import SchedulerClient
+from kvcm.core.lookup import LookupQuery
+from kvcm.core.pd_route import PdRouteQuery, PdScope
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -214,6 +216,12 @@ def test_dashboard_queries_and_alert_rules_evaluate_on_real_data(
     with SchedulerClient(kvcm_address) as client:
         create_pool(client, "e2e-dashboard")
         run_shared_prefix_workload(client, "e2e-dashboard")
+        # The P/D routing row reads RoutePd's own counters and latency: route a few prompts
+        # (the one pool plays both roles).
+        scope = PdScope(pool_ids=("e2e-dashboard",))
+        for start in range(5):
+            prompt = LookupQuery(token_ids=tuple(range(start, start + 64)))
+            client.route_pd(PdRouteQuery(prompt=prompt, prefill=scope, decode=scope))
     # A few scrapes after the workload, so rate() over the dashboard's interval has two points.
     _wait_for(
         "the RPC histogram to reach Prometheus",
