@@ -20,6 +20,10 @@ After every step:
   block into the host block its key got; a load copies the host block of the request's key
   at each position into the device block the request holds there, which is then cached
   under that key (a key may be in both tiers after a load: the tier is inclusive).
+
+A rule restores the pool from its own snapshot at any point (a checkpoint restore): the copy
+has the same fingerprint, and the machine goes on with it against the same model (the copies
+not taken yet included), so a restored tier decides every later call as the original would.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from kvcm.core.host_tier import HostTier
 from kvcm.core.invariants import pool_violations
 from kvcm.core.pool import Pool, PoolConfig
 from kvcm.core.request import RequestStatus
+from kvcm.core.snapshot import decode_pool, encode_pool
 
 BLOCK_SIZE = 2
 SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=DType.FLOAT16)
@@ -206,6 +211,9 @@ class HostTierMachine(RuleBasedStateMachine):
         self.swapped: list[int] = []
         self.expected_d2h: list[tuple[int, int]] = []
         self.expected_h2d: list[tuple[int, int]] = []
+        self._watch()
+
+    def _watch(self) -> None:
         manager = self.pool.manager
         assert manager is not None
         self.manager = manager
@@ -341,6 +349,17 @@ class HostTierMachine(RuleBasedStateMachine):
         key = self.swapped.pop(data.draw(st.integers(0, len(self.swapped) - 1)))
         self.pool.free(key, preempt=False)
         self.model.drop(str(key))
+
+    @rule()
+    def restore_from_a_snapshot(self) -> None:
+        # A checkpoint restore: the copy holds the same state (fingerprint, host tier
+        # included) and the rules go on with it against the same model, copies not taken
+        # yet included.
+        restored = decode_pool(encode_pool(self.pool), "p", self.pool.options)
+        assert restored.state_fingerprint() == self.pool.state_fingerprint()
+        assert restored.host_tier is not None
+        self.pool, self.host = restored, restored.host_tier
+        self._watch()
 
     @rule()
     def take_copies(self) -> None:
