@@ -9,6 +9,7 @@ tier's keys and recency order) and hold the same complete state, host tier inclu
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from kvcm.client import SchedulerClient, StepBuilder
@@ -137,3 +138,39 @@ def test_a_restart_from_a_checkpoint_keeps_the_host_tier(tmp_path: Path) -> None
     finally:
         for server in running:
             server.stop()
+
+
+def test_a_checkpoint_while_serving_plus_the_journal_tail_restore_the_tier(tmp_path: Path) -> None:
+    """What a restart after a crash finds: the last checkpoint (taken while serving, with a
+    demoting tier) and the journal's records after it, replayed on the restored tier."""
+    server = start_embedded_server(
+        ServerSettings(
+            grpc_address="127.0.0.1:0",
+            http_address="",
+            data_dir=str(tmp_path / "data"),
+            checkpoint_every_records=10,
+        )
+    )
+    try:
+        with SchedulerClient(server.grpc_address) as client:
+            client.create_pool(POOL, CONFIG)
+            _drive(client, 1, 13)  # 14 records: a checkpoint is taken after the 10th
+            journal = server.server.journal
+            assert journal is not None
+            give_up_at = time.monotonic() + 10
+            while journal.records_since_checkpoint >= 10:
+                assert time.monotonic() < give_up_at
+                time.sleep(0.02)
+            if journal.records_since_checkpoint == 0:  # the checkpoint saw every record
+                _drive(client, 14, 1)  # one record more: a tail, and no new checkpoint
+        assert journal.records_since_checkpoint > 0  # a tail to replay on the restored tier
+        assert (tmp_path / "data" / CHECKPOINT_FILE).stat().st_size > 0
+        before = _fingerprint(server)
+        assert _evictions(server) > 0
+        replayed = _start(tmp_path / "data")
+        try:
+            assert _fingerprint(replayed) == before
+        finally:
+            replayed.stop()
+    finally:
+        server.stop()
