@@ -21,7 +21,7 @@ into its packed field once. ``StepResult`` decodes the answer into one entry per
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 from kvcm.client._types import DEFAULT_SLOT_OPTIONS, ItemStatus, KVCacheBlocks, SlotOptions
 from kvcm.common.errors import InvalidArgumentError
@@ -39,7 +39,7 @@ from kvcm.core.program import (
 from kvcm.v1 import scheduler_pb2
 from kvcm.wire import outcome_from_proto, program_to_proto
 
-__all__ = ["LookupResult", "StepBuilder", "StepResult", "core_alloc_options"]
+__all__ = ["LookupResult", "StepBuilder", "StepResult", "SwapInResult", "core_alloc_options"]
 
 _OK: Final = int(ItemStatus.OK)
 
@@ -416,6 +416,22 @@ class StepBuilder:
         in ``StepResult.drained_copies`` and their blocks' extra references dropped."""
         self._writer.op[OpKind.TAKE_BLOCK_COPIES]()
 
+    def swap_out(self, request_key: int, num_computed_tokens: int) -> None:
+        """Preempt a running request by swapping its blocks to the pool's host tier
+        (SWAP_OUT; docs/host-tier.md) with its ``num_computed_tokens`` (what is swapped):
+        ``StepResult.swapped_out`` says whether it swapped
+        (else the tier had no room and it was preempted by recomputation)."""
+        self._writer.op[OpKind.SWAP_OUT](request_key, num_computed_tokens)
+
+    def swap_in(self, request_key: int, num_new_tokens: int) -> None:
+        """Re-admit a request swapped out in an earlier Step (SWAP_IN), computing
+        ``num_new_tokens`` after its swapped tokens (``StepResult.swap_ins``)."""
+        self._writer.op[OpKind.SWAP_IN](request_key, num_new_tokens)
+
+    def take_host_copies(self) -> None:
+        """Drain the host tier's copies (TAKE_HOST_COPIES): ``StepResult.host_copies``."""
+        self._writer.op[OpKind.TAKE_HOST_COPIES]()
+
     # --------------------------------------------------------------------------- output
     def build(self) -> StepProgram:
         """The core program recorded so far (the builder's own object, hashes joined)."""
@@ -474,6 +490,22 @@ class LookupResult:
             f"LookupResult(num_computed_tokens={self.num_computed_tokens}, "
             f"num_new_tokens={self.num_new_tokens})"
         )
+
+
+class SwapInResult(NamedTuple):
+    """One executed SWAP_IN.
+
+    Attributes:
+        status: OK or DOES_NOT_FIT (the request stays swapped).
+        block_ids: Per group, every block the request holds (empty unless OK).
+        num_device_hit_tokens: Tokens hit on the device.
+        num_host_hit_tokens: Tokens copied back from the host tier.
+    """
+
+    status: ItemStatus
+    block_ids: tuple[list[int], ...]
+    num_device_hit_tokens: int
+    num_host_hit_tokens: int
 
 
 class StepResult:
@@ -564,6 +596,53 @@ class StepResult:
             end = start + 2 * count
             drains.append(list(zip(ids[start:end:2], ids[start + 1 : end : 2], strict=True)))
             start = end
+        return drains
+
+    @property
+    def swapped_out(self) -> list[bool]:
+        """Per executed SWAP_OUT: swapped to the host tier (``False``: recomputation)."""
+        return self.outcome.swap_out_swapped
+
+    @property
+    def swap_ins(self) -> list[SwapInResult]:
+        """Per executed SWAP_IN, its answer."""
+        o = self.outcome
+        groups = len(o.swap_in_num_block_ids) // max(1, len(o.swap_in_statuses))
+        results: list[SwapInResult] = []
+        start = 0
+        for i, status in enumerate(o.swap_in_statuses):
+            ids: list[list[int]] = []
+            for count in o.swap_in_num_block_ids[i * groups : (i + 1) * groups]:
+                ids.append(o.swap_in_block_ids[start : start + count])
+                start += count
+            results.append(
+                SwapInResult(
+                    _status(status),
+                    tuple(ids),
+                    o.swap_in_num_device_hit_tokens[i],
+                    o.swap_in_num_host_hit_tokens[i],
+                )
+            )
+        return results
+
+    @property
+    def host_copies(self) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+        """Per executed TAKE_HOST_COPIES, ``(device_to_host, host_to_device)``: pairs
+        ``(device_block_id, host_block_id)`` and ``(host_block_id, device_block_id)``; the
+        workers run the first list, then the second, before the forward pass."""
+        o = self.outcome
+        drains: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []
+        d_start = h_start = 0
+        for num_d2h, num_h2d in zip(o.host_num_d2h, o.host_num_h2d, strict=True):
+            d_end, h_end = d_start + 2 * num_d2h, h_start + 2 * num_h2d
+            d2h, h2d = o.host_d2h_block_ids, o.host_h2d_block_ids
+            drains.append(
+                (
+                    list(zip(d2h[d_start:d_end:2], d2h[d_start + 1 : d_end : 2], strict=True)),
+                    list(zip(h2d[h_start:h_end:2], h2d[h_start + 1 : h_end : 2], strict=True)),
+                )
+            )
+            d_start, h_start = d_end, h_end
         return drains
 
     @property

@@ -26,6 +26,9 @@ from it, so a new op kind is a new row here plus its validate/execute pair in
     FORK                   yes    fork_child_keys,                   -
                                   fork_num_computed_tokens
     TAKE_BLOCK_COPIES      -      -                                  -
+    SWAP_OUT               yes    swap_out_num_computed_tokens       -
+    SWAP_IN                yes    swap_in_num_new_tokens             -
+    TAKE_HOST_COPIES       -      -                                  -
 
 A keyed op takes the next entry of ``request_keys``. Op number ``n`` of a kind (its ordinal
 among the program's ops of that kind) takes entry ``n`` of each of its per-op columns, so one
@@ -127,6 +130,9 @@ _ROWS: Final = (
     OpColumns(OpKind.RECORD_PREFIX_STATS, keyed=True, columns=("record_hit_tokens",)),
     OpColumns(OpKind.FORK, keyed=True, columns=("fork_child_keys", "fork_num_computed_tokens")),
     OpColumns(OpKind.TAKE_BLOCK_COPIES, keyed=False),
+    OpColumns(OpKind.SWAP_OUT, keyed=True, columns=("swap_out_num_computed_tokens",)),
+    OpColumns(OpKind.SWAP_IN, keyed=True, columns=("swap_in_num_new_tokens",)),
+    OpColumns(OpKind.TAKE_HOST_COPIES, keyed=False),
 )
 
 OP_TABLE: Final[Mapping[int, OpColumns]] = {int(row.kind): row for row in _ROWS}

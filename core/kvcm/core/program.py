@@ -62,6 +62,9 @@ class OpKind(enum.IntEnum):
     RECORD_PREFIX_STATS = 11
     FORK = 12
     TAKE_BLOCK_COPIES = 13
+    SWAP_OUT = 14
+    SWAP_IN = 15
+    TAKE_HOST_COPIES = 16
 
 
 @enum.unique
@@ -183,6 +186,8 @@ class StepProgram:
     record_hit_tokens: list[int] = field(default_factory=list)
     fork_child_keys: list[int] = field(default_factory=list)
     fork_num_computed_tokens: list[int] = field(default_factory=list)
+    swap_out_num_computed_tokens: list[int] = field(default_factory=list)
+    swap_in_num_new_tokens: list[int] = field(default_factory=list)
     default_num_lookahead_tokens: int = 0
     token_budget: int | None = None
     continue_on_does_not_fit: bool = False
@@ -220,6 +225,22 @@ class StepOutcome:
         drained_num_copies: Per executed TAKE_BLOCK_COPIES, how many pairs of
             ``drained_copy_block_ids`` it drained (a coalesced program's drains, in order).
             Transient.
+        swap_out_swapped: Per executed SWAP_OUT: whether the request was swapped to the
+            host tier (``False``: the tier had no room and it was preempted by
+            recomputation). Transient, as every host-tier answer below.
+        swap_in_statuses: Per executed SWAP_IN: OK or DOES_NOT_FIT (it stays swapped).
+        swap_in_num_block_ids: Per executed SWAP_IN, one count per group of its entries in
+            ``swap_in_block_ids`` (every block the request holds; 0 unless OK).
+        swap_in_block_ids: The block ids, concatenated.
+        swap_in_num_device_hit_tokens: Per executed SWAP_IN: tokens hit on the device.
+        swap_in_num_host_hit_tokens: ... and tokens copied back from the host tier.
+        host_d2h_block_ids: The host tier's device-to-host copies each executed
+            TAKE_HOST_COPIES drained (demotions and swap-outs), flattened
+            ``device_block_id, host_block_id`` pairs in order.
+        host_h2d_block_ids: ... and its host-to-device copies (host hits, swap-ins),
+            flattened ``host_block_id, device_block_id`` pairs.
+        host_num_d2h: Per executed TAKE_HOST_COPIES, its pairs of ``host_d2h_block_ids``.
+        host_num_h2d: Per executed TAKE_HOST_COPIES, its pairs of ``host_h2d_block_ids``.
         delayed_keys: The request keys of the executed ALLOCATEs that fit with
             ``delay_cache_blocks`` (P/D transfers the server tracks), in op order. Not on the
             wire and not part of a pool's state (snapshots and fingerprints leave it out).
@@ -243,4 +264,30 @@ class StepOutcome:
     drained_num_copies: list[int] = field(
         default_factory=list, compare=False, metadata={TRANSIENT: True}
     )
+    swap_out_swapped: list[bool] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    swap_in_statuses: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    swap_in_num_block_ids: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    swap_in_block_ids: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    swap_in_num_device_hit_tokens: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    swap_in_num_host_hit_tokens: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    host_d2h_block_ids: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    host_h2d_block_ids: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    host_num_d2h: list[int] = field(default_factory=list, compare=False, metadata={TRANSIENT: True})
+    host_num_h2d: list[int] = field(default_factory=list, compare=False, metadata={TRANSIENT: True})
     delayed_keys: list[int] = field(default_factory=list, compare=False, metadata={TRANSIENT: True})

@@ -766,6 +766,183 @@ def _execute_take_copies(x: _Execution) -> Handler:
     return run
 
 
+# ------------------------------------------------- SWAP_OUT, SWAP_IN, TAKE_HOST_COPIES
+def _no_host_tier(v: checks.Shadow, op_index: int, op: int) -> KVCMError | None:
+    if v.pool.host_tier is not None:
+        return None
+    return checks.reject(
+        FailedPreconditionError(
+            f"pool {v.pool.name!r} has no host tier (config.host_tier_bytes is 0)"
+        ),
+        op_index,
+        op,
+        "config.host_tier_bytes",
+    )
+
+
+def _validate_swap_out(v: checks.Shadow) -> Handler:
+    pool, manager, kind = v.pool, v.manager, OpKind.SWAP_OUT
+    column = v.program.swap_out_num_computed_tokens
+
+    def check(op_index: int, k: int, n: int) -> None:
+        error = _no_host_tier(v, op_index, kind)
+        if error is not None:
+            raise error
+        key, state = v.state(op_index, kind, k)
+        if n >= len(column):
+            raise checks.too_few(op_index, kind, "swap_out_num_computed_tokens")
+        request: Request = state[4]
+        if (
+            pool.requests.get(key) is not request
+            or key in v.allocated
+            or state[1] == checks.HOLDS_NO
+            or request.status is not RequestStatus.RUNNING
+            or not manager.holds_blocks(request.request_id)
+        ):
+            raise checks.reject(
+                FailedPreconditionError(
+                    f"request key {key} must be running with blocks from before this Step "
+                    "(not allocated, preempted or added earlier in it) to be swapped out"
+                ),
+                op_index,
+                kind,
+                f"request_keys[{k}]",
+            )
+        slots = min(
+            len(group.req_to_blocks[request.request_id]) * group.block_size
+            for group in manager.coordinator.single_type_managers
+        )
+        most = min(state[0], slots)
+        if not 0 <= column[n] <= most:
+            raise checks.reject(
+                InvalidArgumentError(
+                    f"{column[n]} is outside 0..{most} (request key {key}'s tokens and slots)"
+                ),
+                op_index,
+                kind,
+                f"swap_out_num_computed_tokens[{n}]",
+            )
+        state[1] = checks.HOLDS_NO
+
+    return check
+
+
+def _execute_swap_out(x: _Execution) -> Handler:
+    pool, keys, swapped = x.pool, x.program.request_keys, x.outcome.swap_out_swapped
+    column = x.program.swap_out_num_computed_tokens
+
+    def run(op_index: int, k: int, n: int) -> None:
+        key = keys[k]
+        pool.requests[key].num_computed_tokens = column[n]
+        if pool.swap_out(key) is None:  # no room in the tier: preempt by recomputation
+            pool.free(key, preempt=True)
+            swapped.append(False)
+        else:
+            swapped.append(True)
+
+    return run
+
+
+def _validate_swap_in(v: checks.Shadow) -> Handler:
+    pool, column, kind = v.pool, v.program.swap_in_num_new_tokens, OpKind.SWAP_IN
+    seen: set[int] = set()
+
+    def check(op_index: int, k: int, n: int) -> None:
+        error = _no_host_tier(v, op_index, kind)
+        if error is not None:
+            raise error
+        assert pool.host_tier is not None
+        key, state = v.state(op_index, kind, k)
+        if n >= len(column):
+            raise checks.too_few(op_index, kind, "swap_in_num_new_tokens")
+        request: Request = state[4]
+        num_swapped = pool.host_tier.swapped_tokens(request.request_id)
+        if (
+            num_swapped is None
+            or pool.requests.get(key) is not request
+            or key in seen
+            or key in v.allocated
+            or state[1] == checks.HOLDS_YES
+        ):
+            raise checks.reject(
+                FailedPreconditionError(
+                    f"request key {key} is not swapped out (before this Step, and not "
+                    "allocated or swapped in earlier in it)"
+                ),
+                op_index,
+                kind,
+                f"request_keys[{k}]",
+            )
+        most = pool.max_model_len - num_swapped
+        if not 0 <= column[n] <= most:
+            raise checks.reject(
+                InvalidArgumentError(
+                    f"{column[n]} is outside 0..{most} (max_model_len {pool.max_model_len} "
+                    f"after request key {key}'s {num_swapped} swapped tokens)"
+                ),
+                op_index,
+                kind,
+                f"swap_in_num_new_tokens[{n}]",
+            )
+        seen.add(key)
+        v.allocated.add(key)
+        state[1] = checks.HOLDS_MAYBE
+
+    return check
+
+
+def _execute_swap_in(x: _Execution) -> Handler:
+    pool, manager, outcome = x.pool, x.manager, x.outcome
+    keys, column = x.program.request_keys, x.program.swap_in_num_new_tokens
+    no_blocks = [0] * manager.num_kv_cache_groups
+    stop = not x.program.continue_on_does_not_fit
+
+    def run(op_index: int, k: int, n: int) -> None:
+        key = keys[k]
+        admission = pool.swap_in(key, column[n])
+        if admission is None:  # it stays swapped
+            outcome.swap_in_statuses.append(_DOES_NOT_FIT)
+            outcome.swap_in_num_block_ids.extend(no_blocks)
+            outcome.swap_in_num_device_hit_tokens.append(0)
+            outcome.swap_in_num_host_hit_tokens.append(0)
+            if stop:
+                raise _Stop
+            return
+        outcome.swap_in_statuses.append(_OK)
+        for group in manager.get_block_ids(pool.requests[key].request_id):
+            outcome.swap_in_num_block_ids.append(len(group))
+            outcome.swap_in_block_ids.extend(group)
+        outcome.swap_in_num_device_hit_tokens.append(admission.num_device_hit_tokens)
+        outcome.swap_in_num_host_hit_tokens.append(admission.num_host_hit_tokens)
+
+    return run
+
+
+def _validate_take_host_copies(v: checks.Shadow) -> Handler:
+    def check(op_index: int, k: int, n: int) -> None:
+        error = _no_host_tier(v, op_index, OpKind.TAKE_HOST_COPIES)
+        if error is not None:
+            raise error
+
+    return check
+
+
+def _execute_take_host_copies(x: _Execution) -> Handler:
+    host, outcome = x.pool.host_tier, x.outcome
+
+    def run(op_index: int, k: int, n: int) -> None:
+        assert host is not None
+        d2h, h2d = host.take_copies()
+        outcome.host_num_d2h.append(len(d2h))
+        outcome.host_num_h2d.append(len(h2d))
+        for pair in d2h:
+            outcome.host_d2h_block_ids.extend(pair)
+        for pair in h2d:
+            outcome.host_h2d_block_ids.extend(pair)
+
+    return run
+
+
 _Pair: TypeAlias = tuple[Callable[[checks.Shadow], Handler], Callable[[_Execution], Handler]]
 _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.ADD_REQUEST: (_validate_add, _execute_add),
@@ -781,6 +958,9 @@ _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.RECORD_PREFIX_STATS: (_validate_record, _execute_record),
     OpKind.FORK: (_validate_fork, _execute_fork),
     OpKind.TAKE_BLOCK_COPIES: (_validate_nothing, _execute_take_copies),
+    OpKind.SWAP_OUT: (_validate_swap_out, _execute_swap_out),
+    OpKind.SWAP_IN: (_validate_swap_in, _execute_swap_in),
+    OpKind.TAKE_HOST_COPIES: (_validate_take_host_copies, _execute_take_host_copies),
 }
 """Per op kind, its validate and execute handlers' makers (one row per op table row)."""
 assert set(_PAIRS) == set(OP_TABLE), "every op kind has a validate and an execute handler"

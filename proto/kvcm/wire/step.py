@@ -288,6 +288,19 @@ def outcome_to_proto(outcome: StepOutcome) -> scheduler_pb2.StepResponse:
     if outcome.drained_num_copies:
         response.drained_copy_block_ids.extend(outcome.drained_copy_block_ids)
         response.drained_num_copies.extend(outcome.drained_num_copies)
+    if outcome.swap_out_swapped:
+        response.swap_out_swapped.extend(outcome.swap_out_swapped)
+    if outcome.swap_in_statuses:
+        response.swap_in_statuses.extend(outcome.swap_in_statuses)
+        response.swap_in_num_block_ids.extend(outcome.swap_in_num_block_ids)
+        response.swap_in_block_ids.extend(outcome.swap_in_block_ids)
+        response.swap_in_num_device_hit_tokens.extend(outcome.swap_in_num_device_hit_tokens)
+        response.swap_in_num_host_hit_tokens.extend(outcome.swap_in_num_host_hit_tokens)
+    if outcome.host_num_d2h:
+        response.host_d2h_block_ids.extend(outcome.host_d2h_block_ids)
+        response.host_h2d_block_ids.extend(outcome.host_h2d_block_ids)
+        response.host_num_d2h.extend(outcome.host_num_d2h)
+        response.host_num_h2d.extend(outcome.host_num_h2d)
     if outcome.token_budget_left is not None:
         response.token_budget_left = outcome.token_budget_left
     if outcome.step_seq is not None:
@@ -308,6 +321,16 @@ def outcome_from_proto(msg: scheduler_pb2.StepResponse) -> StepOutcome:
         copy_block_ids=list(msg.copy_block_ids),
         drained_copy_block_ids=list(msg.drained_copy_block_ids),
         drained_num_copies=list(msg.drained_num_copies),
+        swap_out_swapped=list(msg.swap_out_swapped),
+        swap_in_statuses=list(msg.swap_in_statuses),
+        swap_in_num_block_ids=list(msg.swap_in_num_block_ids),
+        swap_in_block_ids=list(msg.swap_in_block_ids),
+        swap_in_num_device_hit_tokens=list(msg.swap_in_num_device_hit_tokens),
+        swap_in_num_host_hit_tokens=list(msg.swap_in_num_host_hit_tokens),
+        host_d2h_block_ids=list(msg.host_d2h_block_ids),
+        host_h2d_block_ids=list(msg.host_h2d_block_ids),
+        host_num_d2h=list(msg.host_num_d2h),
+        host_num_h2d=list(msg.host_num_h2d),
         token_budget_left=msg.token_budget_left if msg.HasField("token_budget_left") else None,
         step_seq=msg.step_seq if msg.HasField("step_seq") else None,
     )
