@@ -47,7 +47,7 @@ def _step(pool: Pool, *ops: tuple[int, ...]) -> StepOutcome:
     # The wire carries every answer as it is.
     back = outcome_from_proto(outcome_to_proto(outcome))
     assert back.swap_out_swapped == outcome.swap_out_swapped
-    assert back.swap_in_block_ids == outcome.swap_in_block_ids
+    assert back.host_alloc_block_ids == outcome.host_alloc_block_ids
     assert back.host_d2h_block_ids == outcome.host_d2h_block_ids
     assert back.host_h2d_block_ids == outcome.host_h2d_block_ids
     return outcome
@@ -79,11 +79,11 @@ def test_swap_out_and_in_through_step_match_the_direct_calls() -> None:
     assert admission is not None
     d2h, h2d = direct.take_host_copies()
     outcome = _step(stepped, (OpKind.SWAP_IN, 1, 1), (OpKind.TAKE_HOST_COPIES,))
-    assert outcome.swap_in_statuses == [int(ItemStatus.OK)]
-    assert outcome.swap_in_num_device_hit_tokens == [admission.num_device_hit_tokens]
-    assert outcome.swap_in_num_host_hit_tokens == [admission.num_host_hit_tokens] == [40]
+    assert outcome.host_alloc_statuses == [int(ItemStatus.OK)]
+    assert outcome.host_alloc_num_device_hit_tokens == [admission.num_device_hit_tokens]
+    assert outcome.host_alloc_num_host_hit_tokens == [admission.num_host_hit_tokens] == [40]
     assert (
-        outcome.swap_in_block_ids
+        outcome.host_alloc_block_ids
         == direct.ready_manager().get_block_ids(direct.request(1).request_id)[0]
     )
     assert outcome.host_num_h2d == [3]
@@ -92,6 +92,45 @@ def test_swap_out_and_in_through_step_match_the_direct_calls() -> None:
     d = outcome.host_d2h_block_ids
     assert list(zip(d[::2], d[1::2], strict=True)) == d2h
     assert stepped.state_fingerprint() == direct.state_fingerprint()
+
+
+def _add(pool: Pool, key: int, tokens: list[int]) -> None:
+    hasher = BlockHasher(pool.hashing.hash_block_size, pool.hashing.algorithm, pool.hashing.seed)
+    pool.add_request(key, f"r{key}", tokens, b"".join(hasher.hash_token_ids(tokens)))
+
+
+def test_a_demoted_prefix_is_admitted_with_host_hits_as_the_direct_call() -> None:
+    direct, stepped = _pool(8), _pool(8)
+    prompt = list(range(64))  # four blocks
+    for pool in (direct, stepped):
+        _run(pool, 1, prompt)
+        pool.free(1, preempt=False)
+        _flood(pool, 2, 5000)  # the device evicts the prompt's blocks: they demote
+        _add(pool, 3, [*prompt, 7, 8, 9])
+    assert direct.lookup_tiers(3)[1] == 64
+    admission = direct.admit_with_host(3, 3)
+    assert admission is not None
+    d2h, h2d = direct.take_host_copies()
+    assert len(d2h) >= 4  # the demotions
+    # An upper bound larger than what is left is capped, as a lookup ALLOCATE's.
+    outcome = _step(stepped, (OpKind.ADMIT_WITH_HOST, 3, 500), (OpKind.TAKE_HOST_COPIES,))
+    assert outcome.host_alloc_statuses == [int(ItemStatus.OK)]
+    assert outcome.host_alloc_num_device_hit_tokens == [admission.num_device_hit_tokens] == [0]
+    assert outcome.host_alloc_num_host_hit_tokens == [admission.num_host_hit_tokens] == [64]
+    held = direct.ready_manager().get_block_ids(direct.request(3).request_id)
+    assert outcome.host_alloc_block_ids == held[0]
+    h = outcome.host_h2d_block_ids
+    assert list(zip(h[::2], h[1::2], strict=True)) == admission.host_to_device == h2d
+    d = outcome.host_d2h_block_ids
+    assert list(zip(d[::2], d[1::2], strict=True)) == d2h
+    assert stepped.request(3).num_computed_tokens == direct.request(3).num_computed_tokens == 64
+    assert stepped.state_fingerprint() == direct.state_fingerprint()
+    # A running request cannot be admitted again; a bad bound names its column.
+    error = _refused(stepped, (OpKind.ADMIT_WITH_HOST, 3, 1))
+    assert error.field == "request_keys[0]"
+    _add(stepped, 4, [1, 2, 3])
+    error = _refused(stepped, (OpKind.ADMIT_WITH_HOST, 4, 0))
+    assert error.field == "admit_host_num_new_tokens[0]"
 
 
 def test_a_full_tier_preempts_by_recomputation() -> None:
@@ -116,7 +155,12 @@ def _refused(pool: Pool, *ops: tuple[int, ...]) -> KVCMError:
 def test_bad_swaps_are_refused_naming_the_field_and_change_nothing() -> None:
     plain = Pool("q", PoolConfig(max_model_len=512, explicit_layout=LAYOUT))
     _run(plain, 1, list(range(40)))
-    for op in ((OpKind.SWAP_OUT, 1, 40), (OpKind.SWAP_IN, 1, 0), (OpKind.TAKE_HOST_COPIES,)):
+    for op in (
+        (OpKind.SWAP_OUT, 1, 40),
+        (OpKind.SWAP_IN, 1, 0),
+        (OpKind.TAKE_HOST_COPIES,),
+        (OpKind.ADMIT_WITH_HOST, 1, 1),
+    ):
         error = _refused(plain, op)
         assert isinstance(error, FailedPreconditionError)
         assert error.field == "config.host_tier_bytes"

@@ -39,7 +39,7 @@ from kvcm.core.program import (
 from kvcm.v1 import scheduler_pb2
 from kvcm.wire import outcome_from_proto, program_to_proto
 
-__all__ = ["LookupResult", "StepBuilder", "StepResult", "SwapInResult", "core_alloc_options"]
+__all__ = ["LookupResult", "StepBuilder", "StepResult", "HostAllocResult", "core_alloc_options"]
 
 _OK: Final = int(ItemStatus.OK)
 
@@ -425,8 +425,14 @@ class StepBuilder:
 
     def swap_in(self, request_key: int, num_new_tokens: int) -> None:
         """Re-admit a request swapped out in an earlier Step (SWAP_IN), computing
-        ``num_new_tokens`` after its swapped tokens (``StepResult.swap_ins``)."""
+        ``num_new_tokens`` after its swapped tokens (``StepResult.host_allocations``)."""
         self._writer.op[OpKind.SWAP_IN](request_key, num_new_tokens)
+
+    def admit_with_host(self, request_key: int, num_new_tokens: int) -> None:
+        """Admit a waiting request with its device hit and the host tier's hit after it
+        (ADMIT_WITH_HOST), allocating at most ``num_new_tokens`` after both
+        (``StepResult.host_allocations``; the loads come from ``take_host_copies``)."""
+        self._writer.op[OpKind.ADMIT_WITH_HOST](request_key, num_new_tokens)
 
     def take_host_copies(self) -> None:
         """Drain the host tier's copies (TAKE_HOST_COPIES): ``StepResult.host_copies``."""
@@ -492,11 +498,11 @@ class LookupResult:
         )
 
 
-class SwapInResult(NamedTuple):
-    """One executed SWAP_IN.
+class HostAllocResult(NamedTuple):
+    """One executed SWAP_IN or ADMIT_WITH_HOST.
 
     Attributes:
-        status: OK or DOES_NOT_FIT (the request stays swapped).
+        status: OK or DOES_NOT_FIT (nothing changed; a swapped request stays swapped).
         block_ids: Per group, every block the request holds (empty unless OK).
         num_device_hit_tokens: Tokens hit on the device.
         num_host_hit_tokens: Tokens copied back from the host tier.
@@ -604,23 +610,23 @@ class StepResult:
         return self.outcome.swap_out_swapped
 
     @property
-    def swap_ins(self) -> list[SwapInResult]:
-        """Per executed SWAP_IN, its answer."""
+    def host_allocations(self) -> list[HostAllocResult]:
+        """Per executed SWAP_IN or ADMIT_WITH_HOST, in op order, its answer."""
         o = self.outcome
-        groups = len(o.swap_in_num_block_ids) // max(1, len(o.swap_in_statuses))
-        results: list[SwapInResult] = []
+        groups = len(o.host_alloc_num_block_ids) // max(1, len(o.host_alloc_statuses))
+        results: list[HostAllocResult] = []
         start = 0
-        for i, status in enumerate(o.swap_in_statuses):
+        for i, status in enumerate(o.host_alloc_statuses):
             ids: list[list[int]] = []
-            for count in o.swap_in_num_block_ids[i * groups : (i + 1) * groups]:
-                ids.append(o.swap_in_block_ids[start : start + count])
+            for count in o.host_alloc_num_block_ids[i * groups : (i + 1) * groups]:
+                ids.append(o.host_alloc_block_ids[start : start + count])
                 start += count
             results.append(
-                SwapInResult(
+                HostAllocResult(
                     _status(status),
                     tuple(ids),
-                    o.swap_in_num_device_hit_tokens[i],
-                    o.swap_in_num_host_hit_tokens[i],
+                    o.host_alloc_num_device_hit_tokens[i],
+                    o.host_alloc_num_host_hit_tokens[i],
                 )
             )
         return results

@@ -29,6 +29,7 @@ from it, so a new op kind is a new row here plus its validate/execute pair in
     SWAP_OUT               yes    swap_out_num_computed_tokens       -
     SWAP_IN                yes    swap_in_num_new_tokens             -
     TAKE_HOST_COPIES       -      -                                  -
+    ADMIT_WITH_HOST        yes    admit_host_num_new_tokens          -
 
 A keyed op takes the next entry of ``request_keys``. Op number ``n`` of a kind (its ordinal
 among the program's ops of that kind) takes entry ``n`` of each of its per-op columns, so one
@@ -133,6 +134,7 @@ _ROWS: Final = (
     OpColumns(OpKind.SWAP_OUT, keyed=True, columns=("swap_out_num_computed_tokens",)),
     OpColumns(OpKind.SWAP_IN, keyed=True, columns=("swap_in_num_new_tokens",)),
     OpColumns(OpKind.TAKE_HOST_COPIES, keyed=False),
+    OpColumns(OpKind.ADMIT_WITH_HOST, keyed=True, columns=("admit_host_num_new_tokens",)),
 )
 
 OP_TABLE: Final[Mapping[int, OpColumns]] = {int(row.kind): row for row in _ROWS}

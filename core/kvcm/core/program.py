@@ -65,6 +65,7 @@ class OpKind(enum.IntEnum):
     SWAP_OUT = 14
     SWAP_IN = 15
     TAKE_HOST_COPIES = 16
+    ADMIT_WITH_HOST = 17
 
 
 @enum.unique
@@ -188,6 +189,7 @@ class StepProgram:
     fork_num_computed_tokens: list[int] = field(default_factory=list)
     swap_out_num_computed_tokens: list[int] = field(default_factory=list)
     swap_in_num_new_tokens: list[int] = field(default_factory=list)
+    admit_host_num_new_tokens: list[int] = field(default_factory=list)
     default_num_lookahead_tokens: int = 0
     token_budget: int | None = None
     continue_on_does_not_fit: bool = False
@@ -228,12 +230,13 @@ class StepOutcome:
         swap_out_swapped: Per executed SWAP_OUT: whether the request was swapped to the
             host tier (``False``: the tier had no room and it was preempted by
             recomputation). Transient, as every host-tier answer below.
-        swap_in_statuses: Per executed SWAP_IN: OK or DOES_NOT_FIT (it stays swapped).
-        swap_in_num_block_ids: Per executed SWAP_IN, one count per group of its entries in
-            ``swap_in_block_ids`` (every block the request holds; 0 unless OK).
-        swap_in_block_ids: The block ids, concatenated.
-        swap_in_num_device_hit_tokens: Per executed SWAP_IN: tokens hit on the device.
-        swap_in_num_host_hit_tokens: ... and tokens copied back from the host tier.
+        host_alloc_statuses: Per executed SWAP_IN or ADMIT_WITH_HOST, in op order: OK or
+            DOES_NOT_FIT (nothing changed: a swapped request stays swapped).
+        host_alloc_num_block_ids: ... one count per group of its entries in
+            ``host_alloc_block_ids`` (every block the request holds; 0 unless OK).
+        host_alloc_block_ids: The block ids, concatenated.
+        host_alloc_num_device_hit_tokens: ... its tokens hit on the device.
+        host_alloc_num_host_hit_tokens: ... and its tokens copied back from the host tier.
         host_d2h_block_ids: The host tier's device-to-host copies each executed
             TAKE_HOST_COPIES drained (demotions and swap-outs), flattened
             ``device_block_id, host_block_id`` pairs in order.
@@ -267,19 +270,19 @@ class StepOutcome:
     swap_out_swapped: list[bool] = field(
         default_factory=list, compare=False, metadata={TRANSIENT: True}
     )
-    swap_in_statuses: list[int] = field(
+    host_alloc_statuses: list[int] = field(
         default_factory=list, compare=False, metadata={TRANSIENT: True}
     )
-    swap_in_num_block_ids: list[int] = field(
+    host_alloc_num_block_ids: list[int] = field(
         default_factory=list, compare=False, metadata={TRANSIENT: True}
     )
-    swap_in_block_ids: list[int] = field(
+    host_alloc_block_ids: list[int] = field(
         default_factory=list, compare=False, metadata={TRANSIENT: True}
     )
-    swap_in_num_device_hit_tokens: list[int] = field(
+    host_alloc_num_device_hit_tokens: list[int] = field(
         default_factory=list, compare=False, metadata={TRANSIENT: True}
     )
-    swap_in_num_host_hit_tokens: list[int] = field(
+    host_alloc_num_host_hit_tokens: list[int] = field(
         default_factory=list, compare=False, metadata={TRANSIENT: True}
     )
     host_d2h_block_ids: list[int] = field(

@@ -72,6 +72,7 @@ from kvcm.core.request import Request, RequestStatus
 from kvcm.core.step_checks import check_append, check_hit, check_limits, check_new_request
 
 if TYPE_CHECKING:
+    from kvcm.core.host_tier import HostAdmission
     from kvcm.core.manager import KVCacheManager
     from kvcm.core.pool import Pool
 
@@ -823,6 +824,7 @@ def _validate_swap_out(v: checks.Shadow) -> Handler:
                 f"swap_out_num_computed_tokens[{n}]",
             )
         state[1] = checks.HOLDS_NO
+        v.allocated.add(key)  # no later op of this Step may allocate for it or swap it in
 
     return check
 
@@ -862,7 +864,7 @@ def _validate_swap_in(v: checks.Shadow) -> Handler:
             or pool.requests.get(key) is not request
             or key in seen
             or key in v.allocated
-            or state[1] == checks.HOLDS_YES
+            or v.holds(key, state) != checks.HOLDS_NO
         ):
             raise checks.reject(
                 FailedPreconditionError(
@@ -899,23 +901,91 @@ def _execute_swap_in(x: _Execution) -> Handler:
 
     def run(op_index: int, k: int, n: int) -> None:
         key = keys[k]
-        admission = pool.swap_in(key, column[n])
-        if admission is None:  # it stays swapped
-            outcome.swap_in_statuses.append(_DOES_NOT_FIT)
-            outcome.swap_in_num_block_ids.extend(no_blocks)
-            outcome.swap_in_num_device_hit_tokens.append(0)
-            outcome.swap_in_num_host_hit_tokens.append(0)
-            if stop:
-                raise _Stop
-            return
-        outcome.swap_in_statuses.append(_OK)
-        for group in manager.get_block_ids(pool.requests[key].request_id):
-            outcome.swap_in_num_block_ids.append(len(group))
-            outcome.swap_in_block_ids.extend(group)
-        outcome.swap_in_num_device_hit_tokens.append(admission.num_device_hit_tokens)
-        outcome.swap_in_num_host_hit_tokens.append(admission.num_host_hit_tokens)
+        admission = pool.swap_in(key, column[n])  # None: it stays swapped
+        _answer_host(outcome, manager, pool.requests[key], admission, no_blocks)
+        if admission is None and stop:
+            raise _Stop
 
     return run
+
+
+def _validate_admit_host(v: checks.Shadow) -> Handler:
+    pool, column, kind = v.pool, v.program.admit_host_num_new_tokens, OpKind.ADMIT_WITH_HOST
+
+    def check(op_index: int, k: int, n: int) -> None:
+        error = _no_host_tier(v, op_index, kind)
+        if error is not None:
+            raise error
+        assert pool.host_tier is not None
+        key, state = v.state(op_index, kind, k)
+        if n >= len(column):
+            raise checks.too_few(op_index, kind, "admit_host_num_new_tokens")
+        request: Request = state[4]
+        if (
+            key in v.allocated
+            or v.holds(key, state) != checks.HOLDS_NO
+            or pool.host_tier.swapped_tokens(request.request_id) is not None
+        ):
+            raise checks.reject(
+                FailedPreconditionError(
+                    f"request key {key} must be waiting (holding no blocks, not swapped out, "
+                    "not allocated earlier in this Step) to be admitted with host hits"
+                ),
+                op_index,
+                kind,
+                f"request_keys[{k}]",
+            )
+        if not 1 <= column[n] <= pool.max_model_len:
+            raise checks.reject(
+                InvalidArgumentError(f"{column[n]} is outside 1..{pool.max_model_len}"),
+                op_index,
+                kind,
+                f"admit_host_num_new_tokens[{n}]",
+            )
+        v.allocated.add(key)
+        state[1] = checks.HOLDS_MAYBE
+
+    return check
+
+
+def _execute_admit_host(x: _Execution) -> Handler:
+    pool, manager, outcome = x.pool, x.manager, x.outcome
+    keys, column = x.program.request_keys, x.program.admit_host_num_new_tokens
+    no_blocks = [0] * manager.num_kv_cache_groups
+    stop = not x.program.continue_on_does_not_fit
+
+    def run(op_index: int, k: int, n: int) -> None:
+        key = keys[k]
+        request = pool.requests[key]
+        hit, num_host = looked_up = pool.lookup_tiers(key)
+        num_new = min(column[n], request.num_tokens - hit.num_computed_tokens - num_host)
+        admission = pool.admit_with_host(key, num_new, looked_up=looked_up)
+        _answer_host(outcome, manager, request, admission, no_blocks)
+        if admission is None and stop:
+            raise _Stop
+
+    return run
+
+
+def _answer_host(
+    outcome: StepOutcome,
+    manager: KVCacheManager,
+    request: Request,
+    admission: HostAdmission | None,
+    no_blocks: list[int],
+) -> None:
+    if admission is None:
+        outcome.host_alloc_statuses.append(_DOES_NOT_FIT)
+        outcome.host_alloc_num_block_ids.extend(no_blocks)
+        outcome.host_alloc_num_device_hit_tokens.append(0)
+        outcome.host_alloc_num_host_hit_tokens.append(0)
+        return
+    outcome.host_alloc_statuses.append(_OK)
+    for group in manager.get_block_ids(request.request_id):
+        outcome.host_alloc_num_block_ids.append(len(group))
+        outcome.host_alloc_block_ids.extend(group)
+    outcome.host_alloc_num_device_hit_tokens.append(admission.num_device_hit_tokens)
+    outcome.host_alloc_num_host_hit_tokens.append(admission.num_host_hit_tokens)
 
 
 def _validate_take_host_copies(v: checks.Shadow) -> Handler:
@@ -961,6 +1031,7 @@ _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.SWAP_OUT: (_validate_swap_out, _execute_swap_out),
     OpKind.SWAP_IN: (_validate_swap_in, _execute_swap_in),
     OpKind.TAKE_HOST_COPIES: (_validate_take_host_copies, _execute_take_host_copies),
+    OpKind.ADMIT_WITH_HOST: (_validate_admit_host, _execute_admit_host),
 }
 """Per op kind, its validate and execute handlers' makers (one row per op table row)."""
 assert set(_PAIRS) == set(OP_TABLE), "every op kind has a validate and an execute handler"

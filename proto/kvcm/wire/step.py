@@ -290,12 +290,12 @@ def outcome_to_proto(outcome: StepOutcome) -> scheduler_pb2.StepResponse:
         response.drained_num_copies.extend(outcome.drained_num_copies)
     if outcome.swap_out_swapped:
         response.swap_out_swapped.extend(outcome.swap_out_swapped)
-    if outcome.swap_in_statuses:
-        response.swap_in_statuses.extend(outcome.swap_in_statuses)
-        response.swap_in_num_block_ids.extend(outcome.swap_in_num_block_ids)
-        response.swap_in_block_ids.extend(outcome.swap_in_block_ids)
-        response.swap_in_num_device_hit_tokens.extend(outcome.swap_in_num_device_hit_tokens)
-        response.swap_in_num_host_hit_tokens.extend(outcome.swap_in_num_host_hit_tokens)
+    if outcome.host_alloc_statuses:
+        response.host_alloc_statuses.extend(outcome.host_alloc_statuses)
+        response.host_alloc_num_block_ids.extend(outcome.host_alloc_num_block_ids)
+        response.host_alloc_block_ids.extend(outcome.host_alloc_block_ids)
+        response.host_alloc_num_device_hit_tokens.extend(outcome.host_alloc_num_device_hit_tokens)
+        response.host_alloc_num_host_hit_tokens.extend(outcome.host_alloc_num_host_hit_tokens)
     if outcome.host_num_d2h:
         response.host_d2h_block_ids.extend(outcome.host_d2h_block_ids)
         response.host_h2d_block_ids.extend(outcome.host_h2d_block_ids)
@@ -322,11 +322,11 @@ def outcome_from_proto(msg: scheduler_pb2.StepResponse) -> StepOutcome:
         drained_copy_block_ids=list(msg.drained_copy_block_ids),
         drained_num_copies=list(msg.drained_num_copies),
         swap_out_swapped=list(msg.swap_out_swapped),
-        swap_in_statuses=list(msg.swap_in_statuses),
-        swap_in_num_block_ids=list(msg.swap_in_num_block_ids),
-        swap_in_block_ids=list(msg.swap_in_block_ids),
-        swap_in_num_device_hit_tokens=list(msg.swap_in_num_device_hit_tokens),
-        swap_in_num_host_hit_tokens=list(msg.swap_in_num_host_hit_tokens),
+        host_alloc_statuses=list(msg.host_alloc_statuses),
+        host_alloc_num_block_ids=list(msg.host_alloc_num_block_ids),
+        host_alloc_block_ids=list(msg.host_alloc_block_ids),
+        host_alloc_num_device_hit_tokens=list(msg.host_alloc_num_device_hit_tokens),
+        host_alloc_num_host_hit_tokens=list(msg.host_alloc_num_host_hit_tokens),
         host_d2h_block_ids=list(msg.host_d2h_block_ids),
         host_h2d_block_ids=list(msg.host_h2d_block_ids),
         host_num_d2h=list(msg.host_num_d2h),
