@@ -166,9 +166,8 @@ def test_a_checkpoint_while_serving_plus_the_journal_tail_restore_the_tier(tmp_p
                 assert time.monotonic() < give_up_at
                 time.sleep(0.02)
             if journal.records_since_checkpoint == 0:  # the checkpoint saw every record
-                _drive(
-                    client, 14, 1, lookups=False
-                )  # one record more: a tail, and no new checkpoint
+                # One record more: a tail, and no new checkpoint.
+                _drive(client, 14, 1, lookups=False)
         assert journal.records_since_checkpoint > 0  # a tail to replay on the restored tier
         assert (tmp_path / "data" / CHECKPOINT_FILE).stat().st_size > 0
         before = _fingerprint(server)
