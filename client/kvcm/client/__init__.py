@@ -37,7 +37,7 @@ if TYPE_CHECKING:
         UnavailableError,
         UnimplementedError,
     )
-    from kvcm.client._step import LookupResult, StepBuilder, StepResult
+    from kvcm.client._step import HostAllocResult, LookupResult, StepBuilder, StepResult
     from kvcm.client._types import (
         DEFAULT_TIMEOUT_S,
         REGISTER_WORKER_TIMEOUT_S,
@@ -83,6 +83,7 @@ __all__ = [
     "HashingParameters",
     "HeldRequest",
     "InternalError",
+    "HostAllocResult",
     "ItemStatus",
     "KVCacheBlocks",
     "LookupAnswer",
@@ -141,6 +142,7 @@ _MODULE_OF = {
     "HeldRequest": "kvcm.core.pd_route",
     "InternalError": "_errors",
     "ItemStatus": "_types",
+    "HostAllocResult": "_step",
     "KVCacheBlocks": "_types",
     "LookupAnswer": "kvcm.core.lookup",
     "LookupQuery": "kvcm.core.lookup",

@@ -39,7 +39,7 @@ from kvcm.core.program import (
 from kvcm.v1 import scheduler_pb2
 from kvcm.wire import outcome_from_proto, program_to_proto
 
-__all__ = ["LookupResult", "StepBuilder", "StepResult", "HostAllocResult", "core_alloc_options"]
+__all__ = ["HostAllocResult", "LookupResult", "StepBuilder", "StepResult", "core_alloc_options"]
 
 _OK: Final = int(ItemStatus.OK)
 
