@@ -22,7 +22,7 @@ from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.pool import Pool, PoolConfig
 from kvcm.core.program import ItemStatus
-from kvcm.server.embedded import start_embedded_server
+from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.settings import ServerSettings
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
@@ -151,5 +151,52 @@ def test_a_pool_without_a_tier_refuses_host_ops_naming_host_tier_bytes(tmp_path:
             with pytest.raises(ServiceFailedPreconditionError, match="host_tier_bytes") as info:
                 client.step(POOL, step)
             assert info.value.field == "config.host_tier_bytes"
+    finally:
+        server.stop()
+
+
+def test_a_request_swapped_out_through_step_survives_a_restart(tmp_path: Path) -> None:
+    # Swapped out on one server, which then stops; the restarted server swaps it back in
+    # exactly as an in-process pool that never stopped.
+    def start() -> EmbeddedServer:
+        return start_embedded_server(
+            ServerSettings(grpc_address="127.0.0.1:0", http_address="", data_dir=str(tmp_path))
+        )
+
+    local = Pool(POOL, CONFIG)
+    tokens = [*PROMPT, 7, 8, 9]
+    server = start()
+    try:
+        with SchedulerClient(server.grpc_address) as client:
+            client.create_pool(POOL, CONFIG)
+            step = StepBuilder(step_seq=1)
+            step.add_request(1, tokens, client.block_hasher(POOL).hash_token_ids(tokens))
+            step.allocate(1, len(tokens), 0, lookup=True)
+            step.cache_blocks(1, len(tokens))
+            local.run_step(copy.deepcopy(step.build()))
+            client.step(POOL, step)
+            step = StepBuilder(step_seq=2)
+            step.swap_out(1, len(tokens))
+            step.take_host_copies()
+            expected = StepResult.of(step, local.run_step(copy.deepcopy(step.build())))
+            result = client.step(POOL, step)
+            assert result.swapped_out == expected.swapped_out == [True]
+            assert result.host_copies == expected.host_copies
+            assert len(result.host_copies[0][0]) == 5
+    finally:
+        server.stop()  # a graceful stop: the pool goes to the checkpoint
+    server = start()
+    try:
+        with SchedulerClient(server.grpc_address) as client:
+            step = StepBuilder(step_seq=3)
+            step.swap_in(1, 1)
+            step.take_host_copies()
+            expected = StepResult.of(step, local.run_step(copy.deepcopy(step.build())))
+            result = client.step(POOL, step)
+            assert result.host_allocations == expected.host_allocations
+            assert result.host_copies == expected.host_copies
+            ((back),) = result.host_allocations
+            assert back.status is ItemStatus.OK
+            assert back.num_device_hit_tokens + back.num_host_hit_tokens == len(tokens)
     finally:
         server.stop()
