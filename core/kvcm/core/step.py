@@ -407,6 +407,7 @@ def _validate_allocate(v: checks.Shadow) -> Handler:
     num_allocs = min(len(alloc_new), len(alloc_computed))
     max_model_len = v.pool.max_model_len
     kind = OpKind.ALLOCATE
+    tiered = v.pool.host_tier is not None
 
     def check(op_index: int, k: int, n: int) -> None:
         if k >= num_keys:
@@ -426,6 +427,16 @@ def _validate_allocate(v: checks.Shadow) -> Handler:
             or num_computed + num_new > max_model_len
         ):
             checks.check_allocate(v, op_index, key, state, num_new, num_computed, entry, n)
+        if tiered and state[1] != holds_yes and v.is_swapped(key, state[4]):
+            raise checks.reject(
+                FailedPreconditionError(
+                    f"request key {key} is swapped out to the host tier: SWAP_IN it (or "
+                    "FINISH it) before allocating"
+                ),
+                op_index,
+                kind,
+                f"request_keys[{k}]",
+            )
         allocated_add(key)
         if state[1] != holds_yes:
             state[1] = holds_maybe
@@ -606,6 +617,8 @@ def _validate_free(v: checks.Shadow) -> Handler:
         else:
             table[key] = None
             discard(key)
+            if v.swapped:
+                v.swapped[key] = False  # a finished swapped request's host blocks are released
 
     return check
 
@@ -825,6 +838,7 @@ def _validate_swap_out(v: checks.Shadow) -> Handler:
             )
         state[1] = checks.HOLDS_NO
         v.allocated.add(key)  # no later op of this Step may allocate for it or swap it in
+        v.swapped[key] = True
 
     return check
 
@@ -861,6 +875,7 @@ def _validate_swap_in(v: checks.Shadow) -> Handler:
         num_swapped = pool.host_tier.swapped_tokens(request.request_id)
         if (
             num_swapped is None
+            or not v.is_swapped(key, request)
             or pool.requests.get(key) is not request
             or key in seen
             or key in v.allocated
@@ -888,6 +903,7 @@ def _validate_swap_in(v: checks.Shadow) -> Handler:
             )
         seen.add(key)
         v.allocated.add(key)
+        v.swapped[key] = False
         state[1] = checks.HOLDS_MAYBE
 
     return check
@@ -924,7 +940,7 @@ def _validate_admit_host(v: checks.Shadow) -> Handler:
         if (
             key in v.allocated
             or v.holds(key, state) != checks.HOLDS_NO
-            or pool.host_tier.swapped_tokens(request.request_id) is not None
+            or v.is_swapped(key, request)
         ):
             raise checks.reject(
                 FailedPreconditionError(

@@ -120,6 +120,7 @@ class Shadow:
         "pool",
         "program",
         "requests_get",
+        "swapped",
         "table",
         "verify",
     )
@@ -135,6 +136,15 @@ class Shadow:
         self.verify = pool.options.verify_block_hashes
         self.allocated: set[int] = set()
         self.deferred_hits: set[int] = set()  # alloc indices whose hit is checked at run time
+        self.swapped: dict[int, bool] = {}  # keys swapped out (True) or in (False) by ops so far
+
+    def is_swapped(self, key: int, request: Request) -> bool:
+        """Whether the request is swapped out to the host tier after the ops so far."""
+        swapped = self.swapped.get(key)
+        if swapped is not None:
+            return swapped
+        host = self.pool.host_tier
+        return host is not None and host.swapped_tokens(request.request_id) is not None
 
     def state(self, op_index: int, op: int, k: int) -> tuple[int, list[Any]]:
         """The shadow of the request named by ``request_keys[k]`` (first sight: the table)."""

@@ -187,9 +187,25 @@ def test_bad_swaps_are_refused_naming_the_field_and_change_nothing() -> None:
     assert error.field == "request_keys[1]"
     error = _refused(pool, (OpKind.SWAP_IN, 7, 1))
     assert error.field == "request_keys[0]"
+    # A swapped request is swapped in, not allocated for (nor admitted afresh), until finished.
+    error = _refused(pool, (OpKind.ALLOCATE, 1, 16, 0))
+    assert isinstance(error, FailedPreconditionError)
+    assert error.field == "request_keys[0]"
+    error = _refused(pool, (OpKind.ADMIT_WITH_HOST, 1, 16))
+    assert error.field == "request_keys[0]"
+    error = _refused(
+        pool, (OpKind.SWAP_IN, 1, 1), (OpKind.SWAP_OUT, 1, 40), (OpKind.ALLOCATE, 1, 1, 0)
+    )
+    assert error.field == "request_keys[1]"  # swapped in, then out: a later Step
     program = StepProgram(ops=[OpKind.SWAP_IN], request_keys=[1])
     before = pool.state_fingerprint()
     with pytest.raises(InvalidArgumentError) as info:
         pool.run_step(program)
     assert info.value.field == "swap_in_num_new_tokens"
     assert pool.state_fingerprint() == before
+    host = pool.host_tier
+    assert host is not None
+    assert host.swapped_tokens(pool.request(1).request_id) == 40
+    outcome = _step(pool, (OpKind.FINISH, 1), (OpKind.TAKE_HOST_COPIES,))
+    assert outcome.num_ops_executed == 2
+    assert host.swapped() == {}
