@@ -531,10 +531,12 @@ class StepResult:
 
     __slots__ = (
         "_blocks",
+        "_lookup_allocations",
         "_lookups",
+        "_num_allocations",
+        "_statuses",
         "num_ops_executed",
         "outcome",
-        "statuses",
         "step_seq",
         "token_budget_left",
     )
@@ -546,6 +548,10 @@ class StepResult:
         lookup_allocations: Sequence[int] = (),
     ) -> None:
         """Wrap a Step's outcome.
+
+        The statuses, blocks and lookups are decoded when first read: the vLLM mirror's
+        shipper compares only the outcome, and a 256-request decode step's blocks are 256
+        small objects it would make for nothing.
 
         Args:
             outcome: The outcome (a ``kvcm.v1.StepResponse`` is decoded with
@@ -559,19 +565,30 @@ class StepResult:
         self.num_ops_executed = outcome.num_ops_executed
         self.step_seq = outcome.step_seq
         self.token_budget_left = outcome.token_budget_left
-        raw_statuses = outcome.alloc_statuses
-        num_executed = len(raw_statuses)
-        statuses = [_status(s) for s in raw_statuses]
-        if num_allocations > num_executed:
-            statuses.extend([ItemStatus.NOT_EXECUTED] * (num_allocations - num_executed))
-        self.statuses = statuses
-        self._blocks = _decode_blocks(outcome)
-        computed = outcome.lookup_num_computed_tokens
-        new_tokens = outcome.lookup_num_new_tokens
-        self._lookups = {
-            index: LookupResult(computed[i], new_tokens[i])
-            for i, index in enumerate(lookup_allocations[: len(computed)])
-        }
+        self._num_allocations = num_allocations
+        self._lookup_allocations = lookup_allocations
+        self._statuses: list[ItemStatus] | None = None
+        self._blocks: list[KVCacheBlocks | None] | None = None
+        self._lookups: dict[int, LookupResult] | None = None
+
+    @property
+    def statuses(self) -> list[ItemStatus]:
+        """One status per allocation of the Step (executed or not), in order."""
+        statuses = self._statuses
+        if statuses is None:
+            raw_statuses = self.outcome.alloc_statuses
+            statuses = [_status(s) for s in raw_statuses]
+            missing = self._num_allocations - len(raw_statuses)
+            if missing > 0:
+                statuses.extend([ItemStatus.NOT_EXECUTED] * missing)
+            self._statuses = statuses
+        return statuses
+
+    def _decoded_blocks(self) -> list[KVCacheBlocks | None]:
+        blocks = self._blocks
+        if blocks is None:
+            blocks = self._blocks = _decode_blocks(self.outcome)
+        return blocks
 
     @classmethod
     def of(cls, builder: StepBuilder, outcome: StepOutcome) -> StepResult:
@@ -654,7 +671,7 @@ class StepResult:
     @property
     def num_allocations_executed(self) -> int:
         """Allocations the Step reached (OK, DOES_NOT_FIT or NO_TOKEN_BUDGET)."""
-        return len(self._blocks)
+        return len(self._decoded_blocks())
 
     def status(self, alloc_index: int) -> ItemStatus:
         """The outcome of allocation ``alloc_index``."""
@@ -666,15 +683,24 @@ class StepResult:
         Without a lookup: the newly allocated blocks (``allocate_slots``' answer). With a
         lookup: every block the request holds (the hit followed by the new blocks).
         """
-        return self._blocks[alloc_index] if alloc_index < len(self._blocks) else None
+        blocks = self._decoded_blocks()
+        return blocks[alloc_index] if alloc_index < len(blocks) else None
 
     def all_blocks(self) -> list[KVCacheBlocks | None]:
         """``blocks(i)`` for every executed allocation, in order (the held list)."""
-        return self._blocks
+        return self._decoded_blocks()
 
     def lookup(self, alloc_index: int) -> LookupResult | None:
         """The hit and allocated tokens of lookup allocation ``alloc_index`` (if executed)."""
-        return self._lookups.get(alloc_index)
+        lookups = self._lookups
+        if lookups is None:
+            computed = self.outcome.lookup_num_computed_tokens
+            new_tokens = self.outcome.lookup_num_new_tokens
+            lookups = self._lookups = {
+                index: LookupResult(computed[i], new_tokens[i])
+                for i, index in enumerate(self._lookup_allocations[: len(computed)])
+            }
+        return lookups.get(alloc_index)
 
     def __repr__(self) -> str:
         return (
