@@ -88,3 +88,36 @@ def test_a_step_retried_after_a_restart_tracks_its_transfers_again(tmp_path: Pat
         assert again.server.state.reclaims == {("decode", "transfer"): 2}
     finally:
         again.stop()
+
+
+def test_a_step_retried_after_a_restart_answers_its_copies_again(tmp_path: Path) -> None:
+    """A Step's copies are an answer, not state, but an answer lost with a restart is retried:
+    the retry must hand the workers the same (source, destination) copies as the first."""
+    prompt = list(range(16 + 3))  # one full block and a partial one
+    first_step = StepBuilder()
+    first_step.step_seq = 1
+    first_step.add_request(1, prompt, request_id="a")
+    first_step.allocate(1, len(prompt), 0)
+    fork_step = StepBuilder()
+    fork_step.step_seq = 2
+    fork_step.fork(1, 2, len(prompt))
+    for key in (1, 2):
+        fork_step.append_tokens(key, [500 + key])
+    fork_step.decode([1, 2], [1, 1], [len(prompt)] * 2)
+    server = _start(tmp_path / "data")
+    try:
+        with SchedulerClient(server.grpc_address) as client:
+            client.create_pool("forks", CONFIG)
+            client.step("forks", first_step)
+            first = client.step("forks", fork_step)
+    finally:
+        server.stop()  # a checkpoint holding the last answer
+    assert len(first.copies) == 1  # the parent's write into the shared partial block
+    again = _start(tmp_path / "data")
+    try:
+        with SchedulerClient(again.grpc_address) as client:
+            retried = client.step("forks", fork_step)
+    finally:
+        again.stop()
+    assert retried.outcome == first.outcome
+    assert retried.copies == first.copies

@@ -25,7 +25,7 @@ from kvcm.core.program import (
     OpKind,
     StepProgram,
 )
-from kvcm.core.snapshot import encode_pool
+from kvcm.core.snapshot import decode_pool, encode_pool
 
 BLOCK = 16
 SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
@@ -289,7 +289,8 @@ def test_a_late_hit_of_the_wrong_shape_is_still_refused_before_anything_runs() -
 
 def test_the_outcome_names_the_delayed_allocations_that_fit_and_keeps_them_out_of_state() -> None:
     """StepOutcome.delayed_keys: the keys whose ALLOCATE fit with delay_cache_blocks (the
-    server tracks their transfers), in op order; snapshots and fingerprints leave it out."""
+    server tracks their transfers), in op order; fingerprints leave it out, a snapshot keeps it
+    with the remembered answer (a Step retried after a restart gets it back)."""
     pool = _pool()
     prompts = {key: [key] * 300 for key in (3, 1, 2)}
     delayed = AllocOptions(slot_options=SlotOptions(delay_cache_blocks=True))
@@ -309,6 +310,7 @@ def test_the_outcome_names_the_delayed_allocations_that_fit_and_keeps_them_out_o
     assert pool.run_step(program).delayed_keys == [3, 2]  # the remembered answer
     fingerprint = pool.state_fingerprint()
     snapshot = encode_pool(pool)
+    restored = decode_pool(snapshot, pool.name, pool.options)
+    assert restored.run_step(program).delayed_keys == [3, 2]
     outcome.delayed_keys.clear()
     assert pool.state_fingerprint() == fingerprint
-    assert encode_pool(pool) == snapshot

@@ -116,7 +116,14 @@ class Writer:
                 self.value(item)
         elif is_dataclass(value) and type(value).__name__ in _DATACLASSES:
             self._named(b"C", type(value).__name__)
-            kept = [f.name for f in fields(value) if TRANSIENT not in f.metadata]
+            # An answer-only field is kept when it holds something: a Step retried after a
+            # restart must get the copies and swaps its lost answer carried (empty ones are
+            # left out, so a snapshot without them is the bytes it always was).
+            kept = [
+                f.name
+                for f in fields(value)
+                if TRANSIENT not in f.metadata or getattr(value, f.name)
+            ]
             self.value({name: getattr(value, name) for name in kept})
         else:
             raise TypeError(f"a snapshot cannot hold {type(value).__name__}")

@@ -778,9 +778,9 @@ class Pool:
         restored = self.last_step_outcome
         if seq is None or seq != self.last_step_seq or restored is None or restored.delayed_keys:
             return run_step(self, program, phase=phase)
-        # A retry answered from an outcome restored from a snapshot, which leaves the
-        # transient delayed_keys out: derive them from the retried program, so the server
-        # tracks its P/D transfers again as it did for the first answer.
+        # A retry answered from an outcome restored from a snapshot written before snapshots
+        # kept the answer's delayed_keys (an older checkpoint): derive them from the retried
+        # program, so the server tracks its P/D transfers again as for the first answer.
         outcome = run_step(self, program, phase=phase)
         if outcome is restored:
             outcome.delayed_keys = _delayed_keys(program, outcome)

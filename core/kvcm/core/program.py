@@ -162,8 +162,8 @@ class AllocOptions:
 
 NO_LOOKUP_BOUND: Final = -1
 TRANSIENT: Final = "kvcm.transient"
-"""A dataclass field's metadata key: the field is an answer, not state (snapshots and state
-fingerprints leave it out)."""
+"""A dataclass field's metadata key: the field is an answer, not state (state fingerprints
+leave it out; snapshots keep it only when it is not empty, for the retry of a lost answer)."""
 
 
 @dataclass(slots=True, kw_only=True)
