@@ -6,7 +6,12 @@ import pytest
 
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
-from kvcm.common.errors import FailedPreconditionError, InvalidArgumentError, KVCMError
+from kvcm.common.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCMError,
+    ResourceExhaustedError,
+)
 from kvcm.common.hashing import BlockHasher
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.op_table import OpWriter
@@ -209,3 +214,22 @@ def test_bad_swaps_are_refused_naming_the_field_and_change_nothing() -> None:
     outcome = _step(pool, (OpKind.FINISH, 1), (OpKind.TAKE_HOST_COPIES,))
     assert outcome.num_ops_executed == 2
     assert host.swapped() == {}
+
+
+def test_a_client_that_never_drains_is_refused_until_it_does() -> None:
+    """Undrained copies are bounded: past twice the two tiers' blocks a Step without
+    TAKE_HOST_COPIES is refused (naming ``ops``, changing nothing); one that drains runs."""
+    pool = _pool(8)  # 8 host blocks, 16 device blocks: the limit is 48 pending copies
+    base = 0
+    while pool.host_tier is not None and pool.host_tier.num_pending_copies <= 48:
+        _flood(pool, 100 + base, 10_000 * (base + 1))  # each flood demotes the last one's
+        base += 1
+    error = _refused(pool, (OpKind.NEW_STEP_STARTS,))
+    assert isinstance(error, ResourceExhaustedError)
+    assert error.field == "ops"
+    assert "TAKE_HOST_COPIES" in str(error)
+    outcome = _step(pool, (OpKind.NEW_STEP_STARTS,), (OpKind.TAKE_HOST_COPIES,))
+    assert len(outcome.host_d2h_block_ids) // 2 > 48
+    assert pool.host_tier is not None
+    assert pool.host_tier.num_pending_copies == 0
+    _step(pool, (OpKind.NEW_STEP_STARTS,))  # drained: accepted again

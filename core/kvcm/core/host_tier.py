@@ -333,6 +333,11 @@ class HostTier:
         )
 
     # ---------------------------------------------------------------------- mapping
+    @property
+    def num_pending_copies(self) -> int:
+        """Copies recorded and not taken yet (both directions)."""
+        return len(self._d2h) + len(self._h2d)
+
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Drain the copies recorded since the last take: ``(device_to_host, host_to_device)``.
 

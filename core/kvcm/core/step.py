@@ -53,6 +53,7 @@ from kvcm.common.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCMError,
+    ResourceExhaustedError,
 )
 from kvcm.common.hashing import BlockHash
 from kvcm.core import step_checks as checks
@@ -72,7 +73,7 @@ from kvcm.core.request import Request, RequestStatus
 from kvcm.core.step_checks import check_append, check_hit, check_limits, check_new_request
 
 if TYPE_CHECKING:
-    from kvcm.core.host_tier import HostAdmission
+    from kvcm.core.host_tier import HostAdmission, HostTier
     from kvcm.core.manager import KVCacheManager
     from kvcm.core.pool import Pool
 
@@ -185,6 +186,9 @@ def validate_program(pool: Pool, manager: KVCacheManager, program: StepProgram) 
         KVCMError: The first failing op (``op_index`` set) or the malformed program.
     """
     checks.check_program_fields(program)
+    host = pool.host_tier
+    if host is not None:
+        _check_host_copies_drained(pool.name, host, manager, program)
     v = checks.Shadow(pool, manager, program)
     _, num_keys, counts = _walk(program.ops, lambda kind: _PAIRS[kind][0](v))
     checks.check_consumed(program, num_keys, counts, pool.hashing.hash_length_bytes)
@@ -197,6 +201,26 @@ def validate_program(pool: Pool, manager: KVCacheManager, program: StepProgram) 
             field="alloc_options",
         )
     return frozenset(v.deferred_hits) if v.deferred_hits else _NONE_DEFERRED
+
+
+def _check_host_copies_drained(
+    name: str, host: HostTier, manager: KVCacheManager, program: StepProgram
+) -> None:
+    """Refuse a Step that would let a host tier's undrained copies grow without bound.
+
+    Each Step can record at most about one copy per device block and per host block; a client
+    that drains with TAKE_HOST_COPIES every Step stays far below twice that. One that never
+    drains is told so, instead of the list (and every checkpoint holding it) growing forever;
+    a Step that drains is always accepted.
+    """
+    limit = 2 * (host.num_blocks + manager.block_pool.num_gpu_blocks)
+    pending = host.num_pending_copies
+    if pending > limit and OpKind.TAKE_HOST_COPIES not in program.ops:
+        raise ResourceExhaustedError(
+            f"pool {name!r} holds {pending} host-tier copies not yet taken (limit {limit}): "
+            "a Step must drain them with TAKE_HOST_COPIES and hand them to the workers",
+            field="ops",
+        )
 
 
 def execute_program(
