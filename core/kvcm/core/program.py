@@ -246,7 +246,8 @@ class StepOutcome:
         host_num_h2d: Per executed TAKE_HOST_COPIES, its pairs of ``host_h2d_block_ids``.
         delayed_keys: The request keys of the executed ALLOCATEs that fit with
             ``delay_cache_blocks`` (P/D transfers the server tracks), in op order. Not on the
-            wire and not part of a pool's state (snapshots and fingerprints leave it out).
+            wire and not part of a pool's state (fingerprints leave it out; a snapshot keeps it
+            with the remembered answer).
     """
 
     num_ops_executed: int = 0

@@ -805,10 +805,11 @@ def _execute_take_copies(x: _Execution) -> Handler:
 
 
 # ------------------------------------------------- SWAP_OUT, SWAP_IN, TAKE_HOST_COPIES
-def _no_host_tier(v: checks.Shadow, op_index: int, op: int) -> KVCMError | None:
+def _require_host_tier(v: checks.Shadow, op_index: int, op: int) -> None:
+    """Refuse op ``op_index`` when the pool has no host tier (FAILED_PRECONDITION)."""
     if v.pool.host_tier is not None:
-        return None
-    return checks.reject(
+        return
+    raise checks.reject(
         FailedPreconditionError(
             f"pool {v.pool.name!r} has no host tier (config.host_tier_bytes is 0)"
         ),
@@ -823,9 +824,7 @@ def _validate_swap_out(v: checks.Shadow) -> Handler:
     column = v.program.swap_out_num_computed_tokens
 
     def check(op_index: int, k: int, n: int) -> None:
-        error = _no_host_tier(v, op_index, kind)
-        if error is not None:
-            raise error
+        _require_host_tier(v, op_index, kind)
         key, state = v.state(op_index, kind, k)
         if n >= len(column):
             raise checks.too_few(op_index, kind, "swap_out_num_computed_tokens")
@@ -888,9 +887,7 @@ def _validate_swap_in(v: checks.Shadow) -> Handler:
     seen: set[int] = set()
 
     def check(op_index: int, k: int, n: int) -> None:
-        error = _no_host_tier(v, op_index, kind)
-        if error is not None:
-            raise error
+        _require_host_tier(v, op_index, kind)
         assert pool.host_tier is not None
         key, state = v.state(op_index, kind, k)
         if n >= len(column):
@@ -953,9 +950,7 @@ def _validate_admit_host(v: checks.Shadow) -> Handler:
     pool, column, kind = v.pool, v.program.admit_host_num_new_tokens, OpKind.ADMIT_WITH_HOST
 
     def check(op_index: int, k: int, n: int) -> None:
-        error = _no_host_tier(v, op_index, kind)
-        if error is not None:
-            raise error
+        _require_host_tier(v, op_index, kind)
         assert pool.host_tier is not None
         key, state = v.state(op_index, kind, k)
         if n >= len(column):
@@ -1030,9 +1025,7 @@ def _answer_host(
 
 def _validate_take_host_copies(v: checks.Shadow) -> Handler:
     def check(op_index: int, k: int, n: int) -> None:
-        error = _no_host_tier(v, op_index, OpKind.TAKE_HOST_COPIES)
-        if error is not None:
-            raise error
+        _require_host_tier(v, op_index, OpKind.TAKE_HOST_COPIES)
 
     return check
 
