@@ -263,9 +263,10 @@ def run_policy(
     # Whatever is still held must go within the leases (transfer, prefill source, a decode
     # engine's held blocks, a dead engine's scheduler lease); what is left after that leaked.
     # The grace covers timers stretched on a loaded machine (the reapers' 50 ms ticks, the
-    # server's lease checks); a clean-clone CI run once saw 3 requests still held at 5 s.
+    # server's lease checks, about once a second). GetUsage is a read: polling a dead
+    # engine's pool does not renew its scheduler lease.
     leases = max(options.transfer_lease_s, options.kv_lease_s, options.decoder_ttl_s, 1.0)
-    deadline = time.monotonic() + leases + 15.0
+    deadline = time.monotonic() + leases + 5.0
     while True:
         held = [client.get_usage(engine.pool_id) for engine in engines]
         if all(usage.num_requests == 0 for usage in held) or time.monotonic() > deadline:

@@ -8,6 +8,7 @@ AllBlocksCleared. Each reclaim is counted in kvcm_lease_reclaims_total and logge
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -19,7 +20,7 @@ import pytest
 from kvcm.client import LeaseExpiry, SchedulerClient, StepBuilder
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
-from kvcm.common.errors import InvalidArgumentError
+from kvcm.common.errors import InvalidArgumentError, NotFoundError
 from kvcm.common.events import AllBlocksCleared
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.pool import PoolConfig
@@ -82,10 +83,20 @@ def test_an_abandoned_scheduler_is_reclaimed_and_nothing_else(
             _admit(client, pool_id, range(1, 4))
         started = time.monotonic()
         last_call = time.time()
-        # "alive" keeps renewing, alternately by KeepAlive and by ordinary calls.
+        # "alive" keeps renewing, alternately by KeepAlive and by an ordinary call; a monitor
+        # keeps reading "abandoned", which renews nothing.
+        beat = 0
         while time.monotonic() - started < 4 * LEASE_S:
-            assert client.keep_alive("alive") == LEASE_S
-            client.get_usage("alive")
+            if beat % 2:
+                client.take_new_block_ids("alive")
+            else:
+                assert client.keep_alive("alive") == LEASE_S
+            beat += 1
+            if client.get_usage("abandoned").num_requests:
+                with contextlib.suppress(NotFoundError):  # reclaimed meanwhile
+                    client.get_block_ids("abandoned", 1)
+                    client.get_blocks("abandoned", 2)
+                    client.get_num_common_prefix_blocks("abandoned", 3)
             time.sleep(LEASE_S / 4)
         _wait_until(lambda: client.describe_pool("abandoned").num_requests == 0, 5.0)
         abandoned = client.describe_pool("abandoned")

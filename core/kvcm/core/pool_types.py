@@ -158,8 +158,9 @@ class PoolConfig:
             a request's replay boundary or shared-prefix junction needs (vLLM's
             ``CacheConfig`` default, which an engine passes); ``n > 0`` those plus one
             window per ``n`` tokens (a multiple of the scheduler block size).
-        scheduler_lease_s: Seconds without a scheduler call (any SchedulerService call on the
-            pool, or KeepAlive) after which the lease expires; 0: never.
+        scheduler_lease_s: Seconds without a scheduler call (a SchedulerService call that may
+            change the pool, or KeepAlive; pure reads such as GetUsage do not count) after
+            which the lease expires; 0: never.
         lease_expiry: What an expired lease reclaims.
         labels: What the pool is, for routers' lookup scopes (``model``, ``role``,
             ``tenant``, ``data_parallel_rank``...): fixed at creation, read-only afterwards.

@@ -1,8 +1,9 @@
 """Scheduler leases: reclaim what a scheduler that stopped calling left behind.
 
 A pool created with ``scheduler_lease_s > 0`` expects its scheduler to call: every
-SchedulerService call on the pool renews the lease (``KeepAlive`` when there is nothing to
-send). :class:`LeaseMonitor` checks the pools about four times per shortest lease (at most once
+SchedulerService call that may change the pool renews the lease (``KeepAlive`` when there is
+nothing to send); pure reads (GetUsage, GetBlocks, GetBlockIds, GetNumCommonPrefixBlocks) do
+not, so whoever polls a dead engine's pool does not keep it alive. :class:`LeaseMonitor` checks the pools about four times per shortest lease (at most once
 a second); a pool whose lease ran out and that still holds requests (or, with CLEAR, cached
 blocks) is reclaimed once, by its ``lease_expiry`` policy:
 

@@ -291,7 +291,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetBlocksRequest, context: Context
     ) -> scheduler_pb2.GetBlocksResponse:
         """get_blocks with each block's reference count and cache state."""
-        pool = await self._state.scheduler_pool(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         target = _check_ready_request(pool, request.request_key)
         blocks = pool.ready_manager().get_blocks(target.request_id)
         response = scheduler_pb2.GetBlocksResponse()
@@ -312,7 +312,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetBlockIdsRequest, context: Context
     ) -> scheduler_pb2.GetBlockIdsResponse:
         """get_block_ids."""
-        pool = await self._state.scheduler_pool(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         target = _check_ready_request(pool, request.request_key)
         response = scheduler_pb2.GetBlockIdsResponse()
         fill_grouped(pool.ready_manager().get_block_ids(target.request_id), response.blocks)
@@ -322,7 +322,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetNumCommonPrefixBlocksRequest, context: Context
     ) -> scheduler_pb2.GetNumCommonPrefixBlocksResponse:
         """get_num_common_prefix_blocks of a running request."""
-        pool = await self._state.scheduler_pool(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         target = _check_ready_request(pool, request.running_request_key)
         manager = pool.ready_manager()
         if not manager.holds_blocks(target.request_id):
@@ -352,7 +352,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GetUsageRequest, context: Context
     ) -> scheduler_pb2.GetUsageResponse:
         """Usage and block counts."""
-        pool = await self._state.scheduler_pool(request.pool_id)
+        pool = await self._state.pool(request.pool_id)
         manager = pool.ready_manager()
         return scheduler_pb2.GetUsageResponse(
             usage=manager.usage,
