@@ -256,6 +256,7 @@ class KVCacheCoordinator:
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> None:
         """Adopt a new request's hit blocks, then allocate blocks for external tokens.
 
@@ -267,6 +268,8 @@ class KVCacheCoordinator:
             new_computed_blocks: Hit blocks per group.
             num_local_computed_tokens: Locally computed tokens, hits included.
             num_external_computed_tokens: Tokens computed by a KV connector.
+            skip_zeroing_group_ids: Groups whose external blocks are not recorded for zeroing
+                (an asynchronous load writes them).
         """
         managers = self.single_type_managers
         for manager in managers:
@@ -280,7 +283,10 @@ class KVCacheCoordinator:
         if num_external_computed_tokens > 0:
             for manager in managers:
                 manager.allocate_external_computed_blocks(
-                    request_id, num_local_computed_tokens, num_external_computed_tokens
+                    request_id,
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                    record_for_zeroing=manager.kv_cache_group_id not in skip_zeroing_group_ids,
                 )
 
     def allocate_new_blocks(
@@ -535,6 +541,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             self._spec_groups[0].is_full_attention
         )
         self._num_groups = len(self.single_type_managers)
+        # The dense reference group of per-group lookups (None without full attention).
+        first = self._spec_groups[0]
+        self.full_attention_group_id: int | None = (
+            first.group_ids[0] if first.is_full_attention else None
+        )
 
     def _split_by_spec(self) -> tuple[_SpecGroup, ...]:
         # Groups with equal specs (and manager types) are looked up together. Specs may hold
@@ -607,6 +618,29 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 if kept is not None:
                     del kept[num_blocks:]
         return PrefixHit(tuple(kept or [] for kept in hit_blocks), hit_length, longest - hit_length)
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
+        """Each spec group's own longest hit, not reconciled with the others.
+
+        vLLM's lookup for a KV connector of a hybrid Mamba model: full attention's hit is
+        the local prefix when no group hit deeper (the connector supplies the rest).
+
+        Returns:
+            Blocks and hit length per group.
+        """
+        hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(self._num_groups)]
+        hit_lengths = [0] * self._num_groups
+        alignment = self.cache_hit_alignment_tokens
+        for group in self._spec_groups:
+            found = group.manager.find_longest_cache_hit(
+                block_hashes, max_cache_hit_length, group.group_ids, alignment
+            )
+            for group_id, blocks in zip(group.group_ids, found.blocks, strict=True):
+                hit_blocks[group_id] = blocks
+                hit_lengths[group_id] = found.num_tokens
+        return tuple(hit_blocks), tuple(hit_lengths)
 
 
 def _check_retention(config: CoordinatorConfig) -> None:

@@ -306,6 +306,7 @@ class SingleTypeKVCacheManager:
         request_id: str,
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
     ) -> None:
         """Allocate blocks for tokens a KV connector computed, skipping those out of window.
 
@@ -315,6 +316,8 @@ class SingleTypeKVCacheManager:
             request_id: The request.
             num_local_computed_tokens: Tokens computed locally (including cache hits).
             num_external_computed_tokens: Tokens computed by the connector.
+            record_for_zeroing: Whether the new blocks need zeroing (not when an
+                asynchronous load writes them after this step).
         """
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_tokens = self.get_num_skipped_tokens(num_total)
@@ -328,7 +331,7 @@ class SingleTypeKVCacheManager:
         num_new_blocks = max(0, _cdiv(num_total, self.block_size) - len(req_blocks))
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
-        if self.records_new_block_ids:
+        if self.records_new_block_ids and record_for_zeroing:
             self.new_block_ids.extend([block.block_id for block in new_blocks])
 
     def allocate_new_blocks(
@@ -871,6 +874,49 @@ class MambaManager(SingleTypeKVCacheManager):
         self._num_retired_blocks: dict[str, int] = {}
         self._allocated_block_reqs: set[str] = set()
         self._checkpoints: dict[str, tuple[int, int]] = {}
+        # KV-connector hand-offs of align-mode boundary states (vLLM's
+        # take_boundary_state_offloads / finalize_partial_tail_offload), kept only once
+        # enable_boundary_state_offloads() was called (an engine with a KV connector drains
+        # them every step; a pool nobody drains must not collect them). Entries are
+        # (request_id, group_id, block, boundary_tokens); a producer's partial tail is the
+        # block that holds the state at its prompt's last hash boundary inside a block.
+        self.records_boundary_state_offloads = False
+        self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
+        self._producer_partial_tail_reqs: dict[str, tuple[KVCacheBlock, int]] = {}
+
+    def enable_boundary_state_offloads(self) -> None:
+        """Collect boundary-state hand-offs for a KV connector (align mode only)."""
+        self.records_boundary_state_offloads = self.align
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
+        """Drain the boundary states offered to a KV connector since the last call.
+
+        Returns:
+            ``(request_id, group_id, block, boundary_tokens)`` in the order they were made:
+            every state block cached (its block keyed at ``boundary_tokens``), and the copy of
+            a producer's partial tail when a copy-on-write preserved it.
+        """
+        pending = self._pending_boundary_state_offloads
+        if not pending:
+            return []
+        self._pending_boundary_state_offloads = []
+        return pending
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, KVCacheBlock, int] | None:
+        """A finishing producer's partial tail, if its table block still holds that state.
+
+        The block is valid only if no token after the boundary was computed or is in flight.
+        The tail is consumed either way.
+        """
+        tail = self._producer_partial_tail_reqs.pop(request_id, None)
+        if tail is None:
+            return None
+        block, boundary_tokens = tail
+        if num_in_flight_tokens != 0 or num_computed_tokens != boundary_tokens:
+            return None
+        return self.kv_cache_group_id, block, boundary_tokens
 
     @property
     def skips_tokens(self) -> bool:
@@ -1089,6 +1135,13 @@ class MambaManager(SingleTypeKVCacheManager):
                 self.block_pool.move_block_hashes(source, cow_block)
                 self._pending_cow_copies.append((source, cow_block))
                 source.ref_cnt += 1
+                tail = self._producer_partial_tail_reqs.pop(request_id, None)
+                if tail is not None:
+                    # The copy preserves the producer's own boundary state: offer the copy
+                    # to the connector (it reads it once the copy ran).
+                    self._pending_boundary_state_offloads.append(
+                        (request_id, self.kv_cache_group_id, cow_block, tail[1])
+                    )
                 if cow_block.block_hash is not None:
                     self.cached_blocks_this_step.add(cow_block.block_hash)
             else:
@@ -1151,6 +1204,15 @@ class MambaManager(SingleTypeKVCacheManager):
             self._last_state_block_idx.pop(request_id, None)
             self._num_retired_blocks.pop(request_id, None)
             self._checkpoints.pop(request_id, None)
+            if self.records_boundary_state_offloads:
+                # Its blocks go back to the pool now: offers not yet taken would name blocks
+                # another request may be handed.
+                self._producer_partial_tail_reqs.pop(request_id, None)
+                pending = self._pending_boundary_state_offloads
+                if pending:
+                    self._pending_boundary_state_offloads = [
+                        entry for entry in pending if entry[0] != request_id
+                    ]
         super().free(request_id)
 
     # ------------------------------------------------------------------------- caching
@@ -1200,10 +1262,21 @@ class MambaManager(SingleTypeKVCacheManager):
                 cached_this_step.add(key)
         if num_after > num_before:
             blocks = self.req_to_blocks[request_id]
+            offer = self.records_boundary_state_offloads
             for block in blocks[num_before:num_after]:
                 if block.is_null or block.block_hash is None:
                     continue
                 cached_this_step.add(block.block_hash)
+                if offer:
+                    # Every retained boundary state, with its exact block.
+                    self._pending_boundary_state_offloads.append(
+                        (
+                            request_id,
+                            self.kv_cache_group_id,
+                            block,
+                            block.block_hash_num_tokens or 0,
+                        )
+                    )
 
     def _cache_partial_tail_block(
         self, request: Request, num_tokens: int, junction: int
@@ -1255,6 +1328,10 @@ class MambaManager(SingleTypeKVCacheManager):
             # The next step's forward overwrites this state: copy it at the next allocation.
             self._partial_hit_reqs[request.request_id] = (block_idx, source)
             self.num_cached_block[request.request_id] = block_idx
+            if self.records_boundary_state_offloads:
+                # This request produced the partial tail: its copy-on-write (or, if it
+                # finishes first, this block) goes to the connector.
+                self._producer_partial_tail_reqs[request.request_id] = (source, num_tokens)
         return key
 
     def new_step_starts(self) -> None:
@@ -1281,6 +1358,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         request_id: str,
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
     ) -> None:
         """Connectors do not load cross-attention KV."""
         return
