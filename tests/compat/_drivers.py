@@ -582,6 +582,8 @@ class KvcmSide:
         from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
 
         hit = self._hits.pop(request_id) if use_hit else None
+        if not options.get("num_lookahead_tokens"):
+            options.pop("num_lookahead_tokens", None)  # vLLM's 0: unset
         slot_options = SlotOptions(**options)
         if slot_options == DEFAULT_SLOT_OPTIONS:
             # As the server does: plain calls take the manager's fast path for running requests.

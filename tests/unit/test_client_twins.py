@@ -1,10 +1,9 @@
-"""The SDK's twins cannot drift: the two scheduler clients, and the SDK's and core's knobs.
+"""The SDK's twins cannot drift: the two scheduler clients, and the one SlotOptions.
 
 ``scripts/gen_sync_client.py`` derives ``kvcm.client.scheduler`` from ``kvcm.client.aio``;
 these tests fail when the generated module is stale and check what the generation promises:
 the same public methods with the same signatures and docstrings, coroutines on one side and
-plain functions on the other. The SDK's ``SlotOptions`` must stay the core's allocate_slots
-knobs plus ``num_in_flight_tokens``.
+plain functions on the other. The SDK's ``SlotOptions`` is the core's.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import inspect
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from kvcm.client import AsyncSchedulerClient, SchedulerClient
 
@@ -53,32 +51,67 @@ def test_the_twins_have_the_same_methods_signatures_and_docs() -> None:
         assert not inspect.iscoroutinefunction(sync_member), name
 
 
-def test_the_sdk_slot_options_are_the_core_knobs_plus_in_flight_tokens() -> None:
-    # kvcm.client.SlotOptions is what a caller gives one allocation: the core's allocate_slots
-    # knobs (kvcm.core.manager.SlotOptions) plus num_in_flight_tokens, which the core carries
-    # in AllocOptions. A knob added to the core without the SDK (or the other way) fails here,
-    # and so does a knob core_alloc_options drops on the way to the core.
-    import dataclasses
-
+def test_slot_options_are_one_type_and_unset_lookahead_stays_off_the_unary_wire() -> None:
+    # kvcm.client.SlotOptions is the core's class (one type per concept, as ItemStatus); the
+    # in-flight tokens travel beside it, as in Pool.allocate. Unset lookahead (None) stays
+    # off the unary wire, an explicit 0 travels; in a Step both take the Step's default, so
+    # neither travels there.
     from kvcm.client import SlotOptions
-    from kvcm.client._step import core_alloc_options
-    from kvcm.core.manager import SlotOptions as CoreSlotOptions
+    from kvcm.client._base import build_allocate_slots
+    from kvcm.core import manager
+    from kvcm.core.program import AllocOptions, OpKind, StepProgram
+    from kvcm.wire import program_to_proto, slot_options_from_proto
 
-    sdk = {field.name: field.default for field in dataclasses.fields(SlotOptions)}
-    core = {field.name: field.default for field in dataclasses.fields(CoreSlotOptions)}
-    assert sdk.keys() == core.keys() | {"num_in_flight_tokens"}
-    # Unset lookahead is None in the SDK (the unary wire field stays absent), 0 in the core;
-    # both read as the Step's default_num_lookahead_tokens.
-    assert (sdk.pop("num_lookahead_tokens"), core.pop("num_lookahead_tokens")) == (None, 0)
-    assert sdk.pop("num_in_flight_tokens") == 0
-    assert sdk == core
-    changed: dict[str, Any] = {
-        name: (not default if isinstance(default, bool) else 3)
-        for name, default in {**core, "num_lookahead_tokens": 0}.items()
-    }
-    converted = core_alloc_options(SlotOptions(**changed, num_in_flight_tokens=5))
-    assert converted.slot_options == CoreSlotOptions(**changed)
-    assert converted.num_in_flight_tokens == 5
+    assert SlotOptions is manager.SlotOptions
+    unset = build_allocate_slots(
+        "p",
+        1,
+        num_new_tokens=4,
+        num_computed_tokens=0,
+        hit=None,
+        options=SlotOptions(reserved_blocks=1),
+    )
+    zero = build_allocate_slots(
+        "p",
+        1,
+        num_new_tokens=4,
+        num_computed_tokens=0,
+        hit=None,
+        options=SlotOptions(num_lookahead_tokens=0, reserved_blocks=1),
+        num_in_flight_tokens=3,
+    )
+    assert not unset.options.HasField("num_lookahead_tokens")
+    assert zero.options.HasField("num_lookahead_tokens")
+    assert zero.options.num_in_flight_tokens == 3
+    assert slot_options_from_proto(unset.options)[0].num_lookahead_tokens is None
+    assert slot_options_from_proto(zero.options) == (
+        SlotOptions(num_lookahead_tokens=0, reserved_blocks=1),
+        3,
+    )
+    # An in-flight count alone still travels, with the default options.
+    only = build_allocate_slots(
+        "p",
+        1,
+        num_new_tokens=4,
+        num_computed_tokens=0,
+        hit=None,
+        options=manager.DEFAULT_SLOT_OPTIONS,
+        num_in_flight_tokens=2,
+    )
+    assert slot_options_from_proto(only.options) == (manager.DEFAULT_SLOT_OPTIONS, 2)
+    program = StepProgram(
+        ops=[OpKind.ALLOCATE, OpKind.ALLOCATE],
+        request_keys=[1, 2],
+        alloc_num_new_tokens=[4, 4],
+        alloc_num_computed_tokens=[0, 0],
+        alloc_options={
+            0: AllocOptions(slot_options=SlotOptions(num_lookahead_tokens=0, reserved_blocks=1)),
+            1: AllocOptions(slot_options=SlotOptions(reserved_blocks=1)),
+        },
+    )
+    first, second = program_to_proto(program, "p").alloc_options
+    assert first.options == second.options
+    assert not first.options.HasField("num_lookahead_tokens")
 
 
 def test_every_client_stands_on_one_channel_client_base() -> None:

@@ -184,7 +184,7 @@ def test_builder_program_round_trips_through_the_wire_codec() -> None:
     from kvcm.wire import program_from_proto, program_to_proto
 
     step = _worked_example()
-    step.allocate(3, 2, 48, options=SlotOptions(num_lookahead_tokens=2, num_in_flight_tokens=3))
+    step.allocate(3, 2, 48, options=SlotOptions(num_lookahead_tokens=2), num_in_flight_tokens=3)
     step.allocate(5, 16, 16, hit=HitSpec(num_tokens=16, block_ids=([4],)))
     # A lookup's shared-prefix junction travels with its hit (sparse retention).
     step.allocate(6, 16, 0, hit=HitSpec(num_tokens=0, block_ids=([],), shared_prefix_boundary=32))

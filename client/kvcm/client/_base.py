@@ -28,10 +28,9 @@ from typing import Any, Final, Self
 import grpc
 
 from kvcm.client._errors import ServiceError, StatusCode, error_from_rpc
-from kvcm.client._step import StepBuilder, slot_options_to_proto
+from kvcm.client._step import StepBuilder, check_in_flight_tokens
 from kvcm.client._tracing import aio_interceptors, intercept
 from kvcm.client._types import (
-    DEFAULT_SLOT_OPTIONS,
     DEFAULT_TIMEOUT_S,
     USE_CLIENT_DEFAULT,
     CacheHit,
@@ -44,12 +43,14 @@ from kvcm.client._types import (
     UseClientDefault,
 )
 from kvcm.common.errors import InvalidArgumentError
+from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2, service_pb2_grpc
 from kvcm.wire import (
     FREE_MODE_TO_PROTO,
     fill_grouped,
     grouped_from_proto,
     pool_config_to_proto,
+    slot_options_to_proto,
 )
 
 __all__ = [
@@ -523,6 +524,7 @@ def build_allocate_slots(
     num_computed_tokens: int,
     hit: CacheHit | None,
     options: SlotOptions,
+    num_in_flight_tokens: int = 0,
 ) -> scheduler_pb2.AllocateSlotsRequest:
     """``AllocateSlotsRequest``, with the hit to adopt and the non-default knobs."""
     message = scheduler_pb2.AllocateSlotsRequest(
@@ -534,8 +536,9 @@ def build_allocate_slots(
     if hit is not None and (hit.num_computed_tokens or hit.blocks):
         message.new_computed.num_new_computed_tokens = hit.num_computed_tokens
         blocks_to_grouped(hit.blocks, message.new_computed.blocks)
-    if options is not DEFAULT_SLOT_OPTIONS:
-        slot_options_to_proto(options, message.options)
+    if options is not DEFAULT_SLOT_OPTIONS or num_in_flight_tokens:
+        check_in_flight_tokens(num_in_flight_tokens)
+        slot_options_to_proto(options, num_in_flight_tokens, message.options)
     return message
 
 

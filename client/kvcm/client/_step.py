@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final, NamedTuple
 
-from kvcm.client._types import DEFAULT_SLOT_OPTIONS, ItemStatus, KVCacheBlocks, SlotOptions
+from kvcm.client._types import ItemStatus, KVCacheBlocks, SlotOptions
 from kvcm.common.errors import InvalidArgumentError
-from kvcm.core import manager as _core_manager
+from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.core.op_table import OpWriter
 from kvcm.core.program import (
     NO_LOOKUP_BOUND,
@@ -39,64 +39,18 @@ from kvcm.core.program import (
 from kvcm.v1 import scheduler_pb2
 from kvcm.wire import outcome_from_proto, program_to_proto
 
-__all__ = ["HostAllocResult", "LookupResult", "StepBuilder", "StepResult", "core_alloc_options"]
+__all__ = ["HostAllocResult", "LookupResult", "StepBuilder", "StepResult"]
 
 _OK: Final = int(ItemStatus.OK)
 
 
-def slot_options_to_proto(options: SlotOptions, message: scheduler_pb2.SlotOptions) -> None:
-    """Fill a ``kvcm.v1.SlotOptions`` from the SDK's options (unset fields keep defaults).
-
-    Args:
-        options: The SDK's options.
-        message: The message to fill.
-    """
-    if options.num_lookahead_tokens is not None:
-        message.num_lookahead_tokens = options.num_lookahead_tokens
-    message.num_external_computed_tokens = options.num_external_computed_tokens
-    message.delay_cache_blocks = options.delay_cache_blocks
-    message.num_encoder_tokens = options.num_encoder_tokens
-    message.full_sequence_must_fit = options.full_sequence_must_fit
-    message.reserved_blocks = options.reserved_blocks
-    if not options.has_scheduled_reqs:
-        message.has_scheduled_reqs = False
-    if options.num_in_flight_tokens:
-        message.num_in_flight_tokens = options.num_in_flight_tokens
-
-
-def core_alloc_options(
-    options: SlotOptions, *, lookup: int | None = None, hit: HitSpec | None = None
-) -> AllocOptions:
-    """The core's ``AllocOptions`` of the SDK's options (one ALLOCATE's extra arguments).
-
-    The SDK's ``SlotOptions`` is the core's knobs plus ``num_in_flight_tokens``, which the core
-    carries in ``AllocOptions``; ``num_lookahead_tokens=None`` reads as the core's 0 (the
-    program's ``default_num_lookahead_tokens``).
-
-    Args:
-        options: The SDK's options.
-        lookup: The lookup bound (``NO_LOOKUP_BOUND``: vLLM's default); ``None``: no lookup.
-        hit: A hit the caller looked up before.
-    """
-    core = (
-        _core_manager.DEFAULT_SLOT_OPTIONS
-        if options is DEFAULT_SLOT_OPTIONS
-        else _core_manager.SlotOptions(
-            num_lookahead_tokens=options.num_lookahead_tokens or 0,
-            num_external_computed_tokens=options.num_external_computed_tokens,
-            delay_cache_blocks=options.delay_cache_blocks,
-            num_encoder_tokens=options.num_encoder_tokens,
-            full_sequence_must_fit=options.full_sequence_must_fit,
-            reserved_blocks=options.reserved_blocks,
-            has_scheduled_reqs=options.has_scheduled_reqs,
+def check_in_flight_tokens(value: object) -> None:
+    """Refuse an in-flight token count that is not a non-negative int (before it travels)."""
+    if type(value) is not int or value < 0:
+        raise InvalidArgumentError(
+            f"num_in_flight_tokens must be a non-negative int, got {value!r}",
+            field="num_in_flight_tokens",
         )
-    )
-    return AllocOptions(
-        lookup=lookup,
-        hit=hit,
-        slot_options=core,
-        num_in_flight_tokens=options.num_in_flight_tokens,
-    )
 
 
 def _joined(block_hashes: Sequence[bytes] | bytes) -> bytes:
@@ -279,6 +233,7 @@ class StepBuilder:
         hit: HitSpec | KVCacheBlocks | None = None,
         num_hit_tokens: int | None = None,
         options: SlotOptions = DEFAULT_SLOT_OPTIONS,
+        num_in_flight_tokens: int = 0,
     ) -> int:
         """Allocate slots (ALLOCATE); with ``lookup``, look the request up first.
 
@@ -294,7 +249,10 @@ class StepBuilder:
                 ``num_hit_tokens``. Exclusive with ``lookup``; the server checks the blocks
                 still hold the request's hashes.
             num_hit_tokens: Tokens a ``KVCacheBlocks`` hit covers.
-            options: The rarely used knobs of ``allocate_slots``.
+            options: The rarely used knobs of ``allocate_slots``; ``num_lookahead_tokens``
+                unset or 0 takes the Step's ``default_num_lookahead_tokens``.
+            num_in_flight_tokens: The request's tokens scheduled but not settled (async
+                scheduling; vLLM's ``request.num_in_flight_tokens``).
 
         Returns:
             The allocation's index among this step's allocations (for ``StepResult``).
@@ -314,12 +272,18 @@ class StepBuilder:
         program, writer = self.program, self._writer
         index = len(self._allocations)
         writer.op[OpKind.ALLOCATE](request_key, num_new_tokens, num_computed_tokens)
-        if lookup or hit is not None or options is not DEFAULT_SLOT_OPTIONS:
+        if lookup or hit is not None or options is not DEFAULT_SLOT_OPTIONS or num_in_flight_tokens:
+            check_in_flight_tokens(num_in_flight_tokens)
             bound = None
             if lookup:
                 bound = NO_LOOKUP_BOUND if max_cache_hit_length is None else max_cache_hit_length
                 self._lookup_allocs.append(index)
-            program.alloc_options[index] = core_alloc_options(options, lookup=bound, hit=hit)
+            program.alloc_options[index] = AllocOptions(
+                lookup=bound,
+                hit=hit,
+                slot_options=options,
+                num_in_flight_tokens=num_in_flight_tokens,
+            )
         return index
 
     def decode(

@@ -1,9 +1,10 @@
 """The SDK's value types: what its calls take and answer, free of protobuf.
 
-Pool records (``PoolConfig``, ``PoolInfo``, ``PoolState``, ``FreeMode``, ...) and an
-allocation's ``ItemStatus`` are the core's own classes, re-exported. Every record is a frozen,
-slotted dataclass (or a slotted class on the hot path) with the names of the matching
-``kvcm.v1`` message fields and of vLLM's ``KVCacheManager`` where one exists.
+Pool records (``PoolConfig``, ``PoolInfo``, ``PoolState``, ``FreeMode``, ...), an
+allocation's ``ItemStatus`` and ``allocate_slots``' ``SlotOptions`` are the core's own
+classes, re-exported. Every record is a frozen, slotted dataclass (or a slotted class on the
+hot path) with the names of the matching ``kvcm.v1`` message fields and of vLLM's
+``KVCacheManager`` where one exists.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
-from kvcm.common.errors import InvalidArgumentError
+from kvcm.core.manager import SlotOptions
 
 # One value type per concept: the pool's records are the core's, re-exported here so the
 # SDK's public names stay where they were.
@@ -135,56 +136,6 @@ class CacheHit(NamedTuple):
 
     blocks: KVCacheBlocks
     num_computed_tokens: int
-
-
-def _check_count(field: str, value: object) -> None:
-    if type(value) is not int or value < 0:
-        raise InvalidArgumentError(f"{field} must be a non-negative int, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SlotOptions:
-    """The rarely used knobs of ``allocate_slots`` (vLLM's keyword arguments of these names).
-
-    Attributes:
-        num_lookahead_tokens: Slots for speculative tokens beyond ``num_new_tokens``;
-            ``None``: 0 (in a Step: the step's ``default_num_lookahead_tokens``).
-        num_external_computed_tokens: Tokens a KV connector provides.
-        delay_cache_blocks: Do not cache the new blocks yet (a KV transfer fills them).
-        num_encoder_tokens: Encoder tokens for cross-attention groups.
-        full_sequence_must_fit: Allocate only if the whole sequence would fit (admission gate).
-        reserved_blocks: Free blocks that must stay free after this allocation.
-        has_scheduled_reqs: Whether other requests are scheduled this step (watermark gate).
-        num_in_flight_tokens: Tokens scheduled but not settled (async scheduling).
-    """
-
-    num_lookahead_tokens: int | None = None
-    num_external_computed_tokens: int = 0
-    delay_cache_blocks: bool = False
-    num_encoder_tokens: int = 0
-    full_sequence_must_fit: bool = False
-    reserved_blocks: int = 0
-    has_scheduled_reqs: bool = True
-    num_in_flight_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        for field in (
-            "num_external_computed_tokens",
-            "num_encoder_tokens",
-            "reserved_blocks",
-            "num_in_flight_tokens",
-        ):
-            _check_count(f"options.{field}", getattr(self, field))
-        if self.num_lookahead_tokens is not None:
-            _check_count("options.num_lookahead_tokens", self.num_lookahead_tokens)
-
-    @property
-    def is_default(self) -> bool:
-        """Whether every knob has its default (the option need not travel)."""
-        return self == DEFAULT_SLOT_OPTIONS
-
-
-DEFAULT_SLOT_OPTIONS: Final = SlotOptions()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

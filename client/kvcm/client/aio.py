@@ -38,7 +38,6 @@ from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._streams import AsyncEventStream
 from kvcm.client._types import (
-    DEFAULT_SLOT_OPTIONS,
     USE_CLIENT_DEFAULT,
     CacheHit,
     FreeMode,
@@ -53,6 +52,7 @@ from kvcm.client._types import (
     Usage,
 )
 from kvcm.core.lookup import LookupAnswer, LookupQuery
+from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.core.program import StepProgram
 from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2
@@ -348,6 +348,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
         *,
         hit: CacheHit | None = None,
         options: SlotOptions = DEFAULT_SLOT_OPTIONS,
+        num_in_flight_tokens: int = 0,
         timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> KVCacheBlocks | None:
         """``allocate_slots``: the newly allocated blocks, or ``None`` when they do not fit.
@@ -358,7 +359,9 @@ class AsyncSchedulerClient(AsyncChannelClient):
             num_new_tokens: Tokens to allocate slots for and compute this step.
             num_computed_tokens: The request's computed tokens before this call.
             hit: The prefix hit of a waiting request (from ``get_computed_blocks``).
-            options: The rarely used knobs.
+            options: The rarely used knobs (``kvcm.core.SlotOptions``).
+            num_in_flight_tokens: The request's tokens scheduled but not settled (async
+                scheduling; vLLM's ``request.num_in_flight_tokens``).
             timeout: Deadline in seconds.
         """
         request = _base.build_allocate_slots(
@@ -368,6 +371,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
             num_computed_tokens=num_computed_tokens,
             hit=hit,
             options=options,
+            num_in_flight_tokens=num_in_flight_tokens,
         )
         response = await self._unary(
             "AllocateSlots", self._stubs.scheduler.AllocateSlots, request, timeout

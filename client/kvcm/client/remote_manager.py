@@ -48,7 +48,6 @@ from kvcm.client._errors import DeadlineExceededError, ServiceError, Unavailable
 from kvcm.client._events import EventFollower
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._types import (
-    DEFAULT_SLOT_OPTIONS,
     USE_CLIENT_DEFAULT,
     CacheHit,
     FreeMode,
@@ -58,6 +57,7 @@ from kvcm.client._types import (
     UseClientDefault,
 )
 from kvcm.common.errors import FailedPreconditionError, NotFoundError
+from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 
 if TYPE_CHECKING:
     from kvcm.client.scheduler import SchedulerClient
@@ -397,8 +397,8 @@ class RemoteKVCacheManager:
         Arguments as vLLM's ``allocate_slots``; ``request.num_computed_tokens`` is read as the
         tokens computed before this call.
         """
+        in_flight = request.num_in_flight_tokens
         options = _slot_options(
-            request,
             num_lookahead_tokens=num_lookahead_tokens,
             num_external_computed_tokens=num_external_computed_tokens,
             delay_cache_blocks=delay_cache_blocks,
@@ -418,10 +418,17 @@ class RemoteKVCacheManager:
                 request.num_computed_tokens,
                 hit=CacheHit(new_computed_blocks, num_new_computed_tokens),
                 options=options,
+                num_in_flight_tokens=in_flight,
                 timeout=self._timeout,
             )
         step = self._pending
-        step.allocate(tracked.key, num_new_tokens, request.num_computed_tokens, options=options)
+        step.allocate(
+            tracked.key,
+            num_new_tokens,
+            request.num_computed_tokens,
+            options=options,
+            num_in_flight_tokens=in_flight,
+        )
         return self._send(step).blocks(0)
 
     def allocate_slots_many(
@@ -452,10 +459,12 @@ class RemoteKVCacheManager:
         first_alloc = step.num_allocations
         for request, count in zip(requests, num_new_tokens, strict=True):
             tracked = self._tracked(request)
-            options = DEFAULT_SLOT_OPTIONS
-            if request.num_in_flight_tokens:
-                options = SlotOptions(num_in_flight_tokens=request.num_in_flight_tokens)
-            step.allocate(tracked.key, count, request.num_computed_tokens, options=options)
+            step.allocate(
+                tracked.key,
+                count,
+                request.num_computed_tokens,
+                num_in_flight_tokens=request.num_in_flight_tokens,
+            )
         result = self._send(step)
         executed = result.all_blocks()[first_alloc:]
         return executed
@@ -575,7 +584,6 @@ def _is_finished(status: object) -> bool:
 
 
 def _slot_options(
-    request: SchedulerRequest,
     *,
     num_lookahead_tokens: int,
     num_external_computed_tokens: int,
@@ -585,7 +593,6 @@ def _slot_options(
     reserved_blocks: int,
     has_scheduled_reqs: bool,
 ) -> SlotOptions:
-    num_in_flight = request.num_in_flight_tokens
     if not (
         num_lookahead_tokens
         or num_external_computed_tokens
@@ -594,7 +601,6 @@ def _slot_options(
         or full_sequence_must_fit
         or reserved_blocks
         or not has_scheduled_reqs
-        or num_in_flight
     ):
         return DEFAULT_SLOT_OPTIONS
     return SlotOptions(
@@ -605,5 +611,4 @@ def _slot_options(
         full_sequence_must_fit=full_sequence_must_fit,
         reserved_blocks=reserved_blocks,
         has_scheduled_reqs=has_scheduled_reqs,
-        num_in_flight_tokens=num_in_flight,
     )

@@ -140,7 +140,8 @@ def copy_shared_tail(
     if not shared:
         return True
     pool = manager.block_pool
-    total = min(num_computed + num_new_tokens + options.num_lookahead_tokens, manager.max_model_len)
+    lookahead = options.num_lookahead_tokens or 0
+    total = min(num_computed + num_new_tokens + lookahead, manager.max_model_len)
     needed = len(shared)
     for group in groups:
         held = len(group.req_to_blocks.get(request_id, ()))

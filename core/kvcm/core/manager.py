@@ -16,7 +16,7 @@ changes; "does not fit" is the value ``None``.
     new_comp  = hit.num_computed_tokens (prefix-cache hits adopted now)
     ext_comp  = options.num_external_computed_tokens (computed by a KV connector)
     new       = num_new_tokens (draft tokens included; only verified tokens are cached)
-    lookahead = options.num_lookahead_tokens
+    lookahead = options.num_lookahead_tokens (unset: 0)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal, NamedTuple, overload
+from typing import TYPE_CHECKING, Final, Literal, NamedTuple, overload
 
 from kvcm.common.errors import (
     ConfigError,
@@ -114,19 +114,29 @@ class KVCacheManagerConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SlotOptions:
-    """The rarely used knobs of ``allocate_slots`` (vLLM's keyword arguments).
+    """The rarely used knobs of ``allocate_slots`` (vLLM's keyword arguments of these names).
+
+    One type for the core, the wire codec (``kvcm.wire``) and the SDK (``kvcm.client``
+    re-exports it). A request's in-flight tokens are not a knob: vLLM reads them from the
+    request, and kvcm carries them beside the options (``Pool.allocate``, ``AllocOptions``).
 
     Attributes:
-        num_lookahead_tokens: Extra slots for speculative tokens (never cached).
+        num_lookahead_tokens: Extra slots for speculative tokens (never cached); ``None``:
+            unset, which ``allocate_slots`` reads as 0 and a Step as its
+            ``default_num_lookahead_tokens`` (so does 0 in a Step). The unary wire sends an
+            explicit 0 and leaves ``None`` out.
         num_external_computed_tokens: Tokens a KV connector computed, after the local hit.
         delay_cache_blocks: Do not cache this step (blocks are filled by a later transfer).
         num_encoder_tokens: Encoder tokens for cross-attention groups.
         full_sequence_must_fit: Admit only if the whole sequence fits now (admission gate).
         reserved_blocks: Free blocks to leave for other in-flight sequences.
         has_scheduled_reqs: Whether other requests are scheduled this step (watermark gate).
+
+    Raises:
+        InvalidArgumentError: A count that is not a non-negative int (names the field).
     """
 
-    num_lookahead_tokens: int = 0
+    num_lookahead_tokens: int | None = None
     num_external_computed_tokens: int = 0
     delay_cache_blocks: bool = False
     num_encoder_tokens: int = 0
@@ -134,8 +144,31 @@ class SlotOptions:
     reserved_blocks: int = 0
     has_scheduled_reqs: bool = True
 
+    def __post_init__(self) -> None:
+        for name in _SLOT_OPTION_COUNTS:
+            value = getattr(self, name)
+            if (value is None and name == "num_lookahead_tokens") or (
+                type(value) is int and value >= 0
+            ):
+                continue
+            raise InvalidArgumentError(
+                f"options.{name} must be a non-negative int, got {value!r}",
+                field=f"options.{name}",
+            )
 
-DEFAULT_SLOT_OPTIONS = SlotOptions()
+    @property
+    def is_default(self) -> bool:
+        """Whether every knob has its default (the options need not travel)."""
+        return self == DEFAULT_SLOT_OPTIONS
+
+
+_SLOT_OPTION_COUNTS = (
+    "num_lookahead_tokens",
+    "num_external_computed_tokens",
+    "num_encoder_tokens",
+    "reserved_blocks",
+)
+DEFAULT_SLOT_OPTIONS: Final = SlotOptions()
 
 
 class KVCacheBlocks:
@@ -621,7 +654,7 @@ class KVCacheManager:
 
         num_tokens_main_model = total_computed + num_new_tokens
         num_tokens_need_slot = min(
-            num_tokens_main_model + options.num_lookahead_tokens, self.max_model_len
+            num_tokens_main_model + (options.num_lookahead_tokens or 0), self.max_model_len
         )
         # Free out-of-window blocks first (even if the request then does not fit), so the
         # allocation below evicts fewer cached blocks. In-flight steps still read below the
@@ -773,9 +806,8 @@ class KVCacheManager:
     ) -> tuple[tuple[Sequence[KVCacheBlock], ...], int]:
         # Validates everything allocate_slots reads before it changes anything, and returns
         # the hit blocks (the shared empty tuple when there are none) and the hit length.
+        # (SlotOptions checks its counts when it is made.)
         self._check_request(request)
-        if options is not DEFAULT_SLOT_OPTIONS:
-            self._check_options(options)
         if num_new_tokens < 0:
             raise InvalidArgumentError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         new_computed: tuple[Sequence[KVCacheBlock], ...] = self.empty_kv_cache_blocks.blocks
@@ -838,18 +870,6 @@ class KVCacheManager:
                         "look the request up again"
                     )
         return blocks
-
-    @staticmethod
-    def _check_options(options: SlotOptions) -> None:
-        for field in (
-            "num_lookahead_tokens",
-            "num_external_computed_tokens",
-            "num_encoder_tokens",
-            "reserved_blocks",
-        ):
-            value = getattr(options, field)
-            if value < 0:
-                raise InvalidArgumentError(f"options.{field} must be >= 0, got {value}")
 
     def _full_sequence_fits(  # noqa: PLR0917 (private; one call site)
         self,

@@ -566,7 +566,7 @@ def _prepare_allocation(  # noqa: PLR0917 (private helper)
             _answer(outcome, _HIT_STALE, num_groups, None, None, 0)
             return None  # nothing adopted, nothing allocated
     options = entry.slot_options
-    if options.num_lookahead_tokens == 0 and lookahead:
+    if not options.num_lookahead_tokens and lookahead:  # unset or 0: the Step's default
         options = replace(options, num_lookahead_tokens=lookahead)
     request.num_in_flight_tokens = entry.num_in_flight_tokens
     if holds and (looked or entry.hit is not None):

@@ -458,17 +458,7 @@ def check_alloc_options(  # noqa: PLR0917 (private helper)
         )
     if entry.num_in_flight_tokens < 0:
         raise fail(f"{field}.num_in_flight_tokens must be >= 0", f"{field}.num_in_flight_tokens")
-    for name in (
-        "num_lookahead_tokens",
-        "num_external_computed_tokens",
-        "num_encoder_tokens",
-        "reserved_blocks",
-    ):
-        value = getattr(options, name)
-        if value < 0:
-            raise fail(
-                f"{field}.options.{name} must be >= 0, got {value}", f"{field}.options.{name}"
-            )
+    # (SlotOptions checked its counts when it was made.)
     external = options.num_external_computed_tokens
     if num_computed + external > num_tokens:
         raise fail(
@@ -477,9 +467,10 @@ def check_alloc_options(  # noqa: PLR0917 (private helper)
             f"{field}.options.num_external_computed_tokens",
         )
     pool = v.pool
-    if options.num_lookahead_tokens > pool.max_model_len:
+    lookahead = options.num_lookahead_tokens
+    if lookahead is not None and lookahead > pool.max_model_len:
         raise fail(
-            f"{field}.options.num_lookahead_tokens={options.num_lookahead_tokens} exceeds "
+            f"{field}.options.num_lookahead_tokens={lookahead} exceeds "
             f"max_model_len {pool.max_model_len}",
             f"{field}.options.num_lookahead_tokens",
         )

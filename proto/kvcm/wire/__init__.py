@@ -15,6 +15,7 @@ from kvcm.wire.blocks import (
     fill_grouped,
     grouped_from_proto,
     slot_options_from_proto,
+    slot_options_to_proto,
 )
 from kvcm.wire.enums import (
     DTYPE_TO_PROTO,
@@ -124,6 +125,7 @@ __all__ = [
     "prefix_cache_stats_from_proto",
     "prefix_cache_stats_to_proto",
     "slot_options_from_proto",
+    "slot_options_to_proto",
     "spec_from_proto",
     "spec_kind_from_proto",
     "spec_kind_to_proto",

@@ -16,6 +16,7 @@ __all__ = [
     "fill_grouped",
     "grouped_from_proto",
     "slot_options_from_proto",
+    "slot_options_to_proto",
 ]
 
 
@@ -49,35 +50,85 @@ def grouped_from_proto(
     return tuple(groups)
 
 
+def slot_options_to_proto(
+    options: SlotOptions,
+    num_in_flight_tokens: int = 0,
+    message: scheduler_pb2.SlotOptions | None = None,
+    *,
+    in_step: bool = False,
+) -> scheduler_pb2.SlotOptions:
+    """The wire options of the core's ``SlotOptions`` and a request's in-flight tokens.
+
+    Fields at their defaults stay unset. An unset ``num_lookahead_tokens`` (``None``) is left
+    out and an explicit 0 is sent, except ``in_step``: in a Step both take the Step's
+    ``default_num_lookahead_tokens``, so 0 is left out too.
+
+    Args:
+        options: The options.
+        num_in_flight_tokens: The request's in-flight tokens (vLLM's
+            ``request.num_in_flight_tokens``).
+        message: The message to fill; ``None``: a new one.
+        in_step: Whether the options are a Step's ALLOCATE's.
+
+    Returns:
+        The filled message.
+    """
+    if message is None:
+        message = scheduler_pb2.SlotOptions()
+    lookahead = options.num_lookahead_tokens
+    if lookahead is not None and (lookahead or not in_step):
+        message.num_lookahead_tokens = lookahead
+    message.num_external_computed_tokens = options.num_external_computed_tokens
+    message.delay_cache_blocks = options.delay_cache_blocks
+    message.num_encoder_tokens = options.num_encoder_tokens
+    message.full_sequence_must_fit = options.full_sequence_must_fit
+    message.reserved_blocks = options.reserved_blocks
+    if not options.has_scheduled_reqs:
+        message.has_scheduled_reqs = False
+    if num_in_flight_tokens:
+        message.num_in_flight_tokens = num_in_flight_tokens
+    return message
+
+
 def slot_options_from_proto(
-    message: scheduler_pb2.SlotOptions, default_lookahead: int = 0
+    message: scheduler_pb2.SlotOptions, default_lookahead: int | None = None
 ) -> tuple[SlotOptions, int]:
-    """The core's ``SlotOptions`` and ``num_in_flight_tokens`` of wire options.
+    """The core's ``SlotOptions`` and the request's in-flight tokens of wire options.
 
     Args:
         message: The wire options.
-        default_lookahead: Lookahead when the message leaves it unset (a Step's default).
+        default_lookahead: Lookahead when the message leaves it unset; ``None``: unset.
 
     Returns:
         The options (the shared default instance when every knob is default) and the
-        request's in-flight tokens.
+        request's in-flight tokens (unset: 0).
     """
     lookahead = (
         message.num_lookahead_tokens
         if message.HasField("num_lookahead_tokens")
         else default_lookahead
     )
-    in_flight = message.num_in_flight_tokens if message.HasField("num_in_flight_tokens") else 0
     has_scheduled = message.has_scheduled_reqs if message.HasField("has_scheduled_reqs") else True
+    external, encoder = message.num_external_computed_tokens, message.num_encoder_tokens
+    delay, full, reserved = (
+        message.delay_cache_blocks,
+        message.full_sequence_must_fit,
+        message.reserved_blocks,
+    )
+    if (
+        lookahead is None
+        and has_scheduled
+        and not (external or encoder or delay or full or reserved)
+    ):
+        # The common case (vLLM's async loop: an in-flight count and nothing else).
+        return DEFAULT_SLOT_OPTIONS, message.num_in_flight_tokens
     options = SlotOptions(
         num_lookahead_tokens=lookahead,
-        num_external_computed_tokens=message.num_external_computed_tokens,
-        delay_cache_blocks=message.delay_cache_blocks,
-        num_encoder_tokens=message.num_encoder_tokens,
-        full_sequence_must_fit=message.full_sequence_must_fit,
-        reserved_blocks=message.reserved_blocks,
+        num_external_computed_tokens=external,
+        delay_cache_blocks=delay,
+        num_encoder_tokens=encoder,
+        full_sequence_must_fit=full,
+        reserved_blocks=reserved,
         has_scheduled_reqs=has_scheduled,
     )
-    if options == DEFAULT_SLOT_OPTIONS:
-        options = DEFAULT_SLOT_OPTIONS
-    return options, in_flight
+    return options, message.num_in_flight_tokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Final, cast
 
 from kvcm.common.errors import InvalidArgumentError
-from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
+from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.core.op_table import COLUMNS
 from kvcm.core.program import (
     NO_LOOKUP_BOUND,
@@ -22,7 +22,7 @@ from kvcm.core.program import (
     StepProgram,
 )
 from kvcm.v1 import scheduler_pb2
-from kvcm.wire.blocks import grouped_from_proto, slot_options_from_proto
+from kvcm.wire.blocks import grouped_from_proto, slot_options_from_proto, slot_options_to_proto
 
 __all__ = [
     "STEP_REJECTION_TRAILER",
@@ -157,23 +157,6 @@ def program_from_proto(msg: scheduler_pb2.StepRequest) -> StepProgram:
     return program
 
 
-def _slot_options_to_proto(options: SlotOptions, in_flight: int) -> scheduler_pb2.SlotOptions:
-    message = scheduler_pb2.SlotOptions(
-        num_external_computed_tokens=options.num_external_computed_tokens,
-        delay_cache_blocks=options.delay_cache_blocks,
-        num_encoder_tokens=options.num_encoder_tokens,
-        full_sequence_must_fit=options.full_sequence_must_fit,
-        reserved_blocks=options.reserved_blocks,
-    )
-    if options.num_lookahead_tokens:
-        message.num_lookahead_tokens = options.num_lookahead_tokens
-    if not options.has_scheduled_reqs:
-        message.has_scheduled_reqs = False
-    if in_flight:
-        message.num_in_flight_tokens = in_flight
-    return message
-
-
 def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRequest:
     """The wire Step of a program, for pool ``pool_id``."""
     packed: dict[str, Any] = {name: getattr(program, name) for name in _PACKED}
@@ -232,7 +215,9 @@ def _alloc_options_to_proto(
             body = bodies.get(entry.num_in_flight_tokens)
             if body is None:
                 body = bodies[entry.num_in_flight_tokens] = scheduler_pb2.StepAllocOptions(
-                    options=_slot_options_to_proto(entry.slot_options, entry.num_in_flight_tokens)
+                    options=slot_options_to_proto(
+                        entry.slot_options, entry.num_in_flight_tokens, in_step=True
+                    )
                 ).SerializeToString()
             if index:  # proto3 leaves a zero alloc_index out
                 body = _ALLOC_INDEX_TAG + _varint(index) + body
@@ -242,8 +227,9 @@ def _alloc_options_to_proto(
             msg.MergeFromString(b"".join(run))
             run = []
         wire_entry = msg.alloc_options.add(alloc_index=index)
-        wire_entry.options.CopyFrom(
-            _slot_options_to_proto(entry.slot_options, entry.num_in_flight_tokens)
+        wire_entry.options.SetInParent()
+        slot_options_to_proto(
+            entry.slot_options, entry.num_in_flight_tokens, wire_entry.options, in_step=True
         )
         if entry.lookup is not None:
             wire_entry.lookup.SetInParent()

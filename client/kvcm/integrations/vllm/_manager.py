@@ -436,7 +436,7 @@ class MirrorKVCacheManager:
         options = self._slot_options.get(values)
         if options is None:
             options = SlotOptions(
-                num_lookahead_tokens=values[0],
+                num_lookahead_tokens=values[0] or None,  # vLLM passes 0 for unset
                 num_external_computed_tokens=values[1],
                 delay_cache_blocks=values[2],
                 num_encoder_tokens=values[3],
