@@ -32,6 +32,8 @@ from grpc_reflection.v1alpha import reflection
 from kvcm.common.errors import ConfigError, NotFoundError
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.auth import AuthInterceptor, TokenTable
+from kvcm.server.cluster._replica_rpc import add_replica_servicer
+from kvcm.server.cluster.replication import Replication
 from kvcm.server.http import HashingSummary, PoolWiring, ZmqEventsSummary, build_app
 from kvcm.server.journal import Journal
 from kvcm.server.kv_events import (
@@ -129,6 +131,8 @@ class KVCMServer:
         self.http_port = 0
         self.interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
         self.journal: Journal | None = None
+        # With data_dir: pools' standbys and placements (docs/replication.md).
+        self.replication: Replication | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._http: _EmbeddedUvicorn | None = None
@@ -181,9 +185,13 @@ class KVCMServer:
             )
         if settings.data_dir:  # innermost: only calls that returned normally are journaled
             self.journal = await recover(self.state, settings.data_dir)
-            interceptors.append(
-                JournalInterceptor(self.journal, self.state, settings.checkpoint_every_records)
+            journaling = JournalInterceptor(
+                self.journal, self.state, settings.checkpoint_every_records
             )
+            interceptors.append(journaling)
+            self.replication = replication = Replication(self.state, "")
+            journaling.replication = replication
+            self.journal.on_change = replication.changed
         if self.tracing is not None:  # outermost: its span covers the whole call
             interceptors.insert(0, self.tracing.interceptor())
         if settings.kv_events_endpoint:  # after recovery: replayed batches are not re-sent
@@ -204,6 +212,8 @@ class KVCMServer:
             ],
         )
         add_servicers(server, self.state)
+        if self.replication is not None:
+            add_replica_servicer(server, self.replication)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (
@@ -222,6 +232,9 @@ class KVCMServer:
         if bound == 0:
             raise ConfigError(f"grpc_address: cannot listen on {settings.grpc_address!r}")
         self.grpc_port = bound
+        if self.replication is not None:  # its identity in placements
+            advertised = str(getattr(settings, "advertise_address", "") or "")
+            self.replication.address = advertised or f"{host}:{bound}"
         self._grpc = server
         await server.start()
         if http_socket is not None:
@@ -367,6 +380,8 @@ class KVCMServer:
             await self._http_task
         self.loop_lag.stop()
         await self.leases.stop()
+        if self.replication is not None:
+            await self.replication.close()
         if self._tls_watch is not None:
             self._tls_watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):

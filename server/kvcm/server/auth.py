@@ -302,4 +302,21 @@ class AuthInterceptor(MethodInterceptor):
                 return await guarded(principal, pool_id, context, consumer(again(), context))
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
+        if handler.stream_stream is not None:  # ReplicaService.ShipRecords
+            bidi = handler.stream_stream
+
+            async def stream_stream(requests: Any, context: Any) -> Any:
+                first = await anext(aiter(requests), None)
+                admit(first, context)
+
+                async def again() -> Any:
+                    if first is not None:
+                        yield first
+                    async for item in requests:
+                        yield item
+
+                async for item in bidi(again(), context):
+                    yield item
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, **kwargs)
         return handler

@@ -25,6 +25,7 @@ import contextlib
 import errno
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -164,6 +165,9 @@ class Journal:
         self._in_flight = 0
         self._drained: asyncio.Event | None = None
         self.gate: asyncio.Event | None = None  # set while calls may write; None: open
+        # Told of each change :meth:`append` records (method, pool, request, time), right
+        # after the change was made: replication ships it to the pool's standby.
+        self.on_change: Callable[[str, str, bytes, float], object] | None = None
 
     @property
     def pending_changes(self) -> int:
@@ -340,6 +344,8 @@ class Journal:
                 f"({method}): nothing was done, retry"
             )
         self._wrote(seq, len(entries), durable=True)
+        if self.on_change is not None:
+            self.on_change(method, pool_id, request, when)
         return seq
 
     async def commit(self, seq: int) -> None:

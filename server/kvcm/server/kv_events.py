@@ -298,6 +298,14 @@ class KvEventNumbering:
             return retired.next_seq
         return self._pinned.get(pool_id, self._floor)
 
+    def adopt(self, pool_id: str, base: int) -> None:
+        """Number ``pool_id``'s current incarnation from ``base`` (a standby's copy numbers
+        its batches as its primary does: docs/replication.md)."""
+        if self.base(pool_id) == base:
+            return
+        self._retired.pop(pool_id, None)
+        self._pinned[pool_id] = base
+
     def last_seq(self, pool: Pool) -> int:
         """The wire ``seq`` of the last batch published under ``pool``'s id (-1: none)."""
         return self.base(pool.name) + pool.event_batches()[0] - 1

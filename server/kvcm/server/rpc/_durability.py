@@ -26,7 +26,7 @@ import logging
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass  # type: ignore[import-untyped]
@@ -57,6 +57,9 @@ from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import CALL_TIME, PoolRuntime, ServerState
 from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import admin_pb2, scheduler_pb2, service_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from kvcm.server.cluster.replication import Replication
 from kvcm.wire import layer_specs_from_proto, layer_specs_to_proto, pool_config_from_proto
 
 __all__ = [
@@ -66,6 +69,7 @@ __all__ = [
     "encode_round",
     "journal_planned",
     "recover",
+    "replay_records",
 ]
 
 _LOG = logging.getLogger("kvcm.server.journal")
@@ -108,6 +112,9 @@ class JournalInterceptor(MethodInterceptor):
         self._every = checkpoint_every
         self._checkpointing: asyncio.Task[bool] | None = None
         self._not_before = 0.0  # monotonic time before which no checkpoint is tried again
+        # Set with a pool placement (docs/replication.md): refuses calls on pools served
+        # elsewhere and ships each applied record to the pool's standby.
+        self.replication: Replication | None = None
 
     def _maybe_checkpoint(self) -> None:
         if (
@@ -162,9 +169,17 @@ class JournalInterceptor(MethodInterceptor):
         except JournalUnavailableError as exc:
             raise AbortRpc(grpc.StatusCode.UNAVAILABLE, _unavailable(exc)) from None
 
-    async def _run(self, ticket: Ticket, call: Callable[[], Awaitable[Any]]) -> Any:
-        """Run a written call in its turn (see the class docstring)."""
+    async def _run(
+        self,
+        ticket: Ticket,
+        call: Callable[[], Awaitable[Any]],
+        record: tuple[str, bytes, float] | None = None,
+    ) -> Any:
+        """Run a written call in its turn (see the class docstring); once it ran, its
+        ``record`` (method, request, time) is shipped to the pool's standby, and a ``sync``
+        pool's answer waits for the standby (after later calls on the pool may run)."""
         journal = self._journal
+        replicated = None
         try:
             try:
                 await journal.commit(ticket.seq)
@@ -180,15 +195,26 @@ class JournalInterceptor(MethodInterceptor):
                 raise AbortRpc(grpc.StatusCode.UNAVAILABLE, ticket.void_reason)
             ticket.started = True
             try:
-                return await call()
+                result = await call()
             except (KVCMError, AbortRpc):
                 journal.void(ticket)  # refused: it changed nothing
                 raise
+            replication = self.replication
+            if replication is not None and record is not None:  # no await since it ran
+                replicated = replication.applied(record[0], ticket.pool_id, *record[1:])
         finally:
             journal.finish(ticket)
+        if replicated is not None and self.replication is not None and record is not None:
+            await self.replication.wait_replicated(replicated, record[0], ticket.pool_id)
+        return result
 
-    async def _shielded(self, ticket: Ticket, call: Callable[[], Awaitable[Any]]) -> Any:
-        task = asyncio.ensure_future(self._run(ticket, call))
+    async def _shielded(
+        self,
+        ticket: Ticket,
+        call: Callable[[], Awaitable[Any]],
+        record: tuple[str, bytes, float] | None = None,
+    ) -> Any:
+        task = asyncio.ensure_future(self._run(ticket, call, record))
         task.add_done_callback(_retrieve)
         return await asyncio.shield(task)
 
@@ -208,9 +234,10 @@ class JournalInterceptor(MethodInterceptor):
                 chunks, whole = await _collect_upload(requests)
                 if whole is None:  # refused by the handler itself: no record
                     return await inner_stream(_replayed(chunks, requests), context)
-                ticket = await self._write_ahead(
-                    method, whole.pool_id, whole.SerializeToString(), now
-                )
+                if self.replication is not None:
+                    self.replication.admit(method, whole.pool_id)
+                data = whole.SerializeToString()
+                ticket = await self._write_ahead(method, whole.pool_id, data, now)
 
                 async def call() -> Any:
                     # Lease reclaims leave the old pool alone while the snapshot decodes
@@ -226,7 +253,7 @@ class JournalInterceptor(MethodInterceptor):
                         if old is not None:
                             old.lent = False
 
-                return await self._shielded(ticket, call)
+                return await self._shielded(ticket, call, (method, data, now))
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
         inner = handler.unary_unary
@@ -238,10 +265,13 @@ class JournalInterceptor(MethodInterceptor):
                 return await inner(request, context)  # INVALID_ARGUMENT: no record
             if self._refused_at_once(method, request.pool_id):
                 return await inner(request, context)  # NOT_FOUND before any await: no record
-            ticket = await self._write_ahead(
-                method, request.pool_id, request.SerializeToString(), now
+            if self.replication is not None:
+                self.replication.admit(method, request.pool_id)
+            data = request.SerializeToString()
+            ticket = await self._write_ahead(method, request.pool_id, data, now)
+            response = await self._shielded(
+                ticket, lambda: inner(request, context), (method, data, now)
             )
-            response = await self._shielded(ticket, lambda: inner(request, context))
             self._maybe_checkpoint()
             return response
 
@@ -457,6 +487,12 @@ async def _recover(state: ServerState, data_dir: str) -> Journal:
     return journal
 
 
+async def replay_records(state: ServerState, records: list[JournalRecord]) -> int:
+    """Run ``records`` again, as a recovery does (a standby applies its primary's records
+    so); returns how many were refused."""
+    return await _replay(state, records)
+
+
 async def _replay(state: ServerState, records: list[JournalRecord]) -> int:
     """Run ``records`` again; returns how many were refused."""
     classes = _request_classes()
@@ -508,7 +544,11 @@ async def checkpoint_live(state: ServerState, journal: Journal) -> bool:
         await asyncio.sleep(_DRAIN_S)  # calls flow meanwhile; then try again
     held: dict[str, tuple[Pool, asyncio.Event]] = {}
     try:
-        while missing := [p for p in state.registry.list() if p.name not in held]:
+        while missing := [
+            p
+            for p in state.registry.list()
+            if p.name not in held and p.name not in state.standby_pools
+        ]:
             for pool in missing:
                 while (busy := state.lanes.get(pool.name)) is not None:
                     await busy.wait()
@@ -570,6 +610,8 @@ def checkpoint_of(state: ServerState, seq: int) -> Checkpoint:
     """Every pool of ``state`` as of journal sequence ``seq`` (call with no call running)."""
     pools = []
     for pool in state.registry.list():
+        if pool.name in state.standby_pools:
+            continue  # a standby's copy: its primary seeds it again
         runtime = state.runtimes.get(pool.name)
         config = runtime.config.SerializeToString() if runtime is not None else b""
         snapshot = encode_pool(pool) if pool.state is PoolState.READY else b""

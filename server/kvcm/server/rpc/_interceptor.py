@@ -108,6 +108,12 @@ class TelemetryInterceptor(MethodInterceptor):
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream is not None:  # ReplicaService.ShipRecords
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream(method, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
     def _unary(self, method: str, behavior: Any) -> Any:

@@ -124,6 +124,8 @@ class LeaseMonitor:
             lease = pool.options.scheduler_lease_s
             if lease <= 0 or pool.state is not PoolState.READY or pool.lent:
                 continue
+            if pool.name in state.standby_pools:
+                continue  # its primary reclaims, and ships the reclaim
             last = state.activity.setdefault(pool.name, now)
             mark = (pool.name, pool.epoch)
             if now - last <= lease:
@@ -144,6 +146,8 @@ class LeaseMonitor:
         for (pool_id, key), (started, request) in list(state.transfers.items()):
             if now - started <= lease:
                 continue
+            if pool_id in state.standby_pools:
+                continue  # its primary reclaims, and ships the reclaim
             del state.transfers[(pool_id, key)]
             try:
                 pool = state.registry.get(pool_id)

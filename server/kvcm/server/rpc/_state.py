@@ -200,6 +200,10 @@ class ServerState:
             while the stream is off: a pool id's numbering must not go backwards when it is
             turned on).
         tracing: The server's tracing (``None``: off; calls take no tracing path at all).
+        standby_pools: Pools this replica holds as a standby's copy (or as a primary that
+            stepped down; docs/replication.md): they change only by their primary's shipped
+            records, publish nothing on the ZMQ wire, reclaim no lease and are in no
+            checkpoint.
         lanes: Pools lent to a worker thread for a long call, by pool id, each with the
             event set when the call ends. Every call on such a pool waits for it
             (:meth:`pool`), so a pool is never read or changed by two threads at once and
@@ -225,6 +229,7 @@ class ServerState:
     kv_events: KvEventStream | None = None
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
     kv_numbering: KvEventNumbering = field(default_factory=KvEventNumbering)
+    standby_pools: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.clock.on_stall = self._extend_leases
@@ -309,7 +314,7 @@ class ServerState:
         runtime = self.runtimes.get(pool.name)
         if runtime is not None:
             runtime.wake_subscribers()
-        if self.kv_events is not None:
+        if self.kv_events is not None and pool.name not in self.standby_pools:
             self.kv_events.publish(pool, self.topic(pool))
 
     def topic(self, pool: Pool) -> str:
@@ -342,7 +347,11 @@ class ServerState:
         """End a pool that was deleted or is being replaced: publish ``AllBlocksCleared`` as
         its last batch, then end its registrations and event streams (NOT_FOUND). The pool
         id's next incarnation numbers its ZMQ batches after that one."""
-        if pool.publish_cleared(CALL_TIME.get() or time.time()) and self.kv_events is not None:
+        if (
+            pool.publish_cleared(CALL_TIME.get() or time.time())
+            and self.kv_events is not None
+            and pool.name not in self.standby_pools
+        ):
             self.kv_events.publish(pool, self.topic(pool))
         self.kv_numbering.retire(pool, self.topic(pool), self._pool_ids)
         runtime = self.runtimes.pop(pool.name, None)

@@ -1,0 +1,852 @@
+"""A hot standby for every pool: the primary ships each applied record, the standby replays it.
+
+The core is deterministic, so a standby that applies the records its primary applied, in the
+same order and each with the time its events were stamped with, holds the same pool: the same
+state, block ids, events and event sequence numbers. :class:`Replication` is both sides of it
+for one replica (see docs/replication.md):
+
+* **Primary.** The journal (:class:`~kvcm.server.rpc._durability.JournalInterceptor`, and
+  :meth:`Journal.append` for changes the server makes itself: lease reclaims, registration
+  rounds) tells :meth:`Replication.applied` about each record right after it was applied, before
+  anything else can touch the pool. Each pool with a standby has a :class:`_Link`: a
+  ``ShipRecords`` stream to the standby that first seeds it (a snapshot taken while the pool is
+  held, as of the last record numbered) and then sends every record, numbered 1, 2, 3... after
+  the seed's. In ``sync`` mode the call's answer waits until the standby acknowledged its record
+  (a later acknowledgement covers every earlier record); in ``async`` mode only for the local
+  journal.
+* **Standby.** :meth:`Replication.ship_records` (the ``ShipRecords`` handler) installs seeds and
+  runs records through the journal's replay path; every ``digest_every`` records the primary
+  sends the pool's digest after the record and the standby compares its own (a mismatch drops
+  its copy and asks for a new seed). A standby pool publishes nothing on the ZMQ wire, reclaims
+  no lease and is in no checkpoint (:attr:`ServerState.standby_pools`).
+* **Epochs and fencing.** Every message carries the pool's placement epoch. A replica refuses a
+  message with an older epoch than it knows (``SHIP_STATUS_STALE_EPOCH``); a primary that sees a
+  newer epoch steps down at once (:meth:`Replication.demote`): its waiting calls and every later
+  call on the pool answer UNAVAILABLE, so a primary that was paused or cut off while another was
+  promoted acknowledges nothing more. :meth:`Replication.promote` makes a standby the primary
+  (after a checkpoint, so its own journal then covers the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import hashlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import grpc
+
+from kvcm.common.errors import KVCMError
+from kvcm.core.pool import Pool
+from kvcm.core.pool_types import PoolState
+from kvcm.core.snapshot import decode_pool, encode_pool
+from kvcm.server.cluster.placement import Placement
+from kvcm.server.journal import JournalRecord
+from kvcm.server.rpc._durability import checkpoint_live, replay_records
+from kvcm.server.rpc._state import PoolRuntime, ServerState
+from kvcm.server.rpc._status import AbortRpc
+from kvcm.v1 import admin_pb2, replica_pb2, replica_pb2_grpc
+from kvcm.wire import pool_config_from_proto
+
+__all__ = [
+    "REPLICA_TOKEN_ENV",
+    "ReplicaState",
+    "Replication",
+    "Role",
+    "pool_digest",
+]
+
+_LOG = logging.getLogger("kvcm.server.replication")
+
+REPLICA_TOKEN_ENV: Final = "KVCM_REPLICA_TOKEN"
+"""The bearer token a replica presents to its peers (an admin token, when auth is on)."""
+
+_SEED_CHUNK: Final = 1 << 20  # bytes of snapshot per seed message
+_MAX_UNACKED: Final = 65_536  # records in flight to a standby before the link is reseeded
+_BACKOFF_S: Final = (0.05, 1.0)  # reconnect backoff: first, most
+
+
+class Role(enum.Enum):
+    """A replica's role for one pool."""
+
+    NONE = "none"
+    """No placement: the pool is served here alone, as without replication."""
+    PRIMARY = "primary"
+    """The pool is served here and shipped to its standby (if any)."""
+    PROMOTING = "promoting"
+    """Being promoted: calls wait for the checkpoint that makes the pool durable here."""
+    STANDBY = "standby"
+    """The pool follows its primary's records; clients' mutations are refused."""
+    FENCED = "fenced"
+    """A newer epoch deposed this replica: nothing on the pool is acknowledged here."""
+
+
+_MODES: Final = {
+    replica_pb2.REPLICATION_MODE_SYNC: "sync",
+    replica_pb2.REPLICATION_MODE_ASYNC: "async",
+}
+
+
+def pool_digest(pool: Pool) -> bytes:
+    """A 16-byte digest of everything any call can change in ``pool`` (O(state)).
+
+    The digest of :meth:`kvcm.core.pool.Pool.state_fingerprint`: equal on two replicas exactly
+    when their copies are (event log and its timestamps included).
+    """
+    return hashlib.blake2b(pool.state_fingerprint(), digest_size=16).digest()
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """One pool's replication state on this replica.
+
+    Attributes:
+        pool_id: The pool.
+        role: This replica's role for it.
+        epoch: The placement epoch this replica knows.
+        primary: The primary's address (``""``: unknown).
+        standby: The standby's address (``""``: none).
+        sync: Whether answers wait for the standby (else only for the local journal).
+        applied: Standby: the last record applied (0: none, or no copy yet).
+        has_copy: Standby: whether it holds a seeded copy it can continue.
+        digest_checks: Digest comparisons passed (standby) or sent (primary).
+        link: Primary: the stream to the standby.
+    """
+
+    pool_id: str
+    role: Role = Role.NONE
+    epoch: int = 0
+    primary: str = ""
+    standby: str = ""
+    sync: bool = True
+    applied: int = 0
+    has_copy: bool = False
+    digest_checks: int = 0
+    link: _Link | None = None
+    seed_chunks: list[bytes] = field(default_factory=list)
+
+
+class Replication:
+    """Both sides of replication on one replica (see the module docstring).
+
+    Args:
+        state: The server's state.
+        address: This replica's address as placements name it (``host:port``).
+        digest_every: The primary sends its pool's digest every this many records (0: never;
+            seeds always carry one).
+        sync_timeout_s: How long a ``sync`` call waits for its standby before answering
+            UNAVAILABLE (it is applied and journaled here; a retry of a Step with the same
+            step_seq is answered once the standby has it).
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        address: str,
+        *,
+        digest_every: int = 256,
+        sync_timeout_s: float = 5.0,
+    ) -> None:
+        """Replication for ``state``, this replica being ``address``."""
+        self.state = state
+        self.address = address
+        self.digest_every = digest_every
+        self.sync_timeout_s = sync_timeout_s
+        self.pools: dict[str, ReplicaState] = {}
+        self.token = os.environ.get(REPLICA_TOKEN_ENV, "")
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.failovers = 0  # promotions of this replica
+        self.fenced = 0  # times this replica stepped down
+
+    # -- placement ------------------------------------------------------------------------------
+
+    def entry(self, pool_id: str) -> ReplicaState:
+        """The pool's replication state (created empty: role NONE)."""
+        found = self.pools.get(pool_id)
+        if found is None:
+            found = self.pools[pool_id] = ReplicaState(pool_id)
+        return found
+
+    async def set_placement(self, placement: Placement | None, *, sync: bool = True) -> Role:
+        """Take ``placement`` (a :class:`PlacementView` callback's, or a test's) as the pool's.
+
+        ``None`` forgets the pool's placement (the pool was deleted from the cluster). A
+        placement older than the epoch known is ignored. Returns the role now.
+        """
+        if placement is None:
+            return Role.NONE
+        pool_id = placement.pool_id
+        entry = self.entry(pool_id)
+        epoch = placement.epoch
+        if epoch < entry.epoch:
+            return entry.role
+        entry.sync = sync
+        entry.primary = placement.primary
+        entry.standby = placement.standby or ""
+        if placement.primary == self.address:
+            if entry.role in (Role.STANDBY, Role.FENCED):
+                if epoch > entry.epoch:
+                    await self.promote(pool_id, epoch)
+                return entry.role
+            if entry.role is not Role.PROMOTING:
+                entry.role = Role.PRIMARY
+            entry.epoch = epoch
+            self.state.standby_pools.discard(pool_id)
+            self._relink(entry)
+        elif placement.standby == self.address:
+            if entry.role in (Role.PRIMARY, Role.PROMOTING):
+                self.demote(pool_id, epoch, standby=True)
+            elif entry.role is not Role.STANDBY or epoch > entry.epoch:
+                self._become_standby(entry, epoch)
+        else:
+            if entry.role in (Role.PRIMARY, Role.PROMOTING, Role.STANDBY):
+                self.demote(pool_id, epoch, standby=False)
+            entry.epoch = max(entry.epoch, epoch)
+        return entry.role
+
+    def _become_standby(self, entry: ReplicaState, epoch: int) -> None:
+        if entry.role is not Role.STANDBY or epoch > entry.epoch:
+            entry.has_copy = False
+            entry.applied = 0
+        entry.role = Role.STANDBY
+        entry.epoch = max(entry.epoch, epoch)
+        self.state.standby_pools.add(entry.pool_id)
+        self._unlink(entry, None)
+
+    async def promote(self, pool_id: str, epoch: int) -> None:
+        """Make this replica the pool's primary at ``epoch`` (the hook placement calls once
+        its etcd transaction raised the epoch).
+
+        The pool stops following, its lease starts now, and a checkpoint is taken so that the
+        journal here covers it from now on; client calls wait (UNAVAILABLE "promoting") until
+        then. An ``epoch`` not newer than the one known is refused.
+
+        Raises:
+            ValueError: ``epoch`` is not newer than the pool's epoch here.
+        """
+        entry = self.entry(pool_id)
+        if epoch <= entry.epoch and entry.role is not Role.NONE:
+            raise ValueError(f"promote({pool_id!r}, {epoch}): the pool's epoch is {entry.epoch}")
+        state = self.state
+        entry.role = Role.PROMOTING
+        entry.epoch = epoch
+        entry.primary = self.address
+        entry.has_copy = False
+        self._unlink(entry, None)
+        state.standby_pools.discard(pool_id)
+        state.activity[pool_id] = state.clock.now()
+        journal = state.journal
+        try:
+            if journal is not None and pool_id in state.registry:
+                while not await checkpoint_live(state, journal):
+                    await asyncio.sleep(0.05)
+        finally:
+            if entry.role is Role.PROMOTING and entry.epoch == epoch:
+                entry.role = Role.PRIMARY
+        self.failovers += 1
+        _LOG.warning(
+            "promoted to primary",
+            extra={"event": "replica_promoted", "pool": pool_id, "placement_epoch": epoch},
+        )
+        self._relink(entry)
+
+    def demote(self, pool_id: str, epoch: int, *, standby: bool = False) -> None:
+        """Step down from the pool at ``epoch`` (a newer primary exists): nothing on it is
+        acknowledged here any more. Calls waiting for their standby answer UNAVAILABLE; the
+        pool's copy stays (reads only) until a seed replaces it (``standby``) or forever.
+
+        An ``epoch`` older than the one known is ignored.
+        """
+        entry = self.entry(pool_id)
+        if epoch < entry.epoch:
+            return
+        was = entry.role
+        entry.epoch = max(entry.epoch, epoch)
+        reason = (
+            f"pool {pool_id!r}: this replica ({self.address}) is no longer its primary "
+            f"(placement epoch {entry.epoch}"
+            f"{f', primary {entry.primary}' if entry.primary != self.address else ''}): "
+            "nothing more is acknowledged here; call the primary"
+        )
+        self._unlink(entry, reason)
+        self.state.standby_pools.add(pool_id)
+        if standby:
+            self._become_standby(entry, epoch)
+        else:
+            entry.role = Role.FENCED
+            entry.has_copy = False
+        if was in (Role.PRIMARY, Role.PROMOTING):
+            self.fenced += 1
+            _LOG.warning(
+                "stepped down: a newer placement epoch exists",
+                extra={"event": "replica_fenced", "pool": pool_id, "placement_epoch": epoch},
+            )
+
+    # -- the journal's hooks ----------------------------------------------------------------------
+
+    def admit(self, method: str, pool_id: str) -> None:
+        """Refuse a client's mutating call on a pool this replica does not serve.
+
+        Raises:
+            AbortRpc: UNAVAILABLE naming the primary and the placement epoch.
+        """
+        entry = self.pools.get(pool_id)
+        if entry is None or entry.role in (Role.PRIMARY, Role.NONE):
+            return
+        if entry.role is Role.PROMOTING:
+            raise AbortRpc(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{method}: pool {pool_id!r} is being promoted here (placement epoch "
+                f"{entry.epoch}): nothing was done, retry in a moment",
+            )
+        primary = entry.primary if entry.primary and entry.primary != self.address else "unknown"
+        raise AbortRpc(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{method}: pool {pool_id!r} is not served by this replica ({self.address}, "
+            f"{entry.role.value}); its primary is {primary} (placement epoch {entry.epoch}): "
+            "nothing was done",
+        )
+
+    def applied(
+        self, method: str, pool_id: str, request: bytes, when: float
+    ) -> Awaitable[None] | None:
+        """Record ``method`` on ``pool_id`` was just applied (no await since): ship it.
+
+        Returns what a ``sync`` call's answer waits for (``None``: nothing).
+        """
+        entry = self.pools.get(pool_id)
+        if entry is None or entry.role is Role.NONE:
+            return None
+        if entry.role is not Role.PRIMARY:
+            return _failed(
+                f"{method}: pool {pool_id!r}: this replica ({self.address}) stepped down "
+                f"(placement epoch {entry.epoch}) before the call was replicated: it is not "
+                "acknowledged; call the primary"
+            )
+        link = entry.link
+        if link is None:
+            return None
+        return link.add(method, request, when, wait=entry.sync)
+
+    def changed(self, method: str, pool_id: str, request: bytes, when: float) -> None:
+        """A change the server made itself was just recorded (``Journal.on_change``: a lease
+        reclaim, a registration round): ship it (nobody's answer waits for it)."""
+        entry = self.pools.get(pool_id)
+        if entry is not None and entry.role is Role.PRIMARY and entry.link is not None:
+            entry.link.add(method, request, when, wait=False)
+
+    async def wait_replicated(self, pending: Awaitable[None], method: str, pool_id: str) -> None:
+        """Wait for ``pending`` (from :meth:`applied`) up to ``sync_timeout_s``.
+
+        Raises:
+            AbortRpc: UNAVAILABLE when the standby did not confirm in time or this replica
+                stepped down meanwhile.
+        """
+        try:
+            await asyncio.wait_for(asyncio.shield(pending), self.sync_timeout_s)
+        except TimeoutError:
+            entry = self.pools.get(pool_id)
+            standby = entry.standby if entry is not None else "?"
+            raise AbortRpc(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{method}: pool {pool_id!r}: the standby {standby} did not confirm the "
+                f"record within {self.sync_timeout_s:g} s; it is applied and journaled here "
+                "and is acknowledged once the standby has it (retry a Step with the same "
+                "step_seq)",
+            ) from None
+
+    # -- the primary's links ----------------------------------------------------------------------
+
+    def _relink(self, entry: ReplicaState) -> None:
+        if entry.role is not Role.PRIMARY:
+            return
+        link = entry.link
+        if link is not None and link.standby == entry.standby and link.epoch == entry.epoch:
+            return
+        self._unlink(entry, None)
+        if entry.standby:
+            entry.link = _Link(self, entry.pool_id, entry.standby, entry.epoch)
+
+    def _unlink(self, entry: ReplicaState, reason: str | None) -> None:
+        link, entry.link = entry.link, None
+        if link is not None:
+            link.close(reason)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A channel to the replica at ``address`` (kept)."""
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_send_message_length", 64 << 20),
+                    ("grpc.max_receive_message_length", 64 << 20),
+                ],
+            )
+        return channel
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata of a call to a peer (its bearer token, when set)."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    async def close(self) -> None:
+        """Stop every link and close the channels."""
+        for entry in self.pools.values():
+            self._unlink(entry, "the server is stopping")
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    # -- the standby's side -----------------------------------------------------------------------
+
+    async def ship_records(
+        self, requests: AsyncIterator[replica_pb2.ShipRecordsRequest]
+    ) -> AsyncIterator[replica_pb2.ShipRecordsResponse]:
+        """The ``ShipRecords`` handler: apply what the primary ships, answer each message."""
+        async for request in requests:
+            answer = await self._receive(request)
+            if answer is not None:
+                yield answer
+
+    def _answer(
+        self, entry: ReplicaState, status: int, detail: str = ""
+    ) -> replica_pb2.ShipRecordsResponse:
+        return replica_pb2.ShipRecordsResponse(
+            pool_id=entry.pool_id,
+            placement_epoch=entry.epoch,
+            seq=entry.applied,
+            status=status,  # type: ignore[arg-type]
+            detail=detail,
+        )
+
+    async def _receive(
+        self, request: replica_pb2.ShipRecordsRequest
+    ) -> replica_pb2.ShipRecordsResponse | None:
+        pool_id = request.pool_id
+        entry = self.entry(pool_id)
+        epoch = request.placement_epoch
+        if epoch < entry.epoch:
+            return self._answer(
+                entry,
+                replica_pb2.SHIP_STATUS_STALE_EPOCH,
+                f"placement epoch {epoch} is older than {entry.epoch} here",
+            )
+        if entry.role in (Role.PRIMARY, Role.PROMOTING) and epoch == entry.epoch:
+            return self._answer(
+                entry, replica_pb2.SHIP_STATUS_NOT_STANDBY, "this replica is the primary"
+            )
+        if entry.role is not Role.STANDBY or epoch > entry.epoch:
+            # A primary at a newer epoch than this replica knows: placement made it so.
+            if entry.role in (Role.PRIMARY, Role.PROMOTING):
+                self.demote(pool_id, epoch, standby=True)
+            else:
+                self._become_standby(entry, epoch)
+        body = request.WhichOneof("body")
+        if body is None:  # hello
+            return self._answer(entry, replica_pb2.SHIP_STATUS_OK)
+        if body == "seed":
+            return await self._seed(entry, request)
+        if not entry.has_copy or request.seq != entry.applied + 1:
+            entry.has_copy = False
+            return self._answer(
+                entry,
+                replica_pb2.SHIP_STATUS_NEED_SEED,
+                f"record {request.seq} does not follow {entry.applied}",
+            )
+        record = request.record
+        journal_record = JournalRecord(
+            request.seq, record.time, record.method, pool_id, record.request
+        )
+        failed = await replay_records(self.state, [journal_record])
+        if failed:
+            entry.has_copy = False
+            return self._answer(
+                entry,
+                replica_pb2.SHIP_STATUS_NEED_SEED,
+                f"record {request.seq} ({record.method}) failed here",
+            )
+        pool = self._pool(pool_id)
+        if pool is not None and record.pool_epoch and pool.epoch != record.pool_epoch:
+            pool.epoch = record.pool_epoch  # CreatePool, ResyncPool: the primary's incarnation
+            registry = self.state.registry
+            registry.epoch = max(registry.epoch, pool.epoch)
+        entry.applied = request.seq
+        if request.digest:
+            mismatch = self._check_digest(entry, pool, request.digest)
+            if mismatch is not None:
+                return mismatch
+        return self._answer(entry, replica_pb2.SHIP_STATUS_OK)
+
+    def _pool(self, pool_id: str) -> Pool | None:
+        registry = self.state.registry
+        return registry.get(pool_id) if pool_id in registry else None
+
+    def _check_digest(
+        self, entry: ReplicaState, pool: Pool | None, digest: bytes
+    ) -> replica_pb2.ShipRecordsResponse | None:
+        ours = b"" if pool is None or pool.state is not PoolState.READY else pool_digest(pool)
+        if ours == digest:
+            entry.digest_checks += 1
+            return None
+        entry.has_copy = False
+        _LOG.error(
+            "standby copy differs from the primary's after record %d: dropped, to be seeded",
+            entry.applied,
+            extra={"event": "replica_digest_mismatch", "pool": entry.pool_id},
+        )
+        return self._answer(
+            entry,
+            replica_pb2.SHIP_STATUS_DIGEST_MISMATCH,
+            f"digest differs after record {entry.applied}",
+        )
+
+    async def _seed(
+        self, entry: ReplicaState, request: replica_pb2.ShipRecordsRequest
+    ) -> replica_pb2.ShipRecordsResponse | None:
+        seed = request.seed
+        entry.seed_chunks.append(seed.data)
+        if not seed.last:
+            return None
+        if len(entry.seed_chunks) == 1:
+            first = seed
+        else:
+            first = replica_pb2.ReplicaSeed()  # the first chunk's fields are repeated in each
+            first.CopyFrom(seed)
+        data = b"".join(entry.seed_chunks)
+        entry.seed_chunks = []
+        try:
+            pool = await self._install(request.pool_id, first, data)
+        except KVCMError as exc:
+            entry.has_copy = False
+            return self._answer(entry, replica_pb2.SHIP_STATUS_NEED_SEED, f"seed refused: {exc}")
+        entry.applied = request.seq
+        entry.has_copy = True
+        if request.digest:
+            return self._check_digest(entry, pool, request.digest) or self._answer(
+                entry, replica_pb2.SHIP_STATUS_OK
+            )
+        return self._answer(entry, replica_pb2.SHIP_STATUS_OK)
+
+    async def _install(
+        self, pool_id: str, seed: replica_pb2.ReplicaSeed, data: bytes
+    ) -> Pool | None:
+        """Replace the standby's copy of ``pool_id`` by the seed's."""
+        state = self.state
+        registry = state.registry
+        pool: Pool | None = None
+        if seed.exists:
+            config = admin_pb2.PoolConfig.FromString(seed.config)
+            options = pool_config_from_proto(config)
+            if data:
+                pool = await asyncio.to_thread(
+                    decode_pool, data, pool_id, options, limits=registry.limits
+                )
+            else:
+                pool = Pool(pool_id, options, limits=registry.limits)
+        if pool_id in registry:
+            old = await state.pool(pool_id)
+            registry.delete(pool_id)
+            state.retire(old)
+        if pool is None:
+            return None
+        registry.reserve(pool_id, pool.options)
+        registry.add(pool)
+        pool.epoch = seed.pool_epoch
+        registry.epoch = max(registry.epoch, pool.epoch)
+        runtime = PoolRuntime(config=admin_pb2.PoolConfig.FromString(seed.config))
+        if pool.manager is not None:
+            runtime.planned.set()
+        state.runtimes[pool_id] = runtime
+        state.kv_numbering.adopt(pool_id, seed.kv_event_base)
+        return pool
+
+    def describe(self, pool_id: str) -> replica_pb2.GetReplicaStateResponse:
+        """The pool's replication state here (``GetReplicaState``)."""
+        entry = self.pools.get(pool_id) or ReplicaState(pool_id)
+        pool = self._pool(pool_id)
+        digest = b""
+        if pool is not None and pool.state is PoolState.READY and not pool.lent:
+            digest = pool_digest(pool)
+        link = entry.link
+        return replica_pb2.GetReplicaStateResponse(
+            role=entry.role.value,
+            placement_epoch=entry.epoch,
+            seq=link.last if link is not None else entry.applied,
+            acked_seq=link.acked if link is not None else 0,
+            digest=digest,
+            mode=(
+                replica_pb2.REPLICATION_MODE_SYNC
+                if entry.sync
+                else replica_pb2.REPLICATION_MODE_ASYNC
+            ),
+            digest_checks=link.digests if link is not None else entry.digest_checks,
+        )
+
+
+def _failed(reason: str) -> Awaitable[None]:
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_exception(AbortRpc(grpc.StatusCode.UNAVAILABLE, reason))
+    return future
+
+
+class _FencedError(Exception):
+    """The standby knows a newer placement epoch: this replica stepped down."""
+
+
+class _Link:
+    """The primary's stream of one pool's records to its standby (see the module docstring).
+
+    Records are numbered from 1 in the order they were applied (``last``). While a session is
+    up, every record is queued until acknowledged; while it is down nothing is kept (the next
+    session starts with a seed, which holds them). Calls waiting for a record (``sync``) wait
+    for an acknowledgement of it or a later one.
+    """
+
+    def __init__(self, owner: Replication, pool_id: str, standby: str, epoch: int) -> None:
+        self.owner = owner
+        self.pool_id = pool_id
+        self.standby = standby
+        self.epoch = epoch
+        self.last = 0  # the last record numbered
+        self.acked = 0  # the last record the standby acknowledged
+        self.digests = 0
+        self.queue: collections.deque[replica_pb2.ShipRecordsRequest] = collections.deque()
+        self.waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self.wake = asyncio.Event()
+        self.live = False  # a session is up and sending
+        self.closed = False
+        self.shipped_at = 0.0  # time.monotonic() of the oldest unacknowledged record
+        self.task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"kvcm-replica-{pool_id}"
+        )
+
+    def add(
+        self, method: str, request: bytes, when: float, *, wait: bool
+    ) -> Awaitable[None] | None:
+        self.last += 1
+        seq = self.last
+        if self.live:
+            pool = self.owner._pool(self.pool_id)
+            record = replica_pb2.ReplicaRecord(
+                method=method, request=request, time=when, pool_epoch=pool.epoch if pool else 0
+            )
+            message = replica_pb2.ShipRecordsRequest(
+                pool_id=self.pool_id, placement_epoch=self.epoch, seq=seq, record=record
+            )
+            every = self.owner.digest_every
+            if (
+                every
+                and seq % every == 0
+                and pool is not None
+                and not pool.lent
+                and pool.state is PoolState.READY
+            ):
+                message.digest = pool_digest(pool)
+                self.digests += 1
+            self.queue.append(message)
+            self.wake.set()
+            if len(self.queue) > _MAX_UNACKED:
+                self.live = False  # the session ends; the next one seeds
+                self.queue.clear()
+        if not wait:
+            return None
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append((seq, future))
+        return future
+
+    def _acked(self, seq: int) -> None:
+        self.acked = max(self.acked, seq)
+        while self.queue and self.queue[0].seq <= seq:
+            self.queue.popleft()
+        while self.waiters and self.waiters[0][0] <= seq:
+            _, future = self.waiters.popleft()
+            if not future.done():
+                future.set_result(None)
+
+    def close(self, reason: str | None) -> None:
+        """Stop; waiting calls fail with ``reason`` (``None``: they are released: the pool
+        has no standby any more)."""
+        self.closed = True
+        self.live = False
+        self.task.cancel()
+        while self.waiters:
+            _, future = self.waiters.popleft()
+            if future.done():
+                continue
+            if reason is None:
+                future.set_result(None)
+            else:
+                future.set_exception(AbortRpc(grpc.StatusCode.UNAVAILABLE, reason))
+                future.exception()
+
+    async def _run(self) -> None:
+        delay = _BACKOFF_S[0]
+        while not self.closed:
+            try:
+                await self._session()
+                delay = _BACKOFF_S[0]
+            except _FencedError:
+                return
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                _LOG.info(
+                    "replication stream to %s ended: %s",
+                    self.standby,
+                    exc.code().name,
+                    extra={"event": "replica_link_down", "pool": self.pool_id},
+                )
+            except Exception:
+                _LOG.exception("replication stream to %s failed", self.standby)
+            self.live = False
+            self.queue.clear()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _BACKOFF_S[1])
+
+    async def _session(self) -> None:
+        owner = self.owner
+        stub = replica_pb2_grpc.ReplicaServiceStub(owner.channel(self.standby))  # type: ignore[no-untyped-call]
+        call = stub.ShipRecords(metadata=owner.metadata())
+        try:
+            await call.write(
+                replica_pb2.ShipRecordsRequest(pool_id=self.pool_id, placement_epoch=self.epoch)
+            )
+            self._check(await call.read())
+            seed_seq = await self._send_seed(call)
+            answer = await call.read()
+            self._check(answer)
+            if answer.status != replica_pb2.SHIP_STATUS_OK:
+                return
+            self._acked(seed_seq)
+            reader = asyncio.ensure_future(self._read(call))
+            try:
+                await self._write(call, seed_seq, reader)
+            finally:
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+        finally:
+            self.live = False
+            call.cancel()
+
+    def _check(self, answer: Any) -> None:
+        if answer is grpc.aio.EOF or answer is None:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "EOF"
+            )
+        if answer.status == replica_pb2.SHIP_STATUS_STALE_EPOCH:
+            self.owner.demote(self.pool_id, answer.placement_epoch)
+            raise _FencedError
+        if answer.status == replica_pb2.SHIP_STATUS_NOT_STANDBY:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                answer.detail,
+            )
+
+    async def _send_seed(self, call: Any) -> int:
+        """Seed the standby with the pool as of the last record numbered; returns its seq.
+
+        The pool is held (its calls wait) while its snapshot is taken: it is then exactly the
+        records up to the seed's seq.
+        """
+        owner = self.owner
+        state = owner.state
+        pool_id = self.pool_id
+        while (busy := state.lanes.get(pool_id)) is not None:
+            await busy.wait()
+        seq = self.last
+        self.queue.clear()
+        self.live = True  # records applied from now on are queued after the seed
+        pool = owner._pool(pool_id)
+        base = state.kv_numbering.base(pool_id)
+        if pool is None:
+            seed = replica_pb2.ReplicaSeed(last=True, exists=False, kv_event_base=base)
+            await call.write(
+                replica_pb2.ShipRecordsRequest(
+                    pool_id=pool_id, placement_epoch=self.epoch, seq=seq, seed=seed
+                )
+            )
+            return seq
+        runtime = state.runtimes.get(pool_id)
+        config = runtime.config.SerializeToString() if runtime is not None else b""
+        data, digest = b"", b""
+        if pool.state is PoolState.READY:
+            done = asyncio.Event()
+            state.lanes[pool_id] = done
+            pool.lent = True
+            try:
+                data, digest = await asyncio.to_thread(_encode, pool)
+            finally:
+                pool.lent = False
+                state.lanes.pop(pool_id, None)
+                done.set()
+        chunks = [data[at : at + _SEED_CHUNK] for at in range(0, len(data), _SEED_CHUNK)] or [b""]
+        for index, chunk in enumerate(chunks):
+            last = index == len(chunks) - 1
+            seed = replica_pb2.ReplicaSeed(
+                config=config,
+                data=chunk,
+                last=last,
+                pool_epoch=pool.epoch,
+                kv_event_base=base,
+                exists=True,
+            )
+            await call.write(
+                replica_pb2.ShipRecordsRequest(
+                    pool_id=pool_id,
+                    placement_epoch=self.epoch,
+                    seq=seq,
+                    seed=seed,
+                    digest=digest if last else b"",
+                )
+            )
+        return seq
+
+    async def _write(self, call: Any, after: int, reader: asyncio.Future[Any]) -> None:
+        sent = after
+        while not self.closed and self.live:
+            if reader.done():
+                reader.result()
+                return
+            pending = [m for m in self.queue if m.seq > sent]
+            if not pending:
+                self.wake.clear()
+                waiter: asyncio.Future[Any] = asyncio.ensure_future(self.wake.wait())
+                await asyncio.wait((waiter, reader), return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                continue
+            for message in pending:
+                await call.write(message)
+                sent = message.seq
+            if self.shipped_at == 0.0:
+                self.shipped_at = time.monotonic()
+
+    async def _read(self, call: Any) -> None:
+        while True:
+            answer = await call.read()
+            self._check(answer)
+            if answer.status != replica_pb2.SHIP_STATUS_OK:
+                _LOG.warning(
+                    "standby %s asks for a new seed: %s",
+                    self.standby,
+                    answer.detail,
+                    extra={"event": "replica_reseed", "pool": self.pool_id},
+                )
+                self.live = False
+                self.wake.set()
+                return
+            self._acked(answer.seq)
+            self.shipped_at = 0.0 if not self.queue else time.monotonic()
+
+
+def _encode(pool: Pool) -> tuple[bytes, bytes]:
+    return encode_pool(pool), pool_digest(pool)
