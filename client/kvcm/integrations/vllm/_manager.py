@@ -268,6 +268,7 @@ class MirrorKVCacheManager:
             num_groups=core.num_kv_cache_groups,
             hash_block_size=core.hash_block_size,
             send_hashes=config.enable_caching,
+            no_blocks=core.empty_kv_cache_blocks,
         )
         # Remote mode: every allocate_slots closes a program of its own, which the sink ships
         # and the server acknowledges before the answer goes back to vLLM.

@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from kvcm.core.manager import KVCacheBlocks
 from kvcm.core.op_table import OpWriter
@@ -55,15 +55,17 @@ __all__ = ["RecordedStep", "StepRecorder"]
 
 _OK = int(ItemStatus.OK)
 _DOES_NOT_FIT = int(ItemStatus.DOES_NOT_FIT)
-# A note is ``(op kind, ...)``. Notes of these kinds carry the request's view and what it held
-# when noted (the request is brought up to date first); the value says whether the note is an
-# ALLOCATE's. Notes of the other kinds carry the op's own values.
-_SYNCED: dict[int, bool] = {
-    OpKind.ALLOCATE: True,
-    OpKind.CACHE_BLOCKS: False,
-    OpKind.REMOVE_SKIPPED_BLOCKS: False,
-    OpKind.RECORD_PREFIX_STATS: False,
-}
+# A note is ``(op kind, ...)``. ALLOCATE notes and notes of the _SYNCED kinds carry the
+# request's view and what it held when noted (the request is brought up to date first); notes
+# of the other kinds carry the op's own values.
+_ALLOCATE: Final = OpKind.ALLOCATE
+_SYNCED: Final = frozenset(
+    {OpKind.CACHE_BLOCKS, OpKind.REMOVE_SKIPPED_BLOCKS, OpKind.RECORD_PREFIX_STATS}
+)
+# The op values the inline writes append (the op table's rows for them: APPEND_TOKENS takes
+# a key, a token span and a hash span; ALLOCATE a key and two values).
+_APPEND_TOKENS_OP: Final = int(OpKind.APPEND_TOKENS)
+_ALLOCATE_OP: Final = int(OpKind.ALLOCATE)
 _NEW_STEP_NOTE: tuple[Any, ...] = (OpKind.NEW_STEP_STARTS,)
 
 
@@ -141,13 +143,14 @@ class StepRecorder:
         "_in_flight_options",
         "_lock",
         "_next_key",
+        "_no_blocks",
         "_notes",
-        "_num_groups",
         "_off",
         "_send_hashes",
         "_sink",
         "_tracked",
         "_unbuilt",
+        "_zero_counts",
         "clock",
         "num_steps",
     )
@@ -160,6 +163,7 @@ class StepRecorder:
         hash_block_size: int,
         send_hashes: bool = True,
         clock: Any = None,
+        no_blocks: object = None,
     ) -> None:
         """Record into fresh programs handed to ``sink``.
 
@@ -169,9 +173,12 @@ class StepRecorder:
             hash_block_size: Tokens per block hash (which hashes belong to the prompt).
             send_hashes: Ship block hashes (``False`` for a pool without prefix caching).
             clock: Stamps ``RecordedStep.closed_at`` (``None``: ``time.monotonic``).
+            no_blocks: The answer the mirror gives an allocation that fits without a new
+                block (its shared empty ``KVCacheBlocks``): recorded without looking inside.
         """
         self._send_hashes = send_hashes
-        self._num_groups = num_groups
+        self._zero_counts = [0] * num_groups
+        self._no_blocks = no_blocks if no_blocks is not None else object()
         self._hash_block_size = hash_block_size
         self.clock = clock if clock is not None else time.monotonic
         self.num_steps = 0
@@ -354,26 +361,92 @@ class StepRecorder:
         return None if tracked is None else tracked.key
 
     def _build(self, step: RecordedStep) -> None:
-        # Every op goes through the op table's writer: a note gives the kind and the values of
-        # its row's columns (for the synced kinds, after the request's key).
+        # Every op's columns are the op table's (OpWriter). The ops of a decode step (an
+        # ALLOCATE of a request the pool knows, its APPEND_TOKENS before it, an in-flight
+        # count and an empty answer) are written inline, straight into the columns; the rest
+        # go through the writer (a note gives the kind and its row's values, for the synced
+        # kinds after the request's key).
         program = StepProgram(continue_on_does_not_fit=True)
         expected = StepOutcome()
         writer = OpWriter(program)
         write = writer.op
-        append, allocate = write[OpKind.APPEND_TOKENS], write[OpKind.ALLOCATE]
-        allocated = writer.columns(OpKind.ALLOCATE)[0]
+        ops, keys = program.ops.append, program.request_keys.append
+        allocated = program.alloc_num_new_tokens
+        alloc_new, alloc_computed = allocated.append, program.alloc_num_computed_tokens.append
+        append_counts = program.append_num_tokens.append
+        append_tokens = program.append_token_ids.extend
+        append_hash_counts = program.append_num_block_hashes.append
+        append_hashes = writer.pending
+        options_at = program.alloc_options
+        in_flight_options = self._in_flight_options
+        statuses = expected.alloc_statuses.append
+        block_counts = expected.alloc_num_block_ids
+        no_blocks = self._no_blocks
+        send_hashes = self._send_hashes
         tracked_by_id = self._tracked
         for note in step._notes:
             kind = note[0]
-            allocating = _SYNCED.get(kind)
-            if allocating is not None:
-                key = self._sync_request(write, append, note)
-                if allocating:
-                    index = len(allocated)
-                    allocate(key, note[6], note[7])
-                    self._add_allocate(program, expected, index, note)
+            if kind is _ALLOCATE:
+                (
+                    _,
+                    view,
+                    tokens,
+                    num_tokens,
+                    hashes,
+                    num_hashes,
+                    num_new,
+                    num_computed,
+                    in_flight,
+                    hit,
+                    slot_options,
+                    result,
+                ) = note
+                tracked = tracked_by_id.get(view.request_id)
+                if tracked is None:
+                    tracked = self._add_request(write, note)
+                if not send_hashes:  # a pool without prefix caching takes no block hashes
+                    num_hashes = 0
+                # APPEND_TOKENS of whatever grew since (the lengths are the ones the call saw).
+                sent_tokens = tracked.num_tokens_sent
+                sent_hashes = tracked.num_hashes_sent
+                key = tracked.key
+                if num_tokens != sent_tokens or num_hashes != sent_hashes:
+                    ops(_APPEND_TOKENS_OP)
+                    keys(key)
+                    append_counts(num_tokens - sent_tokens)
+                    append_tokens(tokens[sent_tokens:num_tokens])
+                    append_hash_counts(num_hashes - sent_hashes)
+                    if num_hashes != sent_hashes:
+                        append_hashes(hashes[sent_hashes:num_hashes])
+                    tracked.num_tokens_sent = num_tokens
+                    tracked.num_hashes_sent = num_hashes
+                index = len(allocated)
+                ops(_ALLOCATE_OP)
+                keys(key)
+                alloc_new(num_new)
+                alloc_computed(num_computed)
+                if hit is None and slot_options is None:
+                    if in_flight:
+                        # Every decode step of vLLM's async loop: one shared value per count.
+                        options = in_flight_options.get(in_flight)
+                        if options is None:
+                            options = in_flight_options[in_flight] = AllocOptions(
+                                num_in_flight_tokens=in_flight
+                            )
+                        options_at[index] = options
+                elif slot_options is None:
+                    options_at[index] = AllocOptions(hit=hit, num_in_flight_tokens=in_flight)
                 else:
-                    write[kind](key, note[6])
+                    options_at[index] = AllocOptions(
+                        hit=hit, slot_options=slot_options, num_in_flight_tokens=in_flight
+                    )
+                if result is no_blocks:  # a decode step's allocation is mostly empty
+                    statuses(_OK)
+                    block_counts += self._zero_counts
+                else:
+                    self._add_answer(expected, result)
+            elif kind in _SYNCED:  # CACHE_BLOCKS, REMOVE_SKIPPED_BLOCKS, RECORD_PREFIX_STATS
+                write[kind](self._sync_request(write, note), note[6])
             elif kind is OpKind.FINISH or kind is OpKind.PREEMPT:
                 # FINISH forgets the request; PREEMPT keeps its tokens in the pool.
                 found = (
@@ -401,12 +474,35 @@ class StepRecorder:
         step._program = program
         step._notes = []
 
-    def _sync_request(
-        self,
-        write: dict[int, Callable[..., None]],
-        append: Callable[..., None],
-        note: tuple[Any, ...],
-    ) -> int:
+    def _add_request(
+        self, write: dict[int, Callable[..., None]], note: tuple[Any, ...]
+    ) -> _Tracked:
+        # ADD_REQUEST on first sight: the prompt and its hashes (the call saw at least those).
+        view, tokens, hashes, num_hashes = note[1], note[2], note[4], note[5]
+        if not self._send_hashes:
+            hashes = ()
+            num_hashes = 0
+        key = self._next_key
+        self._next_key += 1
+        num_prompt = view.num_prompt_tokens
+        num_prompt_hashes = min(num_hashes, num_prompt // self._hash_block_size)
+        write[OpKind.ADD_REQUEST](
+            NewRequestSpec(
+                key=key,
+                request_id=view.request_id,
+                prompt_token_ids=list(tokens[:num_prompt]),
+                block_hashes=b"".join(hashes[:num_prompt_hashes]),
+                lora_id=view.lora_id,
+                lora_name=view.lora_name,
+                cache_salt=view.cache_salt,
+                skip_reading_prefix_cache=view.skip_reading_prefix_cache,
+            )
+        )
+        tracked = _Tracked(key, num_prompt, num_prompt_hashes)
+        self._tracked[view.request_id] = tracked
+        return tracked
+
+    def _sync_request(self, write: dict[int, Callable[..., None]], note: tuple[Any, ...]) -> int:
         # ADD_REQUEST on first sight, then APPEND_TOKENS for whatever grew since; the lengths
         # are the ones the call saw (the lists may have grown since).
         _, view, tokens, num_tokens, hashes, num_hashes = note[:6]
@@ -415,60 +511,30 @@ class StepRecorder:
             num_hashes = 0
         tracked = self._tracked.get(view.request_id)
         if tracked is None:
-            key = self._next_key
-            self._next_key += 1
-            num_prompt = view.num_prompt_tokens
-            num_prompt_hashes = min(num_hashes, num_prompt // self._hash_block_size)
-            write[OpKind.ADD_REQUEST](
-                NewRequestSpec(
-                    key=key,
-                    request_id=view.request_id,
-                    prompt_token_ids=list(tokens[:num_prompt]),
-                    block_hashes=b"".join(hashes[:num_prompt_hashes]),
-                    lora_id=view.lora_id,
-                    lora_name=view.lora_name,
-                    cache_salt=view.cache_salt,
-                    skip_reading_prefix_cache=view.skip_reading_prefix_cache,
-                )
-            )
-            tracked = _Tracked(key, num_prompt, num_prompt_hashes)
-            self._tracked[view.request_id] = tracked
+            tracked = self._add_request(write, note)
         sent_tokens = tracked.num_tokens_sent
         sent_hashes = tracked.num_hashes_sent
         if num_tokens != sent_tokens or num_hashes != sent_hashes:
-            append(tracked.key, tokens[sent_tokens:num_tokens], hashes[sent_hashes:num_hashes])
+            write[OpKind.APPEND_TOKENS](
+                tracked.key, tokens[sent_tokens:num_tokens], hashes[sent_hashes:num_hashes]
+            )
             tracked.num_tokens_sent = num_tokens
             tracked.num_hashes_sent = num_hashes
         return tracked.key
 
-    def _add_allocate(
-        self, program: StepProgram, expected: StepOutcome, index: int, note: tuple[Any, ...]
+    def _add_answer(
+        self, expected: StepOutcome, result: KVCacheBlocks | Sequence[Sequence[int]] | None
     ) -> None:
-        # ALLOCATE number ``index`` (written already): its options and the mirror's answer.
-        in_flight, hit, slot_options, result = note[8:]
-        if hit is not None or slot_options is not None or in_flight:
-            if hit is None and slot_options is None:
-                # Every decode step of vLLM's async loop: one shared value per in-flight count.
-                options = self._in_flight_options.get(in_flight)
-                if options is None:
-                    options = AllocOptions(num_in_flight_tokens=in_flight)
-                    self._in_flight_options[in_flight] = options
-                program.alloc_options[index] = options
-            elif slot_options is None:
-                program.alloc_options[index] = AllocOptions(hit=hit, num_in_flight_tokens=in_flight)
-            else:
-                program.alloc_options[index] = AllocOptions(
-                    hit=hit, slot_options=slot_options, num_in_flight_tokens=in_flight
-                )
+        # An ALLOCATE's answer other than "fits, no new block".
         if result is None:
             expected.alloc_statuses.append(_DOES_NOT_FIT)
-            expected.alloc_num_block_ids.extend([0] * self._num_groups)
+            expected.alloc_num_block_ids += self._zero_counts
             return
         expected.alloc_statuses.append(_OK)
         if isinstance(result, KVCacheBlocks):
             for blocks in result.blocks:
                 expected.alloc_num_block_ids.append(len(blocks))
-                if blocks:  # a decode step's allocation is mostly empty
+                if blocks:
                     expected.alloc_block_ids.extend([block.block_id for block in blocks])
             return
         for ids in result:
