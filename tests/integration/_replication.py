@@ -67,9 +67,11 @@ def replica_state(address: str, pool_id: str) -> replica_pb2.GetReplicaStateResp
         return answer
 
 
-def start_pair(tmp_path: Path) -> tuple[Server, Server]:
-    a = Server(tmp_path / "a")
-    b = Server(tmp_path / "b")
+def start_pair(tmp_path: Path, digest_every: int = 4) -> tuple[Server, Server]:
+    """Two replicas; the primary sends its pool's digest every ``digest_every`` records."""
+    env = {"KVCM_REPLICA_DIGEST_EVERY": str(digest_every)}
+    a = Server(tmp_path / "a", env)
+    b = Server(tmp_path / "b", env)
     a.start()
     b.start()
     return a, b

@@ -69,6 +69,8 @@ def test_sync_standby_has_every_acknowledged_program_and_takes_over(tmp_path: Pa
             assert on_a.acked_seq == on_a.seq == on_b.seq  # CreatePool + 15 Steps after the seed
             assert on_b.digest
             assert on_a.digest == on_b.digest
+            # CreatePool and 15 Steps: the digest was checked after records 4, 8, 12 and 16.
+            assert (on_b.digest_checks, on_b.digest_mismatches) == (4, 0)
             assert_pool_matches(b.address, scheduler.pool_id, expected_pool(15))
         # Load again, then kill -9 A in the middle of it.
         for scheduler in schedulers:

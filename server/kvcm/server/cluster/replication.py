@@ -43,7 +43,7 @@ from typing import Any, Final
 
 import grpc
 
-from kvcm.common.errors import KVCMError
+from kvcm.common.errors import ConfigError, KVCMError
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import PoolState
 from kvcm.core.snapshot import decode_pool, encode_pool
@@ -56,6 +56,7 @@ from kvcm.v1 import admin_pb2, replica_pb2, replica_pb2_grpc
 from kvcm.wire import pool_config_from_proto
 
 __all__ = [
+    "DIGEST_EVERY_ENV",
     "REPLICA_TOKEN_ENV",
     "ReplicaState",
     "Replication",
@@ -67,6 +68,8 @@ _LOG = logging.getLogger("kvcm.server.replication")
 
 REPLICA_TOKEN_ENV: Final = "KVCM_REPLICA_TOKEN"
 """The bearer token a replica presents to its peers (an admin token, when auth is on)."""
+DIGEST_EVERY_ENV: Final = "KVCM_REPLICA_DIGEST_EVERY"
+"""Overrides ``digest_every`` (records between two digest checks; 0: only at seeds)."""
 
 _SEED_CHUNK: Final = 1 << 20  # bytes of snapshot per seed message
 _MAX_UNACKED: Final = 65_536  # records in flight to a standby before the link is reseeded
@@ -98,8 +101,11 @@ def pool_digest(pool: Pool) -> bytes:
     """A 16-byte digest of everything any call can change in ``pool`` (O(state)).
 
     The digest of :meth:`kvcm.core.pool.Pool.state_fingerprint`: equal on two replicas exactly
-    when their copies are (event log and its timestamps included).
+    when their copies are (event log and its timestamps included). The manager's pending
+    prefix-cache counters are drained into the pool's totals first (as any read of the pool's
+    statistics does), so a read on one replica does not make it differ.
     """
+    pool.snapshot()  # drains the pending counters: their sum is what any call observes
     return hashlib.blake2b(pool.state_fingerprint(), digest_size=16).digest()
 
 
@@ -116,7 +122,8 @@ class ReplicaState:
         sync: Whether answers wait for the standby (else only for the local journal).
         applied: Standby: the last record applied (0: none, or no copy yet).
         has_copy: Standby: whether it holds a seeded copy it can continue.
-        digest_checks: Digest comparisons passed (standby) or sent (primary).
+        digest_checks: Digest comparisons passed (standby).
+        digest_mismatches: Digest comparisons failed (standby; each asked for a seed).
         link: Primary: the stream to the standby.
     """
 
@@ -129,6 +136,7 @@ class ReplicaState:
     applied: int = 0
     has_copy: bool = False
     digest_checks: int = 0
+    digest_mismatches: int = 0
     link: _Link | None = None
     seed_chunks: list[bytes] = field(default_factory=list)
 
@@ -157,6 +165,11 @@ class Replication:
         """Replication for ``state``, this replica being ``address``."""
         self.state = state
         self.address = address
+        raw = os.environ.get(DIGEST_EVERY_ENV, "")
+        if raw:
+            if not raw.isdigit():
+                raise ConfigError(f"{DIGEST_EVERY_ENV}: must be an integer >= 0, got {raw!r}")
+            digest_every = int(raw)
         self.digest_every = digest_every
         self.sync_timeout_s = sync_timeout_s
         self.pools: dict[str, ReplicaState] = {}
@@ -496,6 +509,7 @@ class Replication:
             entry.digest_checks += 1
             return None
         entry.has_copy = False
+        entry.digest_mismatches += 1
         _LOG.error(
             "standby copy differs from the primary's after record %d: dropped, to be seeded",
             entry.applied,
@@ -587,6 +601,7 @@ class Replication:
                 else replica_pb2.REPLICATION_MODE_ASYNC
             ),
             digest_checks=link.digests if link is not None else entry.digest_checks,
+            digest_mismatches=entry.digest_mismatches,
         )
 
 
