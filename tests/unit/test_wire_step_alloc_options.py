@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.manager import SlotOptions
 from kvcm.core.program import NO_LOOKUP_BOUND, AllocOptions, HitSpec, StepProgram
 from kvcm.v1 import scheduler_pb2
@@ -105,3 +106,32 @@ def test_async_decode_step_shares_one_encoding_per_count() -> None:
     assert _alloc_options_bytes(program) == _message_built(program)
     decoded = program_from_proto(scheduler_pb2.StepRequest.FromString(encoded.SerializeToString()))
     assert decoded == program
+
+
+def test_in_flight_entries_decoded_from_the_cache_are_checked_as_fresh_ones() -> None:
+    # Entries decoded once are found again by their bytes: the same program, in-flight-only
+    # entries shared; out-of-order indexes are still refused, naming the entry.
+    program = StepProgram(continue_on_does_not_fit=True)
+    program.ops = [3] * 5
+    program.request_keys = list(range(5))
+    program.alloc_num_new_tokens = [1] * 5
+    program.alloc_num_computed_tokens = [40] * 5
+    program.alloc_options = {
+        0: AllocOptions(num_in_flight_tokens=1),
+        2: AllocOptions(num_in_flight_tokens=3),
+        3: AllocOptions(lookup=NO_LOOKUP_BOUND, num_in_flight_tokens=1),
+        4: AllocOptions(num_in_flight_tokens=1),
+    }
+    wire = program_to_proto(program, "pool").SerializeToString()
+    first = program_from_proto(scheduler_pb2.StepRequest.FromString(wire))
+    second = program_from_proto(scheduler_pb2.StepRequest.FromString(wire))
+    assert first == second == program
+    assert second.alloc_options[0] is first.alloc_options[0]
+    assert second.alloc_options[3] is not first.alloc_options[3]  # not in-flight only
+    swapped = scheduler_pb2.StepRequest.FromString(wire)
+    entries = list(swapped.alloc_options)
+    del swapped.alloc_options[:]
+    swapped.alloc_options.extend([entries[0], entries[3], entries[1], entries[2]])
+    with pytest.raises(InvalidArgumentError) as raised:
+        program_from_proto(swapped)
+    assert raised.value.field == "alloc_options[2].alloc_index"

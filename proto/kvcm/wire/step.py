@@ -45,6 +45,12 @@ _ALLOC_OPTIONS_TAG: Final = bytes(
 _ALLOC_INDEX_TAG: Final = bytes(
     ((scheduler_pb2.StepAllocOptions.DESCRIPTOR.fields_by_name["alloc_index"].number << 3) | 0,)
 )
+# In-flight-only alloc_options entries (one per allocation of vLLM's async loop) are encoded
+# and decoded once per distinct value: framed entry bytes by (alloc_index, count), and the
+# decoded (alloc_index, options) by an entry's bytes. Bounded: cleared when full.
+_IN_FLIGHT_FRAMES: Final[dict[tuple[int, int], bytes]] = {}
+_DECODED_ENTRIES: Final[dict[bytes, tuple[int, AllocOptions]]] = {}
+_MAX_CACHED_ENTRIES: Final = 1 << 16
 # The op table's columns that are packed repeated scalars on the wire (new_requests is a
 # list of messages, append_block_hashes one bytes field).
 _PACKED: Final = tuple(c for c in COLUMNS if c not in ("new_requests", "append_block_hashes"))
@@ -130,15 +136,28 @@ def program_from_proto(msg: scheduler_pb2.StepRequest) -> StepProgram:
     """
     options: dict[int, AllocOptions] = {}
     last = -1
+    decoded = _DECODED_ENTRIES
     for position, entry in enumerate(msg.alloc_options):
-        index = entry.alloc_index
+        # An in-flight count and nothing else (every allocation of vLLM's async loop) is
+        # decoded once per distinct encoding: its bytes find its index and its options.
+        raw = entry.SerializeToString()
+        known = decoded.get(raw)
+        if known is None:
+            index = entry.alloc_index
+            value = alloc_options_from_proto(entry, position)
+            if _in_flight_only(value):
+                if len(decoded) >= _MAX_CACHED_ENTRIES:
+                    decoded.clear()
+                decoded[raw] = (index, value)
+        else:
+            index, value = known
         if index <= last:
             raise InvalidArgumentError(
                 f"alloc_options[{position}].alloc_index={index} is not strictly increasing",
                 field=f"alloc_options[{position}].alloc_index",
             )
         last = index
-        options[index] = alloc_options_from_proto(entry, position)
+        options[index] = value
     program = StepProgram(
         ops=list(msg.ops),
         new_requests=[_new_request(new) for new in msg.new_requests],
@@ -196,32 +215,45 @@ def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRe
     return msg
 
 
+def _in_flight_only(entry: AllocOptions) -> bool:
+    # Options that only carry vLLM's in-flight count (every allocation of its async loop).
+    return entry.lookup is None and entry.hit is None and entry.slot_options is DEFAULT_SLOT_OPTIONS
+
+
+def _in_flight_frame(index: int, num_in_flight_tokens: int) -> bytes:
+    # The framed alloc_options entry of in-flight-only options (what protobuf encodes for
+    # StepAllocOptions(alloc_index=index, options=...), field by field in number order).
+    body = scheduler_pb2.StepAllocOptions(
+        options=slot_options_to_proto(DEFAULT_SLOT_OPTIONS, num_in_flight_tokens, in_step=True)
+    ).SerializeToString()
+    if index:  # proto3 leaves a zero alloc_index out
+        body = _ALLOC_INDEX_TAG + _varint(index) + body
+    frame = _ALLOC_OPTIONS_TAG + _varint(len(body)) + body
+    frames = _IN_FLIGHT_FRAMES
+    if len(frames) >= _MAX_CACHED_ENTRIES:
+        frames.clear()
+    frames[index, num_in_flight_tokens] = frame
+    return frame
+
+
 def _alloc_options_to_proto(
     msg: scheduler_pb2.StepRequest, entries: dict[int, AllocOptions]
 ) -> None:
-    # Entries with an in-flight count and nothing else (every allocation of vLLM's async loop)
-    # are appended as their encoding: the options part serialized by protobuf once per count,
-    # framed per entry, merged in runs (a message object per entry costs ~5x more). Others are
-    # built as messages; the entries stay in alloc_index order, so the bytes are the same.
-    bodies: dict[int, bytes] = {}
+    # Entries with an in-flight count and nothing else are appended as their encoding, made
+    # once per (alloc_index, count) and merged in runs (a message object per entry costs ~5x
+    # more, and building the framing per entry ~3x). Others are built as messages; the entries
+    # stay in alloc_index order, so the bytes are the same.
+    frames = _IN_FLIGHT_FRAMES
     run: list[bytes] = []
-    for index in sorted(entries):
-        entry = entries[index]
+    for index, entry in sorted(entries.items()):
         if (
             entry.lookup is None
             and entry.hit is None
             and entry.slot_options is DEFAULT_SLOT_OPTIONS
         ):
-            body = bodies.get(entry.num_in_flight_tokens)
-            if body is None:
-                body = bodies[entry.num_in_flight_tokens] = scheduler_pb2.StepAllocOptions(
-                    options=slot_options_to_proto(
-                        entry.slot_options, entry.num_in_flight_tokens, in_step=True
-                    )
-                ).SerializeToString()
-            if index:  # proto3 leaves a zero alloc_index out
-                body = _ALLOC_INDEX_TAG + _varint(index) + body
-            run.append(_ALLOC_OPTIONS_TAG + _varint(len(body)) + body)
+            count = entry.num_in_flight_tokens
+            frame = frames.get((index, count))
+            run.append(frame if frame is not None else _in_flight_frame(index, count))
             continue
         if run:
             msg.MergeFromString(b"".join(run))
