@@ -22,18 +22,22 @@ Every spec validates its fields on construction and raises
 
 Traits. What the rest of kvcm asks of an attention type is declared once, on its spec class:
 ``kind`` (the ``kv_cache_spec_kind`` of KV events) and ``traits`` (a :class:`SpecTraits`:
-wire tag, block recycling, zeroing, grouping and prefix-caching rules), plus a few methods
-whose answer depends on the type's fields (``page_shape``, ``attention_dtype``,
-``max_admission_blocks_per_request``, ...). Planning, grouping, the coordinator and the
-managers read those instead of testing types, so a new attention type touches its spec class
-here, its manager in :mod:`kvcm.core.single_type_managers`, and that module's spec-to-manager
-table.
+wire tag and the fields that do not travel, snapshot support, vLLM's class name, block
+recycling, retention, zeroing, grouping and prefix-caching rules), plus a few methods whose
+answer depends on the type's fields (``page_shape``, ``attention_dtype``,
+``partial_block_hits``, ``max_admission_blocks_per_request``, ...). Planning, grouping, the
+coordinator, the managers, the wire and snapshot codecs and the vLLM converter read those
+(the codecs and the converter build their tables from :func:`spec_classes`) instead of
+testing types, so a new attention type touches its spec class here, its manager in
+:mod:`kvcm.core.single_type_managers` (with that module's spec-to-manager table), its
+``kvcm.v1`` message, and tests.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar, Final, Self
@@ -58,6 +62,7 @@ __all__ = [
     "UINT64_MAX",
     "UniformTypeKVCacheSpecs",
     "check_plannable_spec",
+    "spec_classes",
     "pins_hash_block_size",
 ]
 
@@ -166,6 +171,14 @@ class SpecTraits:
             it), or ``None``.
         keeps_kv_cache: ``False`` for layers that keep nothing across steps (encoder-only):
             they are not registered for planning.
+        sparse_retention: ``prefix_cache_retention_interval`` applies: the type drops blocks
+            behind a request's progress, so a retention interval keeps some (vLLM: sliding
+            window and Mamba).
+        not_on_the_wire: Spec fields that do not travel in ``kvcm.v1`` (the server never
+            needs them); the decoded spec has their defaults.
+        snapshot: A pool's snapshot may hold this spec (a rank's registered layer specs).
+        vllm_class: The name of vLLM 0.33's spec class that the vLLM integration converts to
+            this one; ``None``: the integration refuses the type.
     """
 
     wire_tag: str
@@ -179,6 +192,10 @@ class SpecTraits:
     state_packing: StatePacking = StatePacking.NEVER
     prefix_caching_unsupported: str | None = None
     keeps_kv_cache: bool = True
+    sparse_retention: bool = False
+    not_on_the_wire: frozenset[str] = frozenset()
+    snapshot: bool = True
+    vllm_class: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -258,6 +275,13 @@ class KVCacheSpec:
     def event_sliding_window(self) -> int | None:
         """The ``sliding_window`` vLLM reports in this group's KV events."""
         return None
+
+    @property
+    def partial_block_hits(self) -> bool:
+        """Whether prefix-cache hits may end inside this layer's blocks (a state per hash
+        block: vLLM's align-mode Mamba), so a hybrid pool may serve sub-block hits and the
+        hash block size is not pinned to the scheduler's."""
+        return False
 
     def copy_with_new_block_size(self, block_size: int) -> Self:
         """The same spec with another block size."""
@@ -403,7 +427,11 @@ class FullAttentionSpec(AttentionSpec):
 
     kind: ClassVar[str] = "full_attention"
     traits: ClassVar[SpecTraits] = SpecTraits(
-        wire_tag="full_attention", full_attention=True, can_pad_page=True
+        wire_tag="full_attention",
+        full_attention=True,
+        can_pad_page=True,
+        not_on_the_wire=frozenset({"non_causal"}),
+        vllm_class="FullAttentionSpec",
     )
 
     sliding_window: int | None = None
@@ -470,7 +498,14 @@ class MLAAttentionSpec(FullAttentionSpec):
     """
 
     kind: ClassVar[str] = "mla_attention"
-    traits: ClassVar[SpecTraits] = SpecTraits(wire_tag="mla_attention", full_attention=True)
+    traits: ClassVar[SpecTraits] = SpecTraits(
+        wire_tag="mla_attention",
+        full_attention=True,
+        not_on_the_wire=frozenset(
+            {"non_causal", "sliding_window", "attention_chunk_size", "alignment"}
+        ),
+        vllm_class="MLAAttentionSpec",
+    )
 
     head_size_v: int | None = 0
     cache_dtype_str: str | None = None
@@ -515,7 +550,10 @@ class SinkFullAttentionSpec(FullAttentionSpec):
 
     kind: ClassVar[str] = "sink_full_attention"
     traits: ClassVar[SpecTraits] = SpecTraits(
-        wire_tag="sink_full_attention", full_attention=True, can_pad_page=True
+        wire_tag="sink_full_attention",
+        full_attention=True,
+        can_pad_page=True,
+        not_on_the_wire=frozenset({"non_causal", "sliding_window", "attention_chunk_size"}),
     )
 
     sink_len: int | None = None
@@ -541,6 +579,9 @@ class SlidingWindowSpec(AttentionSpec):
         recycles_blocks=True,
         can_pad_page=True,
         state_packing=StatePacking.WITHOUT_PATTERN,
+        sparse_retention=True,
+        not_on_the_wire=frozenset({"extra_retained_tokens"}),
+        vllm_class="SlidingWindowSpec",
     )
 
     sliding_window: int
@@ -601,6 +642,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         recycles_blocks=True,
         hit_needs_shared_block_size=True,
         can_pad_page=True,
+        vllm_class="ChunkedLocalAttentionSpec",
     )
 
     attention_chunk_size: int
@@ -698,6 +740,8 @@ class MambaSpec(KVCacheSpec):
         can_scale_block_size=False,
         can_pad_page=True,
         state_packing=StatePacking.ALWAYS,
+        sparse_retention=True,
+        vllm_class="MambaSpec",
     )
 
     shapes: tuple[tuple[int, ...], ...]
@@ -761,6 +805,12 @@ class MambaSpec(KVCacheSpec):
         """The same spec with ``page_size_padded`` set."""
         return replace(self, page_size_padded=page_size_bytes)
 
+    @property
+    def partial_block_hits(self) -> bool:
+        """In vLLM's "align" mode a state is kept per hash block, so hits may end inside a
+        block."""
+        return self.mamba_cache_mode == "align"
+
     def _align(self, limits: SizingLimits) -> bool:
         # The layer's own mode (what its worker reports) or the engine's.
         return self.mamba_cache_mode == "align" or limits.mamba_cache_mode == "align"
@@ -799,7 +849,9 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         kv_cache_specs: Each layer's own spec, by layer name, in layer order.
     """
 
-    traits: ClassVar[SpecTraits] = SpecTraits(wire_tag="uniform_type")
+    traits: ClassVar[SpecTraits] = SpecTraits(
+        wire_tag="uniform_type", snapshot=False, vllm_class="UniformTypeKVCacheSpecs"
+    )
 
     kv_cache_specs: Mapping[str, KVCacheSpec]
 
@@ -876,15 +928,36 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return cls(block_size=block_size, kv_cache_specs=kv_cache_specs)
 
 
+def spec_classes() -> tuple[type[KVCacheSpec], ...]:
+    """Every spec class declaring its own traits with a wire tag, bases before subclasses.
+
+    The tables that depend on the type (the wire's fields left off, the snapshot's allowed
+    classes, the vLLM converter's class names) are derived from these classes' traits.
+    """
+    found: dict[type[KVCacheSpec], None] = {}
+
+    def walk(base: type[KVCacheSpec]) -> None:
+        for cls in base.__subclasses__():
+            # A slotted dataclass is a new class; the one it replaced lingers among the
+            # subclasses until collected. Only the class its module names is the spec.
+            # A subclass that declares no traits of its own is no type of its own.
+            named = getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
+            traits = cls.__dict__.get("traits")
+            if named and isinstance(traits, SpecTraits) and traits.wire_tag:
+                found[cls] = None
+            walk(cls)
+
+    walk(KVCacheSpec)
+    return tuple(found)
+
+
 def pins_hash_block_size(spec: KVCacheSpec) -> bool:
     """Whether a layer forces the hash block size to the scheduler block size.
 
     Mamba layers do outside vLLM's "align" mode, where their states sit at block boundaries
     and finer hashes serve sub-block hits.
     """
-    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
-        return False
-    return spec.traits.pins_hash_block_size
+    return spec.traits.pins_hash_block_size and not spec.partial_block_hits
 
 
 def check_plannable_spec(layer_name: str, spec: KVCacheSpec, field: str = "layer_specs") -> None:

@@ -21,16 +21,7 @@ from typing import Any, Final
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvcm.common.specs import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SinkFullAttentionSpec,
-    SlidingWindowSpec,
-)
+from kvcm.common.specs import spec_classes
 from kvcm.core.program import TRANSIENT, StepOutcome
 from kvcm.core.request import RequestStatus
 from kvcm.core.stats import PrefixCacheStats
@@ -47,16 +38,20 @@ __all__ = [
     "short",
 ]
 
-# The value classes a snapshot may name (decoding builds nothing else).
+# The value classes a snapshot may name (decoding builds nothing else), with a rank's
+# registered layer specs (a pool planned by its workers): the spec classes whose traits allow
+# them (``traits.snapshot``).
 _DATACLASSES: Final[Mapping[str, type]] = {
     cls.__name__: cls
     for cls in (
-        BlockStored, BlockRemoved, AllBlocksCleared, PrefixCacheStats, StepOutcome,
-        # A rank's registered layer specs (a pool planned by its workers).
-        FullAttentionSpec, MLAAttentionSpec, SinkFullAttentionSpec, SlidingWindowSpec,
-        ChunkedLocalAttentionSpec, CrossAttentionSpec, EncoderOnlyAttentionSpec, MambaSpec,
+        BlockStored,
+        BlockRemoved,
+        AllBlocksCleared,
+        PrefixCacheStats,
+        StepOutcome,
+        *(spec for spec in spec_classes() if spec.traits.snapshot),
     )
-}  # fmt: skip
+}
 _ENUMS: Final[Mapping[str, type[enum.Enum]]] = {cls.__name__: cls for cls in (RequestStatus, DType)}
 # Decoding bounds: no value of a real snapshot nests deeper or needs a longer integer.
 _MAX_DEPTH: Final = 32

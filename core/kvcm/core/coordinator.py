@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import (
     KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
 )
 from kvcm.core.block_pool import BlockPool
 from kvcm.core.single_type_managers import (
@@ -64,8 +62,9 @@ def _cdiv(a: int, b: int) -> int:
 def partial_hash_hits_enabled(kv_cache_config: KVCacheConfig, hash_block_size: int) -> bool:
     """Whether a hybrid pool serves sub-block prefix hits, as vLLM 0.33 decides it.
 
-    It does when an align-mode Mamba group's block is larger than the hash block and every
-    other group either looks up hash-block boundaries itself or has blocks of one hash block.
+    It does when a group whose hits may end inside its blocks (``spec.partial_block_hits``:
+    align-mode Mamba) has blocks larger than the hash block and every other group either
+    looks up hash-block boundaries itself or has blocks of one hash block.
 
     Args:
         kv_cache_config: The pool's groups.
@@ -76,9 +75,7 @@ def partial_hash_hits_enabled(kv_cache_config: KVCacheConfig, hash_block_size: i
     """
     groups = kv_cache_config.kv_cache_groups
     if not any(
-        isinstance(group.kv_cache_spec, MambaSpec)
-        and group.kv_cache_spec.mamba_cache_mode == "align"
-        and group.kv_cache_spec.block_size > hash_block_size
+        group.kv_cache_spec.partial_block_hits and group.kv_cache_spec.block_size > hash_block_size
         for group in groups
     ):
         return False
@@ -645,12 +642,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
 def _check_retention(config: CoordinatorConfig) -> None:
     # vLLM's checks, with its reasons: a retention interval only means something with a
-    # sliding-window or Mamba group, and must land on hit boundaries.
+    # group that drops blocks behind a request (traits.sparse_retention: sliding window,
+    # Mamba), and must land on hit boundaries.
     interval = config.prefix_cache_retention_interval
     if interval is None:
         return
     groups = config.kv_cache_config.kv_cache_groups
-    if not any(isinstance(g.kv_cache_spec, (SlidingWindowSpec, MambaSpec)) for g in groups):
+    if not any(g.kv_cache_spec.traits.sparse_retention for g in groups):
         if interval == 0:
             return
         raise ConfigError(

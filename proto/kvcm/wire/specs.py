@@ -2,15 +2,15 @@
 
 An attention spec's wire form follows from its class: ``traits.wire_tag`` names its
 ``KVCacheSpec.spec`` oneof message, whose ``attention`` carries the common attention fields and
-whose other fields carry the spec fields of the same names (``NOT_ON_THE_WIRE`` lists the spec
-fields that do not travel). Mamba and the uniform-type wrapper have codecs of their own.
+whose other fields carry the spec fields of the same names (``traits.not_on_the_wire`` names
+the spec fields that do not travel, gathered in ``NOT_ON_THE_WIRE``). Mamba and the
+uniform-type wrapper have codecs of their own.
 Decoders name the field at fault: ``layer_specs[3].spec.full_attention.attention.dtype``.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Final
 
@@ -18,13 +18,10 @@ from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec, KVCacheLayout, K
 from kvcm.common.errors import InvalidArgumentError, KVCMError
 from kvcm.common.specs import (
     AttentionSpec,
-    FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
-    MLAAttentionSpec,
-    SinkFullAttentionSpec,
-    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
+    spec_classes,
 )
 from kvcm.v1 import common_pb2
 from kvcm.wire.enums import dtype_from_proto, dtype_to_proto
@@ -46,16 +43,13 @@ __all__ = [
 # its spec class and its proto message, and no code here.
 _ATTENTION_PLAIN: Final = ("block_size", "num_kv_heads", "head_size")
 
-# Spec fields that do not travel: the server never needs them (they shape the engine's own
-# kernels or only its scheduler), so the decoded spec has their defaults. A field neither on
-# the wire nor listed here fails the wire tests, so none is dropped without a decision.
+# Spec fields that do not travel (each class's ``traits.not_on_the_wire``): the server never
+# needs them (they shape the engine's own kernels or only its scheduler), so the decoded spec
+# has their defaults. A field neither on the wire nor listed fails the wire tests, so none is
+# dropped without a decision.
 NOT_ON_THE_WIRE: Final[Mapping[type, frozenset[str]]] = {
-    FullAttentionSpec: frozenset({"non_causal"}),
-    MLAAttentionSpec: frozenset({"non_causal", "sliding_window", "attention_chunk_size",
-                                 "alignment"}),
-    SinkFullAttentionSpec: frozenset({"non_causal", "sliding_window", "attention_chunk_size"}),
-    SlidingWindowSpec: frozenset({"extra_retained_tokens"}),
-}  # fmt: skip
+    cls: cls.traits.not_on_the_wire for cls in spec_classes() if cls.traits.not_on_the_wire
+}
 
 
 def _attention_to_proto(spec: AttentionSpec, message: common_pb2.AttentionSpec) -> None:
@@ -183,24 +177,15 @@ def _uniform_from_proto(message: common_pb2.KVCacheSpec, field: str) -> KVCacheS
     )
 
 
-def _spec_classes(base: type[KVCacheSpec]) -> Iterator[type[KVCacheSpec]]:
-    for cls in base.__subclasses__():
-        # A slotted dataclass is a new class; the one it replaced lingers among the
-        # subclasses until collected. Only the class its module names is the spec.
-        if getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls:
-            yield cls
-        yield from _spec_classes(cls)
-
-
 def _decoders() -> dict[str, Callable[[common_pb2.KVCacheSpec, str], KVCacheSpec]]:
     decoders: dict[str, Callable[[common_pb2.KVCacheSpec, str], KVCacheSpec]] = {
         "mamba": _mamba_from_proto,
         "uniform_type": _uniform_from_proto,
     }
-    for cls in _spec_classes(AttentionSpec):
-        tag = cls.__dict__.get("traits", AttentionSpec.traits).wire_tag
-        if tag and tag not in decoders:
-            decoders[tag] = partial(_attention_spec_from_proto, cls)  # type: ignore[arg-type]
+    for cls in spec_classes():
+        tag = cls.traits.wire_tag
+        if issubclass(cls, AttentionSpec) and tag not in decoders:
+            decoders[tag] = partial(_attention_spec_from_proto, cls)
     return decoders
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from kvcm.common import specs as kvcm_specs
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
@@ -42,66 +42,69 @@ def _attention_kwargs(spec: Any, where: str) -> dict[str, Any]:
     quant_mode = getattr(spec, "kv_quant_mode", None)
     if quant_mode is not None and getattr(quant_mode, "name", "NONE") != "NONE":
         raise ConfigError(f"{where}: quantized KV caches ({spec.kv_quant_mode}) are not supported")
-    kwargs: dict[str, Any] = {
+    if getattr(spec, "non_causal", False):
+        raise ConfigError(f"{where}: non-causal attention is not supported")
+    return {
         "block_size": spec.block_size,
         "num_kv_heads": spec.num_kv_heads,
         "head_size": spec.head_size,
         "dtype": _dtype(spec.dtype, where),
+        "head_size_v": spec.head_size_v,
         "page_size_padded": spec.page_size_padded,
     }
-    if spec.head_size_v is not None and spec.head_size_v != spec.head_size:
-        kwargs["head_size_v"] = spec.head_size_v
-    return kwargs
+
+
+# The fields every attention spec shares; a type's own fields are copied by name.
+_ATTENTION_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(kvcm_specs.AttentionSpec))
+
+
+def _convert_attention(cls: type[Any], spec: Any, where: str) -> kvcm_specs.KVCacheSpec:
+    kwargs = _attention_kwargs(spec, where)
+    for field in dataclasses.fields(cls):
+        if field.name not in _ATTENTION_FIELDS and hasattr(spec, field.name):
+            kwargs[field.name] = getattr(spec, field.name)
+    return cast("kvcm_specs.KVCacheSpec", cls(**kwargs))
+
+
+def _convert_uniform(spec: Any, where: str) -> kvcm_specs.KVCacheSpec:
+    return kvcm_specs.UniformTypeKVCacheSpecs(
+        block_size=spec.block_size,
+        kv_cache_specs={
+            name: convert_spec(layer, f"{where}[{name!r}]")
+            for name, layer in spec.kv_cache_specs.items()
+        },
+    )
+
+
+# vLLM's class name -> kvcm's spec class: every class that names one (traits.vllm_class).
+_SPEC_FOR_VLLM_CLASS: Final = {
+    cls.traits.vllm_class: cls for cls in kvcm_specs.spec_classes() if cls.traits.vllm_class
+}
 
 
 def convert_spec(spec: Any, where: str = "kv_cache_spec") -> kvcm_specs.KVCacheSpec:
     """kvcm's spec for one of vLLM 0.33's KV-cache specs.
 
-    Only the kinds kvcm's core models are accepted, by exact type: full attention (with a
-    recorded window or chunk), MLA, sliding window, chunked local attention, Mamba (in
-    either cache mode, "align" included), and uniform groups of those.
+    The kinds accepted, by exact type, are those whose kvcm spec class names them in
+    ``traits.vllm_class``: full attention (with a recorded window or chunk), MLA, sliding
+    window, chunked local attention, Mamba (in either cache mode, "align" included), and
+    uniform groups of those. An attention spec's own fields are copied by name; Mamba and
+    uniform groups have converters of their own.
 
     Raises:
         ConfigError: The kind (or a setting of it) is not supported; the message names it.
     """
     kind = type(spec).__name__
-    if kind == "UniformTypeKVCacheSpecs":
-        return kvcm_specs.UniformTypeKVCacheSpecs(
-            block_size=spec.block_size,
-            kv_cache_specs={
-                name: convert_spec(layer, f"{where}[{name!r}]")
-                for name, layer in spec.kv_cache_specs.items()
-            },
-        )
-    if kind == "FullAttentionSpec":
-        if spec.non_causal:
-            raise ConfigError(f"{where}: non-causal full attention is not supported")
-        return kvcm_specs.FullAttentionSpec(
-            **_attention_kwargs(spec, where),
-            sliding_window=spec.sliding_window,
-            attention_chunk_size=spec.attention_chunk_size,
-        )
-    if kind == "MLAAttentionSpec":
-        return kvcm_specs.MLAAttentionSpec(
-            **{**_attention_kwargs(spec, where), "head_size_v": spec.head_size_v},
-            cache_dtype_str=spec.cache_dtype_str,
-            alignment=spec.alignment,
-        )
-    if kind == "SlidingWindowSpec":
-        return kvcm_specs.SlidingWindowSpec(
-            **_attention_kwargs(spec, where),
-            sliding_window=spec.sliding_window,
-            extra_retained_tokens=spec.extra_retained_tokens,
-        )
-    if kind == "ChunkedLocalAttentionSpec":
-        return kvcm_specs.ChunkedLocalAttentionSpec(
-            **_attention_kwargs(spec, where), attention_chunk_size=spec.attention_chunk_size
-        )
-    if kind == "MambaSpec":
+    cls = _SPEC_FOR_VLLM_CLASS.get(kind)
+    if cls is kvcm_specs.UniformTypeKVCacheSpecs:
+        return _convert_uniform(spec, where)
+    if cls is kvcm_specs.MambaSpec:
         return _convert_mamba(spec, where)
+    if cls is not None and issubclass(cls, kvcm_specs.AttentionSpec):
+        return _convert_attention(cls, spec, where)
     raise ConfigError(
         f"{where}: {kind} layers are not supported by kvcm's vLLM integration yet (supported: "
-        "full attention, MLA, sliding window, chunked local attention, Mamba)"
+        f"{', '.join(sorted(_SPEC_FOR_VLLM_CLASS))})"
     )
 
 
