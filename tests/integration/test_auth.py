@@ -94,6 +94,19 @@ EXPECTED: dict[str, tuple[frozenset[str], bool]] = {
     "/kvcm.v1.EventService/SubscribeEvents": (frozenset(A_READERS), True),
     "/kvcm.v1.LookupService/Lookup": (VALID, False),
     "/kvcm.v1.LookupService/RoutePd": (VALID, False),
+    **{
+        f"/kvcm.v1.TransferService/{method}": (frozenset(A_DRIVERS), True)
+        for method in (
+            "HoldSource",
+            "PlanTransfer",
+            "CommitTransfer",
+            "ReleaseTransfer",
+            "ExpireTransfer",
+        )
+    },
+    "/kvcm.v1.TransferService/DescribeTransfer": (frozenset(A_READERS), True),
+    # Any valid token may list; naming a pool it may not read is refused.
+    "/kvcm.v1.TransferService/ListTransfers": (frozenset(A_READERS), True),
     "GET /metrics": (frozenset({"admin", "scrape"}), False),
     "GET /healthz": (OPEN, False),
     "GET /readyz": (OPEN, False),

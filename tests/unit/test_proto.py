@@ -38,6 +38,15 @@ EXPECTED_RPCS = {
     },
     "EventService": {"SubscribeEvents"},
     "LookupService": {"Lookup", "RoutePd"},
+    "TransferService": {
+        "HoldSource",
+        "PlanTransfer",
+        "CommitTransfer",
+        "ReleaseTransfer",
+        "ExpireTransfer",
+        "DescribeTransfer",
+        "ListTransfers",
+    },
 }
 
 # A 1-token decode step item (APPEND_TOKENS + ALLOCATE) must stay below this many bytes on the

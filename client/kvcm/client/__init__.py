@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         UnimplementedError,
     )
     from kvcm.client._step import HostAllocResult, LookupResult, StepBuilder, StepResult
+    from kvcm.client._transfers import Transfer, TransferState
     from kvcm.client._types import (
         DEFAULT_TIMEOUT_S,
         REGISTER_WORKER_TIMEOUT_S,
@@ -119,6 +120,8 @@ __all__ = [
     "StepRejection",
     "StepResult",
     "TlsConfig",
+    "Transfer",
+    "TransferState",
     "UnavailableError",
     "UnimplementedError",
     "Usage",
@@ -165,6 +168,8 @@ _MODULE_OF = {
     "RequestBlocks": "_types",
     "RetryPolicy": "_base",
     "TlsConfig": "_base",
+    "Transfer": "_transfers",
+    "TransferState": "_transfers",
     "SchedulerClient": "scheduler",
     "SchedulerRequest": "remote_manager",
     "ServiceAlreadyExistsError": "_errors",

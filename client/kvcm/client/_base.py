@@ -12,7 +12,7 @@ the SDK's own records).
 
 Retries: the channel's service config retries the calls ``service.proto`` declares idempotent
 (``RegisterWorker``, ``Get*``/``List*``/``Describe*``, ``SubscribeEvents``, ``Lookup``,
-``RoutePd``) on UNAVAILABLE. A
+``RoutePd``, every TransferService call) on UNAVAILABLE. A
 ``Step`` is idempotent only when it carries a ``step_seq``, which a service config cannot see,
 so the clients retry such Steps themselves with the same policy (``RETRY_POLICY``).
 """
@@ -105,6 +105,16 @@ _IDEMPOTENT_METHODS: Final = {
     ),
     "kvcm.v1.EventService": ("SubscribeEvents",),
     "kvcm.v1.LookupService": ("Lookup", "RoutePd"),
+    # Every transfer call: a retry with the same transfer_id answers the same record.
+    "kvcm.v1.TransferService": (
+        "HoldSource",
+        "PlanTransfer",
+        "CommitTransfer",
+        "ReleaseTransfer",
+        "ExpireTransfer",
+        "DescribeTransfer",
+        "ListTransfers",
+    ),
 }
 
 
@@ -304,10 +314,11 @@ class Stubs:
         scheduler: ``SchedulerService``.
         events: ``EventService``.
         lookup: ``LookupService``.
+        transfers: ``TransferService``.
         worker: ``WorkerService``.
     """
 
-    __slots__ = ("admin", "events", "lookup", "scheduler", "worker")
+    __slots__ = ("admin", "events", "lookup", "scheduler", "transfers", "worker")
 
     def __init__(self, channel: Any) -> None:
         """Build the stubs on ``channel`` (sync or asyncio)."""
@@ -315,6 +326,7 @@ class Stubs:
         self.scheduler = service_pb2_grpc.SchedulerServiceStub(channel)  # type: ignore[no-untyped-call]
         self.events = service_pb2_grpc.EventServiceStub(channel)  # type: ignore[no-untyped-call]
         self.lookup = service_pb2_grpc.LookupServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.transfers = service_pb2_grpc.TransferServiceStub(channel)  # type: ignore[no-untyped-call]
         self.worker = service_pb2_grpc.WorkerServiceStub(channel)  # type: ignore[no-untyped-call]
 
 

@@ -36,6 +36,7 @@ from kvcm.client._base import ChannelClient, Timeout
 from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._streams import EventStream
+from kvcm.client._transfers import Transfer, TransferState, transfer_from_proto
 from kvcm.client._types import (
     USE_CLIENT_DEFAULT,
     CacheHit,
@@ -54,8 +55,9 @@ from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.core.program import StepProgram
-from kvcm.v1 import admin_pb2, events_pb2, scheduler_pb2
+from kvcm.v1 import admin_pb2, events_pb2, pd_pb2, scheduler_pb2
 from kvcm.wire import (
+    fill_grouped,
     outcome_from_proto,
     pool_info_from_proto,
     pool_summaries_from_proto,
@@ -129,6 +131,164 @@ class SchedulerClient(ChannelClient):
         request = pd_route_query_to_proto(query)
         response = self._unary("RoutePd", self._stubs.lookup.RoutePd, request, timeout)
         return pd_route_from_proto(response)
+
+    # ------------------------------------------------------------------------- transfers
+    def hold_source(
+        self,
+        pool_id: str,
+        transfer_id: str,
+        request_key: int = 0,
+        *,
+        lease_s: float,
+        record_only: bool = False,
+        request_id: str = "",
+        num_tokens: int = 0,
+        source_blocks: Sequence[Sequence[int]] = (),
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> Transfer:
+        """Hold a P/D transfer's source: request ``request_key`` of ``pool_id`` keeps its
+        blocks until the transfer is committed, released or expired (after ``lease_s``), when
+        kvcm finishes it. ``record_only``: only record an engine's own handoff (give
+        ``request_id``, ``num_tokens`` and ``source_blocks``; kvcm changes no pool).
+
+        Idempotent (retried on UNAVAILABLE): the same hold again answers the record as it is.
+        See docs/pd.md.
+
+        Raises:
+            ServiceAlreadyExistsError: ``transfer_id`` names another source, or the request
+                is held by another transfer.
+            ServiceNotFoundError: No such pool or request.
+            ServiceFailedPreconditionError: The request holds no blocks.
+            ServiceInvalidArgumentError: A field is out of its domain (named).
+        """
+        request = pd_pb2.HoldSourceRequest(
+            pool_id=pool_id,
+            transfer_id=transfer_id,
+            request_key=request_key,
+            lease_s=lease_s,
+            record_only=record_only,
+            request_id=request_id,
+            num_tokens=num_tokens,
+        )
+        if source_blocks:
+            fill_grouped(source_blocks, request.source_blocks)
+        stub = self._stubs.transfers.HoldSource
+        response = self._unary("HoldSource", stub, request, timeout)
+        return transfer_from_proto(response.transfer)
+
+    def plan_transfer(
+        self,
+        pool_id: str,
+        transfer_id: str,
+        destination_pool_id: str,
+        *,
+        hit_tokens: int | None = None,
+        pull_tokens: int | None = None,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> Transfer:
+        """Plan the pull into ``destination_pool_id`` (the lease renewed): kvcm answers the
+        destination's exact hit for the source's blocks (``hit_tokens``, not pulled) and
+        ``pull_tokens``. A record-only transfer gives both itself.
+
+        Idempotent: the same destination again answers the record.
+
+        Raises:
+            ServiceNotFoundError: No such transfer or destination pool.
+            ServiceFailedPreconditionError: Planned against another pool, ended, or pools
+                that hash differently.
+        """
+        request = pd_pb2.PlanTransferRequest(
+            pool_id=pool_id, transfer_id=transfer_id, destination_pool_id=destination_pool_id
+        )
+        if hit_tokens is not None:
+            request.hit_tokens = hit_tokens
+        if pull_tokens is not None:
+            request.pull_tokens = pull_tokens
+        stub = self._stubs.transfers.PlanTransfer
+        response = self._unary("PlanTransfer", stub, request, timeout)
+        return transfer_from_proto(response.transfer)
+
+    def commit_transfer(
+        self,
+        pool_id: str,
+        transfer_id: str,
+        *,
+        blocks_pulled: int | None = None,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> Transfer:
+        """The destination has its blocks: COMPLETED, the source given back to its pool.
+
+        Idempotent: a completed transfer answers as it is.
+
+        Raises:
+            ServiceFailedPreconditionError: Not planned, or released or expired.
+        """
+        request = pd_pb2.CommitTransferRequest(pool_id=pool_id, transfer_id=transfer_id)
+        if blocks_pulled is not None:
+            request.blocks_pulled = blocks_pulled
+        stub = self._stubs.transfers.CommitTransfer
+        response = self._unary("CommitTransfer", stub, request, timeout)
+        return transfer_from_proto(response.transfer)
+
+    def release_transfer(
+        self,
+        pool_id: str,
+        transfer_id: str,
+        reason: str = "",
+        *,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> Transfer:
+        """Let the transfer go (RELEASED), the source given back; an ended one answers as is."""
+        request = pd_pb2.ReleaseTransferRequest(
+            pool_id=pool_id, transfer_id=transfer_id, reason=reason
+        )
+        stub = self._stubs.transfers.ReleaseTransfer
+        response = self._unary("ReleaseTransfer", stub, request, timeout)
+        return transfer_from_proto(response.transfer)
+
+    def expire_transfer(
+        self,
+        pool_id: str,
+        transfer_id: str,
+        reason: str = "",
+        *,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> Transfer:
+        """End the lease now (EXPIRED), the source given back; an ended one answers as is."""
+        request = pd_pb2.ExpireTransferRequest(
+            pool_id=pool_id, transfer_id=transfer_id, reason=reason
+        )
+        stub = self._stubs.transfers.ExpireTransfer
+        response = self._unary("ExpireTransfer", stub, request, timeout)
+        return transfer_from_proto(response.transfer)
+
+    def describe_transfer(
+        self, pool_id: str, transfer_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT
+    ) -> Transfer:
+        """One transfer (read-only).
+
+        Raises:
+            ServiceNotFoundError: No such transfer (or it ended long ago).
+        """
+        request = pd_pb2.DescribeTransferRequest(pool_id=pool_id, transfer_id=transfer_id)
+        stub = self._stubs.transfers.DescribeTransfer
+        response = self._unary("DescribeTransfer", stub, request, timeout)
+        return transfer_from_proto(response.transfer)
+
+    def list_transfers(
+        self,
+        pool_id: str = "",
+        *,
+        states: Sequence[TransferState] = (),
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> list[Transfer]:
+        """Transfers in flight (oldest first), then recently ended ones (latest first), of
+        ``pool_id`` or of every pool this token may read; ``states``: only these."""
+        wanted = [pd_pb2.TransferState.Value(f"TRANSFER_STATE_{s.name}") for s in states]
+        request = pd_pb2.ListTransfersRequest(pool_id=pool_id, states=wanted)
+        stub = self._stubs.transfers.ListTransfers
+        response = self._unary("ListTransfers", stub, request, timeout)
+        return [transfer_from_proto(message) for message in response.transfers]
 
     def list_pools(self, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> list[PoolSummary]:
         """Every pool, sorted by id."""

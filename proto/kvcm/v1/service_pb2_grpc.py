@@ -1426,3 +1426,354 @@ class LookupService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class TransferServiceStub:
+    """For P/D proxies and engines: transfer records with leases (see pd.proto). Every call is
+    atomic and, with the same transfer_id and fields, idempotent (safe to retry). With
+    authentication: the scheduler role on the source pool (pool_id); Describe and List read.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.HoldSource = channel.unary_unary(
+                '/kvcm.v1.TransferService/HoldSource',
+                request_serializer=kvcm_dot_v1_dot_pd__pb2.HoldSourceRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_pd__pb2.HoldSourceResponse.FromString,
+                _registered_method=True)
+        self.PlanTransfer = channel.unary_unary(
+                '/kvcm.v1.TransferService/PlanTransfer',
+                request_serializer=kvcm_dot_v1_dot_pd__pb2.PlanTransferRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_pd__pb2.PlanTransferResponse.FromString,
+                _registered_method=True)
+        self.CommitTransfer = channel.unary_unary(
+                '/kvcm.v1.TransferService/CommitTransfer',
+                request_serializer=kvcm_dot_v1_dot_pd__pb2.CommitTransferRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_pd__pb2.CommitTransferResponse.FromString,
+                _registered_method=True)
+        self.ReleaseTransfer = channel.unary_unary(
+                '/kvcm.v1.TransferService/ReleaseTransfer',
+                request_serializer=kvcm_dot_v1_dot_pd__pb2.ReleaseTransferRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_pd__pb2.ReleaseTransferResponse.FromString,
+                _registered_method=True)
+        self.ExpireTransfer = channel.unary_unary(
+                '/kvcm.v1.TransferService/ExpireTransfer',
+                request_serializer=kvcm_dot_v1_dot_pd__pb2.ExpireTransferRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_pd__pb2.ExpireTransferResponse.FromString,
+                _registered_method=True)
+        self.DescribeTransfer = channel.unary_unary(
+                '/kvcm.v1.TransferService/DescribeTransfer',
+                request_serializer=kvcm_dot_v1_dot_pd__pb2.DescribeTransferRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_pd__pb2.DescribeTransferResponse.FromString,
+                _registered_method=True)
+        self.ListTransfers = channel.unary_unary(
+                '/kvcm.v1.TransferService/ListTransfers',
+                request_serializer=kvcm_dot_v1_dot_pd__pb2.ListTransfersRequest.SerializeToString,
+                response_deserializer=kvcm_dot_v1_dot_pd__pb2.ListTransfersResponse.FromString,
+                _registered_method=True)
+
+
+class TransferServiceServicer:
+    """For P/D proxies and engines: transfer records with leases (see pd.proto). Every call is
+    atomic and, with the same transfer_id and fields, idempotent (safe to retry). With
+    authentication: the scheduler role on the source pool (pool_id); Describe and List read.
+    """
+
+    def HoldSource(self, request, context):
+        """Holds a source. ALREADY_EXISTS: transfer_id names another source, or the request is held
+        by another transfer. NOT_FOUND: the pool or request_key. FAILED_PRECONDITION: the request
+        holds no blocks. INVALID_ARGUMENT: a field out of its domain (named). RESOURCE_EXHAUSTED:
+        too many transfers in flight.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlanTransfer(self, request, context):
+        """Plans the destination (renews the lease). NOT_FOUND: the transfer or destination pool.
+        FAILED_PRECONDITION: planned against another pool, ended, or pools that hash differently.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitTransfer(self, request, context):
+        """The destination has its blocks: COMPLETED, the source given back. FAILED_PRECONDITION: not
+        planned, or released/expired (managed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseTransfer(self, request, context):
+        """Lets the transfer go: RELEASED, the source given back. An ended transfer is answered as it is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExpireTransfer(self, request, context):
+        """Ends the lease now: EXPIRED, the source given back. An ended transfer is answered as it is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeTransfer(self, request, context):
+        """One transfer. NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTransfers(self, request, context):
+        """Transfers in flight and recently ended. NOT_FOUND: pool_id names no pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TransferServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'HoldSource': grpc.unary_unary_rpc_method_handler(
+                    servicer.HoldSource,
+                    request_deserializer=kvcm_dot_v1_dot_pd__pb2.HoldSourceRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_pd__pb2.HoldSourceResponse.SerializeToString,
+            ),
+            'PlanTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanTransfer,
+                    request_deserializer=kvcm_dot_v1_dot_pd__pb2.PlanTransferRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_pd__pb2.PlanTransferResponse.SerializeToString,
+            ),
+            'CommitTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitTransfer,
+                    request_deserializer=kvcm_dot_v1_dot_pd__pb2.CommitTransferRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_pd__pb2.CommitTransferResponse.SerializeToString,
+            ),
+            'ReleaseTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseTransfer,
+                    request_deserializer=kvcm_dot_v1_dot_pd__pb2.ReleaseTransferRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_pd__pb2.ReleaseTransferResponse.SerializeToString,
+            ),
+            'ExpireTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExpireTransfer,
+                    request_deserializer=kvcm_dot_v1_dot_pd__pb2.ExpireTransferRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_pd__pb2.ExpireTransferResponse.SerializeToString,
+            ),
+            'DescribeTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeTransfer,
+                    request_deserializer=kvcm_dot_v1_dot_pd__pb2.DescribeTransferRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_pd__pb2.DescribeTransferResponse.SerializeToString,
+            ),
+            'ListTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTransfers,
+                    request_deserializer=kvcm_dot_v1_dot_pd__pb2.ListTransfersRequest.FromString,
+                    response_serializer=kvcm_dot_v1_dot_pd__pb2.ListTransfersResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvcm.v1.TransferService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvcm.v1.TransferService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class TransferService:
+    """For P/D proxies and engines: transfer records with leases (see pd.proto). Every call is
+    atomic and, with the same transfer_id and fields, idempotent (safe to retry). With
+    authentication: the scheduler role on the source pool (pool_id); Describe and List read.
+    """
+
+    @staticmethod
+    def HoldSource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcm.v1.TransferService/HoldSource',
+            kvcm_dot_v1_dot_pd__pb2.HoldSourceRequest.SerializeToString,
+            kvcm_dot_v1_dot_pd__pb2.HoldSourceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcm.v1.TransferService/PlanTransfer',
+            kvcm_dot_v1_dot_pd__pb2.PlanTransferRequest.SerializeToString,
+            kvcm_dot_v1_dot_pd__pb2.PlanTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcm.v1.TransferService/CommitTransfer',
+            kvcm_dot_v1_dot_pd__pb2.CommitTransferRequest.SerializeToString,
+            kvcm_dot_v1_dot_pd__pb2.CommitTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcm.v1.TransferService/ReleaseTransfer',
+            kvcm_dot_v1_dot_pd__pb2.ReleaseTransferRequest.SerializeToString,
+            kvcm_dot_v1_dot_pd__pb2.ReleaseTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExpireTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcm.v1.TransferService/ExpireTransfer',
+            kvcm_dot_v1_dot_pd__pb2.ExpireTransferRequest.SerializeToString,
+            kvcm_dot_v1_dot_pd__pb2.ExpireTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcm.v1.TransferService/DescribeTransfer',
+            kvcm_dot_v1_dot_pd__pb2.DescribeTransferRequest.SerializeToString,
+            kvcm_dot_v1_dot_pd__pb2.DescribeTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTransfers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcm.v1.TransferService/ListTransfers',
+            kvcm_dot_v1_dot_pd__pb2.ListTransfersRequest.SerializeToString,
+            kvcm_dot_v1_dot_pd__pb2.ListTransfersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

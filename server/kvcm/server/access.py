@@ -139,6 +139,14 @@ _SCHEDULER_METHODS: Final = (
     "GetUsage",
     "TakePrefixCacheStats",
 )
+# The TransferService calls that change a record: the scheduler role on the source pool.
+_TRANSFER_METHODS: Final = (
+    "HoldSource",
+    "PlanTransfer",
+    "CommitTransfer",
+    "ReleaseTransfer",
+    "ExpireTransfer",
+)
 
 RULES: Final[Mapping[str, Rule]] = {
     # gRPC, by full method name.
@@ -154,6 +162,9 @@ RULES: Final[Mapping[str, Rule]] = {
     "/kvcm.v1.EventService/SubscribeEvents": _READ,
     "/kvcm.v1.LookupService/Lookup": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
     "/kvcm.v1.LookupService/RoutePd": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
+    **{f"/kvcm.v1.TransferService/{method}": _SCHEDULE for method in _TRANSFER_METHODS},
+    "/kvcm.v1.TransferService/DescribeTransfer": _READ,
+    "/kvcm.v1.TransferService/ListTransfers": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
     # HTTP, by verb and route template.
     "GET /metrics": Rule(roles=("scrape",), pool=PoolFrom.SERVER),
     "GET /healthz": _OPEN,

@@ -18,7 +18,8 @@ only when asked, cut the journal at the damage.
 Checkpoint file: ``KVCMCKPT`` magic, u32 version (2; 1 is still read), u32 CRC-32 of the
 rest, u64 last seq, u64 registry epoch, u32 pool count, then per pool: u16 + id, u32 + config
 (``kvcm.v1.PoolConfig`` bytes), u64 epoch, u64 + snapshot bytes (empty for a pool still
-waiting for its workers); version 2 ends with u64 + the KV-event numbering table.
+waiting for its workers); version 2 ends with u64 + the KV-event numbering table, version 3
+then with u64 + the transfer records (``kvcm.v1.ListTransfersResponse`` bytes).
 
 Test hook (off unless set): ``KVCM_JOURNAL_FAULT_FILE=PATH``. While ``PATH`` exists, its
 content (``"write ENOSPC"``, ``"fsync EIO"``, ``"any ENOSPC"``, ...) makes every journal and
@@ -64,7 +65,7 @@ _HEAD: Final = struct.Struct("<Qd")
 _U16: Final = struct.Struct("<H")
 _SEQ: Final = struct.Struct("<Q")
 _CHECKPOINT_MAGIC: Final = b"KVCMCKPT"
-_CHECKPOINT_VERSION: Final = 2
+_CHECKPOINT_VERSION: Final = 3
 JOURNAL_FILE: Final = "journal.log"
 CHECKPOINT_FILE: Final = "checkpoint.bin"
 VOID: Final = "Void"
@@ -89,6 +90,11 @@ RECORD_METHODS: Final = frozenset(
         "TakeNewBlockIds",
         "NewStepStarts",
         "TakePrefixCacheStats",
+        "HoldSource",
+        "PlanTransfer",
+        "CommitTransfer",
+        "ReleaseTransfer",
+        "ExpireTransfer",
         PLAN_POOL,
         VOID,
     }
@@ -144,12 +150,14 @@ class Checkpoint:
     Attributes:
         kv_event_numbering: The ZMQ KV-event stream's numbering per pool id
             (``KvEventNumbering.encode``; empty in a version-1 checkpoint).
+        transfers: The P/D transfer records (empty before version 3).
     """
 
     seq: int
     registry_epoch: int
     pools: tuple[CheckpointPool, ...]
     kv_event_numbering: bytes = b""
+    transfers: bytes = b""
 
 
 def _encode_record(record: JournalRecord) -> bytes:
@@ -391,6 +399,7 @@ def write_checkpoint(directory: Path, checkpoint: Checkpoint) -> None:
         parts.append(struct.pack("<QQ", pool.epoch, len(pool.snapshot)) + pool.snapshot)
     numbering = checkpoint.kv_event_numbering
     parts.append(struct.pack("<Q", len(numbering)) + numbering)
+    parts.append(struct.pack("<Q", len(checkpoint.transfers)) + checkpoint.transfers)
     body = b"".join(parts)
     header = _CHECKPOINT_MAGIC + struct.pack("<II", _CHECKPOINT_VERSION, zlib.crc32(body))
     temporary = directory / (CHECKPOINT_FILE + ".tmp")
@@ -424,7 +433,7 @@ def read_checkpoint(directory: Path) -> Checkpoint | None:
         raise ConfigError(f"data_dir: {path} is not a kvcm checkpoint")
     version, crc = struct.unpack_from("<II", data, 8)
     body = data[16:]
-    if version not in (1, _CHECKPOINT_VERSION) or zlib.crc32(body) != crc:
+    if version not in (1, 2, _CHECKPOINT_VERSION) or zlib.crc32(body) != crc:
         raise ConfigError(f"data_dir: {path} is damaged or of version {version}")
     try:
         seq, registry_epoch, count = struct.unpack_from("<QQI", body)
@@ -446,11 +455,16 @@ def read_checkpoint(directory: Path) -> Checkpoint | None:
             (size,) = struct.unpack_from("<Q", body, at)
             numbering = body[at + 8 : at + 8 + size]
             at += 8 + size
+        transfers = b""
+        if version >= 3:
+            (size,) = struct.unpack_from("<Q", body, at)
+            transfers = body[at + 8 : at + 8 + size]
+            at += 8 + size
     except (struct.error, UnicodeDecodeError) as exc:
         raise ConfigError(f"data_dir: {path} is damaged (its pool table: {exc})") from None
     if at != len(body):
         raise ConfigError(f"data_dir: {path} is damaged ({len(body) - at} bytes after its pools)")
-    return Checkpoint(seq, registry_epoch, tuple(pools), numbering)
+    return Checkpoint(seq, registry_epoch, tuple(pools), numbering, transfers)
 
 
 def _fsync_directory(directory: Path) -> None:

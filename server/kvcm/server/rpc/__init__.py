@@ -25,6 +25,7 @@ from kvcm.server.rpc._status import (
     status_details,
     status_of,
 )
+from kvcm.server.rpc._transfers import TransferServicer, list_transfers, transfer_to_proto
 from kvcm.server.rpc._worker import WorkerServicer
 from kvcm.v1 import service_pb2
 
@@ -51,8 +52,11 @@ __all__ = [
     "StepRejectedError",
     "TelemetryInterceptor",
     "UndecodableRequest",
+    "TransferServicer",
     "WorkerServicer",
     "add_servicers",
+    "list_transfers",
+    "transfer_to_proto",
     "checkpoint_of",
     "recover",
     "status_details",
@@ -66,7 +70,7 @@ SERVICE_NAMES: tuple[str, ...] = tuple(
 
 
 def add_servicers(server: grpc.aio.Server, state: ServerState) -> None:
-    """Register the five kvcm.v1 services on ``server``, all serving ``state``.
+    """Register the six kvcm.v1 services on ``server``, all serving ``state``.
 
     Requests decode through :mod:`~kvcm.server.rpc._handlers`: undecodable bytes end the call
     with INVALID_ARGUMENT (via the interceptor) instead of grpc's uncounted UNKNOWN.
@@ -79,5 +83,6 @@ def add_servicers(server: grpc.aio.Server, state: ServerState) -> None:
             "SchedulerService": SchedulerServicer(state),
             "EventService": EventServicer(state),
             "LookupService": RoutingServicer(state),
+            "TransferService": TransferServicer(state),
         },
     )

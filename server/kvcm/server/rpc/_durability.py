@@ -56,6 +56,12 @@ from kvcm.server.rpc._resync import MAX_SNAPSHOT_BYTES, resync_pool
 from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import CALL_TIME, PoolRuntime, ServerState
 from kvcm.server.rpc._status import AbortRpc
+from kvcm.server.rpc._transfers import (
+    TRANSFER_METHODS,
+    TransferServicer,
+    decode_transfers,
+    encode_transfers,
+)
 from kvcm.v1 import admin_pb2, scheduler_pb2, service_pb2, worker_pb2
 
 if TYPE_CHECKING:
@@ -83,10 +89,11 @@ _ADMIN_METHODS: Final = frozenset({"CreatePool", "DeletePool"})
 # How long after a failed or postponed live checkpoint the next one is tried.
 _CHECKPOINT_BACKOFF_S: Final = 10.0
 
-# The calls a journal records and replays: every method a record may name but the journal's
-# own (a registration round, a void mark). GetComputedBlocks counts its lookup in the pool's
-# statistics, so it is one.
-MUTATING_METHODS: Final = RECORD_METHODS - {PLAN_POOL, VOID}
+# The calls this interceptor journals: every method a record may name but the journal's own (a
+# registration round, a void mark) and the TransferService's, which journal themselves (a plan's
+# record carries the hit kvcm computed; see rpc/_transfers.py). GetComputedBlocks counts its
+# lookup in the pool's statistics, so it is one.
+MUTATING_METHODS: Final = RECORD_METHODS - {PLAN_POOL, VOID} - TRANSFER_METHODS
 
 
 class JournalInterceptor(MethodInterceptor):
@@ -364,6 +371,7 @@ def _restore_checkpoint(state: ServerState, checkpoint: Checkpoint) -> None:
         state.runtimes[pool.name] = runtime
     registry.epoch = checkpoint.registry_epoch
     state.kv_numbering.restore(checkpoint.kv_event_numbering)
+    decode_transfers(state, checkpoint.transfers)
 
 
 def encode_round(pool: Pool) -> bytes:
@@ -497,12 +505,15 @@ async def _replay(state: ServerState, records: list[JournalRecord]) -> int:
     """Run ``records`` again; returns how many were refused."""
     classes = _request_classes()
     admin, scheduler = AdminServicer(state), SchedulerServicer(state)
+    transfers = TransferServicer(state)
     failed = 0
     for record in records:
         CALL_TIME.set(record.time)
         try:
             if record.method == PLAN_POOL:
                 _replay_round(state, record)
+            elif record.method in TRANSFER_METHODS:
+                transfers.replay(record)
             elif record.method == "ResyncPool":
                 chunk = scheduler_pb2.ResyncPoolRequest.FromString(record.request)
                 await resync_pool(state, _one(chunk))
@@ -573,8 +584,9 @@ async def checkpoint_live(state: ServerState, journal: Journal) -> bool:
         }
         epoch = state.registry.epoch
         numbering = state.kv_numbering.encode()
+        transfers = encode_transfers(state)
         checkpoint = await asyncio.to_thread(
-            _encode_checkpoint, pools, configs, epoch, seq, numbering
+            _encode_checkpoint, pools, configs, epoch, seq, numbering, transfers=transfers
         )
     finally:
         journal.resume()
@@ -592,7 +604,13 @@ async def checkpoint_live(state: ServerState, journal: Journal) -> bool:
 
 
 def _encode_checkpoint(
-    pools: list[Pool], configs: dict[str, bytes], epoch: int, seq: int, numbering: bytes
+    pools: list[Pool],
+    configs: dict[str, bytes],
+    epoch: int,
+    seq: int,
+    numbering: bytes,
+    *,
+    transfers: bytes,
 ) -> Checkpoint:
     entries = tuple(
         CheckpointPool(
@@ -603,7 +621,7 @@ def _encode_checkpoint(
         )
         for pool in pools
     )
-    return Checkpoint(seq, epoch, entries, numbering)
+    return Checkpoint(seq, epoch, entries, numbering, transfers)
 
 
 def checkpoint_of(state: ServerState, seq: int) -> Checkpoint:
@@ -616,4 +634,10 @@ def checkpoint_of(state: ServerState, seq: int) -> Checkpoint:
         config = runtime.config.SerializeToString() if runtime is not None else b""
         snapshot = encode_pool(pool) if pool.state is PoolState.READY else b""
         pools.append(CheckpointPool(pool.name, config, pool.epoch, snapshot))
-    return Checkpoint(seq, state.registry.epoch, tuple(pools), state.kv_numbering.encode())
+    return Checkpoint(
+        seq,
+        state.registry.epoch,
+        tuple(pools),
+        state.kv_numbering.encode(),
+        encode_transfers(state),
+    )

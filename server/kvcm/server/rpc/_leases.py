@@ -3,9 +3,10 @@
 A pool created with ``scheduler_lease_s > 0`` expects its scheduler to call: every
 SchedulerService call that may change the pool renews the lease (``KeepAlive`` when there is
 nothing to send); pure reads (GetUsage, GetBlocks, GetBlockIds, GetNumCommonPrefixBlocks) do
-not, so whoever polls a dead engine's pool does not keep it alive. :class:`LeaseMonitor` checks the pools about four times per shortest lease (at most once
-a second); a pool whose lease ran out and that still holds requests (or, with CLEAR, cached
-blocks) is reclaimed once, by its ``lease_expiry`` policy:
+not, so whoever polls a dead engine's pool does not keep it alive. :class:`LeaseMonitor`
+checks the pools about four times per shortest lease (at most once a second); a pool whose
+lease ran out and that still holds requests (or, with CLEAR, cached blocks) is reclaimed
+once, by its ``lease_expiry`` policy:
 
 * ``FREE_REQUESTS``: every request is finished (in key order), as if its scheduler had freed
   them; their blocks stay in the prefix cache;
@@ -24,7 +25,9 @@ logged at INFO. A scheduler that calls again renews the lease; nothing else is t
 The transfer lease (server setting ``transfer_lease_s``) covers P/D: a request allocated with
 ``delay_cache_blocks`` waits for a KV transfer to fill its blocks; if by the end of the lease
 it was neither cached (CacheBlocks) nor freed, the transfer is taken as lost and the request
-is finished, counted as ``kind="transfer"``.
+is finished, counted as ``kind="transfer"``. Transfer records (TransferService) past their own
+lease are expired here too (``TransferServicer.expire_due``: journaled ``ExpireTransfer``
+records; a managed source goes back to its pool).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from kvcm.core.pool import Pool
 from kvcm.core.pool_types import LeaseExpiry, PoolState
 from kvcm.core.program import OpKind, StepProgram
 from kvcm.server.rpc._state import CALL_TIME, ServerState
+from kvcm.server.rpc._transfers import TransferServicer
 from kvcm.wire import program_to_proto
 
 __all__ = ["SCHEDULER_LEASE", "TRANSFER_LEASE", "LeaseMonitor"]
@@ -98,6 +102,7 @@ class LeaseMonitor:
         ]
         if self.state.transfer_lease_s:
             leases.append(self.state.transfer_lease_s)
+        leases.extend(record.lease_s for record in self.state.transfer_book.in_flight())
         return min([_MAX_INTERVAL_S, *(lease / 4 for lease in leases)])
 
     async def _run(self) -> None:
@@ -136,7 +141,8 @@ class LeaseMonitor:
             if await self._reclaim(pool, now - last):
                 reclaimed += 1
             self._reclaimed.add(mark)
-        return reclaimed + await self._check_transfers(now)
+        reclaimed += await self._check_transfers(now)
+        return reclaimed + await TransferServicer(state).expire_due()
 
     async def _check_transfers(self, now: float) -> int:
         """Free requests whose P/D transfer was neither cached nor freed within its lease."""

@@ -18,6 +18,7 @@ from kvcm.server.kv_events import KvEventNumbering, kv_events_topic
 from kvcm.server.rpc._offloop import OFF_LOOP_STEP, OFF_LOOP_WORK, OffLoopWork
 from kvcm.server.settings import DEFAULT_KV_EVENTS_TOPIC
 from kvcm.server.telemetry import RpcStats, StepProgressBook
+from kvcm.server.transfers import TransferBook
 from kvcm.v1 import admin_pb2
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ class ServerState:
             is another request).
         clock: The awake clock every lease reads (beaten by ``LeaseMonitor``).
         transfer_lease_s: The transfer lease (0: transfers are not tracked).
+        transfer_book: The TransferService's records (P/D handoffs with leases).
         subscriber_lease_s: How long an event stream may wait for its reader to accept one
             message before it is ended (0: forever).
         reclaims: Lease reclaims so far, by (pool id, lease kind).
@@ -221,6 +223,7 @@ class ServerState:
     activity: dict[str, float] = field(default_factory=dict)
     transfers: dict[tuple[str, int], tuple[float, object]] = field(default_factory=dict)
     transfer_lease_s: float = 0.0
+    transfer_book: TransferBook = field(default_factory=TransferBook)
     subscriber_lease_s: float = 0.0
     reclaims: dict[tuple[str, str], int] = field(default_factory=dict)
     pd_routes: dict[str, int] = field(default_factory=dict)
@@ -243,6 +246,7 @@ class ServerState:
         transfers = self.transfers
         for key, (started, request) in transfers.items():
             transfers[key] = (min(started + stall_s, now), request)
+        self.transfer_book.extend(stall_s, now)
 
     async def pool(self, pool_id: str) -> Pool:
         """The pool called ``pool_id``, once no worker thread holds it.

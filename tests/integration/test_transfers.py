@@ -1,0 +1,351 @@
+"""P/D transfer records on a real server (TransferService through the SDK).
+
+A prefill pool holds a request's blocks for a decode pool that already caches part of the
+prompt: kvcm plans the exact hit and pull, a commit gives the source back. Faults: a transfer
+never committed expires and its source goes back to its pool; every call retried answers the
+same record and acts once; bad input is refused naming the field with nothing changed; a
+server restarted (after a crash, and gracefully) mid-transfer keeps every acknowledged record
+and the pools. Record-only transfers (an engine's own protocol keeps its blocks) change no pool,
+not even when they expire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcm.client import (
+    SchedulerClient,
+    ServiceAlreadyExistsError,
+    ServiceError,
+    ServiceFailedPreconditionError,
+    ServiceInvalidArgumentError,
+    ServiceNotFoundError,
+    StepBuilder,
+    Transfer,
+    TransferState,
+)
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.specs import FullAttentionSpec
+from kvcm.core.pool import PoolConfig
+from kvcm.server.embedded import EmbeddedServer, start_embedded_server
+from kvcm.server.settings import ServerSettings
+
+SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
+CONFIG = PoolConfig(
+    max_model_len=512,
+    hash_seed="pd",
+    explicit_layout=KVCacheConfig(
+        num_blocks=40,
+        kv_cache_tensors=(),
+        kv_cache_groups=(KVCacheGroupSpec(layer_names=("l0",), kv_cache_spec=SPEC),),
+    ),
+)
+PROMPT = list(range(1000, 1100))  # 6 full blocks and 4 tokens
+
+
+def _start(data_dir: Path | None = None) -> EmbeddedServer:
+    return start_embedded_server(
+        ServerSettings(
+            grpc_address="127.0.0.1:0",
+            http_address="",
+            data_dir=str(data_dir) if data_dir is not None else None,
+        )
+    )
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedServer]:
+    running = _start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _computed(client: SchedulerClient, pool_id: str, key: int, prompt: list[int]) -> None:
+    """Request ``key`` computed and cached in ``pool_id`` (holding its blocks)."""
+    hasher = client.block_hasher(pool_id)
+    step = StepBuilder()
+    step.add_request(key, prompt, hasher.hash_token_ids(prompt))
+    step.allocate(key, len(prompt), 0, lookup=True)
+    step.cache_blocks(key, len(prompt))
+    client.step(pool_id, step)
+
+
+def _pools(client: SchedulerClient, *, decode_hit: int = 48) -> None:
+    """prefill holds PROMPT as request 1; decode caches its first ``decode_hit`` tokens."""
+    client.create_pool("prefill", CONFIG)
+    client.create_pool("decode", CONFIG)
+    _computed(client, "prefill", 1, PROMPT)
+    _computed(client, "decode", 9, [*PROMPT[:decode_hit], 7])
+    client.free("decode", 9)
+
+
+def _same(a: Transfer, b: Transfer) -> bool:
+    """Equal but for the lease left (it runs)."""
+    return dataclasses.replace(a, lease_remaining_s=0.0) == dataclasses.replace(
+        b, lease_remaining_s=0.0
+    )
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, "timed out"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_hold_plan_commit_gives_the_source_back(server: EmbeddedServer) -> None:
+    with SchedulerClient(server.grpc_address) as client:
+        _pools(client)
+        blocks = client.get_block_ids("prefill", 1)
+        held = client.hold_source("prefill", "t1", 1, lease_s=30.0)
+        assert held.state is TransferState.HELD
+        assert (held.request_key, held.num_tokens, held.block_size) == (1, 100, 16)
+        assert held.source_blocks == tuple(tuple(ids) for ids in blocks)
+        assert 29.0 < held.lease_remaining_s <= 30.0
+        planned = client.plan_transfer("prefill", "t1", "decode")
+        assert planned.state is TransferState.PLANNED
+        # decode caches 3 whole blocks of the prompt: it pulls the other 52 tokens (4 blocks).
+        assert (planned.hit_tokens, planned.pull_tokens) == (48, 52)
+        assert (planned.hit_blocks, planned.pull_blocks) == (3, 4)
+        assert client.describe_pool("prefill").num_requests == 1  # still held
+        done = client.commit_transfer("prefill", "t1")
+        assert done.state is TransferState.COMPLETED
+        assert done.blocks_pulled == 4
+        assert done.ended_at >= done.started_at > 0
+        assert done.lease_remaining_s == 0.0
+        # The source went back: finished, its blocks in the prefix cache (a new request hits).
+        assert client.describe_pool("prefill").num_requests == 0
+        assert client.get_usage("prefill").usage == 0.0
+        assert _same(client.describe_transfer("prefill", "t1"), done)
+        assert [t.transfer_id for t in client.list_transfers()] == ["t1"]
+
+
+def test_every_call_retried_answers_the_same_record_and_acts_once(
+    server: EmbeddedServer,
+) -> None:
+    with SchedulerClient(server.grpc_address) as client:
+        _pools(client)
+        client.create_pool("other", CONFIG)
+        _computed(client, "prefill", 2, PROMPT[:40])
+        first = client.hold_source("prefill", "t1", 1, lease_s=30.0)
+        assert _same(client.hold_source("prefill", "t1", 1, lease_s=30.0), first)
+        planned = client.plan_transfer("prefill", "t1", "decode")
+        assert _same(client.plan_transfer("prefill", "t1", "decode"), planned)
+        # The destination's cache changes; a retried plan still answers the recorded plan.
+        _computed(client, "decode", 10, PROMPT)
+        assert _same(client.plan_transfer("prefill", "t1", "decode"), planned)
+        done = client.commit_transfer("prefill", "t1")
+        assert _same(client.commit_transfer("prefill", "t1"), done)
+        assert _same(client.hold_source("prefill", "t1", 1, lease_s=30.0), done)  # late retry
+        assert _same(client.release_transfer("prefill", "t1", "late"), done)
+        assert _same(client.expire_transfer("prefill", "t1"), done)
+        # Released: one give-back, however often retried.
+        client.hold_source("prefill", "t2", 2, lease_s=30.0)
+        released = client.release_transfer("prefill", "t2", "decode engine died")
+        assert (released.state, released.reason) == (TransferState.RELEASED, "decode engine died")
+        assert _same(client.release_transfer("prefill", "t2", "again"), released)
+        assert client.describe_pool("prefill").num_requests == 0
+        with pytest.raises(ServiceFailedPreconditionError, match="RELEASED"):
+            client.plan_transfer("prefill", "t2", "decode")
+        with pytest.raises(ServiceFailedPreconditionError, match="PlanTransfer first"):
+            client.commit_transfer("prefill", "t2")
+        assert [t.transfer_id for t in client.list_transfers("prefill")] == ["t2", "t1"]
+        assert [t.transfer_id for t in client.list_transfers(states=[TransferState.RELEASED])] == [
+            "t2"
+        ]
+
+
+def test_a_transfer_never_committed_expires_and_its_source_goes_back(
+    server: EmbeddedServer,
+) -> None:
+    with SchedulerClient(server.grpc_address) as client:
+        _pools(client)
+        client.hold_source("prefill", "lost", 1, lease_s=0.4)
+        client.plan_transfer("prefill", "lost", "decode")  # renews the lease
+        planned_at = time.monotonic()
+
+        def expired() -> bool:
+            return client.describe_transfer("prefill", "lost").state is TransferState.EXPIRED
+
+        _wait_until(expired, 5.0)
+        took = time.monotonic() - planned_at
+        assert 0.4 <= took < 1.6, took  # within a lease and a check interval (and polling)
+        record = client.describe_transfer("prefill", "lost")
+        assert "lease of 0.4 s ran out" in record.reason
+        assert client.describe_pool("prefill").num_requests == 0  # back to its pool
+        assert client.get_usage("prefill").usage == 0.0
+        with pytest.raises(ServiceFailedPreconditionError, match="EXPIRED"):
+            client.commit_transfer("prefill", "lost")
+        # A source freed by its own scheduler meanwhile: the transfer is released, not freed twice.
+        _computed(client, "prefill", 3, PROMPT)
+        client.hold_source("prefill", "freed", 3, lease_s=30.0)
+        client.free("prefill", 3)
+        _wait_until(
+            lambda: client.describe_transfer("prefill", "freed").state is TransferState.RELEASED,
+            5.0,
+        )
+        assert "freed outside" in client.describe_transfer("prefill", "freed").reason
+
+
+def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
+    server: EmbeddedServer,
+) -> None:
+    with SchedulerClient(server.grpc_address) as client:
+        _pools(client)
+        _computed(client, "prefill", 2, PROMPT[:20])
+        client.hold_source("prefill", "t1", 1, lease_s=30.0)
+        before = (_records(client), client.get_usage("prefill"))
+        hold = functools.partial(client.hold_source, "prefill")
+        plan = functools.partial(client.plan_transfer, "prefill")
+        commit = functools.partial(client.commit_transfer, "prefill")
+        release = functools.partial(client.release_transfer, "prefill")
+        invalid, missing = ServiceInvalidArgumentError, ServiceNotFoundError
+        taken, refused = ServiceAlreadyExistsError, ServiceFailedPreconditionError
+        cases: list[tuple[type[ServiceError], str, Callable[[], object]]] = [
+            (invalid, "lease_s", lambda: hold("x", 2, lease_s=0)),
+            (invalid, "lease_s", lambda: hold("x", 2, lease_s=float("nan"))),
+            (invalid, "lease_s", lambda: hold("x", 2, lease_s=1e9)),
+            (invalid, "transfer_id", lambda: hold("", 2, lease_s=1)),
+            (invalid, "transfer_id", lambda: hold("x" * 257, 2, lease_s=1)),
+            (invalid, "request_id", lambda: hold("x", 2, lease_s=1, num_tokens=5)),
+            (invalid, "request_id", lambda: hold("x", lease_s=1, record_only=True)),
+            (missing, "pool", lambda: client.hold_source("nope", "x", 2, lease_s=1)),
+            (missing, "request_key", lambda: hold("x", 77, lease_s=1)),
+            (taken, "transfer_id", lambda: hold("t1", 2, lease_s=1)),
+            (taken, "request_key", lambda: hold("t9", 1, lease_s=1)),
+            (missing, "transfer_id", lambda: plan("zz", "decode")),
+            (missing, "destination_pool_id", lambda: plan("t1", "nope")),
+            (invalid, "destination_pool_id", lambda: plan("t1", "")),
+            (invalid, "hit_tokens", lambda: plan("t1", "decode", hit_tokens=1, pull_tokens=2)),
+            (refused, "PlanTransfer first", lambda: commit("t1")),
+            (invalid, "blocks_pulled", lambda: commit("t1", blocks_pulled=99)),
+            (invalid, "reason", lambda: release("t1", "r" * 300)),
+            (missing, "transfer_id", lambda: release("zz")),
+            (missing, "pool_id", lambda: client.list_transfers("nope")),
+        ]
+        for error, field, call in cases:
+            with pytest.raises(error, match=field):
+                call()
+        assert (_records(client), client.get_usage("prefill")) == before
+        client.create_pool("other-hash", dataclasses.replace(CONFIG, hash_seed="other"))
+        with pytest.raises(ServiceFailedPreconditionError, match="hashes blocks differently"):
+            client.plan_transfer("prefill", "t1", "other-hash")
+        assert client.describe_transfer("prefill", "t1").state is TransferState.HELD
+
+
+def test_record_only_transfers_change_no_pool_even_when_they_expire(
+    server: EmbeddedServer,
+) -> None:
+    with SchedulerClient(server.grpc_address) as client:
+        _pools(client)
+        usage = client.get_usage("prefill")
+        held = client.hold_source(
+            "prefill",
+            "vllm-req-1",
+            lease_s=0.3,
+            record_only=True,
+            request_id="req-1",
+            num_tokens=100,
+            source_blocks=[[1, 2, 3, 4, 5, 6, 7]],
+        )
+        assert held.record_only
+        assert held.source_blocks == ((1, 2, 3, 4, 5, 6, 7),)
+        with pytest.raises(ServiceInvalidArgumentError, match="pull_tokens"):
+            client.plan_transfer("prefill", "vllm-req-1", "decode", hit_tokens=48)
+        planned = client.plan_transfer(
+            "prefill", "vllm-req-1", "decode", hit_tokens=48, pull_tokens=52
+        )
+        assert (planned.hit_blocks, planned.pull_blocks) == (3, 4)
+        _wait_until(
+            lambda: (
+                client.describe_transfer("prefill", "vllm-req-1").state is TransferState.EXPIRED
+            ),
+            5.0,
+        )
+        # kvcm only marked it: the engine's request keeps its blocks.
+        assert client.get_usage("prefill") == usage
+        assert client.describe_pool("prefill").num_requests == 1
+        # The engine's protocol keeps authority: its late completion is recorded.
+        done = client.commit_transfer("prefill", "vllm-req-1", blocks_pulled=4)
+        assert (done.state, done.blocks_pulled) == (TransferState.COMPLETED, 4)
+        assert client.get_usage("prefill") == usage
+
+
+def _records(client: SchedulerClient) -> list[Transfer]:
+    return [dataclasses.replace(t, lease_remaining_s=0.0) for t in client.list_transfers()]
+
+
+def _pools_state(client: SchedulerClient) -> dict[str, object]:
+    """Each pool's usage and the blocks of each request it holds."""
+    state: dict[str, object] = {}
+    for pool_id in ("prefill", "decode"):
+        blocks = {}
+        for key in range(1, 11):
+            try:
+                blocks[key] = client.get_block_ids(pool_id, key)
+            except ServiceNotFoundError:
+                continue
+        state[pool_id] = (client.get_usage(pool_id), blocks)
+    return state
+
+
+def test_a_restart_mid_transfer_keeps_every_record(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    first = _start(data)
+    try:
+        with SchedulerClient(first.grpc_address) as client:
+            _pools(client)
+            for key in (2, 3, 4):
+                _computed(client, "prefill", key, [key] * 40)
+            client.hold_source("prefill", "held", 2, lease_s=60.0)
+            client.hold_source("prefill", "planned", 3, lease_s=60.0)
+            client.plan_transfer("prefill", "planned", "decode")
+            client.hold_source("prefill", "done", 4, lease_s=60.0)
+            client.plan_transfer("prefill", "done", "decode")
+            client.commit_transfer("prefill", "done")
+            client.hold_source("prefill", "t1", 1, lease_s=60.0)
+            planned = client.plan_transfer("prefill", "t1", "decode")
+            # The destination changes after the plan: a replay keeps the plan's numbers.
+            _computed(client, "decode", 10, PROMPT)
+            before = _records(client)
+            pools = _pools_state(client)
+        # A second server on the same directory: what a restart after kill -9 finds.
+        crashed = _start(data)
+        try:
+            with SchedulerClient(crashed.grpc_address) as client:
+                assert _records(client) == before
+                assert _pools_state(client) == pools
+                again = client.plan_transfer("prefill", "t1", "decode")
+                assert (again.hit_tokens, again.pull_tokens) == (
+                    planned.hit_tokens,
+                    planned.pull_tokens,
+                )
+                assert client.describe_transfer("prefill", "held").lease_remaining_s > 59.0
+                client.commit_transfer("prefill", "t1")
+                after = _records(client)
+                pools = _pools_state(client)
+        finally:
+            crashed.stop()  # graceful: a checkpoint holds the records, the journal is empty
+        restarted = _start(data)
+        try:
+            with SchedulerClient(restarted.grpc_address) as client:
+                assert _records(client) == after
+                assert _pools_state(client) == pools
+                assert client.describe_pool("prefill").num_requests == 2  # held, planned
+                client.release_transfer("prefill", "held")
+                client.commit_transfer("prefill", "planned")
+                assert client.describe_pool("prefill").num_requests == 0
+        finally:
+            restarted.stop()
+    finally:
+        first.stop()
