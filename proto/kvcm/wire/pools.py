@@ -6,7 +6,8 @@ the server and the SDK hold; these functions are their only translation to ``kvc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, Final
 
 from kvcm.common.config import KVCacheLayout
 from kvcm.common.errors import InvalidArgumentError
@@ -51,6 +52,16 @@ __all__ = [
 ]
 
 _DEFAULT_LAYOUT: Final = KVCacheLayout.LBNHC
+# The prefix-cache counters: their names in the core (PrefixCacheStats, the pool's lifetime
+# totals) and in kvcm.v1 (PrefixCacheStats, PrefixCacheTotals).
+_PREFIX_CACHE_COUNTERS: Final = (
+    ("requests", "num_requests"),
+    ("queries", "num_query_tokens"),
+    ("hits", "num_hit_tokens"),
+    ("preempted_requests", "num_preempted_requests"),
+    ("preempted_queries", "num_preempted_query_tokens"),
+    ("preempted_hits", "num_preempted_hit_tokens"),
+)
 # Optional ints of PoolConfig that travel only when set.
 _OPTIONAL_INTS: Final = (
     "num_blocks_override",
@@ -204,14 +215,8 @@ def pool_info_to_proto(pool: Pool, config: admin_pb2.PoolConfig) -> admin_pb2.Po
         info.num_free_blocks = manager.num_free_blocks
         info.usage = manager.usage
     snapshot = pool.snapshot()  # the lifetime counters; drains nothing a take would answer
-    totals = info.prefix_cache
-    totals.num_requests = snapshot.requests
-    totals.num_query_tokens = snapshot.queries
-    totals.num_hit_tokens = snapshot.hits
-    totals.num_preempted_requests = snapshot.preempted_requests
-    totals.num_preempted_query_tokens = snapshot.preempted_queries
-    totals.num_preempted_hit_tokens = snapshot.preempted_hits
-    totals.recent_hit_rate = snapshot.recent_hit_rate
+    _counters_to_proto(snapshot, info.prefix_cache)
+    info.prefix_cache.recent_hit_rate = snapshot.recent_hit_rate
     return info
 
 
@@ -248,50 +253,39 @@ def pool_info_from_proto(message: admin_pb2.PoolInfo) -> PoolInfo:
     )
 
 
+def _same_named(record: type, source: object) -> dict[str, Any]:
+    # The fields of a record whose kvcm.v1 message has fields of the same names, read from
+    # either side.
+    return {field.name: getattr(source, field.name) for field in fields(record)}
+
+
 def _step_progress_from_proto(message: admin_pb2.StepProgress) -> StepProgress:
-    return StepProgress(
-        last_step_seq=message.last_step_seq,
-        last_step_age_s=message.last_step_age_s,
-        scheduler_step_seq=message.scheduler_step_seq,
-        steps_behind=message.steps_behind,
-        since_applied_s=message.since_applied_s,
-    )
+    return StepProgress(**_same_named(StepProgress, message))
+
+
+def _counters_to_proto(counters: object, message: Any) -> None:
+    for name, wire in _PREFIX_CACHE_COUNTERS:
+        setattr(message, wire, getattr(counters, name))
+
+
+def _counters_from_proto(message: Any) -> dict[str, int]:
+    return {name: getattr(message, wire) for name, wire in _PREFIX_CACHE_COUNTERS}
 
 
 def _prefix_cache_from_proto(message: admin_pb2.PrefixCacheTotals) -> PrefixCacheTotals:
     return PrefixCacheTotals(
-        requests=message.num_requests,
-        queries=message.num_query_tokens,
-        hits=message.num_hit_tokens,
-        preempted_requests=message.num_preempted_requests,
-        preempted_queries=message.num_preempted_query_tokens,
-        preempted_hits=message.num_preempted_hit_tokens,
-        recent_hit_rate=message.recent_hit_rate,
+        **_counters_from_proto(message), recent_hit_rate=message.recent_hit_rate
     )
 
 
 def zmq_event_stream_to_proto(stream: ZmqEventStream) -> admin_pb2.ZmqEventStream:
     """``kvcm.v1.ZmqEventStream`` of a pool's ZMQ stream."""
-    return admin_pb2.ZmqEventStream(
-        endpoint=stream.endpoint,
-        replay_endpoint=stream.replay_endpoint,
-        topic=stream.topic,
-        last_seq=stream.last_seq,
-        data_parallel_rank=stream.data_parallel_rank,
-        dedicated=stream.dedicated,
-    )
+    return admin_pb2.ZmqEventStream(**_same_named(ZmqEventStream, stream))
 
 
 def zmq_event_stream_from_proto(message: admin_pb2.ZmqEventStream) -> ZmqEventStream:
     """The ``ZmqEventStream`` of a wire one."""
-    return ZmqEventStream(
-        endpoint=message.endpoint,
-        replay_endpoint=message.replay_endpoint,
-        topic=message.topic,
-        last_seq=message.last_seq,
-        data_parallel_rank=message.data_parallel_rank,
-        dedicated=message.dedicated,
-    )
+    return ZmqEventStream(**_same_named(ZmqEventStream, message))
 
 
 def pool_summaries_from_proto(message: admin_pb2.ListPoolsResponse) -> list[PoolSummary]:
@@ -310,12 +304,7 @@ def pool_summaries_from_proto(message: admin_pb2.ListPoolsResponse) -> list[Pool
 
 def usage_from_proto(message: scheduler_pb2.GetUsageResponse) -> Usage:
     """The ``Usage`` of ``GetUsage``' answer."""
-    return Usage(
-        usage=message.usage,
-        num_free_blocks=message.num_free_blocks,
-        num_blocks=message.num_blocks,
-        num_requests=message.num_requests,
-    )
+    return Usage(**_same_named(Usage, message))
 
 
 # ------------------------------------------------------------------------------ stats
@@ -324,12 +313,7 @@ def prefix_cache_stats_to_proto(
 ) -> None:
     """Fill a wire ``PrefixCacheStats`` from the core's counters."""
     message.reset = stats.reset
-    message.num_requests = stats.requests
-    message.num_query_tokens = stats.queries
-    message.num_hit_tokens = stats.hits
-    message.num_preempted_requests = stats.preempted_requests
-    message.num_preempted_query_tokens = stats.preempted_queries
-    message.num_preempted_hit_tokens = stats.preempted_hits
+    _counters_to_proto(stats, message)
 
 
 def prefix_cache_stats_from_proto(
@@ -339,12 +323,4 @@ def prefix_cache_stats_from_proto(
     if not message.HasField("stats"):
         return None
     stats = message.stats
-    return PrefixCacheStats(
-        reset=stats.reset,
-        requests=stats.num_requests,
-        queries=stats.num_query_tokens,
-        hits=stats.num_hit_tokens,
-        preempted_requests=stats.num_preempted_requests,
-        preempted_queries=stats.num_preempted_query_tokens,
-        preempted_hits=stats.num_preempted_hit_tokens,
-    )
+    return PrefixCacheStats(reset=stats.reset, **_counters_from_proto(stats))

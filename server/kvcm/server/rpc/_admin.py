@@ -36,9 +36,6 @@ OFF_LOOP_BLOCKS: Final = 4096
 
 # grpc ships no type information: its context is Any to mypy.
 Context: TypeAlias = Any
-_MAX_EVENTS_PER_MESSAGE: Final = 1024
-# RegisterWorker answers this long before the client's deadline, so its own message arrives.
-_DEADLINE_MARGIN_S: Final = 0.02
 
 
 class AdminServicer(service_pb2_grpc.AdminServiceServicer):

@@ -90,31 +90,30 @@ class TelemetryInterceptor(MethodInterceptor):
         self._stats = stats
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._unary(method, handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:  # ReplicaService.ShipRecords
-            return grpc.stream_stream_rpc_method_handler(
-                self._stream(method, handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+        # Each kind's behavior wrapped by the wrapper of its shape (one answer or a stream),
+        # with the handler's serializers.
+        serializers = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        for kind, make, wrap in (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, self._unary),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, self._unary),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, self._stream),
+            # ReplicaService.ShipRecords
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, self._stream),
+        ):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return make(wrap(method, behavior), **serializers)
         return handler
+
+    def _failed(self, method: str, exc: Exception, started: float) -> None:
+        # A servicer's error: logged and counted before its status leaves (a client that
+        # reads /metrics right after its error must find the call there).
+        code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
+        log_call_rejected(method, code, exc)
+        self._stats.observe(method, code, time.perf_counter() - started)
 
     def _unary(self, method: str, behavior: Any) -> Any:
         stats = self._stats
@@ -130,12 +129,8 @@ class TelemetryInterceptor(MethodInterceptor):
             except Exception as exc:
                 if type(exc).__module__.startswith("grpc"):
                     raise  # the servicer aborted itself
-                code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
-                log_call_rejected(method, code, exc)
-                # Counted before the status leaves: a client that reads /metrics right after
-                # its error must find the call there.
-                stats.observe(method, code, time.perf_counter() - started)
                 code = None
+                self._failed(method, exc, started)
                 await _abort(context, exc)
             finally:
                 if code is not None:
@@ -158,10 +153,8 @@ class TelemetryInterceptor(MethodInterceptor):
             except Exception as exc:
                 if type(exc).__module__.startswith("grpc"):
                     raise
-                code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
-                log_call_rejected(method, code, exc)
-                stats.observe(method, code, time.perf_counter() - started)  # before the status
                 code = None
+                self._failed(method, exc, started)
                 await _abort(context, exc)
             finally:
                 if code is not None:

@@ -22,6 +22,7 @@ from kvcm.wire import (
     free_mode_from_proto,
     grouped_from_proto,
     outcome_to_proto,
+    prefix_cache_stats_to_proto,
     program_from_proto,
     slot_options_from_proto,
 )
@@ -33,9 +34,6 @@ __all__ = ["SchedulerServicer"]
 
 # grpc ships no type information: its context is Any to mypy.
 Context: TypeAlias = Any
-_MAX_EVENTS_PER_MESSAGE: Final = 1024
-# RegisterWorker answers this long before the client's deadline, so its own message arrives.
-_DEADLINE_MARGIN_S: Final = 0.02
 
 
 # A Step estimated to cost more than this (decoding, running and encoding it) runs in a worker
@@ -369,12 +367,5 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         stats = pool.take_prefix_cache_stats()
         response = scheduler_pb2.TakePrefixCacheStatsResponse()
         if stats is not None:
-            wire = response.stats
-            wire.reset = stats.reset
-            wire.num_requests = stats.requests
-            wire.num_query_tokens = stats.queries
-            wire.num_hit_tokens = stats.hits
-            wire.num_preempted_requests = stats.preempted_requests
-            wire.num_preempted_query_tokens = stats.preempted_queries
-            wire.num_preempted_hit_tokens = stats.preempted_hits
+            prefix_cache_stats_to_proto(stats, response.stats)
         return response

@@ -20,7 +20,6 @@ __all__ = ["WorkerServicer"]
 
 # grpc ships no type information: its context is Any to mypy.
 Context: TypeAlias = Any
-_MAX_EVENTS_PER_MESSAGE: Final = 1024
 # RegisterWorker answers this long before the client's deadline, so its own message arrives.
 _DEADLINE_MARGIN_S: Final = 0.02
 
