@@ -14,7 +14,9 @@ Rows (median and p99; ratio = vLLM / kvcm, above 1 means kvcm is faster):
    servicer runs it), then the same as a ``Lookup`` RPC through the SDK to that server (the
    client shares the process; the SDK asks for the packed answer), against
    vLLM's ``get_computed_blocks`` called on each of the managers (what a router would have to
-   do with vLLM's own code; the request is hashed once, outside the timing);
+   do with vLLM's own code; the request is hashed once, outside the timing); "cold": best 5
+   for a prompt made of one pool's own unique blocks (a prompt no other lookup asks for, so its
+   keys are not in the CPU's caches, unlike the 20 shared documents' keys);
 2. the same prompts as token ids: kvcm hashes them itself (sha256, once for all pools);
    every row again as CPU time ("(CPU)": the lookup thread's, or for an RPC the process's,
    client and server together), since on a shared machine wall time holds other processes'
@@ -27,7 +29,10 @@ Rows (median and p99; ratio = vLLM / kvcm, above 1 means kvcm is faster):
 Every timed kvcm answer is checked against vLLM's per-manager answers of the same sample.
 
     python bench/lookup.py [--pools N] [--blocks-per-pool N] [--repeats N] [--no-vllm]
-                           [--no-events]
+                           [--no-events] [--profile]
+
+``--profile`` then prints where a lookup's CPU time goes (cProfile over the same kinds of
+lookup: hashed best 5 and all pools, hashing excluded; token ids best 5, hashing included).
 """
 
 from __future__ import annotations
@@ -231,7 +236,7 @@ def bench_lookups(
     perf = time.perf_counter
     names = [f"engine-{index:04d}" for index in range(len(fleet.pools))]
     cpu = time.thread_time
-    keys = ("hashed", "best5", "tokens", "tokens5", "grpc", "grpc5", "vllm")
+    keys = ("hashed", "best5", "cold5", "tokens", "tokens5", "grpc", "grpc5", "vllm")
     timings: dict[str, list[float]] = {key: [] for key in keys}
     cpu_timings: dict[str, list[float]] = {key: [] for key in keys}
 
@@ -244,25 +249,35 @@ def bench_lookups(
         timings[key].append(perf() - start)
         return answer
 
-    async def core(hash_query: LookupQuery, token_query: LookupQuery) -> list[LookupAnswer]:
+    async def core(
+        hash_query: LookupQuery, token_query: LookupQuery, cold_query: LookupQuery
+    ) -> list[LookupAnswer]:
         return [
             timed("hashed", hash_query),
             timed("best5", dataclasses.replace(hash_query, max_results=5)),
+            timed("cold5", cold_query),
             timed("tokens", token_query),
             timed("tokens5", dataclasses.replace(token_query, max_results=5)),
         ]
 
     warm = LookupQuery(token_ids=[1, 2, 3])
-    server.call(core(warm, warm), timeout=3600)  # indexes every pool (O(10M keys) on a 2-core VM)
+    # Indexes every pool (O(10M keys) on a 2-core VM).
+    server.call(core(warm, warm, warm), timeout=3600)
     for values in (*timings.values(), *cpu_timings.values()):
         values.clear()
     with SchedulerClient(server.grpc_address, timeout=60) as client, frozen_gc():
         for _ in range(repeats):
             tokens, hashes = _prompt(fleet, rng, num_blocks)
             hash_query = LookupQuery(block_hashes=b"".join(hashes), num_tokens=len(tokens))
-            answer, best, again, again5 = server.call(
-                core(hash_query, LookupQuery(token_ids=tokens))
+            owner, cold = _cold_prompt(fleet, rng, num_blocks)
+            cold_query = LookupQuery(block_hashes=cold, max_results=5)
+            answer, best, cold5, again, again5 = server.call(
+                core(hash_query, LookupQuery(token_ids=tokens), cold_query)
             )
+            if owner is not None:  # only the pool whose own blocks these are hits them
+                top = cold5.pools[0]
+                assert (top.pool_id, top.num_hit_tokens) == (names[owner], len(cold) // 2)
+                assert all(hit.num_hit_tokens == 0 for hit in cold5.pools[1:])
             got = {hit.pool_id: hit.num_hit_tokens for hit in answer.pools}
             assert got == {hit.pool_id: hit.num_hit_tokens for hit in again.pools}
             assert best.pools == answer.pools[:5]
@@ -289,6 +304,7 @@ def bench_lookups(
     rows = [
         ("hashed", f"lookup, {label}, hashed, all pools"),
         ("best5", f"lookup, {label}, hashed, best 5"),
+        ("cold5", f"lookup, {label}, hashed, best 5, cold"),
         ("tokens", f"lookup, {label}, token ids, all pools"),
         ("tokens5", f"lookup, {label}, token ids, best 5"),
         ("grpc", f"Lookup RPC, {label}, hashed, all pools"),
@@ -299,6 +315,59 @@ def bench_lookups(
         Row.of_timings(f"{name} (CPU)", Timing.of(cpu_timings[key]), None) for key, name in rows
     ]
     return out
+
+
+def _cold_prompt(fleet: Fleet, rng: random.Random, num_blocks: int) -> tuple[int | None, bytes]:
+    """A pool's index and up to ``num_blocks`` of its own filler blocks' hashes (cached by it
+    alone); ``(None, b"\0" * 32)`` where no pool has filler blocks."""
+    owners = [index for index, (_, _, fillers) in enumerate(fleet.pools) if fillers]
+    if not owners:
+        return None, bytes(32)
+    owner = rng.choice(owners)
+    hashes = b"".join(fleet.pools[owner][2])
+    return owner, hashes[: num_blocks * 32]
+
+
+def profile_lookups(fleet: Fleet, registry: PoolRegistry, repeats: int, seed: int) -> None:
+    """Where a lookup's CPU time goes: cProfile over ``repeats`` lookups of each kind (1k-block
+    prompts), the functions with the most own time. cProfile's per-call cost inflates
+    functions that make many small calls; the walk's reads run in C within ``_walk``."""
+    import cProfile
+    import pstats
+
+    rng = random.Random(seed)
+    prompts = [_prompt(fleet, rng, 1024) for _ in range(repeats)]
+    kinds = {
+        "hashed, best 5 (hashing excluded)": [
+            LookupQuery(block_hashes=b"".join(h), num_tokens=len(t), max_results=5)
+            for t, h in prompts
+        ],
+        "hashed, all pools (hashing excluded)": [
+            LookupQuery(block_hashes=b"".join(h), num_tokens=len(t)) for t, h in prompts
+        ],
+        "token ids, best 5 (hashing included)": [
+            LookupQuery(token_ids=t, max_results=5) for t, _ in prompts
+        ],
+    }
+    for kind, queries in kinds.items():
+        profiler = cProfile.Profile(time.thread_time)
+        with frozen_gc():
+            profiler.enable()
+            for query in queries:
+                registry.lookup(query)
+            profiler.disable()
+        stats = pstats.Stats(profiler)
+        rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])  # type: ignore[attr-defined]
+        total = sum(item[1][2] for item in rows)
+        each_ms = total / len(queries) * 1e3
+        print(f"\nprofile: {kind}, {len(queries)} lookups, {each_ms:.3f} ms CPU each")
+        print(f"{'function':<58} {'calls':>8} {'own us':>9} {'share':>6}")
+        for (path, line, name), (_, calls, own, _, _) in rows[:10]:
+            where = f"{Path(path).name}:{line}({name})" if line else name
+            print(
+                f"{where[:58]:<58} {calls / len(queries):>8.1f} "
+                f"{own / len(queries) * 1e6:>9.1f} {own / total:>6.1%}"
+            )
 
 
 # The issue's targets (p99, ms): best 5 of a hashed 1k-block prompt in-process and over the
@@ -376,6 +445,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="kvcm figures only")
     parser.add_argument("--no-events", action="store_true", help="skip the ZMQ stream rows")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile", action="store_true", help="then print where a lookup's CPU time goes"
+    )
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -414,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows += bench_lookups(fleet, server, vllm, num_blocks, args.repeats, args.seed)
     finally:
         server.stop()
+    if args.profile:
+        profile_lookups(fleet, registry, args.repeats, args.seed)
     print(
         f"index: {len(registry.index):,} distinct keys over {registry.index.num_pools} pools",
         file=sys.stderr,
