@@ -11,9 +11,10 @@ from pathlib import Path
 import grpc
 from _data_dir_server import CONFIG, Server, program, reference
 
-from kvcm.client import SchedulerClient
+from kvcm.client import SchedulerClient, StepBuilder
 from kvcm.core.pool import Pool
-from kvcm.v1 import replica_pb2, replica_pb2_grpc
+from kvcm.core.program import StepProgram
+from kvcm.v1 import replica_pb2, replica_pb2_grpc, service_pb2_grpc
 
 __all__ = [
     "CONFIG",
@@ -24,6 +25,7 @@ __all__ = [
     "place",
     "replica_state",
     "start_pair",
+    "step_epoch",
 ]
 
 
@@ -65,6 +67,15 @@ def replica_state(address: str, pool_id: str) -> replica_pb2.GetReplicaStateResp
             replica_pb2.GetReplicaStateRequest(pool_id=pool_id), timeout=10
         )
         return answer
+
+
+def step_epoch(address: str, pool_id: str, program: StepProgram) -> str:
+    """Run ``program`` with a raw gRPC call; the answer's ``kvcm-epoch`` trailing metadata."""
+    with grpc.insecure_channel(address) as channel:
+        stub = service_pb2_grpc.SchedulerServiceStub(channel)  # type: ignore[no-untyped-call]
+        request = StepBuilder.from_program(program).to_proto(pool_id)
+        _, call = stub.Step.with_call(request, timeout=10)
+        return dict(call.trailing_metadata() or ()).get("kvcm-epoch", "")
 
 
 def start_pair(tmp_path: Path, digest_every: int = 4) -> tuple[Server, Server]:

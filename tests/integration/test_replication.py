@@ -26,6 +26,7 @@ from _replication import (
     place,
     replica_state,
     start_pair,
+    step_epoch,
 )
 
 from kvcm.client import SchedulerClient, ServiceError
@@ -151,6 +152,8 @@ def test_paused_primary_is_fenced_and_acknowledges_nothing(tmp_path: Path) -> No
         assert on_a.digest == on_b.digest
         assert_pool_matches(a.address, pool_id, expected_pool(25))
         assert_pool_matches(b.address, pool_id, expected_pool(25))
+        # Every acknowledgement names the placement epoch that gave it.
+        assert step_epoch(b.address, pool_id, program(26)) == "2"
     finally:
         a.stop()
         b.stop()

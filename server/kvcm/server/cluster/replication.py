@@ -57,6 +57,7 @@ from kvcm.wire import pool_config_from_proto
 
 __all__ = [
     "DIGEST_EVERY_ENV",
+    "EPOCH_METADATA",
     "REPLICA_TOKEN_ENV",
     "ReplicaState",
     "Replication",
@@ -68,6 +69,8 @@ _LOG = logging.getLogger("kvcm.server.replication")
 
 REPLICA_TOKEN_ENV: Final = "KVCM_REPLICA_TOKEN"
 """The bearer token a replica presents to its peers (an admin token, when auth is on)."""
+EPOCH_METADATA: Final = "kvcm-epoch"
+"""The trailing-metadata key of an answer's placement epoch (a replicated pool's answers)."""
 DIGEST_EVERY_ENV: Final = "KVCM_REPLICA_DIGEST_EVERY"
 """Overrides ``digest_every`` (records between two digest checks; 0: only at seeds)."""
 
@@ -258,6 +261,8 @@ class Replication:
         journal = state.journal
         try:
             if journal is not None and pool_id in state.registry:
+                while journal.gate is not None:  # another checkpoint is being taken
+                    await journal.gate.wait()
                 while not await checkpoint_live(state, journal):
                     await asyncio.sleep(0.05)
         finally:
@@ -347,6 +352,13 @@ class Replication:
         if link is None:
             return None
         return link.add(method, request, when, wait=entry.sync)
+
+    def stamp(self, pool_id: str, context: Any) -> None:
+        """Put the pool's placement epoch in an answer's trailing metadata (a pool with a
+        placement only): a client sees which epoch acknowledged its call."""
+        entry = self.pools.get(pool_id)
+        if entry is not None and entry.epoch:
+            context.set_trailing_metadata(((EPOCH_METADATA, str(entry.epoch)),))
 
     def changed(self, method: str, pool_id: str, request: bytes, when: float) -> None:
         """A change the server made itself was just recorded (``Journal.on_change``: a lease

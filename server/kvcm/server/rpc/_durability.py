@@ -260,7 +260,10 @@ class JournalInterceptor(MethodInterceptor):
                         if old is not None:
                             old.lent = False
 
-                return await self._shielded(ticket, call, (method, data, now))
+                response = await self._shielded(ticket, call, (method, data, now))
+                if self.replication is not None:
+                    self.replication.stamp(whole.pool_id, context)
+                return response
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
         inner = handler.unary_unary
@@ -279,6 +282,8 @@ class JournalInterceptor(MethodInterceptor):
             response = await self._shielded(
                 ticket, lambda: inner(request, context), (method, data, now)
             )
+            if self.replication is not None:  # the answer names the pool's placement epoch
+                self.replication.stamp(request.pool_id, context)
             self._maybe_checkpoint()
             return response
 
