@@ -33,6 +33,10 @@ fi
 # Installs Debian's package where missing; fails soft (those tests then skip and say why).
 bash scripts/install-prometheus.sh
 
+# etcd (Debian's etcd-server) for the cluster tests: three `kvcm serve` replicas on one etcd.
+# Installs it where missing; fails soft (those tests then skip and say why).
+bash scripts/install-etcd.sh
+
 # Chromium (Debian's package) for the inspector page's browser tests, driven by Playwright.
 # Installs it where missing; fails soft (those tests then skip and say why).
 bash scripts/install-chromium.sh

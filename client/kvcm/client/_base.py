@@ -44,7 +44,7 @@ from kvcm.client._types import (
 )
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
-from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2, service_pb2_grpc
+from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2, service_pb2, service_pb2_grpc
 from kvcm.wire import (
     FREE_MODE_TO_PROTO,
     fill_grouped,
@@ -54,6 +54,7 @@ from kvcm.wire import (
 )
 
 __all__ = [
+    "MAX_REROUTES",
     "RETRY_POLICY",
     "AsyncChannelClient",
     "ChannelClient",
@@ -250,20 +251,24 @@ class ClientSettings:
         """The channel options to open the channel with."""
         return build_channel_options(self.channel_options, self.retry_policy)
 
-    def channel(self) -> grpc.Channel:
-        """A synchronous channel to the target (TLS when configured)."""
+    def channel(self, target: str | None = None) -> grpc.Channel:
+        """A synchronous channel to ``target`` (``None``: the target) (TLS when configured)."""
+        target = self.target if target is None else target
         if self.tls is None:
-            return grpc.insecure_channel(self.target, options=self.options())
-        return grpc.secure_channel(self.target, self.tls.credentials(), options=self.options())
+            return grpc.insecure_channel(target, options=self.options())
+        return grpc.secure_channel(target, self.tls.credentials(), options=self.options())
 
-    def aio_channel(self, interceptors: Sequence[Any]) -> grpc.aio.Channel:
-        """An asyncio channel to the target (TLS when configured)."""
+    def aio_channel(
+        self, interceptors: Sequence[Any], target: str | None = None
+    ) -> grpc.aio.Channel:
+        """An asyncio channel to ``target`` (``None``: the target) (TLS when configured)."""
+        target = self.target if target is None else target
         if self.tls is None:
             return grpc.aio.insecure_channel(
-                self.target, options=self.options(), interceptors=interceptors
+                target, options=self.options(), interceptors=interceptors
             )
         return grpc.aio.secure_channel(
-            self.target, self.tls.credentials(), options=self.options(), interceptors=interceptors
+            target, self.tls.credentials(), options=self.options(), interceptors=interceptors
         )
 
 
@@ -330,8 +335,67 @@ class Stubs:
         self.worker = service_pb2_grpc.WorkerServiceStub(channel)  # type: ignore[no-untyped-call]
 
 
+# A kvcm cluster's redirect (docs/cluster.md): the call was refused before it ran, and the
+# trailing metadata name the replica that serves the pool.
+_OWNER_KEY: Final = "kvcm-owner"
+MAX_REROUTES: Final = 4
+"""Reroutes one call follows (redirects, and asking a seed after its replica was unreachable)."""
+_STUB_OF_SERVICE: Final = {
+    "AdminService": "admin",
+    "SchedulerService": "scheduler",
+    "EventService": "events",
+    "LookupService": "lookup",
+    "TransferService": "transfers",
+    "WorkerService": "worker",
+}
+# Method name -> the Stubs attribute that holds it.
+_STUB_OF_METHOD: Final = {
+    method.name: _STUB_OF_SERVICE[service.name]
+    for service in service_pb2.DESCRIPTOR.services_by_name.values()
+    if service.name in _STUB_OF_SERVICE
+    for method in service.methods
+}
+
+
+def split_seeds(target: str) -> list[str]:
+    """The ``host:port`` seeds of a target (``"a:1,b:2"``: a cluster's replicas).
+
+    Raises:
+        InvalidArgumentError: An empty seed.
+    """
+    seeds = [seed.strip() for seed in target.split(",")]
+    if not all(seeds):
+        raise InvalidArgumentError(f"target: empty address in {target!r}", field="target")
+    return seeds
+
+
+def _redirect_owner(exc: grpc.RpcError) -> str | None:
+    """The owner a cluster's redirect names, or ``None`` when ``exc`` is not a redirect."""
+    if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION:
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == _OWNER_KEY:
+            return str(value)
+    return None
+
+
+def _resendable(method: str, request: Any, step: StepBuilder | None) -> bool:
+    """Whether a call that may have reached a dead replica can be sent again elsewhere."""
+    if step is not None:
+        return step.step_seq is not None
+    return any(method in names for names in _IDEMPOTENT_METHODS.values())
+
+
 class _ClientBase:
-    """Settings, target, channel and stubs: what both channel clients hold."""
+    """Settings, target, channel and stubs: what both channel clients hold.
+
+    A target may list several seeds, ``"host:port,host:port"`` (a kvcm cluster's replicas,
+    docs/cluster.md). Calls go to the first seed, and a call naming a pool goes to the
+    replica that last answered for it: a redirect (FAILED_PRECONDITION with ``kvcm-owner``)
+    is followed at once and remembered per pool; when the remembered replica or the seed is
+    unreachable (UNAVAILABLE), the route is forgotten and the next seed asked, and the call
+    is sent again when it is idempotent (else it raises, and the next call finds the owner).
+    """
 
     def __init__(
         self,
@@ -364,11 +428,56 @@ class _ClientBase:
             tls=tls,
         )
         self.target = target
-        self._channel: Any = self._open_channel(auth_metadata(token))
+        self._seeds = split_seeds(target)
+        self._seed = 0
+        self._metadata = auth_metadata(token)
+        self._channel: Any = self._open_channel(self._seeds[0], self._metadata)
         self._stubs = Stubs(self._channel)
+        # Replica address -> (channel, stubs), opened on first use; pool id -> its replica.
+        self._replicas: dict[str, tuple[Any, Stubs]] = {
+            self._seeds[0]: (self._channel, self._stubs)
+        }
+        self._routes: dict[str, str] = {}
 
-    def _open_channel(self, metadata: Sequence[tuple[str, str]]) -> Any:
+    def _open_channel(self, target: str, metadata: Sequence[tuple[str, str]]) -> Any:
         raise NotImplementedError
+
+    def _replica(self, address: str) -> Stubs:
+        entry = self._replicas.get(address)
+        if entry is None:
+            channel = self._open_channel(address, self._metadata)
+            entry = self._replicas[address] = (channel, Stubs(channel))
+        return entry[1]
+
+    def _stubs_for(self, pool_id: str | None) -> Stubs:
+        """The stubs of the pool's replica as last learned, else of the current seed."""
+        address = self._routes.get(pool_id) if pool_id else None
+        return self._replica(address) if address is not None else self._stubs
+
+    def _rerouted(self, exc: grpc.RpcError, pool_id: str | None, resendable: bool) -> bool:
+        """Learn from a failed call; whether to send it again (to the new route).
+
+        A redirect names the pool's replica: remembered, and the call (refused before it
+        ran) goes there. UNAVAILABLE: the remembered replica, or the current seed, is
+        forgotten (the next seed is asked); the call is sent again only if ``resendable``.
+        """
+        owner = _redirect_owner(exc)
+        if owner is not None and pool_id:
+            self._routes[pool_id] = owner
+            return True
+        if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+            return False
+        if pool_id and self._routes.pop(pool_id, None) is not None:
+            return resendable
+        if len(self._seeds) > 1:
+            self._seed = (self._seed + 1) % len(self._seeds)
+            self._stubs = self._replica(self._seeds[self._seed])
+            return resendable
+        return False
+
+    @staticmethod
+    def _stub(stubs: Stubs, method: str) -> Any:
+        return getattr(getattr(stubs, _STUB_OF_METHOD[method]), method)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(target={self.target!r})"
@@ -377,19 +486,32 @@ class _ClientBase:
 class ChannelClient(_ClientBase):
     """A synchronous client: one ``grpc.Channel``, calls that block. Thread-safe."""
 
-    def _open_channel(self, metadata: Sequence[tuple[str, str]]) -> grpc.Channel:
-        return intercept(self._settings.channel(), metadata)
+    def _open_channel(self, target: str, metadata: Sequence[tuple[str, str]]) -> grpc.Channel:
+        return intercept(self._settings.channel(target), metadata)
 
     def _unary(self, method: str, callable_: Any, request: Any, timeout: Timeout) -> Any:
-        """Call ``callable_`` with the call's deadline; a failure raises the SDK's error."""
-        try:
-            return callable_(request, timeout=self._settings.deadline(timeout))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, method) from exc
+        """Call ``method`` with the call's deadline on the replica that serves its pool
+        (``callable_`` is the seed's; redirects followed); a failure raises the SDK's error."""
+        deadline = self._settings.deadline(timeout)
+        pool_id = _pool_of(request)
+        if pool_id is None and len(self._seeds) == 1:
+            try:
+                return callable_(request, timeout=deadline)
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, method) from exc
+        resendable = _resendable(method, request, None)
+        for hop in range(MAX_REROUTES + 1):
+            try:
+                return self._stub(self._stubs_for(pool_id), method)(request, timeout=deadline)
+            except grpc.RpcError as exc:
+                if hop == MAX_REROUTES or not self._rerouted(exc, pool_id, resendable):
+                    raise error_from_rpc(exc, method) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        self._channel.close()
+        """Close the channels; calls in flight are cancelled."""
+        for channel, _ in self._replicas.values():
+            channel.close()
 
     def __enter__(self) -> Self:
         return self
@@ -401,25 +523,45 @@ class ChannelClient(_ClientBase):
 class AsyncChannelClient(_ClientBase):
     """An asyncio client: one ``grpc.aio.Channel``; create it inside the loop that uses it."""
 
-    def _open_channel(self, metadata: Sequence[tuple[str, str]]) -> grpc.aio.Channel:
-        return self._settings.aio_channel(aio_interceptors(metadata))
+    def _open_channel(self, target: str, metadata: Sequence[tuple[str, str]]) -> grpc.aio.Channel:
+        return self._settings.aio_channel(aio_interceptors(metadata), target)
 
     async def _unary(self, method: str, callable_: Any, request: Any, timeout: Timeout) -> Any:
-        """Await ``callable_`` with the call's deadline; a failure raises the SDK's error."""
-        try:
-            return await callable_(request, timeout=self._settings.deadline(timeout))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, method) from exc
+        """Await ``method`` with the call's deadline on the replica that serves its pool
+        (``callable_`` is the seed's; redirects followed); a failure raises the SDK's error."""
+        deadline = self._settings.deadline(timeout)
+        pool_id = _pool_of(request)
+        if pool_id is None and len(self._seeds) == 1:
+            try:
+                return await callable_(request, timeout=deadline)
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, method) from exc
+        resendable = _resendable(method, request, None)
+        for hop in range(MAX_REROUTES + 1):
+            try:
+                stub = self._stub(self._stubs_for(pool_id), method)
+                return await stub(request, timeout=deadline)
+            except grpc.RpcError as exc:
+                if hop == MAX_REROUTES or not self._rerouted(exc, pool_id, resendable):
+                    raise error_from_rpc(exc, method) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        await self._channel.close()
+        """Close the channels; calls in flight are cancelled."""
+        for channel, _ in self._replicas.values():
+            await channel.close()
 
     async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def _pool_of(request: Any) -> str | None:
+    """The pool a unary request names (``None``: none, or a request stream)."""
+    pool_id = getattr(request, "pool_id", None)
+    return pool_id if isinstance(pool_id, str) and pool_id else None
 
 
 # ----------------------------------------------------------------------------- blocks

@@ -369,13 +369,19 @@ class AsyncSchedulerClient(AsyncChannelClient):
         request = step.to_proto(pool_id)
         total_s = self._settings.deadline(timeout)
         policy = self._settings.retry_policy
-        stub = self._stubs.scheduler.Step
         give_up_at = time.monotonic() + total_s
         attempt = 1
+        reroutes = 0
         while True:
+            stub = self._stubs_for(pool_id).scheduler.Step
             try:
                 response = await stub(request, timeout=max(give_up_at - time.monotonic(), 1e-3))
             except grpc.RpcError as exc:
+                if reroutes < _base.MAX_REROUTES and self._rerouted(
+                    exc, pool_id, step.step_seq is not None
+                ):
+                    reroutes += 1
+                    continue
                 error = error_from_rpc(exc, "Step")
                 if not _base.should_retry_step(step, error, attempt, policy, give_up_at):
                     raise error from exc
@@ -724,5 +730,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
             request.start_sequence = start_sequence
         if expected_epoch is not None:
             request.expected_epoch = expected_epoch
-        call = self._stubs.events.SubscribeEvents(request, timeout=timeout)
+        # A stream goes to the pool's replica as last learned (redirects are not followed
+        # mid-stream: a redirected stream raises; any pool call first learns the owner).
+        call = self._stubs_for(pool_id).events.SubscribeEvents(request, timeout=timeout)
         return AsyncEventStream(pool_id, call)

@@ -22,7 +22,7 @@ import signal
 import socket
 import ssl
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import uvicorn
@@ -66,6 +66,9 @@ from kvcm.server.tls import (
     uvicorn_ssl_options,
 )
 from kvcm.server.tracing import build_tracing
+
+if TYPE_CHECKING:
+    from kvcm.server.cluster import ClusterRuntime
 
 __all__ = ["KVCMServer", "run_until_signalled", "serve"]
 
@@ -131,6 +134,8 @@ class KVCMServer:
         self.http_port = 0
         self.interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
         self.journal: Journal | None = None
+        # With etcd_endpoints: membership, placement, redirects (docs/cluster.md).
+        self.cluster: ClusterRuntime | None = None
         # With data_dir: pools' standbys and placements (docs/replication.md).
         self.replication: Replication | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -183,6 +188,16 @@ class KVCMServer:
                 "(set auth_tokens)",
                 extra={"event": "auth_off"},
             )
+        if settings.etcd_endpoints:  # before the journal: a redirected call is not journaled
+            from kvcm.server.cluster import ClusterRuntime
+
+            registry = self.state.registry
+            self.cluster = ClusterRuntime(
+                settings,
+                pool_ids=lambda: [pool.name for pool in registry.list()],
+                has_pool=registry.__contains__,
+            )
+            interceptors.append(self.cluster.interceptor)
         if settings.data_dir:  # innermost: only calls that returned normally are journaled
             self.journal = await recover(self.state, settings.data_dir)
             journaling = JournalInterceptor(
@@ -241,6 +256,8 @@ class KVCMServer:
             await self._start_http(http_socket)
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.cluster is not None:  # joins once its calls can be answered
+            await self.cluster.start(self.grpc_address, self.http_address)
         self.state.serving = True
         self.loop_lag.start(asyncio.get_running_loop())
         self.leases.start()
@@ -322,6 +339,8 @@ class KVCMServer:
             pd_route=functools.partial(route_pd_as, self.state),
             pd_routes=self.state.pd_routes,
         )
+        if self.cluster is not None:
+            app.state.collector.cluster = self.cluster.samples
         # Taken before uvicorn reads the files: a change after it is seen (a change before
         # only costs a reload of what is already loaded).
         tls_stamp = self.tls.stamp() if self.tls is not None else ()
@@ -375,6 +394,8 @@ class KVCMServer:
         self.state.begin_shutdown()
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        if self.cluster is not None:  # leaves: its lease revoked, peers see it gone at once
+            await self.cluster.stop()
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await self._http_task

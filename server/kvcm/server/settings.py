@@ -86,6 +86,14 @@ class ServerSettings:
         kv_events_max_queue_size: Batches waiting for the publisher thread; beyond, dropped.
         kv_events_use_int_block_hashes: 1: hashes as vLLM's default 64-bit ints; 0: full
             digests (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
+        etcd_endpoints: etcd's client endpoints, ``http://HOST:PORT`` comma-separated: the
+            server joins a cluster of replicas (docs/cluster.md); ``""``: a lone server.
+        advertise_address: ``host:port`` other replicas and clients dial to reach this one
+            (``""``: the bound gRPC address, unless it is a wildcard).
+        etcd_prefix: The etcd key prefix of the cluster's keys.
+        etcd_lease_ttl_s: TTL of the replica's etcd lease, in seconds.
+        etcd_timeout_s: Deadline of each etcd call, in seconds.
+        cluster_fanout_timeout_s: Deadline of each peer's part of a cluster-wide call.
         limits: The service's hard limits.
     """
 
@@ -112,6 +120,12 @@ class ServerSettings:
     kv_events_hwm: int = 100_000
     kv_events_max_queue_size: int = 100_000
     kv_events_use_int_block_hashes: int = 1
+    etcd_endpoints: str = ""
+    advertise_address: str = ""
+    etcd_prefix: str = "/kvcm"
+    etcd_lease_ttl_s: int = 5
+    etcd_timeout_s: float = 2.0
+    cluster_fanout_timeout_s: float = 2.0
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
@@ -145,6 +159,7 @@ class ServerSettings:
                 f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}"
             )
         self._check_kv_events()
+        self._check_cluster()
         if self.limits.max_message_bytes > _GRPC_MAX_MESSAGE_BYTES:
             raise ConfigError(
                 f"max_message_bytes must be <= {_GRPC_MAX_MESSAGE_BYTES} (gRPC's int32), "
@@ -176,6 +191,22 @@ class ServerSettings:
             raise ConfigError(
                 f"kv_events_topic {self.kv_events_topic!r} may use only {{pool}} and {{model}}"
             ) from exc
+
+    def _check_cluster(self) -> None:
+        if self.advertise_address:
+            try:
+                split_address(self.advertise_address)
+            except ConfigError as exc:
+                raise ConfigError(f"advertise_address: {exc}") from None
+        if not self.etcd_prefix.startswith("/") or self.etcd_prefix.endswith("/"):
+            raise ConfigError(
+                f"etcd_prefix must start with '/' and not end with one, got {self.etcd_prefix!r}"
+            )
+        if not self.etcd_lease_ttl_s >= 2:
+            raise ConfigError(f"etcd_lease_ttl_s must be >= 2, got {self.etcd_lease_ttl_s}")
+        for name in ("etcd_timeout_s", "cluster_fanout_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
     def _check_kv_events_port_label(self) -> None:
         try:
@@ -270,6 +301,16 @@ _HELP: Final = {
     "(and counted) and subscribers replay the gap",
     "kv_events_use_int_block_hashes": "1: block hashes as vLLM's default 64-bit ints; 0: full "
     "digests (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)",
+    "etcd_endpoints": "etcd client endpoints, http://HOST:PORT comma-separated: join a cluster of "
+    "replicas that share pools through etcd (docs/cluster.md; '': a lone server)",
+    "advertise_address": "host:port other replicas and clients dial to reach this replica ('': "
+    "the bound gRPC address, unless it is a wildcard)",
+    "etcd_prefix": "etcd key prefix of the cluster's keys (one cluster per prefix)",
+    "etcd_lease_ttl_s": "TTL of the replica's etcd lease in seconds: a replica that stops "
+    "refreshing it leaves the live set this long after",
+    "etcd_timeout_s": "deadline of each etcd call in seconds",
+    "cluster_fanout_timeout_s": "deadline of each peer's part of a cluster-wide call (ListPools, "
+    "Lookup) in seconds; a peer that misses it is reported missing",
     "max_pools": "pools the server holds; CreatePool answers RESOURCE_EXHAUSTED beyond",
     "max_blocks_per_pool": "blocks of one pool (explicit or planned, the null block included)",
     "max_total_blocks": "blocks of all pools together (the server's memory budget)",

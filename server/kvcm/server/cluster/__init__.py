@@ -6,6 +6,25 @@ was. See ``docs/cluster.md``.
 
 from __future__ import annotations
 
+from kvcm.server.cluster._etcd import EtcdUnavailableError
+from kvcm.server.cluster._fanout import LOCAL_KEY, MISSING_KEY, REPLICAS_KEY
+from kvcm.server.cluster._node import ClusterConfig, ClusterNode, ClusterStats
+from kvcm.server.cluster._routing import EPOCH_KEY, OWNER_KEY
+from kvcm.server.cluster._runtime import ClusterRuntime
 from kvcm.server.cluster.placement import Placement, PlacementCallback, PlacementView
 
-__all__ = ["Placement", "PlacementCallback", "PlacementView"]
+__all__ = [
+    "EPOCH_KEY",
+    "LOCAL_KEY",
+    "MISSING_KEY",
+    "OWNER_KEY",
+    "REPLICAS_KEY",
+    "ClusterConfig",
+    "ClusterNode",
+    "ClusterRuntime",
+    "ClusterStats",
+    "EtcdUnavailableError",
+    "Placement",
+    "PlacementCallback",
+    "PlacementView",
+]

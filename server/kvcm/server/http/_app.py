@@ -324,7 +324,8 @@ def build_app(
         pd_routes: the P/D routing calls' counters by metric name (``None``: exported as 0).
 
     Returns:
-        The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry.
+        The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry,
+        ``app.state.collector`` kvcm's collector.
     """
     if refusals is None:
         refusals = RefusalLog()
@@ -350,6 +351,7 @@ def build_app(
         redoc_url=None,
     )
     app.state.prometheus_registry = prometheus_registry
+    app.state.collector = collector
 
     @app.get(
         "/metrics",

@@ -74,6 +74,27 @@ _PD_ROUTE_METRICS = (
     "kvcm_pd_route_prefill_computed_tokens_total",
     "kvcm_pd_route_remote_tokens_total",
 )
+_CLUSTER_METRICS = (
+    "kvcm_cluster_etcd_session_up",
+    "kvcm_cluster_etcd_session_losses_total",
+    "kvcm_cluster_replicas",
+    "kvcm_cluster_primary_pools",
+    "kvcm_cluster_redirects_total",
+    "kvcm_cluster_placement_changes_total",
+    "kvcm_cluster_placement_failures_total",
+    "kvcm_cluster_fanout_missed_total",
+)
+_TRANSFER_METRICS = (
+    "kvcm_transfers_started_total",
+    "kvcm_transfers_completed_total",
+    "kvcm_transfers_expired_total",
+    "kvcm_transfers_failed_total",
+    "kvcm_transfer_blocks_pulled_total",
+    "kvcm_transfer_blocks_saved_total",
+    "kvcm_transfers_in_flight",
+    "kvcm_transfers_past_lease",
+    "kvcm_transfer_oldest_source_age_seconds",
+)
 _JOURNAL_METRICS = (
     "kvcm_journal_records_total",
     "kvcm_journal_fsyncs_total",
@@ -430,6 +451,55 @@ METRICS: tuple[MetricSpec, ...] = (
         labels=("version", "python_version"),
         help="Always 1; the running kvcm version and Python version.",
     ),
+    # kvcm as a cluster (--etcd-endpoints; docs/cluster.md): exported empty on a lone server.
+    MetricSpec(
+        name="kvcm_cluster_etcd_session_up",
+        kind="gauge",
+        labels=(),
+        help="1 while the replica holds its etcd session (lease refreshed), 0 while etcd is away.",
+    ),
+    MetricSpec(
+        name="kvcm_cluster_etcd_session_losses_total",
+        kind="counter",
+        labels=(),
+        help="Times the replica lost its etcd session (etcd unreachable, or its lease expired).",
+    ),
+    MetricSpec(
+        name="kvcm_cluster_replicas",
+        kind="gauge",
+        labels=(),
+        help="Live replicas this replica sees in etcd (itself included once registered).",
+    ),
+    MetricSpec(
+        name="kvcm_cluster_primary_pools",
+        kind="gauge",
+        labels=(),
+        help="Pools whose placement names this replica as primary.",
+    ),
+    MetricSpec(
+        name="kvcm_cluster_redirects_total",
+        kind="counter",
+        labels=("method",),
+        help="Calls for a pool another replica serves, answered with a redirect to it.",
+    ),
+    MetricSpec(
+        name="kvcm_cluster_placement_changes_total",
+        kind="counter",
+        labels=(),
+        help="Placement records this replica created, replaced or deleted (etcd transactions).",
+    ),
+    MetricSpec(
+        name="kvcm_cluster_placement_failures_total",
+        kind="counter",
+        labels=(),
+        help="Pool placements refused because etcd could not be reached.",
+    ),
+    MetricSpec(
+        name="kvcm_cluster_fanout_missed_total",
+        kind="counter",
+        labels=("method",),
+        help="Peer parts of cluster-wide calls (ListPools, Lookup) that did not answer in time.",
+    ),
 )
 
 _SPEC_BY_NAME = {spec.name: spec for spec in METRICS}
@@ -574,6 +644,8 @@ class KVCMCollector:
     Attributes:
         reader: reads the pools (one pool that cannot be read is left out and counted); the
             app's ``/v1/pools`` routes read through it too.
+        cluster: the ``kvcm_cluster_*`` samples by metric name, ``(label values, value)``
+            each, read at each scrape (``None``: a lone server, exported empty).
     """
 
     def __init__(
@@ -598,6 +670,7 @@ class KVCMCollector:
         self._loop_lag = LoopLagMonitor() if loop_lag is None else loop_lag
         self._build_labels = [kvcm_version(), platform.python_version()]
         self.reader = PoolReader()
+        self.cluster: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
 
     def _zmq_wire_families(self) -> Iterator[Metric]:
         """The publisher's queue and the last seq it sent per pool (of pools that exist)."""
@@ -684,6 +757,12 @@ class KVCMCollector:
             reclaims.add_metric([pool, lease], count)
         yield reclaims
         yield from self._journal_families()
+        cluster = self.cluster() if self.cluster is not None else {}
+        for name in _CLUSTER_METRICS:
+            cluster_family = _scalar_family(name)
+            for labels, value in cluster.get(name, ()):
+                cluster_family.add_metric(labels, value)
+            yield cluster_family
         batches = _scalar_family("kvcm_zmq_event_batches_total")
         peers = _scalar_family("kvcm_zmq_event_peers")
         if self._zmq is not None:

@@ -1,0 +1,112 @@
+"""The etcd session: one aetcd client over a list of endpoints, failing over between them.
+
+aetcd (the maintained asyncio etcd v3 client, gRPC underneath) talks to one endpoint; this
+wrapper keeps the list and moves to the next endpoint when a call finds the current one
+unreachable, so a replica rides out the loss of one etcd member. Every call has a deadline; a
+call that no endpoint answers raises :class:`EtcdUnavailableError`, whose message names etcd
+and the endpoints, so the status a client finally sees says what is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import aetcd
+import aetcd.exceptions
+
+from kvcm.common.errors import ConfigError
+
+__all__ = ["EtcdSession", "EtcdUnavailableError", "parse_endpoints"]
+
+_LOG = logging.getLogger("kvcm.server.cluster")
+_T = TypeVar("_T")
+
+# What aetcd raises when an endpoint does not answer (UNAVAILABLE, DEADLINE_EXCEEDED).
+_UNREACHABLE: tuple[type[BaseException], ...] = (
+    aetcd.exceptions.ConnectionFailedError,
+    aetcd.exceptions.ConnectionTimeoutError,
+)
+
+
+class EtcdUnavailableError(Exception):
+    """No etcd endpoint answered within the deadline (every one was tried)."""
+
+
+def parse_endpoints(value: str) -> tuple[tuple[str, int], ...]:
+    """``(host, port)`` of each comma-separated endpoint (``http://host:port`` or ``host:port``).
+
+    Raises:
+        ConfigError: An endpoint is not of that form, or the list is empty.
+    """
+    endpoints: list[tuple[str, int]] = []
+    for raw in value.split(","):
+        item = raw.strip()
+        if item.startswith("https://"):
+            raise ConfigError(f"etcd_endpoints: TLS to etcd is not supported yet, got {item!r}")
+        if item.startswith("http://"):
+            item = item[len("http://") :]
+        host, _, port = item.rstrip("/").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"etcd_endpoints: each endpoint must be http://HOST:PORT or HOST:PORT, got {raw!r}"
+            )
+        endpoints.append((host.strip("[]"), int(port)))
+    if not endpoints:
+        raise ConfigError("etcd_endpoints must name at least one endpoint")
+    return tuple(endpoints)
+
+
+class EtcdSession:
+    """aetcd clients for each endpoint, the current one first.
+
+    Attributes:
+        endpoints: ``(host, port)`` of each endpoint.
+        timeout_s: Deadline of each etcd call, in seconds.
+    """
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]], *, timeout_s: float) -> None:
+        """Prepare clients (nothing connects before the first call)."""
+        self.endpoints = tuple(endpoints)
+        self.timeout_s = timeout_s
+        self._clients = [
+            aetcd.Client(host=host, port=port, timeout=timeout_s) for host, port in endpoints
+        ]
+        self._current = 0
+
+    @property
+    def client(self) -> Any:
+        """The current endpoint's ``aetcd.Client`` (for watches, which outlive one call)."""
+        return self._clients[self._current]
+
+    def describe(self) -> str:
+        """``host:port,host:port`` (for messages)."""
+        return ",".join(f"{host}:{port}" for host, port in self.endpoints)
+
+    async def call(self, fn: Callable[[Any], Awaitable[_T]]) -> _T:
+        """``await fn(client)`` on the current endpoint, then on each other one if unreachable.
+
+        Raises:
+            EtcdUnavailableError: No endpoint answered.
+            aetcd.exceptions.ClientError: etcd answered with an error.
+        """
+        last: BaseException | None = None
+        for _ in range(len(self._clients)):
+            try:
+                return await fn(self._clients[self._current])
+            except _UNREACHABLE as exc:
+                last = exc
+                _LOG.debug("etcd endpoint %s unreachable: %s", self._current, exc)
+                self._current = (self._current + 1) % len(self._clients)
+        raise EtcdUnavailableError(
+            f"etcd unreachable at {self.describe()} ({type(last).__name__}: {last})"
+        ) from last
+
+    async def close(self) -> None:
+        """Close every client."""
+        for client in self._clients:
+            try:
+                await client.close()
+            except Exception:
+                _LOG.debug("closing an etcd client failed", exc_info=True)

@@ -1,0 +1,276 @@
+"""Cluster-wide calls: ask every live replica in parallel, with a deadline, and merge.
+
+``ListPools`` and ``Lookup`` answer over every replica's pools. The replica that got the call
+(the *coordinator*) sends each live peer the same request marked ``kvcm-cluster-local: 1``
+(the peer answers from its own pools only, never fanning out again), answers its own part,
+and merges:
+
+* ``ListPools``: the union, sorted by pool id; a pool listed by two replicas (a move in
+  flight) is taken from its placement's primary.
+* ``Lookup``: a scope of pool ids is split by owner, each replica asked only about its own; an
+  open scope (labels or nothing) goes to every replica. The answers are ranked again by the
+  core's rank key (score, then waiting requests, then usage, then pool id) and cut at
+  ``max_results``; ``skipped`` and ``num_pools_in_scope`` add up. Packed or not, as asked.
+
+A peer that does not answer within ``fanout_timeout_s`` (or the caller's deadline, if sooner),
+or answers UNAVAILABLE, is *missed*: the answer still comes, and its trailing metadata say so
+(``kvcm-replicas``: replicas asked, this one included; ``kvcm-missing-replicas``: the missed
+addresses, comma-separated, only when some were). A peer that refuses the call (a bad
+argument, an unknown pool, a denied principal) fails the whole call with its status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final
+
+import grpc
+
+from kvcm.core.lookup import LookupAnswer
+from kvcm.server.cluster._node import ClusterNode
+from kvcm.v1 import admin_pb2, lookup_pb2, service_pb2_grpc
+from kvcm.wire.lookup import lookup_result_from_proto, lookup_result_to_proto
+
+__all__ = [
+    "LOCAL_KEY",
+    "MISSING_KEY",
+    "REPLICAS_KEY",
+    "PeerChannels",
+    "fan_out_list_pools",
+    "fan_out_lookup",
+    "is_local_call",
+]
+
+_LOG = logging.getLogger("kvcm.server.cluster")
+
+#: Metadata marking a replica-to-replica call: answer from this replica's pools, as is.
+LOCAL_KEY: Final = "kvcm-cluster-local"
+#: Trailing metadata of a fanned-out answer: the replicas asked (this one included).
+REPLICAS_KEY: Final = "kvcm-replicas"
+#: Trailing metadata of a fanned-out answer that missed replicas: their addresses.
+MISSING_KEY: Final = "kvcm-missing-replicas"
+
+# A peer answering one of these is missed, not an error of the call.
+_MISSED_CODES: Final = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+# Forwarded from the caller so peers authorize the same principal.
+_FORWARDED: Final = ("authorization",)
+
+Behavior = Callable[[Any, Any], Awaitable[Any]]
+
+
+def is_local_call(context: Any) -> bool:
+    """Whether the call is a peer's part of a fan-out (or otherwise asks for this replica)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == LOCAL_KEY and value == "1":
+            return True
+    return False
+
+
+class PeerChannels:
+    """One grpc.aio channel per peer replica, opened on first use and kept."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        """No channel yet."""
+        self._options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self._stubs: dict[str, tuple[grpc.aio.Channel, Any, Any]] = {}
+
+    def stubs(self, address: str) -> tuple[Any, Any]:
+        """``(AdminServiceStub, LookupServiceStub)`` of the replica at ``address``."""
+        entry = self._stubs.get(address)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            entry = (
+                channel,
+                service_pb2_grpc.AdminServiceStub(channel),  # type: ignore[no-untyped-call]
+                service_pb2_grpc.LookupServiceStub(channel),  # type: ignore[no-untyped-call]
+            )
+            self._stubs[address] = entry
+        return entry[1], entry[2]
+
+    async def close(self) -> None:
+        """Close every channel."""
+        entries, self._stubs = list(self._stubs.values()), {}
+        for channel, _, _ in entries:
+            await channel.close()
+
+
+def _peer_metadata(context: Any) -> tuple[tuple[str, str], ...]:
+    forwarded = tuple(
+        (key, value) for key, value in context.invocation_metadata() or () if key in _FORWARDED
+    )
+    return ((LOCAL_KEY, "1"), *forwarded)
+
+
+def _timeout(node: ClusterNode, context: Any) -> float:
+    remaining = context.time_remaining()
+    limit = node.config.fanout_timeout_s
+    return limit if remaining is None else max(min(limit, remaining - 0.05), 0.01)
+
+
+async def _ask(
+    node: ClusterNode,
+    context: Any,
+    method: str,
+    parts: Sequence[tuple[str, Callable[[float, Any], Awaitable[Any]]]],
+) -> tuple[list[tuple[str, Any]], list[str]]:
+    """Run each peer's part in parallel: ``(address, answer)`` in order, the missed addresses.
+
+    Raises:
+        grpc.aio.AioRpcError: A peer refused the call (not a missed peer).
+    """
+    timeout = _timeout(node, context)
+    metadata = _peer_metadata(context)
+    results = await asyncio.gather(
+        *(call(timeout, metadata) for _, call in parts), return_exceptions=True
+    )
+    answers: list[tuple[str, Any]] = []
+    missed: list[str] = []
+    for (address, _), result in zip(parts, results, strict=True):
+        if isinstance(result, grpc.aio.AioRpcError) and result.code() not in _MISSED_CODES:
+            raise result
+        if isinstance(result, BaseException):
+            _LOG.info("fan-out %s: replica %s missed: %r", method, address, result)
+            missed.append(address)
+            continue
+        answers.append((address, result))
+    if missed:
+        node.stats.fanout_missed[method] = node.stats.fanout_missed.get(method, 0) + len(missed)
+    return answers, missed
+
+
+def _say_missed(context: Any, asked: int, missed: Sequence[str]) -> None:
+    trailer: list[tuple[str, str]] = [(REPLICAS_KEY, str(asked))]
+    if missed:
+        trailer.append((MISSING_KEY, ",".join(missed)))
+    context.set_trailing_metadata(tuple(trailer))
+
+
+async def _refused(context: Any, exc: grpc.aio.AioRpcError) -> None:
+    await context.abort(exc.code(), exc.details() or "")
+
+
+async def fan_out_list_pools(
+    node: ClusterNode,
+    peers: PeerChannels,
+    behavior: Behavior,
+    request: admin_pb2.ListPoolsRequest,
+    context: Any,
+) -> admin_pb2.ListPoolsResponse:
+    """``ListPools`` over every live replica (see the module docstring)."""
+    addresses = node.peers()
+
+    def part(address: str) -> Callable[[float, Any], Awaitable[Any]]:
+        def call(timeout: float, metadata: Any) -> Awaitable[Any]:
+            admin, _ = peers.stubs(address)
+            return admin.ListPools(request, timeout=timeout, metadata=metadata)  # type: ignore[no-any-return]
+
+        return call
+
+    local_task = asyncio.ensure_future(behavior(request, context))
+    try:
+        answers, missed = await _ask(node, context, "ListPools", [(a, part(a)) for a in addresses])
+    except grpc.aio.AioRpcError as exc:
+        local_task.cancel()
+        await _refused(context, exc)
+        raise
+    local = await local_task
+    by_id: dict[str, Any] = {}
+    for owner, answer in [(node.address, local), *answers]:
+        for pool in answer.pools:
+            placement = node.get(pool.pool_id)
+            if pool.pool_id not in by_id or (placement is not None and placement.primary == owner):
+                by_id[pool.pool_id] = pool
+    _say_missed(context, len(addresses) + 1, missed)
+    return admin_pb2.ListPoolsResponse(pools=[by_id[key] for key in sorted(by_id)])
+
+
+def _owner_parts(
+    node: ClusterNode, pool_ids: Sequence[str]
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Split a scope's pool ids by the replica that owns each (unplaced: this one); also the
+    owners that are not live (their pools cannot be asked)."""
+    live = set(node.peers()) | {node.address}
+    by_owner: dict[str, list[str]] = {}
+    dead: list[str] = []
+    for pool_id in pool_ids:
+        placement = node.get(pool_id)
+        owner = node.address if placement is None else placement.primary
+        if owner not in live:
+            if owner not in dead:
+                dead.append(owner)
+            continue
+        by_owner.setdefault(owner, []).append(pool_id)
+    return by_owner, dead
+
+
+def _rank_key(hit: Any) -> tuple[float, int, float, str]:
+    # The core's rank key (kvcm.core.lookup): best score, fewest waiting, least used, by name.
+    return (-hit.score, hit.load.num_waiting, hit.load.usage, hit.pool_id)
+
+
+async def fan_out_lookup(
+    node: ClusterNode,
+    peers: PeerChannels,
+    behavior: Behavior,
+    request: lookup_pb2.LookupRequest,
+    context: Any,
+) -> lookup_pb2.LookupResponse:
+    """``Lookup`` over every live replica's pools (see the module docstring)."""
+    dead: list[str] = []
+    if request.scope.pool_ids:
+        by_owner, dead = _owner_parts(node, list(request.scope.pool_ids))
+        requests: dict[str, lookup_pb2.LookupRequest] = {}
+        for owner, pool_ids in by_owner.items():
+            sub = lookup_pb2.LookupRequest()
+            sub.CopyFrom(request)
+            del sub.scope.pool_ids[:]
+            sub.scope.pool_ids.extend(pool_ids)
+            requests[owner] = sub
+    else:
+        requests = dict.fromkeys([node.address, *node.peers()], request)
+    local_request = requests.pop(node.address, None)
+    addresses = sorted(requests)
+
+    def part(address: str) -> Callable[[float, Any], Awaitable[Any]]:
+        def call(timeout: float, metadata: Any) -> Awaitable[Any]:
+            _, lookup = peers.stubs(address)
+            return lookup.Lookup(requests[address], timeout=timeout, metadata=metadata)  # type: ignore[no-any-return]
+
+        return call
+
+    local_task = (
+        asyncio.ensure_future(behavior(local_request, context))
+        if local_request is not None
+        else None
+    )
+    try:
+        answers, missed = await _ask(node, context, "Lookup", [(a, part(a)) for a in addresses])
+    except grpc.aio.AioRpcError as exc:
+        if local_task is not None:
+            local_task.cancel()
+        await _refused(context, exc)
+        raise
+    if local_task is not None:
+        answers.append((node.address, await local_task))
+    pools: list[Any] = []
+    skipped: list[tuple[str, str]] = []
+    num_in_scope = 0
+    for _, answer in answers:
+        decoded = lookup_result_from_proto(answer)
+        pools.extend(decoded.pools)
+        skipped.extend(decoded.skipped)
+        num_in_scope += decoded.num_pools_in_scope
+    pools.sort(key=_rank_key)
+    if request.max_results:
+        pools = pools[: request.max_results]
+    missed = [*missed, *dead]
+    _say_missed(context, len(addresses) + (local_request is not None) + len(dead), missed)
+    merged = LookupAnswer(tuple(pools), tuple(skipped), num_in_scope)
+    return lookup_result_to_proto(merged, packed=request.packed)

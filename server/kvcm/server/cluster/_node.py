@@ -1,0 +1,417 @@
+"""One replica's place in the cluster: its etcd lease, the live replicas, every pool's placement.
+
+::
+
+    <prefix>/replicas/<address>    {"address", "http_address", "num_pools"}  on the replica's lease
+    <prefix>/placement/<pool_id>   Placement.encode()                           no lease
+
+Two background tasks run from :meth:`ClusterNode.start` to :meth:`ClusterNode.stop`:
+
+* the **session** task grants the lease, registers the replica under it, refreshes it every
+  third of its TTL and re-registers when the pool count changes; when etcd cannot be reached
+  the replica goes on serving what it owns (``etcd_up`` is false) and re-registers, on a new
+  lease if the old one expired, as soon as etcd answers again;
+* the **watch** task lists ``<prefix>/`` once, then follows it with an etcd watch from the
+  listed revision on, so the local view (live replicas, placements) misses no change; when
+  the watch breaks it lists and watches again.
+
+Placements change only through etcd transactions: :meth:`ClusterNode.place` creates a record
+only where none exists (compare ``create_revision == 0``), :meth:`ClusterNode.replace` swaps
+one only if it still holds the expected value, so two replicas never both win.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aetcd.exceptions
+
+from kvcm.server.cluster._etcd import EtcdSession, EtcdUnavailableError
+from kvcm.server.cluster.placement import Placement, PlacementCallback
+
+__all__ = ["ClusterConfig", "ClusterNode", "ClusterStats"]
+
+_LOG = logging.getLogger("kvcm.server.cluster")
+
+# Pause before listing and watching again after the watch broke (etcd down), in seconds.
+_REWATCH_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterConfig:
+    """How a replica joins the cluster.
+
+    Attributes:
+        endpoints: etcd's client endpoints, ``(host, port)``.
+        prefix: The etcd key prefix every key of this cluster lives under.
+        lease_ttl_s: TTL of the replica's etcd lease, in seconds: a replica that stops
+            refreshing it leaves the live set this long after its last refresh.
+        etcd_timeout_s: Deadline of each etcd call, in seconds.
+        fanout_timeout_s: Deadline of each peer's part of a cluster-wide call, in seconds.
+    """
+
+    endpoints: tuple[tuple[str, int], ...]
+    prefix: str = "/kvcm"
+    lease_ttl_s: int = 5
+    etcd_timeout_s: float = 2.0
+    fanout_timeout_s: float = 2.0
+
+
+@dataclasses.dataclass(slots=True)
+class ClusterStats:
+    """Counters the metrics collector reads (``kvcm_cluster_*``).
+
+    Attributes:
+        redirects: Calls answered with a redirect, by method.
+        placement_changes: Placement records this replica created, replaced or deleted.
+        placement_failures: Placements refused because etcd could not be reached.
+        fanout_missed: Cluster-wide calls' peer parts that did not answer, by method.
+        session_losses: Times the etcd session was lost (etcd unreachable, lease expired).
+    """
+
+    redirects: dict[str, int] = dataclasses.field(default_factory=dict)
+    placement_changes: int = 0
+    placement_failures: int = 0
+    fanout_missed: dict[str, int] = dataclasses.field(default_factory=dict)
+    session_losses: int = 0
+
+
+class ClusterNode:
+    """This replica's membership and its view of every pool's placement (a ``PlacementView``).
+
+    Attributes:
+        config: How it joined.
+        address: This replica's advertise address (``host:port`` clients and peers dial;
+            set by :meth:`start`).
+        http_address: Its HTTP side's ``host:port`` (``""``: none), registered for operators.
+        stats: Its counters.
+        etcd_up: Whether the last etcd call of the session task succeeded.
+        replicas: The live replicas (registered under a lease), by address: what they
+            registered.
+    """
+
+    def __init__(self, config: ClusterConfig, *, num_pools: Callable[[], int]) -> None:
+        """Prepare; nothing talks to etcd before :meth:`start`.
+
+        Args:
+            config: How to join.
+            num_pools: This replica's pool count now (registered as its load).
+        """
+        self.config = config
+        self.address = ""
+        self.http_address = ""
+        self.stats = ClusterStats()
+        self.etcd_up = False
+        self.replicas: dict[str, dict[str, Any]] = {}
+        self._num_pools = num_pools
+        self._session = EtcdSession(config.endpoints, timeout_s=config.etcd_timeout_s)
+        # The watch has clients of its own: starting over closes them, never the session's.
+        self._watching = EtcdSession(config.endpoints, timeout_s=config.etcd_timeout_s)
+        self._replica_prefix = f"{config.prefix}/replicas/".encode()
+        self._placement_prefix = f"{config.prefix}/placement/".encode()
+        self._placements: dict[str, Placement] = {}
+        self._callbacks: list[PlacementCallback] = []
+        self._lease: Any = None
+        self._registered_pools = -1
+        self._tasks: list[asyncio.Task[None]] = []
+        self._listed = asyncio.Event()
+
+    # ------------------------------------------------------------------ PlacementView
+    def get(self, pool_id: str) -> Placement | None:
+        """The pool's placement as last seen, or ``None``."""
+        return self._placements.get(pool_id)
+
+    def watch(self, callback: PlacementCallback) -> Callable[[], None]:
+        """Call ``callback(pool_id, placement | None)`` on every change from now on."""
+        self._callbacks.append(callback)
+
+        def stop() -> None:
+            with contextlib.suppress(ValueError):
+                self._callbacks.remove(callback)
+
+        return stop
+
+    def placements(self) -> dict[str, Placement]:
+        """Every placement as last seen (a copy)."""
+        return dict(self._placements)
+
+    def peers(self) -> list[str]:
+        """The live replicas other than this one, sorted."""
+        return sorted(address for address in self.replicas if address != self.address)
+
+    # --------------------------------------------------------------------- lifecycle
+    async def start(self, address: str, http_address: str = "", *, wait_s: float = 0.0) -> None:
+        """Join as ``address``: start the session and watch tasks, and wait up to ``wait_s``
+        for the first listing of the cluster."""
+        self.address = address
+        self.http_address = http_address
+        self._tasks = [
+            asyncio.create_task(self._session_loop(), name="kvcm-cluster-session"),
+            asyncio.create_task(self._watch_loop(), name="kvcm-cluster-watch"),
+        ]
+        if wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._listed.wait(), wait_s)
+
+    async def stop(self) -> None:
+        """Leave: stop the tasks and revoke the lease (peers see this replica go at once)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._session.call(lambda c: c.revoke_lease(lease.id)), 1.0)
+        await self._session.close()
+        await self._watching.close()
+
+    # ---------------------------------------------------------------------- placement
+    async def place(self, pool_id: str, *, primary: str | None = None) -> tuple[Placement, bool]:
+        """The pool's placement, created (least-loaded live replicas) if it has none.
+
+        Args:
+            pool_id: The pool.
+            primary: The primary a new record names (a pool this replica already holds);
+                ``None``: the least-loaded live replica.
+
+        Returns:
+            The placement in etcd, and whether this call created it.
+
+        Raises:
+            EtcdUnavailableError: etcd could not be reached; nothing changed.
+        """
+        key = self._placement_prefix + pool_id.encode()
+        try:
+            existing = await self._session.call(lambda c: c.get(key))
+            if existing is not None:
+                placement = Placement.decode(existing.value)
+                self._apply(pool_id, placement)
+                return placement, False
+            primary, standby = self._choose(primary)
+            placement = Placement(pool_id=pool_id, primary=primary, standby=standby, epoch=1)
+            tx = self._session.client.transactions
+
+            async def create(client: Any) -> tuple[bool, Any]:
+                return await client.transaction(  # type: ignore[no-any-return]
+                    compare=[tx.create(key) == 0],
+                    success=[tx.put(key, placement.encode())],
+                    failure=[tx.get(key)],
+                )
+
+            won, responses = await self._session.call(create)
+        except EtcdUnavailableError:
+            self.stats.placement_failures += 1
+            raise
+        if won:
+            self.stats.placement_changes += 1
+            self._apply(pool_id, placement)
+            _LOG.info(
+                "placed pool %s on %s (standby %s)",
+                pool_id,
+                placement.primary,
+                placement.standby,
+                extra={"event": "pool_placed", "pool": pool_id},
+            )
+            return placement, True
+        # Another replica placed it between our read and our transaction: theirs stands.
+        placement = Placement.decode(responses[0][0][0])
+        self._apply(pool_id, placement)
+        return placement, False
+
+    async def replace(self, expected: Placement, new: Placement | None) -> bool:
+        """Swap the pool's record for ``new`` (``None``: delete it) if it still is ``expected``.
+
+        Returns:
+            Whether the swap happened (False: the record changed meanwhile; nothing done).
+
+        Raises:
+            EtcdUnavailableError: etcd could not be reached; nothing changed.
+        """
+        pool_id = expected.pool_id
+        if new is not None and new.pool_id != pool_id:
+            raise ValueError(f"replace: pool ids differ ({pool_id!r}, {new.pool_id!r})")
+        key = self._placement_prefix + pool_id.encode()
+        tx = self._session.client.transactions
+        success = [tx.delete(key)] if new is None else [tx.put(key, new.encode())]
+
+        async def swap(client: Any) -> tuple[bool, Any]:
+            return await client.transaction(  # type: ignore[no-any-return]
+                compare=[tx.value(key) == expected.encode()], success=success, failure=[]
+            )
+
+        won, _ = await self._session.call(swap)
+        if won:
+            self.stats.placement_changes += 1
+            self._apply(pool_id, new)
+        return bool(won)
+
+    def _choose(self, primary: str | None = None) -> tuple[str, str | None]:
+        """Primary and standby for a new pool, as placed now: the live replica with the fewest
+        primaries (then standbys, then address), and of the others the one with the fewest
+        standbys (then primaries, then address); this replica when it knows of none.
+        ``primary``: already chosen (a pool this replica holds); only the standby is."""
+        live = set(self.replicas) | {self.address}
+        primaries = dict.fromkeys(live, 0)
+        standbys = dict.fromkeys(live, 0)
+        for placement in self._placements.values():
+            if placement.primary in primaries:
+                primaries[placement.primary] += 1
+            if placement.standby in standbys:
+                standbys[placement.standby] += 1
+        if primary is None:
+            primary = min(live, key=lambda a: (primaries[a], standbys[a], a))
+        others = live - {primary}
+        if not others:
+            return primary, None
+        # The standby's own load is its standbys (what it replays), then its primaries.
+        standby = min(others, key=lambda a: (standbys.get(a, 0), primaries.get(a, 0), a))
+        return primary, standby
+
+    def _apply(self, pool_id: str, placement: Placement | None) -> None:
+        """Record a change in the local view and tell the watchers (only if it changed)."""
+        if self._placements.get(pool_id) == placement:
+            return
+        if placement is None:
+            self._placements.pop(pool_id, None)
+        else:
+            self._placements[pool_id] = placement
+        for callback in list(self._callbacks):
+            try:
+                callback(pool_id, placement)
+            except Exception:
+                _LOG.exception("a placement watcher failed")
+
+    # ----------------------------------------------------------------------- session
+    async def _session_loop(self) -> None:
+        ttl = self.config.lease_ttl_s
+        while True:
+            try:
+                await self._keep_session(ttl)
+                if not self.etcd_up:
+                    _LOG.info(
+                        "etcd session up (%s)",
+                        self._session.describe(),
+                        extra={"event": "etcd_session_up"},
+                    )
+                self.etcd_up = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # etcd away, or an answer aetcd could not take: go on
+                if not isinstance(exc, EtcdUnavailableError | aetcd.exceptions.ClientError):
+                    _LOG.warning("etcd session: unexpected %r", exc)
+                if self.etcd_up:
+                    self.stats.session_losses += 1
+                    _LOG.warning(
+                        "etcd session lost: %s; serving the pools this replica owns, placement "
+                        "changes wait for etcd",
+                        exc,
+                        extra={"event": "etcd_session_lost"},
+                    )
+                self.etcd_up = False
+            await asyncio.sleep(ttl / 3)
+
+    async def _keep_session(self, ttl: int) -> None:
+        if self._lease is not None:
+            reply = await self._session.call(lambda c: c.refresh_lease(self._lease.id))
+            if reply is None or reply.TTL <= 0:  # expired while etcd was away: start again
+                if self.etcd_up:
+                    self.stats.session_losses += 1
+                self._lease = None
+        if self._lease is None:
+            self._lease = await self._session.call(lambda c: c.lease(ttl))
+            self._registered_pools = -1
+        num_pools = self._num_pools()
+        if num_pools != self._registered_pools:
+            value = json.dumps(
+                {
+                    "address": self.address,
+                    "http_address": self.http_address,
+                    "num_pools": num_pools,
+                },
+                sort_keys=True,
+            ).encode()
+            key = self._replica_prefix + self.address.encode()
+            lease = self._lease
+            await self._session.call(lambda c: c.put(key, value, lease=lease))
+            self._registered_pools = num_pools
+
+    # ------------------------------------------------------------------------- watch
+    async def _watch_loop(self) -> None:
+        prefix = f"{self.config.prefix}/".encode()
+        while True:
+            try:
+                listing = await self._watching.call(lambda c: c.get_prefix(prefix))
+                self._relist(listing)
+                self._listed.set()
+                watch = await self._watching.client.watch_prefix(
+                    prefix, start_revision=listing.header.revision + 1
+                )
+                try:
+                    async for event in watch:
+                        self._on_event(event)
+                finally:
+                    with contextlib.suppress(Exception):
+                        await watch.cancel()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                _LOG.debug("etcd watch broke: %r; listing again", exc)
+                with contextlib.suppress(Exception):
+                    await self._watching.client.close()
+            await asyncio.sleep(_REWATCH_S)
+
+    def _relist(self, listing: Any) -> None:
+        replicas: dict[str, dict[str, Any]] = {}
+        placements: dict[str, Placement] = {}
+        for kv in listing:
+            self._read(kv.key, kv.value, replicas, placements)
+        self.replicas = replicas
+        for pool_id in [p for p in self._placements if p not in placements]:
+            self._apply(pool_id, None)
+        for pool_id, placement in placements.items():
+            self._apply(pool_id, placement)
+
+    def _on_event(self, event: Any) -> None:
+        key: bytes = event.kv.key
+        deleted = event.kind == "DELETE"
+        if key.startswith(self._replica_prefix):
+            address = key[len(self._replica_prefix) :].decode()
+            if deleted:
+                self.replicas.pop(address, None)
+            else:
+                self._read(key, event.kv.value, self.replicas, None)
+        elif key.startswith(self._placement_prefix):
+            pool_id = key[len(self._placement_prefix) :].decode()
+            if deleted:
+                self._apply(pool_id, None)
+            else:
+                staged: dict[str, Placement] = {}
+                self._read(key, event.kv.value, None, staged)
+                for placed_id, placement in staged.items():
+                    self._apply(placed_id, placement)
+
+    def _read(
+        self,
+        key: bytes,
+        value: bytes,
+        replicas: dict[str, dict[str, Any]] | None,
+        placements: dict[str, Placement] | None,
+    ) -> None:
+        try:
+            if key.startswith(self._replica_prefix) and replicas is not None:
+                record = json.loads(value)
+                replicas[str(record["address"])] = record
+            elif key.startswith(self._placement_prefix) and placements is not None:
+                placement = Placement.decode(value)
+                placements[placement.pool_id] = placement
+        except (ValueError, KeyError, TypeError):
+            _LOG.warning("ignoring a malformed cluster record under %r", key)

@@ -1,0 +1,116 @@
+"""What ``kvcm serve --etcd-endpoints`` adds to a server: the node, the interceptor, metrics.
+
+:class:`ClusterRuntime` is built before the gRPC server (its interceptor goes in the
+server's chain, after authorization and before the journal, so a redirected call is neither
+journaled nor run) and joins the cluster once the gRPC port is bound, under the advertise
+address; it leaves (revokes its lease) when the server stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from kvcm.common.errors import ConfigError
+from kvcm.server.cluster._etcd import parse_endpoints
+from kvcm.server.cluster._fanout import PeerChannels
+from kvcm.server.cluster._node import ClusterConfig, ClusterNode
+from kvcm.server.cluster._routing import ClusterInterceptor
+from kvcm.server.settings import ServerSettings, split_address
+
+__all__ = ["ClusterRuntime"]
+
+_WILDCARDS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
+# How long start-up waits for the first listing of the cluster (so the first CreatePool sees
+# the other replicas); a replica that cannot reach etcd starts anyway and keeps trying.
+_FIRST_LISTING_S: Final = 2.0
+
+
+class ClusterRuntime:
+    """A server's cluster side.
+
+    Attributes:
+        node: Membership and the placement view (a ``PlacementView``).
+        interceptor: The gRPC server interceptor (redirects, placement, fan-out).
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        *,
+        pool_ids: Callable[[], list[str]],
+        has_pool: Callable[[str], bool],
+    ) -> None:
+        """Prepare from ``settings`` (``etcd_endpoints`` set).
+
+        Args:
+            settings: The server's settings.
+            pool_ids: This replica's pool ids now.
+            has_pool: Whether this replica holds a pool.
+
+        Raises:
+            ConfigError: A malformed ``etcd_endpoints``.
+        """
+        self._settings = settings
+        self._pool_ids = pool_ids
+        self.node = ClusterNode(
+            ClusterConfig(
+                endpoints=parse_endpoints(settings.etcd_endpoints),
+                prefix=settings.etcd_prefix,
+                lease_ttl_s=settings.etcd_lease_ttl_s,
+                etcd_timeout_s=settings.etcd_timeout_s,
+                fanout_timeout_s=settings.cluster_fanout_timeout_s,
+            ),
+            num_pools=lambda: len(pool_ids()),
+        )
+        self._peers = PeerChannels(settings.limits.max_message_bytes)
+        self.interceptor = ClusterInterceptor(self.node, self._peers, has_pool=has_pool)
+
+    async def start(self, grpc_address: str, http_address: str) -> None:
+        """Join the cluster as the advertise address (``grpc_address``, the bound one, when
+        ``advertise_address`` is empty); claim the pools a data directory brought back.
+
+        Raises:
+            ConfigError: No advertise address can be derived (a wildcard listen address).
+        """
+        advertise = self._settings.advertise_address or grpc_address
+        host, port = split_address(advertise)
+        if host in _WILDCARDS or port == 0:
+            raise ConfigError(
+                f"advertise_address: peers and clients cannot dial {advertise!r}; set "
+                "--advertise-address HOST:PORT (how other replicas and clients reach this one)"
+            )
+        await self.node.start(advertise, http_address, wait_s=_FIRST_LISTING_S)
+        for pool_id in self._pool_ids():
+            placement = self.node.get(pool_id)
+            if placement is None:
+                try:
+                    await self.node.place(pool_id, primary=advertise)
+                except Exception:
+                    break
+
+    async def stop(self) -> None:
+        """Leave the cluster and close the peer channels."""
+        await self.node.stop()
+        await self._peers.close()
+
+    def samples(self) -> dict[str, list[tuple[list[str], float]]]:
+        """The ``kvcm_cluster_*`` samples (see docs/metrics.md)."""
+        node = self.node
+        stats = node.stats
+        address = node.address
+        primaries = sum(1 for p in node.placements().values() if p.primary == address)
+        return {
+            "kvcm_cluster_etcd_session_up": [([], 1.0 if node.etcd_up else 0.0)],
+            "kvcm_cluster_etcd_session_losses_total": [([], float(stats.session_losses))],
+            "kvcm_cluster_replicas": [([], float(len(node.replicas)))],
+            "kvcm_cluster_primary_pools": [([], float(primaries))],
+            "kvcm_cluster_redirects_total": [
+                ([method], float(count)) for method, count in sorted(stats.redirects.items())
+            ],
+            "kvcm_cluster_placement_changes_total": [([], float(stats.placement_changes))],
+            "kvcm_cluster_placement_failures_total": [([], float(stats.placement_failures))],
+            "kvcm_cluster_fanout_missed_total": [
+                ([method], float(count)) for method, count in sorted(stats.fanout_missed.items())
+            ],
+        }

@@ -1,0 +1,169 @@
+"""A real etcd and real ``kvcm serve`` replicas on 127.0.0.1, for the cluster tests.
+
+etcd is Debian's ``etcd-server`` (``scripts/install-etcd.sh`` installs it where missing); the
+tests skip, saying so, where ``etcd`` is not on PATH. Every process gets free ports and a
+temporary directory, and is stopped at the end (``kill -9`` for the ones a test killed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcm.client import SchedulerClient
+
+CLI = [sys.executable, "-m", "kvcm.server.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Etcd:
+    """One etcd member on 127.0.0.1 with its data in ``data_dir``; stoppable and restartable
+    on the same ports (the data survives a stop)."""
+
+    def __init__(self, binary: str, data_dir: Path) -> None:
+        self.binary = binary
+        self.data_dir = data_dir
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.client_port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.process = subprocess.Popen(
+            [self.binary, "--name", "kvcm-test", "--data-dir", str(self.data_dir),
+             "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"kvcm-test={peer}", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.client_port)) == 0:
+                    return
+            assert self.process.poll() is None, "etcd exited at start"
+            time.sleep(0.05)
+        raise AssertionError("etcd did not come up")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+class Replica:
+    """``kvcm serve --etcd-endpoints`` in a subprocess."""
+
+    def __init__(self, etcd: Etcd, prefix: str, *, lease_ttl_s: int = 2) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        self.http_port = free_port()
+        self.etcd = etcd
+        self.prefix = prefix
+        self.lease_ttl_s = lease_ttl_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.spawn()
+        self.wait_serving()
+
+    def spawn(self) -> None:
+        self.process = subprocess.Popen(
+            [*CLI, "serve", "--grpc-address", self.address,
+             "--http-address", f"127.0.0.1:{self.http_port}",
+             "--etcd-endpoints", self.etcd.endpoint, "--etcd-prefix", self.prefix,
+             "--etcd-lease-ttl-s", str(self.lease_ttl_s), "--etcd-timeout-s", "1",
+             "--cluster-fanout-timeout-s", "1", "--log-level", "WARNING"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ),
+        )  # fmt: skip
+
+    def wait_serving(self) -> None:
+        assert self.process is not None
+        started = time.monotonic()
+        with SchedulerClient(self.address, timeout=2.0) as client:
+            while True:
+                try:
+                    client.list_pools()
+                    return
+                except Exception:
+                    if self.process.poll() is not None:
+                        err = self.process.stderr.read().decode()  # type: ignore[union-attr]
+                        raise AssertionError(f"kvcm serve exited: {err}") from None
+                    assert time.monotonic() - started < 60, "kvcm serve did not come up"
+                    time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("etcd is not installed (bash scripts/install-etcd.sh installs Debian's)")
+    server = Etcd(binary, tmp_path_factory.mktemp("etcd"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(etcd: Etcd, request: pytest.FixtureRequest) -> Iterator[list[Replica]]:
+    """Three replicas of one cluster (a key prefix of the module's own)."""
+    prefix = "/kvcm-test-" + request.module.__name__.rsplit(".", 1)[-1]
+    started = [Replica(etcd, prefix) for _ in range(3)]
+    try:
+        for replica in started:  # side by side: each spends its start-up importing
+            replica.spawn()
+        for replica in started:
+            replica.wait_serving()
+        wait_for_members(started, 3)
+        yield started
+    finally:
+        for replica in started:
+            replica.stop()
+
+
+def wait_for_members(replicas: list[Replica], count: int, timeout_s: float = 10.0) -> None:
+    """Wait until every running replica's /metrics shows ``count`` live replicas."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    for replica in replicas:
+        if replica.process is None:
+            continue
+        while True:
+            text = httpx.get(f"http://127.0.0.1:{replica.http_port}/metrics").text
+            if f"kvcm_cluster_replicas {float(count)}" in text:
+                break
+            assert time.monotonic() < deadline, f"{replica.address} never saw {count} replicas"
+            time.sleep(0.05)
