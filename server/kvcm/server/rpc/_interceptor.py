@@ -108,33 +108,12 @@ class TelemetryInterceptor(MethodInterceptor):
                 return make(wrap(method, behavior), **serializers)
         return handler
 
-    def _failed(self, method: str, exc: Exception, started: float) -> None:
-        # A servicer's error: logged and counted before its status leaves (a client that
-        # reads /metrics right after its error must find the call there).
-        code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
-        log_call_rejected(method, code, exc)
-        self._stats.observe(method, code, time.perf_counter() - started)
-
     def _unary(self, method: str, behavior: Any) -> Any:
         stats = self._stats
 
         async def wrapped(request: Any, context: Any) -> Any:
-            started = time.perf_counter()
-            code: str | None = "OK"
-            try:
+            async with _Observed(stats, method, context):
                 return await behavior(request, context)
-            except asyncio.CancelledError:
-                code = "CANCELLED"
-                raise
-            except Exception as exc:
-                if type(exc).__module__.startswith("grpc"):
-                    raise  # the servicer aborted itself
-                code = None
-                self._failed(method, exc, started)
-                await _abort(context, exc)
-            finally:
-                if code is not None:
-                    stats.observe(method, code, time.perf_counter() - started)
 
         return wrapped
 
@@ -142,22 +121,36 @@ class TelemetryInterceptor(MethodInterceptor):
         stats = self._stats
 
         async def wrapped(request: Any, context: Any) -> AsyncIterator[Any]:
-            started = time.perf_counter()
-            code: str | None = "OK"
-            try:
+            async with _Observed(stats, method, context):
                 async for item in behavior(request, context):
                     yield item
-            except asyncio.CancelledError:
-                code = "CANCELLED"
-                raise
-            except Exception as exc:
-                if type(exc).__module__.startswith("grpc"):
-                    raise
-                code = None
-                self._failed(method, exc, started)
-                await _abort(context, exc)
-            finally:
-                if code is not None:
-                    stats.observe(method, code, time.perf_counter() - started)
 
         return wrapped
+
+
+class _Observed:
+    """One call's observation: its duration and status code counted once when it ends; a
+    servicer's error (not a grpc abort of its own) logged, counted before its status leaves
+    (a client that reads /metrics right after its error must find the call there) and turned
+    into the call's status."""
+
+    __slots__ = ("_context", "_method", "_started", "_stats")
+
+    def __init__(self, stats: RpcStats, method: str, context: Any) -> None:
+        self._stats, self._method, self._context = stats, method, context
+        self._started = 0.0
+
+    async def __aenter__(self) -> None:
+        self._started = time.perf_counter()
+
+    async def __aexit__(self, kind: object, exc: BaseException | None, trace: object) -> bool:
+        method, code = self._method, "OK"
+        if isinstance(exc, asyncio.CancelledError):
+            code = "CANCELLED"
+        elif isinstance(exc, Exception) and not type(exc).__module__.startswith("grpc"):
+            code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
+            log_call_rejected(method, code, exc)
+            self._stats.observe(method, code, time.perf_counter() - self._started)
+            await _abort(self._context, exc)
+        self._stats.observe(method, code, time.perf_counter() - self._started)
+        return False
