@@ -38,7 +38,7 @@ from kvcm.server.access import RULES
 from kvcm.server.auth import TokenTable
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.http import build_app
-from kvcm.server.rpc import lookup_as, route_pd
+from kvcm.server.rpc import ServerState, TransferView, lookup_as, route_pd
 from kvcm.server.settings import ServerSettings
 from kvcm.server.telemetry import RpcStats
 from kvcm.v1 import scheduler_pb2, service_pb2, service_pb2_grpc
@@ -117,6 +117,9 @@ EXPECTED: dict[str, tuple[frozenset[str], bool]] = {
     "GET /docs": (OPEN, False),
     "POST /v1/lookup": (VALID, False),
     "POST /v1/pd/route": (VALID, False),
+    # Any valid token may list (the pools it may read; ?pool= naming another one is a 403).
+    "GET /v1/transfers": (VALID, False),
+    "GET /v1/transfers/{pool}/{transfer_id}": (frozenset(A_READERS), True),
     "GET /openapi.json": (VALID, False),
     "HEAD /openapi.json": (VALID, False),
 }
@@ -140,6 +143,7 @@ def _http_routes() -> list[str]:
         lambda: True,
         lookup=functools.partial(lookup_as, registry),
         pd_route=functools.partial(route_pd, registry),
+        transfers=TransferView(ServerState(registry, RpcStats())),
     )
     return [
         f"{verb} {route.path}"  # type: ignore[attr-defined]

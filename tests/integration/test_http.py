@@ -311,4 +311,6 @@ def test_openapi_schema_lists_the_routes(http: httpx.Client) -> None:
         "/v1/pools/{pool}/events",
         "/v1/lookup",
         "/v1/pd/route",
+        "/v1/transfers",
+        "/v1/transfers/{pool}/{transfer_id}",
     }

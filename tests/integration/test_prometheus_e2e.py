@@ -25,7 +25,7 @@ import httpx
 import pytest
 from workload import create_pool, run_shared_prefix_workload
 
-from kvcm.client import SchedulerClient
+from kvcm.client import SchedulerClient, StepBuilder
 from kvcm.core.lookup import LookupQuery
 from kvcm.core.pd_route import PdRouteQuery, PdScope
 
@@ -222,6 +222,19 @@ def test_dashboard_queries_and_alert_rules_evaluate_on_real_data(
         for start in range(5):
             prompt = LookupQuery(token_ids=tuple(range(start, start + 64)))
             client.route_pd(PdRouteQuery(prompt=prompt, prefill=scope, decode=scope))
+        # The P/D transfers row reads the transfer counters: hand a request over (the pool is
+        # its own destination), and hold another one for a while.
+        hasher = client.block_hasher("e2e-dashboard")
+        step = StepBuilder()
+        for key in (900_001, 900_002):
+            tokens = list(range(key, key + 40))
+            step.add_request(key, tokens, hasher.hash_token_ids(tokens))
+            step.allocate(key, len(tokens), 0)
+        client.step("e2e-dashboard", step)
+        client.hold_source("e2e-dashboard", "e2e-done", 900_001, lease_s=600.0)
+        client.plan_transfer("e2e-dashboard", "e2e-done", "e2e-dashboard")
+        client.commit_transfer("e2e-dashboard", "e2e-done")
+        client.hold_source("e2e-dashboard", "e2e-held", 900_002, lease_s=600.0)
     # A few scrapes after the workload, so rate() over the dashboard's interval has two points.
     _wait_for(
         "the RPC histogram to reach Prometheus",

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvcm.cli import main as cli_main
 from kvcm.client import (
     SchedulerClient,
     ServiceAlreadyExistsError,
@@ -35,6 +39,7 @@ from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.pool import PoolConfig
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
+from kvcm.server.rpc import TransferView
 from kvcm.server.settings import ServerSettings
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
@@ -349,3 +354,124 @@ def test_a_restart_mid_transfer_keeps_every_record(tmp_path: Path) -> None:
             restarted.stop()
     finally:
         first.stop()
+
+
+def _samples(text: str) -> dict[tuple[str, str], float]:
+    """``(sample name, pool)`` -> value of the ``kvcm_transfer*`` samples of a scrape."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("kvcm_transfer"):
+                found[(sample.name, sample.labels.get("pool", ""))] = sample.value
+    return found
+
+
+def test_transfers_over_http_and_in_metrics() -> None:
+    running = start_embedded_server(
+        ServerSettings(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0")
+    )
+    try:
+        base = f"http://{running.http_address}"
+        with SchedulerClient(running.grpc_address) as client, httpx.Client(base_url=base) as http:
+            _pools(client)
+            _computed(client, "prefill", 2, PROMPT[:40])
+            _computed(client, "prefill", 3, PROMPT[:40])
+            client.hold_source("prefill", "done", 1, lease_s=30.0)
+            client.plan_transfer("prefill", "done", "decode")  # 3 blocks saved, 4 to pull
+            client.commit_transfer("prefill", "done", blocks_pulled=4)
+            client.hold_source("prefill", "failed", 2, lease_s=30.0)
+            client.release_transfer("prefill", "failed", "pull failed")
+            client.hold_source("prefill", "held", 3, lease_s=0.3)
+            listed = http.get("/v1/transfers", params={"pool": "prefill"}).json()["transfers"]
+            # In flight (or the latest ended) first, then the ended ones, latest first.
+            assert [t["transfer_id"] for t in listed] == ["held", "failed", "done"]
+            one = http.get("/v1/transfers/prefill/done").json()
+            assert one["state"] == "TRANSFER_STATE_COMPLETED"
+            assert (one["hit_tokens"], one["pull_tokens"], one["blocks_pulled"]) == (48, 52, 4)
+            assert one["source_blocks"]["block_ids"] == list(
+                client.describe_transfer("prefill", "done").source_blocks[0]
+            )
+            states = http.get("/v1/transfers", params={"state": ["released", "COMPLETED"]})
+            assert sorted(t["transfer_id"] for t in states.json()["transfers"]) == [
+                "done",
+                "failed",
+            ]
+            bad = http.get("/v1/transfers", params={"state": "LOST"})
+            assert bad.status_code == 400
+            assert bad.json()["error"]["message"].startswith("state:")
+            assert http.get("/v1/transfers", params={"pool": "nope"}).status_code == 404
+            assert http.get("/v1/transfers/prefill/nope").status_code == 404
+            _wait_until(
+                lambda: client.describe_transfer("prefill", "held").state is TransferState.EXPIRED,
+                5.0,
+            )
+            samples = _samples(http.get("/metrics").text)
+        assert samples[("kvcm_transfers_started_total", "prefill")] == 3
+        assert samples[("kvcm_transfers_completed_total", "prefill")] == 1
+        assert samples[("kvcm_transfers_failed_total", "prefill")] == 1
+        assert samples[("kvcm_transfers_expired_total", "prefill")] == 1
+        assert samples[("kvcm_transfer_blocks_pulled_total", "prefill")] == 4
+        assert samples[("kvcm_transfer_blocks_saved_total", "prefill")] == 3
+        assert samples[("kvcm_transfers_in_flight", "prefill")] == 0
+        assert samples[("kvcm_transfers_past_lease", "prefill")] == 0
+        assert samples[("kvcm_transfer_oldest_source_age_seconds", "prefill")] == 0
+    finally:
+        running.stop()
+
+
+def test_record_only_sources_past_their_lease_are_counted_until_their_engine_ends_them(
+    server: EmbeddedServer,
+) -> None:
+    """The alert's gauge: kvcm marks a record-only transfer EXPIRED but the engine may still
+    hold the blocks, so it stays past its lease until the engine releases it."""
+    with SchedulerClient(server.grpc_address) as client:
+        client.create_pool("prefill", CONFIG)
+        client.hold_source(
+            "prefill", "r1", lease_s=0.2, record_only=True, request_id="r1", num_tokens=40
+        )
+        _wait_until(
+            lambda: client.describe_transfer("prefill", "r1").state is TransferState.EXPIRED, 5.0
+        )
+
+        def gauges() -> tuple[float, float, float]:
+            view = TransferView(server.server.state)
+            samples = server.call(_read_samples(view))
+            return (
+                samples["kvcm_transfers_in_flight"][0][1],
+                samples["kvcm_transfers_past_lease"][0][1],
+                samples["kvcm_transfer_oldest_source_age_seconds"][0][1],
+            )
+
+        in_flight, past, age = gauges()
+        assert (in_flight, past) == (0, 1)
+        assert age >= 0.2
+        ended = client.release_transfer("prefill", "r1", "finished_sending")
+        assert ended.state is TransferState.RELEASED
+        assert gauges() == (0, 0, 0.0)
+
+
+async def _read_samples(view: TransferView) -> dict[str, list[tuple[list[str], float]]]:
+    return view.samples()
+
+
+def test_kvcm_transfers_lists_the_records(
+    server: EmbeddedServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("KVCM_CONFIG", "KVCM_TOKEN", "KVCM_TOKEN_FILE", "KVCM_TLS_CA", "KVCM_TLS_CERT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVCM_GRPC_ADDRESS", server.grpc_address)
+    with SchedulerClient(server.grpc_address) as client:
+        _pools(client)
+        client.hold_source("prefill", "t1", 1, lease_s=30.0)
+        client.plan_transfer("prefill", "t1", "decode")
+    assert cli_main(["transfers", "--json"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)["transfers"]
+    assert (record["transfer_id"], record["state"]) == ("t1", "PLANNED")
+    assert (record["hit_tokens"], record["pull_tokens"]) == (48, 52)
+    assert cli_main(["transfers", "--pool", "prefill", "--state", "COMPLETED"]) == 0
+    assert capsys.readouterr().out.split() == [
+        "POOL", "TRANSFER", "STATE", "REQUEST", "BLOCKS", "DEST", "HIT", "PULL", "LEASE"
+    ]  # fmt: skip
+    assert cli_main(["transfers"]) == 0
+    _header, line = capsys.readouterr().out.splitlines()
+    assert line.split()[:8] == ["prefill", "t1", "PLANNED", "1", "7", "decode", "48", "52"]

@@ -36,6 +36,7 @@ from kvcm.client import (
     ServiceFailedPreconditionError,
     ServiceNotFoundError,
     StatusCode,
+    TransferState,
 )
 from kvcm.common.errors import KVCMError
 
@@ -89,7 +90,18 @@ def _build_parser() -> argparse.ArgumentParser:
         "events", help="follow a pool's KV events (gRPC stream, or --zmq: vLLM's ZMQ wire)"
     )
     _add_events_flags(events)
-    for command in (pools, describe, lookup, events):
+    transfers = commands.add_parser(
+        "transfers", help="list P/D transfer records: sources held, leases, pulls (docs/pd.md)"
+    )
+    transfers.add_argument("--pool", default="", help="only this source pool's transfers")
+    transfers.add_argument(
+        "--state",
+        action="append",
+        default=[],
+        choices=[state.name for state in TransferState],
+        help="only transfers in this state (repeat)",
+    )
+    for command in (pools, describe, lookup, events, transfers):
         add_connection_flags(command)
         command.add_argument("--json", action="store_true", help="print JSON, for scripts")
     pd_proxy = commands.add_parser(
@@ -393,8 +405,33 @@ def _zmq_events(args: argparse.Namespace, connection: Connection) -> int:
         context.term()
 
 
+def _transfers(args: argparse.Namespace, connection: Connection) -> int:
+    states = [TransferState[name] for name in args.state]
+    with connection.client() as client:
+        found = client.list_transfers(args.pool, states=states)
+    records = [jsonable(transfer) for transfer in found]
+    headers = ("POOL", "TRANSFER", "STATE", "REQUEST", "BLOCKS", "DEST", "HIT", "PULL", "LEASE")
+    rows = [
+        (
+            t.pool_id,
+            t.transfer_id,
+            t.state.name + (" (record)" if t.record_only else ""),
+            t.request_id,
+            max((len(ids) for ids in t.source_blocks), default=0),
+            t.destination_pool_id or "-",
+            t.hit_tokens,
+            t.pull_tokens,
+            f"{t.lease_remaining_s:.1f}s" if t.lease_remaining_s else "-",
+        )
+        for t in found
+    ]
+    _emit(args, {"transfers": records}, table(headers, rows))
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace, Connection], int]] = {
     "pools": _pools,
+    "transfers": _transfers,
     "describe": _describe,
     "lookup": _lookup,
     "events": _events,

@@ -174,6 +174,8 @@ RULES: Final[Mapping[str, Rule]] = {
     "GET /v1/pools/{pool}/events": Rule(roles=READ_ROLES, pool=PoolFrom.PATH),
     "POST /v1/lookup": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
     "POST /v1/pd/route": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
+    "GET /v1/transfers": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
+    "GET /v1/transfers/{pool}/{transfer_id}": Rule(roles=READ_ROLES, pool=PoolFrom.PATH),
     # The inspector page and the API docs: static HTML without data (a browser sends no bearer
     # header when it navigates); they ask for the token and send it to the routes above.
     "GET /": _OPEN,

@@ -49,6 +49,7 @@ from kvcm.server.rpc import (
     LeaseMonitor,
     ServerState,
     TelemetryInterceptor,
+    TransferView,
     add_servicers,
     checkpoint_of,
     lookup_as,
@@ -338,6 +339,7 @@ class KVCMServer:
             wiring=self._pool_wiring,
             pd_route=functools.partial(route_pd_as, self.state),
             pd_routes=self.state.pd_routes,
+            transfers=TransferView(self.state),
         )
         if self.cluster is not None:
             app.state.collector.cluster = self.cluster.samples

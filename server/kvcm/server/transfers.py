@@ -40,6 +40,7 @@ from kvcm.common.errors import (
 )
 
 __all__ = [
+    "TRANSFER_METRICS",
     "MAX_ENDED_TRANSFERS",
     "MAX_LEASE_S",
     "MAX_TRANSFERS_IN_FLIGHT",
@@ -65,6 +66,18 @@ TRANSFER_COUNTERS: Final = (
     "blocks_saved",
 )
 """Per source pool counters (``TransferBook.counters``), read by /metrics."""
+TRANSFER_METRICS: Final = (
+    "kvcm_transfers_started_total",
+    "kvcm_transfers_completed_total",
+    "kvcm_transfers_expired_total",
+    "kvcm_transfers_failed_total",
+    "kvcm_transfer_blocks_pulled_total",
+    "kvcm_transfer_blocks_saved_total",
+    "kvcm_transfers_in_flight",
+    "kvcm_transfers_past_lease",
+    "kvcm_transfer_oldest_source_age_seconds",
+)
+"""The families :meth:`TransferBook.samples` answers (see docs/metrics.md), in that order."""
 
 
 @enum.unique
@@ -359,6 +372,32 @@ class TransferBook:
         while len(self._ended) > MAX_ENDED_TRANSFERS:
             old, _ = self._ended.popitem(last=False)
             self.records.pop(old, None)
+
+    def samples(self, now: float, wall: float) -> dict[str, list[tuple[list[str], float]]]:
+        """The :data:`TRANSFER_METRICS` samples per source pool: ``now`` the awake clock (for
+        leases), ``wall`` the wall clock (for ages)."""
+        out: dict[str, list[tuple[list[str], float]]] = {name: [] for name in TRANSFER_METRICS}
+        for pool_id, counters in sorted(self.counters.items()):
+            for name, counter in zip(TRANSFER_METRICS, TRANSFER_COUNTERS, strict=False):
+                out[name].append(([pool_id], counters[counter]))
+        flying: dict[str, int] = {}
+        late: dict[str, int] = {}
+        oldest: dict[str, float] = {}
+        for record in self.records.values():
+            if not record.holds_source:
+                continue
+            pool_id = record.pool_id
+            if record.in_flight:
+                flying[pool_id] = flying.get(pool_id, 0) + 1
+            if now > record.deadline():
+                late[pool_id] = late.get(pool_id, 0) + 1
+            oldest[pool_id] = max(oldest.get(pool_id, 0.0), wall - record.started_at)
+        for pool_id in sorted(set(self.counters) | set(oldest)):
+            out["kvcm_transfers_in_flight"].append(([pool_id], flying.get(pool_id, 0)))
+            out["kvcm_transfers_past_lease"].append(([pool_id], late.get(pool_id, 0)))
+            age = oldest.get(pool_id, 0.0)
+            out["kvcm_transfer_oldest_source_age_seconds"].append(([pool_id], max(age, 0.0)))
+        return out
 
     def drop_pool(self, pool_id: str) -> None:
         """Forget every record of ``pool_id`` (the pool was deleted)."""

@@ -30,6 +30,7 @@ from kvcm.server.http._guard import TokenGuard, check_routes
 from kvcm.server.http._inspector import add_inspector_routes
 from kvcm.server.http._pd_route import add_pd_route
 from kvcm.server.http._queries import answer_json_query
+from kvcm.server.http._transfers import TransfersLike, add_transfer_routes
 from kvcm.server.http._views import PoolLike, PoolRegistryLike, PoolSnapshotLike
 from kvcm.server.telemetry import LoopLagMonitor, RpcStats, StepProgressBook
 
@@ -282,6 +283,7 @@ def build_app(
     wiring: Callable[[Sequence[str]], Mapping[str, PoolWiring]] | None = None,
     pd_route: Callable[[PdRouteQuery, Principal | None], Awaitable[PdRoute]] | None = None,
     pd_routes: Mapping[str, int] | None = None,
+    transfers: TransfersLike | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
@@ -322,6 +324,8 @@ def build_app(
             missing from the answer: left out).
         pd_route: routes a P/D query as a principal (``None``: no ``/v1/pd/route`` route).
         pd_routes: the P/D routing calls' counters by metric name (``None``: exported as 0).
+        transfers: the P/D transfer records (``GET /v1/transfers``, the ``kvcm_transfer*``
+            metrics; ``None``: no routes, the metrics exported empty).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry,
@@ -339,6 +343,7 @@ def build_app(
         progress=progress,
         journal=journal,
         pd_routes=pd_routes,
+        transfers=transfers.samples if transfers is not None else None,
     )
     prometheus_registry.register(collector)
     _register_runtime_collectors(prometheus_registry)
@@ -455,6 +460,8 @@ def build_app(
         add_pd_route(
             app, pd_route, refusals, max_body_bytes=MAX_LOOKUP_BODY_BYTES, error_model=ErrorBody
         )
+    if transfers is not None:
+        add_transfer_routes(app, transfers, ErrorBody)
     add_inspector_routes(app, registry)
     check_routes(app.routes)
     if authenticate is not None:

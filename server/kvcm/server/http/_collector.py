@@ -95,6 +95,17 @@ _TRANSFER_METRICS = (
     "kvcm_transfers_past_lease",
     "kvcm_transfer_oldest_source_age_seconds",
 )
+_TRANSFER_METRICS = (
+    "kvcm_transfers_started_total",
+    "kvcm_transfers_completed_total",
+    "kvcm_transfers_expired_total",
+    "kvcm_transfers_failed_total",
+    "kvcm_transfer_blocks_pulled_total",
+    "kvcm_transfer_blocks_saved_total",
+    "kvcm_transfers_in_flight",
+    "kvcm_transfers_past_lease",
+    "kvcm_transfer_oldest_source_age_seconds",
+)
 _JOURNAL_METRICS = (
     "kvcm_journal_records_total",
     "kvcm_journal_fsyncs_total",
@@ -412,6 +423,63 @@ METRICS: tuple[MetricSpec, ...] = (
         help="Bidirectional routes: tokens the prefill engine may pull from the decode engine "
         "(remote_num_tokens).",
     ),
+    # P/D transfer records (TransferService; docs/pd.md), by source pool.
+    MetricSpec(
+        name="kvcm_transfers_started_total",
+        kind="counter",
+        labels=_POOL,
+        help="P/D transfers started (HoldSource) with the pool as their source.",
+    ),
+    MetricSpec(
+        name="kvcm_transfers_completed_total",
+        kind="counter",
+        labels=_POOL,
+        help="Of those, transfers committed (the destination has its blocks).",
+    ),
+    MetricSpec(
+        name="kvcm_transfers_expired_total",
+        kind="counter",
+        labels=_POOL,
+        help="Of those, transfers whose lease ran out (or ExpireTransfer).",
+    ),
+    MetricSpec(
+        name="kvcm_transfers_failed_total",
+        kind="counter",
+        labels=_POOL,
+        help="Of those, transfers released without completing (a failed or abandoned pull, "
+        "a source freed outside the transfer).",
+    ),
+    MetricSpec(
+        name="kvcm_transfer_blocks_pulled_total",
+        kind="counter",
+        labels=_POOL,
+        help="Blocks destinations reported pulled from the pool's held sources.",
+    ),
+    MetricSpec(
+        name="kvcm_transfer_blocks_saved_total",
+        kind="counter",
+        labels=_POOL,
+        help="Blocks destinations already held at the plan (their own prefix hit: not pulled).",
+    ),
+    MetricSpec(
+        name="kvcm_transfers_in_flight",
+        kind="gauge",
+        labels=_POOL,
+        help="Transfers held or planned, not ended.",
+    ),
+    MetricSpec(
+        name="kvcm_transfers_past_lease",
+        kind="gauge",
+        labels=_POOL,
+        help="Sources still held past their transfer's lease (in flight past the deadline, or "
+        "record-only transfers kvcm expired that their engine has not ended).",
+    ),
+    MetricSpec(
+        name="kvcm_transfer_oldest_source_age_seconds",
+        kind="gauge",
+        labels=_POOL,
+        help="Age of the oldest source the pool still holds for a transfer (0: none).",
+    ),
     MetricSpec(
         name="kvcm_lookup_index_keys",
         kind="gauge",
@@ -640,6 +708,8 @@ class KVCMCollector:
         journal: the data directory's journal, read at each scrape (``None``, or it answers
             ``None``: exported empty).
         pd_routes: the P/D routing calls' counters by metric name (``None``: exported as 0).
+        transfers: the ``kvcm_transfer*`` samples by metric name, ``(label values, value)``
+            each, read at each scrape (``None``: exported empty).
 
     Attributes:
         reader: reads the pools (one pool that cannot be read is left out and counted); the
@@ -659,8 +729,10 @@ class KVCMCollector:
         progress: StepProgressBook | None = None,
         journal: Callable[[], JournalStatsLike | None] | None = None,
         pd_routes: Mapping[str, int] | None = None,
+        transfers: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None,
     ) -> None:
         self._pd_routes = pd_routes if pd_routes is not None else {}
+        self._transfers = transfers
         self._progress = progress
         self._journal = journal
         self._zmq = zmq_counters
@@ -781,6 +853,12 @@ class KVCMCollector:
             pd_family = _scalar_family(name)
             pd_family.add_metric([], self._pd_routes.get(name, 0))
             yield pd_family
+        transfers = self._transfers() if self._transfers is not None else {}
+        for name in _TRANSFER_METRICS:
+            transfer_family = _scalar_family(name)
+            for labels, value in transfers.get(name, ()):
+                transfer_family.add_metric(labels, value)
+            yield transfer_family
         keys = _scalar_family("kvcm_lookup_index_keys")
         indexed = _scalar_family("kvcm_lookup_index_pools")
         index = getattr(self._registry, "index", None)

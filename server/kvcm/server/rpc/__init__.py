@@ -25,7 +25,12 @@ from kvcm.server.rpc._status import (
     status_details,
     status_of,
 )
-from kvcm.server.rpc._transfers import TransferServicer, list_transfers, transfer_to_proto
+from kvcm.server.rpc._transfers import (
+    TransferServicer,
+    TransferView,
+    list_transfers,
+    transfer_to_proto,
+)
 from kvcm.server.rpc._worker import WorkerServicer
 from kvcm.v1 import service_pb2
 
@@ -53,6 +58,7 @@ __all__ = [
     "TelemetryInterceptor",
     "UndecodableRequest",
     "TransferServicer",
+    "TransferView",
     "WorkerServicer",
     "add_servicers",
     "list_transfers",

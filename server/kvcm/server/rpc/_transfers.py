@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any, Final, TypeAlias
 
 import grpc
+from google.protobuf import json_format  # type: ignore[import-untyped]
 
 from kvcm.common.errors import (
     FailedPreconditionError,
@@ -54,6 +55,7 @@ from kvcm.wire import fill_grouped, grouped_from_proto
 __all__ = [
     "TRANSFER_METHODS",
     "TransferServicer",
+    "TransferView",
     "decode_transfers",
     "list_transfers",
     "encode_transfers",
@@ -578,3 +580,51 @@ def _unavailable(exc: JournalUnavailableError) -> str:
 def _retrieve(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+class TransferView:
+    """What HTTP (``GET /v1/transfers``) and ``/metrics`` read of the transfer book."""
+
+    def __init__(self, state: ServerState) -> None:
+        """Read ``state``'s book."""
+        self._state = state
+
+    def listing(
+        self, pool_id: str, states: Iterable[str], principal: Principal | None
+    ) -> dict[str, Any]:
+        """:func:`list_transfers` as ``ListTransfersResponse`` JSON; ``states`` by name.
+
+        Raises:
+            InvalidArgumentError: A state name is unknown (naming ``state``).
+            NotFoundError, PermissionError: As :func:`list_transfers`.
+        """
+        wanted = []
+        for name in states:
+            if name.upper() not in TransferState.__members__:
+                known = ", ".join(TransferState.__members__)
+                raise InvalidArgumentError(f"state: {name!r} is not one of {known}")
+            wanted.append(TransferState[name.upper()])
+        return _json(list_transfers(self._state, pool_id, wanted, principal))
+
+    def describe(self, pool_id: str, transfer_id: str) -> dict[str, Any]:
+        """One transfer as ``Transfer`` JSON.
+
+        Raises:
+            NotFoundError: No such transfer.
+        """
+        record = self._state.transfer_book.get(pool_id, transfer_id)
+        return _json(transfer_to_proto(record, self._state.clock.now()))
+
+    def samples(self) -> dict[str, list[tuple[list[str], float]]]:
+        """The ``kvcm_transfer*`` samples (``TransferBook.samples``)."""
+        return self._state.transfer_book.samples(self._state.clock.now(), time.time())
+
+
+def _json(message: Any) -> dict[str, Any]:
+    document: dict[str, Any] = json_format.MessageToDict(
+        message,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
+    return document
