@@ -95,17 +95,6 @@ _TRANSFER_METRICS = (
     "kvcm_transfers_past_lease",
     "kvcm_transfer_oldest_source_age_seconds",
 )
-_TRANSFER_METRICS = (
-    "kvcm_transfers_started_total",
-    "kvcm_transfers_completed_total",
-    "kvcm_transfers_expired_total",
-    "kvcm_transfers_failed_total",
-    "kvcm_transfer_blocks_pulled_total",
-    "kvcm_transfer_blocks_saved_total",
-    "kvcm_transfers_in_flight",
-    "kvcm_transfers_past_lease",
-    "kvcm_transfer_oldest_source_age_seconds",
-)
 _JOURNAL_METRICS = (
     "kvcm_journal_records_total",
     "kvcm_journal_fsyncs_total",
