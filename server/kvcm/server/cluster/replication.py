@@ -59,6 +59,7 @@ __all__ = [
     "DIGEST_EVERY_ENV",
     "EPOCH_METADATA",
     "REPLICA_TOKEN_ENV",
+    "SYNC_TIMEOUT_ENV",
     "ReplicaState",
     "Replication",
     "Role",
@@ -73,10 +74,13 @@ EPOCH_METADATA: Final = "kvcm-epoch"
 """The trailing-metadata key of an answer's placement epoch (a replicated pool's answers)."""
 DIGEST_EVERY_ENV: Final = "KVCM_REPLICA_DIGEST_EVERY"
 """Overrides ``digest_every`` (records between two digest checks; 0: only at seeds)."""
+SYNC_TIMEOUT_ENV: Final = "KVCM_REPLICA_SYNC_TIMEOUT_S"
+"""Overrides ``sync_timeout_s`` (seconds a sync call waits for its standby)."""
 
 _SEED_CHUNK: Final = 1 << 20  # bytes of snapshot per seed message
 _MAX_UNACKED: Final = 65_536  # records in flight to a standby before the link is reseeded
 _BACKOFF_S: Final = (0.05, 1.0)  # reconnect backoff: first, most
+_STOP_POLL_S: Final = 0.25  # how often an idle ShipRecords stream looks for a server stop
 
 
 class Role(enum.Enum):
@@ -173,6 +177,14 @@ class Replication:
             if not raw.isdigit():
                 raise ConfigError(f"{DIGEST_EVERY_ENV}: must be an integer >= 0, got {raw!r}")
             digest_every = int(raw)
+        raw = os.environ.get(SYNC_TIMEOUT_ENV, "")
+        if raw:
+            try:
+                sync_timeout_s = float(raw)
+            except ValueError:
+                sync_timeout_s = -1.0
+            if not 0 < sync_timeout_s < 3600:
+                raise ConfigError(f"{SYNC_TIMEOUT_ENV}: must be seconds in (0, 3600), got {raw!r}")
         self.digest_every = digest_every
         self.sync_timeout_s = sync_timeout_s
         self.pools: dict[str, ReplicaState] = {}
@@ -434,11 +446,31 @@ class Replication:
     async def ship_records(
         self, requests: AsyncIterator[replica_pb2.ShipRecordsRequest]
     ) -> AsyncIterator[replica_pb2.ShipRecordsResponse]:
-        """The ``ShipRecords`` handler: apply what the primary ships, answer each message."""
-        async for request in requests:
-            answer = await self._receive(request)
-            if answer is not None:
-                yield answer
+        """The ``ShipRecords`` handler: apply what the primary ships, answer each message.
+
+        Ends when the server stops serving (a graceful stop need not wait its grace for the
+        primary's stream; the primary reconnects, and seeds, when this replica is back).
+        """
+        iterator = aiter(requests)
+        pending: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(iterator, None))
+                done, _ = await asyncio.wait((pending,), timeout=_STOP_POLL_S)
+                if not done:
+                    if not self.state.serving:
+                        return
+                    continue
+                request, pending = pending.result(), None
+                if request is None:
+                    return
+                answer = await self._receive(request)
+                if answer is not None:
+                    yield answer
+        finally:
+            if pending is not None:
+                pending.cancel()
 
     def _answer(
         self, entry: ReplicaState, status: int, detail: str = ""
