@@ -75,7 +75,10 @@ class Etcd:
 class Replica:
     """``kvcm serve --etcd-endpoints`` in a subprocess."""
 
-    def __init__(self, etcd: Etcd, prefix: str, *, lease_ttl_s: int = 2) -> None:
+    def __init__(
+        self, etcd: Etcd, prefix: str, *, lease_ttl_s: int = 2, data_dir: Path | None = None
+    ) -> None:
+        self.data_dir = data_dir
         self.address = f"127.0.0.1:{free_port()}"
         self.http_port = free_port()
         self.etcd = etcd
@@ -93,7 +96,8 @@ class Replica:
              "--http-address", f"127.0.0.1:{self.http_port}",
              "--etcd-endpoints", self.etcd.endpoint, "--etcd-prefix", self.prefix,
              "--etcd-lease-ttl-s", str(self.lease_ttl_s), "--etcd-timeout-s", "1",
-             "--cluster-fanout-timeout-s", "1", "--log-level", "WARNING"],
+             "--cluster-fanout-timeout-s", "1", "--log-level", "WARNING",
+             *(["--data-dir", str(self.data_dir)] if self.data_dir is not None else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ),
         )  # fmt: skip
 

@@ -258,6 +258,8 @@ class KVCMServer:
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.cluster is not None:  # joins once its calls can be answered
+            if self.replication is not None:  # etcd's placements drive it; failover on
+                self.cluster.attach(self.replication)
             await self.cluster.start(self.grpc_address, self.http_address)
         self.state.serving = True
         self.loop_lag.start(asyncio.get_running_loop())

@@ -11,6 +11,7 @@ and merges:
   open scope (labels or nothing) goes to every replica. The answers are ranked again by the
   core's rank key (score, then waiting requests, then usage, then pool id) and cut at
   ``max_results``; ``skipped`` and ``num_pools_in_scope`` add up. Packed or not, as asked.
+  A standby's copy of a pool (replication) is left out: only the primary's answer counts.
 
 A peer that does not answer within ``fanout_timeout_s`` (or the caller's deadline, if sooner),
 or answers UNAVAILABLE, is *missed*: the answer still comes, and its trailing metadata say so
@@ -234,7 +235,14 @@ async def fan_out_lookup(
             sub.scope.pool_ids.extend(pool_ids)
             requests[owner] = sub
     else:
-        requests = dict.fromkeys([node.address, *node.peers()], request)
+        open_scope = request
+        if request.max_results and any(p.standby for p in node.placements().values()):
+            # Standbys' copies are dropped from each answer below: ask for every pool, so a
+            # replica's own pools are not pushed out of its top by the copies it follows.
+            open_scope = lookup_pb2.LookupRequest()
+            open_scope.CopyFrom(request)
+            open_scope.max_results = 0
+        requests = dict.fromkeys([node.address, *node.peers()], open_scope)
     local_request = requests.pop(node.address, None)
     addresses = sorted(requests)
 
@@ -262,11 +270,19 @@ async def fan_out_lookup(
     pools: list[Any] = []
     skipped: list[tuple[str, str]] = []
     num_in_scope = 0
-    for _, answer in answers:
+    for address, answer in answers:
         decoded = lookup_result_from_proto(answer)
-        pools.extend(decoded.pools)
-        skipped.extend(decoded.skipped)
-        num_in_scope += decoded.num_pools_in_scope
+
+        def served_by(pool_id: str, address: str = address) -> bool:
+            placement = node.get(pool_id)  # a standby's copy is answered by its primary
+            return placement is None or placement.primary == address
+
+        kept = [hit for hit in decoded.pools if served_by(hit.pool_id)]
+        kept_skipped = [item for item in decoded.skipped if served_by(item[0])]
+        dropped = len(decoded.pools) - len(kept) + len(decoded.skipped) - len(kept_skipped)
+        pools.extend(kept)
+        skipped.extend(kept_skipped)
+        num_in_scope += decoded.num_pools_in_scope - dropped
     pools.sort(key=_rank_key)
     if request.max_results:
         pools = pools[: request.max_results]

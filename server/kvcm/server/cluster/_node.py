@@ -18,6 +18,15 @@ Two background tasks run from :meth:`ClusterNode.start` to :meth:`ClusterNode.st
 Placements change only through etcd transactions: :meth:`ClusterNode.place` creates a record
 only where none exists (compare ``create_revision == 0``), :meth:`ClusterNode.replace` swaps
 one only if it still holds the expected value, so two replicas never both win.
+
+**Failover** (with ``can_promote`` set, i.e. with replication): when etcd says a replica left
+(its key deleted: lease expired or revoked), each replica looks at the placements that name
+the one that left. A pool whose primary left is taken over by its standby, if that standby
+holds a live copy (``can_promote``): one transaction swaps the record for one naming it
+primary, a new standby (the least-loaded other live replica) and the epoch plus one;
+replication, told by the watch, promotes the copy. A pool whose standby left gets a new
+standby from its primary (same epoch). The same check runs after every listing, so a
+departure missed while the watch was down is acted on too.
 """
 
 from __future__ import annotations
@@ -121,6 +130,10 @@ class ClusterNode:
         self._registered_pools = -1
         self._tasks: list[asyncio.Task[None]] = []
         self._listed = asyncio.Event()
+        self._reconciling: asyncio.Task[None] | None = None
+        #: Whether this replica holds a live copy of a pool it follows and may take it over
+        #: (set by replication; ``None``: failover off, a standby is never promoted).
+        self.can_promote: Callable[[str], bool] | None = None
 
     # ------------------------------------------------------------------ PlacementView
     def get(self, pool_id: str) -> Placement | None:
@@ -161,6 +174,8 @@ class ClusterNode:
 
     async def stop(self) -> None:
         """Leave: stop the tasks and revoke the lease (peers see this replica go at once)."""
+        if self._reconciling is not None:
+            self._tasks.append(self._reconciling)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -379,6 +394,7 @@ class ClusterNode:
             self._apply(pool_id, None)
         for pool_id, placement in placements.items():
             self._apply(pool_id, placement)
+        self._reconcile_soon()
 
     def _on_event(self, event: Any) -> None:
         key: bytes = event.kv.key
@@ -387,6 +403,7 @@ class ClusterNode:
             address = key[len(self._replica_prefix) :].decode()
             if deleted:
                 self.replicas.pop(address, None)
+                self._reconcile_soon()
             else:
                 self._read(key, event.kv.value, self.replicas, None)
         elif key.startswith(self._placement_prefix):
@@ -398,6 +415,51 @@ class ClusterNode:
                 self._read(key, event.kv.value, None, staged)
                 for placed_id, placement in staged.items():
                     self._apply(placed_id, placement)
+
+    # ---------------------------------------------------------------------- failover
+    def _reconcile_soon(self) -> None:
+        if self._reconciling is None or self._reconciling.done():
+            self._reconciling = asyncio.create_task(self._reconcile(), name="kvcm-cluster-failover")
+
+    async def _reconcile(self) -> None:
+        """Take over the pools whose primary left and this replica follows; give the pools
+        this replica serves whose standby left a new one (see the module docstring)."""
+        if self.can_promote is None or self.address not in self.replicas:
+            return  # failover off, or this replica's own session is not live: act on nothing
+        for placement in list(self._placements.values()):
+            live = self.replicas
+            if placement.primary in live:
+                if placement.primary != self.address or placement.standby in live:
+                    continue
+                _, standby = self._choose(self.address)
+                if standby == placement.standby:
+                    continue
+                new = dataclasses.replace(placement, standby=standby)
+            elif placement.standby == self.address and self.can_promote(placement.pool_id):
+                _, standby = self._choose(self.address)
+                new = Placement(
+                    pool_id=placement.pool_id,
+                    primary=self.address,
+                    standby=standby,
+                    epoch=placement.epoch + 1,
+                )
+            else:
+                continue
+            try:
+                won = await self.replace(placement, new)
+            except Exception as exc:  # etcd away: the next listing tries again
+                _LOG.warning("failover of pool %s waits: %s", placement.pool_id, exc)
+                return
+            if won:
+                _LOG.warning(
+                    "pool %s: %s is primary at epoch %d (standby %s); %s left",
+                    new.pool_id,
+                    new.primary,
+                    new.epoch,
+                    new.standby,
+                    placement.primary if new.epoch > placement.epoch else placement.standby,
+                    extra={"event": "placement_failover", "pool": new.pool_id},
+                )
 
     def _read(
         self,

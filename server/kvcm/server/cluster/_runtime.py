@@ -8,17 +8,26 @@ address; it leaves (revokes its lease) when the server stops.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from kvcm.common.errors import ConfigError
 from kvcm.server.cluster._etcd import parse_endpoints
 from kvcm.server.cluster._fanout import PeerChannels
 from kvcm.server.cluster._node import ClusterConfig, ClusterNode
 from kvcm.server.cluster._routing import ClusterInterceptor
+from kvcm.server.cluster.placement import Placement
 from kvcm.server.settings import ServerSettings, split_address
 
+if TYPE_CHECKING:
+    from kvcm.server.cluster.replication import Replication
+
 __all__ = ["ClusterRuntime"]
+
+_LOG = logging.getLogger("kvcm.server.cluster")
 
 _WILDCARDS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
 # How long start-up waits for the first listing of the cluster (so the first CreatePool sees
@@ -65,6 +74,35 @@ class ClusterRuntime:
         )
         self._peers = PeerChannels(settings.limits.max_message_bytes)
         self.interceptor = ClusterInterceptor(self.node, self._peers, has_pool=has_pool)
+        self._feeding: asyncio.Task[None] | None = None
+
+    def attach(self, replication: Replication) -> None:
+        """Drive ``replication`` from etcd (before :meth:`start`): every placement change is
+        handed to it in order, and failover is on (a standby holding a live copy takes over a
+        pool whose primary left)."""
+        from kvcm.server.cluster.replication import Role
+
+        changes: asyncio.Queue[Placement] = asyncio.Queue()
+
+        def changed(pool_id: str, placement: Placement | None) -> None:
+            if placement is not None:  # a deleted pool: replication forgets it with the pool
+                changes.put_nowait(placement)
+
+        async def feed() -> None:
+            while True:
+                placement = await changes.get()
+                try:
+                    await replication.set_placement(placement)
+                except Exception:
+                    _LOG.exception("replication refused placement %s", placement)
+
+        def can_promote(pool_id: str) -> bool:
+            entry = replication.pools.get(pool_id)
+            return entry is not None and entry.role is Role.STANDBY and entry.has_copy
+
+        self.node.watch(changed)
+        self.node.can_promote = can_promote
+        self._feeding = asyncio.get_running_loop().create_task(feed(), name="kvcm-placements")
 
     async def start(self, grpc_address: str, http_address: str) -> None:
         """Join the cluster as the advertise address (``grpc_address``, the bound one, when
@@ -92,6 +130,10 @@ class ClusterRuntime:
     async def stop(self) -> None:
         """Leave the cluster and close the peer channels."""
         await self.node.stop()
+        if self._feeding is not None:
+            self._feeding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._feeding
         await self._peers.close()
 
     def samples(self) -> dict[str, list[tuple[list[str], float]]]:

@@ -1,0 +1,119 @@
+"""Failover driven by etcd: three ``kvcm serve --data-dir`` replicas (so each pool has a hot
+standby, docs/replication.md), placement in a real etcd.
+
+``kill -9`` the primary of a pool an SDK scheduler drives with exactly-once Steps: once the
+dead replica's lease expires its standby takes the pool over by an etcd transaction (epoch
+2), the same client goes on without being restarted, every Step acknowledged before the kill
+is there (each request's blocks as answered), and the pools the dead replica followed get a
+new standby. The failover time is printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aetcd
+import pytest
+from _cluster import Etcd, Replica, wait_for_members
+
+from kvcm.client import ItemStatus, SchedulerClient, ServiceError, StepBuilder
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.specs import FullAttentionSpec
+from kvcm.core.pool import PoolConfig
+from kvcm.server.cluster import Placement
+
+SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
+CONFIG = PoolConfig(
+    max_model_len=1024,
+    explicit_layout=KVCacheConfig(
+        num_blocks=256,
+        kv_cache_tensors=(),
+        kv_cache_groups=(KVCacheGroupSpec(layer_names=("l0",), kv_cache_spec=SPEC),),
+    ),
+)
+LEASE_TTL_S = 2
+PREFIX = "/kvcm-test-failover"
+
+
+@pytest.fixture
+def cluster(etcd: Etcd, tmp_path: Path) -> Iterator[list[Replica]]:
+    started = [
+        Replica(etcd, PREFIX, lease_ttl_s=LEASE_TTL_S, data_dir=tmp_path / f"r{i}")
+        for i in range(3)
+    ]
+    try:
+        for replica in started:
+            replica.spawn()
+        for replica in started:
+            replica.wait_serving()
+        wait_for_members(started, 3)
+        yield started
+    finally:
+        for replica in started:
+            replica.stop(signal.SIGKILL)
+
+
+async def _placements(etcd: Etcd) -> dict[str, Placement]:
+    host, _, port = etcd.endpoint.removeprefix("http://").rpartition(":")
+    async with aetcd.Client(host=host, port=int(port), timeout=5) as client:
+        listing = await client.get_prefix(f"{PREFIX}/placement/".encode())
+        return {p.pool_id: p for p in (Placement.decode(kv.value) for kv in listing)}
+
+
+def _step(client: SchedulerClient, pool: str, seq: int, key: int) -> list[list[int]]:
+    """Add request ``key`` and allocate its prompt, exactly once (``step_seq``)."""
+    prompt = [key * 1000 + i for i in range(48)]
+    step = StepBuilder()
+    step.step_seq = seq
+    step.add_request(key, prompt, client.block_hasher(pool).hash_token_ids(prompt))
+    step.allocate(key, len(prompt), 0, lookup=True)
+    result = client.step(pool, step, timeout=10.0)
+    assert result.statuses == [ItemStatus.OK]
+    return [list(ids) for ids in client.get_block_ids(pool, key)]
+
+
+def test_kill_9_of_a_primary_its_standby_takes_over_and_nothing_acknowledged_is_lost(
+    etcd: Etcd, cluster: list[Replica]
+) -> None:
+    seeds = ",".join(replica.address for replica in cluster)
+    pools = ["fo-a", "fo-b", "fo-c"]
+    with SchedulerClient(seeds, timeout=10.0) as client:
+        for pool in pools:
+            client.create_pool(pool, CONFIG)
+        before = asyncio.run(_placements(etcd))
+        assert {p.primary for p in before.values()} == {r.address for r in cluster}
+        victim_pool = pools[0]
+        victim = next(r for r in cluster if r.address == before[victim_pool].primary)
+        standby = before[victim_pool].standby
+        acknowledged = {key: _step(client, victim_pool, key, key) for key in range(1, 9)}
+
+        victim.stop(signal.SIGKILL)
+        killed_at = time.monotonic()
+        seq = len(acknowledged) + 1
+        while True:  # the same client, not restarted
+            try:
+                acknowledged[seq] = _step(client, victim_pool, seq, seq)
+                break
+            except ServiceError:
+                assert time.monotonic() - killed_at < LEASE_TTL_S + 10, "no failover"
+                time.sleep(0.1)
+        failover_s = time.monotonic() - killed_at
+        print(f"failover: {failover_s:.2f} s (lease TTL {LEASE_TTL_S} s)")
+        assert failover_s < LEASE_TTL_S + 6
+
+        after = asyncio.run(_placements(etcd))
+        assert (after[victim_pool].primary, after[victim_pool].epoch) == (standby, 2)
+        for key, ids in acknowledged.items():  # every acknowledged Step is there
+            assert [list(x) for x in client.get_block_ids(victim_pool, key)] == ids
+        for pool in pools[1:]:  # the other pools never stopped
+            assert client.describe_pool(pool).pool_id == pool
+        deadline = time.monotonic() + 10
+        while any(victim.address in (p.primary, p.standby) for p in after.values()):
+            assert time.monotonic() < deadline, f"placements still name {victim.address}"
+            time.sleep(0.2)
+            after = asyncio.run(_placements(etcd))
