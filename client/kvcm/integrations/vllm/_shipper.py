@@ -304,6 +304,7 @@ class GrpcStepShipper:
         self._cond = threading.Condition()
         self._closing = False
         self._busy = False  # a call is in flight or a step is being verified
+        self._idle = False  # the shipping thread waits for a step (submit() must wake it)
         self._attached = False
         self._need_snapshot = False
         self._snapshot: tuple[int, bytes] | None = None
@@ -356,7 +357,12 @@ class GrpcStepShipper:
                 self._need_snapshot = True
                 self._snapshot = None  # a pending one is older than the dropped steps
             self.stats.backlog_high_water = max(self.stats.backlog_high_water, len(backlog))
-            self._cond.notify()
+            # Wake the shipping thread only when it waits for work or a full batch is queued:
+            # inside the coalescing window, or with a call in flight, it looks at the backlog
+            # on its own; a wake-up per step would take the interpreter lock from the engine
+            # once per step for nothing.
+            if self._idle or len(backlog) == _FULL_BATCH_STEPS:
+                self._cond.notify_all()
 
     @property
     def wants_snapshot(self) -> bool:
@@ -466,7 +472,13 @@ class GrpcStepShipper:
                         break
                     if delay is not None:  # the coalescing window after the last call
                         self._cond.wait(delay)
-                    elif not self._cond.wait(self._keepalive_s) and self._keepalive_due():
+                        continue
+                    self._idle = True  # nothing to do: submit() wakes it
+                    try:
+                        woken = self._cond.wait(self._keepalive_s)
+                    finally:
+                        self._idle = False
+                    if not woken and self._keepalive_due():
                         break
                 if self._closing:
                     return
