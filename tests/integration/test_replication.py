@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from _data_dir_server import program
 from _replication import (
@@ -137,6 +138,13 @@ def test_paused_primary_is_fenced_and_acknowledges_nothing(tmp_path: Path) -> No
             pytest.raises(ServiceError, match="not served by this replica"),
         ):
             client.step(pool_id, program(21))
+        # A primary that stepped down is never promoted before it was seeded again.
+        with pytest.raises(grpc.RpcError) as refused:
+            place(a.address, pool_id, a.address, None, 3)
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "stepped down" in (refused.value.details() or "")
+        on_a = replica_state(a.address, pool_id)
+        assert (on_a.role, on_a.placement_epoch) == ("fenced", 2)  # nothing changed
         # Placement makes A the standby at epoch 2: B seeds it, A's pool equals B's.
         place(a.address, pool_id, b.address, a.address, 2)
         place(b.address, pool_id, b.address, a.address, 2)

@@ -14,7 +14,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from kvcm.server.cluster.placement import Placement
-from kvcm.server.cluster.replication import Replication
+from kvcm.server.cluster.replication import PromotionRefusedError, Replication
 from kvcm.server.rpc._status import AbortRpc
 from kvcm.v1 import replica_pb2, replica_pb2_grpc
 
@@ -68,7 +68,10 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
                 f"{known.epoch}, the pool's epoch here: nothing was changed",
             )
         sync = request.mode != replica_pb2.REPLICATION_MODE_ASYNC
-        role = await replication.set_placement(placement, sync=sync)
+        try:
+            role = await replication.set_placement(placement, sync=sync)
+        except PromotionRefusedError as exc:
+            raise AbortRpc(grpc.StatusCode.FAILED_PRECONDITION, f"SetPlacement: {exc}") from None
         entry = replication.entry(request.pool_id)
         return replica_pb2.SetPlacementResponse(role=role.value, placement_epoch=entry.epoch)
 

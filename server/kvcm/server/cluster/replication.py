@@ -60,6 +60,7 @@ __all__ = [
     "EPOCH_METADATA",
     "REPLICA_TOKEN_ENV",
     "SYNC_TIMEOUT_ENV",
+    "PromotionRefusedError",
     "ReplicaState",
     "Replication",
     "Role",
@@ -215,6 +216,9 @@ class Replication:
         epoch = placement.epoch
         if epoch < entry.epoch:
             return entry.role
+        promotes = placement.primary == self.address and epoch > entry.epoch
+        if promotes and entry.role in (Role.STANDBY, Role.FENCED):
+            self._check_promotable(entry, epoch)  # before anything changes
         entry.sync = sync
         entry.primary = placement.primary
         entry.standby = placement.standby or ""
@@ -257,11 +261,13 @@ class Replication:
         then. An ``epoch`` not newer than the one known is refused.
 
         Raises:
-            ValueError: ``epoch`` is not newer than the pool's epoch here.
+            PromotionRefusedError: ``epoch`` is not newer than the pool's epoch here, or this
+                replica holds no copy it can serve: a standby never seeded (or whose copy was
+                dropped), or a primary that stepped down (its copy may hold calls the new
+                primary never had). Nothing changed; seed it as a standby first.
         """
         entry = self.entry(pool_id)
-        if epoch <= entry.epoch and entry.role is not Role.NONE:
-            raise ValueError(f"promote({pool_id!r}, {epoch}): the pool's epoch is {entry.epoch}")
+        self._check_promotable(entry, epoch)
         state = self.state
         entry.role = Role.PROMOTING
         entry.epoch = epoch
@@ -271,21 +277,43 @@ class Replication:
         state.standby_pools.discard(pool_id)
         state.activity[pool_id] = state.clock.now()
         journal = state.journal
-        try:
-            if journal is not None and pool_id in state.registry:
-                while journal.gate is not None:  # another checkpoint is being taken
-                    await journal.gate.wait()
-                while not await checkpoint_live(state, journal):
-                    await asyncio.sleep(0.05)
-        finally:
-            if entry.role is Role.PROMOTING and entry.epoch == epoch:
-                entry.role = Role.PRIMARY
+
+        def promoting() -> bool:
+            return entry.role is Role.PROMOTING and entry.epoch == epoch
+
+        while journal is not None and pool_id in state.registry and promoting():
+            while journal.gate is not None:  # another checkpoint is being taken
+                await journal.gate.wait()
+            try:
+                if await checkpoint_live(state, journal):
+                    break
+                await asyncio.sleep(0.05)  # postponed: calls were still running
+            except OSError as exc:  # a full or failing disk: the calls wait, try again
+                _LOG.error("promotion of %r waits for a checkpoint: %s", pool_id, exc)
+                await asyncio.sleep(1.0)
+        if not promoting():
+            return  # stepped down (a newer epoch) while the checkpoint was taken
+        entry.role = Role.PRIMARY
         self.failovers += 1
         _LOG.warning(
             "promoted to primary",
             extra={"event": "replica_promoted", "pool": pool_id, "placement_epoch": epoch},
         )
         self._relink(entry)
+
+    def _check_promotable(self, entry: ReplicaState, epoch: int) -> None:
+        pool_id = entry.pool_id
+        if epoch <= entry.epoch and entry.role is not Role.NONE:
+            raise PromotionRefusedError(
+                f"promote({pool_id!r}, {epoch}): placement_epoch: the pool's epoch here is "
+                f"{entry.epoch}; a promotion needs a newer one"
+            )
+        if entry.role is Role.FENCED or (entry.role is Role.STANDBY and not entry.has_copy):
+            why = "stepped down" if entry.role is Role.FENCED else "has no seeded copy"
+            raise PromotionRefusedError(
+                f"promote({pool_id!r}, {epoch}): this replica ({self.address}) {why}: "
+                "promoting it would lose acknowledged calls; make it the standby first"
+            )
 
     def demote(self, pool_id: str, epoch: int, *, standby: bool = False) -> None:
         """Step down from the pool at ``epoch`` (a newer primary exists): nothing on it is
@@ -506,7 +534,8 @@ class Replication:
             else:
                 self._become_standby(entry, epoch)
         body = request.WhichOneof("body")
-        if body is None:  # hello
+        if body is None:  # hello: a new stream (a seed it broke off is dropped)
+            entry.seed_chunks = []
             return self._answer(entry, replica_pb2.SHIP_STATUS_OK)
         if body == "seed":
             return await self._seed(entry, request)
@@ -655,6 +684,11 @@ def _failed(reason: str) -> Awaitable[None]:
     return future
 
 
+class PromotionRefusedError(ValueError):
+    """Raised by :meth:`Replication.promote` when this replica must not become the primary
+    (its message says why; nothing changed)."""
+
+
 class _FencedError(Exception):
     """The standby knows a newer placement epoch: this replica stepped down."""
 
@@ -749,8 +783,8 @@ class _Link:
         delay = _BACKOFF_S[0]
         while not self.closed:
             try:
-                await self._session()
-                delay = _BACKOFF_S[0]
+                if await self._session():
+                    delay = _BACKOFF_S[0]  # it followed live: the next seed may come at once
             except _FencedError:
                 return
             except asyncio.CancelledError:
@@ -769,7 +803,9 @@ class _Link:
             await asyncio.sleep(delay)
             delay = min(delay * 2, _BACKOFF_S[1])
 
-    async def _session(self) -> None:
+    async def _session(self) -> bool:
+        """One stream: hello, seed, then records until it ends; whether the seed was taken
+        (``False``: the standby refused it, try again after the backoff)."""
         owner = self.owner
         stub = replica_pb2_grpc.ReplicaServiceStub(owner.channel(self.standby))  # type: ignore[no-untyped-call]
         call = stub.ShipRecords(metadata=owner.metadata())
@@ -782,7 +818,13 @@ class _Link:
             answer = await call.read()
             self._check(answer)
             if answer.status != replica_pb2.SHIP_STATUS_OK:
-                return
+                _LOG.warning(
+                    "standby %s refused the seed: %s",
+                    self.standby,
+                    answer.detail,
+                    extra={"event": "replica_seed_refused", "pool": self.pool_id},
+                )
+                return False
             self._acked(seed_seq)
             reader = asyncio.ensure_future(self._read(call))
             try:
@@ -791,6 +833,7 @@ class _Link:
                 reader.cancel()
                 with contextlib.suppress(BaseException):
                     await reader
+            return True
         finally:
             self.live = False
             call.cancel()
