@@ -268,7 +268,7 @@ def _counters_to_proto(counters: object, message: Any) -> None:
         setattr(message, wire, getattr(counters, name))
 
 
-def _counters_from_proto(message: Any) -> dict[str, int]:
+def _counters_from_proto(message: Any) -> dict[str, Any]:
     return {name: getattr(message, wire) for name, wire in _PREFIX_CACHE_COUNTERS}
 
 

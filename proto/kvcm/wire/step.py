@@ -223,7 +223,7 @@ def _in_flight_only(entry: AllocOptions) -> bool:
 def _in_flight_frame(index: int, num_in_flight_tokens: int) -> bytes:
     # The framed alloc_options entry of in-flight-only options (what protobuf encodes for
     # StepAllocOptions(alloc_index=index, options=...), field by field in number order).
-    body = scheduler_pb2.StepAllocOptions(
+    body: bytes = scheduler_pb2.StepAllocOptions(
         options=slot_options_to_proto(DEFAULT_SLOT_OPTIONS, num_in_flight_tokens, in_step=True)
     ).SerializeToString()
     if index:  # proto3 leaves a zero alloc_index out
