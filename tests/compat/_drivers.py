@@ -317,6 +317,33 @@ class VllmSide:
         self._hits[request_id] = (blocks, num)
         return _ids(blocks.blocks), num, junction
 
+    def get_computed_blocks_for_connector(
+        self, request_id: str, max_len: int | None
+    ) -> tuple[BlockIds, int, int, bool]:
+        """The lookup for a KV connector (plus ``hit_diverged``); keep it to allocate."""
+        request = self.requests[request_id]
+        blocks, num, junction, diverged = self.manager.get_computed_blocks_for_connector(
+            request, max_len
+        )
+        request.shared_prefix_boundary = junction
+        self._hits[request_id] = (blocks, num)
+        return _ids(blocks.blocks), num, junction, diverged
+
+    def truncate_hit(self, request_id: str, num_tokens: int) -> BlockIds:
+        """Cut the kept hit at ``num_tokens`` (``truncate_computed_blocks``)."""
+        blocks, _ = self._hits[request_id]
+        truncated = self.manager.truncate_computed_blocks(blocks, num_tokens)
+        self._hits[request_id] = (truncated, num_tokens)
+        return _ids(truncated.blocks)
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Drain the Mamba boundary-state hand-offs."""
+        return self.manager.take_boundary_state_offloads()
+
+    def finalize_partial_tail_offloads(self, request_id: str) -> list[tuple[int, int, int]]:
+        """A finishing producer's partial tails."""
+        return self.manager.finalize_partial_tail_offloads(self.requests[request_id])
+
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, use_hit: bool, **options: Any
     ) -> BlockIds | None:
@@ -575,12 +602,41 @@ class KvcmSide:
         junction = self.manager.get_shared_prefix_boundary(request_id)
         return _ids(hit.blocks.blocks), hit.num_computed_tokens, junction
 
+    def get_computed_blocks_for_connector(
+        self, request_id: str, max_len: int | None
+    ) -> tuple[BlockIds, int, int, bool]:
+        """The lookup for a KV connector (plus ``hit_diverged``); keep it to allocate."""
+        hit, diverged = self.manager.get_computed_blocks_for_connector(
+            self.requests[request_id], max_len
+        )
+        self._hits[request_id] = hit
+        junction = self.manager.get_shared_prefix_boundary(request_id)
+        return _ids(hit.blocks.blocks), hit.num_computed_tokens, junction, diverged
+
+    def truncate_hit(self, request_id: str, num_tokens: int) -> BlockIds:
+        """Cut the kept hit at ``num_tokens`` (``truncate_computed_blocks``)."""
+        from kvcm.core.manager import CacheHit
+
+        hit = self._hits[request_id]
+        truncated = self.manager.truncate_computed_blocks(hit.blocks, num_tokens)
+        self._hits[request_id] = CacheHit(truncated, num_tokens)
+        return _ids(truncated.blocks)
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Drain the Mamba boundary-state hand-offs."""
+        return self.manager.take_boundary_state_offloads()
+
+    def finalize_partial_tail_offloads(self, request_id: str) -> list[tuple[int, int, int]]:
+        """A finishing producer's partial tails."""
+        return self.manager.finalize_partial_tail_offloads(self.requests[request_id])
+
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, use_hit: bool, **options: Any
     ) -> BlockIds | None:
         """Allocate; adopt the kept hit when ``use_hit``."""
         from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, SlotOptions
 
+        skip_zeroing = tuple(options.pop("skip_zeroing_group_ids", ()))
         hit = self._hits.pop(request_id) if use_hit else None
         if not options.get("num_lookahead_tokens"):
             options.pop("num_lookahead_tokens", None)  # vLLM's 0: unset
@@ -589,7 +645,7 @@ class KvcmSide:
             # As the server does: plain calls take the manager's fast path for running requests.
             slot_options = DEFAULT_SLOT_OPTIONS
         result = self.manager.allocate_slots(
-            self.requests[request_id], num_new_tokens, hit, slot_options
+            self.requests[request_id], num_new_tokens, hit, slot_options, skip_zeroing
         )
         return None if result is None else _ids(result.blocks)
 

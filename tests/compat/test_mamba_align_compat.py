@@ -39,6 +39,9 @@ class MambaScenario:
     max_lookahead: int = 0
     # Steps after which kvcm's side is replaced by a pool restored from its snapshot.
     round_trips: tuple[int, ...] = ()
+    # Schedule as vLLM does with a KV connector (NIXL's lookup, external tokens loaded
+    # synchronously or asynchronously, boundary-state hand-offs drained every step).
+    connector: bool = False
 
 
 @dataclass
@@ -77,6 +80,13 @@ class _Loop:
         self.next_id = 0
         self.num_copies = 0
         self.sub_block_hits = 0
+        self.sched_block = self.layout.scheduler_block_size
+        # Connector scenarios: requests whose asynchronous load completes next step, and
+        # what the connector paths did.
+        self.loading: list[_Req] = []
+        self.connector_counts = dict.fromkeys(
+            ("external", "async", "truncated", "diverged", "relookup", "offloads", "tails"), 0
+        )
 
     # ------------------------------------------------------------------ requests
     def _new_prompt(self) -> list[int]:
@@ -145,6 +155,10 @@ class _Loop:
         self.waiting.insert(0, req)
 
     def _finish(self, req: _Req) -> None:
+        if self.s.connector:
+            # A KV producer's scheduler hands a finished request's valid partial tail off.
+            tails = self.pair.call("finalize_partial_tail_offloads", req.rid)
+            self.connector_counts["tails"] += len(tails)
         self.pair.call("free", req.rid)
         self.pair.both("update", req.rid, status="FINISHED_STOPPED")
         self.pair.both("drop_request", req.rid)
@@ -172,21 +186,36 @@ class _Loop:
                 continue
             scheduled.append((req, num_new))
             budget -= num_new
+        self._finish_loads()
         while self.waiting and budget > 0 and len(self.running) < self.s.max_running:
             req = self.waiting[0]
-            _ids, hit, junction = pair.call("get_computed_blocks", req.rid, None)
-            req.junction = junction
-            if hit:
-                pair.tally.hits += 1
-                self.sub_block_hits += hit % self.block != 0
             num_tokens = len(req.prompt) + req.generated
-            num_new = self._split(req, hit, min(num_tokens - hit, budget))
-            if num_new <= 0:
-                break
-            gate = self.rng.random() < 0.3
-            if pair.allocate(req.rid, num_new, True, full_sequence_must_fit=gate) is None:
-                break
-            pair.call("record_prefix_cache_stats", req.rid, hit)
+            if req.num_computed:
+                # Its asynchronous load completed: no lookup, nothing adopted.
+                hit = req.num_computed
+                num_new = self._split(req, hit, min(num_tokens - hit, budget))
+                if num_new <= 0 or pair.allocate(req.rid, num_new, False) is None:
+                    break
+            elif self.s.connector:
+                admitted = self._admit_with_connector(req, budget)
+                if admitted is None:
+                    break
+                if not admitted:
+                    continue  # loading asynchronously
+                hit, num_new = admitted
+            else:
+                _ids, hit, junction = pair.call("get_computed_blocks", req.rid, None)
+                req.junction = junction
+                if hit:
+                    pair.tally.hits += 1
+                    self.sub_block_hits += hit % self.block != 0
+                num_new = self._split(req, hit, min(num_tokens - hit, budget))
+                if num_new <= 0:
+                    break
+                gate = self.rng.random() < 0.3
+                if pair.allocate(req.rid, num_new, True, full_sequence_must_fit=gate) is None:
+                    break
+                pair.call("record_prefix_cache_stats", req.rid, hit)
             self.waiting.pop(0)
             req.num_computed = hit
             req.running = True
@@ -194,6 +223,9 @@ class _Loop:
             self.running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
+        if self.s.connector:
+            offloads = pair.call("take_boundary_state_offloads")
+            self.connector_counts["offloads"] += sum(map(len, offloads.values()))
         self.num_copies += len(pair.call("take_copies"))
         pair.call("take_new_block_ids")
         pair.events()
@@ -208,11 +240,107 @@ class _Loop:
                     continue
                 req.generated += 1
                 pair.both("append_tokens", req.rid, [self.rng.randrange(1, 30000)])
+        if self.s.connector:
+            # Aborts mid-prefill: one ending right at its prompt's tail boundary hands that
+            # partial tail block off (finalize_partial_tail_offloads).
+            prefilling = [r for r in self.running if r.num_computed < len(r.prompt)]
+            if prefilling and self.rng.random() < 0.3:
+                self._finish(self.rng.choice(prefilling))
         pair.call("make_prefix_cache_stats")
         pair.hit_rate()
         pair.usage()
         pair.call("num_free_blocks")
         pair.snapshot()
+
+    def _admit_with_connector(self, req: _Req, budget: int) -> tuple[int, int] | bool | None:
+        # vLLM's scheduler with a KV connector whose lookup reports full attention's own
+        # hit (NIXL): the connector offers tokens past the block-aligned local hit; a longer
+        # offer drops the local sub-block tail, a diverged hit nobody completes is looked up
+        # again. Answers (computed tokens, tokens to compute), False for an asynchronous
+        # load started, or None when the request does not fit.
+        pair = self.pair
+        counts = self.connector_counts
+        rng = self.rng
+        _ids, local, junction, diverged = pair.call(
+            "get_computed_blocks_for_connector", req.rid, None
+        )
+        counts["diverged"] += diverged
+        num_tokens = len(req.prompt) + req.generated
+        tail = local % self.sched_block
+        aligned = local - tail
+        # NIXL (pull) loads asynchronously: a remote prefill all the prompt but the last
+        # token (Mamba's decoder recomputes it), a remote decode's blocks what its prefill
+        # engine holds (at least kv_recompute_threshold = 64 tokens).
+        ext = 0
+        num_prompt = len(req.prompt)
+        if req.generated == 0 and rng.random() < 0.5:
+            end = num_prompt - 1
+            if rng.random() < 0.3:
+                end = rng.randrange(0, num_prompt + 1)
+                if end - aligned < 64:
+                    end = 0
+            ext = max(end - aligned, 0)
+        if tail and ext > tail:
+            pair.call("truncate_hit", req.rid, aligned)
+            counts["truncated"] += 1
+            local = aligned
+        elif tail:
+            ext = 0
+        load_async = ext > 0
+        if diverged and ext == 0:
+            counts["relookup"] += 1
+            _ids, local, junction = pair.call("get_computed_blocks", req.rid, None)
+        req.junction = junction
+        if local:
+            pair.tally.hits += 1
+            self.sub_block_hits += local % self.block != 0
+        computed = local + ext
+        counts["external"] += ext > 0
+        groups = tuple(range(len(self.layout.groups)))
+        if load_async:
+            if (
+                pair.allocate(
+                    req.rid,
+                    0,
+                    True,
+                    num_external_computed_tokens=ext,
+                    delay_cache_blocks=True,
+                    skip_zeroing_group_ids=groups,
+                )
+                is None
+            ):
+                return None
+            counts["async"] += 1
+            pair.call("record_prefix_cache_stats", req.rid, local)
+            pair.both(
+                "update", req.rid, status="WAITING_FOR_REMOTE_KVS", num_computed_tokens=computed
+            )
+            req.num_computed = computed
+            self.waiting.pop(0)
+            self.loading.append(req)
+            return False
+        num_new = self._split(req, computed, min(num_tokens - computed, budget))
+        if num_new <= 0:
+            return None
+        gate = rng.random() < 0.3
+        if pair.allocate(req.rid, num_new, True, full_sequence_must_fit=gate) is None:
+            return None
+        pair.call("record_prefix_cache_stats", req.rid, local)
+        return computed, num_new
+
+    def _finish_loads(self) -> None:
+        # Loads started last step completed: cache what arrived; a whole prompt recomputes
+        # its last token (vLLM's _update_waiting_for_remote_kv).
+        loaded, self.loading = self.loading, []
+        for req in loaded:
+            self.pair.call("cache_blocks", req.rid, req.num_computed)
+            num_tokens = len(req.prompt) + req.generated
+            if req.num_computed == num_tokens:
+                req.num_computed = num_tokens - 1
+            self.pair.both(
+                "update", req.rid, status="WAITING", num_computed_tokens=req.num_computed
+            )
+            self.waiting.insert(0, req)
 
     def run(self) -> None:
         for index in range(self.s.steps):
@@ -222,8 +350,12 @@ class _Loop:
             if index in self.s.round_trips:
                 _round_trip(self.pair.ours, self.layout)
                 self.pair.snapshot()
+        for req in self.loading:
+            self.pair.call("free", req.rid)
         for req in list(self.running):
             self._finish(req)
+        if self.s.connector:
+            self.pair.call("take_boundary_state_offloads")
         self.pair.call("take_copies")
         self.pair.events()
         self.pair.snapshot()
@@ -349,6 +481,28 @@ SCENARIOS = [
         token_budget=512,
         round_trips=tuple(range(0, 150, 2)),
     ),
+    # With a KV connector (NIXL's lookup and loads, boundary-state hand-offs), under
+    # pressure so that groups' hits diverge.
+    MambaScenario(
+        "connector-full64-mamba256",
+        Layout((GroupDesc(FULL, 64), _mamba(256)), num_blocks=70, max_model_len=1536),
+        steps=200,
+        token_budget=512,
+        connector=True,
+    ),
+    MambaScenario(
+        "connector-full256-mamba256-prefix-match-unit-64",
+        Layout(
+            (GroupDesc(FULL, 256), _mamba(256)),
+            num_blocks=26,
+            max_model_len=1536,
+            retention=0,
+            prefix_match_unit=64,
+        ),
+        steps=200,
+        token_budget=512,
+        connector=True,
+    ),
     # Hash block equal to the Mamba block: hits on whole blocks only, no copies.
     MambaScenario(
         "full128-mamba128",
@@ -364,6 +518,9 @@ def test_mamba_align_matches_vllm(vllm: ModuleType, scenario: MambaScenario) -> 
     del vllm
     tally = Tally()
     pair = Pair(VllmSide(scenario.layout), KvcmSide(scenario.layout), tally)
+    if scenario.connector:
+        # vLLM's manager always collects boundary states; kvcm's when an engine drains them.
+        pair.ours.manager.enable_boundary_state_offloads()
     loop = _Loop(scenario, seed=sum(map(ord, scenario.name)), pair=pair)
     loop.run()
     print(
@@ -376,3 +533,9 @@ def test_mamba_align_matches_vllm(vllm: ModuleType, scenario: MambaScenario) -> 
     if loop.partial:
         assert loop.sub_block_hits > 0
         assert loop.num_copies > 0
+    if scenario.connector:
+        print(f"connector paths: {loop.connector_counts}")
+        counts = loop.connector_counts
+        assert counts["external"]
+        assert counts["async"]
+        assert counts["offloads"]

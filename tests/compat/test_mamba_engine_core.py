@@ -267,28 +267,3 @@ def test_align_mode_programs_replay_on_the_server_interpreter(
     assert sink.num_batches == sink.num_steps // 3
     if match_unit < MAMBA_BLOCK:
         assert sink.num_coalesced_drains > 0
-
-
-def test_kv_connectors_with_mamba_layers_are_refused(vllm: ModuleType) -> None:
-    """vLLM's connector lookup of a hybrid Mamba model (full attention's own hit, the Mamba
-    state moved by the connector) is not modelled: EngineCore's construction of kvcm's
-    scheduler fails, naming connectors and Mamba layers."""
-    from _engine_core import TransferFabric
-
-    from kvcm.common.errors import ConfigError
-    from kvcm.integrations.vllm import KvcmScheduler
-
-    del vllm
-    setup = Setup(
-        block_size=MAMBA_BLOCK,
-        num_blocks=30,
-        max_model_len=2048,
-        kv_transfer={
-            "kv_connector": "NixlConnector",
-            "kv_role": "kv_consumer",
-            "engine_id": "decode",
-        },
-        fabric=TransferFabric(),
-    )
-    with pytest.raises(ConfigError, match=r"KV connectors .* with Mamba layers"):
-        _build(setup, KvcmScheduler)

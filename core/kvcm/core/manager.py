@@ -50,6 +50,7 @@ from kvcm.core.fork import copy_shared_tail, fork_granule
 from kvcm.core.request import RequestStatus
 from kvcm.core.single_type_managers import (
     FullAttentionManager,
+    MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
@@ -522,6 +523,142 @@ class KVCacheManager:
         coordinator.set_shared_prefix_boundary(request.request_id, junction)
         return CacheHit(self._make_blocks(hit.blocks), hit.num_tokens)
 
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[CacheHit, bool]:
+        """vLLM's local lookup for a request scheduled with a KV connector.
+
+        For a hybrid Mamba model (with a full-attention group) each group is looked up on its
+        own: full attention's hit is the local prefix (the connector transfers the rest, the
+        Mamba state included) unless another group hit deeper, in which case the reconciled
+        hit of :meth:`get_computed_blocks` is answered. ``hit_diverged`` says a group lags
+        behind full attention's hit, so the caller must look up again with
+        :meth:`get_computed_blocks` when the connector supplies no tokens. Other pools answer
+        :meth:`get_computed_blocks`. The shared-prefix junction recorded is 0, as vLLM's.
+
+        Returns:
+            The hit and ``hit_diverged``.
+
+        Raises:
+            InvalidArgumentError: As :meth:`get_computed_blocks`.
+        """
+        coordinator = self.coordinator
+        full_attention = getattr(coordinator, "full_attention_group_id", None)
+        if not (
+            isinstance(coordinator, HybridKVCacheCoordinator)
+            and full_attention is not None
+            and any(isinstance(m, MambaManager) for m in coordinator.single_type_managers)
+        ):
+            return self.get_computed_blocks(request, max_cache_hit_length), False
+        self._check_request(request)
+        if max_cache_hit_length is not None and max_cache_hit_length < 0:
+            raise InvalidArgumentError(
+                f"max_cache_hit_length must be >= 0, got {max_cache_hit_length}"
+            )
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            coordinator.set_shared_prefix_boundary(request.request_id, 0)
+            return self._empty_hit, False
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        blocks, hits = coordinator.find_longest_cache_hit_per_group(
+            request.block_hashes, max_cache_hit_length
+        )
+        num_local = hits[full_attention]
+        if any(hit > num_local for hit in hits):
+            # Full attention's blocks were evicted below a deeper group's hit: answer the
+            # boundary every group agrees on.
+            return self.get_computed_blocks(request, max_cache_hit_length), False
+        coordinator.set_shared_prefix_boundary(request.request_id, 0)
+        return CacheHit(self._make_blocks(blocks), num_local), min(hits) < num_local
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """A lookup's blocks cut at ``num_computed_tokens`` (vLLM's, a pure slice).
+
+        A Mamba group keeps what it has up to there (an external hit can supply its final
+        state); every other group must cover the endpoint.
+
+        Raises:
+            InvalidArgumentError: The endpoint is not a multiple of a group's block size, or
+                a non-Mamba group's blocks do not reach it.
+        """
+        groups = blocks.blocks
+        if len(groups) != self.num_kv_cache_groups:
+            raise InvalidArgumentError(
+                f"blocks has {len(groups)} groups, the pool has {self.num_kv_cache_groups}"
+            )
+        truncated: list[list[KVCacheBlock]] = []
+        for group_blocks, manager in zip(
+            groups, self.coordinator.single_type_managers, strict=True
+        ):
+            block_size = manager.block_size
+            num_blocks, rest = divmod(num_computed_tokens, block_size)
+            if rest or num_computed_tokens < 0:
+                raise InvalidArgumentError(
+                    f"num_computed_tokens {num_computed_tokens} is not a multiple of group "
+                    f"{manager.kv_cache_group_id}'s block size {block_size}"
+                )
+            if isinstance(manager, MambaManager):
+                num_blocks = min(num_blocks, len(group_blocks))
+            elif num_blocks > len(group_blocks):
+                raise InvalidArgumentError(
+                    f"group {manager.kv_cache_group_id} has {len(group_blocks)} blocks, fewer "
+                    f"than the {num_blocks} num_computed_tokens {num_computed_tokens} needs"
+                )
+            truncated.append(list(group_blocks[:num_blocks]))
+        return self._make_blocks(tuple(truncated))
+
+    def enable_boundary_state_offloads(self) -> None:
+        """Collect align-mode Mamba boundary states for a KV connector.
+
+        An engine with a KV connector drains them every step
+        (:meth:`take_boundary_state_offloads`); a pool that nobody drains leaves them off.
+        """
+        for manager in self.coordinator.single_type_managers:
+            if isinstance(manager, MambaManager):
+                manager.enable_boundary_state_offloads()
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Drain this step's boundary-state hand-offs for a KV connector (vLLM's).
+
+        Returns:
+            ``{request_id: [(group_id, block_id, boundary_tokens), ...]}``: the align-mode
+            Mamba states cached since the last call and the copies that preserved a
+            producer's partial tail; empty unless :meth:`enable_boundary_state_offloads`.
+        """
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for manager in self.coordinator.single_type_managers:
+            if not isinstance(manager, MambaManager):
+                continue
+            for (
+                request_id,
+                group_id,
+                block,
+                tokens,
+            ) in manager.take_pending_boundary_state_offloads():
+                offloads.setdefault(request_id, []).append((group_id, block.block_id, tokens))
+        return offloads
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """A finishing producer's partial tails still valid in its table (vLLM's).
+
+        Returns:
+            ``(group_id, block_id, boundary_tokens)`` per Mamba group whose tail block holds
+            the state at the boundary (no later token computed or in flight); consumed.
+        """
+        offloads: list[tuple[int, int, int]] = []
+        for manager in self.coordinator.single_type_managers:
+            if not isinstance(manager, MambaManager):
+                continue
+            finalized = manager.finalize_partial_tail_offload(
+                request.request_id, request.num_computed_tokens, request.num_in_flight_tokens
+            )
+            if finalized is not None:
+                group_id, block, tokens = finalized
+                offloads.append((group_id, block.block_id, tokens))
+        return offloads
+
     def get_shared_prefix_boundary(self, request_id: str) -> int:
         """vLLM's third answer of ``get_computed_blocks`` for the request's latest lookup.
 
@@ -576,6 +713,7 @@ class KVCacheManager:
         num_new_tokens: int,
         hit: CacheHit | None = None,
         options: SlotOptions = DEFAULT_SLOT_OPTIONS,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> KVCacheBlocks | None:
         """Give the request slots for ``num_new_tokens`` new tokens (see the module diagram).
 
@@ -588,6 +726,9 @@ class KVCacheManager:
             num_new_tokens: Tokens to compute this step (unverified draft tokens included).
             hit: The hit from ``get_computed_blocks`` to adopt (new requests only).
             options: The rarely used knobs.
+            skip_zeroing_group_ids: Groups whose blocks for external tokens an asynchronous
+                KV load writes (vLLM's argument): they are not recorded for zeroing, which
+                would race the load.
 
         Returns:
             The newly allocated blocks per group, or ``None`` when they do not fit (the only
@@ -679,7 +820,7 @@ class KVCacheManager:
         if new_computed is not self.empty_kv_cache_blocks.blocks or num_external > 0:
             # Adopt the hit before allocating, so new blocks cannot evict it.
             coordinator.allocate_new_computed_blocks(
-                request_id, new_computed, num_local_computed, num_external
+                request_id, new_computed, num_local_computed, num_external, skip_zeroing_group_ids
             )
         new_blocks = coordinator.allocate_new_blocks(
             request_id, num_tokens_need_slot, options.num_encoder_tokens, num_tokens_main_model

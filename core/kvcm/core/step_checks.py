@@ -529,7 +529,10 @@ def check_hit(
     for group_id, (ids, group) in enumerate(zip(groups, managers, strict=True)):
         if not ids:
             continue
-        if len(ids) * group.block_size < hit.num_tokens or (
+        # An align-mode Mamba group's state may end before the hit (vLLM's lookup for a KV
+        # connector reports full attention's hit; the connector supplies the rest).
+        lags = group.kv_cache_spec.partial_block_hits
+        if (len(ids) * group.block_size < hit.num_tokens and not lags) or (
             (len(ids) - 1) * group.block_size >= hit.num_tokens
         ):
             raise InvalidArgumentError(
@@ -554,7 +557,16 @@ def check_hit(
             if position == last:
                 # The last block holds the hash where the hit ends: its block's own, or for a
                 # sub-block hit (beside align-mode Mamba) that of the hash block inside it.
-                end = hit.num_tokens // hash_block_size - 1
+                end = _last_block_key_index(
+                    block_pool,
+                    request,
+                    block_id,
+                    suffix,
+                    position * group.block_size,
+                    group.block_size,
+                    hit.num_tokens // hash_block_size - 1,
+                    lags=lags,
+                )
                 key = request.block_hashes[end] if 0 <= end < len(request.block_hashes) else None
             else:
                 key = hashes[position] if position < len(hashes) else None
@@ -566,6 +578,32 @@ def check_hit(
                     f"hit block {block_id} (group {group_id}, position {position}) does not "
                     "hold the request's block hash now; look the request up again"
                 )
+
+
+def _last_block_key_index(  # noqa: PLR0917 (private helper of check_hit)
+    block_pool: Any,
+    request: Request,
+    block_id: int,
+    suffix: bytes,
+    block_start: int,
+    block_size: int,
+    end: int,
+    *,
+    lags: bool,
+) -> int:
+    # The hash index inside the hit's last block (tokens from ``block_start``) that the block
+    # holds: at or after ``end`` (a block keyed deeper holds the hit's prefix too; the hit was
+    # cut there by another group), or for a lagging Mamba state at or before it. ``end`` when
+    # none does (the caller then refuses the hit as stale).
+    hash_block_size = block_pool.hash_block_size
+    hashes = request.block_hashes
+    first = block_start // hash_block_size
+    last = min((block_start + block_size) // hash_block_size, len(hashes)) - 1
+    candidates = range(end, first - 1, -1) if lags else range(max(end, first), last + 1)
+    for index in candidates:
+        if 0 <= index <= last and block_pool._maps_to(hashes[index] + suffix, block_id):
+            return index
+    return end
 
 
 def check_add(v: Shadow, op_index: int, n_add: int) -> None:

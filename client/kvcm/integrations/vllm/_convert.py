@@ -21,6 +21,7 @@ from kvcm.core.request import Request, RequestStatus
 
 __all__ = [
     "RequestView",
+    "check_connector_groups",
     "check_engine_resolution",
     "convert_kv_cache_config",
     "to_vllm_events",
@@ -109,11 +110,8 @@ def convert_spec(spec: Any, where: str = "kv_cache_spec") -> kvcm_specs.KVCacheS
 
 
 def _convert_mamba(spec: Any, where: str) -> kvcm_specs.MambaSpec:
-    if getattr(spec, "tokens_per_state", -1) > 1:
-        raise ConfigError(
-            f"{where}: Mamba states covering {spec.tokens_per_state} tokens each "
-            "(tokens_per_state) are not supported"
-        )
+    # tokens_per_state: vLLM 0.33's KV-cache manager never reads it for Mamba; EngineCore only
+    # checks that hits land on multiples of it (check_engine_resolution does too).
     mamba_type = getattr(spec.mamba_type, "name", spec.mamba_type)
     return kvcm_specs.MambaSpec(
         block_size=spec.block_size,
@@ -207,6 +205,8 @@ def check_engine_resolution(
         and partial_hash_hits_enabled(converted, hash_block_size)
     ):
         kvcm_alignment = hash_block_size
+    if enable_caching:
+        _check_state_alignment(config, scheduler_block_size, hash_block_size)
     if alignment is not None and alignment != kvcm_alignment:
         raise ConfigError(
             f"kv_cache_config.cache_hit_alignment_tokens={alignment}: vLLM lands prefix-cache "
@@ -214,6 +214,79 @@ def check_engine_resolution(
             "sub-block hits, as vLLM 0.33 does, only beside an align-mode Mamba group whose "
             f"blocks are larger than a hash block): pass --prefix-match-unit "
             f"{scheduler_block_size}, or run this model on vLLM's own scheduler"
+        )
+
+
+def _check_state_alignment(config: Any, scheduler_block_size: int, hash_block_size: int) -> None:
+    # vLLM's resolve_kv_cache_block_sizes (EngineCore runs it before building the scheduler):
+    # the boundaries hits land on must be multiples of every cacheable spec's tokens_per_state
+    # (a Mamba spec's included), with the same message.
+    groups = config.kv_cache_groups
+    if len(groups) <= 1 or any(
+        type(g.kv_cache_spec).__name__ == "MambaSpec"
+        and g.kv_cache_spec.mamba_cache_mode != "align"
+        for g in groups
+    ):
+        return
+    partial = any(
+        type(g.kv_cache_spec).__name__ == "MambaSpec"
+        and g.kv_cache_spec.block_size > hash_block_size
+        for g in groups
+    )
+    alignment = hash_block_size if partial else scheduler_block_size
+    alignments = sorted(
+        {
+            per_state
+            for group in config.kv_cache_groups
+            if getattr(group.kv_cache_spec, "prefix_cacheable", True)
+            for per_state in [getattr(group.kv_cache_spec, "tokens_per_state", -1)]
+            if isinstance(per_state, int) and per_state > 1
+        }
+    )
+    if any(alignment % per_state for per_state in alignments):
+        raise ConfigError(
+            f"Invalid prefix_match_unit={hash_block_size}; prefix-cache boundaries must align "
+            f"with each spec's per-state compression. Got alignments={alignments}."
+        )
+
+
+def check_connector_groups(vllm_config: Any, config: Any) -> None:
+    """Refuse what vLLM 0.33 refuses for this model's groups, and what kvcm cannot mirror.
+
+    vLLM's hybrid coordinator accepts prefill context parallelism with full-attention groups
+    only (a Mamba or sliding-window group is refused with its reason). KV connectors are
+    accepted with Mamba layers as vLLM accepts them (its connector lookup, boundary-state
+    hand-offs and partial tails are the core's), except on an engine whose frees vLLM
+    defers (an asynchronous KV consumer): kvcm defers frees for single-group pools only.
+
+    Args:
+        vllm_config: vLLM's config.
+        config: vLLM's (scheduler's) ``KVCacheConfig``.
+
+    Raises:
+        ConfigError: The message names the setting and why.
+    """
+    groups = config.kv_cache_groups
+    kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+    if (
+        len(groups) > 1
+        and vllm_config.parallel_config.prefill_context_parallel_size > 1
+        and any(kind not in ("FullAttentionSpec", "MLAAttentionSpec") for kind in kinds)
+    ):
+        raise ConfigError("PCP only supports full attention and replicated draft groups.")
+    transfer = vllm_config.kv_transfer_config
+    if (
+        transfer is not None
+        and "MambaSpec" in kinds
+        and transfer.is_kv_consumer
+        and vllm_config.max_concurrent_batches > 1
+    ):
+        raise ConfigError(
+            "a KV-consumer engine with several batches in flight (async scheduling or "
+            "pipeline parallelism, --kv-transfer-config kv_role kv_consumer/kv_both) defers "
+            "block frees, which kvcm models for single-group pools only; this hybrid Mamba "
+            f"model has {len(groups)} KV-cache groups: pass --no-async-scheduling, or run it "
+            "on vLLM's own scheduler"
         )
 
 
@@ -227,10 +300,14 @@ class RequestView(Request):
         source: The vLLM request.
     """
 
-    __slots__ = ("source",)
+    __slots__ = ("_hash_block_size", "source")
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: Any, hash_block_size: int = 0) -> None:
         """View ``source`` (vLLM's request); see the class docstring.
+
+        ``hash_block_size`` (0: unknown) trims hashes past the tokens: a KV producer's NIXL
+        connector drops a hybrid Mamba prompt's last token after vLLM hashed it, so the
+        request may carry one hash more than its full blocks (which vLLM never reads).
 
         Raises:
             InvalidArgumentError: The request carries multi-modal inputs or prompt embeddings,
@@ -248,6 +325,7 @@ class RequestView(Request):
             )
         lora = source.lora_request
         self.source = source
+        self._hash_block_size = hash_block_size
         self.request_id = source.request_id
         self.prompt_token_ids = source.prompt_token_ids
         self.all_token_ids = source.all_token_ids
@@ -272,8 +350,12 @@ class RequestView(Request):
         self.num_preemptions = source.num_preemptions
         self.status = _STATUS_BY_VALUE[int(source.status)]
         # vLLM may rebind these lists (streaming input); follow it.
-        self.all_token_ids = source.all_token_ids
-        self.block_hashes = source.block_hashes
+        all_token_ids = self.all_token_ids = source.all_token_ids
+        hashes = source.block_hashes
+        size = self._hash_block_size
+        if size and len(hashes) * size > len(all_token_ids):
+            hashes = hashes[: len(all_token_ids) // size]
+        self.block_hashes = hashes
 
 
 _STORED_FIELDS: Final = tuple(field.name for field in dataclasses.fields(BlockStored))

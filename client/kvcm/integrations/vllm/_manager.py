@@ -142,10 +142,7 @@ class _CoordinatorView:
     ) -> int:
         """Blocks an allocation would take (a read; vLLM's scheduler sizes what an in-flight
         prefill still needs with it when it admits an asynchronous KV load)."""
-        # Without speculative decoding (refused) the main model's tokens are all the tokens;
-        # the local hit and the prefill end size Mamba groups only, which kvcm's coordinator
-        # sizes without them (P/D with Mamba layers is not covered yet: docs/pd.md).
-        del num_local_computed_tokens, num_tokens_main_model, prefill_end
+        # The local hit, the main model's tokens and the prefill end size Mamba groups.
         return int(
             self._coordinator.get_num_blocks_to_allocate(
                 request_id,
@@ -154,6 +151,9 @@ class _CoordinatorView:
                 num_encoder_tokens=num_encoder_tokens,
                 total_computed_tokens=total_computed_tokens,
                 apply_admission_cap=apply_admission_cap,
+                num_local_computed_tokens=num_local_computed_tokens,
+                num_tokens_main_model=num_tokens_main_model,
+                prefill_end=prefill_end,
             )
         )
 
@@ -262,6 +262,8 @@ class MirrorKVCacheManager:
         )
         # vLLM's scheduler reads whether hits land inside blocks (Mamba align mode).
         self.coordinator.enable_partial_hash_hits = core.coordinator.enable_partial_hash_hits
+        # vLLM's scheduler drains Mamba boundary-state hand-offs every step.
+        core.enable_boundary_state_offloads()
         sink = sink if sink is not None else NullSink()
         self.recorder = StepRecorder(
             sink,
@@ -308,7 +310,7 @@ class MirrorKVCacheManager:
     def _view(self, request: Any) -> RequestView:
         view = self._views.get(request.request_id)
         if view is None or view.source is not request:
-            view = RequestView(request)
+            view = RequestView(request, self._hash_size)
             self._views[request.request_id] = view
         else:
             view.sync()
@@ -364,8 +366,15 @@ class MirrorKVCacheManager:
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """``get_computed_blocks`` plus vLLM's ``hit_diverged`` (never, without Mamba)."""
-        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        """``get_computed_blocks`` plus vLLM's ``hit_diverged``: for a hybrid Mamba model
+        full attention's own hit, each group looked up alone (the core's lookup for a KV
+        connector); otherwise ``get_computed_blocks`` and ``False``."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0, 0, False
+        view = self._view(request)
+        hit, diverged = self.core.get_computed_blocks_for_connector(view, max_cache_hit_length)
+        junction = self.core.get_shared_prefix_boundary(view.request_id)
+        return hit.blocks, hit.num_computed_tokens, junction, diverged
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(  # noqa: PLR0917 - vLLM's signature, positionals included
@@ -384,7 +393,6 @@ class MirrorKVCacheManager:
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         """vLLM's ``allocate_slots`` (same arguments, same answer), recorded as one ALLOCATE."""
-        del skip_zeroing_group_ids  # async KV loads (connectors) are refused at construction
         view = self._view(request)
         if (
             num_lookahead_tokens == 0
@@ -411,7 +419,9 @@ class MirrorKVCacheManager:
         if new_computed_blocks is not None and (
             num_new_computed_tokens
             or new_computed_blocks is not self.empty_kv_cache_blocks
-            or self._sends_junctions
+            # A request with computed tokens (an asynchronous KV load completed) did no
+            # lookup: the server's copy keeps the junction its admission sent.
+            or (self._sends_junctions and not view.num_computed_tokens)
         ):
             hit = CacheHit(new_computed_blocks, num_new_computed_tokens)
             hit_spec = HitSpec(
@@ -419,7 +429,9 @@ class MirrorKVCacheManager:
                 block_ids=new_computed_blocks.get_block_ids(),
                 shared_prefix_boundary=self.core.get_shared_prefix_boundary(view.request_id),
             )
-        result = self.core.allocate_slots(view, num_new_tokens, hit, options)
+        result = self.core.allocate_slots(
+            view, num_new_tokens, hit, options, skip_zeroing_group_ids
+        )
         self.recorder.allocate(
             view,
             num_new_tokens,
@@ -651,13 +663,13 @@ class MirrorKVCacheManager:
         return [KVCacheBlockCopy(src, dst) for src, dst in copies], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """No boundary-state hand-offs (Mamba align mode only)."""
-        return {}
+        """Drain the align-mode Mamba boundary states offered to a KV connector this step
+        (the core's; vLLM's scheduler drains them every step)."""
+        return self.core.take_boundary_state_offloads()
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
-        """No partial tails (Mamba align mode only)."""
-        del request
-        return []
+        """A finishing KV producer's partial tails still valid in its table (the core's)."""
+        return self.core.finalize_partial_tail_offloads(request)
 
     # ------------------------------------------------------------------ the server's pool
     def pool_config(self) -> PoolConfig:

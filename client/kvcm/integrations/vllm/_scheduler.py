@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcm.client import TlsConfig
 from kvcm.common.errors import ConfigError
+from kvcm.integrations.vllm._convert import check_connector_groups
 from kvcm.integrations.vllm._manager import MirrorKVCacheManager, MirrorManagerConfig
 from kvcm.integrations.vllm._settings import KvcmSettings
 from kvcm.integrations.vllm._shipper import GrpcStepShipper
@@ -47,7 +48,7 @@ _PLACEHOLDER_NUM_BLOCKS = 2
 _SCHEDULER_SIGNATURE = inspect.signature(Scheduler.__init__)
 # vLLM's P/D connectors whose every call into the KV-cache manager kvcm answers as vLLM's
 # manager does (tests/compat/test_pd_nixl*.py): the pull-mode NIXL connector.
-SUPPORTED_KV_CONNECTORS = ("NixlConnector", "NixlPullConnector")
+SUPPORTED_KV_CONNECTORS = ("NixlConnector", "NixlPullConnector", "KvcmNixlConnector")
 
 
 def check_supported(vllm_config: Any) -> None:
@@ -146,6 +147,8 @@ class _KvcmSchedulerMixin:
         vllm_config = arguments["vllm_config"]
         kv_cache_config = arguments["kv_cache_config"]
         settings = KvcmSettings.from_sources(vllm_config.additional_config)
+        # vLLM's own refusals for this model's groups first (their reasons are vLLM's).
+        check_connector_groups(vllm_config, kv_cache_config)
         check_supported(vllm_config)
         self._check_loop(vllm_config)
         # Fail on unsupported specs, and on what EngineCore resolved that kvcm would compute
@@ -163,16 +166,6 @@ class _KvcmSchedulerMixin:
             hash_block_size=arguments["hash_block_size"] or block_size,
             enable_caching=vllm_config.cache_config.enable_prefix_caching,
         )
-        if vllm_config.kv_transfer_config is not None and any(
-            type(group.kv_cache_spec).__name__ == "MambaSpec"
-            for group in kv_cache_config.kv_cache_groups
-        ):
-            # vLLM's connector lookup of a hybrid Mamba model reports full attention's own hit
-            # (get_computed_blocks_for_connector); kvcm's mirror does not model it yet.
-            raise ConfigError(
-                "KV connectors (--kv-transfer-config) with Mamba layers are not supported "
-                "with kvcm yet"
-            )
         arguments["kv_cache_config"] = dataclasses.replace(
             kv_cache_config, num_blocks=min(kv_cache_config.num_blocks, _PLACEHOLDER_NUM_BLOCKS)
         )
