@@ -568,3 +568,68 @@ def test_unindexed_names_the_pools_a_lookup_would_index() -> None:
     assert index.unindexed(registry.list()) == [late, swa]
     registry.delete("p0")
     assert index.unindexed(registry.list()) == [late, swa]
+
+
+def test_hashing_work_of_every_indexed_pool_is_read_from_the_kinds() -> None:
+    """hashing_work with the index: a scope recognized as every indexed pool is read from the
+    kinds (no pool visited), and gives what visiting the pools gives: each kind's profile once
+    when the prompt fits its max_model_len, none when it fits no pool; a changed registry is
+    visited pool by pool again."""
+    from kvcm.common.errors import ResourceExhaustedError
+    from kvcm.core.lookup import MAX_LOOKUP_HASH_WORK, hashing_work
+
+    registry = PoolRegistry()
+    kinds = [
+        (64, HashAlgorithm.SHA256, 4),
+        (64, HashAlgorithm.SHA256, 4),  # the same kind twice
+        (96, HashAlgorithm.SHA256, 4),
+        (128, HashAlgorithm.SHA256, 8),
+        (512, HashAlgorithm.XXHASH, 4),  # a seed of its own
+        (512, HashAlgorithm.XXHASH, 4),  # another seed: another profile
+    ]
+    for number, (max_model_len, algorithm, block_size) in enumerate(kinds):
+        config = PoolConfig(
+            max_model_len=max_model_len,
+            explicit_layout=_layout([_full(block_size)], 16),
+            hash_algorithm=algorithm,
+        )
+        registry.create(f"k{number}", config)
+    index = registry.index
+    registry.lookup(LookupQuery(token_ids=[1, 2, 3]))  # indexes every pool
+    pools = list(registry.scope(LookupQuery(token_ids=[1])))
+    assert index.every_kind(pools) is None  # not seen as a scope yet
+    registry.lookup(LookupQuery(token_ids=[1, 2, 3]))
+    pools = list(registry.scope(LookupQuery(token_ids=[1])))
+    registry.lookup(LookupQuery(token_ids=[1]))
+    for length in (1, 63, 64, 65, 96, 97, 128, 129, 512, 513):
+        query = LookupQuery(token_ids=[7] * length)
+        expected = hashing_work(pools, query)
+        scope = registry.scope(query)
+        assert index.every_kind(scope) is not None
+        assert hashing_work(scope, query, index) == expected
+    # 64 tokens: every kind takes it; four profiles (the sha256 pools of 4-token blocks share
+    # one whatever their max_model_len; each xxhash pool has its seed): 16 + 8 + 16 + 16.
+    assert hashing_work(pools, LookupQuery(token_ids=[7] * 64), index) == 56
+    assert hashing_work(pools, LookupQuery(token_ids=[7] * 513), index) == 0
+    # A new pool: the registry is no longer the recognized scope, and is visited.
+    late = registry.create(
+        "late",
+        PoolConfig(
+            max_model_len=4 * MAX_LOOKUP_HASH_WORK,
+            explicit_layout=_layout([_full(2)], 16),  # 2M hashes for a 4M-token prompt
+            hash_algorithm=HashAlgorithm.XXHASH,
+        ),
+    )
+    scope = registry.scope(LookupQuery(token_ids=[1]))
+    assert late in scope
+    assert index.every_kind(scope) is None
+    long_prompt = LookupQuery(token_ids=[7] * (4 * MAX_LOOKUP_HASH_WORK))
+    with pytest.raises(ResourceExhaustedError):
+        hashing_work(scope, long_prompt, index)
+    registry.lookup(LookupQuery(token_ids=[1]))  # indexes it
+    registry.lookup(LookupQuery(token_ids=[1]))  # recognizes the scope again
+    scope = registry.scope(LookupQuery(token_ids=[1]))
+    assert index.every_kind(scope) is not None
+    with pytest.raises(ResourceExhaustedError):
+        hashing_work(scope, long_prompt, index)
+    assert hashing_work(scope, LookupQuery(token_ids=[7] * 64), index) == 56 + 32

@@ -249,6 +249,16 @@ class PrefixIndex:
             return []
         return list(compress(pools, map(is_, map(self._by_pool.get, pools), repeat(None))))
 
+    def every_kind(self, pools: Iterable[Pool]) -> list[KindKey] | None:
+        """The kinds of the indexed pools when ``pools`` is the same list as the last scope
+        found to hold exactly them (nothing indexed or removed since; one comparison by
+        identity, in C), else ``None``: what a scope of every pool is made of, without
+        visiting a pool (indexed pools are READY)."""
+        every = self._every
+        if every is not None and every[1] == self._version and every[0] == pools:
+            return list(self._kinds)
+        return None
+
     def _member(self, pool: Pool) -> _Member | None:
         member = self._by_pool.get(pool)
         if member is not None:
@@ -524,8 +534,14 @@ def _takes(pool: Pool, query: LookupQuery) -> bool:
     return query.token_ids is None or len(query.token_ids) <= pool.max_model_len
 
 
-def hashing_work(pools: Iterable[Pool], query: LookupQuery) -> int:
+def hashing_work(
+    pools: Iterable[Pool], query: LookupQuery, index: PrefixIndex | None = None
+) -> int:
     """Blocks :func:`hash_prompt` would hash for ``query`` over ``pools`` (0 for hashes).
+
+    ``index``: the registry's; a scope it recognizes as every indexed pool
+    (:meth:`PrefixIndex.every_kind`) is read from its kinds, not pool by pool (visiting 1,000
+    pools costs ~0.4 ms, mostly cache misses).
 
     Raises:
         ResourceExhaustedError: More than ``MAX_LOOKUP_HASH_WORK`` (one prompt hashed once per
@@ -533,7 +549,12 @@ def hashing_work(pools: Iterable[Pool], query: LookupQuery) -> int:
     """
     if query.token_ids is None:
         return 0
-    seen = {_profile(pool) for pool in pools if _takes(pool, query)}
+    kinds = None if index is None else index.every_kind(pools)
+    if kinds is not None:  # the pools that take the prompt: those long enough for it
+        num_tokens = len(query.token_ids)
+        seen = {profile for profile, max_model_len in kinds if num_tokens <= max_model_len}
+    else:
+        seen = {_profile(pool) for pool in pools if _takes(pool, query)}
     work = sum(len(query.token_ids) // profile[2] for profile in seen)
     if work > MAX_LOOKUP_HASH_WORK:
         raise ResourceExhaustedError(

@@ -1243,7 +1243,7 @@ class PoolRegistry:
         """
         pools = self.scope(query)
         if hashed is None:
-            hashing_work(pools, query)
+            hashing_work(pools, query, self.index)
         return lookup(pools, self.index, query, hashed)
 
     def __len__(self) -> int:

@@ -108,7 +108,7 @@ async def lookup_as(
             if pending is not None:
                 await _index_in_lane(state, pending)
                 waited = True
-    work = hashing_work(pools, query)  # 0 for hash prompts
+    work = hashing_work(pools, query, registry.index)  # 0 for hash prompts
     if hashed is None and work >= OFF_LOOP_HASH_BLOCKS:
         hashed = await asyncio.to_thread(hash_prompt, pools, query)
         waited = True
