@@ -486,7 +486,7 @@ SCENARIOS = [
     MambaScenario(
         "connector-full64-mamba256",
         Layout((GroupDesc(FULL, 64), _mamba(256)), num_blocks=70, max_model_len=1536),
-        steps=200,
+        steps=150,
         token_budget=512,
         connector=True,
     ),
@@ -499,7 +499,7 @@ SCENARIOS = [
             retention=0,
             prefix_match_unit=64,
         ),
-        steps=200,
+        steps=150,
         token_budget=512,
         connector=True,
     ),

@@ -167,24 +167,22 @@ def _count_calls(manager: Any, counts: dict[str, int]) -> None:
 
 @pytest.mark.parametrize(
     ("prefill_async", "mode"),
-    [(False, None), (False, "mirror"), (True, "remote")],
-    ids=["sync-local", "sync-mirror", "async-prefill-remote"],
+    [(False, "mirror"), (True, "remote")],
+    ids=["sync-mirror", "async-prefill-remote"],
 )
 def test_hybrid_mamba_pd_turns_equal_vllm(
-    prefill_async: bool, mode: str | None, server: EmbeddedServer
+    prefill_async: bool, mode: str, server: EmbeddedServer
 ) -> None:
-    """kvcm's schedulers answer a P/D pair of hybrid Mamba engines exactly as vLLM's, with
-    no server, shipping to one (mirror mode) or answered by it (remote mode); the server's
+    """kvcm's schedulers answer a P/D pair of hybrid Mamba engines exactly as vLLM's,
+    shipping to a kvcm server (mirror mode) or answered by it (remote mode); the server's
     pools end equal to the mirrors."""
     engine_async = prefill_async
     suffix = f"{mode}-{'async' if prefill_async else 'sync'}"
     pools = {role: f"mamba-pd-{role}-{suffix}" for role in ("prefill", "decode")}
-    config = None
-    if mode is not None:
-        config = {
-            role: {"kvcm": {"address": server.grpc_address, "pool_id": pool, "mode": mode}}
-            for role, pool in pools.items()
-        }
+    config = {
+        role: {"kvcm": {"address": server.grpc_address, "pool_id": pool, "mode": mode}}
+        for role, pool in pools.items()
+    }
     reference = _cluster(prefill_async, kvcm=False)
     mirrored = _cluster(prefill_async, kvcm=True, config=config)
     counts = dict.fromkeys(("lookups", "local-hits", "diverged", "offloads", "zero-skips"), 0)
@@ -199,11 +197,10 @@ def test_hybrid_mamba_pd_turns_equal_vllm(
             manager = engine.scheduler.kv_cache_manager
             assert not engine.scheduler.requests
             assert all(b.ref_cnt == 0 for b in manager.core.block_pool.blocks[1:])
-            if mode is not None:
-                assert manager.flush(30.0)
-                stats = manager.recorder.sink.stats
-                assert stats.mismatches == 0, stats
-                assert _server_state(server, pools[role]) == pool_state(manager.core, [])
+            assert manager.flush(30.0)
+            stats = manager.recorder.sink.stats
+            assert stats.mismatches == 0, stats
+            assert _server_state(server, pools[role]) == pool_state(manager.core, [])
     finally:
         for cluster in (mirrored, reference):
             for engine in cluster.engines():
