@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from _data_dir_server import CONFIG, Server, program, reference
+from _data_dir_server import CLI, CONFIG, Server, _free_port, program, reference
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.client import SchedulerClient, StepBuilder
 from kvcm.core.pool import Pool
@@ -18,6 +21,7 @@ from kvcm.v1 import replica_pb2, replica_pb2_grpc, service_pb2_grpc
 
 __all__ = [
     "CONFIG",
+    "HttpServer",
     "Scheduler",
     "Server",
     "assert_pool_matches",
@@ -67,6 +71,32 @@ def replica_state(address: str, pool_id: str) -> replica_pb2.GetReplicaStateResp
             replica_pb2.GetReplicaStateRequest(pool_id=pool_id), timeout=10
         )
         return answer
+
+
+class HttpServer(Server):
+    """``kvcm serve --data-dir`` with its HTTP side on (``/metrics``)."""
+
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(data_dir, env)
+        self.http = f"127.0.0.1:{_free_port()}"
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        self.process = subprocess.Popen(
+            [*CLI, "serve", "--grpc-address", self.address, "--http-address", self.http,
+             "--data-dir", str(self.data_dir), "--log-level", "ERROR"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env,
+        )  # fmt: skip
+        return self.process
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The value of one ``/metrics`` sample (``None``: no such series)."""
+        with urllib.request.urlopen(f"http://{self.http}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        return None
 
 
 def step_epoch(address: str, pool_id: str, program: StepProgram) -> str:

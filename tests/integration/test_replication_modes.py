@@ -17,7 +17,7 @@ import pytest
 from _data_dir_server import program
 from _replication import (
     CONFIG,
-    Server,
+    HttpServer,
     assert_pool_matches,
     expected_pool,
     place,
@@ -30,15 +30,15 @@ from kvcm.v1 import service_pb2_grpc
 ENV = {"KVCM_REPLICA_DIGEST_EVERY": "4", "KVCM_REPLICA_SYNC_TIMEOUT_S": "0.5"}
 
 
-def _start(tmp_path: Path, name: str) -> Server:
-    server = Server(tmp_path / name, ENV)
+def _start(tmp_path: Path, name: str) -> HttpServer:
+    server = HttpServer(tmp_path / name, ENV)
     server.start()
     return server
 
 
 def test_sync_primary_waits_for_a_dead_standby_then_a_new_one_is_seeded(tmp_path: Path) -> None:
     a, b = _start(tmp_path, "a"), _start(tmp_path, "b")
-    c: Server | None = None
+    c: HttpServer | None = None
     try:
         place(b.address, "s", a.address, b.address, 1)
         place(a.address, "s", a.address, b.address, 1)
@@ -46,6 +46,9 @@ def test_sync_primary_waits_for_a_dead_standby_then_a_new_one_is_seeded(tmp_path
             client.create_pool("s", CONFIG)
             for seq in range(1, 6):
                 client.step("s", program(seq))
+        assert a.metric("kvcm_replication_role", pool="s", state="primary") == 1
+        assert b.metric("kvcm_replication_role", pool="s", state="standby") == 1
+        assert a.metric("kvcm_replication_lag_records", pool="s") == 0
         b.kill()
         # Applied on A, never confirmed by its standby: not acknowledged.
         with grpc.insecure_channel(a.address) as channel:
@@ -54,6 +57,8 @@ def test_sync_primary_waits_for_a_dead_standby_then_a_new_one_is_seeded(tmp_path
                 stub.Step(StepBuilder.from_program(program(6)).to_proto("s"), timeout=10)
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
         assert "did not confirm the record within 0.5 s" in refused.value.details()
+        assert a.metric("kvcm_replication_lag_records", pool="s") == 1
+        assert (a.metric("kvcm_replication_lag_seconds", pool="s") or 0) > 0.4
         with (
             SchedulerClient(a.address, timeout=1.5) as client,
             pytest.raises(ServiceError),  # the SDK's retries of the same step_seq: alike
@@ -78,6 +83,9 @@ def test_sync_primary_waits_for_a_dead_standby_then_a_new_one_is_seeded(tmp_path
         assert on_c.digest_checks >= 2
         assert on_c.digest_mismatches == 0
         assert_pool_matches(c.address, "s", expected_pool(20))
+        assert a.metric("kvcm_replication_lag_records", pool="s") == 0
+        assert (a.metric("kvcm_replication_seeds_total", pool="s") or 0) >= 1
+        assert c.metric("kvcm_replication_digest_mismatches_total", pool="s") == 0
     finally:
         for server in (a, b, c):
             if server is not None:
@@ -101,6 +109,8 @@ def test_async_standby_holds_a_consistent_prefix_after_the_primary_dies(tmp_path
         applied = progress.last_step_seq
         assert 0 < applied <= 40
         assert_pool_matches(b.address, "q", expected_pool(applied))
+        assert b.metric("kvcm_replication_role", pool="q", state="primary") == 1
+        assert b.metric("kvcm_replication_promotions_total") == 1
     finally:
         a.stop()
         b.stop()

@@ -345,6 +345,8 @@ class KVCMServer:
         )
         if self.cluster is not None:
             app.state.collector.cluster = self.cluster.samples
+        if self.replication is not None:
+            app.state.collector.replication = self.replication.samples
         # Taken before uvicorn reads the files: a change after it is seen (a change before
         # only costs a reload of what is already loaded).
         tls_stamp = self.tls.stamp() if self.tls is not None else ()

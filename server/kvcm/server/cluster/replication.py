@@ -444,6 +444,44 @@ class Replication:
         if link is not None:
             link.close(reason)
 
+    def forget(self, pool_id: str) -> None:
+        """Drop everything known of ``pool_id`` (its placement was deleted with the pool):
+        its link stops (waiting calls are released), and a pool created again under that id
+        starts from placement epoch 1 here."""
+        entry = self.pools.pop(pool_id, None)
+        if entry is not None:
+            self._unlink(entry, None)
+        self.state.standby_pools.discard(pool_id)
+
+    def samples(self) -> dict[str, list[tuple[list[str], float]]]:
+        """The ``kvcm_replication_*`` samples by metric name (``(label values, value)``)."""
+        roles: list[tuple[list[str], float]] = []
+        lag_records: list[tuple[list[str], float]] = []
+        lag_seconds: list[tuple[list[str], float]] = []
+        seeds: list[tuple[list[str], float]] = []
+        mismatches: list[tuple[list[str], float]] = []
+        for pool_id, entry in sorted(self.pools.items()):
+            if entry.role is Role.NONE:
+                continue
+            roles.append(([pool_id, entry.role.value], 1.0))
+            link = entry.link
+            if link is not None:
+                records, age = link.lag()
+                lag_records.append(([pool_id], float(records)))
+                lag_seconds.append(([pool_id], age))
+                seeds.append(([pool_id], float(link.seeds)))
+            if entry.role is Role.STANDBY:
+                mismatches.append(([pool_id], float(entry.digest_mismatches)))
+        return {
+            "kvcm_replication_role": roles,
+            "kvcm_replication_lag_records": lag_records,
+            "kvcm_replication_lag_seconds": lag_seconds,
+            "kvcm_replication_seeds_total": seeds,
+            "kvcm_replication_digest_mismatches_total": mismatches,
+            "kvcm_replication_promotions_total": [([], float(self.failovers))],
+            "kvcm_replication_stepdowns_total": [([], float(self.fenced))],
+        }
+
     def channel(self, address: str) -> grpc.aio.Channel:
         """A channel to the replica at ``address`` (kept)."""
         channel = self._channels.get(address)
@@ -715,7 +753,10 @@ class _Link:
         self.wake = asyncio.Event()
         self.live = False  # a session is up and sending
         self.closed = False
-        self.shipped_at = 0.0  # time.monotonic() of the oldest unacknowledged record
+        self.seeds = 0  # seeds sent
+        # (seq, time.monotonic()) of records not acknowledged yet (the oldest kept when more
+        # than _MAX_UNACKED are outstanding): the replication lag in seconds.
+        self.times: collections.deque[tuple[int, float]] = collections.deque()
         self.task = asyncio.get_running_loop().create_task(
             self._run(), name=f"kvcm-replica-{pool_id}"
         )
@@ -725,6 +766,8 @@ class _Link:
     ) -> Awaitable[None] | None:
         self.last += 1
         seq = self.last
+        if len(self.times) < _MAX_UNACKED:
+            self.times.append((seq, time.monotonic()))
         if self.live:
             pool = self.owner._pool(self.pool_id)
             record = replica_pb2.ReplicaRecord(
@@ -762,6 +805,14 @@ class _Link:
             _, future = self.waiters.popleft()
             if not future.done():
                 future.set_result(None)
+        times = self.times
+        while times and times[0][0] <= seq:
+            times.popleft()
+
+    def lag(self) -> tuple[int, float]:
+        """Records not acknowledged yet, and the age in seconds of the oldest of them."""
+        age = time.monotonic() - self.times[0][1] if self.times else 0.0
+        return self.last - self.acked, age
 
     def close(self, reason: str | None) -> None:
         """Stop; waiting calls fail with ``reason`` (``None``: they are released: the pool
@@ -871,6 +922,7 @@ class _Link:
         pool = owner._pool(pool_id)
         base = state.kv_numbering.base(pool_id)
         if pool is None:
+            self.seeds += 1
             seed = replica_pb2.ReplicaSeed(last=True, exists=False, kv_event_base=base)
             await call.write(
                 replica_pb2.ShipRecordsRequest(
@@ -878,6 +930,7 @@ class _Link:
                 )
             )
             return seq
+        self.seeds += 1
         runtime = state.runtimes.get(pool_id)
         config = runtime.config.SerializeToString() if runtime is not None else b""
         data, digest = b"", b""
@@ -929,8 +982,6 @@ class _Link:
             for message in pending:
                 await call.write(message)
                 sent = message.seq
-            if self.shipped_at == 0.0:
-                self.shipped_at = time.monotonic()
 
     async def _read(self, call: Any) -> None:
         while True:
@@ -947,7 +998,6 @@ class _Link:
                 self.wake.set()
                 return
             self._acked(answer.seq)
-            self.shipped_at = 0.0 if not self.queue else time.monotonic()
 
 
 def _encode(pool: Pool) -> tuple[bytes, bytes]:

@@ -84,6 +84,15 @@ _CLUSTER_METRICS = (
     "kvcm_cluster_placement_failures_total",
     "kvcm_cluster_fanout_missed_total",
 )
+_REPLICATION_METRICS = (
+    "kvcm_replication_role",
+    "kvcm_replication_lag_records",
+    "kvcm_replication_lag_seconds",
+    "kvcm_replication_seeds_total",
+    "kvcm_replication_digest_mismatches_total",
+    "kvcm_replication_promotions_total",
+    "kvcm_replication_stepdowns_total",
+)
 _TRANSFER_METRICS = (
     "kvcm_transfers_started_total",
     "kvcm_transfers_completed_total",
@@ -557,6 +566,49 @@ METRICS: tuple[MetricSpec, ...] = (
         labels=("method",),
         help="Peer parts of cluster-wide calls (ListPools, Lookup) that did not answer in time.",
     ),
+    # A hot standby per pool (--data-dir; docs/replication.md): empty without placements.
+    MetricSpec(
+        name="kvcm_replication_role",
+        kind="gauge",
+        labels=("pool", "state"),
+        help="1 for this replica's role for the pool: primary, promoting, standby or fenced.",
+    ),
+    MetricSpec(
+        name="kvcm_replication_lag_records",
+        kind="gauge",
+        labels=("pool",),
+        help="Primary: records applied that the pool's standby has not acknowledged yet.",
+    ),
+    MetricSpec(
+        name="kvcm_replication_lag_seconds",
+        kind="gauge",
+        labels=("pool",),
+        help="Primary: age of the oldest record the pool's standby has not acknowledged (0: none).",
+    ),
+    MetricSpec(
+        name="kvcm_replication_seeds_total",
+        kind="counter",
+        labels=("pool",),
+        help="Primary: snapshots sent to seed the pool's standby (one per stream).",
+    ),
+    MetricSpec(
+        name="kvcm_replication_digest_mismatches_total",
+        kind="counter",
+        labels=("pool",),
+        help="Standby: digest checks its copy failed (each dropped the copy and asked for a seed).",
+    ),
+    MetricSpec(
+        name="kvcm_replication_promotions_total",
+        kind="counter",
+        labels=(),
+        help="Pools this replica took over as primary (promotions from standby).",
+    ),
+    MetricSpec(
+        name="kvcm_replication_stepdowns_total",
+        kind="counter",
+        labels=(),
+        help="Pools this replica stopped serving as primary because a newer epoch exists.",
+    ),
 )
 
 _SPEC_BY_NAME = {spec.name: spec for spec in METRICS}
@@ -732,6 +784,7 @@ class KVCMCollector:
         self._build_labels = [kvcm_version(), platform.python_version()]
         self.reader = PoolReader()
         self.cluster: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
+        self.replication: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
 
     def _zmq_wire_families(self) -> Iterator[Metric]:
         """The publisher's queue and the last seq it sent per pool (of pools that exist)."""
@@ -824,6 +877,12 @@ class KVCMCollector:
             for labels, value in cluster.get(name, ()):
                 cluster_family.add_metric(labels, value)
             yield cluster_family
+        replication = self.replication() if self.replication is not None else {}
+        for name in _REPLICATION_METRICS:
+            replication_family = _scalar_family(name)
+            for labels, value in replication.get(name, ()):
+                replication_family.add_metric(labels, value)
+            yield replication_family
         batches = _scalar_family("kvcm_zmq_event_batches_total")
         peers = _scalar_family("kvcm_zmq_event_peers")
         if self._zmq is not None:
