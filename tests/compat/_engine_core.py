@@ -497,6 +497,9 @@ class SimulatedNixl:
         self.fabric = fabric
         self.lease_s = float(transfer.get_from_extra_config("kv_lease_duration", 30))
         self._recving: dict[str, tuple[int, Any]] = {}
+        # A model of several KV-cache groups (a hybrid one): NIXL reports a failed pull in
+        # failed_recving only (block ids are not unique across groups), never partly.
+        self.hma_required = False
         self._to_process: set[str] = set()
         self._to_send: dict[str, int] = {}
 
@@ -580,6 +583,9 @@ class SimulatedNixl:
             if meta.remote.engine_id in fabric.dead:
                 failure = "fail"  # the source engine is gone with its blocks
             blocks = list(meta.local_block_ids[0]) if meta.local_block_ids else []
+            if self.hma_required and failure is not None:
+                failure = "fail"
+                blocks = []
             if failure == "fail":
                 # NIXL's worker: the request fails, its blocks are invalid, and the
                 # producer is not notified (its lease reclaims the blocks).

@@ -73,6 +73,9 @@ def _build(setup: Setup, scheduler_cls: Any, additional_config: Any = None) -> E
         world = self.vllm_config.parallel_config.world_size
         # Each rank reports the hybrid model (the last one moves KV over the fabric).
         self.workers = [_HybridMambaWorker(self.vllm_config, r, setup) for r in range(world)]
+        for worker in self.workers:
+            if worker.nixl is not None:
+                worker.nixl.hma_required = True
 
     executor = type("HybridMambaNixlExecutor", (base,), {"_init_executor": init_executor})
     config = vllm_config(setup, scheduler_cls, additional_config)
@@ -110,17 +113,16 @@ def _cluster(prefill_async: bool, kvcm: bool, config: dict[str, Any] | None = No
 
 def _conversations(seed: int) -> list[Conversation]:
     # Shared system prompts of several lengths (local hits on both engines that end inside
-    # Mamba blocks), multi-turn histories, aborts and a never-pulled turn.
+    # Mamba blocks), multi-turn histories, failed pulls, aborts and a never-pulled turn.
     rng = random.Random(seed)
 
     def tokens(n: int) -> tuple[int, ...]:
         return tuple(rng.randrange(VOCAB) for _ in range(n))
 
     systems = [tokens(n) for n in (200, 330, 520)]
-    # (No failed pulls: the simulated workers report them block by block, which vLLM refuses
-    # for a model of several KV-cache groups.)
-    faults: list[dict[int, str | int]] = [{}, {}, {}, {1: "abort-while-decoding"}]
-    faults += [{0: "never-pull"}, {0: "abort-before-schedule"}, {}]
+    # A failed pull is reported as NIXL reports it for a hybrid model: the request only.
+    faults: list[dict[int, str | int]] = [{}, {}, {0: "fail"}, {1: "abort-while-decoding"}]
+    faults += [{0: "never-pull"}, {0: "abort-before-schedule"}, {1: "fail"}]
     convs = []
     for i in range(14):
         system = systems[i % len(systems)] if i % 4 else ()
@@ -212,6 +214,7 @@ def test_hybrid_mamba_pd_turns_equal_vllm(
         f"fabric {tally.fabric}, finished {tally.finished}"
     )
     assert tally.pulls > 5
+    assert tally.fabric.get("pull-failed", 0) >= 2
     assert counts["offloads"]
     assert counts["local-hits"]
     assert counts["diverged"]
