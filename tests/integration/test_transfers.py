@@ -445,9 +445,32 @@ def test_record_only_sources_past_their_lease_are_counted_until_their_engine_end
         in_flight, past, age = gauges()
         assert (in_flight, past) == (0, 1)
         assert age >= 0.2
-        ended = client.release_transfer("prefill", "r1", "finished_sending")
-        assert ended.state is TransferState.RELEASED
+        # The engine reports the source freed (its own lease): nothing is held any more.
+        ended = client.expire_transfer("prefill", "r1", "finished_sending", source_freed=True)
+        assert (ended.state, ended.source_freed) == (TransferState.EXPIRED, True)
         assert gauges() == (0, 0, 0.0)
+        # A planned one freed by its source keeps its state: its destination reports the pull.
+        client.hold_source(
+            "prefill", "r2", lease_s=30.0, record_only=True, request_id="r2", num_tokens=40
+        )
+        client.plan_transfer("prefill", "r2", "prefill", hit_tokens=0, pull_tokens=40)
+        freed = client.expire_transfer("prefill", "r2", source_freed=True)
+        assert (freed.state, freed.source_freed) == (TransferState.PLANNED, True)
+        assert gauges() == (1, 0, 0.0)
+        done = client.commit_transfer("prefill", "r2", blocks_pulled=0)
+        assert done.state is TransferState.COMPLETED
+        # A hold nobody plans, freed by its engine: EXPIRED.
+        client.hold_source(
+            "prefill", "r3", lease_s=30.0, record_only=True, request_id="r3", num_tokens=40
+        )
+        never = client.expire_transfer("prefill", "r3", "never pulled", source_freed=True)
+        assert (never.state, never.reason) == (TransferState.EXPIRED, "never pulled")
+        client.create_pool("managed", CONFIG)
+        _computed(client, "managed", 1, PROMPT)
+        client.hold_source("managed", "m1", 1, lease_s=30.0)
+        with pytest.raises(ServiceInvalidArgumentError, match="source_freed"):
+            client.expire_transfer("managed", "m1", source_freed=True)
+        assert client.describe_transfer("managed", "m1").state is TransferState.HELD
 
 
 async def _read_samples(view: TransferView) -> dict[str, list[tuple[list[str], float]]]:

@@ -51,6 +51,7 @@ class Transfer:
         started_at: Wall-clock start; ``ended_at`` its end (0: in flight).
         reason: Why it was released or expired.
         block_size: The source pool's block size.
+        source_freed: Record-only: the engine reported the source freed.
     """
 
     pool_id: str
@@ -73,6 +74,7 @@ class Transfer:
     ended_at: float
     reason: str
     block_size: int
+    source_freed: bool
 
 
 def transfer_from_proto(message: pd_pb2.Transfer) -> Transfer:
@@ -98,4 +100,5 @@ def transfer_from_proto(message: pd_pb2.Transfer) -> Transfer:
         ended_at=message.ended_at,
         reason=message.reason,
         block_size=message.block_size,
+        source_freed=message.source_freed,
     )

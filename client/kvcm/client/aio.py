@@ -257,11 +257,13 @@ class AsyncSchedulerClient(AsyncChannelClient):
         transfer_id: str,
         reason: str = "",
         *,
+        source_freed: bool = False,
         timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> Transfer:
-        """End the lease now (EXPIRED), the source given back; an ended one answers as is."""
+        """End the lease now (EXPIRED), the source given back; an ended one answers as is.
+        ``source_freed`` (record-only): the engine freed the source itself (its own lease)."""
         request = pd_pb2.ExpireTransferRequest(
-            pool_id=pool_id, transfer_id=transfer_id, reason=reason
+            pool_id=pool_id, transfer_id=transfer_id, reason=reason, source_freed=source_freed
         )
         stub = self._stubs.transfers.ExpireTransfer
         response = await self._unary("ExpireTransfer", stub, request, timeout)

@@ -121,6 +121,7 @@ class TransferRecord:
     started_at: float = 0.0
     ended_at: float = 0.0
     reason: str = ""
+    source_freed: bool = False
 
     @property
     def in_flight(self) -> bool:
@@ -131,6 +132,8 @@ class TransferRecord:
     def holds_source(self) -> bool:
         """Whether an engine may still hold the source: in flight, or a record-only transfer
         kvcm expired that its engine has not reported on yet."""
+        if self.source_freed:
+            return False
         return self.state in _IN_FLIGHT or (
             self.record_only and self.state is TransferState.EXPIRED
         )
@@ -334,8 +337,23 @@ class TransferBook:
         """In flight -> RELEASED, giving a managed source back; ended answers as it is."""
         return self._stop(pool_id, transfer_id, TransferState.RELEASED, reason, wall)
 
-    def expire(self, pool_id: str, transfer_id: str, reason: str, wall: float) -> Change:
-        """In flight -> EXPIRED, giving a managed source back; ended answers as it is."""
+    def expire(
+        self, pool_id: str, transfer_id: str, reason: str, wall: float, *, source_freed: bool
+    ) -> Change:
+        """In flight -> EXPIRED, giving a managed source back; ended answers as it is.
+
+        ``source_freed`` (record-only): the engine freed the source itself; a HELD record
+        expires, an EXPIRED or PLANNED one is only marked (it holds nothing any more; a planned
+        one's destination reports how its pull ended).
+        """
+        record = self.get(pool_id, transfer_id)
+        if source_freed and record.record_only and not record.source_freed:
+            if record.state in (TransferState.EXPIRED, TransferState.PLANNED):
+                # Expired by kvcm, or being pulled (its destination reports how it ended).
+                record.source_freed = True
+                return Change(record, changed=True)
+            if record.in_flight:
+                record.source_freed = True
         return self._stop(pool_id, transfer_id, TransferState.EXPIRED, reason, wall)
 
     def _stop(
@@ -384,15 +402,15 @@ class TransferBook:
         late: dict[str, int] = {}
         oldest: dict[str, float] = {}
         for record in self.records.values():
-            if not record.holds_source:
-                continue
             pool_id = record.pool_id
             if record.in_flight:
                 flying[pool_id] = flying.get(pool_id, 0) + 1
+            if not record.holds_source:
+                continue
             if now > record.deadline():
                 late[pool_id] = late.get(pool_id, 0) + 1
             oldest[pool_id] = max(oldest.get(pool_id, 0.0), wall - record.started_at)
-        for pool_id in sorted(set(self.counters) | set(oldest)):
+        for pool_id in sorted(set(self.counters) | set(flying) | set(oldest)):
             out["kvcm_transfers_in_flight"].append(([pool_id], flying.get(pool_id, 0)))
             out["kvcm_transfers_past_lease"].append(([pool_id], late.get(pool_id, 0)))
             age = oldest.get(pool_id, 0.0)

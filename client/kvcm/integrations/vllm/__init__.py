@@ -16,6 +16,7 @@ from kvcm.integrations.vllm._settings import KvcmSettings
 from kvcm.integrations.vllm._sinks import CollectingSink, LocalSink, NullSink, StepSink
 
 if TYPE_CHECKING:
+    from kvcm.integrations.vllm._nixl import KvcmNixlConnector
     from kvcm.integrations.vllm._offload import KvcmOffloadingManager, KvcmOffloadingSpec
     from kvcm.integrations.vllm._scheduler import (
         KvcmAsyncScheduler,
@@ -28,9 +29,16 @@ if TYPE_CHECKING:
 _NEEDS_VLLM = frozenset({"KvcmAsyncScheduler", "KvcmScheduler", "check_supported"})
 # vLLM's offloading connector loads the spec by name from this package (spec_module_path).
 _OFFLOAD = frozenset({"KvcmOffloadingManager", "KvcmOffloadingSpec"})
+# vLLM's KV-connector factory loads the connector by name from this package
+# (kv_connector_module_path); it subclasses vLLM's NIXL connector.
+_CONNECTOR = frozenset({"KvcmNixlConnector"})
 
 
 def __getattr__(name: str) -> Any:
+    if name in _CONNECTOR:
+        from kvcm.integrations.vllm import _nixl
+
+        return getattr(_nixl, name)
     if name in _OFFLOAD:
         from kvcm.integrations.vllm import _offload
 
@@ -45,6 +53,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CollectingSink",
     "KvcmAsyncScheduler",
+    "KvcmNixlConnector",
     "KvcmOffloadingManager",
     "KvcmOffloadingSpec",
     "KvcmScheduler",

@@ -101,6 +101,7 @@ def transfer_to_proto(record: TransferRecord, now: float) -> pd_pb2.Transfer:
         ended_at=record.ended_at,
         reason=record.reason,
         block_size=record.block_size,
+        source_freed=record.source_freed,
     )
     fill_grouped([list(ids) for ids in record.source_blocks], message.source_blocks)
     return message
@@ -125,6 +126,7 @@ def _from_proto(message: pd_pb2.Transfer) -> TransferRecord:
         started_at=message.started_at,
         ended_at=message.ended_at,
         reason=message.reason,
+        source_freed=message.source_freed,
     )
 
 
@@ -244,7 +246,11 @@ class TransferServicer:
         """End the lease now, giving a managed source back."""
         self._check_keys(request.pool_id, request.transfer_id)
         _check_reason("reason", request.reason)
-        self._state.transfer_book.get(request.pool_id, request.transfer_id)
+        record = self._state.transfer_book.get(request.pool_id, request.transfer_id)
+        if request.source_freed and not record.record_only:
+            raise InvalidArgumentError(
+                "source_freed: only for record_only transfers (kvcm frees a managed source)"
+            )
         if not request.reason:
             request.reason = "ExpireTransfer"
         change = await self._journaled("ExpireTransfer", request, request.pool_id)
@@ -466,7 +472,9 @@ class TransferServicer:
         elif method == "ReleaseTransfer":
             change = book.release(pool_id, transfer_id, request.reason, wall)
         else:
-            change = book.expire(pool_id, transfer_id, request.reason, wall)
+            change = book.expire(
+                pool_id, transfer_id, request.reason, wall, source_freed=request.source_freed
+            )
         if change.give_back:
             self._give_back(change.record)
         return change
