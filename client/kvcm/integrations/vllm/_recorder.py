@@ -66,7 +66,9 @@ _SYNCED: Final = frozenset(
 # a key, a token span and a hash span; ALLOCATE a key and two values).
 _APPEND_TOKENS_OP: Final = int(OpKind.APPEND_TOKENS)
 _ALLOCATE_OP: Final = int(OpKind.ALLOCATE)
-_NEW_STEP_NOTE: tuple[Any, ...] = (OpKind.NEW_STEP_STARTS,)
+_NEW_STEP_STARTS: Final = OpKind.NEW_STEP_STARTS
+_NEW_STEP_STARTS_OP: Final = int(OpKind.NEW_STEP_STARTS)
+_NEW_STEP_NOTE: tuple[Any, ...] = (_NEW_STEP_STARTS,)
 
 
 class RecordedStep:
@@ -363,9 +365,9 @@ class StepRecorder:
     def _build(self, step: RecordedStep) -> None:
         # Every op's columns are the op table's (OpWriter). The ops of a decode step (an
         # ALLOCATE of a request the pool knows, its APPEND_TOKENS before it, an in-flight
-        # count and an empty answer) are written inline, straight into the columns; the rest
-        # go through the writer (a note gives the kind and its row's values, for the synced
-        # kinds after the request's key).
+        # count and an empty answer, and the step's NEW_STEP_STARTS) are written inline,
+        # straight into the columns; the rest go through the writer (a note gives the kind
+        # and its row's values, for the synced kinds after the request's key).
         program = StepProgram(continue_on_does_not_fit=True)
         expected = StepOutcome()
         writer = OpWriter(program)
@@ -445,6 +447,8 @@ class StepRecorder:
                     block_counts += self._zero_counts
                 else:
                     self._add_answer(expected, result)
+            elif kind is _NEW_STEP_STARTS:  # one per step: no key, no column
+                ops(_NEW_STEP_STARTS_OP)
             elif kind in _SYNCED:  # CACHE_BLOCKS, REMOVE_SKIPPED_BLOCKS, RECORD_PREFIX_STATS
                 write[kind](self._sync_request(write, note), note[6])
             elif kind is OpKind.FINISH or kind is OpKind.PREEMPT:
@@ -464,7 +468,7 @@ class StepRecorder:
                 expected.drained_num_copies.append(len(note[1]))
                 for pair in note[1]:
                     expected.drained_copy_block_ids.extend(pair)
-            else:  # NEW_STEP_STARTS, EVICT_BLOCKS: the note holds the op's values
+            else:  # EVICT_BLOCKS: the note holds the op's values
                 write[kind](*note[1:])
         writer.flush()
         program.step_seq = step.step_seq
