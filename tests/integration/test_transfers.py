@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.cli import main as cli_main
 from kvcm.client import (
+    RetryPolicy,
     SchedulerClient,
     ServiceAlreadyExistsError,
     ServiceError,
@@ -33,12 +34,14 @@ from kvcm.client import (
     StepBuilder,
     Transfer,
     TransferState,
+    UnavailableError,
 )
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.pool import PoolConfig
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
+from kvcm.server.journal import FAULT_ENV
 from kvcm.server.rpc import TransferView
 from kvcm.server.settings import ServerSettings
 
@@ -498,3 +501,44 @@ def test_kvcm_transfers_lists_the_records(
     assert cli_main(["transfers"]) == 0
     _header, line = capsys.readouterr().out.splitlines()
     assert line.split()[:8] == ["prefill", "t1", "PLANNED", "1", "7", "decode", "48", "52"]
+
+
+def test_a_disk_that_refuses_the_record_changes_nothing_and_the_retry_acts_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer call whose journal record the disk refuses (ENOSPC) answers UNAVAILABLE
+    having changed nothing; the same call once the disk takes writes again acts once."""
+    fault = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_ENV, str(fault))
+    running = _start(tmp_path / "data")
+    quick = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02)
+    try:
+        with SchedulerClient(running.grpc_address, retry_policy=quick) as client:
+            _pools(client)
+            fault.write_text("any ENOSPC")
+            with pytest.raises(UnavailableError, match="nothing was changed"):
+                client.hold_source("prefill", "t1", 1, lease_s=30.0)
+            fault.unlink()
+            assert client.list_transfers() == []
+            client.hold_source("prefill", "t1", 1, lease_s=30.0)
+            client.plan_transfer("prefill", "t1", "decode")
+            fault.write_text("any ENOSPC")
+            with pytest.raises(UnavailableError, match="nothing was changed"):
+                client.commit_transfer("prefill", "t1")
+            fault.unlink()
+            assert client.describe_transfer("prefill", "t1").state is TransferState.PLANNED
+            assert client.describe_pool("prefill").num_requests == 1  # still held
+            done = client.commit_transfer("prefill", "t1")
+            assert done.state is TransferState.COMPLETED
+            assert _same(client.commit_transfer("prefill", "t1"), done)
+            assert client.describe_pool("prefill").num_requests == 0
+            before = _records(client)
+        again = _start(tmp_path / "data")  # what a crash now leaves: every answered call
+        try:
+            with SchedulerClient(again.grpc_address) as client:
+                assert _records(client) == before
+                assert client.describe_pool("prefill").num_requests == 0
+        finally:
+            again.stop()
+    finally:
+        running.stop()

@@ -194,6 +194,8 @@ class TransferBook:
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     _ended: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
     _in_flight: int = 0
+    # Managed transfers in flight by (source pool, request key): one hold per request.
+    _holders: dict[tuple[str, int], TransferRecord] = field(default_factory=dict)
 
     def get(self, pool_id: str, transfer_id: str) -> TransferRecord:
         """The record, or NOT_FOUND naming ``transfer_id``."""
@@ -206,15 +208,18 @@ class TransferBook:
 
     def holder_of(self, pool_id: str, request_key: int) -> TransferRecord | None:
         """The managed transfer in flight holding ``request_key`` of ``pool_id``, if any."""
-        for record in self.records.values():
-            if (
-                record.pool_id == pool_id
-                and not record.record_only
-                and record.in_flight
-                and record.request_key == request_key
-            ):
-                return record
-        return None
+        return self._holders.get((pool_id, request_key))
+
+    def _track(self, record: TransferRecord) -> None:
+        """Count a record that is in flight (and index a managed one's request)."""
+        self._in_flight += 1
+        if not record.record_only:
+            self._holders[(record.pool_id, record.request_key)] = record
+
+    def _untrack(self, record: TransferRecord) -> None:
+        self._in_flight -= 1
+        if not record.record_only:
+            self._holders.pop((record.pool_id, record.request_key), None)
 
     def in_flight(self) -> Iterator[TransferRecord]:
         """Records in flight, oldest first."""
@@ -269,7 +274,7 @@ class TransferBook:
         record.renewed_at = now
         record.started_at = wall
         self.records[key] = record
-        self._in_flight += 1
+        self._track(record)
         self._count(record.pool_id, "started")
         return Change(record, changed=True)
 
@@ -378,7 +383,7 @@ class TransferBook:
         record.ended_at = wall
         key = (record.pool_id, record.transfer_id)
         if was_in_flight:
-            self._in_flight -= 1
+            self._untrack(record)
         if state is TransferState.COMPLETED:
             self._count(record.pool_id, "completed")
         elif state is TransferState.EXPIRED:
@@ -422,7 +427,7 @@ class TransferBook:
         for key in [key for key in self.records if key[0] == pool_id]:
             record = self.records.pop(key)
             if record.in_flight:
-                self._in_flight -= 1
+                self._untrack(record)
             self._ended.pop(key, None)
         self.counters.pop(pool_id, None)
 
@@ -439,6 +444,6 @@ class TransferBook:
         record.renewed_at = now
         self.records[key] = record
         if record.in_flight:
-            self._in_flight += 1
+            self._track(record)
         else:
             self._ended[key] = None

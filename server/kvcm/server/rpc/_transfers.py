@@ -286,8 +286,8 @@ class TransferServicer:
         now = state.clock.now()
         ended = 0
         for record in list(state.transfer_book.in_flight()):
-            if not record.in_flight:
-                continue  # ended meanwhile
+            if not record.in_flight or record.pool_id in state.standby_pools:
+                continue  # ended meanwhile; a standby's copy expires by its primary's records
             if record.pool_id not in state.registry:
                 state.transfer_book.drop_pool(record.pool_id)
                 continue
