@@ -29,6 +29,8 @@ from kvcm.client import (
     ItemStatus,
     LookupQuery,
     SchedulerClient,
+    ServiceNotFoundError,
+    ServiceResourceExhaustedError,
     StepBuilder,
     UnavailableError,
 )
@@ -181,6 +183,31 @@ def test_lookup_through_any_replica_equals_the_merge_of_each_pools_own_answer(
             assert [h.pool_id for h in top.pools] == [row[3] for row in own[:4]]
             scoped = client.lookup(LookupQuery(token_ids=prompt, pool_ids=tuple(pools[::2])))
             assert sorted(h.pool_id for h in scoped.pools) == sorted(pools[::2])
+
+
+def test_a_pool_that_is_refused_or_deleted_leaves_no_placement(
+    replicas: list[Replica], pools: list[str]
+) -> None:
+    huge = PoolConfig(
+        max_model_len=1024,
+        explicit_layout=KVCacheConfig(
+            num_blocks=2**26,  # beyond max_blocks_per_pool: refused by the primary
+            kv_cache_tensors=(),
+            kv_cache_groups=(KVCacheGroupSpec(layer_names=("l0",), kv_cache_spec=SPEC),),
+        ),
+    )
+    with SchedulerClient(_seeds(replicas), timeout=5.0) as client:
+        with pytest.raises(ServiceResourceExhaustedError, match="max_blocks_per_pool"):
+            client.create_pool("too-big", huge)
+        client.create_pool("short-lived", CONFIG)
+        assert "short-lived" in asyncio.run(_placements(replicas[0]))
+        client.delete_pool("short-lived")  # through a replica that may not own it
+        with pytest.raises(ServiceNotFoundError):
+            client.describe_pool("short-lived")
+    records = asyncio.run(_placements(replicas[0]))
+    assert "too-big" not in records
+    assert "short-lived" not in records
+    assert sorted(records) == sorted(pools)
 
 
 def _session_up(replica: Replica) -> float:
