@@ -83,7 +83,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             raise AbortRpc(
                 grpc.StatusCode.INVALID_ARGUMENT, "GetReplicaState: pool_id: must not be empty"
             )
-        return self._replication.describe(request.pool_id)
+        return await self._replication.describe(request.pool_id)
 
 
 def add_replica_servicer(server: grpc.aio.Server, replication: Replication) -> None:

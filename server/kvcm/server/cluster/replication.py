@@ -572,6 +572,16 @@ class Replication:
             else:
                 self._become_standby(entry, epoch)
         body = request.WhichOneof("body")
+        if body is None and request.digest:  # a periodic check after record ``seq``
+            if not entry.has_copy or request.seq != entry.applied:
+                entry.has_copy = False
+                return self._answer(
+                    entry,
+                    replica_pb2.SHIP_STATUS_NEED_SEED,
+                    f"a digest of record {request.seq} after record {entry.applied}",
+                )
+            mismatch = await self._check_digest(entry, self._pool(pool_id), request.digest)
+            return mismatch or self._answer(entry, replica_pb2.SHIP_STATUS_OK)
         if body is None:  # hello: a new stream (a seed it broke off is dropped)
             entry.seed_chunks = []
             return self._answer(entry, replica_pb2.SHIP_STATUS_OK)
@@ -602,20 +612,17 @@ class Replication:
             registry = self.state.registry
             registry.epoch = max(registry.epoch, pool.epoch)
         entry.applied = request.seq
-        if request.digest:
-            mismatch = self._check_digest(entry, pool, request.digest)
-            if mismatch is not None:
-                return mismatch
         return self._answer(entry, replica_pb2.SHIP_STATUS_OK)
 
     def _pool(self, pool_id: str) -> Pool | None:
         registry = self.state.registry
         return registry.get(pool_id) if pool_id in registry else None
 
-    def _check_digest(
+    async def _check_digest(
         self, entry: ReplicaState, pool: Pool | None, digest: bytes
     ) -> replica_pb2.ShipRecordsResponse | None:
-        ours = b"" if pool is None or pool.state is not PoolState.READY else pool_digest(pool)
+        """Compare ``digest`` with the copy's (:meth:`held_digest`)."""
+        ours = b"" if pool is None else await self.held_digest(pool)
         if ours == digest:
             entry.digest_checks += 1
             return None
@@ -654,9 +661,8 @@ class Replication:
         entry.applied = request.seq
         entry.has_copy = True
         if request.digest:
-            return self._check_digest(entry, pool, request.digest) or self._answer(
-                entry, replica_pb2.SHIP_STATUS_OK
-            )
+            mismatch = await self._check_digest(entry, pool, request.digest)
+            return mismatch or self._answer(entry, replica_pb2.SHIP_STATUS_OK)
         return self._answer(entry, replica_pb2.SHIP_STATUS_OK)
 
     async def _install(
@@ -692,13 +698,29 @@ class Replication:
         state.kv_numbering.adopt(pool_id, seed.kv_event_base)
         return pool
 
-    def describe(self, pool_id: str) -> replica_pb2.GetReplicaStateResponse:
+    async def held_digest(self, pool: Pool) -> bytes:
+        """:func:`pool_digest` of ``pool`` (``b""`` unless READY), computed in a worker thread
+        while the pool is held (its calls wait; O(state), never on the event loop)."""
+        state = self.state
+        while (busy := state.lanes.get(pool.name)) is not None:
+            await busy.wait()
+        if self._pool(pool.name) is not pool or pool.state is not PoolState.READY:
+            return b""  # replaced or deleted meanwhile, or not planned yet
+        done = asyncio.Event()
+        state.lanes[pool.name] = done
+        pool.lent = True
+        try:
+            return await asyncio.to_thread(pool_digest, pool)
+        finally:
+            pool.lent = False
+            state.lanes.pop(pool.name, None)
+            done.set()
+
+    async def describe(self, pool_id: str) -> replica_pb2.GetReplicaStateResponse:
         """The pool's replication state here (``GetReplicaState``)."""
         entry = self.pools.get(pool_id) or ReplicaState(pool_id)
         pool = self._pool(pool_id)
-        digest = b""
-        if pool is not None and pool.state is PoolState.READY and not pool.lent:
-            digest = pool_digest(pool)
+        digest = b"" if pool is None else await self.held_digest(pool)
         link = entry.link
         return replica_pb2.GetReplicaStateResponse(
             role=entry.role.value,
@@ -735,9 +757,12 @@ class _Link:
     """The primary's stream of one pool's records to its standby (see the module docstring).
 
     Records are numbered from 1 in the order they were applied (``last``). While a session is
-    up, every record is queued until acknowledged; while it is down nothing is kept (the next
-    session starts with a seed, which holds them). Calls waiting for a record (``sync``) wait
-    for an acknowledgement of it or a later one.
+    up, every record goes to the outbox, which the session's writer empties onto the stream;
+    while it is down nothing is kept (the next session starts with a seed, which holds them).
+    Calls waiting for a record (``sync``) wait for an acknowledgement of it or a later one.
+    Every ``digest_every`` records the writer holds the pool (its calls wait), computes its
+    digest in a worker thread (O(state): ~15 ms at 10k blocks, ~270 ms at 100k on a 2-core VM;
+    never on the event loop) and sends it as a message of its own after the records it covers.
     """
 
     def __init__(self, owner: Replication, pool_id: str, standby: str, epoch: int) -> None:
@@ -748,7 +773,8 @@ class _Link:
         self.last = 0  # the last record numbered
         self.acked = 0  # the last record the standby acknowledged
         self.digests = 0
-        self.queue: collections.deque[replica_pb2.ShipRecordsRequest] = collections.deque()
+        self.outbox: collections.deque[replica_pb2.ShipRecordsRequest] = collections.deque()
+        self.digest_due = False  # a periodic digest is to be sent after the outbox
         self.waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
         self.wake = asyncio.Event()
         self.live = False  # a session is up and sending
@@ -776,21 +802,14 @@ class _Link:
             message = replica_pb2.ShipRecordsRequest(
                 pool_id=self.pool_id, placement_epoch=self.epoch, seq=seq, record=record
             )
+            self.outbox.append(message)
             every = self.owner.digest_every
-            if (
-                every
-                and seq % every == 0
-                and pool is not None
-                and not pool.lent
-                and pool.state is PoolState.READY
-            ):
-                message.digest = pool_digest(pool)
-                self.digests += 1
-            self.queue.append(message)
+            if every and seq % every == 0:
+                self.digest_due = True
             self.wake.set()
-            if len(self.queue) > _MAX_UNACKED:
+            if self.last - self.acked > _MAX_UNACKED:
                 self.live = False  # the session ends; the next one seeds
-                self.queue.clear()
+                self.outbox.clear()
         if not wait:
             return None
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -799,8 +818,6 @@ class _Link:
 
     def _acked(self, seq: int) -> None:
         self.acked = max(self.acked, seq)
-        while self.queue and self.queue[0].seq <= seq:
-            self.queue.popleft()
         while self.waiters and self.waiters[0][0] <= seq:
             _, future = self.waiters.popleft()
             if not future.done():
@@ -850,7 +867,7 @@ class _Link:
             except Exception:
                 _LOG.exception("replication stream to %s failed", self.standby)
             self.live = False
-            self.queue.clear()
+            self.outbox.clear()
             await asyncio.sleep(delay)
             delay = min(delay * 2, _BACKOFF_S[1])
 
@@ -879,7 +896,7 @@ class _Link:
             self._acked(seed_seq)
             reader = asyncio.ensure_future(self._read(call))
             try:
-                await self._write(call, seed_seq, reader)
+                await self._write(call, reader)
             finally:
                 reader.cancel()
                 with contextlib.suppress(BaseException):
@@ -917,7 +934,8 @@ class _Link:
         while (busy := state.lanes.get(pool_id)) is not None:
             await busy.wait()
         seq = self.last
-        self.queue.clear()
+        self.outbox.clear()
+        self.digest_due = False
         self.live = True  # records applied from now on are queued after the seed
         pool = owner._pool(pool_id)
         base = state.kv_numbering.base(pool_id)
@@ -966,22 +984,45 @@ class _Link:
             )
         return seq
 
-    async def _write(self, call: Any, after: int, reader: asyncio.Future[Any]) -> None:
-        sent = after
+    async def _write(self, call: Any, reader: asyncio.Future[Any]) -> None:
+        outbox = self.outbox
         while not self.closed and self.live:
             if reader.done():
                 reader.result()
                 return
-            pending = [m for m in self.queue if m.seq > sent]
-            if not pending:
-                self.wake.clear()
-                waiter: asyncio.Future[Any] = asyncio.ensure_future(self.wake.wait())
-                await asyncio.wait((waiter, reader), return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
+            if outbox:
+                while outbox:
+                    await call.write(outbox.popleft())
                 continue
-            for message in pending:
-                await call.write(message)
-                sent = message.seq
+            if self.digest_due:
+                self.digest_due = False
+                message = await self._digest()
+                if message is not None:
+                    outbox.append(message)
+                continue
+            self.wake.clear()
+            waiter: asyncio.Future[Any] = asyncio.ensure_future(self.wake.wait())
+            await asyncio.wait((waiter, reader), return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+
+    async def _digest(self) -> replica_pb2.ShipRecordsRequest | None:
+        """The pool's digest as of the last record numbered, computed in a worker thread
+        while the pool is held (``None``: no READY pool)."""
+        state = self.owner.state
+        pool_id = self.pool_id
+        while (busy := state.lanes.get(pool_id)) is not None:
+            await busy.wait()
+        pool = self.owner._pool(pool_id)
+        if pool is None or pool.state is not PoolState.READY or not self.live:
+            return None
+        seq = self.last  # no await from here to the hold: the pool is exactly records 1..seq
+        digest = await self.owner.held_digest(pool)
+        if not digest:
+            return None
+        self.digests += 1
+        return replica_pb2.ShipRecordsRequest(
+            pool_id=pool_id, placement_epoch=self.epoch, seq=seq, digest=digest
+        )
 
     async def _read(self, call: Any) -> None:
         while True:
