@@ -261,7 +261,7 @@ class _Loop:
         pair = self.pair
         counts = self.connector_counts
         rng = self.rng
-        _ids, local, junction, diverged = pair.call(
+        ids, local, junction, diverged = pair.call(
             "get_computed_blocks_for_connector", req.rid, None
         )
         counts["diverged"] += diverged
@@ -280,6 +280,13 @@ class _Loop:
                 if end - aligned < 64:
                     end = 0
             ext = max(end - aligned, 0)
+        if tail and ext > tail and self._lagging_window(ids, aligned):
+            # A sliding-window group's own hit ends before the aligned endpoint: vLLM's
+            # truncate_computed_blocks asserts (its engine would stop), kvcm's refuses; the
+            # loop goes on as if the connector offered nothing.
+            pair.both_raise("truncate_hit", req.rid, aligned)
+            counts["refused"] = counts.get("refused", 0) + 1
+            ext = 0
         if tail and ext > tail:
             pair.call("truncate_hit", req.rid, aligned)
             counts["truncated"] += 1
@@ -327,6 +334,12 @@ class _Loop:
             return None
         pair.call("record_prefix_cache_stats", req.rid, local)
         return computed, num_new
+
+    def _lagging_window(self, ids: tuple[list[int], ...], end: int) -> bool:
+        return any(
+            group.kind == SWA and len(group_ids) < end // group.block_size
+            for group, group_ids in zip(self.layout.groups, ids, strict=True)
+        )
 
     def _finish_loads(self) -> None:
         # Loads started last step completed: cache what arrived; a whole prompt recomputes
@@ -500,6 +513,17 @@ SCENARIOS = [
             prefix_match_unit=64,
         ),
         steps=150,
+        token_budget=512,
+        connector=True,
+    ),
+    MambaScenario(
+        "connector-full64-swa64-mamba256",
+        Layout(
+            (GroupDesc(FULL, 64), GroupDesc(SWA, 64, 128), _mamba(256)),
+            num_blocks=100,
+            max_model_len=1536,
+        ),
+        steps=120,
         token_budget=512,
         connector=True,
     ),

@@ -623,13 +623,10 @@ class MirrorKVCacheManager:
     def truncate_computed_blocks(
         self, blocks: KVCacheBlocks, num_computed_tokens: int
     ) -> KVCacheBlocks:
-        """A lookup result cut at an aligned token count (no reference counts change)."""
-        return self.create_kv_cache_blocks(
-            tuple(
-                list(group[: num_computed_tokens // block_size])
-                for group, block_size in zip(blocks.blocks, self._block_sizes, strict=True)
-            )
-        )
+        """A lookup result cut at an aligned token count (no reference counts change): the
+        core's, which refuses what vLLM's asserts (a group other than Mamba that does not
+        reach the endpoint)."""
+        return self.core.truncate_computed_blocks(blocks, num_computed_tokens)
 
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids of new attention blocks workers must zero."""
