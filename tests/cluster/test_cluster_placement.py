@@ -37,6 +37,7 @@ from kvcm.client import (
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec
+from kvcm.core.pd_route import PdRouteQuery, PdScope, rank_pd
 from kvcm.core.pool import PoolConfig
 from kvcm.server.cluster import Placement
 from kvcm.v1 import admin_pb2, service_pb2_grpc
@@ -183,6 +184,42 @@ def test_lookup_through_any_replica_equals_the_merge_of_each_pools_own_answer(
             assert [h.pool_id for h in top.pools] == [row[3] for row in own[:4]]
             scoped = client.lookup(LookupQuery(token_ids=prompt, pool_ids=tuple(pools[::2])))
             assert sorted(h.pool_id for h in scoped.pools) == sorted(pools[::2])
+
+
+def test_route_pd_through_any_replica_ranks_every_replicas_pools(
+    replicas: list[Replica], pools: list[str]
+) -> None:
+    prompt = tuple(range(96))
+    for bidirectional in (False, True):
+        query = PdRouteQuery(
+            prompt=LookupQuery(token_ids=prompt, max_results=3),
+            prefill=PdScope(pool_ids=tuple(pools[:5])),
+            decode=PdScope(pool_ids=tuple(pools[5:])),
+            bidirectional=bidirectional,
+        )
+        with SchedulerClient(_seeds(replicas), timeout=5.0) as client:
+            # The reference: the core's ranking over each role's merged per-pool answers.
+            roles = [
+                client.lookup(LookupQuery(token_ids=prompt, pool_ids=tuple(names)))
+                for names in (pools[:5], pools[5:])
+            ]
+        expected = rank_pd(query, *roles)
+        assert {h.pool_id for h in expected.prefill} | {h.pool_id for h in expected.decode}
+        for replica in replicas:
+            with SchedulerClient(replica.address, timeout=5.0) as client:
+                route = client.route_pd(query)
+            assert [(h.pool_id, h.num_hit_tokens) for h in route.prefill] == [
+                (h.pool_id, h.num_hit_tokens) for h in expected.prefill
+            ]
+            assert [(h.pool_id, h.num_hit_tokens) for h in route.decode] == [
+                (h.pool_id, h.num_hit_tokens) for h in expected.decode[:3]
+            ]
+            assert (route.decode_hit_tokens, route.remote_num_tokens) == (
+                expected.decode_hit_tokens,
+                expected.remote_num_tokens,
+            )
+            assert route.num_prefill_pools_in_scope == 5
+            assert route.num_decode_pools_in_scope == NUM_POOLS - 5
 
 
 def test_a_pool_that_is_refused_or_deleted_leaves_no_placement(

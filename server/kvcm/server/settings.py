@@ -310,7 +310,7 @@ _HELP: Final = {
     "refreshing it leaves the live set this long after",
     "etcd_timeout_s": "deadline of each etcd call in seconds",
     "cluster_fanout_timeout_s": "deadline of each peer's part of a cluster-wide call (ListPools, "
-    "Lookup) in seconds; a peer that misses it is reported missing",
+    "Lookup, RoutePd) in seconds; a peer that misses it is reported missing",
     "max_pools": "pools the server holds; CreatePool answers RESOURCE_EXHAUSTED beyond",
     "max_blocks_per_pool": "blocks of one pool (explicit or planned, the null block included)",
     "max_total_blocks": "blocks of all pools together (the server's memory budget)",

@@ -1,9 +1,9 @@
 """Cluster-wide calls: ask every live replica in parallel, with a deadline, and merge.
 
-``ListPools`` and ``Lookup`` answer over every replica's pools. The replica that got the call
-(the *coordinator*) sends each live peer the same request marked ``kvcm-cluster-local: 1``
-(the peer answers from its own pools only, never fanning out again), answers its own part,
-and merges:
+``ListPools``, ``Lookup`` and ``RoutePd`` answer over every replica's pools. The replica that
+got the call (the *coordinator*) sends each live peer the same request marked
+``kvcm-cluster-local: 1`` (the peer answers from its own pools only, never fanning out
+again), answers its own part, and merges:
 
 * ``ListPools``: the union, sorted by pool id; a pool listed by two replicas (a move in
   flight) is taken from its placement's primary.
@@ -12,6 +12,9 @@ and merges:
   core's rank key (score, then waiting requests, then usage, then pool id) and cut at
   ``max_results``; ``skipped`` and ``num_pools_in_scope`` add up. Packed or not, as asked.
   A standby's copy of a pool (replication) is left out: only the primary's answer counts.
+* ``RoutePd``: each role's Lookup fanned out and merged as above (this replica's part over
+  the loopback), the held request (bidirectional) read by the best decode pool's own replica,
+  then the core's ranking, so the route is the one a single server holding every pool gives.
 
 A peer that does not answer within ``fanout_timeout_s`` (or the caller's deadline, if sooner),
 or answers UNAVAILABLE, is *missed*: the answer still comes, and its trailing metadata say so
@@ -29,10 +32,17 @@ from typing import Any, Final
 
 import grpc
 
+from kvcm.common.errors import KVCMError
 from kvcm.core.lookup import LookupAnswer
+from kvcm.core.pd_route import rank_pd
 from kvcm.server.cluster._node import ClusterNode
-from kvcm.v1 import admin_pb2, lookup_pb2, service_pb2_grpc
-from kvcm.wire.lookup import lookup_result_from_proto, lookup_result_to_proto
+from kvcm.v1 import admin_pb2, lookup_pb2, pd_pb2, service_pb2_grpc
+from kvcm.wire.lookup import (
+    lookup_query_to_proto,
+    lookup_result_from_proto,
+    lookup_result_to_proto,
+)
+from kvcm.wire.pd import pd_route_query_from_proto, pd_route_to_proto
 
 __all__ = [
     "LOCAL_KEY",
@@ -41,6 +51,7 @@ __all__ = [
     "PeerChannels",
     "fan_out_list_pools",
     "fan_out_lookup",
+    "fan_out_route_pd",
     "is_local_call",
 ]
 
@@ -216,14 +227,22 @@ def _rank_key(hit: Any) -> tuple[float, int, float, str]:
     return (-hit.score, hit.load.num_waiting, hit.load.usage, hit.pool_id)
 
 
-async def fan_out_lookup(
+async def _cluster_lookup(
     node: ClusterNode,
     peers: PeerChannels,
-    behavior: Behavior,
+    local: Behavior | None,
     request: lookup_pb2.LookupRequest,
     context: Any,
-) -> lookup_pb2.LookupResponse:
-    """``Lookup`` over every live replica's pools (see the module docstring)."""
+    *,
+    method: str,
+) -> tuple[LookupAnswer, list[str], int]:
+    """A Lookup over every live replica's pools: the merged answer, the replicas missed and
+    the replicas asked. ``local``: this replica's Lookup handler (``None``: asked over the
+    loopback like a peer).
+
+    Raises:
+        grpc.aio.AioRpcError: A replica refused its part.
+    """
     dead: list[str] = []
     if request.scope.pool_ids:
         by_owner, dead = _owner_parts(node, list(request.scope.pool_ids))
@@ -243,7 +262,7 @@ async def fan_out_lookup(
             open_scope.CopyFrom(request)
             open_scope.max_results = 0
         requests = dict.fromkeys([node.address, *node.peers()], open_scope)
-    local_request = requests.pop(node.address, None)
+    local_request = requests.pop(node.address, None) if local is not None else None
     addresses = sorted(requests)
 
     def part(address: str) -> Callable[[float, Any], Awaitable[Any]]:
@@ -254,16 +273,15 @@ async def fan_out_lookup(
         return call
 
     local_task = (
-        asyncio.ensure_future(behavior(local_request, context))
-        if local_request is not None
+        asyncio.ensure_future(local(local_request, context))
+        if local is not None and local_request is not None
         else None
     )
     try:
-        answers, missed = await _ask(node, context, "Lookup", [(a, part(a)) for a in addresses])
-    except grpc.aio.AioRpcError as exc:
+        answers, missed = await _ask(node, context, method, [(a, part(a)) for a in addresses])
+    except grpc.aio.AioRpcError:
         if local_task is not None:
             local_task.cancel()
-        await _refused(context, exc)
         raise
     if local_task is not None:
         answers.append((node.address, await local_task))
@@ -286,7 +304,78 @@ async def fan_out_lookup(
     pools.sort(key=_rank_key)
     if request.max_results:
         pools = pools[: request.max_results]
-    missed = [*missed, *dead]
-    _say_missed(context, len(addresses) + (local_request is not None) + len(dead), missed)
-    merged = LookupAnswer(tuple(pools), tuple(skipped), num_in_scope)
+    asked = len(addresses) + (local_request is not None) + len(dead)
+    return LookupAnswer(tuple(pools), tuple(skipped), num_in_scope), [*missed, *dead], asked
+
+
+async def fan_out_lookup(
+    node: ClusterNode,
+    peers: PeerChannels,
+    behavior: Behavior,
+    request: lookup_pb2.LookupRequest,
+    context: Any,
+) -> lookup_pb2.LookupResponse:
+    """``Lookup`` over every live replica's pools (see the module docstring)."""
+    try:
+        merged, missed, asked = await _cluster_lookup(
+            node, peers, behavior, request, context, method="Lookup"
+        )
+    except grpc.aio.AioRpcError as exc:
+        await _refused(context, exc)
+        raise
+    _say_missed(context, asked, missed)
     return lookup_result_to_proto(merged, packed=request.packed)
+
+
+async def fan_out_route_pd(
+    node: ClusterNode,
+    peers: PeerChannels,
+    behavior: Behavior,
+    request: pd_pb2.RoutePdRequest,
+    context: Any,
+) -> pd_pb2.RoutePdResponse:
+    """``RoutePd`` over every live replica's pools: each role's Lookup fanned out and merged
+    (this replica's part over the loopback), the held request read on the best decode pool's
+    own replica, then the core's ranking (:func:`kvcm.core.pd_route.rank_pd`)."""
+    try:
+        query = pd_route_query_from_proto(request)
+    except KVCMError:
+        refused: pd_pb2.RoutePdResponse = await behavior(request, context)  # names the field
+        return refused
+    answers: list[LookupAnswer] = []
+    missed: set[str] = set()
+    asked = 0
+    for role in ("prefill_scope", "decode_scope"):
+        role_request = lookup_query_to_proto(query.role_query(role), packed=False)
+        try:
+            answer, role_missed, role_asked = await _cluster_lookup(
+                node, peers, None, role_request, context, method="RoutePd"
+            )
+        except grpc.aio.AioRpcError as exc:  # name the role's field, as a lone server does
+            details = (exc.details() or "").replace("Lookup: scope", f"RoutePd: {role}")
+            await context.abort(exc.code(), details.replace("scope.", f"{role}."))
+            raise
+        answers.append(answer)
+        missed.update(role_missed)
+        asked = max(asked, role_asked)
+    prefill, decode = answers
+    held: tuple[str, int] | None = None
+    if query.bidirectional and query.held and decode.pools:
+        best = decode.pools[0].pool_id
+        placement = node.get(best)
+        owner = node.address if placement is None else placement.primary
+        one = pd_pb2.RoutePdRequest()
+        one.CopyFrom(request)
+        for scope in (one.prefill_scope, one.decode_scope):
+            scope.Clear()
+            scope.pool_ids.append(best)
+        try:
+            _, lookup = peers.stubs(owner)
+            route = await lookup.RoutePd(
+                one, timeout=_timeout(node, context), metadata=_peer_metadata(context)
+            )
+            held = (route.held_request_id, int(route.remote_num_tokens))
+        except grpc.aio.AioRpcError:
+            missed.add(owner)
+    _say_missed(context, asked, sorted(missed))
+    return pd_route_to_proto(rank_pd(query, prefill, decode, held))

@@ -14,16 +14,14 @@ the primary, which creates it. When etcd cannot be reached, ``CreatePool`` (and 
 ``ResyncPool`` of an unplaced pool) ends UNAVAILABLE with a message naming etcd; every other
 call keeps being served from the local view. ``DeletePool`` removes the record after the pool.
 
-``ListPools`` and ``Lookup`` fan out (:mod:`kvcm.server.cluster._fanout`). ``RoutePd``
-answers over this replica's pools and says that it missed every peer (trailing
-``kvcm-missing-replicas``). Calls marked ``kvcm-cluster-local: 1`` are never redirected nor
+``ListPools``, ``Lookup`` and ``RoutePd`` fan out (:mod:`kvcm.server.cluster._fanout`). Calls
+marked ``kvcm-cluster-local: 1`` are never redirected nor
 fanned out. Only kvcm.v1's client-facing services are routed; other services (health,
 reflection, replica-to-replica replication) pass through.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
@@ -34,11 +32,10 @@ from kvcm.common.errors import KVCMError
 from kvcm.core.pool_types import check_pool_id
 from kvcm.server.cluster._etcd import EtcdUnavailableError
 from kvcm.server.cluster._fanout import (
-    MISSING_KEY,
-    REPLICAS_KEY,
     PeerChannels,
     fan_out_list_pools,
     fan_out_lookup,
+    fan_out_route_pd,
     is_local_call,
 )
 from kvcm.server.cluster._node import ClusterNode
@@ -102,7 +99,7 @@ class ClusterInterceptor(MethodInterceptor):
             elif method == "Lookup":
                 behavior = self._fanned(handler.unary_unary, fan_out_lookup)
             elif method == "RoutePd":
-                behavior = self._local_only(handler.unary_unary)
+                behavior = self._fanned(handler.unary_unary, fan_out_route_pd)
             elif pool_keyed:
                 behavior = self._routed(method, handler.unary_unary)
             else:
@@ -236,21 +233,6 @@ class ClusterInterceptor(MethodInterceptor):
             return await fan_out(node, peers, behavior, request, context)
 
         return fanned
-
-    def _local_only(self, behavior: Any) -> Any:
-        node = self._node
-
-        async def local(request: Any, context: Any) -> Any:
-            answer = await behavior(request, context)
-            peers = node.peers()
-            if peers and not is_local_call(context):
-                with contextlib.suppress(Exception):
-                    context.set_trailing_metadata(
-                        ((REPLICAS_KEY, "1"), (MISSING_KEY, ",".join(peers)))
-                    )
-            return answer
-
-        return local
 
 
 async def _chain(first: Any, rest: Any) -> AsyncIterator[Any]:

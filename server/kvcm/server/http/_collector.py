@@ -564,7 +564,7 @@ METRICS: tuple[MetricSpec, ...] = (
         name="kvcm_cluster_fanout_missed_total",
         kind="counter",
         labels=("method",),
-        help="Peer parts of cluster-wide calls (ListPools, Lookup) that did not answer in time.",
+        help="Peer parts of cluster-wide calls (ListPools, Lookup, RoutePd) not answered in time.",
     ),
     # A hot standby per pool (--data-dir; docs/replication.md): empty without placements.
     MetricSpec(
