@@ -6,35 +6,47 @@ p50 and p99 and the ratios to "no standby".
 
     python bench/replication.py                      # 256-request Steps, 300 samples each
     python bench/replication.py --requests 32 --steps 500 --mode async
+    python bench/replication.py --failovers 10       # instead: kill -9 + promotion times
+
+Failover (``--failovers N``): a scheduler drives a sync pool on A (standby B); A is killed with
+SIGKILL; B is promoted at once (``SetPlacement``: what placement's etcd watch does once A's
+lease is gone, so the lease TTL comes on top); printed: p50/p99 of the promotion call and of
+the time from the kill to the scheduler's first acknowledged Step on B (same step_seq retried).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
 import grpc
-from _common import kvcm_server
-from rpc import _row, remote_step_runner, time_interleaved
+from _common import free_port, kvcm_server, p99
+from rpc import _pool_config, _row, remote_step_runner, time_interleaved
 
-from kvcm.client import SchedulerClient
+from kvcm.client import SchedulerClient, StepBuilder
+from kvcm.common.hashing import BlockHasher
 from kvcm.v1 import replica_pb2, replica_pb2_grpc
 
 POOL = "bench-step"  # remote_step_runner's pool
 
 
-def _place(address: str, primary: str, standby: str, sync: bool) -> str:
+def _place(address: str, primary: str, standby: str, sync: bool, epoch: int = 1) -> str:
     with grpc.insecure_channel(address) as channel:
         stub = replica_pb2_grpc.ReplicaServiceStub(channel)  # type: ignore[no-untyped-call]
         mode = replica_pb2.REPLICATION_MODE_SYNC if sync else replica_pb2.REPLICATION_MODE_ASYNC
         answer = stub.SetPlacement(
             replica_pb2.SetPlacementRequest(
-                pool_id=POOL, primary=primary, standby=standby, placement_epoch=1, mode=mode
+                pool_id=POOL, primary=primary, standby=standby, placement_epoch=epoch, mode=mode
             ),
             timeout=30,
         )
@@ -89,13 +101,111 @@ def bench_replication(num_requests: int, repeats: int, sync: bool) -> None:
     )
 
 
+def _spawn(data_dir: str) -> tuple[subprocess.Popen[bytes], str]:
+    address = f"127.0.0.1:{free_port()}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvcm.server.cli", "serve", "--grpc-address", address,
+         "--http-address", "", "--data-dir", data_dir, "--log-level", "ERROR"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ),
+    )  # fmt: skip
+    with SchedulerClient(address, timeout=2.0) as client:
+        give_up_at = time.monotonic() + 60
+        while True:
+            try:
+                client.list_pools()
+                return process, address
+            except Exception:
+                if time.monotonic() > give_up_at or process.poll() is not None:
+                    raise
+                time.sleep(0.05)
+
+
+def _step(hasher: BlockHasher, seq: int) -> StepBuilder:
+    """Step ``seq``: admit and cache a fresh 64-token prompt, finish it (exactly once)."""
+    prompt = list(range(seq * 100, seq * 100 + 64))
+    step = StepBuilder()
+    step.step_seq = seq
+    step.add_request(seq, prompt, hasher.hash_token_ids(prompt))
+    step.allocate(seq, len(prompt), 0, lookup=True)
+    step.cache_blocks(seq, len(prompt))
+    step.finish(seq)
+    return step
+
+
+def _one_failover() -> tuple[float, float]:
+    """(promotion call, kill to the first acknowledged Step on the new primary), seconds."""
+    with tempfile.TemporaryDirectory() as a_dir, tempfile.TemporaryDirectory() as b_dir:
+        (a, a_address), (b, b_address) = _spawn(a_dir), _spawn(b_dir)
+        try:
+            assert _place(b_address, a_address, b_address, True) == "standby"
+            assert _place(a_address, a_address, b_address, True) == "primary"
+            with SchedulerClient(a_address) as client:
+                client.create_pool(POOL, _pool_config())
+                hasher = client.block_hasher(POOL)
+            target = [a_address]
+            moved = threading.Event()
+            served_again: list[float] = []
+
+            def drive() -> None:
+                seq = 1
+                while not served_again:
+                    address = target[0]
+                    try:
+                        with SchedulerClient(address, timeout=2.0) as client:
+                            while not served_again:
+                                client.step(POOL, _step(hasher, seq))
+                                seq += 1
+                                if address != a_address:
+                                    served_again.append(time.perf_counter())
+                    except Exception:
+                        moved.wait(30)  # re-pointed: the same step (same step_seq) again
+
+            driver = threading.Thread(target=drive, daemon=True)
+            driver.start()
+            time.sleep(0.3)
+            a.send_signal(signal.SIGKILL)
+            killed = time.perf_counter()
+            a.wait()
+            _place(b_address, b_address, "", True, epoch=2)
+            promoted = time.perf_counter() - killed
+            target[0] = b_address
+            moved.set()
+            driver.join(30)
+            assert served_again, "the scheduler did not go on"
+            return promoted, served_again[0] - killed
+        finally:
+            for process in (a, b):
+                if process.poll() is None:
+                    process.terminate()
+                    process.wait(10)
+
+
+def bench_failovers(count: int) -> None:
+    promotions, outages = [], []
+    for _ in range(count):
+        promoted, outage = _one_failover()
+        promotions.append(promoted)
+        outages.append(outage)
+    promotions.sort()
+    outages.sort()
+    print(f"failover ({count} kills of a sync primary; placement's lease TTL not included)")
+    print(f"{'':<48} {'p50 ms':>9} {'p99 ms':>9}")
+    for name, values in (("promotion (SetPlacement, checkpoint)", promotions),
+                         ("kill -9 to the first Step acked on B", outages)):  # fmt: skip
+        print(f"{name:<48} {values[len(values) // 2] * 1e3:>9.1f} {p99(values) * 1e3:>9.1f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--mode", choices=("sync", "async"), default="sync")
+    parser.add_argument("--failovers", type=int, default=0, help="instead: kill -9 this often")
     args = parser.parse_args(argv)
+    if args.failovers:
+        bench_failovers(args.failovers)
+        return
     bench_replication(args.requests, args.steps, args.mode == "sync")
 
 
