@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
+import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -542,3 +544,74 @@ def test_a_disk_that_refuses_the_record_changes_nothing_and_the_retry_acts_once(
             again.stop()
     finally:
         running.stop()
+
+
+def test_many_faulty_transfers_leak_no_block(server: EmbeddedServer) -> None:
+    """Hundreds of managed transfers (1,000 with ``KVCM_LONG=1``), most of them faulty: never
+    committed (the lease gives the source back), released, expired by hand, freed by their own
+    scheduler meanwhile, every call sent twice. Afterwards the source pool holds no block and
+    no request, and every record ended as its fault says."""
+    num_transfers = 1000 if os.environ.get("KVCM_LONG") == "1" else 200
+    big = dataclasses.replace(
+        CONFIG,
+        explicit_layout=dataclasses.replace(CONFIG.explicit_layout, num_blocks=1024),
+    )
+    rng = random.Random(7)
+    kinds = ("commit", "release", "never", "expire", "freed")
+    expected: dict[str, TransferState] = {}
+    with SchedulerClient(server.grpc_address) as client:
+        client.create_pool("src", big)
+        client.create_pool("dst", big)
+        hasher = client.block_hasher("src")
+        for first in range(0, num_transfers, 50):
+            keys = range(first, min(first + 50, num_transfers))
+            step = StepBuilder()
+            for key in keys:
+                tokens = [key % 7] * 16 + list(range(key * 40, key * 40 + 24))  # shared block
+                step.add_request(key, tokens, hasher.hash_token_ids(tokens))
+                step.allocate(key, len(tokens), 0, lookup=True)
+                step.cache_blocks(key, len(tokens))
+            client.step("src", step)
+            for key in keys:
+                tid = f"t{key}"
+                kind = rng.choice(kinds)
+                twice = rng.random() < 0.3
+                calls: list[Callable[[], Transfer]] = [
+                    lambda t=tid, k=key: client.hold_source("src", t, k, lease_s=0.5)
+                ]
+                if kind != "freed":
+                    calls.append(lambda t=tid: client.plan_transfer("src", t, "dst"))
+                if kind == "commit":
+                    calls.append(lambda t=tid: client.commit_transfer("src", t))
+                elif kind == "release":
+                    calls.append(lambda t=tid: client.release_transfer("src", t, "fault"))
+                elif kind == "expire":
+                    calls.append(lambda t=tid: client.expire_transfer("src", t, "by hand"))
+                for call in calls:
+                    answer = call()
+                    if twice:
+                        assert _same(call(), answer)
+                if kind == "freed":
+                    client.free("src", key)
+                expected[tid] = {
+                    "commit": TransferState.COMPLETED,
+                    "release": TransferState.RELEASED,
+                    "never": TransferState.EXPIRED,
+                    "expire": TransferState.EXPIRED,
+                    "freed": TransferState.RELEASED,
+                }[kind]
+
+        def all_ended() -> bool:
+            return not client.list_transfers(
+                "src", states=[TransferState.HELD, TransferState.PLANNED]
+            )
+
+        _wait_until(all_ended, 10.0)
+        records = {t.transfer_id: t for t in client.list_transfers("src")}
+        assert {tid: record.state for tid, record in records.items()} == expected
+        assert client.describe_pool("src").num_requests == 0
+        usage = client.get_usage("src")
+        assert (usage.usage, usage.num_requests) == (0.0, 0)
+        assert client.get_usage("dst").num_requests == 0
+    faulty = sum(state is not TransferState.COMPLETED for state in expected.values())
+    print(f"{num_transfers} transfers, {faulty} faulty: 0 blocks leaked")
