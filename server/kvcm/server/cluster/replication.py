@@ -501,8 +501,10 @@ class Replication:
 
     async def close(self) -> None:
         """Stop every link and close the channels."""
+        tasks = [entry.link.task for entry in self.pools.values() if entry.link is not None]
         for entry in self.pools.values():
             self._unlink(entry, "the server is stopping")
+        await asyncio.gather(*tasks, return_exceptions=True)  # each ended before the loop
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
