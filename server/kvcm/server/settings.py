@@ -33,6 +33,7 @@ __all__ = [
     "ServerSettings",
     "SettingSpec",
     "load_settings",
+    "parse_etcd_endpoints",
     "split_address",
 ]
 
@@ -193,6 +194,13 @@ class ServerSettings:
             ) from exc
 
     def _check_cluster(self) -> None:
+        if self.etcd_endpoints:
+            parse_etcd_endpoints(self.etcd_endpoints)
+            if self.tls_cert:  # the fan-out's channels to peers are plaintext
+                raise ConfigError(
+                    "etcd_endpoints: a cluster of replicas does not speak TLS between replicas "
+                    "yet; unset tls_cert or etcd_endpoints (docs/cluster.md)"
+                )
         if self.advertise_address:
             try:
                 split_address(self.advertise_address)
@@ -334,6 +342,28 @@ def _specs() -> tuple[SettingSpec, ...]:
         for table, values, names in tables
         for name in names
     )
+
+
+def parse_etcd_endpoints(value: str) -> tuple[tuple[str, int], ...]:
+    """``(host, port)`` of each comma-separated endpoint (``http://host:port`` or ``host:port``).
+
+    Raises:
+        ConfigError: An endpoint is not of that form (``https://`` included: TLS to etcd is
+            not supported yet), naming ``etcd_endpoints``.
+    """
+    endpoints: list[tuple[str, int]] = []
+    for raw in value.split(","):
+        item = raw.strip()
+        if item.startswith("https://"):
+            raise ConfigError(f"etcd_endpoints: TLS to etcd is not supported yet, got {item!r}")
+        item = item.removeprefix("http://").rstrip("/")
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"etcd_endpoints: each endpoint must be http://HOST:PORT or HOST:PORT, got {raw!r}"
+            )
+        endpoints.append((host.strip("[]"), int(port)))
+    return tuple(endpoints)
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -16,9 +16,7 @@ from typing import Any, TypeVar
 import aetcd
 import aetcd.exceptions
 
-from kvcm.common.errors import ConfigError
-
-__all__ = ["EtcdSession", "EtcdUnavailableError", "parse_endpoints"]
+__all__ = ["EtcdSession", "EtcdUnavailableError"]
 
 _LOG = logging.getLogger("kvcm.server.cluster")
 _T = TypeVar("_T")
@@ -32,30 +30,6 @@ _UNREACHABLE: tuple[type[BaseException], ...] = (
 
 class EtcdUnavailableError(Exception):
     """No etcd endpoint answered within the deadline (every one was tried)."""
-
-
-def parse_endpoints(value: str) -> tuple[tuple[str, int], ...]:
-    """``(host, port)`` of each comma-separated endpoint (``http://host:port`` or ``host:port``).
-
-    Raises:
-        ConfigError: An endpoint is not of that form, or the list is empty.
-    """
-    endpoints: list[tuple[str, int]] = []
-    for raw in value.split(","):
-        item = raw.strip()
-        if item.startswith("https://"):
-            raise ConfigError(f"etcd_endpoints: TLS to etcd is not supported yet, got {item!r}")
-        if item.startswith("http://"):
-            item = item[len("http://") :]
-        host, _, port = item.rstrip("/").rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(
-                f"etcd_endpoints: each endpoint must be http://HOST:PORT or HOST:PORT, got {raw!r}"
-            )
-        endpoints.append((host.strip("[]"), int(port)))
-    if not endpoints:
-        raise ConfigError("etcd_endpoints must name at least one endpoint")
-    return tuple(endpoints)
 
 
 class EtcdSession:

@@ -15,12 +15,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from kvcm.common.errors import ConfigError
-from kvcm.server.cluster._etcd import parse_endpoints
 from kvcm.server.cluster._fanout import PeerChannels
 from kvcm.server.cluster._node import ClusterConfig, ClusterNode
 from kvcm.server.cluster._routing import ClusterInterceptor
 from kvcm.server.cluster.placement import Placement
-from kvcm.server.settings import ServerSettings, split_address
+from kvcm.server.settings import ServerSettings, parse_etcd_endpoints, split_address
 
 if TYPE_CHECKING:
     from kvcm.server.cluster.replication import Replication
@@ -64,7 +63,7 @@ class ClusterRuntime:
         self._pool_ids = pool_ids
         self.node = ClusterNode(
             ClusterConfig(
-                endpoints=parse_endpoints(settings.etcd_endpoints),
+                endpoints=parse_etcd_endpoints(settings.etcd_endpoints),
                 prefix=settings.etcd_prefix,
                 lease_ttl_s=settings.etcd_lease_ttl_s,
                 etcd_timeout_s=settings.etcd_timeout_s,
