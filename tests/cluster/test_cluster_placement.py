@@ -34,6 +34,7 @@ from kvcm.client import (
     StepBuilder,
     UnavailableError,
 )
+from kvcm.client.worker import WorkerClient
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec
@@ -151,6 +152,22 @@ def test_the_sdk_follows_redirects_and_then_talks_to_the_owner(
             name: sync.block_hasher(name).hash_token_ids(list(range(32))) for name in pools
         }
     asyncio.run(drive())
+
+
+def test_a_worker_registers_through_any_replica(replicas: list[Replica], pools: list[str]) -> None:
+    """The worker client follows the redirect too: a rank registering through a replica that
+    does not own its pool reaches the owner, which plans the pool."""
+    specs = {f"layer.{i}": SPEC for i in range(2)}
+    with SchedulerClient(_seeds(replicas), timeout=5.0) as client:
+        client.create_pool("planned", PoolConfig(max_model_len=1024, world_size=1))
+        owner = client._routes.get("planned", replicas[0].address)
+        elsewhere = next(r.address for r in replicas if r.address != owner)
+        with WorkerClient(elsewhere, timeout=10.0) as worker:
+            registration = worker.register("planned", 0, 1, specs, 8 * 1024 * 1024)
+        assert registration.kv_cache_config.num_blocks > 0
+        assert worker._routes == {"planned": owner}
+        assert client.describe_pool("planned").kv_cache_config is not None
+        client.delete_pool("planned")
 
 
 def test_list_pools_through_any_replica_lists_every_pool(
