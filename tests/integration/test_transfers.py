@@ -615,3 +615,36 @@ def test_many_faulty_transfers_leak_no_block(server: EmbeddedServer) -> None:
         assert client.get_usage("dst").num_requests == 0
     faulty = sum(state is not TransferState.COMPLETED for state in expected.values())
     print(f"{num_transfers} transfers, {faulty} faulty: 0 blocks leaked")
+
+
+def test_a_replaced_source_pool_is_not_touched(server: EmbeddedServer) -> None:
+    """A source pool deleted and created again under its id (a new incarnation) while its
+    transfer is held: the new pool's request under the same key is not the source, so ending
+    the transfer frees nothing there, and the stale record is released by the monitor; a
+    deleted pool's transfers are released too."""
+    with SchedulerClient(server.grpc_address) as client:
+        _pools(client)
+        client.hold_source("prefill", "t1", 1, lease_s=30.0)
+        client.plan_transfer("prefill", "t1", "decode")
+        client.delete_pool("prefill")
+        client.create_pool("prefill", CONFIG)
+        _computed(client, "prefill", 1, PROMPT)  # same key, same request id, another pool
+        blocks = client.get_block_ids("prefill", 1)
+        _wait_until(
+            lambda: client.describe_transfer("prefill", "t1").state is TransferState.RELEASED,
+            5.0,
+        )
+        # Released as freed outside it, or (the monitor ran before the pool came back) as
+        # its pool deleted; either way nothing of the new pool was touched.
+        reason = client.describe_transfer("prefill", "t1").reason
+        assert reason in ("the source request was freed outside it", "the source pool was deleted")
+        assert client.get_block_ids("prefill", 1) == blocks  # untouched
+        assert client.describe_pool("prefill").num_requests == 1
+        client.hold_source("prefill", "t2", 1, lease_s=30.0)
+        client.delete_pool("prefill")
+        _wait_until(lambda: client.list_transfers(states=[TransferState.HELD]) == [], 5.0)
+        (gone,) = [t for t in client.list_transfers() if t.transfer_id == "t2"]
+        assert (gone.state, gone.reason) == (
+            TransferState.RELEASED,
+            "the source pool was deleted",
+        )

@@ -26,15 +26,15 @@ from kvcm.v1 import common_pb2 as kvcm_dot_v1_dot_common__pb2
 from kvcm.v1 import lookup_pb2 as kvcm_dot_v1_dot_lookup__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kvcm/v1/pd.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/common.proto\x1a\x14kvcm/v1/lookup.proto\"\xbc\x02\n\x0eRoutePdRequest\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.kvcm.v1.TokenPromptH\x00\x12%\n\x06hashes\x18\x02 \x01(\x0b\x32\x13.kvcm.v1.HashPromptH\x00\x12+\n\rprefill_scope\x18\x03 \x01(\x0b\x32\x14.kvcm.v1.LookupScope\x12*\n\x0c\x64\x65\x63ode_scope\x18\x04 \x01(\x0b\x32\x14.kvcm.v1.LookupScope\x12\x18\n\x0bload_weight\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0bmax_results\x18\x06 \x01(\r\x12\x15\n\rbidirectional\x18\x07 \x01(\x08\x12\"\n\x04held\x18\x08 \x03(\x0b\x32\x14.kvcm.v1.HeldRequestB\x08\n\x06promptB\x0e\n\x0c_load_weight\"2\n\x0bHeldRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\xe3\x02\n\x0fRoutePdResponse\x12!\n\x07prefill\x18\x01 \x03(\x0b\x32\x10.kvcm.v1.PoolHit\x12 \n\x06\x64\x65\x63ode\x18\x02 \x03(\x0b\x32\x10.kvcm.v1.PoolHit\x12%\n\x07skipped\x18\x03 \x03(\x0b\x32\x14.kvcm.v1.SkippedPool\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x64\x65\x63ode_hit_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_pull_tokens\x18\x06 \x01(\x04\x12\x19\n\x11remote_num_tokens\x18\x07 \x01(\x04\x12\x1e\n\x16prefill_compute_tokens\x18\x08 \x01(\x04\x12\"\n\x1anum_prefill_pools_in_scope\x18\t \x01(\r\x12!\n\x19num_decode_pools_in_scope\x18\n \x01(\r\x12\x17\n\x0fheld_request_id\x18\x0b \x01(\t\"\xec\x03\n\x08Transfer\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.kvcm.v1.TransferState\x12\x13\n\x0brecord_only\x18\x04 \x01(\x08\x12\x13\n\x0brequest_key\x18\x05 \x01(\x04\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nnum_tokens\x18\x07 \x01(\x04\x12/\n\rsource_blocks\x18\x08 \x01(\x0b\x32\x18.kvcm.v1.GroupedBlockIds\x12\x0f\n\x07lease_s\x18\t \x01(\x01\x12\x19\n\x11lease_remaining_s\x18\n \x01(\x01\x12\x1b\n\x13\x64\x65stination_pool_id\x18\x0b \x01(\t\x12\x12\n\nhit_tokens\x18\x0c \x01(\x04\x12\x13\n\x0bpull_tokens\x18\r \x01(\x04\x12\x12\n\nhit_blocks\x18\x0e \x01(\x04\x12\x13\n\x0bpull_blocks\x18\x0f \x01(\x04\x12\x15\n\rblocks_pulled\x18\x10 \x01(\x04\x12\x12\n\nstarted_at\x18\x11 \x01(\x01\x12\x10\n\x08\x65nded_at\x18\x12 \x01(\x01\x12\x0e\n\x06reason\x18\x13 \x01(\t\x12\x12\n\nblock_size\x18\x14 \x01(\r\x12\x14\n\x0csource_freed\x18\x15 \x01(\x08\"\xcd\x01\n\x11HoldSourceRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x13\n\x0brequest_key\x18\x03 \x01(\x04\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x13\n\x0brecord_only\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nnum_tokens\x18\x07 \x01(\x04\x12/\n\rsource_blocks\x18\x08 \x01(\x0b\x32\x18.kvcm.v1.GroupedBlockIds\"9\n\x12HoldSourceResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"\xaa\x01\n\x13PlanTransferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x1b\n\x13\x64\x65stination_pool_id\x18\x03 \x01(\t\x12\x17\n\nhit_tokens\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x0bpull_tokens\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\r\n\x0b_hit_tokensB\x0e\n\x0c_pull_tokens\";\n\x14PlanTransferResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"k\n\x15\x43ommitTransferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x1a\n\rblocks_pulled\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_blocks_pulled\"=\n\x16\x43ommitTransferResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"N\n\x16ReleaseTransferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\">\n\x17ReleaseTransferResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"c\n\x15\x45xpireTransferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x14\n\x0csource_freed\x18\x04 \x01(\x08\"=\n\x16\x45xpireTransferResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"?\n\x17\x44\x65scribeTransferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\"?\n\x18\x44\x65scribeTransferResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"O\n\x14ListTransfersRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12&\n\x06states\x18\x02 \x03(\x0e\x32\x16.kvcm.v1.TransferState\"=\n\x15ListTransfersResponse\x12$\n\ttransfers\x18\x01 \x03(\x0b\x32\x11.kvcm.v1.Transfer*\xbb\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSFER_STATE_HELD\x10\x01\x12\x1a\n\x16TRANSFER_STATE_PLANNED\x10\x02\x12\x1c\n\x18TRANSFER_STATE_COMPLETED\x10\x03\x12\x1b\n\x17TRANSFER_STATE_RELEASED\x10\x04\x12\x1a\n\x16TRANSFER_STATE_EXPIRED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kvcm/v1/pd.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/common.proto\x1a\x14kvcm/v1/lookup.proto\"\xbc\x02\n\x0eRoutePdRequest\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.kvcm.v1.TokenPromptH\x00\x12%\n\x06hashes\x18\x02 \x01(\x0b\x32\x13.kvcm.v1.HashPromptH\x00\x12+\n\rprefill_scope\x18\x03 \x01(\x0b\x32\x14.kvcm.v1.LookupScope\x12*\n\x0c\x64\x65\x63ode_scope\x18\x04 \x01(\x0b\x32\x14.kvcm.v1.LookupScope\x12\x18\n\x0bload_weight\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0bmax_results\x18\x06 \x01(\r\x12\x15\n\rbidirectional\x18\x07 \x01(\x08\x12\"\n\x04held\x18\x08 \x03(\x0b\x32\x14.kvcm.v1.HeldRequestB\x08\n\x06promptB\x0e\n\x0c_load_weight\"2\n\x0bHeldRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\xe3\x02\n\x0fRoutePdResponse\x12!\n\x07prefill\x18\x01 \x03(\x0b\x32\x10.kvcm.v1.PoolHit\x12 \n\x06\x64\x65\x63ode\x18\x02 \x03(\x0b\x32\x10.kvcm.v1.PoolHit\x12%\n\x07skipped\x18\x03 \x03(\x0b\x32\x14.kvcm.v1.SkippedPool\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x64\x65\x63ode_hit_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_pull_tokens\x18\x06 \x01(\x04\x12\x19\n\x11remote_num_tokens\x18\x07 \x01(\x04\x12\x1e\n\x16prefill_compute_tokens\x18\x08 \x01(\x04\x12\"\n\x1anum_prefill_pools_in_scope\x18\t \x01(\r\x12!\n\x19num_decode_pools_in_scope\x18\n \x01(\r\x12\x17\n\x0fheld_request_id\x18\x0b \x01(\t\"\x80\x04\n\x08Transfer\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.kvcm.v1.TransferState\x12\x13\n\x0brecord_only\x18\x04 \x01(\x08\x12\x13\n\x0brequest_key\x18\x05 \x01(\x04\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nnum_tokens\x18\x07 \x01(\x04\x12/\n\rsource_blocks\x18\x08 \x01(\x0b\x32\x18.kvcm.v1.GroupedBlockIds\x12\x0f\n\x07lease_s\x18\t \x01(\x01\x12\x19\n\x11lease_remaining_s\x18\n \x01(\x01\x12\x1b\n\x13\x64\x65stination_pool_id\x18\x0b \x01(\t\x12\x12\n\nhit_tokens\x18\x0c \x01(\x04\x12\x13\n\x0bpull_tokens\x18\r \x01(\x04\x12\x12\n\nhit_blocks\x18\x0e \x01(\x04\x12\x13\n\x0bpull_blocks\x18\x0f \x01(\x04\x12\x15\n\rblocks_pulled\x18\x10 \x01(\x04\x12\x12\n\nstarted_at\x18\x11 \x01(\x01\x12\x10\n\x08\x65nded_at\x18\x12 \x01(\x01\x12\x0e\n\x06reason\x18\x13 \x01(\t\x12\x12\n\nblock_size\x18\x14 \x01(\r\x12\x14\n\x0csource_freed\x18\x15 \x01(\x08\x12\x12\n\npool_epoch\x18\x16 \x01(\x04\"\xcd\x01\n\x11HoldSourceRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x13\n\x0brequest_key\x18\x03 \x01(\x04\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x13\n\x0brecord_only\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nnum_tokens\x18\x07 \x01(\x04\x12/\n\rsource_blocks\x18\x08 \x01(\x0b\x32\x18.kvcm.v1.GroupedBlockIds\"9\n\x12HoldSourceResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"\xaa\x01\n\x13PlanTransferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x1b\n\x13\x64\x65stination_pool_id\x18\x03 \x01(\t\x12\x17\n\nhit_tokens\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x0bpull_tokens\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\r\n\x0b_hit_tokensB\x0e\n\x0c_pull_tokens\";\n\x14PlanTransferResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"k\n\x15\x43ommitTransferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x1a\n\rblocks_pulled\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_blocks_pulled\"=\n\x16\x43ommitTransferResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"N\n\x16ReleaseTransferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\">\n\x17ReleaseTransferResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"c\n\x15\x45xpireTransferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x14\n\x0csource_freed\x18\x04 \x01(\x08\"=\n\x16\x45xpireTransferResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"?\n\x17\x44\x65scribeTransferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\"?\n\x18\x44\x65scribeTransferResponse\x12#\n\x08transfer\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.Transfer\"O\n\x14ListTransfersRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12&\n\x06states\x18\x02 \x03(\x0e\x32\x16.kvcm.v1.TransferState\"=\n\x15ListTransfersResponse\x12$\n\ttransfers\x18\x01 \x03(\x0b\x32\x11.kvcm.v1.Transfer*\xbb\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSFER_STATE_HELD\x10\x01\x12\x1a\n\x16TRANSFER_STATE_PLANNED\x10\x02\x12\x1c\n\x18TRANSFER_STATE_COMPLETED\x10\x03\x12\x1b\n\x17TRANSFER_STATE_RELEASED\x10\x04\x12\x1a\n\x16TRANSFER_STATE_EXPIRED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcm.v1.pd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATE']._serialized_start=2553
-  _globals['_TRANSFERSTATE']._serialized_end=2740
+  _globals['_TRANSFERSTATE']._serialized_start=2573
+  _globals['_TRANSFERSTATE']._serialized_end=2760
   _globals['_ROUTEPDREQUEST']._serialized_start=74
   _globals['_ROUTEPDREQUEST']._serialized_end=390
   _globals['_HELDREQUEST']._serialized_start=392
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTEPDRESPONSE']._serialized_start=445
   _globals['_ROUTEPDRESPONSE']._serialized_end=800
   _globals['_TRANSFER']._serialized_start=803
-  _globals['_TRANSFER']._serialized_end=1295
-  _globals['_HOLDSOURCEREQUEST']._serialized_start=1298
-  _globals['_HOLDSOURCEREQUEST']._serialized_end=1503
-  _globals['_HOLDSOURCERESPONSE']._serialized_start=1505
-  _globals['_HOLDSOURCERESPONSE']._serialized_end=1562
-  _globals['_PLANTRANSFERREQUEST']._serialized_start=1565
-  _globals['_PLANTRANSFERREQUEST']._serialized_end=1735
-  _globals['_PLANTRANSFERRESPONSE']._serialized_start=1737
-  _globals['_PLANTRANSFERRESPONSE']._serialized_end=1796
-  _globals['_COMMITTRANSFERREQUEST']._serialized_start=1798
-  _globals['_COMMITTRANSFERREQUEST']._serialized_end=1905
-  _globals['_COMMITTRANSFERRESPONSE']._serialized_start=1907
-  _globals['_COMMITTRANSFERRESPONSE']._serialized_end=1968
-  _globals['_RELEASETRANSFERREQUEST']._serialized_start=1970
-  _globals['_RELEASETRANSFERREQUEST']._serialized_end=2048
-  _globals['_RELEASETRANSFERRESPONSE']._serialized_start=2050
-  _globals['_RELEASETRANSFERRESPONSE']._serialized_end=2112
-  _globals['_EXPIRETRANSFERREQUEST']._serialized_start=2114
-  _globals['_EXPIRETRANSFERREQUEST']._serialized_end=2213
-  _globals['_EXPIRETRANSFERRESPONSE']._serialized_start=2215
-  _globals['_EXPIRETRANSFERRESPONSE']._serialized_end=2276
-  _globals['_DESCRIBETRANSFERREQUEST']._serialized_start=2278
-  _globals['_DESCRIBETRANSFERREQUEST']._serialized_end=2341
-  _globals['_DESCRIBETRANSFERRESPONSE']._serialized_start=2343
-  _globals['_DESCRIBETRANSFERRESPONSE']._serialized_end=2406
-  _globals['_LISTTRANSFERSREQUEST']._serialized_start=2408
-  _globals['_LISTTRANSFERSREQUEST']._serialized_end=2487
-  _globals['_LISTTRANSFERSRESPONSE']._serialized_start=2489
-  _globals['_LISTTRANSFERSRESPONSE']._serialized_end=2550
+  _globals['_TRANSFER']._serialized_end=1315
+  _globals['_HOLDSOURCEREQUEST']._serialized_start=1318
+  _globals['_HOLDSOURCEREQUEST']._serialized_end=1523
+  _globals['_HOLDSOURCERESPONSE']._serialized_start=1525
+  _globals['_HOLDSOURCERESPONSE']._serialized_end=1582
+  _globals['_PLANTRANSFERREQUEST']._serialized_start=1585
+  _globals['_PLANTRANSFERREQUEST']._serialized_end=1755
+  _globals['_PLANTRANSFERRESPONSE']._serialized_start=1757
+  _globals['_PLANTRANSFERRESPONSE']._serialized_end=1816
+  _globals['_COMMITTRANSFERREQUEST']._serialized_start=1818
+  _globals['_COMMITTRANSFERREQUEST']._serialized_end=1925
+  _globals['_COMMITTRANSFERRESPONSE']._serialized_start=1927
+  _globals['_COMMITTRANSFERRESPONSE']._serialized_end=1988
+  _globals['_RELEASETRANSFERREQUEST']._serialized_start=1990
+  _globals['_RELEASETRANSFERREQUEST']._serialized_end=2068
+  _globals['_RELEASETRANSFERRESPONSE']._serialized_start=2070
+  _globals['_RELEASETRANSFERRESPONSE']._serialized_end=2132
+  _globals['_EXPIRETRANSFERREQUEST']._serialized_start=2134
+  _globals['_EXPIRETRANSFERREQUEST']._serialized_end=2233
+  _globals['_EXPIRETRANSFERRESPONSE']._serialized_start=2235
+  _globals['_EXPIRETRANSFERRESPONSE']._serialized_end=2296
+  _globals['_DESCRIBETRANSFERREQUEST']._serialized_start=2298
+  _globals['_DESCRIBETRANSFERREQUEST']._serialized_end=2361
+  _globals['_DESCRIBETRANSFERRESPONSE']._serialized_start=2363
+  _globals['_DESCRIBETRANSFERRESPONSE']._serialized_end=2426
+  _globals['_LISTTRANSFERSREQUEST']._serialized_start=2428
+  _globals['_LISTTRANSFERSREQUEST']._serialized_end=2507
+  _globals['_LISTTRANSFERSRESPONSE']._serialized_start=2509
+  _globals['_LISTTRANSFERSRESPONSE']._serialized_end=2570
 # @@protoc_insertion_point(module_scope)

@@ -79,7 +79,7 @@ class RoutePdResponse(_message.Message):
     def __init__(self, prefill: _Optional[_Iterable[_Union[_lookup_pb2.PoolHit, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[_lookup_pb2.PoolHit, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[_lookup_pb2.SkippedPool, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., decode_hit_tokens: _Optional[int] = ..., decode_pull_tokens: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ..., prefill_compute_tokens: _Optional[int] = ..., num_prefill_pools_in_scope: _Optional[int] = ..., num_decode_pools_in_scope: _Optional[int] = ..., held_request_id: _Optional[str] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("pool_id", "transfer_id", "state", "record_only", "request_key", "request_id", "num_tokens", "source_blocks", "lease_s", "lease_remaining_s", "destination_pool_id", "hit_tokens", "pull_tokens", "hit_blocks", "pull_blocks", "blocks_pulled", "started_at", "ended_at", "reason", "block_size", "source_freed")
+    __slots__ = ("pool_id", "transfer_id", "state", "record_only", "request_key", "request_id", "num_tokens", "source_blocks", "lease_s", "lease_remaining_s", "destination_pool_id", "hit_tokens", "pull_tokens", "hit_blocks", "pull_blocks", "blocks_pulled", "started_at", "ended_at", "reason", "block_size", "source_freed", "pool_epoch")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class Transfer(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FREED_FIELD_NUMBER: _ClassVar[int]
+    POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     transfer_id: str
     state: TransferState
@@ -122,7 +123,8 @@ class Transfer(_message.Message):
     reason: str
     block_size: int
     source_freed: bool
-    def __init__(self, pool_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., record_only: _Optional[bool] = ..., request_key: _Optional[int] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., source_blocks: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., lease_s: _Optional[float] = ..., lease_remaining_s: _Optional[float] = ..., destination_pool_id: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., pull_tokens: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., pull_blocks: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., reason: _Optional[str] = ..., block_size: _Optional[int] = ..., source_freed: _Optional[bool] = ...) -> None: ...
+    pool_epoch: int
+    def __init__(self, pool_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., record_only: _Optional[bool] = ..., request_key: _Optional[int] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., source_blocks: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., lease_s: _Optional[float] = ..., lease_remaining_s: _Optional[float] = ..., destination_pool_id: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., pull_tokens: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., pull_blocks: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., reason: _Optional[str] = ..., block_size: _Optional[int] = ..., source_freed: _Optional[bool] = ..., pool_epoch: _Optional[int] = ...) -> None: ...
 
 class HoldSourceRequest(_message.Message):
     __slots__ = ("pool_id", "transfer_id", "request_key", "lease_s", "record_only", "request_id", "num_tokens", "source_blocks")

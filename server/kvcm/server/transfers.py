@@ -101,6 +101,8 @@ class TransferRecord:
     Attributes:
         renewed_at: Awake-clock time the lease was last renewed (deadline: + ``lease_s``).
         block_size: The source pool's block size (hit and pull in blocks).
+        pool_epoch: The source pool's incarnation at the hold (a replaced pool's requests are
+            not the source's).
     """
 
     pool_id: str
@@ -122,6 +124,7 @@ class TransferRecord:
     ended_at: float = 0.0
     reason: str = ""
     source_freed: bool = False
+    pool_epoch: int = 0
 
     @property
     def in_flight(self) -> bool:
@@ -422,14 +425,14 @@ class TransferBook:
             out["kvcm_transfer_oldest_source_age_seconds"].append(([pool_id], max(age, 0.0)))
         return out
 
-    def drop_pool(self, pool_id: str) -> None:
-        """Forget every record of ``pool_id`` (the pool was deleted)."""
-        for key in [key for key in self.records if key[0] == pool_id]:
-            record = self.records.pop(key)
-            if record.in_flight:
-                self._untrack(record)
-            self._ended.pop(key, None)
-        self.counters.pop(pool_id, None)
+    def abandon_pool(self, pool_id: str, wall: float) -> int:
+        """Release every transfer in flight of ``pool_id`` (the pool was deleted: nothing is
+        held for them any more); returns how many."""
+        stale = [r for r in self.records.values() if r.pool_id == pool_id and r.in_flight]
+        for record in stale:
+            record.source_freed = record.record_only
+            self._end(record, TransferState.RELEASED, "the source pool was deleted", wall)
+        return len(stale)
 
     def extend(self, stall_s: float, now: float) -> None:
         """Move every lease ``stall_s`` later (not past ``now``): the server stalled."""

@@ -102,6 +102,7 @@ def transfer_to_proto(record: TransferRecord, now: float) -> pd_pb2.Transfer:
         reason=record.reason,
         block_size=record.block_size,
         source_freed=record.source_freed,
+        pool_epoch=record.pool_epoch,
     )
     fill_grouped([list(ids) for ids in record.source_blocks], message.source_blocks)
     return message
@@ -127,6 +128,7 @@ def _from_proto(message: pd_pb2.Transfer) -> TransferRecord:
         ended_at=message.ended_at,
         reason=message.reason,
         source_freed=message.source_freed,
+        pool_epoch=message.pool_epoch,
     )
 
 
@@ -289,7 +291,7 @@ class TransferServicer:
             if not record.in_flight or record.pool_id in state.standby_pools:
                 continue  # ended meanwhile; a standby's copy expires by its primary's records
             if record.pool_id not in state.registry:
-                state.transfer_book.drop_pool(record.pool_id)
+                ended += state.transfer_book.abandon_pool(record.pool_id, time.time())
                 continue
             if not record.record_only and self._source(record) is None:
                 method, reason = "ReleaseTransfer", "the source request was freed outside it"
@@ -381,7 +383,8 @@ class TransferServicer:
         return resolved
 
     def _source(self, record: TransferRecord) -> Any:
-        """The managed source's request in its pool now (``None``: gone or holds nothing)."""
+        """The managed source's request in its pool now (``None``: gone, holds nothing, or the
+        pool was deleted or replaced since the hold)."""
         try:
             pool = self._state.registry.get(record.pool_id)
         except KVCMError:
@@ -389,7 +392,8 @@ class TransferServicer:
         request = pool.requests.get(record.request_key)
         manager = pool.manager
         if (
-            request is None
+            pool.epoch != record.pool_epoch
+            or request is None
             or manager is None
             or request.request_id != record.request_id
             or not manager.holds_blocks(request.request_id)
@@ -487,7 +491,7 @@ class TransferServicer:
         if request.record_only:
             return _record(
                 request,
-                block_size,
+                pool,
                 request.request_id,
                 request.num_tokens,
                 _grouped(request.source_blocks),
@@ -512,7 +516,7 @@ class TransferServicer:
         blocks = tuple(tuple(ids) for ids in manager.get_block_ids(source.request_id))
         # The tokens its blocks hold (the scheduler, not kvcm, keeps num_computed_tokens).
         num_tokens = min(len(source.all_token_ids), len(blocks[0]) * block_size)
-        return _record(request, block_size, source.request_id, num_tokens, blocks)
+        return _record(request, pool, source.request_id, num_tokens, blocks)
 
     def _give_back(self, record: TransferRecord) -> None:
         """Finish a managed source's request (unless it is gone already)."""
@@ -525,12 +529,13 @@ class TransferServicer:
 
 def _record(
     request: pd_pb2.HoldSourceRequest,
-    block_size: int,
+    pool: Pool,
     request_id: str,
     num_tokens: int,
     blocks: tuple[tuple[int, ...], ...],
 ) -> TransferRecord:
     return TransferRecord(
+        pool_epoch=pool.epoch,
         pool_id=request.pool_id,
         transfer_id=request.transfer_id,
         record_only=request.record_only,
@@ -539,7 +544,7 @@ def _record(
         num_tokens=num_tokens,
         source_blocks=blocks,
         lease_s=request.lease_s,
-        block_size=block_size,
+        block_size=pool.hashing.hash_block_size,
     )
 
 
