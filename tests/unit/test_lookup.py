@@ -633,3 +633,65 @@ def test_hashing_work_of_every_indexed_pool_is_read_from_the_kinds() -> None:
     with pytest.raises(ResourceExhaustedError):
         hashing_work(scope, long_prompt, index)
     assert hashing_work(scope, LookupQuery(token_ids=[7] * 64), index) == 56 + 32
+
+
+def test_best_k_filled_from_many_pools_that_miss_equals_a_brute_force_ranking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt hit by fewer pools than asked for fills the top from the pools that miss: with
+    many of them, that level is scored from the kinds' columns (two kinds of one hashing
+    profile, whole and partial scopes), and every answer equals the ranking computed pool by
+    pool, with loads varied by running and waiting requests and evictions."""
+    import kvcm.core.lookup as lookup_module
+
+    levels: list[int] = []
+    level_rows = lookup_module._level_rows
+
+    def counted(group: object, level: set[int], *args: object) -> object:
+        levels.append(len(level))
+        return level_rows(group, level, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lookup_module, "_level_rows", counted)
+    rng = random.Random(2626)
+    registry = PoolRegistry()
+    pools: list[Pool] = []
+    for number in range(40):
+        config = PoolConfig(
+            max_model_len=512 if number % 3 else 256,  # two kinds, one hashing profile
+            explicit_layout=_layout([_full()], rng.choice([12, 24, 48])),
+        )
+        pools.append(registry.create(f"m{number:02d}", config))
+    documents = [[rng.randrange(500) for _ in range(rng.randrange(8, 60))] for _ in range(5)]
+    key = 0
+    for pool in pools:  # each pool: a few requests, some left running, one left waiting
+        for _ in range(rng.randrange(0, 4)):
+            key += 1
+            prompt = [*rng.choice(documents)[: rng.randrange(1, 60)], rng.randrange(500)]
+            _serve(pool, key, prompt, finish=rng.random() < 0.6)
+        if rng.random() < 0.3:
+            key += 1
+            pool.add_request(key, f"w{key}", [1, 2, 3], b"")
+        if rng.random() < 0.2 and pool.manager is not None:
+            pool.evict_blocks(rng.sample(range(1, pool.manager.block_pool.num_gpu_blocks), 3))
+    for _ in range(40):
+        if rng.random() < 0.5:  # a prompt few pools hold (a document's start), or none
+            probe = rng.choice(documents)[: rng.randrange(2, 60)]
+        else:
+            probe = [rng.randrange(500, 900) for _ in range(rng.randrange(2, 60))]
+        weight = rng.choice([0.0, 0.5, 3.0])
+        limit = rng.choice([1, 3, 5, 30])
+        if rng.random() < 0.6:
+            chosen = pools
+            query = LookupQuery(token_ids=probe, load_weight=weight, max_results=limit)
+        else:
+            chosen = sorted(rng.sample(pools, rng.randrange(20, 40)), key=lambda p: p.name)
+            query = LookupQuery(
+                token_ids=probe,
+                pool_ids=[p.name for p in chosen],
+                load_weight=weight,
+                max_results=limit,
+            )
+        answer = registry.lookup(query)
+        got = [(h.pool_id, h.num_hit_tokens, h.load, h.score) for h in answer.pools]
+        assert got == _brute_force(chosen, probe, weight, limit)
+    assert len(levels) >= 20  # the columns scored most of the answers

@@ -285,6 +285,8 @@ class PrefixIndex:
             return None
         if pool.host_tier is not None:
             return None  # answered directly: its host hits are read from the tier
+        if manager.block_pool.num_gpu_blocks < 2:
+            return None  # no usable block (the null block only): answered directly
         try:
             slot = self._slots.index(None)
         except ValueError:
@@ -973,8 +975,15 @@ def _walk(keys: Mapping[BlockHashWithGroupId, int], group: _Group) -> list[tuple
     return levels
 
 
+_BITS: Final = bytes.maketrans(b"01", b"\0\1")
+
+
 def _slots_of(mask: int) -> list[int]:
-    """The set bits of ``mask`` (found by a C scan of its binary text, not bit by bit)."""
+    """The set bits of ``mask`` (in no set order), found in C: in a dense mask (the pools that
+    hit nothing, say) each bit of its binary text made a byte 0 or 1 and selected by
+    ``compress``; in a sparse one the text searched for each ``1`` in turn."""
+    if mask.bit_count() * 16 > mask.bit_length():
+        return list(compress(count(), bin(mask)[:1:-1].encode().translate(_BITS)))
     text = bin(mask)
     last = len(text) - 1  # the character of bit 0
     slots = []
@@ -1068,8 +1077,12 @@ def _top(
             if -rows[-1][0] > bound:
                 break
         num_hit = num_blocks * group.block_size
+        level = _slots_of(mask)
+        if 2 * len(level) > len(group.members) >= _COLUMNS_FROM:
+            rows.extend(_level_rows(group, set(level), bound, num_hit, weight))
+            continue
         append = rows.append
-        for member in map(slots.__getitem__, _slots_of(mask)):
+        for member in map(slots.__getitem__, level):
             assert member is not None
             num_free = member.free_queue.num_free_blocks
             num_usable = member.num_usable
@@ -1084,7 +1097,7 @@ def _top(
                     usage,
                     member.name,
                     None,
-                    member,
+                    member.medium,
                     num_hit,
                     group.num_tokens,
                     num_free,
@@ -1095,6 +1108,45 @@ def _top(
     return tuple(_top_answer(row, parts) for row in heapq.nsmallest(limit, rows))
 
 
+_COLUMNS_FROM: Final = 16
+"""Groups of this many pools or more score a level holding most of them from the kinds'
+columns (:func:`_level_rows`)."""
+
+
+def _level_rows(
+    group: _Group, level: set[int], bound: float, num_hit: int, weight: float
+) -> list[tuple[Any, ...]]:
+    """:func:`_top`'s rows for the pools of a level holding most of a group (the pools that hit
+    nothing, when fewer pools hit than asked for: a cold prompt's top is filled from them),
+    read from the kinds' columns (kept ready for a whole kind): no member object is visited,
+    and one comprehension makes every row. Computes what :func:`_top`'s loop does. Indexed
+    pools have usable blocks (:meth:`PrefixIndex.reserve`), so the usage needs no zero test."""
+    rows: list[tuple[Any, ...]] = []
+    num_tokens = group.num_tokens
+    for kind, members in group.kinds:
+        columns = kind.columns() if len(members) == len(kind.members) else _columns_of(members)
+        slots, queues, running, requests, names, usable, media = columns
+        rows += [
+            (
+                -(bound - weight * (usage := 1.0 - (num_free := queue.num_free_blocks) / n)),
+                len(tracked) - (num_running := len(held)),
+                usage,
+                name,
+                None,
+                medium,
+                num_hit,
+                num_tokens,
+                num_free,
+                num_running,
+            )
+            for slot, queue, held, tracked, name, n, medium in zip(
+                slots, queues, running, requests, names, usable, media, strict=True
+            )
+            if slot in level
+        ]
+    return rows
+
+
 def _top_answer(
     row: tuple[Any, ...], parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]]
 ) -> PoolHit:
@@ -1103,8 +1155,8 @@ def _top_answer(
     hit: PoolHit | None = row[4]
     if hit is not None:
         return hit
-    neg_score, num_waiting, usage, name, _, member, num_hit, num_tokens, num_free, num_running = row
-    groups, tiers = _hit_parts(parts, num_hit, member.medium)
+    neg_score, num_waiting, usage, name, _, medium, num_hit, num_tokens, num_free, num_running = row
+    groups, tiers = _hit_parts(parts, num_hit, medium)
     load = _new(PoolLoad, (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0))
     return _new(PoolHit, (name, num_hit, groups, tiers, num_tokens, load, -neg_score))
 
