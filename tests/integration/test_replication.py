@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -93,6 +94,20 @@ def test_sync_standby_has_every_acknowledged_program_and_takes_over(tmp_path: Pa
             assert killed_at[scheduler.pool_id] < 40
             assert_pool_matches(b.address, scheduler.pool_id, expected_pool(40))
             assert replica_state(b.address, scheduler.pool_id).placement_epoch == 2
+        # A comes back from its data directory still believing it is primary at epoch 1
+        # (replication.json): its first ship is refused by B (epoch 2), so it steps down,
+        # acknowledges nothing, and keeps that across its next restart.
+        roles = a.data_dir / "replication.json"
+        assert {row["role"] for row in json.loads(roles.read_text()).values()} == {"primary"}
+        a.start()
+        for pool_id in POOLS:
+            _wait(lambda p=pool_id: replica_state(a.address, p).role == "fenced", "A to step down")
+        with SchedulerClient(a.address, timeout=1.0) as client:
+            for pool_id in POOLS:
+                with pytest.raises(ServiceError, match="not served by this replica"):
+                    client.step(pool_id, program(41))
+        saved = json.loads(roles.read_text())
+        assert {(row["role"], row["epoch"]) for row in saved.values()} == {("fenced", 2)}
     finally:
         a.stop()
         b.stop()

@@ -205,7 +205,9 @@ class KVCMServer:
                 self.journal, self.state, settings.checkpoint_every_records
             )
             interceptors.append(journaling)
-            self.replication = replication = Replication(self.state, "")
+            self.replication = replication = Replication(
+                self.state, "", directory=self.journal.directory
+            )
             journaling.replication = replication
             self.journal.on_change = replication.changed
         if self.tracing is not None:  # outermost: its span covers the whole call

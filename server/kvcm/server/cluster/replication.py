@@ -34,11 +34,13 @@ import collections
 import contextlib
 import enum
 import hashlib
+import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import grpc
@@ -59,6 +61,7 @@ __all__ = [
     "DIGEST_EVERY_ENV",
     "EPOCH_METADATA",
     "REPLICA_TOKEN_ENV",
+    "STATE_FILE",
     "SYNC_TIMEOUT_ENV",
     "PromotionRefusedError",
     "ReplicaState",
@@ -75,6 +78,8 @@ EPOCH_METADATA: Final = "kvcm-epoch"
 """The trailing-metadata key of an answer's placement epoch (a replicated pool's answers)."""
 DIGEST_EVERY_ENV: Final = "KVCM_REPLICA_DIGEST_EVERY"
 """Overrides ``digest_every`` (records between two digest checks; 0: only at seeds)."""
+STATE_FILE: Final = "replication.json"
+"""This replica's roles and placement epochs, in the data directory (kept across restarts)."""
 SYNC_TIMEOUT_ENV: Final = "KVCM_REPLICA_SYNC_TIMEOUT_S"
 """Overrides ``sync_timeout_s`` (seconds a sync call waits for its standby)."""
 
@@ -160,6 +165,11 @@ class Replication:
         sync_timeout_s: How long a ``sync`` call waits for its standby before answering
             UNAVAILABLE (it is applied and journaled here; a retry of a Step with the same
             step_seq is answered once the standby has it).
+        directory: The data directory: each pool's role and placement epoch are kept in its
+            ``replication.json`` (written at every change, atomically) and read back here, so
+            a replica that restarts neither forgets that it stepped down nor acknowledges on
+            an old epoch. A standby comes back with no copy (it is seeded again); a pool being
+            promoted when the process died comes back as such a standby.
     """
 
     def __init__(
@@ -169,8 +179,14 @@ class Replication:
         *,
         digest_every: int = 256,
         sync_timeout_s: float = 5.0,
+        directory: Path | None = None,
     ) -> None:
-        """Replication for ``state``, this replica being ``address``."""
+        """Replication for ``state``, this replica being ``address``.
+
+        Raises:
+            ConfigError: An override variable is not a number in range, or ``directory``'s
+                ``replication.json`` is damaged (one line naming it).
+        """
         self.state = state
         self.address = address
         raw = os.environ.get(DIGEST_EVERY_ENV, "")
@@ -193,6 +209,83 @@ class Replication:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.failovers = 0  # promotions of this replica
         self.fenced = 0  # times this replica stepped down
+        self.directory = directory
+        self._saved = b""
+        if directory is not None:
+            self._load(directory / STATE_FILE)
+
+    def _load(self, path: Path) -> None:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise ConfigError(f"data_dir: cannot read {path}: {exc.strerror or exc}") from None
+        try:
+            rows = json.loads(data)
+            entries = [
+                ReplicaState(
+                    str(pool_id),
+                    role=Role(row["role"]),
+                    epoch=int(row["epoch"]),
+                    primary=str(row["primary"]),
+                    standby=str(row["standby"]),
+                    sync=bool(row["sync"]),
+                )
+                for pool_id, row in rows.items()
+            ]
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ConfigError(f"data_dir: {path} is damaged: {exc!r}") from None
+        for entry in entries:
+            if entry.role is Role.PROMOTING:
+                entry.role = Role.STANDBY  # its checkpoint may not be written: seed it again
+            if entry.role is not Role.PRIMARY:
+                self.state.standby_pools.add(entry.pool_id)
+            self.pools[entry.pool_id] = entry
+        self._saved = data
+        for entry in entries:
+            self._relink(entry)
+
+    def _save(self) -> None:
+        """Write every pool's role and epoch to ``replication.json`` (when they changed):
+        beside it, fsynced, renamed over it. A failure is logged; the roles in memory hold."""
+        directory = self.directory
+        if directory is None:
+            return
+        rows = {
+            pool_id: {
+                "role": entry.role.value,
+                "epoch": entry.epoch,
+                "primary": entry.primary,
+                "standby": entry.standby,
+                "sync": entry.sync,
+            }
+            for pool_id, entry in sorted(self.pools.items())
+            if entry.role is not Role.NONE
+        }
+        data = json.dumps(rows, sort_keys=True).encode()
+        if data == self._saved:
+            return
+        temporary = directory / (STATE_FILE + ".tmp")
+        try:
+            with temporary.open("wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            temporary.replace(directory / STATE_FILE)
+            descriptor = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        except OSError as exc:
+            _LOG.error(
+                "replication: cannot write %s: %s; a restart would forget the roles since",
+                directory / STATE_FILE,
+                exc.strerror or exc,
+            )
+            return
+        self._saved = data
 
     # -- placement ------------------------------------------------------------------------------
 
@@ -241,6 +334,7 @@ class Replication:
             if entry.role in (Role.PRIMARY, Role.PROMOTING, Role.STANDBY):
                 self.demote(pool_id, epoch, standby=False)
             entry.epoch = max(entry.epoch, epoch)
+        self._save()
         return entry.role
 
     def _become_standby(self, entry: ReplicaState, epoch: int) -> None:
@@ -251,6 +345,7 @@ class Replication:
         entry.epoch = max(entry.epoch, epoch)
         self.state.standby_pools.add(entry.pool_id)
         self._unlink(entry, None)
+        self._save()
 
     async def promote(self, pool_id: str, epoch: int) -> None:
         """Make this replica the pool's primary at ``epoch`` (the hook placement calls once
@@ -294,6 +389,7 @@ class Replication:
         if not promoting():
             return  # stepped down (a newer epoch) while the checkpoint was taken
         entry.role = Role.PRIMARY
+        self._save()
         self.failovers += 1
         _LOG.warning(
             "promoted to primary",
@@ -340,6 +436,7 @@ class Replication:
         else:
             entry.role = Role.FENCED
             entry.has_copy = False
+            self._save()
         if was in (Role.PRIMARY, Role.PROMOTING):
             self.fenced += 1
             _LOG.warning(
@@ -452,6 +549,7 @@ class Replication:
         if entry is not None:
             self._unlink(entry, None)
         self.state.standby_pools.discard(pool_id)
+        self._save()
 
     def samples(self) -> dict[str, list[tuple[list[str], float]]]:
         """The ``kvcm_replication_*`` samples by metric name (``(label values, value)``)."""
