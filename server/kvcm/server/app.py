@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from kvcm.common.errors import ConfigError, NotFoundError
 from kvcm.core.pool import PoolRegistry
 from kvcm.server.auth import AuthInterceptor, TokenTable
-from kvcm.server.cluster._replica_rpc import add_replica_servicer
+from kvcm.server.cluster import add_replica_servicer
 from kvcm.server.cluster.replication import Replication
 from kvcm.server.http import HashingSummary, PoolWiring, ZmqEventsSummary, build_app
 from kvcm.server.journal import Journal

@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvcm.server.cluster._etcd import EtcdUnavailableError
 from kvcm.server.cluster._fanout import LOCAL_KEY, MISSING_KEY, REPLICAS_KEY
 from kvcm.server.cluster._node import ClusterConfig, ClusterNode, ClusterStats
+from kvcm.server.cluster._replica_rpc import add_replica_servicer
 from kvcm.server.cluster._routing import EPOCH_KEY, OWNER_KEY
 from kvcm.server.cluster._runtime import ClusterRuntime
 from kvcm.server.cluster.placement import Placement, PlacementCallback, PlacementView
@@ -27,4 +28,5 @@ __all__ = [
     "Placement",
     "PlacementCallback",
     "PlacementView",
+    "add_replica_servicer",
 ]

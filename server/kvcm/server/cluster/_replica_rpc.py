@@ -15,7 +15,7 @@ import grpc
 
 from kvcm.server.cluster.placement import Placement
 from kvcm.server.cluster.replication import PromotionRefusedError, Replication
-from kvcm.server.rpc._status import AbortRpc
+from kvcm.server.rpc import AbortRpc
 from kvcm.v1 import replica_pb2, replica_pb2_grpc
 
 __all__ = ["ReplicaServicer", "add_replica_servicer"]

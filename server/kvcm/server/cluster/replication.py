@@ -51,9 +51,7 @@ from kvcm.core.pool_types import PoolState
 from kvcm.core.snapshot import decode_pool, encode_pool
 from kvcm.server.cluster.placement import Placement
 from kvcm.server.journal import JournalRecord
-from kvcm.server.rpc._durability import checkpoint_live, replay_records
-from kvcm.server.rpc._state import PoolRuntime, ServerState
-from kvcm.server.rpc._status import AbortRpc
+from kvcm.server.rpc import AbortRpc, PoolRuntime, ServerState, checkpoint_live, replay_records
 from kvcm.v1 import admin_pb2, replica_pb2, replica_pb2_grpc
 from kvcm.wire import pool_config_from_proto
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 import grpc
 
 from kvcm.server.rpc._admin import AdminServicer
-from kvcm.server.rpc._durability import JournalInterceptor, checkpoint_of, recover
+from kvcm.server.rpc._durability import (
+    JournalInterceptor,
+    checkpoint_live,
+    checkpoint_of,
+    recover,
+    replay_records,
+)
 from kvcm.server.rpc._events import EventServicer, subscriber_keepalive
 from kvcm.server.rpc._handlers import UndecodableRequest, register_services
 from kvcm.server.rpc._interceptor import MethodInterceptor, TelemetryInterceptor
@@ -49,6 +55,8 @@ __all__ = [
     "AdminServicer",
     "EventServicer",
     "JournalInterceptor",
+    "checkpoint_live",
+    "replay_records",
     "LeaseMonitor",
     "MethodInterceptor",
     "PoolRuntime",
