@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections import Counter
+from typing import Any
 
 import aetcd
 import grpc
@@ -168,6 +170,34 @@ def test_a_worker_registers_through_any_replica(replicas: list[Replica], pools: 
         assert worker._routes == {"planned": owner}
         assert client.describe_pool("planned").kv_cache_config is not None
         client.delete_pool("planned")
+
+
+def test_an_event_stream_opened_elsewhere_follows_the_redirect(replicas: list[Replica]) -> None:
+    evented = dataclasses.replace(CONFIG, enable_kv_cache_events=True)
+    prompt = list(range(64))
+    with SchedulerClient(_seeds(replicas), timeout=5.0) as client:
+        client.create_pool("evented", evented)
+        step = StepBuilder()
+        step.add_request(1, prompt, client.block_hasher("evented").hash_token_ids(prompt))
+        step.allocate(1, len(prompt), 0, lookup=True)
+        step.cache_blocks(1, len(prompt))
+        client.step("evented", step)
+        owner = client._routes.get("evented", replicas[0].address)
+    elsewhere = next(r.address for r in replicas if r.address != owner)
+    with SchedulerClient(elsewhere, timeout=5.0) as reader:
+        stream = reader.subscribe_events("evented", start_sequence=1, timeout=10.0)
+        stored: list[Any] = []
+        try:
+            for batch in stream:  # the first batch may be the stream's empty opening one
+                stored += [e for e in batch.events if type(e).__name__ == "BlockStored"]
+                if stored:
+                    break
+        finally:
+            stream.close()
+        assert reader._routes == {"evented": owner}
+    assert sum(len(event.block_hashes) for event in stored) == len(prompt) // 16
+    with SchedulerClient(_seeds(replicas), timeout=5.0) as client:
+        client.delete_pool("evented")
 
 
 def test_list_pools_through_any_replica_lists_every_pool(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Self
 
@@ -63,6 +63,7 @@ __all__ = [
     "Stubs",
     "Timeout",
     "build_channel_options",
+    "redirect_owner",
 ]
 
 Timeout = float | UseClientDefault
@@ -369,7 +370,7 @@ def split_seeds(target: str) -> list[str]:
     return seeds
 
 
-def _redirect_owner(exc: grpc.RpcError) -> str | None:
+def redirect_owner(exc: grpc.RpcError) -> str | None:
     """The owner a cluster's redirect names, or ``None`` when ``exc`` is not a redirect."""
     if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION:
         return None
@@ -461,7 +462,7 @@ class _ClientBase:
         ran) goes there. UNAVAILABLE: the remembered replica, or the current seed, is
         forgotten (the next seed is asked); the call is sent again only if ``resendable``.
         """
-        owner = _redirect_owner(exc)
+        owner = redirect_owner(exc)
         if owner is not None and pool_id:
             self._routes[pool_id] = owner
             return True
@@ -474,6 +475,16 @@ class _ClientBase:
             self._stubs = self._replica(self._seeds[self._seed])
             return resendable
         return False
+
+    def _reopener(self, request: Any, timeout: float | None) -> Callable[[str], Any]:
+        """Opens the ``SubscribeEvents`` stream of ``request`` again on a named owner (a
+        redirect), remembering the owner for the pool."""
+
+        def reopen(owner: str) -> Any:
+            self._routes[request.pool_id] = owner
+            return self._replica(owner).events.SubscribeEvents(request, timeout=timeout)
+
+        return reopen
 
     @staticmethod
     def _stub(stubs: Stubs, method: str) -> Any:

@@ -7,11 +7,12 @@ a server-streaming call is where grpc's two APIs really differ.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
 
+from kvcm.client._base import MAX_REROUTES, redirect_owner
 from kvcm.client._errors import error_from_rpc
 from kvcm.wire import EventBatch, decode_event_batch
 
@@ -25,24 +26,33 @@ class EventStream:
         pool_id: The pool.
     """
 
-    __slots__ = ("_call", "_hash_length_bytes", "pool_id")
+    __slots__ = ("_call", "_hash_length_bytes", "_reopen", "pool_id")
 
-    def __init__(self, pool_id: str, call: Any) -> None:
-        """Wrap a server-streaming call."""
+    def __init__(self, pool_id: str, call: Any, reopen: Callable[[str], Any] | None = None) -> None:
+        """Wrap a server-streaming call; ``reopen(owner)`` opens it again on the replica a
+        cluster's redirect names (before any batch came)."""
         self.pool_id = pool_id
         self._call = call
         self._hash_length_bytes = 0
+        self._reopen = reopen
 
     def __iter__(self) -> Iterator[EventBatch]:
-        try:
-            for message in self._call:
-                if message.hash_length_bytes:
-                    self._hash_length_bytes = message.hash_length_bytes
-                yield decode_event_batch(message, self._hash_length_bytes)
-        except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.CANCELLED and self._call.cancelled():
-                return  # closed by us: the end of the stream, not an error
-            raise error_from_rpc(exc, "SubscribeEvents") from exc
+        received = False
+        for reroute in range(MAX_REROUTES + 1):
+            try:
+                for message in self._call:
+                    received = True
+                    if message.hash_length_bytes:
+                        self._hash_length_bytes = message.hash_length_bytes
+                    yield decode_event_batch(message, self._hash_length_bytes)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.CANCELLED and self._call.cancelled():
+                    return  # closed by us: the end of the stream, not an error
+                owner = redirect_owner(exc)
+                if received or owner is None or self._reopen is None or reroute == MAX_REROUTES:
+                    raise error_from_rpc(exc, "SubscribeEvents") from exc
+                self._call = self._reopen(owner)
 
     def close(self) -> None:
         """Cancel the stream (iteration then ends quietly)."""
@@ -62,29 +72,38 @@ class AsyncEventStream:
         pool_id: The pool.
     """
 
-    __slots__ = ("_call", "_closed", "_hash_length_bytes", "pool_id")
+    __slots__ = ("_call", "_closed", "_hash_length_bytes", "_reopen", "pool_id")
 
-    def __init__(self, pool_id: str, call: Any) -> None:
-        """Wrap a server-streaming call."""
+    def __init__(self, pool_id: str, call: Any, reopen: Callable[[str], Any] | None = None) -> None:
+        """Wrap a server-streaming call; ``reopen(owner)`` opens it again on the replica a
+        cluster's redirect names (before any batch came)."""
         self.pool_id = pool_id
         self._call = call
         self._hash_length_bytes = 0
         self._closed = False
+        self._reopen = reopen
 
     async def __aiter__(self) -> AsyncIterator[EventBatch]:
-        try:
-            async for message in self._call:
-                if message.hash_length_bytes:
-                    self._hash_length_bytes = message.hash_length_bytes
-                yield decode_event_batch(message, self._hash_length_bytes)
-        except asyncio.CancelledError:
-            if self._closed:
+        received = False
+        for reroute in range(MAX_REROUTES + 1):
+            try:
+                async for message in self._call:
+                    received = True
+                    if message.hash_length_bytes:
+                        self._hash_length_bytes = message.hash_length_bytes
+                    yield decode_event_batch(message, self._hash_length_bytes)
                 return
-            raise
-        except grpc.RpcError as exc:
-            if self._closed:
-                return  # closed by us: the end of the stream, not an error
-            raise error_from_rpc(exc, "SubscribeEvents") from exc
+            except asyncio.CancelledError:
+                if self._closed:
+                    return
+                raise
+            except grpc.RpcError as exc:
+                if self._closed:
+                    return  # closed by us: the end of the stream, not an error
+                owner = redirect_owner(exc)
+                if received or owner is None or self._reopen is None or reroute == MAX_REROUTES:
+                    raise error_from_rpc(exc, "SubscribeEvents") from exc
+                self._call = self._reopen(owner)
 
     def close(self) -> None:
         """Cancel the stream (iteration then ends quietly)."""

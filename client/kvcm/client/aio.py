@@ -732,7 +732,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
             request.start_sequence = start_sequence
         if expected_epoch is not None:
             request.expected_epoch = expected_epoch
-        # A stream goes to the pool's replica as last learned (redirects are not followed
-        # mid-stream: a redirected stream raises; any pool call first learns the owner).
+        # A stream opens on the pool's replica as last learned; a redirect (before any
+        # batch) reopens it on the owner the redirect names.
         call = self._stubs_for(pool_id).events.SubscribeEvents(request, timeout=timeout)
-        return AsyncEventStream(pool_id, call)
+        return AsyncEventStream(pool_id, call, self._reopener(request, timeout))
