@@ -190,6 +190,7 @@ def test_a_transfer_never_committed_expires_and_its_source_goes_back(
         _wait_until(expired, 5.0)
         took = time.monotonic() - planned_at
         assert 0.4 <= took < 1.6, took  # within a lease and a check interval (and polling)
+        print(f"a 0.4 s transfer lease gave its source back {took:.2f} s after the plan")
         record = client.describe_transfer("prefill", "lost")
         assert "lease of 0.4 s ran out" in record.reason
         assert client.describe_pool("prefill").num_requests == 0  # back to its pool
