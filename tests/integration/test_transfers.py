@@ -11,6 +11,7 @@ not even when they expire.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -26,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.cli import main as cli_main
 from kvcm.client import (
+    AsyncSchedulerClient,
     RetryPolicy,
     SchedulerClient,
     ServiceAlreadyExistsError,
@@ -649,3 +651,21 @@ def test_a_replaced_source_pool_is_not_touched(server: EmbeddedServer) -> None:
             TransferState.RELEASED,
             "the source pool was deleted",
         )
+
+
+def test_the_async_client_drives_transfers_too(server: EmbeddedServer) -> None:
+    with SchedulerClient(server.grpc_address) as client:
+        _pools(client)
+
+    async def drive() -> list[Transfer]:
+        async with AsyncSchedulerClient(server.grpc_address) as client:
+            await client.hold_source("prefill", "a1", 1, lease_s=30.0)
+            planned = await client.plan_transfer("prefill", "a1", "decode")
+            assert (planned.hit_tokens, planned.pull_tokens) == (48, 52)
+            done = await client.commit_transfer("prefill", "a1")
+            assert _same(await client.describe_transfer("prefill", "a1"), done)
+            assert (await client.get_usage("prefill")).num_requests == 0
+            return await client.list_transfers("prefill", states=[TransferState.COMPLETED])
+
+    (record,) = asyncio.run(drive())
+    assert (record.transfer_id, record.blocks_pulled) == ("a1", 4)
