@@ -122,6 +122,13 @@ def test_pools_spread_over_the_replicas_each_with_a_standby_elsewhere(
         for name in pools:
             info = client.describe_pool(name)  # redirected to the owner, which answers
             assert info.pool_id == name
+    redirected = NUM_POOLS - len(owned[replicas[1].address])
+    text = httpx.get(f"http://127.0.0.1:{replicas[1].http_port}/metrics").text
+    assert f'kvcm_cluster_redirects_total{{method="DescribePool"}} {float(redirected)}' in text
+    assert (  # counted with the redirect's status
+        'kvcm_rpc_requests_total{code="FAILED_PRECONDITION",method="DescribePool"} '
+        f"{float(redirected)}"
+    ) in text
 
 
 def test_the_sdk_follows_redirects_and_then_talks_to_the_owner(

@@ -147,7 +147,11 @@ class _Observed:
         method, code = self._method, "OK"
         if isinstance(exc, asyncio.CancelledError):
             code = "CANCELLED"
-        elif isinstance(exc, Exception) and not type(exc).__module__.startswith("grpc"):
+        elif isinstance(exc, Exception) and type(exc).__module__.startswith("grpc"):
+            aborted = self._context.code()  # an abort of its own (a cluster's redirect): its code
+            if isinstance(aborted, grpc.StatusCode):
+                code = aborted.name
+        elif isinstance(exc, Exception):
             code = status_of(exc).name if not isinstance(exc, AbortRpc) else exc.code.name
             log_call_rejected(method, code, exc)
             self._stats.observe(method, code, time.perf_counter() - self._started)
