@@ -41,15 +41,25 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
         self, request: replica_pb2.SetPlacementRequest, context: Context
     ) -> replica_pb2.SetPlacementResponse:
         """Install a pool's placement on this replica."""
-        try:
-            placement = Placement(
-                pool_id=request.pool_id,
-                primary=request.primary,
-                standby=request.standby or None,
-                epoch=request.placement_epoch,
+        problem = None
+        if not request.pool_id:
+            problem = "pool_id: must not be empty"
+        elif not request.primary:
+            problem = "primary: must not be empty"
+        elif request.standby == request.primary:
+            problem = f"standby: must differ from primary ({request.primary!r})"
+        elif request.placement_epoch < 1:
+            problem = "placement_epoch: must be >= 1 (placements start at epoch 1)"
+        if problem is not None:
+            raise AbortRpc(
+                grpc.StatusCode.INVALID_ARGUMENT, f"SetPlacement: {problem}: nothing was changed"
             )
-        except ValueError as exc:
-            raise AbortRpc(grpc.StatusCode.INVALID_ARGUMENT, f"SetPlacement: {exc}") from None
+        placement = Placement(
+            pool_id=request.pool_id,
+            primary=request.primary,
+            standby=request.standby or None,
+            epoch=request.placement_epoch,
+        )
         if request.mode not in (
             replica_pb2.REPLICATION_MODE_UNSPECIFIED,
             replica_pb2.REPLICATION_MODE_SYNC,
@@ -57,7 +67,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
         ):
             raise AbortRpc(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"SetPlacement: mode: unknown value {request.mode}",
+                f"SetPlacement: mode: unknown value {request.mode}: nothing was changed",
             )
         replication = self._replication
         known = replication.pools.get(request.pool_id)
