@@ -191,7 +191,7 @@ def test_a_transfer_never_committed_expires_and_its_source_goes_back(
 
         _wait_until(expired, 5.0)
         took = time.monotonic() - planned_at
-        assert 0.4 <= took < 1.6, took  # within a lease and a check interval (and polling)
+        assert 0.4 <= took < 3.0, took  # a lease, a check interval (1 s), polling, a busy CI
         print(f"a 0.4 s transfer lease gave its source back {took:.2f} s after the plan")
         record = client.describe_transfer("prefill", "lost")
         assert "lease of 0.4 s ran out" in record.reason
