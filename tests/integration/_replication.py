@@ -135,14 +135,29 @@ def event_log(address: str, pool_id: str, until: int) -> list[tuple[int, str]]:
 
 
 def assert_pool_matches(address: str, pool_id: str, expected: Pool) -> None:
-    """The pool at ``address`` equals the in-process ``expected``: describe, usage, every
-    request's block ids, and every event in order with its sequence number."""
+    """The pool at ``address`` equals the in-process ``expected``: describe (free blocks,
+    requests, prefix-cache totals), usage, every request's block ids, and every event in order
+    with its sequence number."""
     with SchedulerClient(address, timeout=10.0) as client:
         info = client.describe_pool(pool_id)
         manager = expected.ready_manager()
         assert info.num_free_blocks == manager.num_free_blocks
         assert info.num_requests == len(expected.requests)
         assert info.last_event_sequence == expected.last_event_sequence
+        snapshot = expected.snapshot()
+        totals = info.prefix_cache
+        assert (totals.requests, totals.queries, totals.hits) == (
+            snapshot.requests,
+            snapshot.queries,
+            snapshot.hits,
+        )
+        usage = client.get_usage(pool_id)
+        assert (usage.num_blocks, usage.num_free_blocks, usage.num_requests) == (
+            snapshot.num_blocks,
+            snapshot.num_free_blocks,
+            snapshot.num_requests,
+        )
+        assert usage.usage == snapshot.usage
         for key, request in expected.requests.items():
             got = client.get_block_ids(pool_id, key)
             want = manager.get_block_ids(request.request_id)
