@@ -504,3 +504,162 @@ def test_secrets_are_optional_mounts() -> None:
     secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
     assert {s["secretName"] for s in secrets.values()} == {"kvcm-tls", "kvcm-auth"}
     assert all(s["optional"] for s in secrets.values())
+
+
+# --------------------------------------------------------------------------- Kubernetes: cluster
+
+CLUSTER = K8S / "cluster"
+
+
+def _cluster_objects() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every manifest under deploy/k8s/cluster except the kustomization, by (kind, name)."""
+    objects: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted(CLUSTER.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in _yaml_documents(path):
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in objects, f"two {key} manifests"
+            objects[key] = doc
+    return objects
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in a container's command and args."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], text)
+
+
+def test_cluster_kustomization_lists_every_manifest() -> None:
+    (kustomization,) = _yaml_documents(CLUSTER / "kustomization.yaml")
+    manifests = sorted(p.name for p in CLUSTER.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(kustomization["resources"]) == manifests
+
+
+def test_cluster_replicas_advertise_their_stable_dns_name_and_reach_etcd(tmp_path: Path) -> None:
+    """Three replicas, each advertising <pod>.<headless Service>.<namespace>:<grpc port>, with
+    --etcd-endpoints naming each member of the etcd StatefulSet on its client port; the real
+    command line parses the arguments and the real settings loader takes them."""
+    objects = _cluster_objects()
+    kvcm = objects[("StatefulSet", "kvcm")]
+    etcd = objects[("StatefulSet", "kvcm-etcd")]
+    assert kvcm["spec"]["replicas"] == 3
+    assert etcd["spec"]["replicas"] == 3
+    peers = objects[("Service", kvcm["spec"]["serviceName"])]
+    assert peers["spec"]["clusterIP"] == "None"
+    assert peers["spec"]["publishNotReadyAddresses"] is True
+    pod = kvcm["spec"]["template"]
+    assert peers["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": GRPC_PORT, "http": HTTP_PORT}
+    env_from_fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env_from_fields == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    (config_map,) = [o for (kind, _), o in objects.items() if kind == "ConfigMap"]
+    (file_name,) = config_map["data"]
+    (config_file := tmp_path / file_name).write_text(config_map["data"][file_name], "utf-8")
+    etcd_pod = etcd["spec"]["template"]["spec"]
+    (etcd_container,) = etcd_pod["containers"]
+    etcd_ports = {p["name"]: p["containerPort"] for p in etcd_container["ports"]}
+    etcd_service = objects[("Service", etcd["spec"]["serviceName"])]
+    assert etcd_service["spec"]["clusterIP"] == "None"
+    assert {p["name"]: p["port"] for p in etcd_service["spec"]["ports"]} == etcd_ports
+    for ordinal in range(kvcm["spec"]["replicas"]):
+        pod_name = f"{kvcm['metadata']['name']}-{ordinal}"
+        env = {"POD_NAME": pod_name, "POD_NAMESPACE": "ns"}
+        args = [_expand(arg, env) for arg in container["args"]]
+        parsed = _build_parser().parse_args(["serve", *args])
+        settings = load_settings(
+            config_file,
+            advertise_address=parsed.advertise_address,
+            etcd_endpoints=parsed.etcd_endpoints,
+        )
+        mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["config"]
+        assert parsed.config == f"{mount}/{file_name}"
+        assert settings.advertise_address == (
+            f"{pod_name}.{peers['metadata']['name']}.ns.svc.cluster.local:{GRPC_PORT}"
+        )
+        assert settings.grpc_address == f"0.0.0.0:{GRPC_PORT}"
+        members = [
+            f"http://{etcd['metadata']['name']}-{n}.{etcd_service['metadata']['name']}"
+            f".ns.svc.cluster.local:{etcd_ports['client']}"
+            for n in range(etcd["spec"]["replicas"])
+        ]
+        assert settings.etcd_endpoints.split(",") == members
+    assert load_settings(config_file).data_dir == "/var/lib/kvcm"
+    # etcd's own members: names, peer URLs and the initial cluster agree with its StatefulSet.
+    env = {"POD_NAME": "kvcm-etcd-1", "POD_NAMESPACE": "ns"}
+    flags = dict(
+        _expand(arg, env).removeprefix("--").split("=", 1) for arg in etcd_container["command"][1:]
+    )
+    assert flags["name"] == "kvcm-etcd-1"
+    peer = f"http://kvcm-etcd-1.kvcm-etcd.ns.svc.cluster.local:{etcd_ports['peer']}"
+    assert flags["initial-advertise-peer-urls"] == peer
+    assert f"kvcm-etcd-1={peer}" in flags["initial-cluster"].split(",")
+    assert len(flags["initial-cluster"].split(",")) == etcd["spec"]["replicas"]
+    assert flags["listen-client-urls"].endswith(f":{etcd_ports['client']}")
+    mounts = {m["name"]: m["mountPath"] for m in etcd_container["volumeMounts"]}
+    (claim,) = etcd["spec"]["volumeClaimTemplates"]
+    assert flags["data-dir"] == mounts[claim["metadata"]["name"]]
+
+
+def test_cluster_replicas_keep_data_on_a_volume_spread_over_nodes_and_are_probed() -> None:
+    objects = _cluster_objects()
+    for name in ("kvcm", "kvcm-etcd"):
+        spec = objects[("StatefulSet", name)]["spec"]
+        labels = spec["template"]["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items()
+        (term,) = spec["template"]["spec"]["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["labelSelector"]["matchLabels"].items() <= labels.items()
+        (claim,) = spec["volumeClaimTemplates"]
+        (container,) = spec["template"]["spec"]["containers"]
+        assert claim["metadata"]["name"] in {m["name"] for m in container["volumeMounts"]}
+        assert spec["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+        budget = objects[("PodDisruptionBudget", name)]["spec"]
+        assert budget["maxUnavailable"] == 1
+        assert budget["selector"]["matchLabels"].items() <= labels.items()
+    spec = objects[("StatefulSet", "kvcm")]["spec"]
+    (container,) = spec["template"]["spec"]["containers"]
+    routes = {
+        route.path  # type: ignore[attr-defined]
+        for route in build_app(PoolRegistry(), RpcStats(), lambda: True).routes
+    }
+    for probe, path in {
+        "livenessProbe": "/healthz",
+        "readinessProbe": "/readyz",
+        "startupProbe": "/healthz",
+    }.items():
+        assert container[probe]["httpGet"] == {"path": path, "port": "http"}, probe
+        assert path in routes
+
+
+def test_cluster_services_network_policy_and_monitor_agree() -> None:
+    objects = _cluster_objects()
+    pod_labels = objects[("StatefulSet", "kvcm")]["spec"]["template"]["metadata"]["labels"]
+    seed = objects[("Service", "kvcm")]
+    assert seed["spec"]["selector"].items() <= pod_labels.items()
+    ports = {p["name"]: (p["port"], p["targetPort"]) for p in seed["spec"]["ports"]}
+    assert ports == {"grpc": (GRPC_PORT, "grpc"), "http": (HTTP_PORT, "http")}
+    # The ServiceMonitor selects the seed Service and not the headless one: one scrape per pod.
+    selector = objects[("ServiceMonitor", "kvcm")]["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= seed["metadata"]["labels"].items()
+    assert not selector.items() <= objects[("Service", "kvcm-peers")]["metadata"]["labels"].items()
+    # Replicas reach each other's gRPC port (fan-out, replication) and etcd's client port.
+    policy = objects[("NetworkPolicy", "kvcm")]["spec"]
+    grpc_from = [
+        peer["podSelector"]["matchLabels"]
+        for rule in policy["ingress"]
+        if {p["port"] for p in rule["ports"]} == {"grpc"}
+        for peer in rule["from"]
+    ]
+    assert any(labels.items() <= pod_labels.items() for labels in grpc_from)
+    etcd_policy = objects[("NetworkPolicy", "kvcm-etcd")]["spec"]
+    client_from = [
+        peer["podSelector"]["matchLabels"]
+        for rule in etcd_policy["ingress"]
+        if "client" in {p["port"] for p in rule["ports"]}
+        for peer in rule["from"]
+    ]
+    assert any(labels.items() <= pod_labels.items() for labels in client_from)
