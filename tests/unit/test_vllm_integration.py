@@ -179,6 +179,81 @@ def test_request_view_refuses_multimodal_and_embeddings() -> None:
         RequestView(request)
 
 
+def _record_decode(recorder: StepRecorder, num_steps: int) -> list[Any]:
+    # Three requests admitted in step 1, then decoding one token per step (an in-flight
+    # token each); one finishes in step 4, a fourth arrives in step 5.
+    requests = [FakeVllmRequest(name, list(range(6))) for name in "abc"]
+    steps = []
+    for seq in range(1, num_steps + 1):
+        recorder.new_step_starts()
+        if seq == 5:
+            requests.append(FakeVllmRequest("d", list(range(7))))
+        for request in requests:
+            view = RequestView(request)
+            fresh = request.num_computed_tokens == 0
+            num_new = len(request.all_token_ids) if fresh else 1
+            request.num_in_flight_tokens = 0 if fresh else 1
+            view.sync()
+            recorder.allocate(view, num_new, None, None, ([seq],) if fresh else ([],))
+            request.num_computed_tokens += num_new
+            request.append(100 + seq)
+        if seq == 4:
+            recorder.free("b", finished=True)
+            requests = [r for r in requests if r.request_id != "b"]
+        step = recorder.close_step()
+        assert step is not None
+        steps.append(step)
+    return steps
+
+
+def test_recorder_builds_consecutive_steps_into_the_program_coalesce_makes() -> None:
+    from kvcm.integrations.vllm._shipper import coalesce
+
+    one_by_one = StepRecorder(CollectingSink(), num_groups=1, hash_block_size=4)
+    batched = StepRecorder(CollectingSink(), num_groups=1, hash_block_size=4)
+    separate = _record_decode(one_by_one, 7)
+    together = _record_decode(batched, 7)
+    first = batched.build_batch(together, max_ops=10_000, max_tokens=10_000)
+    assert first is not None
+    count, program, expected = first
+    assert count == 7
+    assert (program, expected) == coalesce(separate)
+    assert program.num_steps == 7
+    assert program.step_seq == 7
+    assert batched.tracked() == one_by_one.tracked()
+    with pytest.raises(RuntimeError, match="coalesced program"):
+        _ = together[0].program
+    # Nothing left to build from the front: the next batch starts with a step not built.
+    assert batched.build_batch(together, max_ops=10_000, max_tokens=10_000) is None
+
+
+def test_recorder_batches_stop_at_the_op_and_token_limits() -> None:
+    from kvcm.integrations.vllm._shipper import coalesce
+
+    batched = StepRecorder(CollectingSink(), num_groups=1, hash_block_size=4)
+    one_by_one = StepRecorder(CollectingSink(), num_groups=1, hash_block_size=4)
+    together = _record_decode(batched, 6)
+    separate = _record_decode(one_by_one, 6)
+    # Step 1 (3 ADD_REQUEST + 3 ALLOCATE and NEW_STEP_STARTS, 18 tokens) is taken whatever
+    # the limits; a step after it only while the counted bound fits.
+    only_first = batched.build_batch(together, max_ops=1, max_tokens=1)
+    assert only_first is not None
+    assert only_first[0] == 1
+    assert only_first[1:] == coalesce(separate[:1])
+    # Steps 2 and 3 count 3 tokens and at most 12 ops each (3 per note, 4 notes).
+    by_tokens = batched.build_batch(together[1:], max_ops=10_000, max_tokens=6)
+    assert by_tokens is not None
+    assert by_tokens[0] == 2
+    assert by_tokens[1:] == coalesce(separate[1:3])
+    by_ops = batched.build_batch(together[3:], max_ops=23, max_tokens=10_000)
+    assert by_ops is not None
+    assert by_ops[0] == 1
+    assert by_ops[1:] == coalesce(separate[3:4])
+    rest = batched.build_batch(together[4:], max_ops=10_000, max_tokens=10_000)
+    assert rest is not None
+    assert rest[1:] == coalesce(separate[4:])
+
+
 # ----------------------------------------------------------------------------- sinks
 def test_local_sinks_ship_nothing_and_say_so() -> None:
     """What the manager asks every sink, answered by the sinks that ship nothing."""

@@ -27,6 +27,7 @@ A recorder whose sink is a ``NullSink`` notes nothing (nothing would read it).
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -83,7 +84,15 @@ class RecordedStep:
         closed_at: ``time.monotonic()`` when the step was closed (0.0: unknown).
     """
 
-    __slots__ = ("_expected", "_notes", "_program", "_recorder", "closed_at", "step_seq")
+    __slots__ = (
+        "_batched",
+        "_expected",
+        "_notes",
+        "_program",
+        "_recorder",
+        "closed_at",
+        "step_seq",
+    )
 
     def __init__(
         self,
@@ -97,26 +106,44 @@ class RecordedStep:
         self._expected = expected
         self._notes: list[tuple[Any, ...]] = []
         self._recorder: StepRecorder | None = None
+        self._batched = False  # built into a coalesced program (StepRecorder.build_batch)
         self.step_seq = None if program is None else program.step_seq
         self.closed_at = closed_at
 
     @property
+    def recorder(self) -> StepRecorder | None:
+        """The recorder that closed the step (``None``: made from a ready program)."""
+        return self._recorder
+
+    @property
     def program(self) -> StepProgram:
-        """The ops, in call order."""
+        """The ops, in call order.
+
+        Raises:
+            RuntimeError: The step was built into a coalesced program (it has none of its
+                own).
+        """
         if self._program is None:
-            assert self._recorder is not None
-            self._recorder.build_through(self)
+            self._build()
         assert self._program is not None
         return self._program
 
     @property
     def expected(self) -> StepOutcome:
-        """The mirror's answers (the remote copy must answer the same)."""
+        """The mirror's answers (the remote copy must answer the same); raises as
+        ``program`` does."""
         if self._expected is None:
-            assert self._recorder is not None
-            self._recorder.build_through(self)
+            self._build()
         assert self._expected is not None
         return self._expected
+
+    def _build(self) -> None:
+        if self._batched:
+            raise RuntimeError(
+                f"step {self.step_seq} was built into a coalesced program: it has none of its own"
+            )
+        assert self._recorder is not None
+        self._recorder.build_through(self)
 
 
 class _Tracked:
@@ -362,14 +389,95 @@ class StepRecorder:
         tracked = self._tracked.get(request_id)
         return None if tracked is None else tracked.key
 
+    def build_batch(
+        self, steps: Sequence[RecordedStep], *, max_ops: int, max_tokens: int
+    ) -> tuple[int, StepProgram, StepOutcome] | None:
+        """Build the first of ``steps`` and the ones after it into one coalesced program.
+
+        What :func:`~kvcm.integrations.vllm._shipper.coalesce` makes of the steps' own
+        programs, without making them: the steps' notes are written one after the other into
+        one program (``num_steps`` of them, the last one's ``step_seq``) and one outcome. The
+        steps taken are consecutive and not built yet; after the first, a step is taken only
+        while the program stays within ``max_ops`` ops and ``max_tokens`` token ids (counted
+        from the notes before writing). A step built this way has no program of its own.
+
+        Returns:
+            ``(number of steps taken, program, expected)``, or ``None`` when the first step
+            is built already or is not this recorder's next one to build.
+        """
+        with self._lock:
+            unbuilt = self._unbuilt
+            if not steps or not unbuilt or unbuilt[0] is not steps[0]:
+                return None
+            taken: list[RecordedStep] = []
+            num_ops = num_tokens = 0
+            sent: dict[str, int] = {}  # tokens the program will have sent, per request
+            tracked_by_id = self._tracked
+            # A copy of the front (one C call: the scheduler thread may append meanwhile).
+            front = list(itertools.islice(unbuilt, len(steps)))
+            for step, queued in zip(steps, front, strict=False):
+                if step is not queued:
+                    break
+                # At most three ops per note (ADD_REQUEST, APPEND_TOKENS and its own), and
+                # the token ids the request grew by since the tokens already counted.
+                step_ops = 3 * len(step._notes)
+                step_tokens = 0
+                for note in step._notes:
+                    if note[0] is OpKind.FINISH:  # the id may come back as a new request
+                        sent[note[1]] = 0
+                    elif note[0] is _ALLOCATE or note[0] in _SYNCED:
+                        request_id = note[1].request_id
+                        before = sent.get(request_id)
+                        if before is None:
+                            known = tracked_by_id.get(request_id)
+                            before = 0 if known is None else known.num_tokens_sent
+                        if note[3] > before:
+                            step_tokens += note[3] - before
+                            sent[request_id] = note[3]
+                if taken and (
+                    num_ops + step_ops > max_ops or num_tokens + step_tokens > max_tokens
+                ):
+                    break
+                num_ops += step_ops
+                num_tokens += step_tokens
+                taken.append(step)
+            for _ in taken:
+                unbuilt.popleft()
+            program = StepProgram(continue_on_does_not_fit=True)
+            expected = StepOutcome()
+            self._write([step._notes for step in taken], program, expected)
+            for step in taken:
+                step._notes = []
+                step._batched = True
+            last = taken[-1].step_seq
+            program.step_seq = last
+            program.num_steps = len(taken)
+            expected.num_ops_executed = len(program.ops)
+            expected.step_seq = last
+            return len(taken), program, expected
+
     def _build(self, step: RecordedStep) -> None:
+        program = StepProgram(continue_on_does_not_fit=True)
+        expected = StepOutcome()
+        self._write((step._notes,), program, expected)
+        program.step_seq = step.step_seq
+        expected.num_ops_executed = len(program.ops)
+        expected.step_seq = step.step_seq
+        step._expected = expected
+        step._program = program
+        step._notes = []
+
+    def _write(
+        self,
+        notes_per_step: Iterable[list[tuple[Any, ...]]],
+        program: StepProgram,
+        expected: StepOutcome,
+    ) -> None:
         # Every op's columns are the op table's (OpWriter). The ops of a decode step (an
         # ALLOCATE of a request the pool knows, its APPEND_TOKENS before it, an in-flight
         # count and an empty answer, and the step's NEW_STEP_STARTS) are written inline,
         # straight into the columns; the rest go through the writer (a note gives the kind
         # and its row's values, for the synced kinds after the request's key).
-        program = StepProgram(continue_on_does_not_fit=True)
-        expected = StepOutcome()
         writer = OpWriter(program)
         write = writer.op
         ops, keys = program.ops.append, program.request_keys.append
@@ -386,7 +494,7 @@ class StepRecorder:
         no_blocks = self._no_blocks
         send_hashes = self._send_hashes
         tracked_by_id = self._tracked
-        for note in step._notes:
+        for note in itertools.chain.from_iterable(notes_per_step):
             kind = note[0]
             if kind is _ALLOCATE:
                 (
@@ -471,12 +579,6 @@ class StepRecorder:
             else:  # EVICT_BLOCKS: the note holds the op's values
                 write[kind](*note[1:])
         writer.flush()
-        program.step_seq = step.step_seq
-        expected.num_ops_executed = len(program.ops)
-        expected.step_seq = step.step_seq
-        step._expected = expected
-        step._program = program
-        step._notes = []
 
     def _add_request(
         self, write: dict[int, Callable[..., None]], note: tuple[Any, ...]

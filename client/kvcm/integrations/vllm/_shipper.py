@@ -596,6 +596,18 @@ class GrpcStepShipper:
         with self._cond:
             queued = list(self._backlog)
         first = queued[0]
+        recorder = first.recorder
+        built = (
+            None
+            if recorder is None
+            else recorder.build_batch(
+                queued, max_ops=MAX_COALESCED_OPS, max_tokens=MAX_COALESCED_TOKENS
+            )
+        )
+        if built is not None:
+            # The recorder wrote the steps straight into one program (none of their own).
+            count, program, expected = built
+            return self._stamped(queued[:count], program, expected)
         steps = [first]
         if len(queued) > 1 and _coalescible(first):
             num_ops = len(first.program.ops)
@@ -616,6 +628,12 @@ class GrpcStepShipper:
             program, expected = first.program, first.expected
         else:
             program, expected = coalesce(steps)
+        return self._stamped(steps, program, expected)
+
+    def _stamped(
+        self, steps: list[RecordedStep], program: StepProgram, expected: StepOutcome
+    ) -> tuple[list[RecordedStep], StepProgram, StepOutcome]:
+        # The batch, its program telling the server how far the scheduler is.
         if program.step_seq is not None:
             program.scheduler_step_seq = max(self._last_closed_seq, program.step_seq)
             program.step_age_s = max(0.0, self._clock() - steps[-1].closed_at)
