@@ -6,6 +6,7 @@ DIGEST_MISMATCH (the copy is dropped), and none of them changes the standby's po
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -151,3 +152,34 @@ def test_ship_records_refuses_stale_gapped_and_differing_messages(
             assert client.describe_pool("p").num_requests == 0
             with pytest.raises(ServiceError, match="not served by this replica"):
                 client.step("p", program(3))
+
+
+def test_only_the_newest_stream_changes_the_copy(standby: EmbeddedServer) -> None:
+    """A primary that reconnected leaves its old stream open: that one changes nothing."""
+    with grpc.insecure_channel(standby.grpc_address) as channel:
+        stub = _stub(channel)
+        stub.SetPlacement(_place(standby=standby.grpc_address), timeout=10)
+        create = admin_pb2.CreatePoolRequest(
+            pool_id="p", config=pool_config_to_proto(CONFIG)
+        ).SerializeToString()
+        old: queue.Queue[replica_pb2.ShipRecordsRequest | None] = queue.Queue()
+        old_answers = stub.ShipRecords(iter(old.get, None), timeout=20)
+        hello = replica_pb2.ShipRecordsRequest(pool_id="p", placement_epoch=3)
+        absent = replica_pb2.ShipRecordsRequest(
+            pool_id="p",
+            placement_epoch=3,
+            seed=replica_pb2.ReplicaSeed(last=True, exists=False),
+        )
+        old.put(hello)
+        old.put(absent)
+        assert [next(old_answers).status for _ in range(2)] == [replica_pb2.SHIP_STATUS_OK] * 2
+        new = [hello, absent, _record(1, create, "CreatePool")]
+        new_answers = list(stub.ShipRecords(iter(new), timeout=20))
+        assert [a.status for a in new_answers] == [replica_pb2.SHIP_STATUS_OK] * 3
+        old.put(_record(2, StepBuilder.from_program(program(1)).to_proto("p").SerializeToString()))
+        late = next(old_answers)
+        assert late.status == replica_pb2.SHIP_STATUS_NEED_SEED
+        assert "newer stream" in late.detail
+        old.put(None)
+        with SchedulerClient(standby.grpc_address, timeout=10.0) as client:
+            assert client.describe_pool("p").last_event_sequence == 0  # the Step never ran

@@ -102,12 +102,6 @@ class Role(enum.Enum):
     """A newer epoch deposed this replica: nothing on the pool is acknowledged here."""
 
 
-_MODES: Final = {
-    replica_pb2.REPLICATION_MODE_SYNC: "sync",
-    replica_pb2.REPLICATION_MODE_ASYNC: "async",
-}
-
-
 def pool_digest(pool: Pool) -> bytes:
     """A 16-byte digest of everything any call can change in ``pool`` (O(state)).
 
@@ -136,6 +130,9 @@ class ReplicaState:
         digest_checks: Digest comparisons passed (standby).
         digest_mismatches: Digest comparisons failed (standby; each asked for a seed).
         link: Primary: the stream to the standby.
+        seed_chunks: Standby: the chunks of a seed being received.
+        stream: Standby: the token of the stream that may change the copy (its last hello's:
+            an older stream still open is answered NEED_SEED and changes nothing).
     """
 
     pool_id: str
@@ -150,6 +147,7 @@ class ReplicaState:
     digest_mismatches: int = 0
     link: _Link | None = None
     seed_chunks: list[bytes] = field(default_factory=list)
+    stream: object = None
 
 
 class Replication:
@@ -616,6 +614,7 @@ class Replication:
         primary's stream; the primary reconnects, and seeds, when this replica is back).
         """
         iterator = aiter(requests)
+        streams: dict[str, object] = {}  # this stream's token per pool (from its hello)
         pending: asyncio.Future[Any] | None = None
         try:
             while True:
@@ -629,7 +628,7 @@ class Replication:
                 request, pending = pending.result(), None
                 if request is None:
                     return
-                answer = await self._receive(request)
+                answer = await self._receive(request, streams)
                 if answer is not None:
                     yield answer
         finally:
@@ -648,9 +647,13 @@ class Replication:
         )
 
     async def _receive(
-        self, request: replica_pb2.ShipRecordsRequest
+        self, request: replica_pb2.ShipRecordsRequest, streams: dict[str, object]
     ) -> replica_pb2.ShipRecordsResponse | None:
         pool_id = request.pool_id
+        if not pool_id:
+            raise AbortRpc(
+                grpc.StatusCode.INVALID_ARGUMENT, "ShipRecords: pool_id: must not be empty"
+            )
         entry = self.entry(pool_id)
         epoch = request.placement_epoch
         if epoch < entry.epoch:
@@ -670,7 +673,15 @@ class Replication:
             else:
                 self._become_standby(entry, epoch)
         body = request.WhichOneof("body")
-        if body is None and request.digest:  # a periodic check after record ``seq``
+        if body is None and not request.digest:  # hello: this stream now owns the copy
+            entry.seed_chunks = []  # a seed an older stream broke off is dropped
+            entry.stream = streams[pool_id] = object()
+            return self._answer(entry, replica_pb2.SHIP_STATUS_OK)
+        if streams.get(pool_id) is not entry.stream or entry.stream is None:
+            return self._answer(
+                entry, replica_pb2.SHIP_STATUS_NEED_SEED, "a newer stream (or none) holds the copy"
+            )
+        if body is None:  # a periodic check after record ``seq``
             if not entry.has_copy or request.seq != entry.applied:
                 entry.has_copy = False
                 return self._answer(
@@ -680,9 +691,6 @@ class Replication:
                 )
             mismatch = await self._check_digest(entry, self._pool(pool_id), request.digest)
             return mismatch or self._answer(entry, replica_pb2.SHIP_STATUS_OK)
-        if body is None:  # hello: a new stream (a seed it broke off is dropped)
-            entry.seed_chunks = []
-            return self._answer(entry, replica_pb2.SHIP_STATUS_OK)
         if body == "seed":
             return await self._seed(entry, request)
         if not entry.has_copy or request.seq != entry.applied + 1:
