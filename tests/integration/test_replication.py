@@ -75,6 +75,10 @@ def test_sync_standby_has_every_acknowledged_program_and_takes_over(tmp_path: Pa
             # CreatePool and 15 Steps: the digest was checked after records 4, 8, 12 and 16.
             assert (on_b.digest_checks, on_b.digest_mismatches) == (4, 0)
             assert_pool_matches(b.address, scheduler.pool_id, expected_pool(15))
+            # The pool's incarnation (the epoch its event streams carry) is A's on B.
+            with SchedulerClient(a.address) as to_a, SchedulerClient(b.address) as to_b:
+                epoch = to_a.describe_pool(scheduler.pool_id).epoch
+                assert to_b.describe_pool(scheduler.pool_id).epoch == epoch > 0
         # Load again, then kill -9 A in the middle of it.
         for scheduler in schedulers:
             scheduler.pause_at = 0
