@@ -16,8 +16,10 @@ import math
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +39,39 @@ SCRAPE_INTERVAL_S = 1
 pytestmark = pytest.mark.slow
 
 
-def dashboard_exprs() -> list[str]:
-    """Every PromQL expression of the dashboard's panels."""
+CLUSTER_ROW = "Cluster"  # its series exist only on replicas of a cluster (docs/cluster.md)
+
+
+def dashboard_panels() -> list[tuple[str, dict[str, Any]]]:
+    """Every panel with targets, and the title of the row it sits under."""
     dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
-    return [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    row = ""
+    panels = []
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        elif panel.get("targets"):
+            panels.append((row, panel))
+    return panels
+
+
+def dashboard_exprs(*, cluster: bool = False) -> list[str]:
+    """The PromQL of the dashboard's panels: outside the cluster row, or only in it."""
+    return [
+        target["expr"]
+        for row, panel in dashboard_panels()
+        if (row == CLUSTER_ROW) == cluster
+        for target in panel["targets"]
+    ]
+
+
+SUBSTITUTIONS = {"$__rate_interval": "1m", "$__range": "5m", "$pool": ".*", "$instance": ".*"}
+
+
+def _substitute(template: str) -> str:
+    for variable, value in SUBSTITUTIONS.items():
+        template = template.replace(variable, value)
+    return template
 
 
 def _free_port() -> int:
@@ -102,8 +133,9 @@ class PrometheusServer:
         return float(result[0]["value"][1])
 
 
-@pytest.fixture
-def prometheus(tmp_path: Path, kvcm_http_address: str) -> Iterator[PrometheusServer]:
+@contextmanager
+def _prometheus_server(tmp_path: Path, targets: list[str]) -> Iterator[PrometheusServer]:
+    """Prometheus scraping ``targets`` (kvcm HTTP addresses) every second, with alerts.yml."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip(
@@ -123,7 +155,7 @@ scrape_configs:
   - job_name: kvcm
     metrics_path: /metrics
     static_configs:
-      - targets: ["{kvcm_http_address}"]
+      - targets: {json.dumps(targets)}
 """,
         encoding="utf-8",
     )
@@ -162,6 +194,12 @@ scrape_configs:
             process.kill()
             process.wait()
         log.close()
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, kvcm_http_address: str) -> Iterator[PrometheusServer]:
+    with _prometheus_server(tmp_path, [kvcm_http_address]) as server:
+        yield server
 
 
 def _target_up(prometheus: PrometheusServer) -> bool:
@@ -242,18 +280,15 @@ def test_dashboard_queries_and_alert_rules_evaluate_on_real_data(
     )
     time.sleep(3 * SCRAPE_INTERVAL_S)
 
-    substitutions = {
-        "$__rate_interval": "1m",
-        "$__range": "5m",
-        "$pool": ".*",
-        "$instance": ".*",
-    }
     for template in dashboard_exprs():
-        expr = template
-        for variable, value in substitutions.items():
-            expr = expr.replace(variable, value)
+        expr = _substitute(template)
         result = prometheus.query_range(expr, seconds=30)
         assert result, f"dashboard query returned no series: {expr}"
+    # The cluster row's queries are valid PromQL here too, and empty: a lone server exports no
+    # cluster series (test_cluster_dashboard_row_has_data_on_three_replicas covers them).
+    for template in dashboard_exprs(cluster=True):
+        expr = _substitute(template)
+        assert prometheus.query_range(expr, seconds=30) == [], expr
 
     def rules_evaluated() -> list[dict[str, Any]]:
         groups = prometheus.http.get("/api/v1/rules").json()["data"]["groups"]
@@ -268,3 +303,108 @@ def test_dashboard_queries_and_alert_rules_evaluate_on_real_data(
     # A healthy, lightly loaded server fires nothing (pending would do for the 'for' clauses).
     firing = prometheus.http.get("/api/v1/alerts").json()["data"]["alerts"]
     assert [a["labels"]["alertname"] for a in firing if a["state"] == "firing"] == []
+
+
+@contextmanager
+def _etcd(tmp_path: Path) -> Iterator[str]:
+    """A one-member etcd on free loopback ports (Debian's etcd-server); its client endpoint."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("etcd is not installed (bash scripts/install-etcd.sh installs it)")
+    client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    process = subprocess.Popen(
+        [binary, "--name", "e2e", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", client, "--advertise-client-urls", client,
+         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+         "--initial-cluster", f"e2e={peer}", "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        yield client
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@contextmanager
+def _replicas(tmp_path: Path, endpoint: str, count: int) -> Iterator[list[tuple[str, str]]]:
+    """``count`` ``kvcm serve --data-dir --etcd-endpoints`` replicas: (gRPC, HTTP) addresses."""
+    addresses = [(f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}") for _ in range(count)]
+    processes = []
+    for index, (grpc_address, http_address) in enumerate(addresses):
+        command = [sys.executable, "-m", "kvcm.server.cli", "serve",
+                   "--grpc-address", grpc_address, "--http-address", http_address,
+                   "--etcd-endpoints", endpoint, "--data-dir", str(tmp_path / f"replica-{index}"),
+                   "--log-level", "WARNING"]  # fmt: skip
+        processes.append(
+            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+    try:
+
+        def all_see_each_other() -> bool:
+            for process, (_, http_address) in zip(processes, addresses, strict=True):
+                assert process.poll() is None, "a kvcm replica exited at start"
+                text = httpx.get(f"http://{http_address}/metrics", timeout=2).text
+                if f"kvcm_cluster_replicas {float(count)}" not in text:
+                    return False
+            return True
+
+        _wait_for("the replicas to register in etcd and see each other", all_see_each_other, 60)
+        yield addresses
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+
+
+def test_cluster_dashboard_row_has_data_on_three_replicas(tmp_path: Path) -> None:
+    """Every panel of the dashboard's cluster row shows real series scraped from three
+    replicas sharing pools through a real etcd, with standbys (--data-dir); every target is
+    valid PromQL; the alert rules evaluate there and none fires."""
+    with (
+        _etcd(tmp_path) as endpoint,
+        _replicas(tmp_path, endpoint, 3) as replicas,
+        _prometheus_server(tmp_path, [http for _, http in replicas]) as prometheus,
+    ):
+        seeds = ",".join(grpc_address for grpc_address, _ in replicas)
+        pools = [f"e2e-cluster-{index}" for index in range(3)]
+        for pool in pools:
+            # A fresh client per pool starts at the first seed: the pools placed on the other
+            # replicas are created through a redirect (kvcm_cluster_redirects_total).
+            with SchedulerClient(seeds) as client:
+                create_pool(client, pool)
+                run_shared_prefix_workload(client, pool, num_requests=12)
+        _wait_for("Prometheus to scrape the three replicas", lambda: len(
+            prometheus.query('up{job="kvcm"} == 1')) == 3)  # fmt: skip
+
+        def roles() -> set[tuple[str, str]]:
+            result = prometheus.query("kvcm_replication_role == 1")
+            return {(r["metric"]["pool"], r["metric"]["state"]) for r in result}
+
+        expected = {(pool, state) for pool in pools for state in ("primary", "standby")}
+        _wait_for(
+            "every pool's primary and standby role in Prometheus", lambda: roles() >= expected
+        )
+        _wait_for("a redirect counted", lambda: prometheus.query("kvcm_cluster_redirects_total"))
+        time.sleep(3 * SCRAPE_INTERVAL_S)  # two points for rate() and increase()
+        for _, panel in (item for item in dashboard_panels() if item[0] == CLUSTER_ROW):
+            answers = []
+            for target in panel["targets"]:
+                expr = _substitute(target["expr"])
+                answers.append(prometheus.query_range(expr, seconds=30))
+            # A target may be empty (no fan-out has missed a peer): the panel as a whole is not.
+            assert any(answers), f"cluster panel {panel['title']!r} has no series"
+        session = prometheus.query("kvcm_cluster_etcd_session_up")
+        assert sorted(float(r["value"][1]) for r in session) == [1.0, 1.0, 1.0]
+
+        def rules_evaluated() -> list[dict[str, Any]]:
+            groups = prometheus.http.get("/api/v1/rules").json()["data"]["groups"]
+            rules = [rule for group in groups for rule in group["rules"]]
+            fresh = all(not rule["lastEvaluation"].startswith("0001") for rule in rules)
+            return rules if rules and fresh else []
+
+        for rule in _wait_for("every alert rule to be evaluated", rules_evaluated):
+            assert rule["health"] == "ok", f"{rule['name']}: {rule.get('lastError')}"
+        firing = prometheus.http.get("/api/v1/alerts").json()["data"]["alerts"]
+        assert [a["labels"]["alertname"] for a in firing if a["state"] == "firing"] == []
