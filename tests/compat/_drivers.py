@@ -71,18 +71,26 @@ class Layout:
     retention: int | None = None
     # vLLM's --prefix-match-unit: the hash block size of a cached hybrid pool, if set.
     prefix_match_unit: int | None = None
+    # vLLM's decode_context_parallel_size: attention blocks span this many ranks' blocks.
+    dcp_world_size: int = 1
+
+    @property
+    def block_sizes(self) -> list[int]:
+        """Each group's block size as the scheduler sees it (vLLM's
+        resolve_dcp_kv_block_size: attention blocks scaled by DCP, Mamba states not)."""
+        return [g.block_size * (1 if g.kind == MAMBA else self.dcp_world_size) for g in self.groups]
 
     @property
     def scheduler_block_size(self) -> int:
         """vLLM's rule: the lcm of the groups' block sizes (16 with no group)."""
-        sizes = [g.block_size for g in self.groups]
+        sizes = self.block_sizes
         return math.lcm(*sizes) if sizes else 16
 
     @property
     def hash_block_size(self) -> int:
         """vLLM's rule: gcd of the block sizes for a cached hybrid pool, unless a Mamba group
         is outside align mode."""
-        sizes = [g.block_size for g in self.groups]
+        sizes = self.block_sizes
         if len(sizes) <= 1 or not self.enable_caching:
             return self.scheduler_block_size
         if any(g.kind == MAMBA and g.mamba_cache_mode != "align" for g in self.groups):
@@ -221,6 +229,7 @@ class VllmSide:
             log_stats=True,
             enable_kv_cache_events=True,
             watermark=layout.watermark,
+            dcp_world_size=layout.dcp_world_size,
         )
         from vllm.v1.metrics.stats import CachingMetrics
 
@@ -513,6 +522,7 @@ class KvcmSide:
                 hash_block_size=(
                     None if layout.prefix_match_unit is None else layout.hash_block_size
                 ),
+                dcp_world_size=layout.dcp_world_size,
             )
         )
         self.hasher = BlockHasher(

@@ -84,6 +84,8 @@ class Setup:
         watermark: Scheduler watermark.
         tensor_parallel_size: Ranks splitting each layer's KV heads.
         pipeline_parallel_size: Ranks splitting the layers.
+        decode_context_parallel_size: ``--decode-context-parallel-size`` (DCP over the
+            tensor-parallel ranks: attention blocks span this many ranks' blocks).
         serve_defaults: Build the config as ``vllm serve`` does (``AsyncEngineArgs`` for the
             OpenAI server); only the model, caching and ``scheduler_cls`` are given.
         kv_transfer: ``KVTransferConfig`` fields (``--kv-transfer-config``), e.g. vLLM's
@@ -108,6 +110,7 @@ class Setup:
     watermark: float = 0.0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
     serve_defaults: bool = False
     kv_transfer: dict[str, Any] | None = None
     fabric: Any = None
@@ -271,6 +274,7 @@ def _explicit_config(setup: Setup, scheduler_cls: Any, additional_config: Any, e
         parallel_config=ParallelConfig(
             tensor_parallel_size=setup.tensor_parallel_size,
             pipeline_parallel_size=setup.pipeline_parallel_size,
+            decode_context_parallel_size=setup.decode_context_parallel_size,
             distributed_executor_backend=executor_class(setup),
         ),
         lora_config=LoRAConfig(max_loras=2, max_lora_rank=8) if setup.lora else None,
@@ -327,14 +331,15 @@ class SimulatedWorker:
         return range(stage * per_stage, (stage + 1) * per_stage)
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
-        """This rank's attention layers (KV heads divided by tensor parallelism)."""
+        """This rank's attention layers (KV heads divided by tensor parallelism, replicated
+        when there are more ranks than heads, as vLLM replicates them)."""
         import torch
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
         config = self.vllm_config
         attn = {
             "block_size": config.cache_config.block_size,
-            "num_kv_heads": NUM_KV_HEADS // config.parallel_config.tensor_parallel_size,
+            "num_kv_heads": max(1, NUM_KV_HEADS // config.parallel_config.tensor_parallel_size),
             "head_size": HEAD_SIZE,
             "dtype": torch.float16,
         }

@@ -67,7 +67,11 @@ class _Loop:
         mamba = next(g for g in self.layout.groups if g.kind == MAMBA)
         self.block = mamba.block_size
         self.hash_block = self.layout.hash_block_size
-        self.partial = self.hash_block < self.block
+        # vLLM's partial hash hits; under DCP a Mamba block equal to the hash block also
+        # serves them (the scaled full-attention blocks are the larger ones).
+        self.partial = self.hash_block < self.block or (
+            self.layout.dcp_world_size > 1 and self.hash_block == self.block
+        )
         self.ckpt_blocks = mamba.num_prefill_checkpoint_blocks > 0
         self.ckpt_alignment = mamba.prefill_checkpoint_alignment
         self.prefixes = [
@@ -208,7 +212,7 @@ class _Loop:
                 req.junction = junction
                 if hit:
                     pair.tally.hits += 1
-                    self.sub_block_hits += hit % self.block != 0
+                    self.sub_block_hits += hit % self.sched_block != 0
                 num_new = self._split(req, hit, min(num_tokens - hit, budget))
                 if num_new <= 0:
                     break
@@ -300,7 +304,7 @@ class _Loop:
         req.junction = junction
         if local:
             pair.tally.hits += 1
-            self.sub_block_hits += local % self.block != 0
+            self.sub_block_hits += local % self.sched_block != 0
         computed = local + ext
         counts["external"] += ext > 0
         groups = tuple(range(len(self.layout.groups)))
@@ -407,6 +411,7 @@ def _round_trip(side: KvcmSide, layout: Layout) -> None:
             log_stats=True,
             watermark=config.watermark,
             prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+            decode_context_parallel_size=config.dcp_world_size,
         ),
     )
     assert pool.manager is not None
@@ -527,6 +532,29 @@ SCENARIOS = [
         token_budget=512,
         connector=True,
     ),
+    # Decode context parallelism (vLLM's decode_context_parallel_size): full attention's
+    # blocks span the DCP ranks (64 tokens per rank x 2 = 128 here, hash block 128 under a
+    # Mamba block of 256), Mamba states are whole on every rank.
+    MambaScenario(
+        "dcp2-full64-mamba256",
+        Layout(
+            (GroupDesc(FULL, 64), _mamba(256)), num_blocks=90, max_model_len=1536, dcp_world_size=2
+        ),
+        steps=150,
+        token_budget=512,
+        round_trips=tuple(range(1, 150, 3)),
+    ),
+    # DCP 4: full attention 32 x 4 = 128-token blocks beside a Mamba block of 64, the hash
+    # block: vLLM serves hits on 64-token boundaries inside full attention's blocks (without
+    # DCP a Mamba block equal to the hash block would not).
+    MambaScenario(
+        "dcp4-full32-mamba64",
+        Layout(
+            (GroupDesc(FULL, 32), _mamba(64)), num_blocks=120, max_model_len=1024, dcp_world_size=4
+        ),
+        steps=150,
+        token_budget=384,
+    ),
     # Hash block equal to the Mamba block: hits on whole blocks only, no copies.
     MambaScenario(
         "full128-mamba128",
@@ -556,6 +584,8 @@ def test_mamba_align_matches_vllm(vllm: ModuleType, scenario: MambaScenario) -> 
     assert tally.ops > 2000
     if loop.partial:
         assert loop.sub_block_hits > 0
+    if loop.hash_block < loop.block:
+        # Hits inside a Mamba block are served through a copy of its state.
         assert loop.num_copies > 0
     if scenario.connector:
         print(f"connector paths: {loop.connector_counts}")

@@ -1,6 +1,7 @@
 """What vLLM 0.33 accepts and refuses for hybrid Mamba models beyond align mode itself, and
 kvcm's answer to each: Mamba states covering several tokens (``tokens_per_state``), prefill
-and decode context parallelism (PCP/DCP). See docs/mamba.md.
+and decode context parallelism (PCP/DCP). See docs/mamba.md; DCP itself is compared in
+test_dcp_compat.py.
 """
 
 from __future__ import annotations
@@ -101,16 +102,22 @@ def test_tokens_per_state_is_accepted_and_checked_as_vllm(
         assert mine is None
 
 
-def test_pcp_with_mamba_is_refused_with_vllms_reason(vllm: ModuleType) -> None:
-    """vLLM's hybrid coordinator refuses prefill context parallelism beside a Mamba group;
-    kvcm's scheduler refuses it first, with the same reason (and without PCP it passes)."""
+def test_pcp_with_mamba_is_accepted_as_vllms_scheduler_accepts_it(vllm: ModuleType) -> None:
+    """vLLM's hybrid coordinator would refuse prefill context parallelism beside a Mamba group,
+    but vLLM 0.33's scheduler never hands it PCP: it builds its manager with
+    ``pcp_world_size=1`` (the KV cache is replicated over the PCP ranks). So kvcm accepts the
+    setting and its manager decides as without PCP, like vLLM's scheduler's."""
+    import inspect
+
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvcm.integrations.vllm._convert import check_connector_groups
+    from kvcm.integrations.vllm._scheduler import check_supported
 
     del vllm
     config = _config(attention_block=MAMBA_BLOCK)
-    with pytest.raises(AssertionError) as refused:
+    with pytest.raises(AssertionError, match="PCP only supports full attention"):
         KVCacheManager(
             kv_cache_config=config,
             max_model_len=2048,
@@ -119,32 +126,59 @@ def test_pcp_with_mamba_is_refused_with_vllms_reason(vllm: ModuleType) -> None:
             enable_caching=True,
             pcp_world_size=2,
         )
-    with pytest.raises(ConfigError) as ours:
-        check_connector_groups(_engine_config(pcp=2), config)
-    assert str(ours.value) == str(refused.value)
-    check_connector_groups(_engine_config(), config)
-
-
-def test_dcp_with_mamba_is_vllms_and_kvcm_refuses_all_dcp(vllm: ModuleType) -> None:
-    """vLLM 0.33 builds a hybrid Mamba manager under decode context parallelism (the Mamba
-    state is replicated, full attention's blocks scaled); kvcm models no DCP for any model
-    and refuses it at construction, naming it (docs/mamba.md)."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    from kvcm.integrations.vllm._scheduler import check_supported
-
-    del vllm
-    KVCacheManager(
-        kv_cache_config=_config(attention_block=MAMBA_BLOCK),
-        max_model_len=2048,
-        scheduler_block_size=MAMBA_BLOCK * 2,
-        hash_block_size=HASH_BLOCK,
-        enable_caching=True,
-        dcp_world_size=2,
-    )
-    engine = _engine_config(dcp=2)
+    # A tripwire on vLLM's own construction: should a later vLLM pass PCP on, this fails.
+    assert "pcp_world_size=1," in inspect.getsource(Scheduler.__init__)
+    engine = _engine_config(pcp=2)
     engine.speculative_config = None
     engine.num_hash_lookahead_tokens = 0
     engine.aux_output_config = SimpleNamespace(enabled=False)
-    with pytest.raises(ConfigError, match=r"decode context parallelism \(DCP\)"):
-        check_supported(engine)
+    check_connector_groups(engine, config)
+    check_supported(engine)
+
+
+def test_dcp_with_mamba_is_modelled_as_vllm_resolves_and_builds_it(vllm: ModuleType) -> None:
+    """Under decode context parallelism vLLM 0.33 scales full attention's blocks (64 x 2 =
+    128 here) and keeps the Mamba state whole (256): EngineCore resolves scheduler block 256
+    and hash block 128, and its manager serves hits on 128-token boundaries. kvcm's scheduler
+    accepts the setting, and its manager resolves and decides the same."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    from kvcm.core.manager import KVCacheManager, KVCacheManagerConfig
+    from kvcm.integrations.vllm._convert import check_engine_resolution, convert_kv_cache_config
+    from kvcm.integrations.vllm._scheduler import check_supported
+
+    del vllm
+    config = _config()
+    engine = _engine_config(dcp=2)
+    scheduler_block, hash_block = resolve_kv_cache_block_sizes(config, engine)
+    assert (scheduler_block, hash_block) == (MAMBA_BLOCK, HASH_BLOCK * 2)
+    theirs = VllmManager(
+        kv_cache_config=config,
+        max_model_len=2048,
+        scheduler_block_size=scheduler_block,
+        hash_block_size=hash_block,
+        enable_caching=True,
+        dcp_world_size=2,
+    )
+    ours = KVCacheManager(
+        KVCacheManagerConfig(
+            kv_cache_config=convert_kv_cache_config(config), max_model_len=2048, dcp_world_size=2
+        )
+    )
+    assert (ours.scheduler_block_size, ours.hash_block_size) == (scheduler_block, hash_block)
+    assert [m.block_size for m in ours.coordinator.single_type_managers] == [
+        m.block_size for m in theirs.coordinator.single_type_managers
+    ]
+    assert ours.coordinator.enable_partial_hash_hits == theirs.coordinator.enable_partial_hash_hits
+    engine.speculative_config = None
+    engine.num_hash_lookahead_tokens = 0
+    engine.aux_output_config = SimpleNamespace(enabled=False)
+    check_supported(engine)
+    check_engine_resolution(
+        config,
+        scheduler_block_size=scheduler_block,
+        hash_block_size=hash_block,
+        enable_caching=True,
+        dcp_world_size=2,
+    )

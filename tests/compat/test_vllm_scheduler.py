@@ -64,6 +64,7 @@ class ReplayCheckingSink(LocalSink):
                 log_stats=config.log_stats,
                 watermark=config.watermark,
                 prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+                decode_context_parallel_size=config.dcp_world_size,
             ),
         )
 
@@ -221,6 +222,32 @@ CASES = {
             **_SMALL,
         ),
         11,
+        70,
+    ),
+    # Decode context parallelism: the scheduler's blocks span 2 ranks' 16-token blocks. vLLM
+    # allows DCP up to tensor-parallel ranks / KV heads, and this model's 8 attention heads
+    # cap TP at 8 over 4 KV heads, so DCP 2 is the most EngineCore builds here (DCP 4 is
+    # compared on the manager: test_dcp_compat.py).
+    "tp8-dcp2-planned": (
+        Setup(
+            tensor_parallel_size=8,
+            decode_context_parallel_size=2,
+            num_blocks=None,
+            memory_blocks=90,
+            **_SMALL,
+        ),
+        13,
+        70,
+    ),
+    "tp8-dcp2-async-preemption": (
+        Setup(
+            tensor_parallel_size=8,
+            decode_context_parallel_size=2,
+            async_scheduling=True,
+            num_blocks=30,
+            **_SMALL,
+        ),
+        15,
         70,
     ),
     # `vllm serve MODEL --scheduler-cls ...`: async scheduling, 2048-token batches, 256

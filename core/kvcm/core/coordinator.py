@@ -59,23 +59,30 @@ def _cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
-def partial_hash_hits_enabled(kv_cache_config: KVCacheConfig, hash_block_size: int) -> bool:
+def partial_hash_hits_enabled(
+    kv_cache_config: KVCacheConfig, hash_block_size: int, dcp_world_size: int = 1
+) -> bool:
     """Whether a hybrid pool serves sub-block prefix hits, as vLLM 0.33 decides it.
 
     It does when a group whose hits may end inside its blocks (``spec.partial_block_hits``:
-    align-mode Mamba) has blocks larger than the hash block and every other group either
-    looks up hash-block boundaries itself or has blocks of one hash block.
+    align-mode Mamba) has blocks larger than the hash block (at least as large under
+    decode context parallelism, where the scaled full-attention blocks are the larger ones)
+    and every other group either looks up hash-block boundaries itself or has blocks of one
+    hash block.
 
     Args:
-        kv_cache_config: The pool's groups.
+        kv_cache_config: The pool's groups (attention block sizes already scaled by DCP).
         hash_block_size: Tokens per request block hash.
+        dcp_world_size: Decode context parallelism.
 
     Returns:
         Whether hits land on hash-block boundaries.
     """
     groups = kv_cache_config.kv_cache_groups
+    # Under DCP a Mamba block equal to the hash block still qualifies (vLLM's rule).
+    least = hash_block_size if dcp_world_size > 1 else hash_block_size + 1
     if not any(
-        group.kv_cache_spec.partial_block_hits and group.kv_cache_spec.block_size > hash_block_size
+        group.kv_cache_spec.partial_block_hits and group.kv_cache_spec.block_size >= least
         for group in groups
     ):
         return False
@@ -101,6 +108,8 @@ class CoordinatorConfig:
         needs_kv_cache_zeroing: Whether workers zero newly allocated attention blocks.
         prefix_cache_retention_interval: Sparse retention of sliding-window blocks (see the
             module docstring); ``None``: dense.
+        dcp_world_size: Decode context parallelism (the attention specs in
+            ``kv_cache_config`` already span its ranks; it decides sub-block hits).
     """
 
     kv_cache_config: KVCacheConfig
@@ -112,6 +121,7 @@ class CoordinatorConfig:
     enable_kv_cache_events: bool
     needs_kv_cache_zeroing: bool = False
     prefix_cache_retention_interval: int | None = None
+    dcp_world_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +163,9 @@ class KVCacheCoordinator:
         self.enable_partial_hash_hits = (
             enable_caching
             and len(kv_cache_config.kv_cache_groups) > 1
-            and partial_hash_hits_enabled(kv_cache_config, config.hash_block_size)
+            and partial_hash_hits_enabled(
+                kv_cache_config, config.hash_block_size, config.dcp_world_size
+            )
         )
         self.cache_hit_alignment_tokens = (
             config.hash_block_size if self.enable_partial_hash_hits else config.scheduler_block_size

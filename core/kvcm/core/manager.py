@@ -34,6 +34,7 @@ from kvcm.common.errors import (
 )
 from kvcm.common.events import BlockStored
 from kvcm.common.specs import (
+    AttentionSpec,
     KVCacheSpec,
     UniformTypeKVCacheSpecs,
     pins_hash_block_size,
@@ -99,6 +100,11 @@ class KVCacheManagerConfig:
             block that can serve a hit; ``0`` (vLLM's ``CacheConfig`` default) only the
             windows a request's replay boundary or a shared-prefix junction needs; ``n > 0``
             those plus one window per ``n`` tokens (a multiple of the scheduler block size).
+        dcp_world_size: Decode context parallelism (vLLM's ``decode_context_parallel_size``):
+            each attention block holds ``block_size`` tokens on each of this many ranks, so
+            the manager's attention blocks span ``block_size * dcp_world_size`` tokens (hits,
+            hashes, events); Mamba states are replicated on every rank and keep their size.
+            vLLM 0.33 supports it with full-attention (and MLA) and Mamba groups only.
     """
 
     kv_cache_config: KVCacheConfig
@@ -111,6 +117,7 @@ class KVCacheManagerConfig:
     log_stats: bool = True
     watermark: float = 0.0
     prefix_cache_retention_interval: int | None = None
+    dcp_world_size: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -287,6 +294,24 @@ def _scheduler_spec(spec: KVCacheSpec) -> KVCacheSpec:
     return spec
 
 
+def _dcp_spec(spec: KVCacheSpec, dcp_world_size: int, group_id: int) -> KVCacheSpec:
+    # vLLM 0.33 shards every attention layer's token positions over the DCP ranks (a block
+    # of block_size tokens per rank, so the scheduler's block spans dcp of them) and keeps
+    # Mamba states whole on every rank. Of the sharded kinds it serves full attention only:
+    # its hybrid coordinator refuses the others with this reason, and alone a sliding-window
+    # or chunked-local group asserts at its first lookup (its planning refuses sliding
+    # windows first); kvcm refuses all of them when the pool is built.
+    if dcp_world_size == 1 or not isinstance(spec, AttentionSpec):
+        return spec
+    if not spec.traits.full_attention:
+        raise ConfigError(
+            f"dcp_world_size={dcp_world_size}: group {group_id}: DCP with hybrid KV cache "
+            "layouts only supports full-attention, Mamba, and replicated draft groups, got: "
+            f"{type(spec).__name__}."
+        )
+    return spec.copy_with_new_block_size(spec.block_size * dcp_world_size)
+
+
 def _needs_kv_cache_zeroing(specs: Sequence[KVCacheSpec]) -> bool:
     # Mamba states are read before they are fully written; mixed precisions can decode stale
     # bytes of another group's block as NaN.
@@ -325,6 +350,8 @@ def _validate_config(config: KVCacheManagerConfig) -> None:
         value = getattr(config, field)
         if value is not None and (type(value) is not int or value <= 0):
             raise ConfigError(f"{field} must be a positive int or None, got {value!r}")
+    if type(config.dcp_world_size) is not int or config.dcp_world_size < 1:
+        raise ConfigError(f"dcp_world_size must be an int >= 1, got {config.dcp_world_size!r}")
     if not (0.0 <= config.watermark < 1.0):
         raise ConfigError(f"watermark must be in [0, 1), got {config.watermark!r}")
     if config.kv_cache_config.num_blocks < 1:
@@ -359,8 +386,13 @@ class KVCacheManager:
         """
         _validate_config(config)
         groups = [
-            replace(group, kv_cache_spec=_scheduler_spec(group.kv_cache_spec))
-            for group in config.kv_cache_config.kv_cache_groups
+            replace(
+                group,
+                kv_cache_spec=_dcp_spec(
+                    _scheduler_spec(group.kv_cache_spec), config.dcp_world_size, group_id
+                ),
+            )
+            for group_id, group in enumerate(config.kv_cache_config.kv_cache_groups)
         ]
         kv_cache_config = replace(config.kv_cache_config, kv_cache_groups=groups)
         specs = [group.kv_cache_spec for group in groups]
@@ -382,6 +414,7 @@ class KVCacheManager:
                 enable_kv_cache_events=config.enable_kv_cache_events,
                 needs_kv_cache_zeroing=_needs_kv_cache_zeroing(specs),
                 prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+                dcp_world_size=config.dcp_world_size,
             )
         )
         self.block_pool: BlockPool = self.coordinator.block_pool

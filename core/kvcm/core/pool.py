@@ -241,6 +241,7 @@ class Pool:
                 log_stats=options.log_stats,
                 watermark=options.watermark,
                 prefix_cache_retention_interval=options.prefix_cache_retention_interval,
+                dcp_world_size=options.decode_context_parallel_size,
             )
         )
         self.manager = manager

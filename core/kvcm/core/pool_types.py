@@ -40,6 +40,8 @@ __all__ = [
 DEFAULT_EVENT_RETENTION: Final = 65536
 MAX_LABELS: Final = 32
 MAX_LABEL_VALUE_CHARS: Final = 256
+# Decode context parallelism beyond this many ranks is a typo, not a deployment.
+_MAX_DCP_SIZE: Final = 1024
 _LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}")
 _POOL_ID_CHARS: Final = frozenset(
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
@@ -177,6 +179,11 @@ class PoolConfig:
         kv_cache_layout: Planning: the workers' KV-cache axis order.
         host_tier_bytes: Host memory for the pool's host tier (:mod:`kvcm.core.host_tier`):
             device blocks evicted from the prefix cache are demoted to it; 0: no host tier.
+        decode_context_parallel_size: Decode context parallelism (vLLM's setting): the
+            layout's attention blocks hold ``block_size`` tokens on each of this many ranks,
+            so the manager's attention blocks span ``block_size * n`` tokens; Mamba states
+            are whole on every rank. 1: none; above 1 needs ``explicit_layout`` (planning
+            from registered workers does not model DCP).
     """
 
     max_model_len: int
@@ -205,6 +212,7 @@ class PoolConfig:
     auto_fit_max_model_len: bool = False
     kv_cache_layout: KVCacheLayout = KVCacheLayout.LBNHC
     host_tier_bytes: int = 0
+    decode_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_labels(self.labels)
@@ -304,6 +312,21 @@ class PoolConfig:
                 f"config.prefix_cache_retention_interval must be None or an int >= 0, "
                 f"got {retention!r}",
                 field="config.prefix_cache_retention_interval",
+            )
+        dcp = self.decode_context_parallel_size
+        if type(dcp) is not int or not 1 <= dcp <= _MAX_DCP_SIZE:
+            raise InvalidArgumentError(
+                "config.decode_context_parallel_size must be an int in "
+                f"[1, {_MAX_DCP_SIZE}], got {dcp!r}",
+                field="config.decode_context_parallel_size",
+            )
+        if dcp > 1 and self.explicit_layout is None:
+            # Planning from registered workers sizes memory without DCP (vLLM divides a full
+            # attention request's tokens over the ranks): refuse rather than plan otherwise.
+            raise InvalidArgumentError(
+                "config.decode_context_parallel_size > 1 needs config.explicit_layout: "
+                "planning from registered workers does not model DCP",
+                field="config.decode_context_parallel_size",
             )
         if not 0.0 <= self.scheduler_lease_s <= 1e9:
             raise InvalidArgumentError(

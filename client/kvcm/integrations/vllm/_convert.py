@@ -165,7 +165,12 @@ def convert_kv_cache_config(config: Any) -> KVCacheConfig:
 
 
 def check_engine_resolution(
-    config: Any, *, scheduler_block_size: int, hash_block_size: int, enable_caching: bool
+    config: Any,
+    *,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    enable_caching: bool,
+    dcp_world_size: int = 1,
 ) -> None:
     """Accept what vLLM's EngineCore resolved into ``config`` where kvcm computes the same.
 
@@ -185,6 +190,8 @@ def check_engine_resolution(
         scheduler_block_size: The scheduler's ``block_size`` argument.
         hash_block_size: The scheduler's ``hash_block_size`` argument.
         enable_caching: ``CacheConfig.enable_prefix_caching`` (as EngineCore left it).
+        dcp_world_size: ``ParallelConfig.decode_context_parallel_size`` (under DCP a Mamba
+            block equal to the hash block already serves sub-block hits, as in vLLM).
 
     Raises:
         ConfigError: The message names the field, vLLM's value, what kvcm would use, and the fix.
@@ -202,11 +209,11 @@ def check_engine_resolution(
     if (
         enable_caching
         and len(converted.kv_cache_groups) > 1
-        and partial_hash_hits_enabled(converted, hash_block_size)
+        and partial_hash_hits_enabled(converted, hash_block_size, dcp_world_size)
     ):
         kvcm_alignment = hash_block_size
     if enable_caching:
-        _check_state_alignment(config, scheduler_block_size, hash_block_size)
+        _check_state_alignment(config, scheduler_block_size, hash_block_size, dcp_world_size)
     if alignment is not None and alignment != kvcm_alignment:
         raise ConfigError(
             f"kv_cache_config.cache_hit_alignment_tokens={alignment}: vLLM lands prefix-cache "
@@ -217,7 +224,9 @@ def check_engine_resolution(
         )
 
 
-def _check_state_alignment(config: Any, scheduler_block_size: int, hash_block_size: int) -> None:
+def _check_state_alignment(
+    config: Any, scheduler_block_size: int, hash_block_size: int, dcp_world_size: int
+) -> None:
     # vLLM's resolve_kv_cache_block_sizes (EngineCore runs it before building the scheduler):
     # the boundaries hits land on must be multiples of every cacheable spec's tokens_per_state
     # (a Mamba spec's included), with the same message.
@@ -228,9 +237,11 @@ def _check_state_alignment(config: Any, scheduler_block_size: int, hash_block_si
         for g in groups
     ):
         return
+    # vLLM's partial_hash_hits_enabled without the managers: under DCP a Mamba block equal to
+    # the hash block qualifies.
+    least = hash_block_size if dcp_world_size > 1 else hash_block_size + 1
     partial = any(
-        type(g.kv_cache_spec).__name__ == "MambaSpec"
-        and g.kv_cache_spec.block_size > hash_block_size
+        type(g.kv_cache_spec).__name__ == "MambaSpec" and g.kv_cache_spec.block_size >= least
         for g in groups
     )
     alignment = hash_block_size if partial else scheduler_block_size
@@ -253,9 +264,11 @@ def _check_state_alignment(config: Any, scheduler_block_size: int, hash_block_si
 def check_connector_groups(vllm_config: Any, config: Any) -> None:
     """Refuse what vLLM 0.33 refuses for this model's groups, and what kvcm cannot mirror.
 
-    vLLM's hybrid coordinator accepts prefill context parallelism with full-attention groups
-    only (a Mamba or sliding-window group is refused with its reason). KV connectors are
-    accepted with Mamba layers as vLLM accepts them (its connector lookup, boundary-state
+    Prefill context parallelism is not refused: vLLM 0.33's scheduler builds its manager with
+    ``pcp_world_size=1`` whatever ``prefill_context_parallel_size`` is (the KV cache is
+    replicated over the PCP ranks), so its coordinator's PCP check never runs and the manager
+    decides as without PCP; kvcm's does the same. KV connectors are accepted with Mamba
+    layers as vLLM accepts them (its connector lookup, boundary-state
     hand-offs and partial tails are the core's), except on an engine whose frees vLLM
     defers (an asynchronous KV consumer): kvcm defers frees for single-group pools only.
 
@@ -268,12 +281,6 @@ def check_connector_groups(vllm_config: Any, config: Any) -> None:
     """
     groups = config.kv_cache_groups
     kinds = [type(group.kv_cache_spec).__name__ for group in groups]
-    if (
-        len(groups) > 1
-        and vllm_config.parallel_config.prefill_context_parallel_size > 1
-        and any(kind not in ("FullAttentionSpec", "MLAAttentionSpec") for kind in kinds)
-    ):
-        raise ConfigError("PCP only supports full attention and replicated draft groups.")
     transfer = vllm_config.kv_transfer_config
     if (
         transfer is not None

@@ -71,6 +71,8 @@ class MirrorManagerConfig:
         enable_kv_cache_events: Produce KV events.
         watermark: vLLM's scheduler watermark.
         hash_algorithm: vLLM's ``--prefix-caching-hash-algo`` (the pool hashes alike).
+        dcp_world_size: vLLM's ``decode_context_parallel_size`` (the scheduler's
+            ``dcp_world_size``; vLLM's scheduler builds its manager with no PCP).
     """
 
     kv_cache_config: Any
@@ -83,6 +85,7 @@ class MirrorManagerConfig:
     enable_kv_cache_events: bool = False
     watermark: float = 0.0
     hash_algorithm: str = "sha256"
+    dcp_world_size: int = 1
 
 
 class _GroupView:
@@ -235,6 +238,7 @@ class MirrorKVCacheManager:
                 prefix_cache_retention_interval=(
                     config.kv_cache_config.prefix_cache_retention_interval
                 ),
+                dcp_world_size=config.dcp_world_size,
             )
         )
         core = self.core
@@ -692,6 +696,7 @@ class MirrorKVCacheManager:
             log_stats=self.config.log_stats,
             watermark=core.watermark,
             prefix_cache_retention_interval=core.prefix_cache_retention_interval,
+            decode_context_parallel_size=core.dcp_world_size,
         )
 
     def snapshot(self) -> bytes:

@@ -57,7 +57,6 @@ def check_supported(vllm_config: Any) -> None:
     Raises:
         ConfigError: The message names the setting and why.
     """
-    parallel = vllm_config.parallel_config
     refusals = [
         (
             vllm_config.kv_transfer_config is not None
@@ -68,14 +67,6 @@ def check_supported(vllm_config: Any) -> None:
         (
             getattr(vllm_config, "ec_transfer_config", None) is not None,
             "encoder-cache connectors (--ec-transfer-config) are not supported with kvcm",
-        ),
-        (
-            parallel.decode_context_parallel_size > 1,
-            "decode context parallelism (DCP) is not supported with kvcm",
-        ),
-        (
-            parallel.prefill_context_parallel_size > 1,
-            "prefill context parallelism (PCP) is not supported with kvcm",
         ),
         (
             vllm_config.speculative_config is not None,
@@ -165,6 +156,7 @@ class _KvcmSchedulerMixin:
             scheduler_block_size=block_size,
             hash_block_size=arguments["hash_block_size"] or block_size,
             enable_caching=vllm_config.cache_config.enable_prefix_caching,
+            dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
         )
         arguments["kv_cache_config"] = dataclasses.replace(
             kv_cache_config, num_blocks=min(kv_cache_config.num_blocks, _PLACEHOLDER_NUM_BLOCKS)
@@ -185,6 +177,7 @@ class _KvcmSchedulerMixin:
                 enable_kv_cache_events=scheduler.enable_kv_cache_events,
                 watermark=scheduler.scheduler_config.watermark,
                 hash_algorithm=scheduler.cache_config.prefix_caching_hash_algo,
+                dcp_world_size=scheduler.dcp_world_size,
             ),
         )
         self.kv_cache_manager.sink = self.make_step_sink(settings)
