@@ -486,6 +486,12 @@ class _ClientBase:
 
         return reopen
 
+    def _stream_lost(self, pool_id: str) -> Callable[[grpc.RpcError], object]:
+        """Learns from an event stream of ``pool_id`` that failed: UNAVAILABLE forgets the
+        replica it was on (the remembered owner, else the current seed), so that subscribing
+        again asks the next seed, which redirects to the pool's current owner."""
+        return lambda exc: self._rerouted(exc, pool_id, resendable=False)
+
     @staticmethod
     def _stub(stubs: Stubs, method: str) -> Any:
         return getattr(getattr(stubs, _STUB_OF_METHOD[method]), method)

@@ -26,15 +26,23 @@ class EventStream:
         pool_id: The pool.
     """
 
-    __slots__ = ("_call", "_hash_length_bytes", "_reopen", "pool_id")
+    __slots__ = ("_call", "_hash_length_bytes", "_lost", "_reopen", "pool_id")
 
-    def __init__(self, pool_id: str, call: Any, reopen: Callable[[str], Any] | None = None) -> None:
+    def __init__(
+        self,
+        pool_id: str,
+        call: Any,
+        reopen: Callable[[str], Any] | None = None,
+        lost: Callable[[grpc.RpcError], object] | None = None,
+    ) -> None:
         """Wrap a server-streaming call; ``reopen(owner)`` opens it again on the replica a
-        cluster's redirect names (before any batch came)."""
+        cluster's redirect names (before any batch came); ``lost(exc)`` tells the client the
+        stream failed (UNAVAILABLE: a dead replica), so that the next one goes elsewhere."""
         self.pool_id = pool_id
         self._call = call
         self._hash_length_bytes = 0
         self._reopen = reopen
+        self._lost = lost
 
     def __iter__(self) -> Iterator[EventBatch]:
         received = False
@@ -51,6 +59,8 @@ class EventStream:
                     return  # closed by us: the end of the stream, not an error
                 owner = redirect_owner(exc)
                 if received or owner is None or self._reopen is None or reroute == MAX_REROUTES:
+                    if self._lost is not None:
+                        self._lost(exc)
                     raise error_from_rpc(exc, "SubscribeEvents") from exc
                 self._call = self._reopen(owner)
 
@@ -72,16 +82,22 @@ class AsyncEventStream:
         pool_id: The pool.
     """
 
-    __slots__ = ("_call", "_closed", "_hash_length_bytes", "_reopen", "pool_id")
+    __slots__ = ("_call", "_closed", "_hash_length_bytes", "_lost", "_reopen", "pool_id")
 
-    def __init__(self, pool_id: str, call: Any, reopen: Callable[[str], Any] | None = None) -> None:
-        """Wrap a server-streaming call; ``reopen(owner)`` opens it again on the replica a
-        cluster's redirect names (before any batch came)."""
+    def __init__(
+        self,
+        pool_id: str,
+        call: Any,
+        reopen: Callable[[str], Any] | None = None,
+        lost: Callable[[grpc.RpcError], object] | None = None,
+    ) -> None:
+        """As :class:`EventStream`."""
         self.pool_id = pool_id
         self._call = call
         self._hash_length_bytes = 0
         self._closed = False
         self._reopen = reopen
+        self._lost = lost
 
     async def __aiter__(self) -> AsyncIterator[EventBatch]:
         received = False
@@ -102,6 +118,8 @@ class AsyncEventStream:
                     return  # closed by us: the end of the stream, not an error
                 owner = redirect_owner(exc)
                 if received or owner is None or self._reopen is None or reroute == MAX_REROUTES:
+                    if self._lost is not None:
+                        self._lost(exc)
                     raise error_from_rpc(exc, "SubscribeEvents") from exc
                 self._call = self._reopen(owner)
 

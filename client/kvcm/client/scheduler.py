@@ -716,4 +716,6 @@ class SchedulerClient(ChannelClient):
         # A stream opens on the pool's replica as last learned; a redirect (before any
         # batch) reopens it on the owner the redirect names.
         call = self._stubs_for(pool_id).events.SubscribeEvents(request, timeout=timeout)
-        return EventStream(pool_id, call, self._reopener(request, timeout))
+        return EventStream(
+            pool_id, call, self._reopener(request, timeout), self._stream_lost(pool_id)
+        )
