@@ -25,6 +25,7 @@ __all__ = [
     "Scheduler",
     "Server",
     "assert_pool_matches",
+    "digest_checks",
     "event_log",
     "place",
     "replica_state",
@@ -106,6 +107,20 @@ def step_epoch(address: str, pool_id: str, program: StepProgram) -> str:
         request = StepBuilder.from_program(program).to_proto(pool_id)
         _, call = stub.Step.with_call(request, timeout=10)
         return dict(call.trailing_metadata() or ()).get("kvcm-epoch", "")
+
+
+def digest_checks(
+    address: str, pool_id: str, at_least: int
+) -> replica_pb2.GetReplicaStateResponse:
+    """The standby's state once it has passed ``at_least`` digest checks (a periodic digest is
+    sent once the primary's outbox is empty, covering every record due since: how many there
+    are depends on timing, that one comes is certain)."""
+    deadline = time.monotonic() + 20
+    while True:
+        state = replica_state(address, pool_id)
+        if state.digest_checks >= at_least or time.monotonic() > deadline:
+            return state
+        time.sleep(0.02)
 
 
 def start_pair(tmp_path: Path, digest_every: int = 4) -> tuple[Server, Server]:
