@@ -28,7 +28,7 @@ from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec
 from kvcm.core.pool import PoolConfig
 from kvcm.server.cluster import Placement
-from kvcm.v1 import admin_pb2, service_pb2_grpc
+from kvcm.v1 import admin_pb2, replica_pb2, replica_pb2_grpc, service_pb2_grpc
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
 CONFIG = PoolConfig(
@@ -189,3 +189,74 @@ def test_thirty_kills_in_a_row_lose_nothing_and_say_how_long_failover_takes(
     print(
         f"failover over {len(times)} kills: p50 {p50:.2f} s, p99 {p99:.2f} s, max {times[-1]:.2f} s"
     )
+
+
+def _replica_state(address: str, pool: str) -> replica_pb2.GetReplicaStateResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = replica_pb2_grpc.ReplicaServiceStub(channel)  # type: ignore[no-untyped-call]
+        answer: replica_pb2.GetReplicaStateResponse = stub.GetReplicaState(
+            replica_pb2.GetReplicaStateRequest(pool_id=pool), timeout=5
+        )
+        return answer
+
+
+def _wait_replicated(placement: Placement, pool: str) -> None:
+    """Until the primary serves ``pool`` at the placement's epoch and its standby holds the
+    same state (digest) at that epoch."""
+    deadline = time.monotonic() + 15
+    while True:
+        primary = _replica_state(placement.primary, pool)
+        assert placement.standby is not None
+        standby = _replica_state(placement.standby, pool)
+        seen = (primary.role, primary.placement_epoch, standby.role, standby.placement_epoch)
+        if (
+            seen == ("primary", placement.epoch, "standby", placement.epoch)
+            and primary.digest
+            and primary.digest == standby.digest
+        ):
+            return
+        assert time.monotonic() < deadline, f"{pool} not replicated at {placement}: {seen}"
+        time.sleep(0.1)
+
+
+def test_a_pool_deleted_and_created_again_after_a_failover_is_served_and_replicated(
+    etcd: Etcd, cluster: list[Replica]
+) -> None:
+    """The deleted pool's placement had epoch 2 (its primary changed); the new pool's starts at
+    1 again: every replica forgets the old epoch when the placement record is deleted, so the
+    new placement is not ignored as stale (the new pool is served and has a standby)."""
+    seeds = ",".join(replica.address for replica in cluster)
+    pool = "re-a"
+    with SchedulerClient(seeds, timeout=10.0) as client:
+        client.create_pool(pool, CONFIG)
+        _step(client, pool, 1, 1)
+        first = asyncio.run(_placements(etcd))[pool]
+        _wait_replicated(first, pool)
+        # The primary changes (as a failover or a move does): epoch 2, the roles swapped.
+        assert first.standby is not None
+        swapped = Placement(
+            pool_id=pool, primary=first.standby, standby=first.primary, epoch=first.epoch + 1
+        )
+        asyncio.run(_put(etcd, swapped))
+        _wait_replicated(swapped, pool)
+        _step(client, pool, 2, 2)
+
+        client.delete_pool(pool)
+        deadline = time.monotonic() + 10
+        while pool in asyncio.run(_placements(etcd)):
+            assert time.monotonic() < deadline, "the deleted pool's placement stayed"
+            time.sleep(0.1)
+        client.create_pool(pool, CONFIG)
+        again = asyncio.run(_placements(etcd))[pool]
+        assert again.epoch == 1
+        acknowledged = {key: _step(client, pool, key, key) for key in range(1, 4)}
+        _wait_replicated(again, pool)
+        for key, ids in acknowledged.items():
+            assert [list(x) for x in client.get_block_ids(pool, key)] == ids
+        assert _replica_state(again.standby or "", pool).seq >= 3  # it follows the new pool
+
+
+async def _put(etcd: Etcd, placement: Placement) -> None:
+    host, _, port = etcd.endpoint.removeprefix("http://").rpartition(":")
+    async with aetcd.Client(host=host, port=int(port), timeout=5) as client:
+        await client.put(f"{PREFIX}/placement/{placement.pool_id}".encode(), placement.encode())

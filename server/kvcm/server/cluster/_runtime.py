@@ -81,19 +81,24 @@ class ClusterRuntime:
         pool whose primary left)."""
         from kvcm.server.cluster.replication import Role
 
-        changes: asyncio.Queue[Placement] = asyncio.Queue()
+        # In etcd's order, deletions included: a deleted placement (the pool was deleted)
+        # makes replication forget the pool's epoch, so a pool created again under that id
+        # (epoch 1) is not ignored as older than the deleted one's.
+        changes: asyncio.Queue[tuple[str, Placement | None]] = asyncio.Queue()
 
         def changed(pool_id: str, placement: Placement | None) -> None:
-            if placement is not None:  # a deleted pool: replication forgets it with the pool
-                changes.put_nowait(placement)
+            changes.put_nowait((pool_id, placement))
 
         async def feed() -> None:
             while True:
-                placement = await changes.get()
+                pool_id, placement = await changes.get()
                 try:
-                    await replication.set_placement(placement)
+                    if placement is None:
+                        replication.forget(pool_id)
+                    else:
+                        await replication.set_placement(placement)
                 except Exception:
-                    _LOG.exception("replication refused placement %s", placement)
+                    _LOG.exception("replication refused placement %s of %s", placement, pool_id)
 
         def can_promote(pool_id: str) -> bool:
             entry = replication.pools.get(pool_id)
