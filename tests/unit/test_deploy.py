@@ -199,6 +199,11 @@ def test_every_alert_has_a_severity_summary_and_description() -> None:
         "KvcmKVCacheUsageHigh",
         "KvcmPrefixCacheHitRateDropping",
         "KvcmAllocationsNotFitRising",
+        "KvcmPoolWithoutStandby",
+        "KvcmReplicationLagSecondsHigh",
+        "KvcmReplicationLagRecordsHigh",
+        "KvcmEtcdSessionDown",
+        "KvcmPoolFailedOver",
     }
     for rule in rules:
         assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
@@ -313,6 +318,13 @@ def test_dashboard_has_the_panels_operators_need() -> None:
         'code!~"OK|CANCELLED"',
         "process_resident_memory_bytes",
         "kvcm_event_loop_lag_seconds_bucket",
+        # The cluster row: role per pool and replica, lag, failovers, redirects, etcd session.
+        "kvcm_replication_role",
+        "kvcm_replication_lag_seconds",
+        "kvcm_replication_lag_records",
+        "kvcm_replication_promotions_total",
+        "kvcm_cluster_redirects_total",
+        "kvcm_cluster_etcd_session_up",
     ):
         assert needed in exprs, needed
     for panel in panels:
