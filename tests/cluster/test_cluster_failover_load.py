@@ -4,7 +4,9 @@ replicas on a real etcd; five SDK schedulers (exactly-once Steps, one pool each)
 tests/compat/_engine_core.py) drive six ``sync`` pools through the seed list, while one KV-event
 reader per pool follows its stream. Then ``kill -9`` of the engine pool's primary (it is also
 the primary of an SDK pool), twice in CI, 30 times with ``KVCM_LONG=1``; a fresh replica is
-started after each kill so three stay live.
+started after each kill so three stay live. The clients' seeds are the first three replicas;
+one of them is never killed (a deployment's seed is a stable name), so when it is the engine
+pool's primary the pool is first moved to its standby live (``move_pool``).
 
 After each kill:
 
@@ -32,8 +34,6 @@ import asyncio
 import importlib.util
 import os
 import signal
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,17 +42,12 @@ from typing import Any
 import aetcd
 import pytest
 from _cluster import Etcd, Replica, wait_for_members
+from _load import CONFIG, Driver, Reader, assert_pool_matches, expected_pool
 
 from kvcm.client import SchedulerClient
-from kvcm.server.cluster import Placement
+from kvcm.server.cluster import Placement, move_pool
 
 _TESTS = Path(__file__).resolve().parent.parent
-for _folder in ("integration", "compat"):
-    if str(_TESTS / _folder) not in sys.path:
-        sys.path.insert(0, str(_TESTS / _folder))
-
-from _data_dir_server import CONFIG, program  # noqa: E402
-from _replication import assert_pool_matches, expected_pool  # noqa: E402
 
 LEASE_TTL_S = 2
 PREFIX = "/kvcm-test-failover-load"
@@ -84,80 +79,12 @@ def _placements(etcd: Etcd) -> dict[str, Placement]:
     return asyncio.run(_placements_async(etcd))
 
 
-class Driver:
-    """One SDK scheduler thread: ``program(1..)`` on its pool through the seed list, each
-    program resent (same ``step_seq``) until acknowledged; ``acks[seq]`` is when the call that
-    was acknowledged had been sent and when its answer came."""
+def _move(etcd: Etcd, pool_id: str, target: str | None) -> None:
+    """Move the pool to ``target`` live (docs/cluster.md: kvcm cluster move)."""
+    assert target is not None
 
-    def __init__(self, seeds: str, pool_id: str) -> None:
-        self.seeds = seeds
-        self.pool_id = pool_id
-        self.acks: dict[int, tuple[float, float]] = {}
-        self.errors = 0
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        seq = 1
-        with SchedulerClient(self.seeds, timeout=3.0) as client:
-            while not self.stopping.is_set():
-                sent = time.monotonic()
-                try:
-                    client.step(self.pool_id, program(seq))
-                except Exception:  # a dead replica, a promotion under way: the same program again
-                    self.errors += 1
-                    time.sleep(0.05)
-                    continue
-                self.acks[seq] = (sent, time.monotonic())
-                seq += 1
-                time.sleep(0.01)  # an engine's step cadence, about
-
-    def served_after(self, moment: float) -> float | None:
-        """When the first program sent after ``moment`` was acknowledged."""
-        times = [acked for sent, acked in self.acks.values() if sent > moment]
-        return min(times) if times else None
-
-
-class Reader:
-    """One KV-event reader thread: the pool's stream from sequence 1 through the seed list,
-    reopened from the last sequence seen plus one whenever it breaks (a dead replica)."""
-
-    def __init__(self, seeds: str, pool_id: str) -> None:
-        self.seeds = seeds
-        self.pool_id = pool_id
-        self.seen: list[tuple[int, str]] = []
-        self.reopened = 0
-        self.last_error = ""
-        self.stopping = threading.Event()
-        self.stream: Any = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with SchedulerClient(self.seeds, timeout=3.0) as client:
-            while not self.stopping.is_set():
-                try:
-                    self.stream = client.subscribe_events(
-                        self.pool_id, start_sequence=len(self.seen) + 1
-                    )
-                    if self.stopping.is_set():
-                        self.stream.close()
-                    for batch in self.stream:
-                        for offset, event in enumerate(batch.events):
-                            self.seen.append((batch.first_sequence + offset, repr(event)))
-                except Exception as exc:
-                    self.reopened += 1
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-                    time.sleep(0.05)
-
-    def stop(self, last: int) -> None:
-        deadline = time.monotonic() + 20
-        while len(self.seen) < last and time.monotonic() < deadline:
-            time.sleep(0.02)
-        self.stopping.set()
-        while self.thread.is_alive() and time.monotonic() < deadline + 5:
-            if self.stream is not None:
-                self.stream.close()
-            self.thread.join(0.2)
+    host, _, port = etcd.endpoint.removeprefix("http://").rpartition(":")
+    asyncio.run(move_pool(((host, int(port)),), PREFIX, pool_id, target, timeout_s=30.0))
 
 
 @pytest.fixture
@@ -205,6 +132,7 @@ def test_kill_9_under_sdk_and_vllm_mirror_load_loses_nothing_and_clients_ride_it
     drivers: list[Driver] = []
     readers: list[Reader] = []
     live = list(cluster)
+    seed = cluster[0]  # never killed: the clients' one seed that survives every kill
     failovers: list[float] = []
     try:
         plans = plan_workload(31, 100_000, setup, mean_prompt=60)
@@ -254,8 +182,17 @@ def test_kill_9_under_sdk_and_vllm_mirror_load_loses_nothing_and_clients_ride_it
                 f"kill {kill}: Steps acknowledged by primaries and standbys",
             )
             placed = _placements(etcd)
+            if placed[ENGINE_POOL].primary == seed.address:
+                # The seed replica stays (the clients' seeds are the first three addresses, as
+                # a deployment's are a stable name): move the engine's pool off it first.
+                _move(etcd, ENGINE_POOL, placed[ENGINE_POOL].standby)
+                placed = _placements(etcd)
             victim = next(r for r in live if r.address == placed[ENGINE_POOL].primary)
             victim_pools = [p for p in SDK_POOLS if placed[p].primary == victim.address]
+            if not victim_pools:  # an SDK pool dies with it too: move one there first
+                _move(etcd, SDK_POOLS[kill % len(SDK_POOLS)], victim.address)
+                placed = _placements(etcd)
+                victim_pools = [p for p in SDK_POOLS if placed[p].primary == victim.address]
             assert victim_pools, f"{victim.address} is primary of no SDK pool: {placed}"
 
             victim.stop(signal.SIGKILL)

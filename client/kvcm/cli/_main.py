@@ -42,7 +42,7 @@ from kvcm.common.errors import KVCMError
 
 __all__ = ["main"]
 
-_SERVER_COMMANDS = ("serve", "data-dir")
+_SERVER_COMMANDS = ("serve", "data-dir", "cluster")
 # What `kvcm[server]` adds to the base install.
 _SERVER_DEPENDENCIES = frozenset(
     {"fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "grpc_health",
@@ -79,6 +79,9 @@ def _build_parser() -> argparse.ArgumentParser:
     commands.add_parser("serve", help="run the kvcm server (gRPC and HTTP)", add_help=False)
     commands.add_parser(
         "data-dir", help="check or recover a stopped server's data directory", add_help=False
+    )
+    commands.add_parser(
+        "cluster", help="move a pool to another replica, or drain a replica", add_help=False
     )
 
     pools = commands.add_parser("pools", help="list the pools: usage, hit rate, events, lag")

@@ -117,7 +117,7 @@ class GetReplicaStateRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class GetReplicaStateResponse(_message.Message):
-    __slots__ = ("role", "placement_epoch", "seq", "acked_seq", "digest", "mode", "digest_checks", "digest_mismatches")
+    __slots__ = ("role", "placement_epoch", "seq", "acked_seq", "digest", "mode", "digest_checks", "digest_mismatches", "has_copy")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class GetReplicaStateResponse(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_CHECKS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    HAS_COPY_FIELD_NUMBER: _ClassVar[int]
     role: str
     placement_epoch: int
     seq: int
@@ -134,4 +135,5 @@ class GetReplicaStateResponse(_message.Message):
     mode: ReplicationMode
     digest_checks: int
     digest_mismatches: int
-    def __init__(self, role: _Optional[str] = ..., placement_epoch: _Optional[int] = ..., seq: _Optional[int] = ..., acked_seq: _Optional[int] = ..., digest: _Optional[bytes] = ..., mode: _Optional[_Union[ReplicationMode, str]] = ..., digest_checks: _Optional[int] = ..., digest_mismatches: _Optional[int] = ...) -> None: ...
+    has_copy: bool
+    def __init__(self, role: _Optional[str] = ..., placement_epoch: _Optional[int] = ..., seq: _Optional[int] = ..., acked_seq: _Optional[int] = ..., digest: _Optional[bytes] = ..., mode: _Optional[_Union[ReplicationMode, str]] = ..., digest_checks: _Optional[int] = ..., digest_mismatches: _Optional[int] = ..., has_copy: _Optional[bool] = ...) -> None: ...

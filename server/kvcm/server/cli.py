@@ -60,7 +60,93 @@ def _build_parser() -> argparse.ArgumentParser:
             help=f"{spec.help} (env {spec.env}; default {spec.default!r})",
         )
     _add_data_dir_commands(commands)
+    _add_cluster_commands(commands)
     return parser
+
+
+def _add_cluster_commands(commands: Any) -> None:
+    """``kvcm cluster move|drain`` (docs/cluster.md, runbook)."""
+    cluster = commands.add_parser(
+        "cluster",
+        help="move a pool to another replica, or drain a replica (etcd placement)",
+        description=(
+            "Change where pools live in a kvcm cluster, live: the target replica is made the "
+            "pool's standby, seeded, and promoted by an etcd transaction raising the pool's "
+            "epoch; the old primary steps down (docs/cluster.md)."
+        ),
+    )
+    cluster.add_argument(
+        "--etcd-endpoints",
+        default=None,
+        metavar="URLS",
+        help="etcd's client endpoints, comma-separated (env KVCM_ETCD_ENDPOINTS)",
+    )
+    cluster.add_argument(
+        "--etcd-prefix", default=None, help="the cluster's key prefix (env KVCM_ETCD_PREFIX)"
+    )
+    cluster.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds a move may take (default 60)"
+    )
+    actions = cluster.add_subparsers(dest="action", required=True, metavar="ACTION")
+    move = actions.add_parser("move", help="make ADDRESS the primary of POOL")
+    move.add_argument("pool", metavar="POOL")
+    move.add_argument("--to", required=True, metavar="ADDRESS", help="a live replica's address")
+    drain = actions.add_parser(
+        "drain", help="move every pool whose primary is ADDRESS to other replicas"
+    )
+    drain.add_argument("address", metavar="ADDRESS")
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    import grpc
+
+    from kvcm.common.errors import ConfigError
+    from kvcm.server.cluster import EtcdUnavailableError, MoveError, drain_replica, move_pool
+    from kvcm.server.settings import parse_etcd_endpoints
+
+    prog = f"kvcm cluster {args.action}"
+    endpoints = args.etcd_endpoints or os.environ.get("KVCM_ETCD_ENDPOINTS", "")
+    prefix = args.etcd_prefix or os.environ.get("KVCM_ETCD_PREFIX", "") or "/kvcm"
+    if not endpoints:
+        print(f"{prog}: --etcd-endpoints (or KVCM_ETCD_ENDPOINTS) is required", file=sys.stderr)
+        return 2
+    try:
+        parsed = parse_etcd_endpoints(endpoints)
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    token = os.environ.get("KVCM_TOKEN", "")
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    async def run() -> int:
+        try:
+            if args.action == "move":
+                placement = await move_pool(
+                    parsed, prefix, args.pool, args.to, metadata=metadata, timeout_s=args.timeout
+                )
+                print(f"{placement.pool_id}: primary {placement.primary}, standby "
+                      f"{placement.standby}, epoch {placement.epoch}")  # fmt: skip
+            else:
+                moved = await drain_replica(
+                    parsed, prefix, args.address, metadata=metadata, timeout_s=args.timeout
+                )
+                for placement in moved:
+                    print(f"{placement.pool_id}: primary {placement.primary}, standby "
+                          f"{placement.standby}, epoch {placement.epoch}")  # fmt: skip
+                print(f"{args.address}: primary of no pool ({len(moved)} moved)")
+            return 0
+        except (MoveError, EtcdUnavailableError) as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 1
+        except grpc.RpcError as exc:  # a replica's GetReplicaState refused or unreachable
+            print(f"{prog}: a replica answered {exc.code().name}: {exc.details()} (an admin "
+                  "token is needed where auth is on: KVCM_TOKEN)", file=sys.stderr)  # fmt: skip
+            return 1
+
+    return asyncio.run(run())
 
 
 def _add_data_dir_commands(commands: Any) -> None:
@@ -181,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "data-dir":
         return _data_dir(args)
+    if args.command == "cluster":
+        return _cluster(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse guards this
 
 

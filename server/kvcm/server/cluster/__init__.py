@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvcm.server.cluster._etcd import EtcdUnavailableError
 from kvcm.server.cluster._fanout import LOCAL_KEY, MISSING_KEY, REPLICAS_KEY
+from kvcm.server.cluster._moves import MoveError, drain_replica, move_pool
 from kvcm.server.cluster._node import ClusterConfig, ClusterNode, ClusterStats
 from kvcm.server.cluster._replica_rpc import add_replica_servicer
 from kvcm.server.cluster._routing import EPOCH_KEY, OWNER_KEY
@@ -25,8 +26,11 @@ __all__ = [
     "ClusterRuntime",
     "ClusterStats",
     "EtcdUnavailableError",
+    "MoveError",
     "Placement",
     "PlacementCallback",
     "PlacementView",
     "add_replica_servicer",
+    "drain_replica",
+    "move_pool",
 ]

@@ -841,6 +841,7 @@ class Replication:
             ),
             digest_checks=link.digests if link is not None else entry.digest_checks,
             digest_mismatches=entry.digest_mismatches,
+            has_copy=entry.role is Role.STANDBY and entry.has_copy,
         )
 
 
