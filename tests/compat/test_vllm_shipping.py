@@ -63,6 +63,13 @@ CASES = {
         60,
     ),
     "serve-defaults": (Setup(serve_defaults=True, num_blocks=None, memory_blocks=600), 17, 60),
+    # Decode context parallelism: the server's pool gets decode_context_parallel_size over the
+    # wire and schedules 32-token blocks (2 ranks' 16-token blocks) as the mirror does.
+    "tp8-dcp2": (
+        Setup(tensor_parallel_size=8, decode_context_parallel_size=2, num_blocks=60, **_SMALL),
+        18,
+        60,
+    ),
 }
 
 
