@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvcm/v1/replica.proto\x12\x07kvcm.v1\"R\n\rReplicaRecord\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0f\n\x07request\x18\x02 \x01(\x0c\x12\x0c\n\x04time\x18\x03 \x01(\x01\x12\x12\n\npool_epoch\x18\x04 \x01(\x04\"t\n\x0bReplicaSeed\x12\x0e\n\x06\x63onfig\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x12\n\npool_epoch\x18\x04 \x01(\x04\x12\x15\n\rkv_event_base\x18\x05 \x01(\x04\x12\x0e\n\x06\x65xists\x18\x06 \x01(\x08\"\xb3\x01\n\x12ShipRecordsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12(\n\x06record\x18\x04 \x01(\x0b\x32\x16.kvcm.v1.ReplicaRecordH\x00\x12$\n\x04seed\x18\x05 \x01(\x0b\x32\x14.kvcm.v1.ReplicaSeedH\x00\x12\x0e\n\x06\x64igest\x18\x06 \x01(\x0c\x42\x06\n\x04\x62ody\"\x81\x01\n\x13ShipRecordsResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12#\n\x06status\x18\x04 \x01(\x0e\x32\x13.kvcm.v1.ShipStatus\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"\x89\x01\n\x13SetPlacementRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0f\n\x07primary\x18\x02 \x01(\t\x12\x0f\n\x07standby\x18\x03 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x04 \x01(\x04\x12&\n\x04mode\x18\x05 \x01(\x0e\x32\x18.kvcm.v1.ReplicationMode\"=\n\x14SetPlacementResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x02 \x01(\x04\")\n\x16GetReplicaStateRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\xdc\x01\n\x17GetReplicaStateResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\tacked_seq\x18\x04 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x05 \x01(\x0c\x12&\n\x04mode\x18\x06 \x01(\x0e\x32\x18.kvcm.v1.ReplicationMode\x12\x15\n\rdigest_checks\x18\x07 \x01(\x04\x12\x19\n\x11\x64igest_mismatches\x18\x08 \x01(\x04\x12\x10\n\x08has_copy\x18\t \x01(\x08*j\n\x0fReplicationMode\x12 \n\x1cREPLICATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICATION_MODE_SYNC\x10\x01\x12\x1a\n\x16REPLICATION_MODE_ASYNC\x10\x02*\xb3\x01\n\nShipStatus\x12\x1b\n\x17SHIP_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSHIP_STATUS_OK\x10\x01\x12\x1b\n\x17SHIP_STATUS_STALE_EPOCH\x10\x02\x12\x19\n\x15SHIP_STATUS_NEED_SEED\x10\x03\x12\x1f\n\x1bSHIP_STATUS_DIGEST_MISMATCH\x10\x04\x12\x1b\n\x17SHIP_STATUS_NOT_STANDBY\x10\x05\x32\x81\x02\n\x0eReplicaService\x12L\n\x0bShipRecords\x12\x1b.kvcm.v1.ShipRecordsRequest\x1a\x1c.kvcm.v1.ShipRecordsResponse(\x01\x30\x01\x12K\n\x0cSetPlacement\x12\x1c.kvcm.v1.SetPlacementRequest\x1a\x1d.kvcm.v1.SetPlacementResponse\x12T\n\x0fGetReplicaState\x12\x1f.kvcm.v1.GetReplicaStateRequest\x1a .kvcm.v1.GetReplicaStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvcm/v1/replica.proto\x12\x07kvcm.v1\"R\n\rReplicaRecord\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0f\n\x07request\x18\x02 \x01(\x0c\x12\x0c\n\x04time\x18\x03 \x01(\x01\x12\x12\n\npool_epoch\x18\x04 \x01(\x04\"\x87\x01\n\x0bReplicaSeed\x12\x0e\n\x06\x63onfig\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x12\n\npool_epoch\x18\x04 \x01(\x04\x12\x15\n\rkv_event_base\x18\x05 \x01(\x04\x12\x0e\n\x06\x65xists\x18\x06 \x01(\x08\x12\x11\n\ttransfers\x18\x07 \x01(\x0c\"\xb3\x01\n\x12ShipRecordsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12(\n\x06record\x18\x04 \x01(\x0b\x32\x16.kvcm.v1.ReplicaRecordH\x00\x12$\n\x04seed\x18\x05 \x01(\x0b\x32\x14.kvcm.v1.ReplicaSeedH\x00\x12\x0e\n\x06\x64igest\x18\x06 \x01(\x0c\x42\x06\n\x04\x62ody\"\x81\x01\n\x13ShipRecordsResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12#\n\x06status\x18\x04 \x01(\x0e\x32\x13.kvcm.v1.ShipStatus\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"\x89\x01\n\x13SetPlacementRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0f\n\x07primary\x18\x02 \x01(\t\x12\x0f\n\x07standby\x18\x03 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x04 \x01(\x04\x12&\n\x04mode\x18\x05 \x01(\x0e\x32\x18.kvcm.v1.ReplicationMode\"=\n\x14SetPlacementResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x02 \x01(\x04\")\n\x16GetReplicaStateRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\xdc\x01\n\x17GetReplicaStateResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x17\n\x0fplacement_epoch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\tacked_seq\x18\x04 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x05 \x01(\x0c\x12&\n\x04mode\x18\x06 \x01(\x0e\x32\x18.kvcm.v1.ReplicationMode\x12\x15\n\rdigest_checks\x18\x07 \x01(\x04\x12\x19\n\x11\x64igest_mismatches\x18\x08 \x01(\x04\x12\x10\n\x08has_copy\x18\t \x01(\x08*j\n\x0fReplicationMode\x12 \n\x1cREPLICATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICATION_MODE_SYNC\x10\x01\x12\x1a\n\x16REPLICATION_MODE_ASYNC\x10\x02*\xb3\x01\n\nShipStatus\x12\x1b\n\x17SHIP_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSHIP_STATUS_OK\x10\x01\x12\x1b\n\x17SHIP_STATUS_STALE_EPOCH\x10\x02\x12\x19\n\x15SHIP_STATUS_NEED_SEED\x10\x03\x12\x1f\n\x1bSHIP_STATUS_DIGEST_MISMATCH\x10\x04\x12\x1b\n\x17SHIP_STATUS_NOT_STANDBY\x10\x05\x32\x81\x02\n\x0eReplicaService\x12L\n\x0bShipRecords\x12\x1b.kvcm.v1.ShipRecordsRequest\x1a\x1c.kvcm.v1.ShipRecordsResponse(\x01\x30\x01\x12K\n\x0cSetPlacement\x12\x1c.kvcm.v1.SetPlacementRequest\x1a\x1d.kvcm.v1.SetPlacementResponse\x12T\n\x0fGetReplicaState\x12\x1f.kvcm.v1.GetReplicaStateRequest\x1a .kvcm.v1.GetReplicaStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcm.v1.replica_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICATIONMODE']._serialized_start=1019
-  _globals['_REPLICATIONMODE']._serialized_end=1125
-  _globals['_SHIPSTATUS']._serialized_start=1128
-  _globals['_SHIPSTATUS']._serialized_end=1307
+  _globals['_REPLICATIONMODE']._serialized_start=1039
+  _globals['_REPLICATIONMODE']._serialized_end=1145
+  _globals['_SHIPSTATUS']._serialized_start=1148
+  _globals['_SHIPSTATUS']._serialized_end=1327
   _globals['_REPLICARECORD']._serialized_start=34
   _globals['_REPLICARECORD']._serialized_end=116
-  _globals['_REPLICASEED']._serialized_start=118
-  _globals['_REPLICASEED']._serialized_end=234
-  _globals['_SHIPRECORDSREQUEST']._serialized_start=237
-  _globals['_SHIPRECORDSREQUEST']._serialized_end=416
-  _globals['_SHIPRECORDSRESPONSE']._serialized_start=419
-  _globals['_SHIPRECORDSRESPONSE']._serialized_end=548
-  _globals['_SETPLACEMENTREQUEST']._serialized_start=551
-  _globals['_SETPLACEMENTREQUEST']._serialized_end=688
-  _globals['_SETPLACEMENTRESPONSE']._serialized_start=690
-  _globals['_SETPLACEMENTRESPONSE']._serialized_end=751
-  _globals['_GETREPLICASTATEREQUEST']._serialized_start=753
-  _globals['_GETREPLICASTATEREQUEST']._serialized_end=794
-  _globals['_GETREPLICASTATERESPONSE']._serialized_start=797
-  _globals['_GETREPLICASTATERESPONSE']._serialized_end=1017
-  _globals['_REPLICASERVICE']._serialized_start=1310
-  _globals['_REPLICASERVICE']._serialized_end=1567
+  _globals['_REPLICASEED']._serialized_start=119
+  _globals['_REPLICASEED']._serialized_end=254
+  _globals['_SHIPRECORDSREQUEST']._serialized_start=257
+  _globals['_SHIPRECORDSREQUEST']._serialized_end=436
+  _globals['_SHIPRECORDSRESPONSE']._serialized_start=439
+  _globals['_SHIPRECORDSRESPONSE']._serialized_end=568
+  _globals['_SETPLACEMENTREQUEST']._serialized_start=571
+  _globals['_SETPLACEMENTREQUEST']._serialized_end=708
+  _globals['_SETPLACEMENTRESPONSE']._serialized_start=710
+  _globals['_SETPLACEMENTRESPONSE']._serialized_end=771
+  _globals['_GETREPLICASTATEREQUEST']._serialized_start=773
+  _globals['_GETREPLICASTATEREQUEST']._serialized_end=814
+  _globals['_GETREPLICASTATERESPONSE']._serialized_start=817
+  _globals['_GETREPLICASTATERESPONSE']._serialized_end=1037
+  _globals['_REPLICASERVICE']._serialized_start=1330
+  _globals['_REPLICASERVICE']._serialized_end=1587
 # @@protoc_insertion_point(module_scope)

@@ -43,20 +43,22 @@ class ReplicaRecord(_message.Message):
     def __init__(self, method: _Optional[str] = ..., request: _Optional[bytes] = ..., time: _Optional[float] = ..., pool_epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicaSeed(_message.Message):
-    __slots__ = ("config", "data", "last", "pool_epoch", "kv_event_base", "exists")
+    __slots__ = ("config", "data", "last", "pool_epoch", "kv_event_base", "exists", "transfers")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     POOL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_EVENT_BASE_FIELD_NUMBER: _ClassVar[int]
     EXISTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     config: bytes
     data: bytes
     last: bool
     pool_epoch: int
     kv_event_base: int
     exists: bool
-    def __init__(self, config: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., pool_epoch: _Optional[int] = ..., kv_event_base: _Optional[int] = ..., exists: _Optional[bool] = ...) -> None: ...
+    transfers: bytes
+    def __init__(self, config: _Optional[bytes] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., pool_epoch: _Optional[int] = ..., kv_event_base: _Optional[int] = ..., exists: _Optional[bool] = ..., transfers: _Optional[bytes] = ...) -> None: ...
 
 class ShipRecordsRequest(_message.Message):
     __slots__ = ("pool_id", "placement_epoch", "seq", "record", "seed", "digest")

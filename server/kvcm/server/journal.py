@@ -25,7 +25,7 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
@@ -168,6 +168,10 @@ class Journal:
         # Told of each change :meth:`append` records (method, pool, request, time), right
         # after the change was made: replication ships it to the pool's standby.
         self.on_change: Callable[[str, str, bytes, float], object] | None = None
+        # Told of each call a servicer journals itself (TransferService), right after it was
+        # applied: replication ships it; the call's answer first awaits what it returns (a
+        # ``sync`` pool's standby acknowledgement), if anything.
+        self.on_call: Callable[[str, str, bytes, float], Awaitable[None] | None] | None = None
 
     @property
     def pending_changes(self) -> int:

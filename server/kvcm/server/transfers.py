@@ -434,6 +434,15 @@ class TransferBook:
             self._end(record, TransferState.RELEASED, "the source pool was deleted", wall)
         return len(stale)
 
+    def drop_pool(self, pool_id: str) -> None:
+        """Forget every record of ``pool_id``, ended ones included (a standby's copy of the
+        pool is being replaced by its primary's seed)."""
+        for key in [key for key in self.records if key[0] == pool_id]:
+            record = self.records.pop(key)
+            if record.in_flight:
+                self._untrack(record)
+            self._ended.pop(key, None)
+
     def extend(self, stall_s: float, now: float) -> None:
         """Move every lease ``stall_s`` later (not past ``now``): the server stalled."""
         for record in self.records.values():

@@ -51,7 +51,15 @@ from kvcm.core.pool_types import PoolState
 from kvcm.core.snapshot import decode_pool, encode_pool
 from kvcm.server.cluster.placement import Placement
 from kvcm.server.journal import JournalRecord
-from kvcm.server.rpc import AbortRpc, PoolRuntime, ServerState, checkpoint_live, replay_records
+from kvcm.server.rpc import (
+    AbortRpc,
+    PoolRuntime,
+    ServerState,
+    checkpoint_live,
+    decode_transfers,
+    encode_transfers,
+    replay_records,
+)
 from kvcm.v1 import admin_pb2, replica_pb2, replica_pb2_grpc
 from kvcm.wire import pool_config_from_proto
 
@@ -486,6 +494,15 @@ class Replication:
             return None
         return link.add(method, request, when, wait=entry.sync)
 
+    def call_applied(
+        self, method: str, pool_id: str, request: bytes, when: float
+    ) -> Awaitable[None] | None:
+        """A call a servicer journals itself (``Journal.on_call``: TransferService) was just
+        applied (no await since): ship it; returns what its answer awaits first (a ``sync``
+        pool's standby acknowledgement, :meth:`wait_replicated`), or ``None``."""
+        pending = self.applied(method, pool_id, request, when)
+        return None if pending is None else self.wait_replicated(pending, method, pool_id)
+
     def stamp(self, pool_id: str, context: Any) -> None:
         """Put the pool's placement epoch in an answer's trailing metadata (a pool with a
         placement only): a client sees which epoch acknowledged its call."""
@@ -791,6 +808,7 @@ class Replication:
             old = await state.pool(pool_id)
             registry.delete(pool_id)
             state.retire(old)
+        decode_transfers(state, seed.transfers, pool_id)  # the primary's records replace ours
         if pool is None:
             return None
         registry.reserve(pool_id, pool.options)
@@ -1046,9 +1064,13 @@ class _Link:
         self.live = True  # records applied from now on are queued after the seed
         pool = owner._pool(pool_id)
         base = state.kv_numbering.base(pool_id)
+        # The pool's transfer records as of ``seq`` (no await since): the seed's last chunk.
+        transfers = encode_transfers(state, pool_id)
         if pool is None:
             self.seeds += 1
-            seed = replica_pb2.ReplicaSeed(last=True, exists=False, kv_event_base=base)
+            seed = replica_pb2.ReplicaSeed(
+                last=True, exists=False, kv_event_base=base, transfers=transfers
+            )
             await call.write(
                 replica_pb2.ShipRecordsRequest(
                     pool_id=pool_id, placement_epoch=self.epoch, seq=seq, seed=seed
@@ -1079,6 +1101,7 @@ class _Link:
                 pool_epoch=pool.epoch,
                 kv_event_base=base,
                 exists=True,
+                transfers=transfers if last else b"",
             )
             await call.write(
                 replica_pb2.ShipRecordsRequest(

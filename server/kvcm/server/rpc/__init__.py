@@ -34,6 +34,8 @@ from kvcm.server.rpc._status import (
 from kvcm.server.rpc._transfers import (
     TransferServicer,
     TransferView,
+    decode_transfers,
+    encode_transfers,
     list_transfers,
     transfer_to_proto,
 )
@@ -69,6 +71,8 @@ __all__ = [
     "TransferView",
     "WorkerServicer",
     "add_servicers",
+    "decode_transfers",
+    "encode_transfers",
     "list_transfers",
     "transfer_to_proto",
     "checkpoint_of",

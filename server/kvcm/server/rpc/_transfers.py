@@ -11,9 +11,11 @@ Giving a managed source back finishes its request (one FINISH Step program on th
 published like any Step's events), in the same apply as the record's change, so both happen or
 neither. The lease monitor expires transfers through the same path (``ExpireTransfer``
 records). With replication (docs/replication.md) each applied record is shipped to the source
-pool's standby as the server's own changes are (``Journal.on_change``: the answer does not wait
-for the standby), which replays it through the journal's replay path; a standby copy refuses
-these calls (UNAVAILABLE).
+pool's standby (``Journal.on_call``: in a ``sync`` pool the answer waits for the standby's
+acknowledgement, as any mutating call's; the lease monitor's expiries go by
+``Journal.on_change``, as the server's own changes, waited for by nobody), which replays it
+through the journal's replay path; a standby copy refuses these calls (UNAVAILABLE). A seed
+carries the pool's records (:func:`encode_transfers` of the pool).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any, Final, TypeAlias
 
 import grpc
@@ -132,10 +134,13 @@ def _from_proto(message: pd_pb2.Transfer) -> TransferRecord:
     )
 
 
-def encode_transfers(state: ServerState) -> bytes:
-    """Every record of the book, for a checkpoint (``ListTransfersResponse`` bytes)."""
+def encode_transfers(state: ServerState, pool_id: str | None = None) -> bytes:
+    """Every record of the book (of source pool ``pool_id`` only, when given: a replication
+    seed's), for a checkpoint (``ListTransfersResponse`` bytes)."""
     now = state.clock.now()
-    records = state.transfer_book.records.values()
+    records: Iterable[TransferRecord] = state.transfer_book.records.values()
+    if pool_id is not None:
+        records = [record for record in records if record.pool_id == pool_id]
     message = pd_pb2.ListTransfersResponse(
         transfers=[transfer_to_proto(record, now) for record in records]
     )
@@ -143,9 +148,12 @@ def encode_transfers(state: ServerState) -> bytes:
     return data
 
 
-def decode_transfers(state: ServerState, data: bytes) -> None:
+def decode_transfers(state: ServerState, data: bytes, pool_id: str | None = None) -> None:
     """Restore a checkpoint's records (:func:`encode_transfers`) into an empty book; each
-    lease starts again now."""
+    lease starts again now. With ``pool_id`` (a replication seed's records of that pool), the
+    book's records of the pool are replaced by them."""
+    if pool_id is not None:
+        state.transfer_book.drop_pool(pool_id)
     if not data:
         return
     now = state.clock.now()
@@ -305,7 +313,7 @@ class TransferServicer:
             message.pool_id, message.transfer_id = record.pool_id, record.transfer_id
             CALL_TIME.set(time.time())
             try:
-                await self._journaled(method, message, record.pool_id)
+                await self._journaled(method, message, record.pool_id, answered=False)
             except (KVCMError, AbortRpc):
                 continue  # the pool went away meanwhile, or the disk refused: next check
             ended += 1
@@ -315,9 +323,8 @@ class TransferServicer:
     def replay(self, record: JournalRecord) -> None:
         """Apply a journaled transfer call again (at recovery, or on a standby).
 
-        A call on a transfer this book does not hold is skipped: a standby seeded after the
-        hold has the pool but not the record (a give-back it misses shows in the pool's
-        digest, and the standby is seeded again).
+        A call on a transfer this book does not hold is skipped (a checkpoint written before
+        checkpoints held transfer records; a standby's seed carries its pool's records).
         """
         request = _REQUESTS[record.method].FromString(record.request)
         key = (request.pool_id, request.transfer_id)
@@ -401,8 +408,14 @@ class TransferServicer:
             return None
         return request
 
-    async def _journaled(self, method: str, request: Any, pool_id: str) -> Change:
-        """Write ``request`` ahead, then apply it in its turn (see the module docstring)."""
+    async def _journaled(
+        self, method: str, request: Any, pool_id: str, *, answered: bool = True
+    ) -> Change:
+        """Write ``request`` ahead, then apply it in its turn (see the module docstring).
+
+        ``answered``: a client's call, whose answer waits for a ``sync`` standby; else the
+        server's own change (the lease monitor's), shipped without waiting.
+        """
         when = CALL_TIME.get() or time.time()
         CALL_TIME.set(when)
         state = self._state
@@ -424,6 +437,7 @@ class TransferServicer:
             raise AbortRpc(grpc.StatusCode.UNAVAILABLE, _unavailable(exc)) from None
 
         async def run() -> Change:
+            replicated: Awaitable[None] | None = None
             try:
                 try:
                     await journal.commit(ticket.seq)
@@ -441,11 +455,16 @@ class TransferServicer:
                 except KVCMError:
                     journal.void(ticket)  # refused: it changed nothing
                     raise
-                if journal.on_change is not None:  # no await since it ran: the pool's order
-                    journal.on_change(method, pool_id, data, when)  # to a standby
-                return change
+                # No await since it ran (the pool's order): ship it to a standby.
+                if answered and journal.on_call is not None:
+                    replicated = journal.on_call(method, pool_id, data, when)
+                elif journal.on_change is not None:
+                    journal.on_change(method, pool_id, data, when)
             finally:
                 journal.finish(ticket)
+            if replicated is not None:  # a sync standby's acknowledgement
+                await replicated
+            return change
 
         # Once written, it runs even if its caller goes away (as the journal interceptor's).
         task = asyncio.ensure_future(run())
