@@ -136,3 +136,25 @@ def test_in_flight_and_ended_records_are_bounded(monkeypatch: pytest.MonkeyPatch
         restored.restore(dataclasses.replace(record), now=50.0)
     assert restored.holder_of("p", 9) is not None
     assert restored.records[("p", "t9")].deadline() == 60.0  # a whole lease after a restart
+
+
+def test_dropping_a_pool_forgets_its_records_in_flight_and_ended_and_no_other() -> None:
+    """A standby's copy replaced by a seed: the pool's records go, the seed's come back."""
+    book = TransferBook()
+    book.hold(_record("held", 1), now=0.0, wall=100.0)
+    book.hold(_record("ended", 2), now=0.0, wall=100.0)
+    book.release("p", "ended", "gone", wall=101.0)
+    other = dataclasses.replace(_record("kept", 1), pool_id="q")
+    book.hold(other, now=0.0, wall=100.0)
+    book.drop_pool("p")
+    assert list(book.records) == [("q", "kept")]
+    assert book.holder_of("p", 1) is None
+    assert book.holder_of("q", 1) is other
+    assert [r.transfer_id for r in book.in_flight()] == ["kept"]
+    with pytest.raises(NotFoundError, match="'held'"):
+        book.get("p", "held")
+    # The seed's records restored in their place: the same ids, as the primary has them.
+    restored = _record("held", 1)
+    book.restore(restored, now=5.0)
+    assert book.holder_of("p", 1) is restored
+    assert book.hold(_record("ended", 2), now=6.0, wall=106.0).changed  # a new transfer
