@@ -97,6 +97,15 @@ def test_a_standby_seeded_after_a_hold_takes_over_every_transfer_answered_ok(
             assert done.state is TransferState.COMPLETED
             with SchedulerClient(b.address, timeout=10.0) as standby:  # sync: it has it now
                 assert _same(standby.describe_transfer("prefill", "t1"), done)
+            with grpc.insecure_channel(b.address) as channel:  # a standby refuses, naming A
+                stub = service_pb2_grpc.TransferServiceStub(channel)  # type: ignore[no-untyped-call]
+                with pytest.raises(grpc.RpcError) as on_standby:
+                    stub.ReleaseTransfer(
+                        pd_pb2.ReleaseTransferRequest(pool_id="prefill", transfer_id="t1"),
+                        timeout=10,
+                    )
+            assert on_standby.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert f"its primary is {a.address}" in on_standby.value.details()
             held = client.hold_source("prefill", "t2", 2, lease_s=60.0)  # answered OK
 
             # A sync transfer call is answered only once the standby has its record.

@@ -211,6 +211,7 @@ class KVCMServer:
             journaling.replication = replication
             self.journal.on_change = replication.changed
             self.journal.on_call = replication.call_applied
+            self.journal.admit = replication.admit
         if self.tracing is not None:  # outermost: its span covers the whole call
             interceptors.insert(0, self.tracing.interceptor())
         if settings.kv_events_endpoint:  # after recovery: replayed batches are not re-sent

@@ -172,6 +172,9 @@ class Journal:
         # applied: replication ships it; the call's answer first awaits what it returns (a
         # ``sync`` pool's standby acknowledgement), if anything.
         self.on_call: Callable[[str, str, bytes, float], Awaitable[None] | None] | None = None
+        # Asked (method, pool) before such a call is written: raises to refuse a call on a
+        # pool this replica does not serve now (a standby's, one being promoted).
+        self.admit: Callable[[str, str], None] | None = None
 
     @property
     def pending_changes(self) -> int:

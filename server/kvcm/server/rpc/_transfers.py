@@ -419,12 +419,14 @@ class TransferServicer:
         when = CALL_TIME.get() or time.time()
         CALL_TIME.set(when)
         state = self._state
+        journal = state.journal
+        if answered and journal is not None and journal.admit is not None:
+            journal.admit(method, pool_id)  # served elsewhere, or being promoted: refused
         if pool_id in state.standby_pools:  # its primary's shipped records change it
             raise AbortRpc(
                 grpc.StatusCode.UNAVAILABLE,
                 f"{method}: pool {shown(pool_id)} is a standby copy here: call its primary",
             )
-        journal = state.journal
         if journal is None:
             await state.pool(pool_id)  # wait for a lane; no await after it
             return self._apply(method, request)
