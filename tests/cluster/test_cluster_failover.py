@@ -224,7 +224,9 @@ def test_a_pool_deleted_and_created_again_after_a_failover_is_served_and_replica
 ) -> None:
     """The deleted pool's placement had epoch 2 (its primary changed); the new pool's starts at
     1 again: every replica forgets the old epoch when the placement record is deleted, so the
-    new placement is not ignored as stale (the new pool is served and has a standby)."""
+    new placement is not ignored as stale (the new pool is served and has a standby), and the
+    old primary, stepped down with a copy kept for reads, drops that copy (else it would
+    serve it as a local pool once the placement is gone)."""
     seeds = ",".join(replica.address for replica in cluster)
     pool = "re-a"
     with SchedulerClient(seeds, timeout=10.0) as client:
@@ -232,20 +234,24 @@ def test_a_pool_deleted_and_created_again_after_a_failover_is_served_and_replica
         _step(client, pool, 1, 1)
         first = asyncio.run(_placements(etcd))[pool]
         _wait_replicated(first, pool)
-        # The primary changes (as a failover or a move does): epoch 2, the roles swapped.
+        # The primary changes (as a failover does): epoch 2, the old standby primary, the third
+        # replica its standby; the old primary steps down, keeping its copy for reads.
         assert first.standby is not None
-        swapped = Placement(
-            pool_id=pool, primary=first.standby, standby=first.primary, epoch=first.epoch + 1
-        )
-        asyncio.run(_put(etcd, swapped))
-        _wait_replicated(swapped, pool)
+        third = next(r.address for r in cluster if r.address not in (first.primary, first.standby))
+        moved = Placement(pool_id=pool, primary=first.standby, standby=third, epoch=2)
+        asyncio.run(_put(etcd, moved))
+        _wait_replicated(moved, pool)
         _step(client, pool, 2, 2)
+        fenced = _replica_state(first.primary, pool)
+        assert (fenced.role, fenced.placement_epoch) == ("fenced", 2)
+        assert fenced.digest  # its copy, kept for reads
 
         client.delete_pool(pool)
         deadline = time.monotonic() + 10
-        while pool in asyncio.run(_placements(etcd)):
-            assert time.monotonic() < deadline, "the deleted pool's placement stayed"
+        while pool in asyncio.run(_placements(etcd)) or _replica_state(first.primary, pool).digest:
+            assert time.monotonic() < deadline, "the deleted pool's placement or copy stayed"
             time.sleep(0.1)
+        assert _replica_state(first.primary, pool).role == "none"
         client.create_pool(pool, CONFIG)
         again = asyncio.run(_placements(etcd))[pool]
         assert again.epoch == 1

@@ -82,8 +82,9 @@ class ClusterRuntime:
         from kvcm.server.cluster.replication import Role
 
         # In etcd's order, deletions included: a deleted placement (the pool was deleted)
-        # makes replication forget the pool's epoch, so a pool created again under that id
-        # (epoch 1) is not ignored as older than the deleted one's.
+        # makes replication drop a copy it does not own and forget the pool's epoch, so a
+        # pool created again under that id (epoch 1) is not ignored as older than the
+        # deleted one's.
         changes: asyncio.Queue[tuple[str, Placement | None]] = asyncio.Queue()
 
         def changed(pool_id: str, placement: Placement | None) -> None:
@@ -94,7 +95,7 @@ class ClusterRuntime:
                 pool_id, placement = await changes.get()
                 try:
                     if placement is None:
-                        replication.forget(pool_id)
+                        await replication.deleted(pool_id)
                     else:
                         await replication.set_placement(placement)
                 except Exception:

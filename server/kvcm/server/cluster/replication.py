@@ -564,6 +564,23 @@ class Replication:
         self.state.standby_pools.discard(pool_id)
         self._save()
 
+    async def deleted(self, pool_id: str) -> None:
+        """The pool's placement was deleted with the pool: drop a copy this replica holds but
+        does not own (a stepped-down primary's kept for reads, a standby's whose
+        ``DeletePool`` record never came), then :meth:`forget` the pool. Without this such a
+        copy would be served as a local pool once forgotten."""
+        state = self.state
+        registry = state.registry
+        if pool_id in state.standby_pools and pool_id in registry:
+            with contextlib.suppress(KVCMError):
+                old = await state.pool(pool_id)  # once no worker thread holds it
+                if pool_id in state.standby_pools and self._pool(pool_id) is old:
+                    registry.delete(pool_id)  # still a standby's: publishes nothing
+                    state.progress.forget(pool_id)
+                    state.retire(old)
+                    state.transfer_book.drop_pool(pool_id)
+        self.forget(pool_id)
+
     def samples(self) -> dict[str, list[tuple[list[str], float]]]:
         """The ``kvcm_replication_*`` samples by metric name (``(label values, value)``)."""
         roles: list[tuple[list[str], float]] = []
