@@ -266,3 +266,40 @@ async def _put(etcd: Etcd, placement: Placement) -> None:
     host, _, port = etcd.endpoint.removeprefix("http://").rpartition(":")
     async with aetcd.Client(host=host, port=int(port), timeout=5) as client:
         await client.put(f"{PREFIX}/placement/{placement.pool_id}".encode(), placement.encode())
+
+
+def test_a_replica_that_missed_a_delete_takes_the_new_pool_at_epoch_1(
+    etcd: Etcd, cluster: list[Replica]
+) -> None:
+    """A replica down while its pool (epoch 2 there, kept in its data directory) was deleted
+    and created again sees the new epoch-1 placement on its return: that is the delete it
+    missed, so it forgets the old epoch and can be the new pool's standby (an old epoch kept
+    would refuse the new primary's stream as stale and fence it)."""
+    seeds = ",".join(replica.address for replica in cluster)
+    pool = "re-b"
+    with SchedulerClient(seeds, timeout=10.0) as client:
+        client.create_pool(pool, CONFIG)
+        first = asyncio.run(_placements(etcd))[pool]
+        assert first.standby is not None
+        moved = Placement(pool_id=pool, primary=first.standby, standby=first.primary, epoch=2)
+        asyncio.run(_put(etcd, moved))
+        _wait_replicated(moved, pool)
+        _step(client, pool, 1, 1)
+        away = next(r for r in cluster if r.address == first.primary)  # the standby now
+        away.stop(signal.SIGKILL)
+        others = [r for r in cluster if r is not away]
+        wait_for_members(others, 2)
+        client.delete_pool(pool)
+        client.create_pool(pool, CONFIG)
+        again = asyncio.run(_placements(etcd))[pool]
+        assert again.epoch == 1
+        assert away.address not in (again.primary, again.standby)
+        away.start()  # the same address and data directory: it knew epoch 2
+        wait_for_members(cluster, 3)
+        # Make it the new pool's standby (as a move or a replacement would).
+        with_away = Placement(pool_id=pool, primary=again.primary, standby=away.address, epoch=1)
+        asyncio.run(_put(etcd, with_away))
+        acknowledged = {key: _step(client, pool, key, key) for key in range(1, 4)}
+        _wait_replicated(with_away, pool)
+        for key, ids in acknowledged.items():
+            assert [list(x) for x in client.get_block_ids(pool, key)] == ids

@@ -94,9 +94,15 @@ class ClusterRuntime:
             while True:
                 pool_id, placement = await changes.get()
                 try:
+                    known = replication.pools.get(pool_id)
                     if placement is None:
                         await replication.deleted(pool_id)
                     else:
+                        if known is not None and placement.epoch < known.epoch:
+                            # etcd only raises a placement's epoch: a lower one is a pool
+                            # deleted and created again while this replica did not watch
+                            # (down, or its watch broken): the delete it missed.
+                            await replication.deleted(pool_id)
                         await replication.set_placement(placement)
                 except Exception:
                     _LOG.exception("replication refused placement %s of %s", placement, pool_id)
