@@ -20,6 +20,15 @@ what a whole turn costs in all: the process's CPU time per turn, each engine ste
 back on its own until the server's copy is equal (the simulated model, and every call the
 shipper makes, included).
 
+**Model time** (``--model-ms X``, default 0): each batch the engine sends to the simulated
+executor runs for X ms on one simulated device (batches one after another, as on a GPU), and
+the engine's wait for its result sleeps, releasing the interpreter lock, as a multiprocess
+executor waits on its workers' replies. That wait is in EngineCore's ``future.result()``, between
+``schedule()`` and ``update_from_output()``, so it is never inside a sample; the mirror's
+shipping thread runs during it, as it does in a real engine. 0 is the worst case for the mirror:
+the engine never gives up the interpreter lock, and the shipper's work lands inside the engine's
+turns whenever the lock changes hands (every 5 ms).
+
 **Lag** (``--lag``): the mirror engine steps back to back and once every 10 ms; figures:
 steps per second the shipper acknowledged, Step RPCs (one carries every step queued while the
 previous one was out), close-to-acknowledgement lag p50/p99, and the time from the last step's
@@ -30,6 +39,7 @@ close until the server's copy equals the mirror's.
     python bench/vllm_scheduler.py --lag        # the lag figures only
     python bench/vllm_scheduler.py --no-lag     # the per-step table only
     python bench/vllm_scheduler.py --mode remote --running 8 64 --kinds full --steps 100
+    python bench/vllm_scheduler.py --no-lag --steps 150 --model-ms 5   # a 5 ms model step
 
 Targets (issue 22): mirror median <= 0.9x vLLM's everywhere (aim 0.8x).
 """
@@ -42,6 +52,7 @@ import gc
 import random
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +125,51 @@ class _TimedScheduler:
         # Instance attributes: EngineCore calls self.scheduler.schedule(), which finds these.
         scheduler.schedule = timed_schedule
         scheduler.update_from_output = timed_update
+
+
+class _ModelFuture(Future[Any]):
+    """A batch's result, ready once the simulated device has run the batch: ``result()``
+    sleeps until then (the interpreter lock released, as a wait on a worker's reply)."""
+
+    def __init__(self, value: Any, ready_at: float) -> None:
+        super().__init__()
+        self.ready_at = ready_at
+        self.set_result(value)
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self.ready_at
+
+    def result(self, timeout: float | None = None) -> Any:
+        wait = self.ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return super().result(timeout)
+
+
+def _give_model_time(engine: Any, model_s: float) -> None:
+    """Make each non-empty batch take ``model_s`` on one simulated device (batches run one
+    after another); the engine waits for a batch's tokens asleep (outside every sample: the
+    wait is in EngineCore's ``future.result()``, not in the scheduler's calls)."""
+    if model_s <= 0:
+        return
+    executor = engine.core.model_executor
+    execute_model = executor.execute_model
+    sample_tokens = executor.sample_tokens
+    device = {"free_at": 0.0, "ready_at": 0.0}
+
+    def timed_execute(scheduler_output: Any, non_block: bool = False) -> Any:
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            start = max(time.perf_counter(), device["free_at"])
+            device["free_at"] = device["ready_at"] = start + model_s
+        return execute_model(scheduler_output, non_block)
+
+    def timed_sample(grammar_output: Any, non_block: bool = False) -> Any:
+        future = _ModelFuture(sample_tokens(grammar_output), device["ready_at"])
+        return future if non_block else future.result()
+
+    # Instance attributes: EngineCore calls self.model_executor.execute_model(), finding these.
+    executor.execute_model = timed_execute
+    executor.sample_tokens = timed_sample
 
 
 @dataclass
@@ -223,14 +279,24 @@ def _back_to_back(engine: Any, steps: int) -> float:
 
 
 def bench(
-    kind: str, num_running: int, steps: int, target: str, sync: bool, mode: str = "mirror"
+    kind: str,
+    num_running: int,
+    steps: int,
+    target: str,
+    sync: bool,
+    mode: str = "mirror",
+    model_ms: float = 0.0,
 ) -> _Row:
-    """One row: kvcm's manager (in ``mode``) against vLLM's own, same workload, same run."""
+    """One row: kvcm's manager (in ``mode``) against vLLM's own, same workload, same run; each
+    batch takes ``model_ms`` of simulated model time (outside every sample)."""
     setup = _setup(kind, num_running, steps, sync)
+    pool_id = f"bench-{kind}-{num_running}-{mode}-{model_ms:g}ms"
     engines = [
         _build(setup, None, "", num_running, steps, mode),
-        _build(setup, target, f"bench-{kind}-{num_running}-{mode}", num_running, steps, mode),
+        _build(setup, target, pool_id, num_running, steps, mode),
     ]
+    for engine in engines:
+        _give_model_time(engine, model_ms / 1e3)
     sides = [
         _Side(name, engine, _TimedScheduler(engine.scheduler), [], [])
         for name, engine in zip(("vllm", "mirror"), engines, strict=True)
@@ -312,13 +378,19 @@ def lag(num_running: int, steps: int, period_s: float, target: str, sync: bool) 
     return line
 
 
-def _print_rows(rows: list[_Row], sync: bool, mode: str = "mirror") -> None:
+def _print_rows(rows: list[_Row], sync: bool, mode: str = "mirror", model_ms: float = 0.0) -> None:
     loop = "Scheduler (sync)" if sync else "AsyncScheduler"
+    model = (
+        f"model step {model_ms:g} ms per batch, waited asleep (interpreter lock released) "
+        "and not counted in the samples"
+        if model_ms > 0
+        else "model step 0 ms (the engine never releases the interpreter lock: worst case)"
+    )
     print(
         f"vLLM 0.33 EngineCore + {loop}, per engine turn: schedule() + update_from_output(), "
         "wall ms and the process's CPU ms (the mirror's shipping thread included); whole turn "
         f"back to back, CPU ms. mirror: kvcm's, in {mode} mode with kvcm serve; "
-        "x = mirror / vLLM"
+        f"x = mirror / vLLM; {model}"
     )
     header = (
         f"{'kind':<7}{'N':>4} | {'wall p50 vLLM':>13}{'mirror':>8}{'x':>6} {'p99 vLLM':>9}"
@@ -358,6 +430,13 @@ def main(argv: list[str] | None = None) -> None:
         help="kvcm's mode (remote: a round trip per allocate_slots; no lag figures)",
     )
     parser.add_argument("--lag-steps", type=int, default=400)
+    parser.add_argument(
+        "--model-ms",
+        type=float,
+        default=0.0,
+        help="per-step table: each batch's simulated model time, waited with the interpreter "
+        "lock released (0: none, the mirror's worst case)",
+    )
     parser.add_argument("--no-lag", action="store_true", help="the per-step table only")
     args = parser.parse_args(argv)
     if import_vllm("vllm.v1.engine.core") is None:
@@ -366,11 +445,11 @@ def main(argv: list[str] | None = None) -> None:
         target = stack.enter_context(kvcm_server())
         if not args.lag:
             rows = [
-                bench(kind, n, args.steps, target, args.sync, args.mode)
+                bench(kind, n, args.steps, target, args.sync, args.mode, args.model_ms)
                 for kind in args.kinds
                 for n in args.running
             ]
-            _print_rows(rows, args.sync, args.mode)
+            _print_rows(rows, args.sync, args.mode, args.model_ms)
         if args.mode == "remote":
             return  # the server acknowledges each answer: it never lags
         for n in () if args.no_lag else (8, 256):
