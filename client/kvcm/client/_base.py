@@ -27,7 +27,7 @@ from typing import Any, Final, Self
 
 import grpc
 
-from kvcm.client._errors import ServiceError, StatusCode, error_from_rpc
+from kvcm.client._errors import ServiceError, StatusCode, UnavailableError, error_from_rpc
 from kvcm.client._step import StepBuilder, check_in_flight_tokens
 from kvcm.client._tracing import aio_interceptors, intercept
 from kvcm.client._types import (
@@ -55,6 +55,7 @@ from kvcm.wire import (
 
 __all__ = [
     "MAX_REROUTES",
+    "unrouted_error",
     "RETRY_POLICY",
     "AsyncChannelClient",
     "ChannelClient",
@@ -522,7 +523,7 @@ class ChannelClient(_ClientBase):
                 return self._stub(self._stubs_for(pool_id), method)(request, timeout=deadline)
             except grpc.RpcError as exc:
                 if hop == MAX_REROUTES or not self._rerouted(exc, pool_id, resendable):
-                    raise error_from_rpc(exc, method) from exc
+                    raise unrouted_error(exc, method) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def close(self) -> None:
@@ -560,7 +561,7 @@ class AsyncChannelClient(_ClientBase):
                 return await stub(request, timeout=deadline)
             except grpc.RpcError as exc:
                 if hop == MAX_REROUTES or not self._rerouted(exc, pool_id, resendable):
-                    raise error_from_rpc(exc, method) from exc
+                    raise unrouted_error(exc, method) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:
@@ -573,6 +574,22 @@ class AsyncChannelClient(_ClientBase):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def unrouted_error(exc: grpc.RpcError, method: str) -> ServiceError:
+    """The SDK error for a call that failed for good. A call still redirected after
+    ``MAX_REROUTES`` hops (replicas' views of a placement that is changing, a failover or a
+    move) did not run anywhere: it raises ``UnavailableError``, which callers retry, rather
+    than the redirect's FAILED_PRECONDITION."""
+    if redirect_owner(exc) is None:
+        return error_from_rpc(exc, method)
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    return UnavailableError(
+        f"{details} (still redirected after {MAX_REROUTES} hops: the pool's placement is "
+        "changing; the call did not run, send it again)",
+        code=StatusCode.UNAVAILABLE,
+        method=method,
+    )
 
 
 def _pool_of(request: Any) -> str | None:

@@ -34,7 +34,6 @@ import grpc
 
 from kvcm.client import _base
 from kvcm.client._base import AsyncChannelClient, Timeout
-from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._streams import AsyncEventStream
 from kvcm.client._transfers import Transfer, TransferState, transfer_from_proto
@@ -384,7 +383,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
                 ):
                     reroutes += 1
                     continue
-                error = error_from_rpc(exc, "Step")
+                error = _base.unrouted_error(exc, "Step")
                 if not _base.should_retry_step(step, error, attempt, policy, give_up_at):
                     raise error from exc
                 await asyncio.sleep(random.uniform(0.0, policy.backoff_s(attempt)))

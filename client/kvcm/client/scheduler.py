@@ -33,7 +33,6 @@ import grpc
 
 from kvcm.client import _base
 from kvcm.client._base import ChannelClient, Timeout
-from kvcm.client._errors import error_from_rpc
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._streams import EventStream
 from kvcm.client._transfers import Transfer, TransferState, transfer_from_proto
@@ -371,7 +370,7 @@ class SchedulerClient(ChannelClient):
                 ):
                     reroutes += 1
                     continue
-                error = error_from_rpc(exc, "Step")
+                error = _base.unrouted_error(exc, "Step")
                 if not _base.should_retry_step(step, error, attempt, policy, give_up_at):
                     raise error from exc
                 time.sleep(random.uniform(0.0, policy.backoff_s(attempt)))
