@@ -109,9 +109,7 @@ def step_epoch(address: str, pool_id: str, program: StepProgram) -> str:
         return dict(call.trailing_metadata() or ()).get("kvcm-epoch", "")
 
 
-def digest_checks(
-    address: str, pool_id: str, at_least: int
-) -> replica_pb2.GetReplicaStateResponse:
+def digest_checks(address: str, pool_id: str, at_least: int) -> replica_pb2.GetReplicaStateResponse:
     """The standby's state once it has passed ``at_least`` digest checks (a periodic digest is
     sent once the primary's outbox is empty, covering every record due since: how many there
     are depends on timing, that one comes is certain)."""
