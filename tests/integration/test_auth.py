@@ -41,7 +41,7 @@ from kvcm.server.http import build_app
 from kvcm.server.rpc import ServerState, TransferView, lookup_as, route_pd
 from kvcm.server.settings import ServerSettings
 from kvcm.server.telemetry import RpcStats
-from kvcm.v1 import scheduler_pb2, service_pb2, service_pb2_grpc
+from kvcm.v1 import replica_pb2, scheduler_pb2, service_pb2, service_pb2_grpc
 from kvcm.wire import pool_config_to_proto
 
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
@@ -62,6 +62,7 @@ TOKENS = {
     "worker-a-token": ("gpu-a", ["worker:a-*"]),
     "reader-a-token": ("router-a", ["reader:a-*"]),
     "scrape-token": ("prometheus", ["scrape:*"]),
+    "replica-token": ("kvcm-replica", ["replica:*"]),
 }
 KINDS = {
     "admin": "admin-token",
@@ -70,6 +71,7 @@ KINDS = {
     "worker-a": "worker-a-token",
     "reader-a": "reader-a-token",
     "scrape": "scrape-token",
+    "replica": "replica-token",
     "none": None,
     "unknown": "not-a-token",
 }
@@ -107,6 +109,11 @@ EXPECTED: dict[str, tuple[frozenset[str], bool]] = {
     "/kvcm.v1.TransferService/DescribeTransfer": (frozenset(A_READERS), True),
     # Any valid token may list; naming a pool it may not read is refused.
     "/kvcm.v1.TransferService/ListTransfers": (frozenset(A_READERS), True),
+    # Replica to replica: a replica's token or admin:*, never a tenant's (nor admin:a-*).
+    **{
+        f"/kvcm.v1.ReplicaService/{method.name}": (frozenset({"admin", "replica"}), False)
+        for method in replica_pb2.DESCRIPTOR.services_by_name["ReplicaService"].methods
+    },
     "GET /metrics": (frozenset({"admin", "scrape"}), False),
     "GET /healthz": (OPEN, False),
     "GET /readyz": (OPEN, False),
@@ -129,7 +136,8 @@ def _grpc_methods() -> dict[str, Any]:
     """Every kvcm.v1 method the server registers, by full name."""
     return {
         f"/{service.full_name}/{method.name}": method
-        for service in service_pb2.DESCRIPTOR.services_by_name.values()
+        for file in (service_pb2, replica_pb2)
+        for service in file.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     }
 
@@ -181,6 +189,7 @@ def server(tokens_file: Path) -> Iterator[EmbeddedServer]:
             http_address="127.0.0.1:0",
             auth_tokens=str(tokens_file),
             log_level="ERROR",
+            data_dir=str(tokens_file.parent / "data"),  # ReplicaService is registered
         )
     )
     try:
@@ -212,7 +221,11 @@ def _call_grpc(channel: grpc.Channel, full_name: str, token: str | None, pool_id
         "response_deserializer": lambda data: data,
     }
     try:
-        if method.client_streaming:
+        if method.client_streaming and method.server_streaming:  # ShipRecords: a hello
+            bidi = channel.stream_stream(full_name, **codec)
+            for _ in bidi(iter([request]), metadata=metadata, timeout=5.0):
+                break
+        elif method.client_streaming:
             stream_call = channel.stream_unary(full_name, **codec)
             stream_call(iter([request]), metadata=metadata, timeout=5.0)
         elif method.server_streaming:
@@ -288,6 +301,7 @@ def test_listings_show_only_the_pools_a_token_may_read(server: EmbeddedServer) -
         ("worker-a", [OWN_POOL]),
         ("reader-a", [OWN_POOL]),
         ("scrape", []),
+        ("replica", []),
     ):
         token = KINDS[kind]
         with _client(server, token) as client:

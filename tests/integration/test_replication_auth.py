@@ -1,7 +1,8 @@
-"""ReplicaService needs the admin role (docs/replication.md): with ``auth_tokens`` on, a call
+"""ReplicaService needs the replica role (docs/security.md): with ``auth_tokens`` on, a call
 without a token is UNAUTHENTICATED and one with a scheduler's token PERMISSION_DENIED (a
 ShipRecords stream that would overwrite a pool with a seed included: the pool is unchanged),
-while two replicas that present an admin token (``KVCM_REPLICA_TOKEN``) replicate."""
+while two replicas that present a ``replica:*`` token (``KVCM_REPLICA_TOKEN``) replicate; that
+token may do nothing else (no pool created, no Step)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,21 @@ import grpc
 import pytest
 from _data_dir_server import CONFIG, program
 
-from kvcm.client import SchedulerClient
+from kvcm.client import PermissionDeniedError, SchedulerClient
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.settings import ServerSettings
 from kvcm.v1 import replica_pb2, replica_pb2_grpc
 
-ADMIN, SCHEDULER = "admin-secret", "scheduler-secret"
+ADMIN, SCHEDULER, REPLICA = "admin-secret", "scheduler-secret", "replica-secret"
 
 
 def _tokens(path: Path) -> Path:
     entries = []
-    for token, name, role in ((ADMIN, "admin", "admin:*"), (SCHEDULER, "sched", "scheduler:*")):
+    for token, name, role in (
+        (ADMIN, "admin", "admin:*"),
+        (SCHEDULER, "sched", "scheduler:*"),
+        (REPLICA, "replica", "replica:*"),
+    ):
         digest = hashlib.sha256(token.encode()).hexdigest()
         entries.append(f'[[tokens]]\nname = "{name}"\nsha256 = "{digest}"\nroles = ["{role}"]\n')
     path.write_text("\n".join(entries), encoding="utf-8")
@@ -33,7 +38,7 @@ def _tokens(path: Path) -> Path:
 
 @pytest.fixture
 def pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[EmbeddedServer, ...]]:
-    monkeypatch.setenv("KVCM_REPLICA_TOKEN", ADMIN)  # what each replica presents to the other
+    monkeypatch.setenv("KVCM_REPLICA_TOKEN", REPLICA)  # what each replica presents to the other
     monkeypatch.setenv("KVCM_REPLICA_DIGEST_EVERY", "2")
     tokens = _tokens(tmp_path / "tokens.toml")
     servers = [
@@ -65,7 +70,7 @@ def _bearer(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
-def test_replica_service_is_admin_only_and_replicas_present_their_token(
+def test_replica_service_needs_the_replica_role_and_replicas_present_their_token(
     pair: tuple[EmbeddedServer, ...],
 ) -> None:
     a, b = pair
@@ -101,8 +106,14 @@ def test_replica_service_is_admin_only_and_replicas_present_their_token(
         with SchedulerClient(b.grpc_address, token=ADMIN) as client:
             assert client.describe_pool("p") == before  # unchanged
             client.delete_pool("p")
-        # With the admin token both ways, A ships to B.
-        assert stub.SetPlacement(request, metadata=_bearer(ADMIN), timeout=10).role == "standby"
+        # The replica token is good for ReplicaService only.
+        with (
+            SchedulerClient(b.grpc_address, token=REPLICA) as client,
+            pytest.raises(PermissionDeniedError, match="replica"),
+        ):
+            client.create_pool("q", CONFIG)
+        # With the replica token both ways, A ships to B.
+        assert stub.SetPlacement(request, metadata=_bearer(REPLICA), timeout=10).role == "standby"
     with grpc.insecure_channel(a.grpc_address) as channel:
         stub = replica_pb2_grpc.ReplicaServiceStub(channel)  # type: ignore[no-untyped-call]
         assert stub.SetPlacement(request, metadata=_bearer(ADMIN), timeout=10).role == "primary"

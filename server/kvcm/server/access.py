@@ -13,7 +13,10 @@ Roles (a token's ``role:pool-glob`` pairs; ``admin`` may whatever any role may, 
 * ``worker``: RegisterWorker; reads its pools;
 * ``reader``: reads its pools (DescribePool, SubscribeEvents, ``GET /v1/pools/{pool}``);
 * ``scrape``: ``GET /metrics``, which spans every pool, so its glob must be ``*``
-  (``admin:*`` scrapes too).
+  (``admin:*`` scrapes too);
+* ``replica``: the replica-to-replica ReplicaService (ShipRecords, SetPlacement,
+  GetReplicaState), which spans every pool (``replica:*``; ``admin:*`` may too): the token a
+  cluster's replicas present to each other (``KVCM_REPLICA_TOKEN``), good for nothing else.
 
 Listings (ListPools, ``GET /v1/pools``) and lookups (Lookup, ``POST /v1/lookup``) take any
 valid token and answer only about the pools it may read (:func:`may_read`). ``/healthz`` and
@@ -60,8 +63,8 @@ __all__ = [
 ]
 
 AUDIT_LOG = logging.getLogger("kvcm.audit")
-ROLES: Final = ("admin", "scheduler", "worker", "reader", "scrape")
-SERVER_WIDE_ROLES: Final = frozenset({"scrape"})
+ROLES: Final = ("admin", "scheduler", "worker", "reader", "scrape", "replica")
+SERVER_WIDE_ROLES: Final = frozenset({"scrape", "replica"})
 """Roles that act on no pool in particular: their glob must be ``*``."""
 READ_ROLES: Final = ("reader", "worker", "scheduler")
 """Roles that may read a pool (its summary, events, lookups, listings); admin may too."""
@@ -118,6 +121,9 @@ _ADMIN = Rule(roles=_CREATE, pool=PoolFrom.REQUEST)
 _READ = Rule(roles=READ_ROLES, pool=PoolFrom.REQUEST)
 _SCHEDULE = Rule(roles=("scheduler",), pool=PoolFrom.REQUEST)
 _ANY_TOKEN = Rule(roles=(), pool=PoolFrom.NONE)
+# ReplicaService: a primary's records and seeds overwrite a standby's copy, a placement
+# promotes or fences: only a replica (or admin:*), never a tenant's token.
+_REPLICA = Rule(roles=("replica",), pool=PoolFrom.SERVER)
 _OPEN = Rule(roles=(), pool=PoolFrom.OPEN)
 _SCHEDULER_METHODS: Final = (
     "Step",
@@ -165,6 +171,9 @@ RULES: Final[Mapping[str, Rule]] = {
     **{f"/kvcm.v1.TransferService/{method}": _SCHEDULE for method in _TRANSFER_METHODS},
     "/kvcm.v1.TransferService/DescribeTransfer": _READ,
     "/kvcm.v1.TransferService/ListTransfers": Rule(roles=READ_ROLES, pool=PoolFrom.NONE),
+    "/kvcm.v1.ReplicaService/ShipRecords": _REPLICA,
+    "/kvcm.v1.ReplicaService/SetPlacement": _REPLICA,
+    "/kvcm.v1.ReplicaService/GetReplicaState": _REPLICA,
     # HTTP, by verb and route template.
     "GET /metrics": Rule(roles=("scrape",), pool=PoolFrom.SERVER),
     "GET /healthz": _OPEN,

@@ -3,7 +3,8 @@
 Codecs only: ``ShipRecords`` hands the stream to the standby side, ``SetPlacement`` installs a
 placement (how a test or an operator sets one without etcd), ``GetReplicaState`` reads a
 pool's replication state. Registered only with a data directory (replication needs the
-journal). Every method needs the admin role (no row in ``access.RULES``: admin only).
+journal). Every method needs the ``replica`` role on every pool (``replica:*``) or ``admin:*``
+(``access.RULES``): a tenant's token can neither ship records nor set a placement.
 """
 
 from __future__ import annotations
