@@ -14,9 +14,15 @@ COPY proto/ proto/
 COPY server/ server/
 COPY core/ core/
 COPY client/ client/
+# The lookup's key index is a C extension (kvcm.core._lookup_index, docs/lookup.md): the
+# compiler is in this stage only; the final image gets the built module inside /opt/kvcm.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 # The server only: no worker (torch) or dev extras. The constraints pin every version CI tests.
 RUN python -m venv /opt/kvcm \
  && /opt/kvcm/bin/pip install -c requirements/constraints.txt ".[server]" \
+ && /opt/kvcm/bin/python -c "import kvcm.core._lookup_index" \
  && /opt/kvcm/bin/kvcm --help >/dev/null
 
 FROM python:3.11-slim

@@ -484,6 +484,20 @@ def test_dockerfile_is_slim_non_root_with_a_healthcheck_on_healthz() -> None:
     assert f"http://127.0.0.1:{HTTP_PORT}/healthz" in healthcheck
 
 
+def test_dockerfile_builds_the_compiled_lookup_index_with_gcc_in_the_build_stage_only() -> None:
+    stages: list[list[tuple[str, str]]] = []
+    for instruction, arguments in _dockerfile_instructions():
+        if instruction == "FROM":
+            stages.append([])
+        stages[-1].append((instruction, arguments))
+    build, final = stages[0], stages[-1]
+    build_runs = " ".join(arguments for instruction, arguments in build if instruction == "RUN")
+    assert "install -y --no-install-recommends gcc" in build_runs
+    # The build fails where pip built no extension (the pure-Python fallback would be slower).
+    assert 'python -c "import kvcm.core._lookup_index"' in build_runs
+    assert not any("gcc" in arguments for instruction, arguments in final if instruction == "RUN")
+
+
 def test_dockerfile_copies_only_what_the_context_keeps() -> None:
     ignored = {
         line.strip()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import threading
 
@@ -13,6 +14,8 @@ from kvcm.common.dtypes import DType
 from kvcm.common.errors import InvalidArgumentError, NotFoundError
 from kvcm.common.hashing import BlockHasher, HashAlgorithm, MultiModalFeature
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvcm.core import _key_index
+from kvcm.core import lookup as lookup_module
 from kvcm.core.lookup import LookupQuery, PoolHit, PoolLoad, PrefixIndex
 from kvcm.core.pool import Pool, PoolConfig, PoolRegistry
 from kvcm.core.program import HitSpec
@@ -20,6 +23,22 @@ from kvcm.core.request import Request
 from kvcm.core.snapshot import decode_pool, encode_pool
 
 COMMON = {"num_kv_heads": 2, "head_size": 64, "dtype": DType.BFLOAT16}
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def key_index(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs against both key indexes (kvcm.core._key_index): the compiled one,
+    which must be built (``pip install -e .`` builds it; KVCM_PURE_PYTHON=1 skips its runs
+    where no compiler is at hand), and the pure-Python fallback."""
+    if request.param == "compiled":
+        if _key_index.COMPILED is None:
+            if os.environ.get("KVCM_PURE_PYTHON") == "1":
+                pytest.skip("KVCM_PURE_PYTHON=1: the compiled key index is not built")
+            pytest.fail("kvcm.core._lookup_index is not built (pip install -e . builds it)")
+        monkeypatch.setattr(lookup_module, "KeyIndex", _key_index.COMPILED)
+    else:
+        monkeypatch.setattr(lookup_module, "KeyIndex", _key_index.PyKeyIndex)
+    return str(request.param)
 
 
 def _layout(specs: list[KVCacheSpec], num_blocks: int) -> KVCacheConfig:
@@ -271,7 +290,9 @@ def test_concurrent_pools_keep_the_index_exact() -> None:
         assert pool.manager is not None
         for key in pool.manager.block_pool.cached_block_ids():
             expected[key] = expected.get(key, 0) | (1 << slot)
-    assert registry.index._keys == expected
+    keys = registry.index._keys
+    assert len(keys) == len(expected)
+    assert all(keys.get(key) == mask for key, mask in expected.items())
     for document in documents:
         result = registry.lookup(LookupQuery(token_ids=document))
         assert _by_pool(result.pools) == {p.name: _own_hit(p, document) for p in pools}
@@ -448,7 +469,9 @@ def test_property_answers_equal_a_brute_force_ranking() -> None:
             assert pool.manager is not None
             for cache_key in pool.manager.block_pool.cached_block_ids():
                 expected[cache_key] = expected.get(cache_key, 0) | 1 << slot
-    assert registry.index._keys == expected
+    keys = registry.index._keys
+    assert len(keys) == len(expected)
+    assert all(keys.get(key) == mask for key, mask in expected.items())
 
 
 def test_packed_answers_decode_to_the_same_answer() -> None:

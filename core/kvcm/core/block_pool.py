@@ -43,6 +43,7 @@ from kvcm.common.hashing import (
 from kvcm.core.block import FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
+    from kvcm.core._key_index import KeyIndexLike
     from kvcm.core.request import Request
 
 __all__ = ["BlockPool"]
@@ -99,15 +100,16 @@ class BlockPool:
     #   with secondary keys always has a primary key.
     # * Evicting a block removes all its keys; the map never points at a block whose
     #   block_hash is None.
-    # * _index, when set, is a cross-pool map key -> bitmask of the pools caching the key
-    #   (kvcm.core.lookup.PrefixIndex); this pool keeps its bit (_index_bit) set on exactly
-    #   the keys of _cached, updated where a key enters or leaves _cached.
+    # * _index, when set, is a cross-pool map key -> the slots of the pools caching the key
+    #   (kvcm.core.lookup.PrefixIndex, kvcm.core._key_index); this pool keeps its slot
+    #   (_index_slot) in the set of exactly the keys of _cached, updated where a key enters or
+    #   leaves _cached.
     __slots__ = (
         "_cached",
         "_index",
         "_index_batch",
-        "_index_bit",
         "_index_lock",
+        "_index_slot",
         "_num_cached_blocks",
         "_num_events_taken",
         "_secondary_keys",
@@ -165,8 +167,8 @@ class BlockPool:
         self._cached: dict[BlockHashWithGroupId, _CacheEntry] = {}
         self._secondary_keys: dict[int, dict[BlockHashWithGroupId, None]] = {}
         self._num_cached_blocks = 0
-        self._index: dict[BlockHashWithGroupId, int] | None = None
-        self._index_bit = 0
+        self._index: KeyIndexLike | None = None
+        self._index_slot = 0
         self._index_lock: AbstractContextManager[Any] = nullcontext()
         self._index_batch: list[BlockHashWithGroupId] | None = None  # keys gone, not yet cleared
         # NOTE: the null block's ref_cnt is not maintained; free_blocks and touch skip it.
@@ -621,20 +623,20 @@ class BlockPool:
 
     def attach_index(
         self,
-        index: dict[BlockHashWithGroupId, int],
-        bit: int,
+        index: KeyIndexLike,
+        slot: int,
         lock: AbstractContextManager[Any],
     ) -> None:
-        """Keep ``bit`` set in ``index[key]`` for exactly the keys this pool caches.
+        """Keep ``slot`` in ``index``'s set of exactly the keys this pool caches.
 
-        ``index`` maps a cache key to a bitmask of pools (:class:`kvcm.core.lookup.PrefixIndex`
-        owns it, and ``lock``, held for every change since pools change it from several
-        threads); the keys cached now are added at once (O(cache)), later changes as they
-        happen. A pool is attached to at most one index.
+        ``index`` maps a cache key to the slots of the pools caching it
+        (:class:`kvcm.core.lookup.PrefixIndex` owns it, and ``lock``, held for every change
+        since pools change it from several threads); the keys cached now are added at once
+        (O(cache)), later changes as they happen. A pool is attached to at most one index.
         """
         self.detach_index()
         self._index = index
-        self._index_bit = bit
+        self._index_slot = slot
         self._index_lock = lock
         self._index_keys(self._cached)
 
@@ -644,27 +646,15 @@ class BlockPool:
             return
         self._unindex_keys(self._cached)
         self._index = None
-        self._index_bit = 0
+        self._index_slot = 0
         self._index_lock = nullcontext()
 
     # ---------------------------------------------------------------------- internals
     def _index_keys(self, keys: Iterable[BlockHashWithGroupId]) -> None:
         index = self._index
         assert index is not None
-        bit = self._index_bit
-        get = index.get
-        # Consecutive keys (a request's blocks in order) mostly hold the same mask object:
-        # its successor is made once and shared, so a prefix's keys keep sharing one mask
-        # (cheap to read for a lookup's walk, and no new int per key here).
-        old: object = index  # never a value
-        new = bit
         with self._index_lock:
-            for key in keys:
-                holders = get(key)
-                if holders is not old:
-                    old = holders
-                    new = bit if holders is None else holders | bit
-                index[key] = new
+            index.add(keys, self._index_slot)
 
     def _key_gone(self, key: BlockHashWithGroupId) -> None:
         batch = self._index_batch
@@ -676,19 +666,8 @@ class BlockPool:
     def _unindex_keys(self, keys: Iterable[BlockHashWithGroupId]) -> None:
         index = self._index
         assert index is not None
-        keep = ~self._index_bit
-        old: object = index  # never a value; masks shared as in _index_keys
-        holders = 0
         with self._index_lock:
-            for key in keys:
-                value = index[key]
-                if value is not old:
-                    old = value
-                    holders = value & keep
-                if holders:
-                    index[key] = holders
-                else:
-                    del index[key]
+            index.discard(keys, self._index_slot)
 
     def _maps_to(self, key: BlockHashWithGroupId, block_id: int) -> bool:
         entry = self._cached.get(key)

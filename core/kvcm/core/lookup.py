@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import heapq
 import math
-import struct
 import threading
 from bisect import insort
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress, count, islice, repeat
-from operator import attrgetter, is_, is_not, itemgetter
+from itertools import chain, compress, count, repeat
+from operator import attrgetter, is_, itemgetter
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias, cast, overload
 
@@ -43,11 +42,11 @@ from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExha
 from kvcm.common.hashing import (
     BlockHash,
     BlockHasher,
-    BlockHashWithGroupId,
     HashAlgorithm,
     MultiModalFeature,
     make_block_hash_with_group_id,
 )
+from kvcm.core._key_index import MAX_SLOT, KeyIndex, KeyIndexLike, key_chunks
 from kvcm.core.coordinator import UnitaryKVCacheCoordinator
 from kvcm.core.host_tier import prefix_host_hit_tokens
 from kvcm.core.pool_types import PoolState, check_labels
@@ -211,7 +210,7 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         """An empty index."""
-        self._keys: dict[BlockHashWithGroupId, int] = {}
+        self._keys: KeyIndexLike = KeyIndex()
         self._lock = threading.Lock()
         self._slots: list[_Member | None] = []
         self._by_name: dict[str, _Member] = {}
@@ -291,6 +290,8 @@ class PrefixIndex:
             slot = self._slots.index(None)
         except ValueError:
             slot = len(self._slots)
+            if slot > MAX_SLOT:
+                return None  # answered directly
             self._slots.append(None)
         key = (_profile(pool), pool.max_model_len)
         kind = self._kinds.get(key) or _Kind(key)  # a new kind is stored by commit
@@ -303,7 +304,7 @@ class PrefixIndex:
         pool's allocator keeps it exact. Run by whoever owns the pool (the event loop, or a
         thread it is lent to)."""
         member = pending.member
-        member.block_pool.attach_index(self._keys, member.bit, self._lock)
+        member.block_pool.attach_index(self._keys, member.slot, self._lock)
 
     def commit(self, pending: PendingPool) -> None:
         """Answer the attached pool from now on (replacing a former incarnation under its
@@ -486,11 +487,16 @@ class LookupAnswer:
         skipped: Pools in scope that could not be answered, with the reason (not ready,
             prompt longer than max_model_len, hashes of another length, busy).
         num_pools_in_scope: Pools the scope matched.
+        missing_replicas: In a kvcm cluster, the replicas that did not answer their part in
+            time (their pools are neither ranked nor counted here); empty when every replica
+            answered, and always from one server. Not compared: an answer equals another
+            whatever replicas it missed.
     """
 
     pools: tuple[PoolHit, ...]
     skipped: tuple[tuple[str, str], ...]
     num_pools_in_scope: int
+    missing_replicas: tuple[str, ...] = field(default=(), compare=False)
 
 
 def scope_pools(
@@ -761,7 +767,7 @@ class _Prompts:
 
 class _SplitHashes(Sequence[BlockHash]):
     """A hash prompt's block hashes, split only if a coordinator reads them by position (the
-    walk of indexed pools reads the raw bytes: :func:`_key_chunks`)."""
+    walk of indexed pools reads the raw bytes)."""
 
     __slots__ = ("_list", "_size", "raw")
 
@@ -787,44 +793,9 @@ class _SplitHashes(Sequence[BlockHash]):
 
     def _split(self) -> list[BlockHash]:
         if self._list is None:
-            split = chain.from_iterable(_key_chunks(self.raw, self._size, len(self), b""))
+            split = chain.from_iterable(key_chunks(self.raw, self._size, len(self), b""))
             self._list = cast("list[BlockHash]", list(split))
         return self._list
-
-
-_CHUNK: Final = 256
-_chunk_structs: dict[tuple[int, int], struct.Struct] = {}
-
-
-def _chunk_struct(size: int, count: int) -> struct.Struct:
-    """A struct splitting ``count`` consecutive ``size``-byte strings (cached)."""
-    split = _chunk_structs.get((size, count))
-    if split is None:
-        if len(_chunk_structs) > 64:
-            _chunk_structs.clear()
-        split = _chunk_structs[size, count] = struct.Struct(f"{size}s" * count)
-    return split
-
-
-def _key_chunks(
-    raw: bytes, size: int, num_blocks: int, suffix: bytes
-) -> Iterator[tuple[bytes, ...]]:
-    """The first ``num_blocks`` ``size``-byte hashes of ``raw`` with ``suffix`` appended (the
-    cache keys), ``_CHUNK`` at a time, so a walk that stops early makes few more than it reads.
-
-    Each chunk is made in C: a struct splits the hashes, ``suffix.join`` interleaves the
-    suffix, and a second struct splits the keys (about 3 times cheaper than slicing and
-    concatenating block by block).
-    """
-    num_blocks = min(num_blocks, len(raw) // size)
-    for first in range(0, num_blocks, _CHUNK):
-        count = min(_CHUNK, num_blocks - first)
-        hashes = _chunk_struct(size, count).unpack_from(raw, first * size)
-        if not suffix:
-            yield hashes
-            continue
-        keys = _chunk_struct(size + len(suffix), count)
-        yield keys.unpack(suffix.join(hashes) + suffix)
 
 
 class _Group:
@@ -937,42 +908,15 @@ def _direct_rows(
     return rows
 
 
-def _walk(keys: Mapping[BlockHashWithGroupId, int], group: _Group) -> list[tuple[int, int]]:
+def _walk(keys: KeyIndexLike, group: _Group) -> list[tuple[int, int]]:
     """The walk of a group: ``(blocks hit, mask of the pools hitting exactly that many)``.
 
-    One pass over the prompt's blocks, a chunk at a time, stopped at the first block no pool
-    of the group still matching caches. ``running`` is the mask of the pools caching every
-    block so far; a pool leaves it at the first block it misses, and its hit is the blocks
-    before. Per block, only the key's making and its read run (in C); the intersection is
-    taken only where a block's holders are another object than the block before's (an
-    ``is not`` per block, also in C): where they are the same, the pools still matching
-    already all hold it. The allocator shares one mask object along a run of keys with the
-    same holders (``BlockPool._index_keys``), so a cached prefix changes objects only where
-    its holders change; equal masks in distinct objects only cost an intersection more.
+    One pass over the prompt's blocks (:meth:`KeyIndexLike.walk`: compiled where the extension
+    is built), intersecting the pools still matching at each block, stopped at the first block
+    none of them caches: O(blocks hit), whatever the number of pools.
     """
     max_blocks = min((group.num_tokens - 1) // group.block_size, len(group.raw) // group.hash_size)
-    get: Callable[[bytes, int], int] = keys.get  # type: ignore[assignment]
-    running = group.mask
-    if not running:
-        return []
-    levels: list[tuple[int, int]] = []
-    depth = 0
-    for chunk in _key_chunks(group.raw, group.hash_size, max_blocks, _GROUP0_SUFFIX):
-        holders = list(map(get, chunk, repeat(0)))
-        # Where the holders may change: the chunk's first block (against the pools still
-        # matching), then each block whose holders are not the block before's object.
-        for offset in chain(
-            (0,), compress(count(1), map(is_not, islice(holders, 1, None), holders))
-        ):
-            matching = running & holders[offset]
-            if matching != running:
-                levels.append((depth + offset, running ^ matching))
-                running = matching
-                if not running:
-                    return levels
-        depth += len(chunk)
-    levels.append((depth, running))
-    return levels
+    return keys.walk(group.raw, group.hash_size, _GROUP0_SUFFIX, max_blocks, group.mask)
 
 
 _BITS: Final = bytes.maketrans(b"01", b"\0\1")

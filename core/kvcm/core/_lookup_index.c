@@ -1,0 +1,650 @@
+/* kvcm.core._lookup_index: the lookup's cross-pool key index in compiled code.
+ *
+ * KeyIndex maps a cache key (bytes) to the set of pool slots caching it, and walks a prompt's
+ * blocks over it. The pure-Python kvcm.core._key_index.PyKeyIndex gives identical answers;
+ * kvcm.core.lookup uses this one when it is built (docs/lookup.md says why it exists).
+ *
+ * Table: open addressing, linear probing, power-of-two capacity, backward-shift deletion (no
+ * tombstones), at most 5/8 full. An entry holds the key's hash (CPython's hash of the bytes,
+ * the keyed SipHash every dict uses, cached in the key object), a strong reference to the key
+ * (compared with memcmp: exact), and the key's pool set: sorted uint16 slots, up to 4 inline,
+ * more in a heap array. Adding or removing one slot of one key is a probe and a small
+ * insertion: O(1) for the usual handful of holders, O(holders) at worst.
+ *
+ * Every method runs holding the GIL and never calls back into Python code while it changes
+ * the table (keys must be bytes), so each call is atomic for other Python threads.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE_IDS 4
+#define MAX_SLOT 65534
+#define MIN_CAPACITY 64
+#define PREFETCH_AHEAD 8
+#define MAX_KEY 256
+
+typedef struct {
+    Py_hash_t hash;
+    PyObject *key; /* NULL: empty */
+    uint32_t n;    /* slots in the set */
+    uint32_t cap;  /* 0: inline */
+    union {
+        uint16_t inl[INLINE_IDS];
+        uint16_t *heap;
+    } ids;
+} Entry;
+
+typedef struct {
+    PyObject_HEAD
+    Entry *table;
+    size_t mask; /* capacity - 1 */
+    size_t used;
+} KeyIndex;
+
+static inline const uint16_t *entry_ids(const Entry *e) {
+    return e->cap ? e->ids.heap : e->ids.inl;
+}
+
+static inline uint16_t *entry_ids_mut(Entry *e) { return e->cap ? e->ids.heap : e->ids.inl; }
+
+static Py_hash_t hash_buffer(const void *data, Py_ssize_t size) {
+#if PY_VERSION_HEX >= 0x030E0000
+    return Py_HashBuffer(data, size);
+#else
+    return _Py_HashBytes(data, size);
+#endif
+}
+
+/* The entry of a key, or the empty entry where it would go. */
+static inline Entry *probe(const KeyIndex *self, Py_hash_t hash, const char *data,
+                           Py_ssize_t size) {
+    size_t i = (size_t)hash & self->mask;
+    for (;;) {
+        Entry *e = &self->table[i];
+        if (e->key == NULL) {
+            return e;
+        }
+        if (e->hash == hash && PyBytes_GET_SIZE(e->key) == size &&
+            memcmp(PyBytes_AS_STRING(e->key), data, (size_t)size) == 0) {
+            return e;
+        }
+        i = (i + 1) & self->mask;
+    }
+}
+
+static int resize(KeyIndex *self, size_t capacity) {
+    Entry *table = PyMem_Calloc(capacity, sizeof(Entry));
+    if (table == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Entry *old = self->table;
+    size_t old_capacity = old == NULL ? 0 : self->mask + 1;
+    size_t mask = capacity - 1;
+    for (size_t j = 0; j < old_capacity; j++) {
+        if (old[j].key != NULL) {
+            size_t i = (size_t)old[j].hash & mask;
+            while (table[i].key != NULL) {
+                i = (i + 1) & mask;
+            }
+            table[i] = old[j];
+        }
+    }
+    PyMem_Free(old);
+    self->table = table;
+    self->mask = mask;
+    return 0;
+}
+
+/* Remove the entry at position i (its key released, its heap set freed by the caller). */
+static void delete_at(KeyIndex *self, size_t i) {
+    size_t mask = self->mask;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        Entry *e = &self->table[j];
+        if (e->key == NULL) {
+            break;
+        }
+        size_t home = (size_t)e->hash & mask;
+        /* e may fill the hole at i unless its home lies cyclically in (i, j]. */
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            self->table[i] = *e;
+            i = j;
+        }
+    }
+    memset(&self->table[i], 0, sizeof(Entry));
+    self->used--;
+}
+
+static int set_add(Entry *e, uint16_t slot) {
+    uint16_t *ids = entry_ids_mut(e);
+    uint32_t lo = 0, hi = e->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (ids[mid] < slot) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    if (lo < e->n && ids[lo] == slot) {
+        return 0;
+    }
+    uint32_t room = e->cap ? e->cap : INLINE_IDS;
+    if (e->n == room) {
+        uint32_t cap = room * 2;
+        uint16_t *heap = PyMem_Malloc(cap * sizeof(uint16_t));
+        if (heap == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(heap, ids, e->n * sizeof(uint16_t));
+        if (e->cap) {
+            PyMem_Free(e->ids.heap);
+        }
+        e->ids.heap = heap;
+        e->cap = cap;
+        ids = heap;
+    }
+    memmove(ids + lo + 1, ids + lo, (e->n - lo) * sizeof(uint16_t));
+    ids[lo] = slot;
+    e->n++;
+    return 0;
+}
+
+static void set_discard(Entry *e, uint16_t slot) {
+    uint16_t *ids = entry_ids_mut(e);
+    uint32_t lo = 0, hi = e->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (ids[mid] < slot) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    if (lo == e->n || ids[lo] != slot) {
+        return;
+    }
+    memmove(ids + lo, ids + lo + 1, (e->n - lo - 1) * sizeof(uint16_t));
+    e->n--;
+    if (e->cap && e->n <= INLINE_IDS) {
+        uint16_t *heap = e->ids.heap;
+        uint16_t copy[INLINE_IDS];
+        memcpy(copy, heap, e->n * sizeof(uint16_t));
+        PyMem_Free(heap);
+        e->cap = 0;
+        memcpy(e->ids.inl, copy, e->n * sizeof(uint16_t));
+    }
+}
+
+static int parse_slot(PyObject *arg, uint16_t *slot) {
+    long value = PyLong_AsLong(arg);
+    if (value == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (value < 0 || value > MAX_SLOT) {
+        PyErr_Format(PyExc_ValueError, "slot must be in [0, %d], got %ld", MAX_SLOT, value);
+        return -1;
+    }
+    *slot = (uint16_t)value;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------ methods */
+
+static PyObject *KeyIndex_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "KeyIndex() takes no arguments");
+        return NULL;
+    }
+    KeyIndex *self = (KeyIndex *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    if (resize(self, MIN_CAPACITY) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void KeyIndex_dealloc(KeyIndex *self) {
+    if (self->table != NULL) {
+        for (size_t j = 0; j <= self->mask; j++) {
+            Entry *e = &self->table[j];
+            if (e->key != NULL) {
+                Py_DECREF(e->key);
+                if (e->cap) {
+                    PyMem_Free(e->ids.heap);
+                }
+            }
+        }
+        PyMem_Free(self->table);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t KeyIndex_len(KeyIndex *self) { return (Py_ssize_t)self->used; }
+
+static int check_key(PyObject *key) {
+    if (!PyBytes_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "keys must be bytes, got %.100s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *KeyIndex_add(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint16_t slot;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "add(keys, slot) takes 2 arguments");
+        return NULL;
+    }
+    if (parse_slot(args[1], &slot) < 0) {
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(args[0]);
+    if (it == NULL) {
+        return NULL;
+    }
+    PyObject *key;
+    while ((key = PyIter_Next(it)) != NULL) {
+        if (check_key(key) < 0) {
+            goto error;
+        }
+        Py_hash_t hash = PyObject_Hash(key); /* cached in the key object */
+        if (hash == -1) {
+            goto error;
+        }
+        if ((self->used + 1) * 8 > (self->mask + 1) * 5 &&
+            resize(self, (self->mask + 1) * 2) < 0) {
+            goto error;
+        }
+        Entry *e = probe(self, hash, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+        if (e->key == NULL) {
+            e->hash = hash;
+            e->key = key; /* the reference PyIter_Next gave */
+            e->n = 1;
+            e->cap = 0;
+            e->ids.inl[0] = slot;
+            self->used++;
+            continue;
+        }
+        Py_DECREF(key);
+        if (set_add(e, slot) < 0) {
+            Py_DECREF(it);
+            return NULL;
+        }
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(key);
+    Py_DECREF(it);
+    return NULL;
+}
+
+static PyObject *KeyIndex_discard(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint16_t slot;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "discard(keys, slot) takes 2 arguments");
+        return NULL;
+    }
+    if (parse_slot(args[1], &slot) < 0) {
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(args[0]);
+    if (it == NULL) {
+        return NULL;
+    }
+    PyObject *key;
+    while ((key = PyIter_Next(it)) != NULL) {
+        if (check_key(key) < 0) {
+            Py_DECREF(key);
+            Py_DECREF(it);
+            return NULL;
+        }
+        Py_hash_t hash = PyObject_Hash(key);
+        if (hash == -1) {
+            Py_DECREF(key);
+            Py_DECREF(it);
+            return NULL;
+        }
+        Entry *e = probe(self, hash, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+        Py_DECREF(key);
+        if (e->key == NULL) {
+            continue;
+        }
+        set_discard(e, slot);
+        if (e->n == 0) {
+            PyObject *stored = e->key;
+            if (e->cap) {
+                PyMem_Free(e->ids.heap);
+            }
+            delete_at(self, (size_t)(e - self->table));
+            Py_DECREF(stored); /* bytes: no code runs */
+        }
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* A Python int of the set bits of slots (sorted, distinct). */
+static PyObject *mask_of_ids(const uint16_t *ids, uint32_t n) {
+    if (n == 0) {
+        return PyLong_FromLong(0);
+    }
+    size_t nbytes = (size_t)ids[n - 1] / 8 + 1;
+    unsigned char *bytes = PyMem_Calloc(nbytes, 1);
+    if (bytes == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (uint32_t k = 0; k < n; k++) {
+        bytes[ids[k] >> 3] |= (unsigned char)(1u << (ids[k] & 7));
+    }
+    PyObject *mask = _PyLong_FromByteArray(bytes, nbytes, 1, 0);
+    PyMem_Free(bytes);
+    return mask;
+}
+
+static PyObject *KeyIndex_get(KeyIndex *self, PyObject *key) {
+    if (check_key(key) < 0) {
+        return NULL;
+    }
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) {
+        return NULL;
+    }
+    Entry *e = probe(self, hash, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+    if (e->key == NULL) {
+        return PyLong_FromLong(0);
+    }
+    return mask_of_ids(entry_ids(e), e->n);
+}
+
+/* A bitset over slots, as uint64 words, from a non-negative Python int. */
+static uint64_t *bits_of_int(PyObject *mask, size_t *nwords) {
+    if (!PyLong_Check(mask)) {
+        PyErr_SetString(PyExc_TypeError, "scope must be an int");
+        return NULL;
+    }
+    if (Py_SIZE(mask) < 0) {
+        PyErr_SetString(PyExc_ValueError, "scope must be >= 0");
+        return NULL;
+    }
+    size_t nbits = _PyLong_NumBits(mask);
+    if (nbits == (size_t)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (nbits > MAX_SLOT + 1) {
+        PyErr_SetString(PyExc_ValueError, "scope has a slot above the largest");
+        return NULL;
+    }
+    size_t words = (nbits + 63) / 64;
+    if (words == 0) {
+        words = 1;
+    }
+    uint64_t *bits = PyMem_Calloc(words, sizeof(uint64_t));
+    if (bits == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject *raw = PyObject_CallMethod(mask, "to_bytes", "ns", (Py_ssize_t)(words * 8), "little");
+    if (raw == NULL) {
+        PyMem_Free(bits);
+        return NULL;
+    }
+    const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(raw);
+    for (size_t w = 0; w < words; w++) {
+        uint64_t word = 0;
+        for (int b = 7; b >= 0; b--) {
+            word = (word << 8) | data[w * 8 + (size_t)b];
+        }
+        bits[w] = word;
+    }
+    Py_DECREF(raw);
+    *nwords = words;
+    return bits;
+}
+
+static PyObject *int_of_bits(const uint64_t *bits, size_t words) {
+    unsigned char *bytes = PyMem_Malloc(words * 8);
+    if (bytes == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (size_t w = 0; w < words; w++) {
+        for (int b = 0; b < 8; b++) {
+            bytes[w * 8 + (size_t)b] = (unsigned char)(bits[w] >> (8 * b));
+        }
+    }
+    PyObject *mask = _PyLong_FromByteArray(bytes, words * 8, 1, 0);
+    PyMem_Free(bytes);
+    return mask;
+}
+
+static int append_level(PyObject *levels, Py_ssize_t depth, const uint64_t *bits, size_t words) {
+    PyObject *mask = int_of_bits(bits, words);
+    if (mask == NULL) {
+        return -1;
+    }
+    PyObject *level = Py_BuildValue("(nN)", depth, mask);
+    if (level == NULL) {
+        return -1;
+    }
+    int failed = PyList_Append(levels, level);
+    Py_DECREF(level);
+    return failed;
+}
+
+static PyObject *KeyIndex_walk(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "walk(raw, hash_size, suffix, max_blocks, scope) takes 5 arguments");
+        return NULL;
+    }
+    PyObject *raw_obj = args[0], *suffix_obj = args[2];
+    if (!PyBytes_Check(raw_obj) || !PyBytes_Check(suffix_obj)) {
+        PyErr_SetString(PyExc_TypeError, "raw and suffix must be bytes");
+        return NULL;
+    }
+    Py_ssize_t hash_size = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t max_blocks = PyLong_AsSsize_t(args[3]);
+    if ((hash_size == -1 || max_blocks == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t suffix_size = PyBytes_GET_SIZE(suffix_obj);
+    if (hash_size <= 0 || hash_size + suffix_size > MAX_KEY) {
+        PyErr_Format(PyExc_ValueError, "hash_size + len(suffix) must be in [1, %d]", MAX_KEY);
+        return NULL;
+    }
+    const char *raw = PyBytes_AS_STRING(raw_obj);
+    Py_ssize_t num_hashes = PyBytes_GET_SIZE(raw_obj) / hash_size;
+    if (max_blocks > num_hashes) {
+        max_blocks = num_hashes;
+    }
+    if (max_blocks < 0) {
+        max_blocks = 0;
+    }
+    size_t words;
+    uint64_t *running = bits_of_int(args[4], &words);
+    if (running == NULL) {
+        return NULL;
+    }
+    uint64_t *matching = PyMem_Calloc(words, sizeof(uint64_t));
+    PyObject *levels = PyList_New(0);
+    Py_hash_t *ahead = PyMem_Malloc(PREFETCH_AHEAD * sizeof(Py_hash_t));
+    if (matching == NULL || levels == NULL || ahead == NULL) {
+        if (matching == NULL || ahead == NULL) {
+            PyErr_NoMemory();
+        }
+        goto fail;
+    }
+    uint32_t count = 0;
+    for (size_t w = 0; w < words; w++) {
+        count += (uint32_t)__builtin_popcountll(running[w]);
+    }
+    if (count == 0) {
+        goto done_empty;
+    }
+    Py_ssize_t key_size = hash_size + suffix_size;
+    char keys[PREFETCH_AHEAD][MAX_KEY];
+    /* The previous block's set, when every running pool held it. */
+    const uint16_t *last_ids = NULL;
+    uint32_t last_n = 0;
+    Py_ssize_t depth = 0;
+    for (; depth < max_blocks; depth++) {
+        /* Keys and hashes are made PREFETCH_AHEAD blocks ahead and their entries prefetched,
+           so the table's cache misses overlap instead of following each other. */
+        if (depth % PREFETCH_AHEAD == 0) {
+            Py_ssize_t end = depth + PREFETCH_AHEAD < max_blocks ? depth + PREFETCH_AHEAD
+                                                                  : max_blocks;
+            for (Py_ssize_t b = depth; b < end; b++) {
+                char *key = keys[b % PREFETCH_AHEAD];
+                memcpy(key, raw + b * hash_size, (size_t)hash_size);
+                memcpy(key + hash_size, PyBytes_AS_STRING(suffix_obj), (size_t)suffix_size);
+                Py_hash_t hash = hash_buffer(key, key_size);
+                ahead[b % PREFETCH_AHEAD] = hash;
+                __builtin_prefetch(&self->table[(size_t)hash & self->mask]);
+            }
+        }
+        Entry *e = probe(self, ahead[depth % PREFETCH_AHEAD], keys[depth % PREFETCH_AHEAD],
+                         key_size);
+        if (e->key == NULL) {
+            break; /* no pool caches this block: every running pool leaves here */
+        }
+        const uint16_t *ids = entry_ids(e);
+        uint32_t n = e->n;
+        if (last_ids != NULL && n == last_n &&
+            (ids == last_ids || memcmp(ids, last_ids, n * sizeof(uint16_t)) == 0)) {
+            last_ids = ids;
+            continue; /* the same holders as the block before: nobody leaves */
+        }
+        uint32_t kept = 0;
+        memset(matching, 0, words * sizeof(uint64_t));
+        for (uint32_t k = 0; k < n; k++) {
+            size_t w = ids[k] >> 6;
+            if (w >= words) {
+                break; /* sorted: the rest are above the scope too */
+            }
+            uint64_t bit = (uint64_t)1 << (ids[k] & 63);
+            if (running[w] & bit) {
+                matching[w] |= bit;
+                kept++;
+            }
+        }
+        if (kept != count) {
+            for (size_t w = 0; w < words; w++) {
+                running[w] ^= matching[w]; /* the pools leaving at this depth */
+            }
+            /* Allocating may run the garbage collector, hence other code: forget ids. */
+            if (append_level(levels, depth, running, words) < 0) {
+                goto fail;
+            }
+            memcpy(running, matching, words * sizeof(uint64_t));
+            count = kept;
+            if (count == 0) {
+                goto done_empty;
+            }
+            last_ids = NULL;
+            continue;
+        }
+        /* Every running pool holds this block: a next block with the same set changes nothing
+           (a set that only differs outside the running pools is intersected again). */
+        last_ids = ids;
+        last_n = n;
+    }
+    if (append_level(levels, depth, running, words) < 0) {
+        goto fail;
+    }
+done_empty:
+    PyMem_Free(running);
+    PyMem_Free(matching);
+    PyMem_Free(ahead);
+    return levels;
+fail:
+    PyMem_Free(running);
+    PyMem_Free(matching);
+    PyMem_Free(ahead);
+    Py_XDECREF(levels);
+    return NULL;
+}
+
+static PyObject *KeyIndex_sizeof(KeyIndex *self, PyObject *Py_UNUSED(ignored)) {
+    size_t size = sizeof(KeyIndex) + (self->mask + 1) * sizeof(Entry);
+    for (size_t j = 0; j <= self->mask; j++) {
+        if (self->table[j].key != NULL && self->table[j].cap) {
+            size += self->table[j].cap * sizeof(uint16_t);
+        }
+    }
+    return PyLong_FromSize_t(size);
+}
+
+static PyMethodDef KeyIndex_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))KeyIndex_add, METH_FASTCALL,
+     "add(keys, slot): put slot in the set of every key of keys (bytes)."},
+    {"discard", (PyCFunction)(void (*)(void))KeyIndex_discard, METH_FASTCALL,
+     "discard(keys, slot): take slot out of the set of every key of keys; a key left with "
+     "no slot is forgotten."},
+    {"get", (PyCFunction)KeyIndex_get, METH_O,
+     "get(key): the mask (int, bit i = slot i) of the slots holding key; 0 if none."},
+    {"walk", (PyCFunction)(void (*)(void))KeyIndex_walk, METH_FASTCALL,
+     "walk(raw, hash_size, suffix, max_blocks, scope): [(blocks hit, mask of the scope's "
+     "slots hitting exactly that many)], deepest last; see kvcm.core._key_index."},
+    {"__sizeof__", (PyCFunction)KeyIndex_sizeof, METH_NOARGS, "Bytes held."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods KeyIndex_as_sequence = {
+    .sq_length = (lenfunc)KeyIndex_len,
+};
+
+static PyTypeObject KeyIndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvcm.core._lookup_index.KeyIndex",
+    .tp_doc = PyDoc_STR("Cache key -> set of pool slots, walked per prompt (compiled)."),
+    .tp_basicsize = sizeof(KeyIndex),
+    .tp_itemsize = 0,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = KeyIndex_new,
+    .tp_dealloc = (destructor)KeyIndex_dealloc,
+    .tp_methods = KeyIndex_methods,
+    .tp_as_sequence = &KeyIndex_as_sequence,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvcm.core._lookup_index",
+    .m_doc = "The lookup's cross-pool key index, compiled (kvcm.core._key_index is the same "
+             "in Python).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__lookup_index(void) {
+    if (PyType_Ready(&KeyIndexType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&KeyIndexType);
+    if (PyModule_AddObject(m, "KeyIndex", (PyObject *)&KeyIndexType) < 0) {
+        Py_DECREF(&KeyIndexType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "MAX_SLOT", MAX_SLOT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
