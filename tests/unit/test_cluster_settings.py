@@ -32,6 +32,41 @@ def test_the_flag_the_variable_and_the_file_spell_the_same_settings(tmp_path: Pa
     assert settings.cluster_fanout_timeout_s == 3.0
 
 
+def test_tls_settings_of_a_cluster_have_the_three_spellings(tmp_path: Path) -> None:
+    config = tmp_path / "kvcm.toml"
+    config.write_text(
+        '[server]\netcd_endpoints = "https://10.0.0.1:2379,https://10.0.0.2:2379"\n'
+        'etcd_ca = "/etc/kvcm/etcd-ca.pem"\n',
+        encoding="utf-8",
+    )
+    environ = {"KVCM_ETCD_CERT": "/etc/kvcm/etcd.pem", "KVCM_ETCD_KEY": "/etc/kvcm/etcd.key"}
+    settings = load_settings(
+        config,
+        environ=environ,
+        tls_cert="/etc/kvcm/tls.crt",
+        tls_key="/etc/kvcm/tls.key",
+        tls_peer_ca="/etc/kvcm/ca.crt",
+    )
+    assert parse_etcd_endpoints(settings.etcd_endpoints) == (
+        ("10.0.0.1", 2379),
+        ("10.0.0.2", 2379),
+    )
+    assert (settings.etcd_ca, settings.etcd_cert, settings.etcd_key) == (
+        "/etc/kvcm/etcd-ca.pem",
+        "/etc/kvcm/etcd.pem",
+        "/etc/kvcm/etcd.key",
+    )
+    assert settings.tls_peer_ca == "/etc/kvcm/ca.crt"
+    # tls_client_ca stands in for tls_peer_ca (one CA signs replicas and clients).
+    load_settings(
+        environ={},
+        etcd_endpoints="a:2379",
+        tls_cert="c.pem",
+        tls_key="k.pem",
+        tls_client_ca="ca.pem",
+    )
+
+
 def test_without_etcd_endpoints_the_server_is_alone() -> None:
     settings = load_settings(environ={})
     assert settings.etcd_endpoints == ""
@@ -42,7 +77,17 @@ def test_without_etcd_endpoints_the_server_is_alone() -> None:
     [
         ({"etcd_endpoints": "etcd:x"}, "etcd_endpoints: each endpoint must be"),
         ({"etcd_endpoints": "http://a:2379,,http://b:2379"}, "etcd_endpoints: each endpoint"),
-        ({"etcd_endpoints": "https://a:2379"}, "etcd_endpoints: TLS to etcd is not supported"),
+        ({"etcd_endpoints": "https://a:2379,http://b:2379"}, "etcd_endpoints: mixes https://"),
+        (
+            {"etcd_endpoints": "http://a:2379", "etcd_ca": "ca.pem"},
+            "etcd_endpoints: TLS to etcd is set .* not https://",
+        ),
+        ({"etcd_ca": "ca.pem"}, "need etcd_endpoints"),
+        (
+            {"etcd_endpoints": "https://a:2379", "etcd_cert": "c.pem"},
+            "etcd_cert and etcd_key go together",
+        ),
+        ({"tls_peer_ca": "ca.pem"}, "tls_peer_ca needs tls_cert"),
         ({"etcd_endpoints": "a:99999"}, "etcd_endpoints: each endpoint must be"),
         ({"advertise_address": "nowhere"}, "advertise_address"),
         ({"etcd_prefix": "kvcm"}, "etcd_prefix must start with '/'"),
@@ -52,7 +97,7 @@ def test_without_etcd_endpoints_the_server_is_alone() -> None:
         ({"cluster_fanout_timeout_s": "-1"}, "cluster_fanout_timeout_s must be > 0"),
         (
             {"etcd_endpoints": "a:2379", "tls_cert": "c.pem", "tls_key": "k.pem"},
-            "etcd_endpoints: a cluster of replicas does not speak TLS",
+            "tls_peer_ca: a replica with tls_cert in a cluster",
         ),
     ],
 )

@@ -62,6 +62,7 @@ from kvcm.server.telemetry import LoopLagMonitor, RpcStats
 from kvcm.server.tls import (
     TlsFiles,
     grpc_server_credentials,
+    peer_credentials,
     reload_ssl_context,
     tls_files,
     uvicorn_ssl_options,
@@ -208,6 +209,8 @@ class KVCMServer:
             self.replication = replication = Replication(
                 self.state, "", directory=self.journal.directory
             )
+            replication.credentials = peer_credentials(settings)  # TLS to peers with tls_cert
+            replication.credentials = peer_credentials(settings)  # TLS to peers with tls_cert
             journaling.replication = replication
             self.journal.on_change = replication.changed
             self.journal.on_call = replication.call_applied

@@ -33,6 +33,7 @@ __all__ = [
     "ServerSettings",
     "SettingSpec",
     "load_settings",
+    "etcd_uses_tls",
     "parse_etcd_endpoints",
     "split_address",
 ]
@@ -87,14 +88,21 @@ class ServerSettings:
         kv_events_max_queue_size: Batches waiting for the publisher thread; beyond, dropped.
         kv_events_use_int_block_hashes: 1: hashes as vLLM's default 64-bit ints; 0: full
             digests (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
-        etcd_endpoints: etcd's client endpoints, ``http://HOST:PORT`` comma-separated: the
-            server joins a cluster of replicas (docs/cluster.md); ``""``: a lone server.
+        etcd_endpoints: etcd's client endpoints, ``http://HOST:PORT`` (or all ``https://``)
+            comma-separated: the server joins a cluster of replicas (docs/cluster.md); ``""``:
+            a lone server.
         advertise_address: ``host:port`` other replicas and clients dial to reach this one
             (``""``: the bound gRPC address, unless it is a wildcard).
         etcd_prefix: The etcd key prefix of the cluster's keys.
         etcd_lease_ttl_s: TTL of the replica's etcd lease, in seconds.
         etcd_timeout_s: Deadline of each etcd call, in seconds.
         cluster_fanout_timeout_s: Deadline of each peer's part of a cluster-wide call.
+        tls_peer_ca: PEM CA that signed the other replicas' certificates: with ``tls_cert``,
+            replica-to-replica channels speak TLS and verify the peer with it (``""``:
+            ``tls_client_ca``).
+        etcd_ca: PEM CA that signed etcd's certificates (TLS to etcd; ``https://`` endpoints).
+        etcd_cert: PEM client certificate this replica presents to etcd (with ``etcd_key``).
+        etcd_key: PEM private key of ``etcd_cert``.
         limits: The service's hard limits.
     """
 
@@ -127,6 +135,10 @@ class ServerSettings:
     etcd_lease_ttl_s: int = 5
     etcd_timeout_s: float = 2.0
     cluster_fanout_timeout_s: float = 2.0
+    tls_peer_ca: str = ""
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
@@ -196,11 +208,24 @@ class ServerSettings:
     def _check_cluster(self) -> None:
         if self.etcd_endpoints:
             parse_etcd_endpoints(self.etcd_endpoints)
-            if self.tls_cert:  # the fan-out's channels to peers are plaintext
+            if self.tls_cert and not (self.tls_peer_ca or self.tls_client_ca):
                 raise ConfigError(
-                    "etcd_endpoints: a cluster of replicas does not speak TLS between replicas "
-                    "yet; unset tls_cert or etcd_endpoints (docs/cluster.md)"
+                    "tls_peer_ca: a replica with tls_cert in a cluster (etcd_endpoints) speaks "
+                    "TLS to its peers and must verify them: set tls_peer_ca (or tls_client_ca) "
+                    "to the CA that signed the replicas' certificates"
                 )
+        if self.tls_peer_ca and not self.tls_cert:
+            raise ConfigError("tls_peer_ca needs tls_cert: replicas speak TLS to peers with it")
+        if bool(self.etcd_cert) != bool(self.etcd_key):
+            raise ConfigError("etcd_cert and etcd_key go together: set both or neither")
+        etcd_tls = self.etcd_ca or self.etcd_cert
+        if etcd_tls and not self.etcd_endpoints:
+            raise ConfigError("etcd_ca, etcd_cert and etcd_key need etcd_endpoints")
+        if etcd_tls and not etcd_uses_tls(self.etcd_endpoints):
+            raise ConfigError(
+                f"etcd_endpoints: TLS to etcd is set (etcd_ca, etcd_cert) but the endpoints are "
+                f"not https://: write https://HOST:PORT, got {self.etcd_endpoints!r}"
+            )
         if self.advertise_address:
             try:
                 split_address(self.advertise_address)
@@ -309,8 +334,9 @@ _HELP: Final = {
     "(and counted) and subscribers replay the gap",
     "kv_events_use_int_block_hashes": "1: block hashes as vLLM's default 64-bit ints; 0: full "
     "digests (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)",
-    "etcd_endpoints": "etcd client endpoints, http://HOST:PORT comma-separated: join a cluster of "
-    "replicas that share pools through etcd (docs/cluster.md; '': a lone server)",
+    "etcd_endpoints": "etcd client endpoints, http://HOST:PORT (or https:// for TLS) "
+    "comma-separated: join a cluster of replicas that share pools through etcd "
+    "(docs/cluster.md; '': a lone server)",
     "advertise_address": "host:port other replicas and clients dial to reach this replica ('': "
     "the bound gRPC address, unless it is a wildcard)",
     "etcd_prefix": "etcd key prefix of the cluster's keys (one cluster per prefix)",
@@ -319,6 +345,11 @@ _HELP: Final = {
     "etcd_timeout_s": "deadline of each etcd call in seconds",
     "cluster_fanout_timeout_s": "deadline of each peer's part of a cluster-wide call (ListPools, "
     "Lookup, RoutePd) in seconds; a peer that misses it is reported missing",
+    "tls_peer_ca": "PEM CA file that signed the other replicas' certificates: with tls_cert, "
+    "replicas speak TLS to each other and verify the peer's address with it ('': tls_client_ca)",
+    "etcd_ca": "PEM CA file that signed etcd's certificates (TLS to etcd: https:// endpoints)",
+    "etcd_cert": "PEM client certificate presented to etcd (etcd's --client-cert-auth)",
+    "etcd_key": "PEM private key of etcd_cert",
     "max_pools": "pools the server holds; CreatePool answers RESOURCE_EXHAUSTED beyond",
     "max_blocks_per_pool": "blocks of one pool (explicit or planned, the null block included)",
     "max_total_blocks": "blocks of all pools together (the server's memory budget)",
@@ -347,23 +378,40 @@ def _specs() -> tuple[SettingSpec, ...]:
 def parse_etcd_endpoints(value: str) -> tuple[tuple[str, int], ...]:
     """``(host, port)`` of each comma-separated endpoint (``http://host:port`` or ``host:port``).
 
+    ``https://host:port`` endpoints are the same; every endpoint must then be ``https://``
+    (:func:`etcd_uses_tls`).
+
     Raises:
-        ConfigError: An endpoint is not of that form (``https://`` included: TLS to etcd is
-            not supported yet), naming ``etcd_endpoints``.
+        ConfigError: An endpoint is not of that form, or ``https://`` and plaintext endpoints
+            are mixed, naming ``etcd_endpoints``.
     """
+    etcd_uses_tls(value)
     endpoints: list[tuple[str, int]] = []
     for raw in value.split(","):
-        item = raw.strip()
-        if item.startswith("https://"):
-            raise ConfigError(f"etcd_endpoints: TLS to etcd is not supported yet, got {item!r}")
-        item = item.removeprefix("http://").rstrip("/")
+        item = raw.strip().removeprefix("https://").removeprefix("http://").rstrip("/")
         host, _, port = item.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(
-                f"etcd_endpoints: each endpoint must be http://HOST:PORT or HOST:PORT, got {raw!r}"
+                "etcd_endpoints: each endpoint must be http://HOST:PORT, https://HOST:PORT or "
+                f"HOST:PORT, got {raw!r}"
             )
         endpoints.append((host.strip("[]"), int(port)))
     return tuple(endpoints)
+
+
+def etcd_uses_tls(value: str) -> bool:
+    """Whether the comma-separated etcd endpoints are ``https://`` (TLS to etcd).
+
+    Raises:
+        ConfigError: Some endpoints are ``https://`` and others not.
+    """
+    schemes = {raw.strip().startswith("https://") for raw in value.split(",")}
+    if len(schemes) > 1:
+        raise ConfigError(
+            f"etcd_endpoints: mixes https:// and plaintext endpoints, got {value!r}: etcd is "
+            "reached over TLS or not"
+        )
+    return schemes == {True}
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -7,6 +7,13 @@ changes on disk, at the next handshake (gRPC's dynamic server credentials): rota
 certificate needs no restart and drops no connection (established connections keep their
 session). The HTTP side (metrics, probes) checks the files every couple of seconds and loads
 changed ones into its TLS context, for new connections likewise.
+
+A cluster's replicas (docs/cluster.md) are each other's clients: with ``tls_cert`` their
+channels to each other (replication, fan-out) speak TLS, verify the peer's certificate
+against ``tls_peer_ca`` (else ``tls_client_ca``) and its advertised address, and present the
+replica's own certificate (:func:`peer_credentials`). ``etcd_ca``, ``etcd_cert`` and
+``etcd_key`` do the same for the channels to etcd (:func:`etcd_credentials`). Both read their
+files each time a channel is opened, so a rotated file is used by the next new channel.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,19 +29,26 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvcm.common.errors import ConfigError
+from kvcm.server.settings import etcd_uses_tls
 
 if TYPE_CHECKING:
     from kvcm.server.settings import ServerSettings
 
 __all__ = [
+    "ChannelCredentials",
     "TlsFiles",
+    "etcd_credentials",
     "grpc_server_credentials",
+    "peer_credentials",
     "reload_ssl_context",
     "tls_files",
     "uvicorn_ssl_options",
 ]
 
 _LOG = logging.getLogger("kvcm.server.tls")
+
+ChannelCredentials = Callable[[], grpc.ChannelCredentials]
+"""Makes a client channel's credentials, reading their files (called per channel opened)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,3 +161,62 @@ def reload_ssl_context(context: ssl.SSLContext, files: TlsFiles) -> bool:
         return False
     _LOG.info("TLS certificates reloaded (HTTP)", extra={"event": "tls_reloaded_http"})
     return True
+
+
+def _read_setting(setting: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot read {path!r}: {exc.strerror}") from exc
+
+
+def peer_credentials(settings: ServerSettings) -> ChannelCredentials | None:
+    """How this replica's channels to other replicas authenticate (``None``: plaintext, no
+    ``tls_cert``): TLS verifying the peer against ``tls_peer_ca`` (else ``tls_client_ca``,
+    else the system's roots) and the address dialed, presenting ``tls_cert`` (for peers that
+    require client certificates: the certificate needs the clientAuth usage where it lists
+    usages).
+
+    Raises:
+        ConfigError: A file cannot be read (checked now, naming the setting).
+    """
+    files = tls_files(settings)
+    if files is None:
+        return None
+    setting = "tls_peer_ca" if settings.tls_peer_ca else "tls_client_ca"
+    ca_path = settings.tls_peer_ca or settings.tls_client_ca
+
+    def make() -> grpc.ChannelCredentials:
+        root = _read_setting(setting, ca_path) if ca_path else None
+        cert, key, _ = files.read()
+        return grpc.ssl_channel_credentials(
+            root_certificates=root, private_key=key, certificate_chain=cert
+        )
+
+    make()
+    return make
+
+
+def etcd_credentials(settings: ServerSettings) -> ChannelCredentials | None:
+    """How channels to etcd authenticate (``None``: plaintext, ``http://`` endpoints): TLS
+    verifying etcd against ``etcd_ca`` (else the system's roots) and the endpoint's host,
+    presenting ``etcd_cert`` when set (etcd's ``--client-cert-auth``).
+
+    Raises:
+        ConfigError: A file cannot be read (checked now, naming the setting).
+    """
+    if not settings.etcd_endpoints or not etcd_uses_tls(settings.etcd_endpoints):
+        return None
+
+    def make() -> grpc.ChannelCredentials:
+        root = _read_setting("etcd_ca", settings.etcd_ca) if settings.etcd_ca else None
+        cert = key = None
+        if settings.etcd_cert:
+            cert = _read_setting("etcd_cert", settings.etcd_cert)
+            key = _read_setting("etcd_key", settings.etcd_key)
+        return grpc.ssl_channel_credentials(
+            root_certificates=root, private_key=key, certificate_chain=cert
+        )
+
+    make()
+    return make

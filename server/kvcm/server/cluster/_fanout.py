@@ -85,8 +85,14 @@ def is_local_call(context: Any) -> bool:
 class PeerChannels:
     """One grpc.aio channel per peer replica, opened on first use and kept."""
 
-    def __init__(self, max_message_bytes: int) -> None:
-        """No channel yet."""
+    def __init__(
+        self,
+        max_message_bytes: int,
+        credentials: Callable[[], grpc.ChannelCredentials] | None = None,
+    ) -> None:
+        """No channel yet; with ``credentials`` (:func:`kvcm.server.tls.peer_credentials`)
+        each channel speaks TLS."""
+        self._credentials = credentials
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -97,7 +103,12 @@ class PeerChannels:
         """``(AdminServiceStub, LookupServiceStub)`` of the replica at ``address``."""
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=self._options)
+            else:
+                channel = grpc.aio.secure_channel(
+                    address, self._credentials(), options=self._options
+                )
             entry = (
                 channel,
                 service_pb2_grpc.AdminServiceStub(channel),  # type: ignore[no-untyped-call]

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aetcd.exceptions
+import grpc
 
 from kvcm.server.cluster._etcd import EtcdSession, EtcdUnavailableError
 from kvcm.server.cluster.placement import Placement, PlacementCallback
@@ -63,6 +64,8 @@ class ClusterConfig:
             refreshing it leaves the live set this long after its last refresh.
         etcd_timeout_s: Deadline of each etcd call, in seconds.
         fanout_timeout_s: Deadline of each peer's part of a cluster-wide call, in seconds.
+        etcd_credentials: Makes the TLS credentials of each channel to etcd (``None``:
+            plaintext; see :func:`kvcm.server.tls.etcd_credentials`).
     """
 
     endpoints: tuple[tuple[str, int], ...]
@@ -70,6 +73,7 @@ class ClusterConfig:
     lease_ttl_s: int = 5
     etcd_timeout_s: float = 2.0
     fanout_timeout_s: float = 2.0
+    etcd_credentials: Callable[[], grpc.ChannelCredentials] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -119,9 +123,14 @@ class ClusterNode:
         self.etcd_up = False
         self.replicas: dict[str, dict[str, Any]] = {}
         self._num_pools = num_pools
-        self._session = EtcdSession(config.endpoints, timeout_s=config.etcd_timeout_s)
+        tls = config.etcd_credentials
+        self._session = EtcdSession(
+            config.endpoints, timeout_s=config.etcd_timeout_s, credentials=tls
+        )
         # The watch has clients of its own: starting over closes them, never the session's.
-        self._watching = EtcdSession(config.endpoints, timeout_s=config.etcd_timeout_s)
+        self._watching = EtcdSession(
+            config.endpoints, timeout_s=config.etcd_timeout_s, credentials=tls
+        )
         self._replica_prefix = f"{config.prefix}/replicas/".encode()
         self._placement_prefix = f"{config.prefix}/placement/".encode()
         self._placements: dict[str, Placement] = {}

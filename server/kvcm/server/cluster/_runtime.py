@@ -20,6 +20,7 @@ from kvcm.server.cluster._node import ClusterConfig, ClusterNode
 from kvcm.server.cluster._routing import ClusterInterceptor
 from kvcm.server.cluster.placement import Placement
 from kvcm.server.settings import ServerSettings, parse_etcd_endpoints, split_address
+from kvcm.server.tls import etcd_credentials, peer_credentials
 
 if TYPE_CHECKING:
     from kvcm.server.cluster.replication import Replication
@@ -68,10 +69,13 @@ class ClusterRuntime:
                 lease_ttl_s=settings.etcd_lease_ttl_s,
                 etcd_timeout_s=settings.etcd_timeout_s,
                 fanout_timeout_s=settings.cluster_fanout_timeout_s,
+                etcd_credentials=etcd_credentials(settings),
             ),
             num_pools=lambda: len(pool_ids()),
         )
-        self._peers = PeerChannels(settings.limits.max_message_bytes)
+        self._peers = PeerChannels(
+            settings.limits.max_message_bytes, credentials=peer_credentials(settings)
+        )
         self.interceptor = ClusterInterceptor(self.node, self._peers, has_pool=has_pool)
         self._feeding: asyncio.Task[None] | None = None
 

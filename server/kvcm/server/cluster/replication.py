@@ -38,7 +38,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -79,7 +79,7 @@ __all__ = [
 _LOG = logging.getLogger("kvcm.server.replication")
 
 REPLICA_TOKEN_ENV: Final = "KVCM_REPLICA_TOKEN"
-"""The bearer token a replica presents to its peers (an admin token, when auth is on)."""
+"""The bearer token a replica presents to its peers (a ``replica:*`` token, when auth is on)."""
 EPOCH_METADATA: Final = "kvcm-epoch"
 """The trailing-metadata key of an answer's placement epoch (a replicated pool's answers)."""
 DIGEST_EVERY_ENV: Final = "KVCM_REPLICA_DIGEST_EVERY"
@@ -211,6 +211,9 @@ class Replication:
         self.pools: dict[str, ReplicaState] = {}
         self.token = os.environ.get(REPLICA_TOKEN_ENV, "")
         self._channels: dict[str, grpc.aio.Channel] = {}
+        #: Makes the TLS credentials of a channel to a peer (``None``: plaintext; set by the
+        #: server from ``tls_cert``, see :func:`kvcm.server.tls.peer_credentials`).
+        self.credentials: Callable[[], grpc.ChannelCredentials] | None = None
         self.failovers = 0  # promotions of this replica
         self.fenced = 0  # times this replica stepped down
         self.directory = directory
@@ -614,13 +617,15 @@ class Replication:
         """A channel to the replica at ``address`` (kept)."""
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address,
-                options=[
-                    ("grpc.max_send_message_length", 64 << 20),
-                    ("grpc.max_receive_message_length", 64 << 20),
-                ],
-            )
+            options = [
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20),
+            ]
+            if self.credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                channel = grpc.aio.secure_channel(address, self.credentials(), options=options)
+            self._channels[address] = channel
         return channel
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
