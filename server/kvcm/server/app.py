@@ -210,7 +210,6 @@ class KVCMServer:
                 self.state, "", directory=self.journal.directory
             )
             replication.credentials = peer_credentials(settings)  # TLS to peers with tls_cert
-            replication.credentials = peer_credentials(settings)  # TLS to peers with tls_cert
             journaling.replication = replication
             self.journal.on_change = replication.changed
             self.journal.on_call = replication.call_applied
