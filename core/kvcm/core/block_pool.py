@@ -85,6 +85,9 @@ class BlockPool:
         enable_kv_cache_events: Whether events are recorded for ``take_events``.
         num_hash_lookahead_tokens: Tokens after each block that its hash also covers.
         medium: Medium reported in events.
+        event_metadata: Per group id, the ``(kv_cache_spec_kind,
+            kv_cache_spec_sliding_window)`` a ``BlockStored`` of the group carries (the
+            manager sets it; empty: left unset, and the manager annotates when taking them).
         blocks: Every block, indexed by block id.
         free_block_queue: Free blocks in eviction order (cached free blocks included).
         null_block: Block 0, the shared placeholder for skipped blocks.
@@ -117,6 +120,7 @@ class BlockPool:
         "demote",
         "enable_caching",
         "enable_kv_cache_events",
+        "event_metadata",
         "free_block_queue",
         "hash_block_size",
         "kv_event_queue",
@@ -175,6 +179,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.kv_event_queue: list[KVCacheEvent] = []
+        self.event_metadata: tuple[tuple[str | None, int | None], ...] = ()
         self._num_events_taken = 0
         self.num_evicted_blocks = 0
         # A pool with a host tier (kvcm.core.host_tier) sets this to HostTier.demote: a cached
@@ -797,6 +802,10 @@ class BlockPool:
                 block_mask,
                 lookahead,
             )
+        metadata = self.event_metadata
+        kind, sliding_window = (
+            metadata[kv_cache_group_id] if 0 <= kv_cache_group_id < len(metadata) else (None, None)
+        )
         return BlockStored(
             block_hashes=list[bytes](stored),
             parent_block_hash=parent,
@@ -809,6 +818,8 @@ class BlockPool:
             lora_name=request.lora_name,
             extra_keys=to_event_extra_keys(extra_keys),
             group_idx=kv_cache_group_id,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=sliding_window,
             session_id=request.session_id,
             lookahead_token_ids=lookahead,
         )

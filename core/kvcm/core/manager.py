@@ -420,6 +420,8 @@ class KVCacheManager:
         self.block_pool: BlockPool = self.coordinator.block_pool
         self.watermark_blocks = int(config.watermark * kv_cache_config.num_blocks)
         self._event_metadata = tuple((spec.kind, spec.event_sliding_window()) for spec in specs)
+        # The pool writes them into each BlockStored as it records it (no copy per event here).
+        self.block_pool.event_metadata = self._event_metadata
         self.prefix_cache_stats: PrefixCacheStats | None = (
             PrefixCacheStats() if config.log_stats else None
         )
@@ -1169,6 +1171,7 @@ class KVCacheManager:
         for index, event in enumerate(events):
             if (
                 isinstance(event, BlockStored)
+                and event.kv_cache_spec_kind is None  # recorded before the pool knew them
                 and event.group_idx is not None
                 and 0 <= event.group_idx < len(metadata)
             ):

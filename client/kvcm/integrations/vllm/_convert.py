@@ -365,10 +365,6 @@ class RequestView(Request):
         self.block_hashes = hashes
 
 
-_STORED_FIELDS: Final = tuple(field.name for field in dataclasses.fields(BlockStored))
-_REMOVED_FIELDS: Final = tuple(field.name for field in dataclasses.fields(BlockRemoved))
-
-
 def to_vllm_events(
     events: list[Any], vllm_kv_events: Any, convert_hash: Callable[[bytes], Any]
 ) -> list[Any]:
@@ -381,20 +377,46 @@ def to_vllm_events(
         convert_hash: vLLM's ``maybe_convert_block_hash``: the form the engine publishes
             (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
     """
+    # Every field named (no dict of getattr per event): a 256-request decode turn that fills
+    # a block per request converts hundreds of these inside the engine's step.
+    stored = vllm_kv_events.BlockStored
+    removed = vllm_kv_events.BlockRemoved
     converted: list[Any] = []
+    append = converted.append
     for event in events:
-        if isinstance(event, BlockStored):
-            fields = {f: getattr(event, f) for f in _STORED_FIELDS}
-            fields["block_hashes"] = [convert_hash(h) for h in event.block_hashes]
-            if event.parent_block_hash is not None:
-                fields["parent_block_hash"] = convert_hash(event.parent_block_hash)
-            converted.append(vllm_kv_events.BlockStored(**fields))
-        elif isinstance(event, BlockRemoved):
-            fields = {f: getattr(event, f) for f in _REMOVED_FIELDS}
-            fields["block_hashes"] = [convert_hash(h) for h in event.block_hashes]
-            converted.append(vllm_kv_events.BlockRemoved(**fields))
-        elif isinstance(event, AllBlocksCleared):
-            converted.append(vllm_kv_events.AllBlocksCleared())
+        if type(event) is BlockStored:
+            parent = event.parent_block_hash
+            append(
+                stored(
+                    block_hashes=[convert_hash(h) for h in event.block_hashes],
+                    parent_block_hash=None if parent is None else convert_hash(parent),
+                    token_ids=event.token_ids,
+                    block_size=event.block_size,
+                    lora_id=event.lora_id,
+                    medium=event.medium,
+                    lora_name=event.lora_name,
+                    extra_keys=event.extra_keys,
+                    group_idx=event.group_idx,
+                    kv_cache_spec_kind=event.kv_cache_spec_kind,
+                    kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+                    locality=event.locality,
+                    ownership=event.ownership,
+                    session_id=event.session_id,
+                    lookahead_token_ids=event.lookahead_token_ids,
+                )
+            )
+        elif type(event) is BlockRemoved:
+            append(
+                removed(
+                    block_hashes=[convert_hash(h) for h in event.block_hashes],
+                    medium=event.medium,
+                    group_idx=event.group_idx,
+                    locality=event.locality,
+                    ownership=event.ownership,
+                )
+            )
+        elif type(event) is AllBlocksCleared:
+            append(vllm_kv_events.AllBlocksCleared())
         else:  # pragma: no cover - the core emits only the three kinds
             raise TypeError(f"unknown KV event {event!r}")
     return converted

@@ -1,0 +1,74 @@
+"""The mirror's KV events as vLLM 0.33's structs: every field of kvcm's records carried.
+
+``to_vllm_events`` names each field (it runs inside the engine's step, so it builds no dict per
+event); these checks fail when either side gains a field the conversion does not carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import ModuleType
+
+import pytest
+
+from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcm.common.hashing import external_block_hash
+from kvcm.integrations.vllm._convert import to_vllm_events
+
+
+@pytest.fixture
+def kv_events(vllm: ModuleType) -> ModuleType:
+    """vLLM's ``vllm.distributed.kv_events``."""
+    del vllm
+    return importlib.import_module("vllm.distributed.kv_events")
+
+
+def test_kvcm_and_vllm_event_records_have_the_same_fields(kv_events: ModuleType) -> None:
+    for ours, theirs in (
+        (BlockStored, kv_events.BlockStored),
+        (BlockRemoved, kv_events.BlockRemoved),
+        (AllBlocksCleared, kv_events.AllBlocksCleared),
+    ):
+        assert tuple(f.name for f in dataclasses.fields(ours)) == theirs.__struct_fields__
+
+
+def test_every_field_is_carried_and_hashes_take_the_engine_form(kv_events: ModuleType) -> None:
+    parent, first, second = (bytes([i]) * 32 for i in (1, 2, 3))
+    stored = BlockStored(
+        block_hashes=[first, second],
+        parent_block_hash=parent,
+        token_ids=list(range(32)),
+        block_size=16,
+        lora_id=7,
+        medium="GPU",
+        lora_name="adapter",
+        extra_keys=[("adapter",), None],
+        group_idx=1,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=64,
+        locality="LOCAL",
+        ownership="tier-1",
+        session_id="s",
+        lookahead_token_ids=[[32], [33]],
+    )
+    removed = BlockRemoved(
+        block_hashes=[second], medium="GPU", group_idx=1, locality="REMOTE", ownership="tier-2"
+    )
+    for convert in (external_block_hash, lambda h: h):
+        out = to_vllm_events([stored, removed, AllBlocksCleared()], kv_events, convert)
+        assert [type(e) for e in out] == [
+            kv_events.BlockStored,
+            kv_events.BlockRemoved,
+            kv_events.AllBlocksCleared,
+        ]
+        for ours, theirs in zip((stored, removed), out[:2], strict=True):
+            for field in dataclasses.fields(ours):
+                value = getattr(ours, field.name)
+                if field.name == "block_hashes":
+                    value = [convert(h) for h in value]
+                elif field.name == "parent_block_hash":
+                    value = convert(value)
+                assert getattr(theirs, field.name) == value, field.name
+    root = dataclasses.replace(stored, parent_block_hash=None)
+    assert to_vllm_events([root], kv_events, external_block_hash)[0].parent_block_hash is None
