@@ -9,7 +9,8 @@ the pool's primary replicates to its standby over TLS; that tenant, calling the 
 ReplicaService directly (a forged seed, a promotion, a read), is refused PERMISSION_DENIED
 naming the replica role (UNAUTHENTICATED without a token) and the standby's copy and the
 placement are unchanged; then ``kill -9`` of the primary: the standby takes the pool over and
-the same client goes on, every acknowledged Step there.
+the same client goes on, every acknowledged Step there; then an operator moves the pool with
+``kvcm cluster move`` over TLS to etcd and to the replicas.
 """
 
 from __future__ import annotations
@@ -398,3 +399,32 @@ def test_tls_everywhere_serves_steps_refuses_a_tenant_on_replica_calls_and_fails
                 break
             assert time.monotonic() < deadline, f"no copy on the new standby: {state}"
             time.sleep(0.1)
+        # An operator moves the pool over TLS to etcd and to the replicas (kvcm cluster move).
+        moved = _kvcm_cluster(files, etcd_url, "move", POOL, "--to", third.address)
+        assert moved.returncode == 0, moved.stderr
+        assert f"{POOL}: primary {third.address}, standby {standby.address}, epoch 3" in (
+            moved.stdout
+        )
+        acknowledged[seq + 1] = _step(client, seq + 1)
+        for key, ids in acknowledged.items():
+            assert [list(x) for x in client.get_block_ids(POOL, key)] == ids
+
+
+def _kvcm_cluster(files: Files, etcd_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``kvcm cluster ARGS`` as an operator: admin token, its own certificate."""
+    cert, key = files.pki.issue("operator")
+    cert_file, key_file = files.pki.write("op.pem", cert), files.pki.write("op.key", key)
+    flags = [
+        "--etcd-endpoints", etcd_url, "--etcd-prefix", PREFIX, "--timeout", "20",
+        "--etcd-ca", str(files.ca), "--etcd-cert", str(cert_file), "--etcd-key", str(key_file),
+        "--tls-ca", str(files.ca), "--tls-client-cert", str(cert_file),
+        "--tls-client-key", str(key_file),
+    ]  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvcm.server.cli", "cluster", *flags, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "KVCM_TOKEN": "ops-secret"},
+    )

@@ -87,6 +87,15 @@ def _add_cluster_commands(commands: Any) -> None:
     cluster.add_argument(
         "--timeout", type=float, default=60.0, help="seconds a move may take (default 60)"
     )
+    for flag, env, what in (
+        ("--etcd-ca", "KVCM_ETCD_CA", "PEM CA of etcd's certificates (https:// endpoints)"),
+        ("--etcd-cert", "KVCM_ETCD_CERT", "PEM client certificate for etcd"),
+        ("--etcd-key", "KVCM_ETCD_KEY", "PEM key of --etcd-cert"),
+        ("--tls-ca", "KVCM_TLS_CA", "PEM CA of the replicas' certificates (TLS to replicas)"),
+        ("--tls-client-cert", "KVCM_TLS_CLIENT_CERT", "PEM client certificate (mutual TLS)"),
+        ("--tls-client-key", "KVCM_TLS_CLIENT_KEY", "PEM key of --tls-client-cert"),
+    ):
+        cluster.add_argument(flag, default=None, metavar="FILE", help=f"{what} (env {env})")
     actions = cluster.add_subparsers(dest="action", required=True, metavar="ACTION")
     move = actions.add_parser("move", help="make ADDRESS the primary of POOL")
     move.add_argument("pool", metavar="POOL")
@@ -120,18 +129,30 @@ def _cluster(args: argparse.Namespace) -> int:
         return 2
     token = os.environ.get("KVCM_TOKEN", "")
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    try:
+        etcd_tls, replica_tls = _cluster_tls(args, endpoints)
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    tls = {"etcd_credentials": etcd_tls, "replica_credentials": replica_tls}
 
     async def run() -> int:
         try:
             if args.action == "move":
                 placement = await move_pool(
-                    parsed, prefix, args.pool, args.to, metadata=metadata, timeout_s=args.timeout
+                    parsed,
+                    prefix,
+                    args.pool,
+                    args.to,
+                    metadata=metadata,
+                    timeout_s=args.timeout,
+                    **tls,
                 )
                 print(f"{placement.pool_id}: primary {placement.primary}, standby "
                       f"{placement.standby}, epoch {placement.epoch}")  # fmt: skip
             else:
                 moved = await drain_replica(
-                    parsed, prefix, args.address, metadata=metadata, timeout_s=args.timeout
+                    parsed, prefix, args.address, metadata=metadata, timeout_s=args.timeout, **tls
                 )
                 for placement in moved:
                     print(f"{placement.pool_id}: primary {placement.primary}, standby "
@@ -147,6 +168,53 @@ def _cluster(args: argparse.Namespace) -> int:
             return 1
 
     return asyncio.run(run())
+
+
+def _cluster_tls(args: argparse.Namespace, endpoints: str) -> tuple[Any, Any]:
+    """``kvcm cluster``'s TLS to etcd (a credentials factory) and to the replicas
+    (``grpc.ChannelCredentials``), each ``None`` for plaintext.
+
+    Raises:
+        ConfigError: A file cannot be read, or a certificate without its key (named).
+    """
+    import os
+    from pathlib import Path
+
+    import grpc
+
+    from kvcm.common.errors import ConfigError
+    from kvcm.server.tls import etcd_credentials
+
+    def pick(flag: str | None, env: str) -> str:
+        return flag or os.environ.get(env, "")
+
+    etcd = etcd_credentials(
+        ServerSettings(
+            etcd_endpoints=endpoints,
+            etcd_ca=pick(args.etcd_ca, "KVCM_ETCD_CA"),
+            etcd_cert=pick(args.etcd_cert, "KVCM_ETCD_CERT"),
+            etcd_key=pick(args.etcd_key, "KVCM_ETCD_KEY"),
+        )
+    )
+    files = {
+        "tls_ca": pick(args.tls_ca, "KVCM_TLS_CA"),
+        "tls_client_cert": pick(args.tls_client_cert, "KVCM_TLS_CLIENT_CERT"),
+        "tls_client_key": pick(args.tls_client_key, "KVCM_TLS_CLIENT_KEY"),
+    }
+    if not any(files.values()):
+        return etcd, None
+    if bool(files["tls_client_cert"]) != bool(files["tls_client_key"]):
+        raise ConfigError("--tls-client-cert and --tls-client-key go together (mutual TLS)")
+    read: dict[str, bytes | None] = {}
+    for name, path in files.items():
+        try:
+            read[name] = Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise ConfigError(f"{name}: cannot read {path!r}: {exc.strerror}") from None
+    replica = grpc.ssl_channel_credentials(
+        read["tls_ca"], read["tls_client_key"], read["tls_client_cert"]
+    )
+    return etcd, replica
 
 
 def _add_data_dir_commands(commands: Any) -> None:

@@ -13,16 +13,19 @@ The same mechanism as a failover, driven by an operator instead of a lease expir
    primary, a Step by its ``step_seq``) and is then seeded as the standby.
 
 Nothing here runs inside a replica: it is etcd transactions plus ``ReplicaService`` reads
-(admin role), so a replica's public surface does not grow.
+(admin role), so a replica's public surface does not grow. Where the cluster speaks TLS, the
+etcd session and the replicas' channels take the operator's credentials
+(``etcd_credentials``, ``replica_credentials``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -34,6 +37,10 @@ from kvcm.v1 import replica_pb2, replica_pb2_grpc
 __all__ = ["MoveError", "drain_replica", "move_pool"]
 
 _POLL_S = 0.05
+# The TLS credentials of the replicas' channels in this move or drain (None: plaintext).
+_REPLICA_CREDENTIALS: contextvars.ContextVar[grpc.ChannelCredentials | None] = (
+    contextvars.ContextVar("kvcm_move_replica_credentials", default=None)
+)
 
 
 class MoveError(Exception):
@@ -82,7 +89,12 @@ class _Etcd:
 async def _replica_state(
     address: str, pool_id: str, metadata: Sequence[tuple[str, str]], timeout_s: float
 ) -> replica_pb2.GetReplicaStateResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
+    credentials = _REPLICA_CREDENTIALS.get()
+    async with (
+        grpc.aio.insecure_channel(address)
+        if credentials is None
+        else grpc.aio.secure_channel(address, credentials)
+    ) as channel:
         stub = replica_pb2_grpc.ReplicaServiceStub(channel)  # type: ignore[no-untyped-call]
         answer: replica_pb2.GetReplicaStateResponse = await stub.GetReplicaState(
             replica_pb2.GetReplicaStateRequest(pool_id=pool_id),
@@ -100,6 +112,8 @@ async def move_pool(
     *,
     metadata: Sequence[tuple[str, str]] = (),
     timeout_s: float = 60.0,
+    etcd_credentials: Callable[[], grpc.ChannelCredentials] | None = None,
+    replica_credentials: grpc.ChannelCredentials | None = None,
 ) -> Placement:
     """Make ``target`` (a live replica's advertise address) the primary of ``pool_id``.
 
@@ -110,6 +124,9 @@ async def move_pool(
         target: The advertise address of the replica that is to serve it.
         metadata: Sent with each ``GetReplicaState`` (an admin token's ``authorization``).
         timeout_s: How long the target may take to catch up and promote.
+        etcd_credentials: TLS to etcd (:func:`kvcm.server.tls.etcd_credentials`; ``None``:
+            plaintext).
+        replica_credentials: TLS to the replicas (``None``: plaintext).
 
     Returns:
         The pool's placement once ``target`` serves it (unchanged if it already did).
@@ -119,7 +136,8 @@ async def move_pool(
             up (or promote) within ``timeout_s``.
         EtcdUnavailableError: etcd could not be reached.
     """
-    session = EtcdSession(endpoints, timeout_s=5.0)
+    session = EtcdSession(endpoints, timeout_s=5.0, credentials=etcd_credentials)
+    _REPLICA_CREDENTIALS.set(replica_credentials)
     try:
         return await _move(_Etcd(session, prefix), pool_id, target, metadata, timeout_s)
     finally:
@@ -206,10 +224,13 @@ async def drain_replica(
     *,
     metadata: Sequence[tuple[str, str]] = (),
     timeout_s: float = 60.0,
+    etcd_credentials: Callable[[], grpc.ChannelCredentials] | None = None,
+    replica_credentials: grpc.ChannelCredentials | None = None,
 ) -> list[Placement]:
     """Move every pool whose primary is ``address`` to its standby (if live), else to the
     live replica with the fewest primaries (then standbys, then address), one pool at a time;
     ``address`` is left with standbys only (stopping it then costs no failover of a primary).
+    The arguments are :func:`move_pool`'s.
 
     Returns:
         The moved pools' new placements.
@@ -218,7 +239,8 @@ async def drain_replica(
         MoveError: No other live replica, or a move failed (the pools before it stay moved).
         EtcdUnavailableError: etcd could not be reached.
     """
-    session = EtcdSession(endpoints, timeout_s=5.0)
+    session = EtcdSession(endpoints, timeout_s=5.0, credentials=etcd_credentials)
+    _REPLICA_CREDENTIALS.set(replica_credentials)
     try:
         return await _drain(_Etcd(session, prefix), address, metadata, timeout_s)
     finally:
