@@ -8,7 +8,8 @@ _kvcm_extras=""
 [ "${1:-}" = dev ] && _kvcm_extras=dev
 _kvcm_python="${PYTHON:-python3}"
 _kvcm_venv="${KVCM_VENV:-.venv}"
-_kvcm_want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)-${_kvcm_extras}"
+# The compiled lookup index is built by the install: a changed C source reinstalls too.
+_kvcm_want="$(cat pyproject.toml requirements/constraints.txt core/kvcm/core/*.c | sha256sum | cut -d' ' -f1)-${_kvcm_extras}"
 if [ ! -x "$_kvcm_venv/bin/python" ]; then
   echo "== creating $_kvcm_venv" >&2
   "$_kvcm_python" -m venv "$_kvcm_venv"
