@@ -19,11 +19,12 @@ so the clients retry such Steps themselves with the same policy (``RETRY_POLICY`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Self
+from typing import Any, Final, Self, TypeVar
 
 import grpc
 
@@ -43,7 +44,9 @@ from kvcm.client._types import (
     UseClientDefault,
 )
 from kvcm.common.errors import InvalidArgumentError
+from kvcm.core.lookup import LookupAnswer
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
+from kvcm.core.pd_route import PdRoute
 from kvcm.v1 import admin_pb2, common_pb2, scheduler_pb2, service_pb2, service_pb2_grpc
 from kvcm.wire import (
     FREE_MODE_TO_PROTO,
@@ -507,11 +510,21 @@ class ChannelClient(_ClientBase):
     def _open_channel(self, target: str, metadata: Sequence[tuple[str, str]]) -> grpc.Channel:
         return intercept(self._settings.channel(target), metadata)
 
-    def _unary(self, method: str, callable_: Any, request: Any, timeout: Timeout) -> Any:
+    def _unary(
+        self,
+        method: str,
+        callable_: Any,
+        request: Any,
+        timeout: Timeout,
+        trailers: list[tuple[str, str]] | None = None,
+    ) -> Any:
         """Call ``method`` with the call's deadline on the replica that serves its pool
-        (``callable_`` is the seed's; redirects followed); a failure raises the SDK's error."""
+        (``callable_`` is the seed's; redirects followed); a failure raises the SDK's error.
+        ``trailers``: where the answer's trailing metadata go (``None``: not read)."""
         deadline = self._settings.deadline(timeout)
         pool_id = _pool_of(request)
+        if trailers is not None:
+            callable_ = _trailed(callable_, trailers)
         if pool_id is None and len(self._seeds) == 1:
             try:
                 return callable_(request, timeout=deadline)
@@ -520,7 +533,10 @@ class ChannelClient(_ClientBase):
         resendable = _resendable(method, request, None)
         for hop in range(MAX_REROUTES + 1):
             try:
-                return self._stub(self._stubs_for(pool_id), method)(request, timeout=deadline)
+                stub = self._stub(self._stubs_for(pool_id), method)
+                if trailers is not None:
+                    stub = _trailed(stub, trailers)
+                return stub(request, timeout=deadline)
             except grpc.RpcError as exc:
                 if hop == MAX_REROUTES or not self._rerouted(exc, pool_id, resendable):
                     raise unrouted_error(exc, method) from exc
@@ -544,11 +560,21 @@ class AsyncChannelClient(_ClientBase):
     def _open_channel(self, target: str, metadata: Sequence[tuple[str, str]]) -> grpc.aio.Channel:
         return self._settings.aio_channel(aio_interceptors(metadata), target)
 
-    async def _unary(self, method: str, callable_: Any, request: Any, timeout: Timeout) -> Any:
+    async def _unary(
+        self,
+        method: str,
+        callable_: Any,
+        request: Any,
+        timeout: Timeout,
+        trailers: list[tuple[str, str]] | None = None,
+    ) -> Any:
         """Await ``method`` with the call's deadline on the replica that serves its pool
-        (``callable_`` is the seed's; redirects followed); a failure raises the SDK's error."""
+        (``callable_`` is the seed's; redirects followed); a failure raises the SDK's error.
+        ``trailers``: where the answer's trailing metadata go (``None``: not read)."""
         deadline = self._settings.deadline(timeout)
         pool_id = _pool_of(request)
+        if trailers is not None:
+            callable_ = _async_trailed(callable_, trailers)
         if pool_id is None and len(self._seeds) == 1:
             try:
                 return await callable_(request, timeout=deadline)
@@ -558,6 +584,8 @@ class AsyncChannelClient(_ClientBase):
         for hop in range(MAX_REROUTES + 1):
             try:
                 stub = self._stub(self._stubs_for(pool_id), method)
+                if trailers is not None:
+                    stub = _async_trailed(stub, trailers)
                 return await stub(request, timeout=deadline)
             except grpc.RpcError as exc:
                 if hop == MAX_REROUTES or not self._rerouted(exc, pool_id, resendable):
@@ -590,6 +618,48 @@ def unrouted_error(exc: grpc.RpcError, method: str) -> ServiceError:
         code=StatusCode.UNAVAILABLE,
         method=method,
     )
+
+
+# A kvcm cluster's fanned-out answer (docs/cluster.md): the replicas it did not hear from.
+_MISSING_KEY: Final = "kvcm-missing-replicas"
+_Answer = TypeVar("_Answer", LookupAnswer, PdRoute)
+
+
+def _trailed(callable_: Any, trailers: list[tuple[str, str]]) -> Callable[..., Any]:
+    """``callable_`` (a sync unary multicallable) that also keeps its answer's trailers."""
+
+    def call(request: Any, *, timeout: float | None) -> Any:
+        response, rpc = callable_.with_call(request, timeout=timeout)
+        trailers.extend(rpc.trailing_metadata() or ())
+        return response
+
+    return call
+
+
+def _async_trailed(callable_: Any, trailers: list[tuple[str, str]]) -> Callable[..., Any]:
+    """``callable_`` (an asyncio unary multicallable) that also keeps its answer's trailers."""
+
+    async def call(request: Any, *, timeout: float | None) -> Any:
+        rpc = callable_(request, timeout=timeout)
+        response = await rpc
+        trailers.extend(await rpc.trailing_metadata() or ())
+        return response
+
+    return call
+
+
+def missing_replicas(trailers: Sequence[tuple[str, str]]) -> tuple[str, ...]:
+    """The replicas a cluster's fanned-out answer missed, as its trailers name them."""
+    for key, value in trailers:
+        if key == _MISSING_KEY and value:
+            return tuple(str(value).split(","))
+    return ()
+
+
+def with_missing(answer: _Answer, trailers: Sequence[tuple[str, str]]) -> _Answer:
+    """``answer`` (a ``LookupAnswer`` or ``PdRoute``) with the replicas its call missed."""
+    missing = missing_replicas(trailers)
+    return dataclasses.replace(answer, missing_replicas=missing) if missing else answer
 
 
 def _pool_of(request: Any) -> str | None:

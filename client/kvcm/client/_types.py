@@ -44,6 +44,7 @@ __all__ = [
     "LeaseExpiry",
     "PoolConfig",
     "PoolInfo",
+    "PoolListing",
     "PoolState",
     "PoolSummary",
     "PrefixCacheStats",
@@ -69,6 +70,24 @@ class UseClientDefault:
 
 
 USE_CLIENT_DEFAULT: Final = UseClientDefault()
+
+
+class PoolListing(list[PoolSummary]):
+    """``list_pools``' answer: every pool, sorted by id (a list of ``PoolSummary``).
+
+    Attributes:
+        missing_replicas: In a kvcm cluster, the replicas that did not answer in time (their
+            pools are not listed); empty when every replica answered, and from one server.
+    """
+
+    __slots__ = ("missing_replicas",)
+
+    def __init__(
+        self, pools: Sequence[PoolSummary], missing_replicas: tuple[str, ...] = ()
+    ) -> None:
+        """The pools, and the replicas the listing missed."""
+        super().__init__(pools)
+        self.missing_replicas = missing_replicas
 
 
 class KVCacheBlocks:

@@ -45,7 +45,7 @@ from kvcm.client._types import (
     KVCacheBlocks,
     PoolConfig,
     PoolInfo,
-    PoolSummary,
+    PoolListing,
     PrefixCacheStats,
     RequestBlocks,
     SlotOptions,
@@ -115,8 +115,10 @@ class AsyncSchedulerClient(AsyncChannelClient):
                 more than 1,048,576 block hashes (send hashes or narrow the scope).
         """
         request = lookup_query_to_proto(query)
-        response = await self._unary("Lookup", self._stubs.lookup.Lookup, request, timeout)
-        return lookup_result_from_proto(response)
+        trailers: list[tuple[str, str]] = []
+        stub = self._stubs.lookup.Lookup
+        response = await self._unary("Lookup", stub, request, timeout, trailers)
+        return _base.with_missing(lookup_result_from_proto(response), trailers)
 
     async def route_pd(
         self, query: PdRouteQuery, *, timeout: Timeout = USE_CLIENT_DEFAULT
@@ -133,8 +135,10 @@ class AsyncSchedulerClient(AsyncChannelClient):
             ServiceResourceExhaustedError: As :meth:`lookup`.
         """
         request = pd_route_query_to_proto(query)
-        response = await self._unary("RoutePd", self._stubs.lookup.RoutePd, request, timeout)
-        return pd_route_from_proto(response)
+        trailers: list[tuple[str, str]] = []
+        stub = self._stubs.lookup.RoutePd
+        response = await self._unary("RoutePd", stub, request, timeout, trailers)
+        return _base.with_missing(pd_route_from_proto(response), trailers)
 
     # ------------------------------------------------------------------------- transfers
     async def hold_source(
@@ -296,11 +300,14 @@ class AsyncSchedulerClient(AsyncChannelClient):
         response = await self._unary("ListTransfers", stub, request, timeout)
         return [transfer_from_proto(message) for message in response.transfers]
 
-    async def list_pools(self, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> list[PoolSummary]:
-        """Every pool, sorted by id."""
+    async def list_pools(self, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> PoolListing:
+        """Every pool, sorted by id; in a kvcm cluster, every replica's, and
+        ``missing_replicas`` names the replicas that did not answer in time."""
         request = admin_pb2.ListPoolsRequest()
-        response = await self._unary("ListPools", self._stubs.admin.ListPools, request, timeout)
-        return pool_summaries_from_proto(response)
+        trailers: list[tuple[str, str]] = []
+        stub = self._stubs.admin.ListPools
+        response = await self._unary("ListPools", stub, request, timeout, trailers)
+        return PoolListing(pool_summaries_from_proto(response), _base.missing_replicas(trailers))
 
     async def describe_pool(
         self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT

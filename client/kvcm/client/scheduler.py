@@ -44,7 +44,7 @@ from kvcm.client._types import (
     KVCacheBlocks,
     PoolConfig,
     PoolInfo,
-    PoolSummary,
+    PoolListing,
     PrefixCacheStats,
     RequestBlocks,
     SlotOptions,
@@ -112,8 +112,10 @@ class SchedulerClient(ChannelClient):
                 more than 1,048,576 block hashes (send hashes or narrow the scope).
         """
         request = lookup_query_to_proto(query)
-        response = self._unary("Lookup", self._stubs.lookup.Lookup, request, timeout)
-        return lookup_result_from_proto(response)
+        trailers: list[tuple[str, str]] = []
+        stub = self._stubs.lookup.Lookup
+        response = self._unary("Lookup", stub, request, timeout, trailers)
+        return _base.with_missing(lookup_result_from_proto(response), trailers)
 
     def route_pd(self, query: PdRouteQuery, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> PdRoute:
         """The prefill and the decode engine for ``query``'s prompt, ranked by exact prefix
@@ -128,8 +130,10 @@ class SchedulerClient(ChannelClient):
             ServiceResourceExhaustedError: As :meth:`lookup`.
         """
         request = pd_route_query_to_proto(query)
-        response = self._unary("RoutePd", self._stubs.lookup.RoutePd, request, timeout)
-        return pd_route_from_proto(response)
+        trailers: list[tuple[str, str]] = []
+        stub = self._stubs.lookup.RoutePd
+        response = self._unary("RoutePd", stub, request, timeout, trailers)
+        return _base.with_missing(pd_route_from_proto(response), trailers)
 
     # ------------------------------------------------------------------------- transfers
     def hold_source(
@@ -291,11 +295,14 @@ class SchedulerClient(ChannelClient):
         response = self._unary("ListTransfers", stub, request, timeout)
         return [transfer_from_proto(message) for message in response.transfers]
 
-    def list_pools(self, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> list[PoolSummary]:
-        """Every pool, sorted by id."""
+    def list_pools(self, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> PoolListing:
+        """Every pool, sorted by id; in a kvcm cluster, every replica's, and
+        ``missing_replicas`` names the replicas that did not answer in time."""
         request = admin_pb2.ListPoolsRequest()
-        response = self._unary("ListPools", self._stubs.admin.ListPools, request, timeout)
-        return pool_summaries_from_proto(response)
+        trailers: list[tuple[str, str]] = []
+        stub = self._stubs.admin.ListPools
+        response = self._unary("ListPools", stub, request, timeout, trailers)
+        return PoolListing(pool_summaries_from_proto(response), _base.missing_replicas(trailers))
 
     def describe_pool(self, pool_id: str, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> PoolInfo:
         """Everything about a pool, its hashing parameters included.

@@ -193,6 +193,8 @@ class PdRoute:
         prefill_compute_tokens: Tokens the best prefill engine computes.
         num_prefill_pools_in_scope: Pools the prefill scope matched.
         num_decode_pools_in_scope: Pools the decode scope matched.
+        missing_replicas: In a kvcm cluster, the replicas that did not answer their part in
+            time (as :attr:`LookupAnswer.missing_replicas`; not compared).
     """
 
     prefill: tuple[PoolHit, ...]
@@ -206,6 +208,7 @@ class PdRoute:
     num_prefill_pools_in_scope: int
     num_decode_pools_in_scope: int
     held_request_id: str = ""
+    missing_replicas: tuple[str, ...] = field(default=(), compare=False)
 
 
 def _prefill_key(hit: PoolHit) -> tuple[float, int, int, float, str]:

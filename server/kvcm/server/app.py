@@ -348,6 +348,7 @@ class KVCMServer:
             pd_route=functools.partial(route_pd_as, self.state),
             pd_routes=self.state.pd_routes,
             transfers=TransferView(self.state),
+            cluster=self.cluster.reads if self.cluster is not None else None,
         )
         if self.cluster is not None:
             app.state.collector.cluster = self.cluster.samples

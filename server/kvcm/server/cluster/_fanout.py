@@ -21,20 +21,28 @@ or answers UNAVAILABLE, is *missed*: the answer still comes, and its trailing me
 (``kvcm-replicas``: replicas asked, this one included; ``kvcm-missing-replicas``: the missed
 addresses, comma-separated, only when some were). A peer that refuses the call (a bad
 argument, an unknown pool, a denied principal) fails the whole call with its status.
+
+The HTTP side's cluster-wide reads (``POST /v1/lookup``, ``POST /v1/pd/route``) run the same
+fan-out and merge through :func:`cluster_lookup` and :func:`cluster_route_pd`, their caller
+described by a :class:`CallerContext` (its bearer token, forwarded to every replica), every
+replica (this one included, over the loopback) asked over gRPC as a peer; the replicas they
+missed are in the answer (``missing_replicas``). ``GET /v1/pools`` merges the replicas'
+listings with :func:`merge_listings`, as ``ListPools`` does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Final, TypeVar
 
 import grpc
 
 from kvcm.common.errors import KVCMError
-from kvcm.core.lookup import LookupAnswer
-from kvcm.core.pd_route import rank_pd
+from kvcm.core.lookup import LookupAnswer, LookupQuery
+from kvcm.core.pd_route import PdRoute, PdRouteQuery, rank_pd
 from kvcm.server.cluster._node import ClusterNode
 from kvcm.v1 import admin_pb2, lookup_pb2, pd_pb2, service_pb2_grpc
 from kvcm.wire.lookup import (
@@ -42,17 +50,22 @@ from kvcm.wire.lookup import (
     lookup_result_from_proto,
     lookup_result_to_proto,
 )
-from kvcm.wire.pd import pd_route_query_from_proto, pd_route_to_proto
+from kvcm.wire.pd import pd_route_query_from_proto, pd_route_query_to_proto, pd_route_to_proto
 
 __all__ = [
     "LOCAL_KEY",
     "MISSING_KEY",
     "REPLICAS_KEY",
+    "CallerContext",
     "PeerChannels",
+    "PeerRefusedError",
+    "cluster_lookup",
+    "cluster_route_pd",
     "fan_out_list_pools",
     "fan_out_lookup",
     "fan_out_route_pd",
     "is_local_call",
+    "merge_listings",
 ]
 
 _LOG = logging.getLogger("kvcm.server.cluster")
@@ -72,6 +85,41 @@ _MISSED_CODES: Final = frozenset(
 _FORWARDED: Final = ("authorization",)
 
 Behavior = Callable[[Any, Any], Awaitable[Any]]
+T = TypeVar("T")
+
+
+class PeerRefusedError(Exception):
+    """A replica refused its part of a cluster-wide call (not a missed replica): the whole
+    call fails with its status.
+
+    Attributes:
+        code: The replica's status code.
+        details: Its message.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        """A refusal with ``code`` and ``details``."""
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class CallerContext:
+    """The caller of a cluster-wide read that did not come in over gRPC (an HTTP route): what
+    the fan-out reads of a gRPC call's context. Peers are sent the caller's bearer token;
+    there is no deadline of the caller's own, so each part gets ``fanout_timeout_s``."""
+
+    def __init__(self, authorization: str | None) -> None:
+        """A caller whose ``Authorization`` header is ``authorization`` (``None``: none)."""
+        self._metadata = (("authorization", authorization),) if authorization else ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The caller's metadata (its ``authorization``, if any)."""
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        """No deadline of the caller's own."""
+        return None
 
 
 def is_local_call(context: Any) -> bool:
@@ -147,6 +195,7 @@ async def _ask(
 
     Raises:
         grpc.aio.AioRpcError: A peer refused the call (not a missed peer).
+        PeerRefusedError: A part said the peer refused (a part that does not call gRPC).
     """
     timeout = _timeout(node, context)
     metadata = _peer_metadata(context)
@@ -157,6 +206,8 @@ async def _ask(
     missed: list[str] = []
     for (address, _), result in zip(parts, results, strict=True):
         if isinstance(result, grpc.aio.AioRpcError) and result.code() not in _MISSED_CODES:
+            raise result
+        if isinstance(result, PeerRefusedError):
             raise result
         if isinstance(result, BaseException):
             _LOG.info("fan-out %s: replica %s missed: %r", method, address, result)
@@ -204,14 +255,33 @@ async def fan_out_list_pools(
         await _refused(context, exc)
         raise
     local = await local_task
-    by_id: dict[str, Any] = {}
-    for owner, answer in [(node.address, local), *answers]:
-        for pool in answer.pools:
-            placement = node.get(pool.pool_id)
-            if pool.pool_id not in by_id or (placement is not None and placement.primary == owner):
-                by_id[pool.pool_id] = pool
+    listings: list[tuple[str, Iterable[Any]]] = [
+        (owner, answer.pools) for owner, answer in [(node.address, local), *answers]
+    ]
     _say_missed(context, len(addresses) + 1, missed)
-    return admin_pb2.ListPoolsResponse(pools=[by_id[key] for key in sorted(by_id)])
+    return admin_pb2.ListPoolsResponse(pools=merge_listings(node, listings, _proto_pool_id))
+
+
+def _proto_pool_id(pool: Any) -> str:
+    return str(pool.pool_id)
+
+
+def merge_listings(
+    node: ClusterNode,
+    listings: Iterable[tuple[str, Iterable[T]]],
+    pool_id: Callable[[T], str],
+) -> list[T]:
+    """Replicas' pool listings, ``(replica address, pools)``, as one: the union sorted by
+    pool id; a pool listed by two replicas (a move in flight, a standby's copy) is taken from
+    its placement's primary."""
+    by_id: dict[str, T] = {}
+    for owner, pools in listings:
+        for pool in pools:
+            key = pool_id(pool)
+            placement = node.get(key)
+            if key not in by_id or (placement is not None and placement.primary == owner):
+                by_id[key] = pool
+    return [by_id[key] for key in sorted(by_id)]
 
 
 def _owner_parts(
@@ -246,10 +316,10 @@ async def _cluster_lookup(
     context: Any,
     *,
     method: str,
-) -> tuple[LookupAnswer, list[str], int]:
-    """A Lookup over every live replica's pools: the merged answer, the replicas missed and
-    the replicas asked. ``local``: this replica's Lookup handler (``None``: asked over the
-    loopback like a peer).
+) -> tuple[LookupAnswer, int]:
+    """A Lookup over every live replica's pools: the merged answer (with the replicas it
+    missed) and the replicas asked. ``local``: this replica's Lookup handler (``None``: asked
+    over the loopback like a peer).
 
     Raises:
         grpc.aio.AioRpcError: A replica refused its part.
@@ -316,7 +386,8 @@ async def _cluster_lookup(
     if request.max_results:
         pools = pools[: request.max_results]
     asked = len(addresses) + (local_request is not None) + len(dead)
-    return LookupAnswer(tuple(pools), tuple(skipped), num_in_scope), [*missed, *dead], asked
+    merged = LookupAnswer(tuple(pools), tuple(skipped), num_in_scope, (*missed, *dead))
+    return merged, asked
 
 
 async def fan_out_lookup(
@@ -328,14 +399,32 @@ async def fan_out_lookup(
 ) -> lookup_pb2.LookupResponse:
     """``Lookup`` over every live replica's pools (see the module docstring)."""
     try:
-        merged, missed, asked = await _cluster_lookup(
+        merged, asked = await _cluster_lookup(
             node, peers, behavior, request, context, method="Lookup"
         )
     except grpc.aio.AioRpcError as exc:
         await _refused(context, exc)
         raise
-    _say_missed(context, asked, missed)
+    _say_missed(context, asked, merged.missing_replicas)
     return lookup_result_to_proto(merged, packed=request.packed)
+
+
+async def cluster_lookup(
+    node: ClusterNode, peers: PeerChannels, query: LookupQuery, caller: CallerContext
+) -> tuple[LookupAnswer, int]:
+    """``Lookup``'s fan-out and merge for a caller that is not a gRPC call (every replica,
+    this one included, asked over gRPC): the merged answer, with the replicas it missed, and
+    the number of replicas asked.
+
+    Raises:
+        PeerRefusedError: A replica refused its part (a bad field, an unknown pool, a denied
+            principal): the status a single server answers.
+    """
+    request = lookup_query_to_proto(query, packed=False)
+    try:
+        return await _cluster_lookup(node, peers, None, request, caller, method="Lookup")
+    except grpc.aio.AioRpcError as exc:
+        raise PeerRefusedError(exc.code(), exc.details() or "") from exc
 
 
 async def fan_out_route_pd(
@@ -345,29 +434,48 @@ async def fan_out_route_pd(
     request: pd_pb2.RoutePdRequest,
     context: Any,
 ) -> pd_pb2.RoutePdResponse:
-    """``RoutePd`` over every live replica's pools: each role's Lookup fanned out and merged
-    (this replica's part over the loopback), the held request read on the best decode pool's
-    own replica, then the core's ranking (:func:`kvcm.core.pd_route.rank_pd`)."""
+    """``RoutePd`` over every live replica's pools (:func:`cluster_route_pd`)."""
     try:
         query = pd_route_query_from_proto(request)
     except KVCMError:
         refused: pd_pb2.RoutePdResponse = await behavior(request, context)  # names the field
         return refused
+    try:
+        route, asked = await cluster_route_pd(node, peers, query, context)
+    except PeerRefusedError as exc:
+        await context.abort(exc.code, exc.details)
+        raise
+    _say_missed(context, asked, route.missing_replicas)
+    return pd_route_to_proto(route)
+
+
+async def cluster_route_pd(
+    node: ClusterNode, peers: PeerChannels, query: PdRouteQuery, context: Any
+) -> tuple[PdRoute, int]:
+    """``RoutePd`` over every live replica's pools: each role's Lookup fanned out and merged
+    (this replica's part over the loopback), the held request read on the best decode pool's
+    own replica, then the core's ranking (:func:`kvcm.core.pd_route.rank_pd`). Returns the
+    route, with the replicas it missed, and the number of replicas asked. ``context``: the
+    gRPC call's, or a :class:`CallerContext`.
+
+    Raises:
+        PeerRefusedError: A replica refused a role's part (its field named by role, as a
+            single server names it).
+    """
     answers: list[LookupAnswer] = []
     missed: set[str] = set()
     asked = 0
     for role in ("prefill_scope", "decode_scope"):
         role_request = lookup_query_to_proto(query.role_query(role), packed=False)
         try:
-            answer, role_missed, role_asked = await _cluster_lookup(
+            answer, role_asked = await _cluster_lookup(
                 node, peers, None, role_request, context, method="RoutePd"
             )
         except grpc.aio.AioRpcError as exc:  # name the role's field, as a lone server does
             details = (exc.details() or "").replace("Lookup: scope", f"RoutePd: {role}")
-            await context.abort(exc.code(), details.replace("scope.", f"{role}."))
-            raise
+            raise PeerRefusedError(exc.code(), details.replace("scope.", f"{role}.")) from exc
         answers.append(answer)
-        missed.update(role_missed)
+        missed.update(answer.missing_replicas)
         asked = max(asked, role_asked)
     prefill, decode = answers
     held: tuple[str, int] | None = None
@@ -375,8 +483,7 @@ async def fan_out_route_pd(
         best = decode.pools[0].pool_id
         placement = node.get(best)
         owner = node.address if placement is None else placement.primary
-        one = pd_pb2.RoutePdRequest()
-        one.CopyFrom(request)
+        one = pd_route_query_to_proto(query)
         for scope in (one.prefill_scope, one.decode_scope):
             scope.Clear()
             scope.pool_ids.append(best)
@@ -388,5 +495,5 @@ async def fan_out_route_pd(
             held = (route.held_request_id, int(route.remote_num_tokens))
         except grpc.aio.AioRpcError:
             missed.add(owner)
-    _say_missed(context, asked, sorted(missed))
-    return pd_route_to_proto(rank_pd(query, prefill, decode, held))
+    ranked = rank_pd(query, prefill, decode, held)
+    return dataclasses.replace(ranked, missing_replicas=tuple(sorted(missed))), asked

@@ -11,16 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from kvcm.common.errors import ConfigError
 from kvcm.server.cluster._fanout import PeerChannels
+from kvcm.server.cluster._http_reads import ClusterReads
 from kvcm.server.cluster._node import ClusterConfig, ClusterNode
 from kvcm.server.cluster._routing import ClusterInterceptor
 from kvcm.server.cluster.placement import Placement
 from kvcm.server.settings import ServerSettings, parse_etcd_endpoints, split_address
-from kvcm.server.tls import etcd_credentials, peer_credentials
+from kvcm.server.tls import etcd_credentials, peer_credentials, tls_files
 
 if TYPE_CHECKING:
     from kvcm.server.cluster.replication import Replication
@@ -35,12 +37,27 @@ _WILDCARDS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
 _FIRST_LISTING_S: Final = 2.0
 
 
+def _peer_http_ssl(settings: ServerSettings) -> ssl.SSLContext | None:
+    """How this replica dials peers' HTTPS sides (``GET /v1/pools``' fan-out) when its own
+    HTTP side is TLS: as its gRPC channels to peers (:func:`kvcm.server.tls.peer_credentials`),
+    their certificates checked against ``tls_peer_ca`` (else ``tls_client_ca``, else the
+    system's roots) and the address dialed, this replica's certificate presented."""
+    files = tls_files(settings)
+    if files is None:
+        return None
+    ca_path = settings.tls_peer_ca or settings.tls_client_ca
+    context = ssl.create_default_context(cafile=ca_path or None)
+    context.load_cert_chain(str(files.cert), str(files.key))
+    return context
+
+
 class ClusterRuntime:
     """A server's cluster side.
 
     Attributes:
         node: Membership and the placement view (a ``PlacementView``).
         interceptor: The gRPC server interceptor (redirects, placement, fan-out).
+        reads: The HTTP side's cluster-wide reads and redirects (``build_app(cluster=)``).
     """
 
     def __init__(
@@ -77,6 +94,7 @@ class ClusterRuntime:
             settings.limits.max_message_bytes, credentials=peer_credentials(settings)
         )
         self.interceptor = ClusterInterceptor(self.node, self._peers, has_pool=has_pool)
+        self.reads = ClusterReads(self.node, self._peers, ssl_context=_peer_http_ssl(settings))
         self._feeding: asyncio.Task[None] | None = None
 
     def attach(self, replication: Replication) -> None:
@@ -150,6 +168,7 @@ class ClusterRuntime:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._feeding
         await self._peers.close()
+        await self.reads.close()
 
     def samples(self) -> dict[str, list[tuple[list[str], float]]]:
         """The ``kvcm_cluster_*`` samples (see docs/metrics.md)."""

@@ -21,11 +21,14 @@ from kvcm.server.http._app import (
     build_app,
     summarize,
 )
+from kvcm.server.http._cluster import ClusterCallError, ClusterReadsLike
 from kvcm.server.http._collector import METRICS, KVCMCollector, MetricSpec
 from kvcm.server.http._views import PoolLike, PoolRegistryLike, PoolSnapshotLike
 
 __all__ = [
     "METRICS",
+    "ClusterCallError",
+    "ClusterReadsLike",
     "ErrorBody",
     "ErrorDetail",
     "GroupSummary",

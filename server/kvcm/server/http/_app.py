@@ -25,6 +25,12 @@ from kvcm.common.errors import NotFoundError
 from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.server.access import RefusalLog, may_read
+from kvcm.server.http._cluster import (
+    ClusterReadsLike,
+    ClusterRedirect,
+    fanned_headers,
+    is_local_request,
+)
 from kvcm.server.http._collector import JournalStatsLike, KVCMCollector, kvcm_version
 from kvcm.server.http._guard import TokenGuard, check_routes
 from kvcm.server.http._inspector import add_inspector_routes
@@ -284,6 +290,7 @@ def build_app(
     pd_route: Callable[[PdRouteQuery, Principal | None], Awaitable[PdRoute]] | None = None,
     pd_routes: Mapping[str, int] | None = None,
     transfers: TransfersLike | None = None,
+    cluster: ClusterReadsLike | None = None,
 ) -> FastAPI:
     """Build the HTTP app over the server's pools and RPC statistics.
 
@@ -326,6 +333,10 @@ def build_app(
         pd_routes: the P/D routing calls' counters by metric name (``None``: exported as 0).
         transfers: the P/D transfer records (``GET /v1/transfers``, the ``kvcm_transfer*``
             metrics; ``None``: no routes, the metrics exported empty).
+        cluster: this replica's cluster (``kvcm serve --etcd-endpoints``): ``/v1/lookup``,
+            ``/v1/pd/route`` and ``/v1/pools`` fan out to every replica and merge, per-pool
+            reads of a pool served elsewhere are redirected (:mod:`kvcm.server.http._cluster`;
+            ``None``: one server).
 
     Returns:
         The FastAPI app; ``app.state.prometheus_registry`` holds its collector registry,
@@ -404,16 +415,28 @@ def build_app(
     @app.get(
         "/v1/pools",
         tags=["pools"],
+        response_model=PoolList,
         responses={
             401: {"model": ErrorBody, "description": "authentication is on: no valid token"},
         },
     )
-    async def list_pools(request: Request) -> PoolList:
+    async def list_pools(request: Request) -> PoolList | Response:
         """The summary of every pool the token may read (a pool busy with a long call is left
-        out until it ends)."""
+        out until it ends). In a cluster: every replica's pools, sorted by id, with
+        ``missing_replicas`` and ``replicas`` (docs/cluster.md)."""
         principal = getattr(request.state, "principal", None)
         readable = [pool for pool in registry.list() if may_read(principal, pool.name)]
-        return PoolList(pools=summarize_wired(readable))
+        listed = PoolList(pools=summarize_wired(readable))
+        if cluster is None or is_local_request(request.headers):
+            return listed
+        pools, missing, asked = await cluster.pools(
+            [summary.model_dump() for summary in listed.pools],
+            request.headers.get("authorization"),
+        )
+        return JSONResponse(
+            {"pools": pools, "missing_replicas": list(missing), "replicas": asked},
+            headers=fanned_headers(asked, missing),
+        )
 
     @app.get(
         "/v1/pools/{pool}",
@@ -455,15 +478,22 @@ def build_app(
         return summary
 
     if lookup is not None:
-        _add_lookup_route(app, lookup, refusals)
+        _add_lookup_route(app, lookup, refusals, cluster)
     if pd_route is not None:
         add_pd_route(
-            app, pd_route, refusals, max_body_bytes=MAX_LOOKUP_BODY_BYTES, error_model=ErrorBody
+            app,
+            pd_route,
+            refusals,
+            max_body_bytes=MAX_LOOKUP_BODY_BYTES,
+            error_model=ErrorBody,
+            cluster=cluster,
         )
     if transfers is not None:
         add_transfer_routes(app, transfers, ErrorBody)
     add_inspector_routes(app, registry)
     check_routes(app.routes)
+    if cluster is not None:  # inside the token guard (added after it)
+        app.add_middleware(ClusterRedirect, cluster=cluster)
     if authenticate is not None:
         app.add_middleware(
             TokenGuard,
@@ -478,6 +508,7 @@ def _add_lookup_route(
     app: FastAPI,
     lookup: Callable[[LookupQuery, Principal | None], Awaitable[LookupAnswer]],
     refusals: RefusalLog,
+    cluster: ClusterReadsLike | None,
 ) -> None:
     from kvcm.wire.lookup import lookup_query_from_json, lookup_result_to_json
 
@@ -500,8 +531,32 @@ def _add_lookup_route(
         """Each pool's prefix hit for a prompt, its load and a ranking (see docs/lookup.md).
 
         The body is a ``kvcm.v1.LookupRequest`` in protobuf's JSON mapping; the answer a
-        ``LookupResponse`` (snake_case names, every field present).
+        ``LookupResponse`` (snake_case names, every field present). In a cluster it asks
+        every replica and merges as the gRPC ``Lookup`` does, adding ``missing_replicas`` and
+        ``replicas`` (docs/cluster.md).
         """
+        if cluster is not None and not is_local_request(request.headers):
+            authorization = request.headers.get("authorization")
+
+            async def fanned(
+                query: LookupQuery, principal: Principal | None
+            ) -> tuple[LookupAnswer, int]:
+                return await cluster.lookup(query, authorization)
+
+            return await answer_json_query(
+                request,
+                method="POST /v1/lookup",
+                max_body_bytes=MAX_LOOKUP_BODY_BYTES,
+                decode=lookup_query_from_json,
+                answer=fanned,
+                encode=lambda found: {
+                    **lookup_result_to_json(found[0]),
+                    "missing_replicas": list(found[0].missing_replicas),
+                    "replicas": found[1],
+                },
+                refusals=refusals,
+                headers=lambda found: fanned_headers(found[1], found[0].missing_replicas),
+            )
         return await answer_json_query(
             request,
             method="POST /v1/lookup",

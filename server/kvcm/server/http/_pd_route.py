@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request, Response
 
 from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.server.access import RefusalLog
+from kvcm.server.http._cluster import ClusterReadsLike, fanned_headers, is_local_request
 from kvcm.server.http._queries import answer_json_query
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ def add_pd_route(
     *,
     max_body_bytes: int,
     error_model: Any,
+    cluster: ClusterReadsLike | None = None,
 ) -> None:
     """Add ``POST /v1/pd/route`` to ``app``.
 
@@ -38,6 +40,9 @@ def add_pd_route(
         refusals: Where 403s are audited.
         max_body_bytes: Bodies over this are answered 413.
         error_model: The app's error body model (for the OpenAPI schema).
+        cluster: This replica's cluster: the route fans out to every replica and merges as
+            the gRPC ``RoutePd`` does, adding ``missing_replicas`` and ``replicas``
+            (``None``: one server).
     """
     from kvcm.wire.pd import pd_route_query_from_json, pd_route_to_json
 
@@ -63,6 +68,28 @@ def add_pd_route(
         """The prefill and the decode engine for a prompt, ranked by exact prefix hit and
         load, with the decode engine's own hit and vLLM's ``remote_num_tokens`` (see
         docs/pd.md)."""
+        if cluster is not None and not is_local_request(request.headers):
+            authorization = request.headers.get("authorization")
+
+            async def fanned(
+                query: PdRouteQuery, principal: Principal | None
+            ) -> tuple[PdRoute, int]:
+                return await cluster.route_pd(query, authorization)
+
+            return await answer_json_query(
+                request,
+                method="POST /v1/pd/route",
+                max_body_bytes=max_body_bytes,
+                decode=pd_route_query_from_json,
+                answer=fanned,
+                encode=lambda found: {
+                    **pd_route_to_json(found[0]),
+                    "missing_replicas": list(found[0].missing_replicas),
+                    "replicas": found[1],
+                },
+                refusals=refusals,
+                headers=lambda found: fanned_headers(found[1], found[0].missing_replicas),
+            )
         return await answer_json_query(
             request,
             method="POST /v1/pd/route",

@@ -8,7 +8,7 @@ may not read (audited), 429 when hashing the prompt is too much.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request, Response
@@ -40,6 +40,7 @@ async def answer_json_query(
     answer: Callable[[Q, Principal | None], Awaitable[A]],
     encode: Callable[[A], Any],
     refusals: RefusalLog,
+    headers: Callable[[A], Mapping[str, str]] | None = None,
 ) -> Response:
     """Read ``request``'s body, ``decode`` it, ``answer`` it and ``encode`` the answer.
 
@@ -51,7 +52,9 @@ async def answer_json_query(
         answer: Answers a query as a principal (``None``: authentication off).
         encode: The answer as JSON-ready values.
         refusals: Where 403s are audited.
+        headers: The answer's response headers (``None``: none).
     """
+    from kvcm.server.http._cluster import ClusterCallError
     from kvcm.server.rpc import LookupDeniedError
 
     principal: Principal | None = getattr(request.state, "principal", None)
@@ -84,4 +87,6 @@ async def answer_json_query(
         return error_response(403, "PERMISSION_DENIED", str(exc))
     except ResourceExhaustedError as exc:
         return error_response(429, "RESOURCE_EXHAUSTED", str(exc))
-    return JSONResponse(encode(result))
+    except ClusterCallError as exc:  # a replica's part refused with another status
+        return error_response(exc.status, exc.code, str(exc))
+    return JSONResponse(encode(result), headers=headers(result) if headers is not None else None)
