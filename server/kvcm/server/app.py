@@ -522,6 +522,10 @@ _RESTART_SETTINGS = (
     "tls_cert",
     "tls_key",
     "tls_client_ca",
+    "tls_peer_ca",
+    "etcd_ca",
+    "etcd_cert",
+    "etcd_key",
     "auth_tokens",
 )
 
