@@ -27,17 +27,23 @@ COMMON = {"num_kv_heads": 2, "head_size": 64, "dtype": DType.BFLOAT16}
 
 @pytest.fixture(autouse=True, params=["compiled", "python"])
 def key_index(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs against both key indexes (kvcm.core._key_index): the compiled one,
-    which must be built (``pip install -e .`` builds it; KVCM_PURE_PYTHON=1 skips its runs
-    where no compiler is at hand), and the pure-Python fallback."""
+    """Every test runs against both implementations (kvcm.core._key_index): the compiled key
+    index and answer loops, which must be built (``pip install -e .`` builds them;
+    KVCM_PURE_PYTHON=1 skips their runs where no compiler is at hand), and the pure-Python
+    fallback."""
     if request.param == "compiled":
         if _key_index.COMPILED is None:
             if os.environ.get("KVCM_PURE_PYTHON") == "1":
                 pytest.skip("KVCM_PURE_PYTHON=1: the compiled key index is not built")
             pytest.fail("kvcm.core._lookup_index is not built (pip install -e . builds it)")
+        assert _key_index.NATIVE is not None
         monkeypatch.setattr(lookup_module, "KeyIndex", _key_index.COMPILED)
+        monkeypatch.setattr(lookup_module, "_score_rows", _key_index.NATIVE.score_rows)
+        monkeypatch.setattr(lookup_module, "_ranked", _key_index.NATIVE.ranked)
     else:
         monkeypatch.setattr(lookup_module, "KeyIndex", _key_index.PyKeyIndex)
+        monkeypatch.setattr(lookup_module, "_score_rows", lookup_module._py_score_rows)
+        monkeypatch.setattr(lookup_module, "_ranked", lookup_module._py_ranked)
     return str(request.param)
 
 

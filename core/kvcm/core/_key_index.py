@@ -19,9 +19,10 @@ import struct
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, compress, count, islice, repeat
 from operator import is_not
+from types import ModuleType
 from typing import Final, Protocol
 
-__all__ = ["COMPILED", "KeyIndex", "KeyIndexLike", "PyKeyIndex", "key_chunks"]
+__all__ = ["COMPILED", "NATIVE", "KeyIndex", "KeyIndexLike", "PyKeyIndex", "key_chunks"]
 
 MAX_SLOT: Final = 65534
 """The largest slot (the compiled sets hold 16-bit slots)."""
@@ -183,13 +184,16 @@ def _checked(slot: int) -> int:
     return slot
 
 
+NATIVE: ModuleType | None
+"""The compiled module (``kvcm.core._lookup_index``), or ``None`` where it is not built."""
 COMPILED: type[KeyIndexLike] | None
 try:
-    from kvcm.core._lookup_index import KeyIndex as _Compiled
+    from kvcm.core import _lookup_index
 except ImportError:  # not built: the pure-Python index answers the same
-    COMPILED = None
+    NATIVE = COMPILED = None
 else:
-    COMPILED = _Compiled
+    NATIVE = _lookup_index
+    COMPILED = _lookup_index.KeyIndex
 
 KeyIndex: type[KeyIndexLike] = PyKeyIndex if COMPILED is None else COMPILED
 """The key index lookups use: the compiled one when it is built."""

@@ -589,6 +589,316 @@ static PyObject *KeyIndex_sizeof(KeyIndex *self, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromSize_t(size);
 }
 
+/* ------------------------------------------------------------------ answering every pool */
+
+static PyObject *str_num_free_blocks;
+
+static long long long_item(PyObject *list, Py_ssize_t i) {
+    return PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+}
+
+/* A tuple subclass instance (a NamedTuple) holding the given new references (stolen). */
+static PyObject *new_record(PyTypeObject *type, Py_ssize_t n, PyObject **items) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (items[k] == NULL) {
+            for (Py_ssize_t j = 0; j < n; j++) {
+                Py_XDECREF(items[j]);
+            }
+            return NULL;
+        }
+    }
+    PyObject *record = type == &PyTuple_Type ? PyTuple_New(n) : type->tp_alloc(type, n);
+    if (record == NULL) {
+        for (Py_ssize_t j = 0; j < n; j++) {
+            Py_DECREF(items[j]);
+        }
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyTuple_SET_ITEM(record, k, items[k]);
+    }
+    return record;
+}
+
+/* score_rows(rows, levels, block_size, num_tokens, weight, columns, parts, hit_parts,
+ *            pool_hit, pool_load): kvcm.core.lookup._ranked_all's loop over one kind's columns,
+ * appending (-score, num_waiting, usage, name, PoolHit) per pool; see _score_rows there. */
+static PyObject *score_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "score_rows takes 10 arguments");
+        return NULL;
+    }
+    PyObject *rows = args[0], *levels = args[1], *columns = args[5], *parts = args[6];
+    PyObject *hit_parts = args[7];
+    PyTypeObject *pool_hit = (PyTypeObject *)args[8], *pool_load = (PyTypeObject *)args[9];
+    long long block_size = PyLong_AsLongLong(args[2]);
+    long long num_tokens = PyLong_AsLongLong(args[3]);
+    double weight = PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyList_Check(rows) || !PyList_Check(levels) || !PyTuple_Check(columns) ||
+        PyTuple_GET_SIZE(columns) != 7 || !PyDict_Check(parts) || !PyType_Check(args[8]) ||
+        !PyType_Check(args[9]) || !PyType_IsSubtype(pool_hit, &PyTuple_Type) ||
+        !PyType_IsSubtype(pool_load, &PyTuple_Type) || num_tokens <= 0) {
+        PyErr_SetString(PyExc_TypeError, "score_rows: bad arguments");
+        return NULL;
+    }
+    PyObject *slots = PyTuple_GET_ITEM(columns, 0), *queues = PyTuple_GET_ITEM(columns, 1);
+    PyObject *running = PyTuple_GET_ITEM(columns, 2), *requests = PyTuple_GET_ITEM(columns, 3);
+    PyObject *names = PyTuple_GET_ITEM(columns, 4), *usable = PyTuple_GET_ITEM(columns, 5);
+    PyObject *media = PyTuple_GET_ITEM(columns, 6);
+    Py_ssize_t n = PyList_Size(slots);
+    PyObject *lists[7] = {slots, queues, running, requests, names, usable, media};
+    for (int c = 0; c < 7; c++) {
+        if (!PyList_Check(lists[c]) || PyList_GET_SIZE(lists[c]) != n) {
+            PyErr_SetString(PyExc_TypeError, "score_rows: columns must be lists of one length");
+            return NULL;
+        }
+    }
+    /* The hit of every slot the levels name (slots absent from them hit nothing). */
+    size_t num_slots = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long slot = long_item(slots, i);
+        if (slot < 0 || slot > MAX_SLOT) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "score_rows: slot out of range");
+            }
+            return NULL;
+        }
+        if ((size_t)slot + 1 > num_slots) {
+            num_slots = (size_t)slot + 1;
+        }
+    }
+    long long *hits = PyMem_Calloc(num_slots ? num_slots : 1, sizeof(long long));
+    if (hits == NULL) {
+        return PyErr_NoMemory();
+    }
+    PyObject *result = NULL;
+    PyObject **free_counts = NULL;
+    for (Py_ssize_t l = 0; l < PyList_GET_SIZE(levels); l++) {
+        PyObject *level = PyList_GET_ITEM(levels, l);
+        if (!PyTuple_Check(level) || PyTuple_GET_SIZE(level) != 2) {
+            PyErr_SetString(PyExc_TypeError, "score_rows: levels are (blocks, mask) pairs");
+            goto done;
+        }
+        long long num_blocks = PyLong_AsLongLong(PyTuple_GET_ITEM(level, 0));
+        if (num_blocks == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (num_blocks == 0) {
+            continue;
+        }
+        size_t words;
+        uint64_t *bits = bits_of_int(PyTuple_GET_ITEM(level, 1), &words);
+        if (bits == NULL) {
+            goto done;
+        }
+        for (size_t w = 0; w < words; w++) {
+            uint64_t word = bits[w];
+            while (word) {
+                size_t slot = w * 64 + (size_t)__builtin_ctzll(word);
+                word &= word - 1;
+                if (slot < num_slots) {
+                    hits[slot] = num_blocks * block_size;
+                }
+            }
+        }
+        PyMem_Free(bits);
+    }
+    /* The pools' objects are scattered over a large heap and mostly out of the CPU's caches:
+       they are all prefetched first (their misses overlap), then the free counts read and their
+       int objects prefetched, then every pool answered from cached memory. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (int c = 1; c < 6; c++) {
+            __builtin_prefetch(PyList_GET_ITEM(lists[c], i));
+        }
+    }
+    free_counts = PyMem_Calloc(n ? (size_t)n : 1, sizeof(PyObject *));
+    if (free_counts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        free_counts[i] = PyObject_GetAttr(PyList_GET_ITEM(queues, i), str_num_free_blocks);
+        if (free_counts[i] == NULL) {
+            goto done;
+        }
+        __builtin_prefetch(free_counts[i]);
+        __builtin_prefetch(PyList_GET_ITEM(slots, i));
+    }
+    PyObject *tokens_obj = PyLong_FromLongLong(num_tokens);
+    if (tokens_obj == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long num_hit = hits[long_item(slots, i)];
+        PyObject *free_obj = free_counts[i];
+        free_counts[i] = NULL; /* the reference goes to the PoolLoad */
+        long long num_free = PyLong_AsLongLong(free_obj);
+        long long num_usable = long_item(usable, i);
+        Py_ssize_t num_running = PyObject_Size(PyList_GET_ITEM(running, i));
+        Py_ssize_t num_tracked = PyObject_Size(PyList_GET_ITEM(requests, i));
+        if (PyErr_Occurred()) {
+            Py_DECREF(free_obj);
+            goto done_tokens;
+        }
+        /* The same double operations, in the same order, as the Python twin (the build turns
+           off contracting them into fused multiply-adds): identical scores. */
+        double usage = num_usable ? 1.0 - (double)num_free / (double)num_usable : 0.0;
+        double score = (double)num_hit / (double)num_tokens - weight * usage;
+        long long num_waiting = (long long)num_tracked - (long long)num_running;
+        PyObject *name = PyList_GET_ITEM(names, i), *medium = PyList_GET_ITEM(media, i);
+        PyObject *hit_obj = PyLong_FromLongLong(num_hit);
+        if (hit_obj == NULL) {
+            Py_DECREF(free_obj);
+            goto done_tokens;
+        }
+        PyObject *shared = PyDict_GetItemWithError(parts, hit_obj); /* borrowed */
+        int has_medium = 0;
+        if (shared != NULL && PyTuple_Check(shared) && PyTuple_GET_SIZE(shared) == 2) {
+            has_medium = PySequence_Contains(PyTuple_GET_ITEM(shared, 1), medium);
+        }
+        if (has_medium < 0 || PyErr_Occurred()) {
+            Py_DECREF(free_obj);
+            Py_DECREF(hit_obj);
+            goto done_tokens;
+        }
+        PyObject *made = NULL;
+        if (!has_medium) {
+            made = PyObject_CallFunctionObjArgs(hit_parts, parts, hit_obj, medium, NULL);
+            if (made == NULL) {
+                Py_DECREF(free_obj);
+                Py_DECREF(hit_obj);
+                goto done_tokens;
+            }
+            shared = made;
+        }
+        Py_INCREF(shared);
+        Py_XDECREF(made);
+        PyObject *usage_obj = PyFloat_FromDouble(usage);
+        Py_XINCREF(usage_obj); /* one for the load, one for the row */
+        PyObject *load_items[4] = {
+            usage_obj,
+            free_obj,
+            PyLong_FromSsize_t(num_running),
+            PyLong_FromLongLong(num_waiting > 0 ? num_waiting : 0),
+        };
+        PyObject *load = new_record(pool_load, 4, load_items);
+        Py_INCREF(name);
+        Py_INCREF(tokens_obj);
+        PyObject *groups = PyTuple_GET_ITEM(shared, 0), *tiers = PyTuple_GET_ITEM(shared, 1);
+        Py_INCREF(groups);
+        Py_INCREF(tiers);
+        Py_DECREF(shared);
+        PyObject *hit_items[7] = {name,  hit_obj, groups, tiers, tokens_obj,
+                                  load,  PyFloat_FromDouble(score)};
+        PyObject *hit = new_record(pool_hit, 7, hit_items);
+        if (hit == NULL) {
+            Py_XDECREF(usage_obj);
+            goto done_tokens;
+        }
+        Py_INCREF(name);
+        PyObject *row_items[5] = {PyFloat_FromDouble(-score), PyLong_FromLongLong(num_waiting),
+                                  usage_obj, name, hit};
+        PyObject *row = new_record(&PyTuple_Type, 5, row_items);
+        if (row == NULL) {
+            goto done_tokens;
+        }
+        int failed = PyList_Append(rows, row);
+        Py_DECREF(row);
+        if (failed) {
+            goto done_tokens;
+        }
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done_tokens:
+    Py_DECREF(tokens_obj);
+done:
+    if (free_counts != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_XDECREF(free_counts[i]);
+        }
+        PyMem_Free(free_counts);
+    }
+    PyMem_Free(hits);
+    return result;
+}
+
+typedef struct {
+    double neg_score;
+    long long waiting;
+    double usage;
+    PyObject *name;
+    PyObject *hit;
+} RankRow;
+
+static int compare_rows(const void *a, const void *b) {
+    const RankRow *x = a, *y = b;
+    if (x->neg_score != y->neg_score) {
+        return x->neg_score < y->neg_score ? -1 : 1;
+    }
+    if (x->waiting != y->waiting) {
+        return x->waiting < y->waiting ? -1 : 1;
+    }
+    if (x->usage != y->usage) {
+        return x->usage < y->usage ? -1 : 1;
+    }
+    return PyUnicode_Compare(x->name, y->name); /* str against str: cannot fail */
+}
+
+/* ranked(rows): the rows' answers (item 4), best first: sorted by (-score, num_waiting,
+ * usage, name), as kvcm.core.lookup._ranked_all's stable passes sort them. */
+static PyObject *ranked(PyObject *Py_UNUSED(module), PyObject *rows) {
+    if (!PyList_Check(rows)) {
+        PyErr_SetString(PyExc_TypeError, "ranked takes a list of rows");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(rows);
+    RankRow *keys = PyMem_Malloc((n ? n : 1) * sizeof(RankRow));
+    if (keys == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) < 5 ||
+            !PyUnicode_Check(PyTuple_GET_ITEM(row, 3))) {
+            PyMem_Free(keys);
+            PyErr_SetString(PyExc_TypeError, "ranked: rows are (-score, waiting, usage, name, hit)");
+            return NULL;
+        }
+        keys[i].neg_score = PyFloat_AsDouble(PyTuple_GET_ITEM(row, 0));
+        keys[i].waiting = PyLong_AsLongLong(PyTuple_GET_ITEM(row, 1));
+        keys[i].usage = PyFloat_AsDouble(PyTuple_GET_ITEM(row, 2));
+        keys[i].name = PyTuple_GET_ITEM(row, 3);
+        keys[i].hit = PyTuple_GET_ITEM(row, 4);
+        if (PyErr_Occurred()) {
+            PyMem_Free(keys);
+            return NULL;
+        }
+    }
+    qsort(keys, (size_t)n, sizeof(RankRow), compare_rows);
+    PyObject *answer = PyTuple_New(n);
+    if (answer != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_INCREF(keys[i].hit);
+            PyTuple_SET_ITEM(answer, i, keys[i].hit);
+        }
+    }
+    PyMem_Free(keys);
+    return answer;
+}
+
+static PyMethodDef module_methods[] = {
+    {"score_rows", (PyCFunction)(void (*)(void))score_rows, METH_FASTCALL,
+     "score_rows(rows, levels, block_size, num_tokens, weight, columns, parts, hit_parts, "
+     "pool_hit, pool_load): append one kind's ranked rows (kvcm.core.lookup._score_rows)."},
+    {"ranked", (PyCFunction)ranked, METH_O,
+     "ranked(rows): the rows' answers, best first (kvcm.core.lookup._ranked)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef KeyIndex_methods[] = {
     {"add", (PyCFunction)(void (*)(void))KeyIndex_add, METH_FASTCALL,
      "add(keys, slot): put slot in the set of every key of keys (bytes)."},
@@ -626,10 +936,15 @@ static struct PyModuleDef module = {
     .m_doc = "The lookup's cross-pool key index, compiled (kvcm.core._key_index is the same "
              "in Python).",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__lookup_index(void) {
     if (PyType_Ready(&KeyIndexType) < 0) {
+        return NULL;
+    }
+    str_num_free_blocks = PyUnicode_InternFromString("num_free_blocks");
+    if (str_num_free_blocks == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);

@@ -1,7 +1,7 @@
 """Typing stub of the compiled key index (``_lookup_index.c``); see ``kvcm.core._key_index``."""
 
-from collections.abc import Iterable
-from typing import Final
+from collections.abc import Callable, Iterable
+from typing import Any, Final
 
 MAX_SLOT: Final[int]
 
@@ -16,3 +16,18 @@ class KeyIndex:
     def walk(
         self, raw: bytes, hash_size: int, suffix: bytes, max_blocks: int, scope: int, /
     ) -> list[tuple[int, int]]: ...
+
+def score_rows(
+    rows: list[Any],
+    levels: list[tuple[int, int]],
+    block_size: int,
+    num_tokens: int,
+    weight: float,
+    columns: tuple[list[Any], ...],
+    parts: dict[int, Any],
+    hit_parts: Callable[[dict[int, Any], int, str], Any],
+    pool_hit: type[Any],
+    pool_load: type[Any],
+    /,
+) -> None: ...
+def ranked(rows: list[Any], /) -> tuple[Any, ...]: ...

@@ -31,7 +31,7 @@ import heapq
 import math
 import threading
 from bisect import insort
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, count, repeat
 from operator import attrgetter, is_, itemgetter
@@ -46,7 +46,7 @@ from kvcm.common.hashing import (
     MultiModalFeature,
     make_block_hash_with_group_id,
 )
-from kvcm.core._key_index import MAX_SLOT, KeyIndex, KeyIndexLike, key_chunks
+from kvcm.core._key_index import MAX_SLOT, NATIVE, KeyIndex, KeyIndexLike, key_chunks
 from kvcm.core.coordinator import UnitaryKVCacheCoordinator
 from kvcm.core.host_tier import prefix_host_hit_tokens
 from kvcm.core.pool_types import PoolState, check_labels
@@ -950,42 +950,79 @@ def _hit_parts(
 
 
 def _ranked_all(groups: Iterable[_Group], rows: list[_Row], weight: float) -> tuple[PoolHit, ...]:
-    """Every pool answered, best first."""
-    append = rows.append
-    new = _new
+    """Every pool answered, best first: each kind's rows made from its columns
+    (:func:`_score_rows`), then ranked (:func:`_ranked`); both compiled where the extension is
+    built (``kvcm.core._lookup_index``: no Python-level work per pool but the answer's own
+    objects)."""
     parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]] = {}
+    score_rows = _score_rows
     for group in groups:
-        num_tokens = group.num_tokens
-        block_size = group.block_size
-        hit_of: dict[int, int] = {}  # slot -> hit tokens, pools with a hit only
-        for num_blocks, mask in group.levels:
-            if num_blocks:
-                num_hit = num_blocks * block_size
-                for slot in _slots_of(mask):
-                    hit_of[slot] = num_hit
-        get = hit_of.get
         for kind, members in group.kinds:
             # A whole kind's columns are kept ready; a part of one is read here.
-            whole = len(members) == len(kind.members)
-            columns = kind.columns() if whole else _columns_of(members)
-            for slot, queue, running, requests, name, num_usable, medium in zip(
-                *columns, strict=True
-            ):
-                num_hit = get(slot, 0)
-                num_free = queue.num_free_blocks
-                usage = 1.0 - num_free / num_usable if num_usable else 0.0
-                score = num_hit / num_tokens - weight * usage
-                num_running = len(running)
-                num_waiting = len(requests) - num_running
-                shared = parts.get(num_hit)
-                if shared is None or medium not in shared[1]:
-                    shared = _hit_parts(parts, num_hit, medium)
-                load = (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0)
-                hit = (name, num_hit, shared[0], shared[1], num_tokens, new(PoolLoad, load), score)
-                append((-score, num_waiting, usage, name, new(PoolHit, hit)))
-    # Stable passes, least significant key first: each sorts one float, int or str column
-    # (specialized comparisons), where one pass over whole rows compares tuples element by
-    # element. Members come in name order (see _Kind), so the first pass is linear.
+            columns = kind.columns() if len(members) == len(kind.members) else _columns_of(members)
+            score_rows(
+                rows,
+                group.levels,
+                group.block_size,
+                group.num_tokens,
+                weight,
+                columns,
+                parts,
+                _hit_parts,
+                PoolHit,
+                PoolLoad,
+            )
+    return _ranked(rows)
+
+
+def _py_score_rows(  # noqa: PLR0917 (the compiled twin's positional signature)
+    rows: list[_Row],
+    levels: list[tuple[int, int]],
+    block_size: int,
+    num_tokens: int,
+    weight: float,
+    columns: _Columns,
+    parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]],
+    hit_parts: Callable[
+        [dict[int, tuple[tuple[int, ...], Mapping[str, int]]], int, str],
+        tuple[tuple[int, ...], Mapping[str, int]],
+    ],
+    pool_hit: type[PoolHit],
+    pool_load: type[PoolLoad],
+) -> None:
+    """Append a row ``(-score, num_waiting, usage, name, PoolHit)`` per pool of one kind's
+    ``columns`` (its pools' hits read from the group's walk, ``levels``); pools with the same
+    hit share their ``group_hit_tokens`` and ``tier_hit_tokens`` (``parts``, made by
+    ``hit_parts``). The compiled ``score_rows`` does the same."""
+    append = rows.append
+    new = _new
+    hit_of: dict[int, int] = {}  # slot -> hit tokens, pools with a hit only
+    for num_blocks, mask in levels:
+        if num_blocks:
+            num_hit = num_blocks * block_size
+            for slot in _slots_of(mask):
+                hit_of[slot] = num_hit
+    get = hit_of.get
+    for slot, queue, running, requests, name, num_usable, medium in zip(*columns, strict=True):
+        num_hit = get(slot, 0)
+        num_free = queue.num_free_blocks
+        usage = 1.0 - num_free / num_usable if num_usable else 0.0
+        score = num_hit / num_tokens - weight * usage
+        num_running = len(running)
+        num_waiting = len(requests) - num_running
+        shared = parts.get(num_hit)
+        if shared is None or medium not in shared[1]:
+            shared = hit_parts(parts, num_hit, medium)
+        load = (usage, num_free, num_running, num_waiting if num_waiting > 0 else 0)
+        hit = (name, num_hit, shared[0], shared[1], num_tokens, new(pool_load, load), score)
+        append((-score, num_waiting, usage, name, new(pool_hit, hit)))
+
+
+def _py_ranked(rows: list[_Row]) -> tuple[PoolHit, ...]:
+    """The rows' answers, best first: by ``(-score, num_waiting, usage, name)``, in stable
+    passes, least significant key first: each sorts one float, int or str column (specialized
+    comparisons), where one pass over whole rows compares tuples element by element. The
+    compiled ``ranked`` sorts the same keys in one pass."""
     for column in _RANK_COLUMNS:
         rows.sort(key=column)
     return tuple(map(_ANSWER, rows))
@@ -1114,6 +1151,12 @@ _REQUESTS = attrgetter("requests")
 _NUM_USABLE = attrgetter("num_usable")
 _MEDIUM = attrgetter("medium")
 _RANK_COLUMNS = (itemgetter(3), itemgetter(2), itemgetter(1), itemgetter(0))
+
+# The compiled answer's loops where the extension is built (tests switch both ways).
+_score_rows: Callable[..., None] = _py_score_rows if NATIVE is None else NATIVE.score_rows
+_ranked: Callable[[list[_Row]], tuple[PoolHit, ...]] = (
+    _py_ranked if NATIVE is None else NATIVE.ranked
+)
 _FIRST = itemgetter(0)
 
 
