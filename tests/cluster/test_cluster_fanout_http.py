@@ -7,6 +7,8 @@
   pools, each summary as its owner shows it; all say ``replicas: 3``, ``missing_replicas: []``;
 * a per-pool read on a replica that does not serve the pool is redirected (307) to the
   owner's HTTP side;
+* ``GET /v1/transfers`` (and the gRPC ``ListTransfers``) of every pool lists every
+  replica's transfers in one server's order;
 * with one replica SIGSTOPped, every cluster-wide read (HTTP, and the SDK's ``lookup``,
   ``route_pd`` and ``list_pools``, sync and async) is answered within the fan-out deadline
   and names the stopped replica, and the other replicas' pools are all there.
@@ -222,6 +224,31 @@ def test_a_per_pool_read_elsewhere_is_redirected_to_the_owners_http_side(
     assert missing.status_code == 404
 
 
+def test_the_transfer_listing_of_every_pool_through_any_replica_merges_every_replica(
+    cluster: list[Replica], pools: dict[str, str]
+) -> None:
+    names = sorted(pools)
+    with SchedulerClient(_seeds(cluster), timeout=10.0) as client:
+        for name in names:  # one transfer held per pool, on every replica
+            client.hold_source(name, f"t-{name}", 0, lease_s=600)
+        for name in names[::2]:  # half of them ended, one after the other
+            client.release_transfer(name, f"t-{name}", "test")
+    # As one server orders them: in flight oldest first, then ended latest first.
+    held = [f"t-{name}" for name in names[1::2]]
+    expected = held + [f"t-{name}" for name in reversed(names[::2])]
+    for replica in cluster:
+        with SchedulerClient(replica.address, timeout=5.0) as client:
+            assert [t.transfer_id for t in client.list_transfers()] == expected
+        body = _fanned(httpx.get(f"{_http(replica)}/v1/transfers"), 3, [])
+        assert [t["transfer_id"] for t in body["transfers"]] == expected
+        only = _fanned(httpx.get(f"{_http(replica)}/v1/transfers?state=HELD"), 3, [])
+        assert [t["transfer_id"] for t in only["transfers"]] == held
+        assert {t["state"] for t in only["transfers"]} == {"TRANSFER_STATE_HELD"}
+    bad = httpx.get(f"{_http(cluster[0])}/v1/transfers?state=LOST")
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"].startswith("state: 'LOST'")
+
+
 def test_with_a_replica_stopped_every_cluster_read_comes_in_time_and_names_it(
     cluster: list[Replica], pools: dict[str, str]
 ) -> None:
@@ -236,6 +263,10 @@ def test_with_a_replica_stopped_every_cluster_read_comes_in_time_and_names_it(
         decode=PdScope(pool_ids=tuple(names[3:])),
     )
     lookup = _body(lookup_query_to_proto(LookupQuery(token_ids=PROMPT)))
+    with SchedulerClient(_seeds(cluster), timeout=10.0) as client:
+        transfers = sorted(t.transfer_id for t in client.list_transfers())
+    kept_transfers = [f"t-{name}" for name in kept]
+    assert set(kept_transfers) < set(transfers)
 
     async def ask_everything() -> dict[str, tuple[float, Any]]:
         async def timed(name: str, call: Any) -> tuple[str, tuple[float, Any]]:
@@ -255,6 +286,7 @@ def test_with_a_replica_stopped_every_cluster_read_comes_in_time_and_names_it(
                         "/v1/pd/route", json=_body(pd_route_query_to_proto(pd_query))
                     ),
                     "http pools": http.get("/v1/pools"),
+                    "http transfers": http.get("/v1/transfers"),
                     "async lookup": sdk.lookup(LookupQuery(token_ids=PROMPT)),
                     "async pd": sdk.route_pd(pd_query),
                     "async pools": sdk.list_pools(),
@@ -285,6 +317,8 @@ def test_with_a_replica_stopped_every_cluster_read_comes_in_time_and_names_it(
     assert {hit["pool_id"] for hit in pd_body["prefill"] + pd_body["decode"]} <= set(kept)
     listed = _fanned(answers["http pools"][1], 3, missing)["pools"]
     assert [pool["name"] for pool in listed] == kept
+    moved = _fanned(answers["http transfers"][1], 3, missing)["transfers"]
+    assert sorted(t["transfer_id"] for t in moved) == kept_transfers
     for flavor in ("async", "sync"):
         found: LookupAnswer = answers[f"{flavor} lookup"][1]
         assert found.missing_replicas == (victim.address,), flavor

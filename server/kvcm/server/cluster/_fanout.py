@@ -15,6 +15,9 @@ again), answers its own part, and merges:
 * ``RoutePd``: each role's Lookup fanned out and merged as above (this replica's part over
   the loopback), the held request (bidirectional) read by the best decode pool's own replica,
   then the core's ranking, so the route is the one a single server holding every pool gives.
+* ``ListTransfers`` of every pool (no ``pool_id``; one pool's is redirected to its primary):
+  each replica's records of the pools it is the primary of (a standby's copies left out), in
+  flight first (oldest first), then ended ones (latest first), as one server orders them.
 
 A peer that does not answer within ``fanout_timeout_s`` (or the caller's deadline, if sooner),
 or answers UNAVAILABLE, is *missed*: the answer still comes, and its trailing metadata say so
@@ -22,8 +25,9 @@ or answers UNAVAILABLE, is *missed*: the answer still comes, and its trailing me
 addresses, comma-separated, only when some were). A peer that refuses the call (a bad
 argument, an unknown pool, a denied principal) fails the whole call with its status.
 
-The HTTP side's cluster-wide reads (``POST /v1/lookup``, ``POST /v1/pd/route``) run the same
-fan-out and merge through :func:`cluster_lookup` and :func:`cluster_route_pd`, their caller
+The HTTP side's cluster-wide reads (``POST /v1/lookup``, ``POST /v1/pd/route``, ``GET
+/v1/transfers``) run the same fan-out and merge through :func:`cluster_lookup`,
+:func:`cluster_route_pd` and :func:`cluster_list_transfers`, their caller
 described by a :class:`CallerContext` (its bearer token, forwarded to every replica), every
 replica (this one included, over the loopback) asked over gRPC as a peer; the replicas they
 missed are in the answer (``missing_replicas``). ``GET /v1/pools`` merges the replicas'
@@ -59,9 +63,11 @@ __all__ = [
     "CallerContext",
     "PeerChannels",
     "PeerRefusedError",
+    "cluster_list_transfers",
     "cluster_lookup",
     "cluster_route_pd",
     "fan_out_list_pools",
+    "fan_out_list_transfers",
     "fan_out_lookup",
     "fan_out_route_pd",
     "is_local_call",
@@ -146,6 +152,7 @@ class PeerChannels:
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
         self._stubs: dict[str, tuple[grpc.aio.Channel, Any, Any]] = {}
+        self._transfer_stubs: dict[str, Any] = {}
 
     def stubs(self, address: str) -> tuple[Any, Any]:
         """``(AdminServiceStub, LookupServiceStub)`` of the replica at ``address``."""
@@ -165,9 +172,20 @@ class PeerChannels:
             self._stubs[address] = entry
         return entry[1], entry[2]
 
+    def transfers(self, address: str) -> Any:
+        """``TransferServiceStub`` of the replica at ``address`` (on its one channel)."""
+        self.stubs(address)
+        stub = self._transfer_stubs.get(address)
+        if stub is None:
+            channel = self._stubs[address][0]
+            stub = service_pb2_grpc.TransferServiceStub(channel)  # type: ignore[no-untyped-call]
+            self._transfer_stubs[address] = stub
+        return stub
+
     async def close(self) -> None:
         """Close every channel."""
         entries, self._stubs = list(self._stubs.values()), {}
+        self._transfer_stubs = {}
         for channel, _, _ in entries:
             await channel.close()
 
@@ -497,3 +515,74 @@ async def cluster_route_pd(
             missed.add(owner)
     ranked = rank_pd(query, prefill, decode, held)
     return dataclasses.replace(ranked, missing_replicas=tuple(sorted(missed))), asked
+
+
+_IN_FLIGHT: Final = frozenset({pd_pb2.TRANSFER_STATE_HELD, pd_pb2.TRANSFER_STATE_PLANNED})
+
+
+async def fan_out_list_transfers(
+    node: ClusterNode,
+    peers: PeerChannels,
+    behavior: Behavior,
+    request: pd_pb2.ListTransfersRequest,
+    context: Any,
+) -> pd_pb2.ListTransfersResponse:
+    """``ListTransfers`` of every pool over every live replica (see the module docstring)."""
+    try:
+        merged, missed, asked = await cluster_list_transfers(
+            node, peers, request, context, local=behavior
+        )
+    except PeerRefusedError as exc:
+        await context.abort(exc.code, exc.details)
+        raise
+    _say_missed(context, asked, missed)
+    return merged
+
+
+async def cluster_list_transfers(
+    node: ClusterNode,
+    peers: PeerChannels,
+    request: pd_pb2.ListTransfersRequest,
+    context: Any,
+    *,
+    local: Behavior | None = None,
+) -> tuple[pd_pb2.ListTransfersResponse, list[str], int]:
+    """Every replica's transfer records (of the pools it is the primary of) as one listing:
+    the listing, the replicas missed, the replicas asked. ``local``: this replica's handler
+    (``None``: asked over the loopback like a peer, for a :class:`CallerContext`).
+
+    Raises:
+        PeerRefusedError: A replica refused its part.
+    """
+    addresses = node.peers() if local is not None else [node.address, *node.peers()]
+
+    def part(address: str) -> Callable[[float, Any], Awaitable[Any]]:
+        def call(timeout: float, metadata: Any) -> Awaitable[Any]:
+            stub = peers.transfers(address)
+            return stub.ListTransfers(request, timeout=timeout, metadata=metadata)  # type: ignore[no-any-return]
+
+        return call
+
+    local_task = asyncio.ensure_future(local(request, context)) if local is not None else None
+    try:
+        answers, missed = await _ask(
+            node, context, "ListTransfers", [(a, part(a)) for a in addresses]
+        )
+    except grpc.aio.AioRpcError as exc:
+        if local_task is not None:
+            local_task.cancel()
+        raise PeerRefusedError(exc.code(), exc.details() or "") from exc
+    if local_task is not None:
+        answers.append((node.address, await local_task))
+    in_flight: list[Any] = []
+    ended: list[Any] = []
+    for address, answer in answers:
+        for transfer in answer.transfers:
+            placement = node.get(transfer.pool_id)  # a standby's copy: its primary answers
+            if placement is not None and placement.primary != address:
+                continue
+            (in_flight if transfer.state in _IN_FLIGHT else ended).append(transfer)
+    in_flight.sort(key=lambda transfer: transfer.started_at)
+    ended.sort(key=lambda transfer: transfer.ended_at, reverse=True)
+    merged = pd_pb2.ListTransfersResponse(transfers=[*in_flight, *ended])
+    return merged, missed, len(addresses) + (local is not None)

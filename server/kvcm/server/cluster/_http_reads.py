@@ -7,8 +7,10 @@ the loopback, is asked over gRPC as a peer, with the caller's token; the merge i
 gRPC answer gets. ``GET /v1/pools`` asks each peer's HTTP side for its own summaries (``GET
 /v1/pools`` with ``kvcm-cluster-local: 1``: the gRPC ``ListPools`` does not carry what the
 HTTP summaries show) through the same parallel, deadline-bound ask, and merges them as
-``ListPools`` merges (:func:`~kvcm.server.cluster._fanout.merge_listings`). A replica's
-refusal is answered with the status a single server gives.
+``ListPools`` merges (:func:`~kvcm.server.cluster._fanout.merge_listings`). ``GET
+/v1/transfers`` of every pool is the gRPC ``ListTransfers`` fan-out
+(:func:`~kvcm.server.cluster._fanout.cluster_list_transfers`) in protobuf's JSON mapping. A
+replica's refusal is answered with the status a single server gives.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import grpc
+from google.protobuf import json_format  # type: ignore[import-untyped]
 
 from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcm.core.lookup import LookupAnswer, LookupQuery
@@ -28,6 +31,7 @@ from kvcm.server.cluster._fanout import (
     PeerChannels,
     PeerRefusedError,
     _ask,
+    cluster_list_transfers,
     cluster_lookup,
     cluster_route_pd,
     merge_listings,
@@ -35,6 +39,8 @@ from kvcm.server.cluster._fanout import (
 from kvcm.server.cluster._node import ClusterNode
 from kvcm.server.http import ClusterCallError
 from kvcm.server.rpc import LookupDeniedError
+from kvcm.server.transfers import TransferState
+from kvcm.v1 import pd_pb2
 
 __all__ = ["ClusterReads"]
 
@@ -93,6 +99,35 @@ class ClusterReads:
             )
         except PeerRefusedError as exc:
             raise _translated(exc) from exc
+
+    async def transfers(
+        self, states: Sequence[str], authorization: str | None
+    ) -> tuple[dict[str, Any], tuple[str, ...], int]:
+        """Every replica's transfer records as one ``ListTransfersResponse`` JSON, the
+        replicas missed, the replicas asked (the gRPC ``ListTransfers`` fan-out's merge).
+
+        Raises:
+            InvalidArgumentError: A state name is unknown (naming ``state``).
+        """
+        request = pd_pb2.ListTransfersRequest()
+        for name in states:
+            if name.upper() not in TransferState.__members__:
+                known = ", ".join(TransferState.__members__)
+                raise InvalidArgumentError(f"state: {name!r} is not one of {known}")
+            request.states.append(pd_pb2.TransferState.Value(f"TRANSFER_STATE_{name.upper()}"))
+        try:
+            merged, missed, asked = await cluster_list_transfers(
+                self._node, self._peers, request, CallerContext(authorization)
+            )
+        except PeerRefusedError as exc:
+            raise _translated(exc) from exc
+        listing: dict[str, Any] = json_format.MessageToDict(
+            merged,
+            preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
+            unquote_int64_if_possible=True,
+        )
+        return listing, tuple(missed), asked
 
     def owner(self, pool_id: str) -> tuple[str, str, int] | None:
         """The pool's primary when another replica is it: ``(address, HTTP address, epoch)``."""

@@ -14,7 +14,8 @@ the primary, which creates it. When etcd cannot be reached, ``CreatePool`` (and 
 ``ResyncPool`` of an unplaced pool) ends UNAVAILABLE with a message naming etcd; every other
 call keeps being served from the local view. ``DeletePool`` removes the record after the pool.
 
-``ListPools``, ``Lookup`` and ``RoutePd`` fan out (:mod:`kvcm.server.cluster._fanout`). Calls
+``ListPools``, ``Lookup``, ``RoutePd`` and ``ListTransfers`` without a ``pool_id`` fan out
+(:mod:`kvcm.server.cluster._fanout`). Calls
 marked ``kvcm-cluster-local: 1`` are never redirected nor
 fanned out. Only kvcm.v1's client-facing services are routed; other services (health,
 reflection, replica-to-replica replication) pass through.
@@ -34,6 +35,7 @@ from kvcm.server.cluster._etcd import EtcdUnavailableError
 from kvcm.server.cluster._fanout import (
     PeerChannels,
     fan_out_list_pools,
+    fan_out_list_transfers,
     fan_out_lookup,
     fan_out_route_pd,
     is_local_call,
@@ -100,6 +102,11 @@ class ClusterInterceptor(MethodInterceptor):
                 behavior = self._fanned(handler.unary_unary, fan_out_lookup)
             elif method == "RoutePd":
                 behavior = self._fanned(handler.unary_unary, fan_out_route_pd)
+            elif method == "ListTransfers":  # one pool's: redirected; every pool's: fanned out
+                behavior = self._by_pool(
+                    self._routed(method, handler.unary_unary),
+                    self._fanned(handler.unary_unary, fan_out_list_transfers),
+                )
             elif pool_keyed:
                 behavior = self._routed(method, handler.unary_unary)
             else:
@@ -233,6 +240,13 @@ class ClusterInterceptor(MethodInterceptor):
             return await fan_out(node, peers, behavior, request, context)
 
         return fanned
+
+    @staticmethod
+    def _by_pool(routed: Any, fanned: Any) -> Any:
+        async def either(request: Any, context: Any) -> Any:
+            return await (routed if request.pool_id else fanned)(request, context)
+
+        return either
 
 
 async def _chain(first: Any, rest: Any) -> AsyncIterator[Any]:

@@ -489,7 +489,7 @@ def build_app(
             cluster=cluster,
         )
     if transfers is not None:
-        add_transfer_routes(app, transfers, ErrorBody)
+        add_transfer_routes(app, transfers, ErrorBody, cluster)
     add_inspector_routes(app, registry)
     check_routes(app.routes)
     if cluster is not None:  # inside the token guard (added after it)

@@ -3,10 +3,11 @@
 With ``kvcm serve --etcd-endpoints`` (docs/cluster.md) the HTTP side answers as the gRPC side
 does:
 
-* **cluster-wide reads** (``POST /v1/lookup``, ``POST /v1/pd/route``, ``GET /v1/pools``)
-  ask every live replica in parallel with the cluster's deadline and merge, by the gRPC
-  fan-out's own code (:mod:`kvcm.server.cluster._fanout`), so an answer equals the gRPC
-  answer through any replica. The answer says which replicas it missed: JSON
+* **cluster-wide reads** (``POST /v1/lookup``, ``POST /v1/pd/route``, ``GET /v1/pools``,
+  ``GET /v1/transfers`` without ``pool``) ask every live replica in parallel with the
+  cluster's deadline and merge, by the gRPC fan-out's own code
+  (:mod:`kvcm.server.cluster._fanout`), so an answer equals the gRPC answer through any
+  replica. The answer says which replicas it missed: JSON
   ``missing_replicas`` (advertise addresses; ``[]`` when all answered) and ``replicas`` (the
   replicas asked, this one included), and the same in the headers ``kvcm-replicas`` and
   ``kvcm-missing-replicas`` (comma-separated, only when some were missed).
@@ -100,6 +101,17 @@ class ClusterReadsLike(Protocol):
     ) -> tuple[list[Mapping[str, Any]], tuple[str, ...], int]:
         """Every replica's ``/v1/pools`` summaries merged with this one's ``local`` ones (by
         pool id, the primary's copy kept): the pools, the replicas missed, the replicas asked."""
+        ...
+
+    async def transfers(
+        self, states: Sequence[str], authorization: str | None
+    ) -> tuple[dict[str, Any], tuple[str, ...], int]:
+        """Every replica's transfer records as one ``ListTransfersResponse`` JSON (``states``
+        by name: only these), the replicas missed, the replicas asked.
+
+        Raises:
+            InvalidArgumentError: A state name is unknown (naming ``state``).
+        """
         ...
 
     def owner(self, pool_id: str) -> tuple[str, str, int] | None:

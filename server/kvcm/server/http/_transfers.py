@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from kvcm.common.errors import InvalidArgumentError, NotFoundError
+from kvcm.common.errors import InvalidArgumentError, KVCMError, NotFoundError
+from kvcm.server.http._cluster import (
+    ClusterCallError,
+    ClusterReadsLike,
+    fanned_headers,
+    is_local_request,
+)
 
 if TYPE_CHECKING:
     from kvcm.server.rpc import Principal
@@ -38,8 +44,15 @@ def _error(code: str, message: str, status: int) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
 
 
-def add_transfer_routes(app: FastAPI, transfers: TransfersLike, error_model: Any) -> None:
-    """Add both routes to ``app``."""
+def add_transfer_routes(
+    app: FastAPI,
+    transfers: TransfersLike,
+    error_model: Any,
+    cluster: ClusterReadsLike | None = None,
+) -> None:
+    """Add both routes to ``app``; with ``cluster``, the listing of every pool asks every
+    replica and merges as the gRPC ``ListTransfers`` does (``missing_replicas``,
+    ``replicas``)."""
 
     @app.get(
         "/v1/transfers",
@@ -60,6 +73,19 @@ def add_transfer_routes(app: FastAPI, transfers: TransfersLike, error_model: Any
         of ``pool`` or of every pool the token may read; ``state`` (repeated): only these
         (``HELD``, ``PLANNED``, ``COMPLETED``, ``RELEASED``, ``EXPIRED``)."""
         principal = getattr(request.state, "principal", None)
+        if cluster is not None and not pool and not is_local_request(request.headers):
+            try:
+                listed, missing, asked = await cluster.transfers(
+                    state, request.headers.get("authorization")
+                )
+            except InvalidArgumentError as exc:
+                return _error("INVALID_ARGUMENT", str(exc), 400)
+            except ClusterCallError as exc:
+                return _error(exc.code, str(exc), exc.status)
+            except KVCMError as exc:  # a replica's refusal (a denied or unknown principal)
+                return _error("PERMISSION_DENIED", str(exc), 403)
+            body = {**listed, "missing_replicas": list(missing), "replicas": asked}
+            return JSONResponse(body, headers=fanned_headers(asked, missing))
         try:
             return JSONResponse(transfers.listing(pool, state, principal))
         except InvalidArgumentError as exc:
