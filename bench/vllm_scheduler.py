@@ -12,11 +12,13 @@ sliding-window layer).
 engine spends in the scheduler's ``schedule()`` and ``update_from_output()`` is counted (the
 simulated model is not), in wall time and in the process's CPU time (every thread: the
 mirror's shipping thread included; not the server's; on a shared machine CPU time is the
-steadier figure). The engines' turns alternate in blocks of 10, after EngineCore's own
-``gc.freeze()``. The mirror's shipping thread runs beside its engine's turns, sharing the
-interpreter lock as in a real engine (one call carries the steps of 5 ms); between blocks it is
-let finish, outside every sample, so that it never runs inside vLLM's. The last columns are
-what a whole turn costs in all: the process's CPU time per turn, each engine stepping back to
+steadier figure), and in the engine thread's own CPU time (the scheduler's work alone: the
+difference to the process's is what the shipping thread and gRPC's threads ran meanwhile).
+The engines' turns alternate in blocks of 10, after EngineCore's own ``gc.freeze()``. The
+mirror's shipping thread runs beside its engine's turns, sharing the interpreter lock as in a
+real engine (one call carries the steps of 5 ms); between blocks it is let finish, outside
+every sample, so that it never runs inside vLLM's. The last columns are what a whole turn
+costs in all: the process's CPU time per turn, each engine stepping back to
 back on its own until the server's copy is equal (the simulated model, and every call the
 shipper makes, included).
 
@@ -95,32 +97,37 @@ def _plans(num_running: int, decode_steps: int) -> list[Any]:
 
 
 class _TimedScheduler:
-    """Counts the wall seconds, and the process's CPU seconds (every thread's: the shipper's
-    included), while the engine is in ``schedule()`` and ``update_from_output()``."""
+    """Counts the wall seconds, the process's CPU seconds (every thread's: the shipper's
+    included) and the engine thread's own CPU seconds while the engine is in ``schedule()``
+    and ``update_from_output()``."""
 
     def __init__(self, scheduler: Any) -> None:
         self.seconds = 0.0
         self.cpu_seconds = 0.0
+        self.thread_seconds = 0.0
         perf = time.perf_counter
         cpu = time.process_time
+        thread = time.thread_time
         schedule = scheduler.schedule
         update = scheduler.update_from_output
 
         def timed_schedule(*args: Any, **kwargs: Any) -> Any:
-            start, start_cpu = perf(), cpu()
+            start, start_cpu, start_thread = perf(), cpu(), thread()
             try:
                 return schedule(*args, **kwargs)
             finally:
                 self.seconds += perf() - start
                 self.cpu_seconds += cpu() - start_cpu
+                self.thread_seconds += thread() - start_thread
 
         def timed_update(*args: Any, **kwargs: Any) -> Any:
-            start, start_cpu = perf(), cpu()
+            start, start_cpu, start_thread = perf(), cpu(), thread()
             try:
                 return update(*args, **kwargs)
             finally:
                 self.seconds += perf() - start
                 self.cpu_seconds += cpu() - start_cpu
+                self.thread_seconds += thread() - start_thread
 
         # Instance attributes: EngineCore calls self.scheduler.schedule(), which finds these.
         scheduler.schedule = timed_schedule
@@ -179,6 +186,7 @@ class _Side:
     timer: _TimedScheduler
     samples: list[float]
     cpu_samples: list[float]
+    thread_samples: list[float]
 
     @property
     def manager(self) -> Any:
@@ -197,11 +205,17 @@ class _Side:
         step = self.engine.step
         samples = self.samples
         cpu_samples = self.cpu_samples
+        thread_samples = self.thread_samples
         for _ in range(count):
-            before, before_cpu = timer.seconds, timer.cpu_seconds
+            before, before_cpu, before_thread = (
+                timer.seconds,
+                timer.cpu_seconds,
+                timer.thread_seconds,
+            )
             step()
             samples.append(timer.seconds - before)
             cpu_samples.append(timer.cpu_seconds - before_cpu)
+            thread_samples.append(timer.thread_seconds - before_thread)
         self.drain()
 
 
@@ -254,6 +268,8 @@ class _Row:
     mirror: Timing
     vllm_cpu: Timing
     mirror_cpu: Timing
+    vllm_thread: Timing
+    mirror_thread: Timing
     vllm_turn_cpu_s: float
     mirror_turn_cpu_s: float
     verified: int
@@ -298,7 +314,7 @@ def bench(
     for engine in engines:
         _give_model_time(engine, model_ms / 1e3)
     sides = [
-        _Side(name, engine, _TimedScheduler(engine.scheduler), [], [])
+        _Side(name, engine, _TimedScheduler(engine.scheduler), [], [], [])
         for name, engine in zip(("vllm", "mirror"), engines, strict=True)
     ]
     gc.collect()
@@ -325,6 +341,8 @@ def bench(
         mirror=Timing.of(sides[1].samples),
         vllm_cpu=Timing.of(sides[0].cpu_samples),
         mirror_cpu=Timing.of(sides[1].cpu_samples),
+        vllm_thread=Timing.of(sides[0].thread_samples),
+        mirror_thread=Timing.of(sides[1].thread_samples),
         vllm_turn_cpu_s=rates[0],
         mirror_turn_cpu_s=rates[1],
         verified=stats.steps_verified,
@@ -388,24 +406,28 @@ def _print_rows(rows: list[_Row], sync: bool, mode: str = "mirror", model_ms: fl
     )
     print(
         f"vLLM 0.33 EngineCore + {loop}, per engine turn: schedule() + update_from_output(), "
-        "wall ms and the process's CPU ms (the mirror's shipping thread included); whole turn "
+        "wall ms, the process's CPU ms (the mirror's shipping thread included) and the engine "
+        "thread's CPU ms (the scheduler's work alone); whole turn "
         f"back to back, CPU ms. mirror: kvcm's, in {mode} mode with kvcm serve; "
         f"x = mirror / vLLM; {model}"
     )
     header = (
         f"{'kind':<7}{'N':>4} | {'wall p50 vLLM':>13}{'mirror':>8}{'x':>6} {'p99 vLLM':>9}"
-        f"{'mirror':>8}{'x':>6} | {'CPU p50 x':>10}{'p99 x':>7} | {'whole turn vLLM':>16}"
+        f"{'mirror':>8}{'x':>6} | {'CPU p50 x':>10}{'p99 x':>7} | {'thread p50 x':>13}"
+        f"{'p99 x':>7} | {'whole turn vLLM':>16}"
         f"{'mirror':>8}{'x':>6}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         v, m, vc, mc = row.vllm, row.mirror, row.vllm_cpu, row.mirror_cpu
+        vt, mt = row.vllm_thread, row.mirror_thread
         print(
             f"{row.kind:<7}{row.num_running:>4} | {v.median_ms:13.3f}{m.median_ms:8.3f}"
             f"{m.median_ms / v.median_ms:6.2f} {v.p99_ms:9.3f}{m.p99_ms:8.3f}"
             f"{m.p99_ms / v.p99_ms:6.2f} | {mc.median_ms / vc.median_ms:10.2f}"
-            f"{mc.p99_ms / vc.p99_ms:7.2f} | {row.vllm_turn_cpu_s * 1e3:16.3f}"
+            f"{mc.p99_ms / vc.p99_ms:7.2f} | {mt.median_ms / vt.median_ms:13.2f}"
+            f"{mt.p99_ms / vt.p99_ms:7.2f} | {row.vllm_turn_cpu_s * 1e3:16.3f}"
             f"{row.mirror_turn_cpu_s * 1e3:8.3f}{row.mirror_turn_cpu_s / row.vllm_turn_cpu_s:6.2f}"
         )
     for row in rows:
