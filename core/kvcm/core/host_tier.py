@@ -40,6 +40,7 @@ Everything here is pure and deterministic: no I/O, no clocks.
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -65,9 +66,11 @@ __all__ = [
     "MISS",
     "PENDING",
     "HostAdmission",
+    "SyncAction",
     "HostTier",
     "HostTierStats",
     "admit_with_host_hit",
+    "apply_sync",
     "host_hit_tokens",
     "prefix_host_hit_tokens",
     "restore_swapped",
@@ -668,6 +671,19 @@ class HostTier:
                     self._release_swapped(*entry)
         return True
 
+    def release(self, keys: Iterable[BlockHashWithGroupId]) -> None:
+        """Drop one pin per key that has one left (keys not pinned are ignored)."""
+        pins, where = self._pins, self._where
+        for key in keys:
+            host_id = where.get(key)
+            if host_id is not None and pins.get(host_id, 0) > 0:
+                self._unpin_block(host_id, key)
+
+    def note_loads(self, num_blocks: int, num_tokens: int) -> None:
+        """Count host-to-device loads an engine's connector runs itself (its ``prepare_load``)."""
+        self._counters["loads"] += num_blocks
+        self._counters["hit_tokens"] += num_tokens
+
     def note_hit_tokens(self, num_tokens: int) -> None:
         """Count tokens admitted from the tier (hit-rate metrics)."""
         self._counters["hit_tokens"] += num_tokens
@@ -804,6 +820,90 @@ class HostTier:
                     group_idx=get_group_id(key),
                 )
             )
+
+
+# ------------------------------------------------- an engine's offloading connector
+@enum.unique
+class SyncAction(enum.IntEnum):
+    """One call of an engine's offloading connector into its host tier's index (vLLM's
+    ``OffloadingManager``), as a HOST_SYNC Step op replays it on the server's copy.
+
+    The engine's tier (``kvcm.integrations.vllm.KvcmOffloadingManager``) and the server's
+    both apply each call with :func:`apply_sync`, so the two stay equal call for call.
+    """
+
+    STORE = 1
+    """``prepare_store``: pending blocks for the keys not held (least recently used ready,
+    unpinned keys evicted; the offered keys never); the new keys touched, head most recent.
+    All or nothing."""
+    STORED = 2
+    """``complete_store``: the pending keys become loadable."""
+    STORE_FAILED = 3
+    """``complete_store(success=False)``: the pending keys are released."""
+    LOAD = 4
+    """``prepare_load``: a pin on each held, ready key; counted as loads and hit tokens."""
+    LOADED = 5
+    """``complete_load``: one pin dropped per pinned key."""
+    TOUCH = 6
+    """``touch``: the keys used, the first most recent."""
+    CLEAR = 7
+    """``reset_cache``: every key, pin and pending store forgotten (no keys)."""
+
+
+def apply_sync(
+    host: HostTier,
+    action: int,
+    keys: Sequence[BlockHashWithGroupId],
+    tokens_per_key: Sequence[int],
+) -> tuple[list[BlockHashWithGroupId], list[int], list[BlockHashWithGroupId]] | list[int] | None:
+    """Apply one connector call to ``host`` (see :class:`SyncAction`); total on any keys.
+
+    Keys an action cannot apply to are skipped (a load of a key not held ready, a completion
+    of a key not pending, a release of a key not pinned), so a replay never raises; an engine
+    whose connector follows vLLM's contract never sends such keys.
+
+    Args:
+        host: The tier.
+        action: A :class:`SyncAction` value.
+        keys: The call's keys, in the connector's order.
+        tokens_per_key: Per KV-cache group, the tokens one key holds (hit-token counts; a
+            group beyond it counts none).
+
+    Returns:
+        STORE: ``HostTier.store``'s answer (``None``: refused, nothing changed); LOAD: the
+        pinned keys' host blocks; otherwise ``None``.
+    """
+    if action == SyncAction.STORE:
+        stored = host.store(keys, ready=False)
+        if stored is not None:
+            host.touch(stored[0])
+        return stored
+    if action in (SyncAction.STORED, SyncAction.STORE_FAILED):
+        host.complete_store(keys, success=action == SyncAction.STORED)
+        return None
+    if action == SyncAction.LOAD:
+        held = [key for key in keys if host.lookup(key) == HIT]
+        per_group: dict[int, int] = {}
+        for key in held:
+            group = get_group_id(key)
+            per_group[group] = per_group.get(group, 0) + 1
+        known = len(tokens_per_key)
+        tokens = max(
+            (count * tokens_per_key[group] for group, count in per_group.items() if group < known),
+            default=0,
+        )
+        host.note_loads(len(held), tokens)
+        return host.pin(held)
+    if action == SyncAction.LOADED:
+        host.release(keys)
+        return None
+    if action == SyncAction.TOUCH:
+        host.touch(keys)
+        return None
+    if action == SyncAction.CLEAR:
+        host.clear()
+        return None
+    raise InvalidArgumentError(f"unknown host sync action {action}", field="host_sync_actions")
 
 
 # ------------------------------------------------------------------ pool-level glue

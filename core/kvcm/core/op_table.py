@@ -30,6 +30,9 @@ from it, so a new op kind is a new row here plus its validate/execute pair in
     SWAP_IN                yes    swap_in_num_new_tokens             -
     TAKE_HOST_COPIES       -      -                                  -
     ADMIT_WITH_HOST        yes    admit_host_num_new_tokens          -
+    HOST_SYNC              -      host_sync_actions,                 host_sync_num_keys ->
+                                  host_sync_num_keys                 host_sync_keys (hashes),
+                                                                     host_sync_group_ids
 
 A keyed op takes the next entry of ``request_keys``. Op number ``n`` of a kind (its ordinal
 among the program's ops of that kind) takes entry ``n`` of each of its per-op columns, so one
@@ -135,6 +138,17 @@ _ROWS: Final = (
     OpColumns(OpKind.SWAP_IN, keyed=True, columns=("swap_in_num_new_tokens",)),
     OpColumns(OpKind.TAKE_HOST_COPIES, keyed=False),
     OpColumns(OpKind.ADMIT_WITH_HOST, keyed=True, columns=("admit_host_num_new_tokens",)),
+    # Written by the vLLM integration's recorder itself (two spans share one count column,
+    # and the hashes go to host_sync_keys): not through OpWriter.
+    OpColumns(
+        OpKind.HOST_SYNC,
+        keyed=False,
+        columns=("host_sync_actions", "host_sync_num_keys"),
+        spans=(
+            Span("host_sync_num_keys", "host_sync_keys", hashes=True),
+            Span("host_sync_num_keys", "host_sync_group_ids"),
+        ),
+    ),
 )
 
 OP_TABLE: Final[Mapping[int, OpColumns]] = {int(row.kind): row for row in _ROWS}
@@ -222,6 +236,8 @@ class OpWriter:
         ops, keys = program.ops.append, program.request_keys.append
         columns: list[tuple[_Put, _Put | None]] = []
         for column in row.columns:
+            if sum(span.count == column for span in row.spans) > 1:
+                raise TypeError(f"{row.kind.name} ops are not written through OpWriter")
             span = next((span for span in row.spans if span.count == column), None)
             gather = None
             if span is not None:

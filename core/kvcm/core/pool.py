@@ -254,6 +254,13 @@ class Pool:
                 enable_events=options.enable_kv_cache_events,
             )
             manager.block_pool.demote = self.host_tier.demote
+        elif options.offload_host_blocks:
+            # Kept by the engine's offloading connector (HOST_SYNC ops); nothing demotes.
+            self.host_tier = HostTier(
+                options.offload_host_blocks,
+                block_bytes=block_bytes,
+                enable_events=options.enable_kv_cache_events,
+            )
         self.kv_cache_config = scheduler_config
         self.max_model_len = max_model_len
         self.hashing = HashingParameters(
@@ -646,6 +653,11 @@ class Pool:
         if self.host_tier is None:
             raise FailedPreconditionError(
                 f"pool {self.name!r} has no host tier (config.host_tier_bytes is 0)"
+            )
+        if self.options.offload_host_blocks:
+            raise FailedPreconditionError(
+                f"pool {self.name!r}'s host tier is kept by an engine's offloading connector "
+                "(config.offload_host_blocks): it takes HOST_SYNC ops only"
             )
         return manager, self.host_tier
 
@@ -1092,7 +1104,8 @@ class Pool:
             "host_tier_blocks": stats.num_blocks,
             "host_tier_used_blocks": stats.num_used,
             "host_tier_hit_tokens": stats.hit_tokens,
-            "host_tier_demoted_blocks": stats.demotions,
+            # Device-to-host copies: demotions, or an engine connector's stores.
+            "host_tier_demoted_blocks": stats.demotions + stats.stores,
             "host_tier_loaded_blocks": stats.loads,
             "host_tier_evicted_blocks": stats.evictions,
             "host_tier_swap_outs": stats.swap_outs,

@@ -179,6 +179,10 @@ class PoolConfig:
         kv_cache_layout: Planning: the workers' KV-cache axis order.
         host_tier_bytes: Host memory for the pool's host tier (:mod:`kvcm.core.host_tier`):
             device blocks evicted from the prefix cache are demoted to it; 0: no host tier.
+        offload_host_blocks: A host tier of this many blocks kept by an engine's offloading
+            connector (vLLM's ``OffloadingConnector`` with ``KvcmOffloadingSpec``): HOST_SYNC
+            Step ops replay its manager's calls, device evictions do not demote into it;
+            exclusive with ``host_tier_bytes``. 0: none.
         decode_context_parallel_size: Decode context parallelism (vLLM's setting): the
             layout's attention blocks hold ``block_size`` tokens on each of this many ranks,
             so the manager's attention blocks span ``block_size * n`` tokens; Mamba states
@@ -213,6 +217,7 @@ class PoolConfig:
     kv_cache_layout: KVCacheLayout = KVCacheLayout.LBNHC
     host_tier_bytes: int = 0
     decode_context_parallel_size: int = 1
+    offload_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         check_labels(self.labels)
@@ -286,6 +291,18 @@ class PoolConfig:
             raise InvalidArgumentError(
                 f"config.host_tier_bytes must be an int in [0, 2**64), got {host!r}",
                 field="config.host_tier_bytes",
+            )
+        offload = self.offload_host_blocks
+        if type(offload) is not int or not 0 <= offload < 1 << 32:
+            raise InvalidArgumentError(
+                f"config.offload_host_blocks must be an int in [0, 2**32), got {offload!r}",
+                field="config.offload_host_blocks",
+            )
+        if offload and host:
+            raise InvalidArgumentError(
+                "config.offload_host_blocks and config.host_tier_bytes are exclusive (a "
+                "pool's host tier is kept by an engine's connector or by demotion, not both)",
+                field="config.offload_host_blocks",
             )
         memory = self.kv_cache_memory_bytes
         if memory is not None and memory > UINT64_MAX:

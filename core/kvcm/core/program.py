@@ -66,6 +66,7 @@ class OpKind(enum.IntEnum):
     SWAP_IN = 15
     TAKE_HOST_COPIES = 16
     ADMIT_WITH_HOST = 17
+    HOST_SYNC = 21
 
 
 @enum.unique
@@ -190,6 +191,10 @@ class StepProgram:
     swap_out_num_computed_tokens: list[int] = field(default_factory=list)
     swap_in_num_new_tokens: list[int] = field(default_factory=list)
     admit_host_num_new_tokens: list[int] = field(default_factory=list)
+    host_sync_actions: list[int] = field(default_factory=list)
+    host_sync_num_keys: list[int] = field(default_factory=list)
+    host_sync_keys: bytes = b""
+    host_sync_group_ids: list[int] = field(default_factory=list)
     default_num_lookahead_tokens: int = 0
     token_budget: int | None = None
     continue_on_does_not_fit: bool = False

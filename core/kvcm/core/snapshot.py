@@ -106,12 +106,13 @@ def encode_pool(pool: Pool) -> bytes:
             "event_batches": _batch_state(pool),
             "stats_totals": list(pool.stats_totals()),
             "registrations": _registrations(pool),
-            **({} if pool.host_tier is None else {"host_tier": _host_tier_state(pool.host_tier)}),
+            **({} if pool.host_tier is None else {"host_tier": host_tier_state(pool.host_tier)}),
         },
     )
 
 
-def _host_tier_state(host: HostTier) -> dict[str, object]:
+def host_tier_state(host: HostTier) -> dict[str, object]:
+    """A tier's section of a snapshot's extras (``extras["host_tier"]``)."""
     # The tier's whole state: keys in recency order (least recent first) with their host
     # blocks, which of them are pending, pins, private blocks, the free list in its order
     # (the next block taken is its last), swapped requests, counters, the copies and events

@@ -55,9 +55,10 @@ from kvcm.common.errors import (
     KVCMError,
     ResourceExhaustedError,
 )
-from kvcm.common.hashing import BlockHash
+from kvcm.common.hashing import BlockHash, make_block_hash_with_group_id
 from kvcm.core import step_checks as checks
 from kvcm.core.fork import fork_request
+from kvcm.core.host_tier import SyncAction, apply_sync
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, CacheHit, KVCacheBlocks, SlotOptions
 from kvcm.core.op_table import KEYED, OP_TABLE
 from kvcm.core.program import (
@@ -806,8 +807,19 @@ def _execute_take_copies(x: _Execution) -> Handler:
 
 # ------------------------------------------------- SWAP_OUT, SWAP_IN, TAKE_HOST_COPIES
 def _require_host_tier(v: checks.Shadow, op_index: int, op: int) -> None:
-    """Refuse op ``op_index`` when the pool has no host tier (FAILED_PRECONDITION)."""
+    """Refuse op ``op_index`` when the pool has no host tier, or one an engine's offloading
+    connector keeps (FAILED_PRECONDITION)."""
     if v.pool.host_tier is not None:
+        if v.pool.options.offload_host_blocks:
+            raise checks.reject(
+                FailedPreconditionError(
+                    f"pool {v.pool.name!r}'s host tier is kept by an engine's offloading "
+                    "connector (config.offload_host_blocks): it takes HOST_SYNC ops only"
+                ),
+                op_index,
+                op,
+                "config.offload_host_blocks",
+            )
         return
     raise checks.reject(
         FailedPreconditionError(
@@ -1046,6 +1058,107 @@ def _execute_take_host_copies(x: _Execution) -> Handler:
     return run
 
 
+# ---------------------------------------------------------------------------- HOST_SYNC
+def _validate_host_sync(v: checks.Shadow) -> Handler:
+    # Shapes only: every well-formed action has a meaning on any tier (apply_sync is total).
+    pool, program, kind = v.pool, v.program, OpKind.HOST_SYNC
+    actions, counts, group_ids = (
+        program.host_sync_actions,
+        program.host_sync_num_keys,
+        program.host_sync_group_ids,
+    )
+    hash_length = pool.hashing.hash_length_bytes
+    num_groups = len(v.manager.coordinator.single_type_managers)
+    cursor = 0
+
+    def check(op_index: int, k: int, n: int) -> None:
+        nonlocal cursor
+        if pool.host_tier is None or not pool.options.offload_host_blocks:
+            raise checks.reject(
+                FailedPreconditionError(
+                    f"pool {pool.name!r} has no host tier kept by an engine's offloading "
+                    "connector (config.offload_host_blocks is 0)"
+                ),
+                op_index,
+                kind,
+                "config.offload_host_blocks",
+            )
+        if n >= len(actions):
+            raise checks.too_few(op_index, kind, "host_sync_actions")
+        if n >= len(counts):
+            raise checks.too_few(op_index, kind, "host_sync_num_keys")
+        action, count = actions[n], counts[n]
+        if action not in _SYNC_ACTIONS:
+            raise checks.reject(
+                InvalidArgumentError(
+                    f"host_sync_actions[{n}]={action} is no SyncAction "
+                    f"({min(_SYNC_ACTIONS)}..{max(_SYNC_ACTIONS)})"
+                ),
+                op_index,
+                kind,
+                f"host_sync_actions[{n}]",
+            )
+        if count < 0 or (action == SyncAction.CLEAR and count):
+            raise checks.reject(
+                InvalidArgumentError(
+                    f"host_sync_num_keys[{n}]={count} is out of range (CLEAR takes no keys)"
+                ),
+                op_index,
+                kind,
+                f"host_sync_num_keys[{n}]",
+            )
+        end = cursor + count
+        if end > len(group_ids):
+            raise checks.too_few(op_index, kind, "host_sync_group_ids")
+        if end * hash_length > len(program.host_sync_keys):
+            raise checks.too_few(op_index, kind, "host_sync_keys")
+        for position in range(cursor, end):
+            if not 0 <= group_ids[position] < num_groups:
+                raise checks.reject(
+                    InvalidArgumentError(
+                        f"host_sync_group_ids[{position}]={group_ids[position]} is outside "
+                        f"[0, {num_groups})"
+                    ),
+                    op_index,
+                    kind,
+                    f"host_sync_group_ids[{position}]",
+                )
+        cursor = end
+
+    return check
+
+
+def _execute_host_sync(x: _Execution) -> Handler:
+    program, host = x.program, x.pool.host_tier
+    actions, counts, group_ids = (
+        program.host_sync_actions,
+        program.host_sync_num_keys,
+        program.host_sync_group_ids,
+    )
+    raw = program.host_sync_keys
+    hash_length = x.pool.hashing.hash_length_bytes
+    tokens_per_key = [m.block_size for m in x.manager.coordinator.single_type_managers]
+    cursor = 0
+
+    def run(op_index: int, k: int, n: int) -> None:
+        nonlocal cursor
+        assert host is not None
+        end = cursor + counts[n]
+        keys = [
+            make_block_hash_with_group_id(
+                BlockHash(raw[i * hash_length : (i + 1) * hash_length]), group_ids[i]
+            )
+            for i in range(cursor, end)
+        ]
+        cursor = end
+        apply_sync(host, actions[n], keys, tokens_per_key)
+
+    return run
+
+
+_SYNC_ACTIONS: Final = frozenset(int(action) for action in SyncAction)
+
+
 _Pair: TypeAlias = tuple[Callable[[checks.Shadow], Handler], Callable[[_Execution], Handler]]
 _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.ADD_REQUEST: (_validate_add, _execute_add),
@@ -1065,6 +1178,7 @@ _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.SWAP_IN: (_validate_swap_in, _execute_swap_in),
     OpKind.TAKE_HOST_COPIES: (_validate_take_host_copies, _execute_take_host_copies),
     OpKind.ADMIT_WITH_HOST: (_validate_admit_host, _execute_admit_host),
+    OpKind.HOST_SYNC: (_validate_host_sync, _execute_host_sync),
 }
 """Per op kind, its validate and execute handlers' makers (one row per op table row)."""
 assert set(_PAIRS) == set(OP_TABLE), "every op kind has a validate and an execute handler"

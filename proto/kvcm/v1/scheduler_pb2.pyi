@@ -35,6 +35,18 @@ class StepOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_OP_KIND_SWAP_IN: _ClassVar[StepOpKind]
     STEP_OP_KIND_TAKE_HOST_COPIES: _ClassVar[StepOpKind]
     STEP_OP_KIND_ADMIT_WITH_HOST: _ClassVar[StepOpKind]
+    STEP_OP_KIND_HOST_SYNC: _ClassVar[StepOpKind]
+
+class HostSyncAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HOST_SYNC_ACTION_UNSPECIFIED: _ClassVar[HostSyncAction]
+    HOST_SYNC_ACTION_STORE: _ClassVar[HostSyncAction]
+    HOST_SYNC_ACTION_STORED: _ClassVar[HostSyncAction]
+    HOST_SYNC_ACTION_STORE_FAILED: _ClassVar[HostSyncAction]
+    HOST_SYNC_ACTION_LOAD: _ClassVar[HostSyncAction]
+    HOST_SYNC_ACTION_LOADED: _ClassVar[HostSyncAction]
+    HOST_SYNC_ACTION_TOUCH: _ClassVar[HostSyncAction]
+    HOST_SYNC_ACTION_CLEAR: _ClassVar[HostSyncAction]
 FREE_MODE_UNSPECIFIED: FreeMode
 FREE_MODE_FINISHED: FreeMode
 FREE_MODE_PREEMPTED: FreeMode
@@ -56,6 +68,15 @@ STEP_OP_KIND_SWAP_OUT: StepOpKind
 STEP_OP_KIND_SWAP_IN: StepOpKind
 STEP_OP_KIND_TAKE_HOST_COPIES: StepOpKind
 STEP_OP_KIND_ADMIT_WITH_HOST: StepOpKind
+STEP_OP_KIND_HOST_SYNC: StepOpKind
+HOST_SYNC_ACTION_UNSPECIFIED: HostSyncAction
+HOST_SYNC_ACTION_STORE: HostSyncAction
+HOST_SYNC_ACTION_STORED: HostSyncAction
+HOST_SYNC_ACTION_STORE_FAILED: HostSyncAction
+HOST_SYNC_ACTION_LOAD: HostSyncAction
+HOST_SYNC_ACTION_LOADED: HostSyncAction
+HOST_SYNC_ACTION_TOUCH: HostSyncAction
+HOST_SYNC_ACTION_CLEAR: HostSyncAction
 
 class MultiModalFeature(_message.Message):
     __slots__ = ("identifier", "offset_tokens", "length_tokens")
@@ -392,7 +413,7 @@ class StepAllocOptions(_message.Message):
     def __init__(self, alloc_index: _Optional[int] = ..., lookup: _Optional[_Union[LookupOptions, _Mapping]] = ..., options: _Optional[_Union[SlotOptions, _Mapping]] = ..., hit: _Optional[_Union[ComputedBlocks, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit", "evict_num_block_ids", "evict_block_ids", "record_hit_tokens", "num_steps", "fork_child_keys", "fork_num_computed_tokens", "swap_out_num_computed_tokens", "swap_in_num_new_tokens", "admit_host_num_new_tokens", "scheduler_step_seq", "step_age_s")
+    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit", "evict_num_block_ids", "evict_block_ids", "record_hit_tokens", "num_steps", "fork_child_keys", "fork_num_computed_tokens", "swap_out_num_computed_tokens", "swap_in_num_new_tokens", "admit_host_num_new_tokens", "host_sync_actions", "host_sync_num_keys", "host_sync_keys", "host_sync_group_ids", "scheduler_step_seq", "step_age_s")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +440,10 @@ class StepRequest(_message.Message):
     SWAP_OUT_NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADMIT_HOST_NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_SYNC_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_SYNC_NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
+    HOST_SYNC_KEYS_FIELD_NUMBER: _ClassVar[int]
+    HOST_SYNC_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
@@ -447,9 +472,13 @@ class StepRequest(_message.Message):
     swap_out_num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
     swap_in_num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
     admit_host_num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    host_sync_actions: _containers.RepeatedScalarFieldContainer[int]
+    host_sync_num_keys: _containers.RepeatedScalarFieldContainer[int]
+    host_sync_keys: bytes
+    host_sync_group_ids: _containers.RepeatedScalarFieldContainer[int]
     scheduler_step_seq: int
     step_age_s: float
-    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ..., evict_num_block_ids: _Optional[_Iterable[int]] = ..., evict_block_ids: _Optional[_Iterable[int]] = ..., record_hit_tokens: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., fork_child_keys: _Optional[_Iterable[int]] = ..., fork_num_computed_tokens: _Optional[_Iterable[int]] = ..., swap_out_num_computed_tokens: _Optional[_Iterable[int]] = ..., swap_in_num_new_tokens: _Optional[_Iterable[int]] = ..., admit_host_num_new_tokens: _Optional[_Iterable[int]] = ..., scheduler_step_seq: _Optional[int] = ..., step_age_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ..., evict_num_block_ids: _Optional[_Iterable[int]] = ..., evict_block_ids: _Optional[_Iterable[int]] = ..., record_hit_tokens: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., fork_child_keys: _Optional[_Iterable[int]] = ..., fork_num_computed_tokens: _Optional[_Iterable[int]] = ..., swap_out_num_computed_tokens: _Optional[_Iterable[int]] = ..., swap_in_num_new_tokens: _Optional[_Iterable[int]] = ..., admit_host_num_new_tokens: _Optional[_Iterable[int]] = ..., host_sync_actions: _Optional[_Iterable[int]] = ..., host_sync_num_keys: _Optional[_Iterable[int]] = ..., host_sync_keys: _Optional[bytes] = ..., host_sync_group_ids: _Optional[_Iterable[int]] = ..., scheduler_step_seq: _Optional[int] = ..., step_age_s: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("num_ops_executed", "alloc_statuses", "alloc_num_block_ids", "alloc_block_ids", "lookup_num_computed_tokens", "lookup_num_new_tokens", "token_budget_left", "step_seq", "reset", "copy_block_ids", "drained_copy_block_ids", "drained_num_copies", "swap_out_swapped", "host_alloc_statuses", "host_alloc_num_block_ids", "host_alloc_block_ids", "host_alloc_num_device_hit_tokens", "host_alloc_num_host_hit_tokens", "host_d2h_block_ids", "host_h2d_block_ids", "host_num_d2h", "host_num_h2d")

@@ -112,6 +112,7 @@ def pool_config_to_proto(config: PoolConfig) -> admin_pb2.PoolConfig:
     if config.kv_cache_layout is not _DEFAULT_LAYOUT:
         message.kv_cache_layout = config.kv_cache_layout.name
     message.host_tier_bytes = config.host_tier_bytes
+    message.offload_host_blocks = config.offload_host_blocks
     if config.decode_context_parallel_size != 1:
         message.decode_context_parallel_size = config.decode_context_parallel_size
     return message
@@ -162,6 +163,7 @@ def pool_config_from_proto(message: admin_pb2.PoolConfig, field: str = "config")
             message.kv_cache_layout or _DEFAULT_LAYOUT.name, f"{field}.kv_cache_layout"
         ),
         host_tier_bytes=message.host_tier_bytes,
+        offload_host_blocks=message.offload_host_blocks,
         decode_context_parallel_size=(
             message.decode_context_parallel_size
             if message.HasField("decode_context_parallel_size")

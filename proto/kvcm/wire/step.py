@@ -53,7 +53,9 @@ _DECODED_ENTRIES: Final[dict[bytes, tuple[int, AllocOptions]]] = {}
 _MAX_CACHED_ENTRIES: Final = 1 << 16
 # The op table's columns that are packed repeated scalars on the wire (new_requests is a
 # list of messages, append_block_hashes one bytes field).
-_PACKED: Final = tuple(c for c in COLUMNS if c not in ("new_requests", "append_block_hashes"))
+_PACKED: Final = tuple(
+    c for c in COLUMNS if c not in ("new_requests", "append_block_hashes", "host_sync_keys")
+)
 
 
 def step_rejection_to_trailer(
@@ -163,6 +165,7 @@ def program_from_proto(msg: scheduler_pb2.StepRequest) -> StepProgram:
         new_requests=[_new_request(new) for new in msg.new_requests],
         alloc_options=options,
         append_block_hashes=msg.append_block_hashes,
+        host_sync_keys=msg.host_sync_keys,
         default_num_lookahead_tokens=msg.default_num_lookahead_tokens,
         token_budget=msg.token_budget if msg.HasField("token_budget") else None,
         continue_on_does_not_fit=msg.continue_on_does_not_fit,
@@ -183,6 +186,7 @@ def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRe
         pool_id=pool_id,
         ops=cast("list[scheduler_pb2.StepOpKind]", program.ops),
         append_block_hashes=program.append_block_hashes,
+        host_sync_keys=program.host_sync_keys,
         **packed,
         default_num_lookahead_tokens=program.default_num_lookahead_tokens,
         continue_on_does_not_fit=program.continue_on_does_not_fit,

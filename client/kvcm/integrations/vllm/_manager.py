@@ -37,12 +37,14 @@ from kvcm.core.manager import (
 from kvcm.core.pool_types import PoolConfig
 from kvcm.core.program import HitSpec
 from kvcm.core.request import Request
-from kvcm.core.snapshot import encode_state, fresh_extras
+from kvcm.core.snapshot import encode_state, fresh_extras, host_tier_state
 from kvcm.integrations.vllm._convert import RequestView, convert_kv_cache_config, to_vllm_events
 from kvcm.integrations.vllm._recorder import StepRecorder
 from kvcm.integrations.vllm._sinks import NullSink, StepSink
 
 if TYPE_CHECKING:
+    from kvcm.core.host_tier import HostTier
+    from kvcm.integrations.vllm._offload import KvcmOffloadingManager
     from kvcm.integrations.vllm._shipper import ShippingLag
 
 __all__ = ["MirrorKVCacheManager", "MirrorManagerConfig"]
@@ -200,6 +202,8 @@ class MirrorKVCacheManager:
     mamba_shared_prefix_checkpoint = False
     use_eagle = False
     retained_hit_group_ids: tuple[int, ...] = ()
+    # The engine's offloading tier, when the connector's index is kvcm's (attach_host_tier).
+    host_tier: HostTier | None = None
 
     def __init__(self, config: MirrorManagerConfig, sink: StepSink | None = None) -> None:
         """Build the mirror (the whole pool, in process) and its recorder.
@@ -697,7 +701,15 @@ class MirrorKVCacheManager:
             watermark=core.watermark,
             prefix_cache_retention_interval=core.prefix_cache_retention_interval,
             decode_context_parallel_size=core.dcp_world_size,
+            offload_host_blocks=0 if self.host_tier is None else self.host_tier.num_blocks,
         )
+
+    def attach_host_tier(self, offloading: KvcmOffloadingManager) -> None:
+        """Make the engine's offloading tier part of the server's pool: the pool is created
+        with ``offload_host_blocks``, snapshots carry the tier, and every call that changes
+        it is recorded as a HOST_SYNC op of the step's program."""
+        self.host_tier = offloading.host
+        offloading.sync = self.recorder.host_sync
 
     def snapshot(self) -> bytes:
         """The server's pool as it should be after the last closed step, as snapshot bytes
@@ -727,6 +739,9 @@ class MirrorKVCacheManager:
             request.num_preemptions = view.num_preemptions
             requests[key] = request
             request_ids[key] = request_id
+        extras = fresh_extras(last_step_seq=recorder.num_steps, max_model_len=self.max_model_len)
+        if self.host_tier is not None:
+            extras["host_tier"] = host_tier_state(self.host_tier)
         return encode_state(
             self.core,
             requests,

@@ -12,17 +12,22 @@ same worker: vLLM's CPU transfer handlers move the bytes) whose scheduler-side i
 :class:`KvcmOffloadingManager`, is a :class:`kvcm.core.host_tier.HostTier`: one host block per
 offloaded chunk, an LRU eviction order, pins while loads run, pending blocks until their store
 completes. The tier lives in the engine process, next to the scheduler (the connector calls it
-synchronously on every step); it is not mirrored to a kvcm server.
+synchronously on every step). Under kvcm's scheduler with a server (mirror or remote mode) every
+call that changes the tier is also recorded as a HOST_SYNC op of the step's program
+(:class:`~kvcm.core.host_tier.SyncAction`), which the server's pool (created with
+``offload_host_blocks``) replays with the same :func:`~kvcm.core.host_tier.apply_sync`: its
+Lookup, KV events and metrics show the engine's tier.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcm.common.errors import FailedPreconditionError
 from kvcm.common.hashing import BlockHashWithGroupId
-from kvcm.core.host_tier import HIT, PENDING, HostTier
+from kvcm.core.host_tier import HIT, PENDING, HostTier, SyncAction, apply_sync
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
@@ -62,12 +67,30 @@ class KvcmOffloadingManager(OffloadingManager):
 
     Attributes:
         host: The tier.
+        sync: Called with each call that changes the tier, as ``(SyncAction, keys)`` after it
+            was applied (kvcm's scheduler records them for the server); ``None``: nobody.
     """
 
-    def __init__(self, num_chunks: int, *, enable_events: bool = False) -> None:
-        """A tier of ``num_chunks`` host blocks; ``enable_events``: record OffloadingEvents."""
+    def __init__(
+        self,
+        num_chunks: int,
+        *,
+        enable_events: bool = False,
+        tokens_per_key: Sequence[int] = (),
+    ) -> None:
+        """A tier of ``num_chunks`` host blocks; ``enable_events``: record OffloadingEvents;
+        ``tokens_per_key``: per KV-cache group, the tokens one chunk holds (hit counts)."""
         self.host = HostTier(num_chunks)
+        self.sync: Callable[[int, Sequence[BlockHashWithGroupId]], None] | None = None
+        self._tokens_per_key = tuple(tokens_per_key)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+
+    def _apply(self, action: SyncAction, keys: Sequence[BlockHashWithGroupId]) -> Any:
+        # The one way the tier changes: the server's copy replays the same call (HOST_SYNC).
+        result = apply_sync(self.host, action, keys, self._tokens_per_key)
+        if self.sync is not None and (keys or action == SyncAction.CLEAR):
+            self.sync(action, keys)
+        return result
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT when the tier holds the chunk ready, HIT_PENDING while its store runs."""
@@ -87,28 +110,30 @@ class KvcmOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """Pin the chunks until ``complete_load``; where they are."""
         held = _keys(keys)
+        for key in held:
+            if self.host.lookup(key) != HIT:
+                raise FailedPreconditionError(f"host tier holds no ready block for key {key!r}")
         self._seen(req_context, held)
-        return CPULoadStoreSpec(self.host.pin(held))
+        return CPULoadStoreSpec(self._apply(SyncAction.LOAD, held))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Mark a request's chunks used, its head the most recent."""
-        self.host.touch(_keys(keys))
+        self._apply(SyncAction.TOUCH, _keys(keys))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Unpin loaded chunks."""
-        self.host.unpin(_keys(keys))
+        self._apply(SyncAction.LOADED, _keys(keys))
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         """Reserve blocks for the chunks not held yet, evicting least recently used ones."""
         offered = _keys(keys)
-        stored = self.host.store(offered, ready=False)
+        # Among the new chunks, the head ends most recent (a request's tail is evicted first).
+        stored = self._apply(SyncAction.STORE, offered)
         if stored is None:
             return None
         new, host_ids, evicted = stored
-        # Among the new chunks, the head ends most recent (a request's tail is evicted first).
-        self.host.touch(new)
         self._seen(req_context, (key for key in offered if key in self.host))
         if evicted and self._events is not None:
             self._events.append(
@@ -128,7 +153,7 @@ class KvcmOffloadingManager(OffloadingManager):
         """Make stored chunks loadable (or release them when the copy failed)."""
         pending = self.host.pending_keys()
         done = [key for key in _keys(keys) if key in pending]
-        self.host.complete_store(done, success=success)
+        self._apply(SyncAction.STORED if success else SyncAction.STORE_FAILED, done)
         if done and self._events is not None:
             self._events.append(
                 OffloadingEvent(
@@ -154,7 +179,7 @@ class KvcmOffloadingManager(OffloadingManager):
         if None not in positions:
             order = sorted(range(len(keys)), key=positions.__getitem__)
             keys = [keys[i] for i in order]
-        self.host.touch(keys)
+        self._apply(SyncAction.TOUCH, keys)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """The stores and evictions since the last take."""
@@ -165,7 +190,7 @@ class KvcmOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         """Forget every chunk (the connector ignores the jobs in flight from now on)."""
-        self.host.clear()
+        self._apply(SyncAction.CLEAR, [])
 
 
 class KvcmOffloadingSpec(CPUOffloadingSpec):
@@ -179,7 +204,13 @@ class KvcmOffloadingSpec(CPUOffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         """The scheduler side's index: one :class:`KvcmOffloadingManager` per spec."""
         if self._kvcm_manager is None:
+            tokens: dict[int, int] = {
+                group.group_id: group.tokens_per_block * self.blocks_per_chunk
+                for group in self.config.groups
+            }
             self._kvcm_manager = KvcmOffloadingManager(
-                self.num_chunks, enable_events=self.kv_events_config.enable_kv_cache_events
+                self.num_chunks,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                tokens_per_key=[tokens.get(g, 0) for g in range(max(tokens, default=-1) + 1)],
             )
         return self._kvcm_manager

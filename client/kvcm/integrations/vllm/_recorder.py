@@ -32,6 +32,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Final
 
+from kvcm.common.hashing import get_group_id
 from kvcm.core.manager import KVCacheBlocks
 from kvcm.core.op_table import OpWriter
 from kvcm.core.program import (
@@ -69,6 +70,7 @@ _APPEND_TOKENS_OP: Final = int(OpKind.APPEND_TOKENS)
 _ALLOCATE_OP: Final = int(OpKind.ALLOCATE)
 _NEW_STEP_STARTS: Final = OpKind.NEW_STEP_STARTS
 _NEW_STEP_STARTS_OP: Final = int(OpKind.NEW_STEP_STARTS)
+_HOST_SYNC_OP: Final = int(OpKind.HOST_SYNC)
 _NEW_STEP_NOTE: tuple[Any, ...] = (_NEW_STEP_STARTS,)
 
 
@@ -333,6 +335,12 @@ class StepRecorder:
         if not self._off:
             self._notes.append((OpKind.TAKE_BLOCK_COPIES, tuple(copies)))
 
+    def host_sync(self, action: int, keys: Sequence[bytes]) -> None:
+        """Note HOST_SYNC: one call of the engine's offloading connector into its host tier
+        (a :class:`~kvcm.core.host_tier.SyncAction` on the tier's keys)."""
+        if not self._off:
+            self._notes.append((OpKind.HOST_SYNC, action, tuple(keys)))
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Note EVICT_BLOCKS (ids sorted, so the program does not depend on set order)."""
         if not self._off:
@@ -494,6 +502,7 @@ class StepRecorder:
         no_blocks = self._no_blocks
         send_hashes = self._send_hashes
         tracked_by_id = self._tracked
+        host_hashes: list[bytes] = []
         for note in itertools.chain.from_iterable(notes_per_step):
             kind = note[0]
             if kind is _ALLOCATE:
@@ -576,9 +585,18 @@ class StepRecorder:
                 expected.drained_num_copies.append(len(note[1]))
                 for pair in note[1]:
                     expected.drained_copy_block_ids.extend(pair)
+            elif kind is OpKind.HOST_SYNC:  # its two spans share a count: written here
+                _, action, host_keys = note
+                ops(_HOST_SYNC_OP)
+                program.host_sync_actions.append(action)
+                program.host_sync_num_keys.append(len(host_keys))
+                program.host_sync_group_ids.extend([get_group_id(k) for k in host_keys])
+                host_hashes.extend([k[:-4] for k in host_keys])
             else:  # EVICT_BLOCKS: the note holds the op's values
                 write[kind](*note[1:])
         writer.flush()
+        if host_hashes:
+            program.host_sync_keys += b"".join(host_hashes)
 
     def _add_request(
         self, write: dict[int, Callable[..., None]], note: tuple[Any, ...]

@@ -46,9 +46,15 @@ __all__ = [
 # Blocks of the pool vLLM's constructor builds and the subclass throws away (null block + 1).
 _PLACEHOLDER_NUM_BLOCKS = 2
 _SCHEDULER_SIGNATURE = inspect.signature(Scheduler.__init__)
-# vLLM's P/D connectors whose every call into the KV-cache manager kvcm answers as vLLM's
-# manager does (tests/compat/test_pd_nixl*.py): the pull-mode NIXL connector.
-SUPPORTED_KV_CONNECTORS = ("NixlConnector", "NixlPullConnector", "KvcmNixlConnector")
+# vLLM's KV connectors whose every call into the KV-cache manager kvcm answers as vLLM's
+# manager does: the pull-mode NIXL connector (tests/compat/test_pd_nixl*.py) and the
+# offloading connector (tests/compat/test_offload_mirror.py).
+SUPPORTED_KV_CONNECTORS = (
+    "NixlConnector",
+    "NixlPullConnector",
+    "KvcmNixlConnector",
+    "OffloadingConnector",
+)
 
 
 def check_supported(vllm_config: Any) -> None:
@@ -62,7 +68,7 @@ def check_supported(vllm_config: Any) -> None:
             vllm_config.kv_transfer_config is not None
             and vllm_config.kv_transfer_config.kv_connector not in SUPPORTED_KV_CONNECTORS,
             "of the KV connectors (--kv-transfer-config) kvcm supports vLLM's pull-mode "
-            f"NIXL connector only ({', '.join(SUPPORTED_KV_CONNECTORS)})",
+            f"NIXL connector and its offloading connector ({', '.join(SUPPORTED_KV_CONNECTORS)})",
         ),
         (
             getattr(vllm_config, "ec_transfer_config", None) is not None,
@@ -117,6 +123,30 @@ def default_labels(vllm_config: Any) -> dict[str, str]:
     return labels
 
 
+def _kvcm_offloading_manager(scheduler: Any) -> Any:
+    # The offloading connector's index when it is kvcm's (KvcmOffloadingSpec), else None.
+    connector = getattr(scheduler, "connector", None)
+    manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+    if manager is None:
+        return None
+    from kvcm.integrations.vllm._offload import KvcmOffloadingManager
+
+    return manager if isinstance(manager, KvcmOffloadingManager) else None
+
+
+def _placeholder_config(kv_cache_config: Any) -> Any:
+    # The config vLLM's constructor builds its throw-away manager from: the same groups, a
+    # two-block pool. Each tensor keeps its bytes per block (a KV connector built there, e.g.
+    # the offloading connector, sizes its host buffer in chunks from them).
+    num_blocks = kv_cache_config.num_blocks
+    placeholder = min(num_blocks, _PLACEHOLDER_NUM_BLOCKS)
+    tensors = [
+        dataclasses.replace(tensor, size=tensor.size // num_blocks * placeholder)
+        for tensor in kv_cache_config.kv_cache_tensors
+    ]
+    return dataclasses.replace(kv_cache_config, num_blocks=placeholder, kv_cache_tensors=tensors)
+
+
 class _KvcmSchedulerMixin:
     """What both kvcm schedulers add to vLLM's (see the module docstring).
 
@@ -158,9 +188,7 @@ class _KvcmSchedulerMixin:
             enable_caching=vllm_config.cache_config.enable_prefix_caching,
             dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
         )
-        arguments["kv_cache_config"] = dataclasses.replace(
-            kv_cache_config, num_blocks=min(kv_cache_config.num_blocks, _PLACEHOLDER_NUM_BLOCKS)
-        )
+        arguments["kv_cache_config"] = _placeholder_config(kv_cache_config)
         super().__init__(**arguments)
         self.kvcm_settings = settings
         self.kv_cache_config = kv_cache_config
@@ -180,6 +208,9 @@ class _KvcmSchedulerMixin:
                 dcp_world_size=scheduler.dcp_world_size,
             ),
         )
+        offloading = _kvcm_offloading_manager(self)
+        if offloading is not None:
+            self.kv_cache_manager.attach_host_tier(offloading)
         self.kv_cache_manager.sink = self.make_step_sink(settings)
 
     def _check_loop(self, vllm_config: Any) -> None:

@@ -173,6 +173,7 @@ def coalesce(steps: list[RecordedStep]) -> tuple[StepProgram, StepOutcome]:
     program = StepProgram(continue_on_does_not_fit=True)
     expected = StepOutcome()
     hashes: list[bytes] = []
+    host_hashes: list[bytes] = []
     for step in steps:
         part = step.program
         answers = step.expected
@@ -193,6 +194,10 @@ def coalesce(steps: list[RecordedStep]) -> tuple[StepProgram, StepOutcome]:
         program.evict_num_block_ids += part.evict_num_block_ids
         program.evict_block_ids += part.evict_block_ids
         program.record_hit_tokens += part.record_hit_tokens
+        program.host_sync_actions += part.host_sync_actions
+        program.host_sync_num_keys += part.host_sync_num_keys
+        program.host_sync_group_ids += part.host_sync_group_ids
+        host_hashes.append(part.host_sync_keys)
         expected.alloc_statuses += answers.alloc_statuses
         expected.alloc_num_block_ids += answers.alloc_num_block_ids
         expected.alloc_block_ids += answers.alloc_block_ids
@@ -201,6 +206,7 @@ def coalesce(steps: list[RecordedStep]) -> tuple[StepProgram, StepOutcome]:
         expected.drained_copy_block_ids += answers.drained_copy_block_ids
         expected.drained_num_copies += answers.drained_num_copies
     program.append_block_hashes = b"".join(hashes)
+    program.host_sync_keys = b"".join(host_hashes)
     program.step_seq = steps[-1].program.step_seq
     program.num_steps = len(steps)
     expected.num_ops_executed = len(program.ops)
