@@ -27,6 +27,7 @@ from kvcm.core.request import RequestStatus
 from kvcm.core.stats import PrefixCacheStats
 
 __all__ = [
+    "Encoded",
     "Reader",
     "Writer",
     "as_int",
@@ -34,6 +35,8 @@ __all__ = [
     "as_list",
     "as_type",
     "bad",
+    "encoded_list",
+    "event_entry",
     "fields_of",
     "short",
 ]
@@ -63,6 +66,25 @@ _KEY_TYPES: Final = frozenset({type(None), bool, int, float, str, bytes})
 
 
 # ---------------------------------------------------------------------------- the codec
+class Encoded(bytes):
+    """A value already written by :class:`Writer` (its tagged bytes), copied as it is."""
+
+    __slots__ = ()
+
+
+def event_entry(event: object, now: float) -> bytes:
+    """An event log entry ``[event, timestamp]`` as a snapshot writes it (the one encoding
+    :meth:`EventLog.encoded` and :meth:`EventLog.digest` keep per event)."""
+    writer = Writer()
+    writer.value([event, now])
+    return bytes(writer.out)
+
+
+def encoded_list(items: Sequence[bytes]) -> Encoded:
+    """A list whose items are already written (:func:`event_entry`'s)."""
+    return Encoded(b"L" + struct.pack("<Q", len(items)) + b"".join(items))
+
+
 class Writer:
     """Tagged values: N none, T/F bool, I int64, J big int, D float, B bytes, S str, L list,
     U tuple, M dict (pairs), A packed int64 array, C dataclass, E enum."""
@@ -92,6 +114,8 @@ class Writer:
         elif isinstance(value, float):
             out += b"D"
             out += struct.pack("<d", value)
+        elif isinstance(value, Encoded):
+            out += value
         elif isinstance(value, (bytes, bytearray)):
             self._blob(b"B", bytes(value))
         elif isinstance(value, str):

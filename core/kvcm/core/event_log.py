@@ -13,8 +13,10 @@ also after a restart (the numbering is part of the pool's snapshot).
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvcm.common.errors import InvalidArgumentError, OutOfRangeError
 from kvcm.common.events import KVCacheEvent
@@ -30,9 +32,21 @@ class EventLog:
 
     NOTE: ``_events[i]`` holds sequence ``oldest_sequence + i``; appending past ``retention``
     drops from the left, which advances ``oldest_sequence`` and keeps that identity.
+    ``_cache[i]`` holds sequence ``_cached_first + i`` encoded and hashed (:meth:`digest`,
+    :meth:`encoded`), filled in lazily: the events published since the last use, never the
+    whole log again (it costs about the kept events' encoded size in memory).
     """
 
-    __slots__ = ("_batches", "_events", "_next_batch", "_next_sequence", "retention")
+    __slots__ = (
+        "_batches",
+        "_cache",
+        "_cached_first",
+        "_events",
+        "_hash_sum",
+        "_next_batch",
+        "_next_sequence",
+        "retention",
+    )
 
     def __init__(self, retention: int) -> None:
         """An empty log keeping at most ``retention`` (>= 1) events."""
@@ -41,6 +55,9 @@ class EventLog:
         self._next_sequence = 1
         self._batches: deque[EventBatchRecord] = deque()
         self._next_batch = 0
+        self._cache: deque[tuple[bytes, int]] = deque()
+        self._cached_first = 1
+        self._hash_sum = 0
 
     @property
     def next_batch(self) -> int:
@@ -112,6 +129,52 @@ class EventLog:
         self._next_sequence = next_sequence
         self._batches = deque()
         self._next_batch = 0
+        self._cache = deque()
+        self._cached_first = next_sequence - len(self._events)
+        self._hash_sum = 0
+
+    def _cached(self, encode: Callable[[KVCacheEvent, float], bytes]) -> deque[tuple[bytes, int]]:
+        """The kept events' cache entries, oldest first: ``encode(event, timestamp)`` and the
+        BLAKE2b hash of the sequence number and those bytes. Only the events published since
+        the last call are encoded; those dropped since leave the cache and the hash sum."""
+        cache = self._cache
+        oldest = self.oldest_sequence
+        first = self._cached_first
+        while cache and first < oldest:  # dropped from the log since the last call
+            self._hash_sum -= cache.popleft()[1]
+            first += 1
+        first = max(first, oldest)  # some were dropped before they were ever cached
+        new = self._next_sequence - (first + len(cache))
+        if new > 0:
+            fresh = list(itertools.islice(reversed(self._events), new))
+            fresh.reverse()
+            sequence = first + len(cache)
+            for offset, (event, now) in enumerate(fresh):
+                data = encode(event, now)
+                keyed = (sequence + offset).to_bytes(8, "big") + data
+                value = int.from_bytes(hashlib.blake2b(keyed, digest_size=16).digest(), "big")
+                cache.append((data, value))
+                self._hash_sum += value
+        self._cached_first = first
+        self._hash_sum %= 1 << 128
+        return cache
+
+    def digest(self, encode: Callable[[KVCacheEvent, float], bytes]) -> bytes:
+        """A 16-byte digest of the kept events, each with its sequence number and timestamp.
+
+        The sum (mod 2**128) of one BLAKE2b hash per kept event, over its sequence number and
+        ``encode(event, timestamp)``: equal for two logs that keep the same events under the
+        same numbers. ``encode`` must be one function for the life of the log (the snapshot
+        codec's entry): the encodings and hashes are kept, so a digest costs O(events
+        published since the last digest or :meth:`encoded`), not O(kept events).
+        """
+        self._cached(encode)
+        return self._hash_sum.to_bytes(16, "big")
+
+    def encoded(self, encode: Callable[[KVCacheEvent, float], bytes]) -> list[bytes]:
+        """``encode(event, timestamp)`` of each kept event, oldest first (kept, as for
+        :meth:`digest`: a snapshot of a long log encodes only its new events)."""
+        return [data for data, _ in self._cached(encode)]
 
     def append(self, events: Sequence[KVCacheEvent], now: float) -> int:
         """Publish ``events`` in order as one batch, all stamped ``now``; returns how many."""

@@ -10,10 +10,13 @@ the sequenced event log, the statistics totals, and the host tier's whole state 
 recency order with their host blocks, pending keys, pins, private blocks, the free list in
 order, swapped requests, counters, and the copies and events not taken yet).
 
-The cost is O(state): one pass over blocks, requests and events, no sorting beyond the
+The cost is O(state): one pass over blocks and requests, no sorting beyond the
 dictionaries' keys. Two pools in the same state give the same bytes (dictionaries are written
 in key order; sets sorted), so the scheduler-side mirror can compare its copy with the
-server's. Not for the hot path: it is a test and audit tool.
+server's. The kept events enter as their log's digest (:meth:`EventLog.digest`, one hash per
+event, kept): a pool keeping tens of thousands of events costs only the events published since
+its last fingerprint, so replication can compare copies of a long-lived pool (see
+docs/replication.md). Not for a Step's path: an audit every few hundred records.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
 
+from kvcm.core._snapshot_codec import event_entry
 from kvcm.core.block import KVCacheBlock
 from kvcm.core.program import TRANSIENT
 
@@ -159,7 +163,7 @@ def state_fingerprint(pool: Pool) -> bytes:
         pool.allocations_not_fit_total,
         pool.last_event_sequence,
         pool.oldest_event_sequence,
-        _canon(pool.event_log_contents()),
+        pool._events.digest(event_entry),
         _canon(pool.stats_totals()),
         _host_tier_state(pool),
     )

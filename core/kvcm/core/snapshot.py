@@ -47,6 +47,8 @@ from kvcm.core._snapshot_codec import (
     as_list,
     as_type,
     bad,
+    encoded_list,
+    event_entry,
     fields_of,
     short,
 )
@@ -102,7 +104,9 @@ def encode_pool(pool: Pool) -> bytes:
             "failed_plans": pool.failed_plans,
             "max_model_len": pool.max_model_len,
             "event_next_sequence": pool.last_event_sequence + 1,
-            "events": [[event, now] for event, now in pool.event_log_contents()],
+            # Each kept event's entry is written once and kept by the log (a long log's
+            # snapshot re-encodes only its new events): the bytes a list of them writes.
+            "events": encoded_list(pool._events.encoded(event_entry)),
             "event_batches": _batch_state(pool),
             "stats_totals": list(pool.stats_totals()),
             "registrations": _registrations(pool),
