@@ -238,7 +238,9 @@ def test_the_transfer_listing_of_every_pool_through_any_replica_merges_every_rep
     expected = held + [f"t-{name}" for name in reversed(names[::2])]
     for replica in cluster:
         with SchedulerClient(replica.address, timeout=5.0) as client:
-            assert [t.transfer_id for t in client.list_transfers()] == expected
+            listed = client.list_transfers()
+        assert [t.transfer_id for t in listed] == expected
+        assert listed.missing_replicas == ()
         body = _fanned(httpx.get(f"{_http(replica)}/v1/transfers"), 3, [])
         assert [t["transfer_id"] for t in body["transfers"]] == expected
         only = _fanned(httpx.get(f"{_http(replica)}/v1/transfers?state=HELD"), 3, [])
@@ -290,9 +292,11 @@ def test_with_a_replica_stopped_every_cluster_read_comes_in_time_and_names_it(
                     "async lookup": sdk.lookup(LookupQuery(token_ids=PROMPT)),
                     "async pd": sdk.route_pd(pd_query),
                     "async pools": sdk.list_pools(),
+                    "async transfers": sdk.list_transfers(),
                     "sync lookup": asyncio.to_thread(sync.lookup, LookupQuery(token_ids=PROMPT)),
                     "sync pd": asyncio.to_thread(sync.route_pd, pd_query),
                     "sync pools": asyncio.to_thread(sync.list_pools),
+                    "sync transfers": asyncio.to_thread(sync.list_transfers),
                 }
                 done = await asyncio.gather(*(timed(k, v) for k, v in calls.items()))
             finally:
@@ -327,6 +331,9 @@ def test_with_a_replica_stopped_every_cluster_read_comes_in_time_and_names_it(
         listing = answers[f"{flavor} pools"][1]
         assert listing.missing_replicas == (victim.address,), flavor
         assert [pool.pool_id for pool in listing] == kept
+        moved_too = answers[f"{flavor} transfers"][1]
+        assert moved_too.missing_replicas == (victim.address,), flavor
+        assert sorted(t.transfer_id for t in moved_too) == kept_transfers
     # Back: the next answers miss nobody.
     deadline = time.monotonic() + 10
     while True:

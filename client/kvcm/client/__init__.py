@@ -38,7 +38,7 @@ if TYPE_CHECKING:
         UnimplementedError,
     )
     from kvcm.client._step import HostAllocResult, LookupResult, StepBuilder, StepResult
-    from kvcm.client._transfers import Transfer, TransferState
+    from kvcm.client._transfers import Transfer, TransferListing, TransferState
     from kvcm.client._types import (
         DEFAULT_TIMEOUT_S,
         REGISTER_WORKER_TIMEOUT_S,
@@ -123,6 +123,7 @@ __all__ = [
     "StepResult",
     "TlsConfig",
     "Transfer",
+    "TransferListing",
     "TransferState",
     "UnavailableError",
     "UnimplementedError",
@@ -172,6 +173,7 @@ _MODULE_OF = {
     "RetryPolicy": "_base",
     "TlsConfig": "_base",
     "Transfer": "_transfers",
+    "TransferListing": "_transfers",
     "TransferState": "_transfers",
     "SchedulerClient": "scheduler",
     "SchedulerRequest": "remote_manager",

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvcm.v1 import pd_pb2
@@ -13,6 +14,7 @@ from kvcm.wire import grouped_from_proto
 
 __all__ = [
     "Transfer",
+    "TransferListing",
     "TransferState",
     "transfer_from_proto",
 ]
@@ -102,3 +104,22 @@ def transfer_from_proto(message: pd_pb2.Transfer) -> Transfer:
         block_size=message.block_size,
         source_freed=message.source_freed,
     )
+
+
+class TransferListing(list[Transfer]):
+    """``list_transfers``' answer: a list of ``Transfer`` in the server's order.
+
+    Attributes:
+        missing_replicas: In a kvcm cluster, the replicas that did not answer a listing of
+            every pool in time (their transfers are not listed); empty when every replica
+            answered, and from one server.
+    """
+
+    __slots__ = ("missing_replicas",)
+
+    def __init__(
+        self, transfers: Iterable[Transfer], missing_replicas: tuple[str, ...] = ()
+    ) -> None:
+        """The transfers, and the replicas the listing missed."""
+        super().__init__(transfers)
+        self.missing_replicas = missing_replicas

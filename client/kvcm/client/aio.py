@@ -36,7 +36,7 @@ from kvcm.client import _base
 from kvcm.client._base import AsyncChannelClient, Timeout
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._streams import AsyncEventStream
-from kvcm.client._transfers import Transfer, TransferState, transfer_from_proto
+from kvcm.client._transfers import Transfer, TransferListing, TransferState, transfer_from_proto
 from kvcm.client._types import (
     USE_CLIENT_DEFAULT,
     CacheHit,
@@ -291,14 +291,20 @@ class AsyncSchedulerClient(AsyncChannelClient):
         *,
         states: Sequence[TransferState] = (),
         timeout: Timeout = USE_CLIENT_DEFAULT,
-    ) -> list[Transfer]:
+    ) -> TransferListing:
         """Transfers in flight (oldest first), then recently ended ones (latest first), of
-        ``pool_id`` or of every pool this token may read; ``states``: only these."""
+        ``pool_id`` or of every pool this token may read; ``states``: only these. In a kvcm
+        cluster every pool's listing asks every replica; ``missing_replicas`` names those
+        that did not answer in time."""
         wanted = [pd_pb2.TransferState.Value(f"TRANSFER_STATE_{s.name}") for s in states]
         request = pd_pb2.ListTransfersRequest(pool_id=pool_id, states=wanted)
         stub = self._stubs.transfers.ListTransfers
-        response = await self._unary("ListTransfers", stub, request, timeout)
-        return [transfer_from_proto(message) for message in response.transfers]
+        trailers: list[tuple[str, str]] = []
+        response = await self._unary("ListTransfers", stub, request, timeout, trailers)
+        return TransferListing(
+            (transfer_from_proto(message) for message in response.transfers),
+            _base.missing_replicas(trailers),
+        )
 
     async def list_pools(self, *, timeout: Timeout = USE_CLIENT_DEFAULT) -> PoolListing:
         """Every pool, sorted by id; in a kvcm cluster, every replica's, and
