@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -236,6 +237,8 @@ class VllmSide:
         self.metrics = CachingMetrics()
         self.requests: dict[str, Any] = {}
         self._hits: dict[str, Any] = {}
+        self._popped: dict[str, Any] = {}
+        self._retained: deque[list[Any]] = deque()
 
     @staticmethod
     def _spec(g: GroupDesc) -> Any:
@@ -457,6 +460,32 @@ class VllmSide:
         self.manager.block_pool.free_blocks(retained)
         return [_copy_pair(copy) for copy in copies]
 
+    # vLLM's scheduler when it defers frees (an asynchronous KV consumer): a finished
+    # request's blocks popped, returned in one call at its fence; a drain's retained blocks
+    # kept (queued reversed) and returned at theirs, in drained order.
+    def pop_blocks_for_free(self, request_id: str) -> list[int]:
+        """Pop a finished request's blocks (``pop_blocks_for_free``); their ids."""
+        blocks = self.manager.pop_blocks_for_free(self.requests[request_id])
+        self._popped[request_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def free_popped(self, request_id: str) -> None:
+        """Return a popped request's blocks as ``_drain_deferred_frees`` does."""
+        self.manager.block_pool.free_blocks(reversed(self._popped.pop(request_id)))
+
+    def take_copies_retained(self) -> list[tuple[int, int]]:
+        """Drain the copies, keeping a non-empty drain's retained blocks."""
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        if copies:
+            self._retained.append(retained[::-1])
+        return [_copy_pair(copy) for copy in copies]
+
+    def release_copies(self) -> list[int]:
+        """Return the oldest kept drain's blocks (``_drain_deferred_frees``); their ids."""
+        blocks = list(reversed(self._retained.popleft()))
+        self.manager.block_pool.free_blocks(blocks)
+        return [b.block_id for b in blocks]
+
     def num_free_blocks(self) -> int:
         """Blocks allocatable now."""
         return int(self.manager.block_pool.get_num_free_blocks())
@@ -530,6 +559,7 @@ class KvcmSide:
         )
         self.requests: dict[str, Any] = {}
         self._hits: dict[str, Any] = {}
+        self._popped: dict[str, Any] = {}
 
     @staticmethod
     def _spec(g: GroupDesc) -> Any:
@@ -727,6 +757,37 @@ class KvcmSide:
         copies, retained = self.manager.take_kv_cache_block_copies()
         self.manager.block_pool.free_blocks(retained)
         return [_copy_pair(copy) for copy in copies]
+
+    # The same deferred frees on kvcm's manager: the request keeps its blocks until
+    # free_deferred, a drain's are retained in the manager until release_block_copies.
+    def pop_blocks_for_free(self, request_id: str) -> list[int]:
+        """What vLLM's pop hands back: every group's table past its nulls, in group order."""
+        request = self.requests[request_id]
+        self._popped[request_id] = request
+        null = self.manager.block_pool.null_block
+        ids: list[int] = []
+        if self.manager.holds_blocks(request_id):
+            for group in self.manager.get_blocks(request_id).blocks:
+                start = 0
+                while start < len(group) and group[start] is null:
+                    start += 1
+                ids += [b.block_id for b in group[start:]]
+        return ids
+
+    def free_popped(self, request_id: str) -> None:
+        """FINISH_DEFERRED's core call."""
+        self.manager.free_deferred(self._popped.pop(request_id))
+
+    def take_copies_retained(self) -> list[tuple[int, int]]:
+        """Drain the copies, retaining a non-empty drain in the manager."""
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        if copies:
+            self.manager.retain_block_copies(retained)
+        return [_copy_pair(copy) for copy in copies]
+
+    def release_copies(self) -> list[int]:
+        """Release the oldest retained drain."""
+        return self.manager.release_block_copies()
 
     def num_free_blocks(self) -> int:
         """Blocks allocatable now."""

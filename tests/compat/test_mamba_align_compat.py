@@ -14,6 +14,7 @@ new block ids, events, stats, the hit rate and, after every step, the whole pool
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -42,6 +43,11 @@ class MambaScenario:
     # Schedule as vLLM does with a KV connector (NIXL's lookup, external tokens loaded
     # synchronously or asynchronously, boundary-state hand-offs drained every step).
     connector: bool = False
+    # Free as vLLM's scheduler does on an asynchronous KV consumer (defer_block_free): most
+    # finished requests popped (pop_blocks_for_free) and returned in one pool call at their
+    # fence, copy retentions kept one step past their drain; fences reached a step or two
+    # later (_drain_deferred_frees).
+    deferred_frees: bool = False
 
 
 @dataclass
@@ -91,6 +97,11 @@ class _Loop:
         self.connector_counts = dict.fromkeys(
             ("external", "async", "truncated", "diverged", "relookup", "offloads", "tails"), 0
         )
+        # Deferred frees: vLLM's scheduler's step sequence numbers and its queue of
+        # (fence, request id or None for a copy drain).
+        self.sched_seq = self.processed_seq = 0
+        self.deferred: deque[tuple[int, str | None]] = deque()
+        self.deferred_counts = dict.fromkeys(("requests", "copy-drains", "immediate"), 0)
 
     # ------------------------------------------------------------------ requests
     def _new_prompt(self) -> list[int]:
@@ -163,15 +174,48 @@ class _Loop:
             # A KV producer's scheduler hands a finished request's valid partial tail off.
             tails = self.pair.call("finalize_partial_tail_offloads", req.rid)
             self.connector_counts["tails"] += len(tails)
-        self.pair.call("free", req.rid)
+        if self.s.deferred_frees and self.rng.random() < 0.8:
+            # Scheduled in the step still in flight: popped now, returned at its fence.
+            self.pair.call("pop_blocks_for_free", req.rid)
+            self.deferred.append((self.sched_seq, req.rid))
+            self.deferred_counts["requests"] += 1
+        else:
+            self.pair.call("free", req.rid)
+            self.deferred_counts["immediate"] += self.s.deferred_frees
         self.pair.both("update", req.rid, status="FINISHED_STOPPED")
         self.pair.both("drop_request", req.rid)
         self.running.remove(req)
+
+    def _take_copies(self) -> int:
+        if not self.s.deferred_frees:
+            return len(self.pair.call("take_copies"))
+        copies = self.pair.call("take_copies_retained")
+        if copies:  # the step that runs them is the next one scheduled with tokens
+            self.deferred.append((self.sched_seq + 1, None))
+            self.deferred_counts["copy-drains"] += 1
+        return len(copies)
+
+    def _process(self, everything: bool = False) -> None:
+        # update_from_output of the oldest step in flight (one or two may be), then vLLM's
+        # _drain_deferred_frees: in queue order, stopping at the first fence not reached.
+        behind = self.sched_seq - self.processed_seq
+        if everything:
+            self.processed_seq = self.sched_seq
+        elif behind > 1 or (behind and self.rng.random() < 0.6):
+            self.processed_seq += 1
+        while self.deferred and self.deferred[0][0] <= self.processed_seq:
+            _, rid = self.deferred.popleft()
+            if rid is None:
+                self.pair.call("release_copies")
+            else:
+                self.pair.call("free_popped", rid)
 
     # ------------------------------------------------------------------ one step
     def step(self, index: int) -> None:
         pair = self.pair
         pair.where = f"step {index}"
+        if self.s.deferred_frees:
+            self._process()
         pair.call("new_step_starts")
         budget = self.s.token_budget
         scheduled: list[tuple[_Req, int]] = []
@@ -230,7 +274,9 @@ class _Loop:
         if self.s.connector:
             offloads = pair.call("take_boundary_state_offloads")
             self.connector_counts["offloads"] += sum(map(len, offloads.values()))
-        self.num_copies += len(pair.call("take_copies"))
+        self.num_copies += self._take_copies()
+        if scheduled:
+            self.sched_seq += 1  # a step with tokens (the fence only moves then)
         pair.call("take_new_block_ids")
         pair.events()
         for req, num_new in scheduled:
@@ -373,7 +419,11 @@ class _Loop:
             self._finish(req)
         if self.s.connector:
             self.pair.call("take_boundary_state_offloads")
-        self.pair.call("take_copies")
+        self._take_copies()
+        if self.s.deferred_frees:
+            self.sched_seq += 1
+            self._process(everything=True)
+            assert not self.deferred
         self.pair.events()
         self.pair.snapshot()
 
@@ -387,7 +437,10 @@ def _round_trip(side: KvcmSide, layout: Layout) -> None:
     from kvcm.core.snapshot import decode_pool, encode_state, fresh_extras
 
     manager = side.manager
-    requests = {int(rid): request for rid, request in side.requests.items()}
+    # Requests popped for a deferred free are still the pool's (as the mirror's snapshots
+    # keep them) until their blocks go back.
+    popped = side._popped
+    requests = {int(rid): request for rid, request in (*side.requests.items(), *popped.items())}
     data = encode_state(
         manager,
         requests,
@@ -417,6 +470,7 @@ def _round_trip(side: KvcmSide, layout: Layout) -> None:
     assert pool.manager is not None
     side.manager = pool.manager
     side.requests = {str(key): request for key, request in pool.requests.items()}
+    side._popped = {rid: side.requests.pop(rid) for rid in popped}
     for request in side.requests.values():
         # A server's requests get their hashes from the client's programs; this side hashes
         # the tokens it appends itself, as before.
@@ -532,6 +586,30 @@ SCENARIOS = [
         token_budget=512,
         connector=True,
     ),
+    # An asynchronous KV consumer (vLLM's defer_block_free): finished requests popped and
+    # returned in one pool call at their fence, copy retentions held until theirs; cached
+    # blocks of both groups reach the free queue as vLLM's single call puts them. Snapshot
+    # round trips carry the retained drains and the popped requests.
+    MambaScenario(
+        "deferred-full64-mamba256-round-trips",
+        Layout((GroupDesc(FULL, 64), _mamba(256)), num_blocks=70, max_model_len=1536),
+        steps=150,
+        token_budget=512,
+        deferred_frees=True,
+        round_trips=tuple(range(2, 150, 3)),
+    ),
+    MambaScenario(
+        "connector-deferred-full64-swa64-mamba256",
+        Layout(
+            (GroupDesc(FULL, 64), GroupDesc(SWA, 64, 128), _mamba(256)),
+            num_blocks=100,
+            max_model_len=1536,
+        ),
+        steps=120,
+        token_budget=512,
+        connector=True,
+        deferred_frees=True,
+    ),
     # Decode context parallelism (vLLM's decode_context_parallel_size): full attention's
     # blocks span the DCP ranks (64 tokens per rank x 2 = 128 here, hash block 128 under a
     # Mamba block of 256), Mamba states are whole on every rank.
@@ -593,3 +671,7 @@ def test_mamba_align_matches_vllm(vllm: ModuleType, scenario: MambaScenario) -> 
         assert counts["external"]
         assert counts["async"]
         assert counts["offloads"]
+    if scenario.deferred_frees:
+        print(f"deferred frees: {loop.deferred_counts}")
+        assert loop.deferred_counts["requests"] > 10
+        assert loop.deferred_counts["copy-drains"] > 5

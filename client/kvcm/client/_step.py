@@ -217,9 +217,13 @@ class StepBuilder:
         """Free the request's blocks and keep it (a preemption)."""
         self._writer.op[OpKind.PREEMPT](request_key)
 
-    def finish(self, request_key: int) -> None:
-        """Free the request's blocks and forget it (its key may be reused)."""
-        self._writer.op[OpKind.FINISH](request_key)
+    def finish(self, request_key: int, *, deferred: bool = False) -> None:
+        """Free the request's blocks and forget it (its key may be reused).
+
+        ``deferred``: release them as vLLM's deferred free does (FINISH_DEFERRED; an
+        asynchronous KV consumer's ``pop_blocks_for_free``, returned when the step in flight
+        completed): every group's blocks in one pool call (docs/mamba.md)."""
+        self._writer.op[OpKind.FINISH_DEFERRED if deferred else OpKind.FINISH](request_key)
 
     # -------------------------------------------------------------------- manager calls
     def allocate(
@@ -374,11 +378,20 @@ class StepBuilder:
         The first write into a shared partial block is copied (``StepResult.copies``)."""
         self._writer.op[OpKind.FORK](request_key, child_key, num_computed_tokens)
 
-    def take_block_copies(self) -> None:
+    def take_block_copies(self, *, retain: bool = False) -> None:
         """Drain the block copies of sub-block prefix hits where vLLM's scheduler calls
         ``take_kv_cache_block_copies`` (TAKE_BLOCK_COPIES; docs/mamba.md): they are answered
-        in ``StepResult.drained_copies`` and their blocks' extra references dropped."""
-        self._writer.op[OpKind.TAKE_BLOCK_COPIES]()
+        in ``StepResult.drained_copies`` and their blocks' extra references dropped.
+
+        ``retain``: keep those references as one retained drain until
+        :meth:`release_block_copies` (TAKE_BLOCK_COPIES_RETAINED: vLLM's scheduler when it
+        defers frees, an asynchronous KV consumer)."""
+        self._writer.op[OpKind.TAKE_BLOCK_COPIES_RETAINED if retain else OpKind.TAKE_BLOCK_COPIES]()
+
+    def release_block_copies(self) -> None:
+        """Drop the references of the oldest drain kept by ``take_block_copies(retain=True)``
+        (RELEASE_BLOCK_COPIES: where vLLM's scheduler frees its copy retentions)."""
+        self._writer.op[OpKind.RELEASE_BLOCK_COPIES]()
 
     def swap_out(self, request_key: int, num_computed_tokens: int) -> None:
         """Preempt a running request by swapping its blocks to the pool's host tier

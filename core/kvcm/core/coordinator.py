@@ -403,6 +403,20 @@ class KVCacheCoordinator:
         for manager in self.single_type_managers:
             manager.free(request_id)
 
+    def free_in_one_call(self, request_id: str) -> None:
+        """Release the request's blocks as vLLM's deferred free does (an asynchronous KV
+        consumer's ``pop_blocks_for_free``, returned once the step in flight completed): every
+        group's table, past its leading nulls, in group order, released by one pool call in
+        reverse. One call per group (:meth:`free`) queues the cached blocks of the first group
+        first; this queues the last group's first (unknown ids are ignored)."""
+        self._junctions.pop(request_id, None)
+        blocks: list[KVCacheBlock] = []
+        for manager in self.single_type_managers:
+            blocks += manager.pop_blocks_for_free(request_id)
+        if blocks:
+            blocks.reverse()
+            self.block_pool.free_blocks(blocks)
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free blocks outside every group's attention window, replacing them by nulls."""
         for manager in self._skipping_managers:

@@ -4,8 +4,9 @@
 change: the block pool (every block's ref_cnt, hash keys and prefix length, the free-queue
 order, the prefix-cache map, pending events, eviction counter), each group manager's tables
 (per-request block ids, cached block counts, new block ids), the manager's set of requests
-holding blocks and its prefix-cache statistics, the request table (tokens, hashes, status,
-computed and in-flight tokens, preemptions, LoRA, salt), the exactly-once guard, the counters,
+holding blocks, its prefix-cache statistics and the copy drains it retains, the request table
+(tokens, hashes, status, computed and in-flight tokens, preemptions, LoRA, salt), the
+exactly-once guard, the counters,
 the sequenced event log, the statistics totals, and the host tier's whole state (its keys in
 recency order with their host blocks, pending keys, pins, private blocks, the free list in
 order, swapped requests, counters, and the copies and events not taken yet).
@@ -99,6 +100,7 @@ def _manager_state(pool: Pool) -> tuple[object, ...]:
         _canon(manager.requests_holding_blocks),
         _canon(manager.prefix_cache_stats),
         _canon(manager.prefix_caching_metrics),
+        *((_canon(manager.retained_copy_batches),) if manager.retained_copy_batches else ()),
     )
 
 

@@ -497,6 +497,15 @@ def manager_violations(
     references = [0] * num_blocks
     for group in manager.coordinator.single_type_managers:
         yield from _group_tables(group, holders, references)
+    for k, batch in enumerate(manager.retained_copy_batches):
+        # Retained copy drains hold one reference per entry (an asynchronous KV consumer).
+        for position, block in enumerate(batch):
+            if type(block) is not KVCacheBlock or blocks[block.block_id] is not block:
+                yield Violation(
+                    f"retained_copies[{k}][{position}]", "is not one of the pool's blocks"
+                )
+                return
+            references[block.block_id] += 1
     for block in blocks[1:]:
         if type(block.ref_cnt) is int and block.ref_cnt != references[block.block_id]:
             yield Violation(

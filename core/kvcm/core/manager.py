@@ -22,6 +22,7 @@ changes; "does not fit" is the value ``None``.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final, Literal, NamedTuple, overload
@@ -373,6 +374,9 @@ class KVCacheManager:
         coordinator: The coordinator of the per-group managers.
         block_pool: The block pool.
         empty_kv_cache_blocks: The shared empty result.
+        retained_copy_batches: Drained block copies whose blocks stay referenced until
+            :meth:`release_block_copies` (per drain, both ends of each copy in drained
+            order; oldest first).
     """
 
     def __init__(self, config: KVCacheManagerConfig) -> None:
@@ -464,6 +468,10 @@ class KVCacheManager:
         self.fork_granule = fork_granule(self)
         self.fork_copies: list[tuple[int, int]] = []
         self._forked: set[str] | None = None if self.fork_granule else set()
+        # Copy retentions kept past their drain (vLLM's scheduler when it defers frees: an
+        # asynchronous KV consumer): per drain, both ends of each copy in drained order,
+        # oldest drain first (see retain_block_copies).
+        self.retained_copy_batches: deque[list[KVCacheBlock]] = deque()
 
     # --------------------------------------------------------------------------- state
     @property
@@ -1091,6 +1099,22 @@ class KVCacheManager:
         if self._forked:
             self._forked.discard(request.request_id)
 
+    def free_deferred(self, request: Request) -> None:
+        """Release the request's blocks as vLLM's deferred free does: every group's table
+        released by one pool call (``block_pool.free_blocks`` over the tables, in group
+        order, reversed), where :meth:`free` makes one call per group. An asynchronous KV
+        consumer's scheduler frees a request this way once the step that may still write its
+        blocks completed (``pop_blocks_for_free``); the two differ only in the order the
+        groups' cached blocks join the free queue. Unknown requests are ignored.
+
+        Args:
+            request: The request.
+        """
+        self.coordinator.free_in_one_call(request.request_id)
+        self._requests.discard(request.request_id)
+        if self._forked:
+            self._forked.discard(request.request_id)
+
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Free the blocks outside the attention window and put null blocks in their place.
 
@@ -1260,6 +1284,31 @@ class KVCacheManager:
         pairs = self.coordinator.take_pending_cow_copies()
         copies = [(source.block_id, cow.block_id) for source, cow in pairs]
         return copies, [block for pair in pairs for block in pair]
+
+    def retain_block_copies(self, retained: Sequence[KVCacheBlock]) -> None:
+        """Keep a drain's retained blocks (:meth:`take_kv_cache_block_copies`) referenced
+        until :meth:`release_block_copies`: vLLM's scheduler does so when it defers frees,
+        until the step that runs the copies completed. Drains are released oldest first.
+
+        Args:
+            retained: The drain's retained blocks, in drained order (may be empty).
+        """
+        self.retained_copy_batches.append(list(retained))
+
+    def release_block_copies(self) -> list[int]:
+        """Release the oldest retained drain's blocks (one pool call, in drained order).
+
+        Returns:
+            The released block ids.
+
+        Raises:
+            FailedPreconditionError: No drain is retained.
+        """
+        if not self.retained_copy_batches:
+            raise FailedPreconditionError("no retained block copies to release")
+        blocks = self.retained_copy_batches.popleft()
+        self.block_pool.free_blocks(blocks)
+        return [block.block_id for block in blocks]
 
     def new_step_starts(self) -> None:
         """Tell the managers a scheduler step starts."""

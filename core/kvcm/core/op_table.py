@@ -30,6 +30,9 @@ from it, so a new op kind is a new row here plus its validate/execute pair in
     SWAP_IN                yes    swap_in_num_new_tokens             -
     TAKE_HOST_COPIES       -      -                                  -
     ADMIT_WITH_HOST        yes    admit_host_num_new_tokens          -
+    FINISH_DEFERRED        yes    -                                  -
+    TAKE_BLOCK_COPIES_RETAINED,
+    RELEASE_BLOCK_COPIES   -      -                                  -
     HOST_SYNC              -      host_sync_actions,                 host_sync_num_keys ->
                                   host_sync_num_keys                 host_sync_keys (hashes),
                                                                      host_sync_group_ids
@@ -138,6 +141,9 @@ _ROWS: Final = (
     OpColumns(OpKind.SWAP_IN, keyed=True, columns=("swap_in_num_new_tokens",)),
     OpColumns(OpKind.TAKE_HOST_COPIES, keyed=False),
     OpColumns(OpKind.ADMIT_WITH_HOST, keyed=True, columns=("admit_host_num_new_tokens",)),
+    OpColumns(OpKind.FINISH_DEFERRED, keyed=True),
+    OpColumns(OpKind.TAKE_BLOCK_COPIES_RETAINED, keyed=False),
+    OpColumns(OpKind.RELEASE_BLOCK_COPIES, keyed=False),
     # Written by the vLLM integration's recorder itself (two spans share one count column,
     # and the hashes go to host_sync_keys): not through OpWriter.
     OpColumns(

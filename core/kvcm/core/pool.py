@@ -260,6 +260,7 @@ class Pool:
                 options.offload_host_blocks,
                 block_bytes=block_bytes,
                 enable_events=options.enable_kv_cache_events,
+                connector=True,
             )
         self.kv_cache_config = scheduler_config
         self.max_model_len = max_model_len
@@ -612,8 +613,11 @@ class Pool:
                 raise
         request.block_hashes.extend(hashes)
 
-    def free(self, key: int, *, preempt: bool) -> None:
+    def free(self, key: int, *, preempt: bool, in_one_call: bool = False) -> None:
         """Free a request's blocks: preempt it (keep it) or finish it (forget it).
+
+        ``in_one_call`` (a finish only): release every group's blocks in one pool call, as
+        vLLM's deferred free does (:meth:`~kvcm.core.manager.KVCacheManager.free_deferred`).
 
         Raises:
             FailedPreconditionError: The pool is not READY.
@@ -628,7 +632,10 @@ class Pool:
             request.num_computed_tokens = 0
             return
         request.status = RequestStatus.FINISHED_STOPPED
-        manager.free(request)
+        if in_one_call:
+            manager.free_deferred(request)
+        else:
+            manager.free(request)
         if self.host_tier is not None:
             self.host_tier.drop_swapped(request.request_id)
         del self.requests[key]

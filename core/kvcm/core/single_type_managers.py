@@ -485,6 +485,27 @@ class SingleTypeKVCacheManager:
                 start += 1
         self.block_pool.free_blocks(req_blocks[: start - 1 if start else None : -1])
 
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget a request as :meth:`free` does, but hand its blocks back instead of
+        releasing them (vLLM's deferred free: the caller releases every group's blocks in one
+        pool call, :meth:`~kvcm.core.coordinator.KVCacheCoordinator.free_in_one_call`).
+
+        Returns:
+            The request's blocks in table order, past its leading null blocks (none for an
+            unknown id).
+        """
+        req_blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if self._partial_hit_reqs:
+            self._partial_hit_reqs.pop(request_id, None)
+        if not req_blocks:
+            return []
+        start = 0
+        null_block = self._null_block
+        while start < len(req_blocks) and req_blocks[start] is null_block:
+            start += 1
+        return req_blocks[start:] if start else req_blocks
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free blocks attention no longer reads and put the null block in their place.
 
@@ -1200,20 +1221,29 @@ class MambaManager(SingleTypeKVCacheManager):
     def free(self, request_id: str) -> None:
         """Release the request's blocks and its align-mode bookkeeping."""
         if self.align:
-            self._allocated_block_reqs.discard(request_id)
-            self._last_state_block_idx.pop(request_id, None)
-            self._num_retired_blocks.pop(request_id, None)
-            self._checkpoints.pop(request_id, None)
-            if self.records_boundary_state_offloads:
-                # Its blocks go back to the pool now: offers not yet taken would name blocks
-                # another request may be handed.
-                self._producer_partial_tail_reqs.pop(request_id, None)
-                pending = self._pending_boundary_state_offloads
-                if pending:
-                    self._pending_boundary_state_offloads = [
-                        entry for entry in pending if entry[0] != request_id
-                    ]
+            self._forget_align(request_id)
         super().free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """:meth:`free`'s bookkeeping, the blocks handed back (see the base class)."""
+        if self.align:
+            self._forget_align(request_id)
+        return super().pop_blocks_for_free(request_id)
+
+    def _forget_align(self, request_id: str) -> None:
+        self._allocated_block_reqs.discard(request_id)
+        self._last_state_block_idx.pop(request_id, None)
+        self._num_retired_blocks.pop(request_id, None)
+        self._checkpoints.pop(request_id, None)
+        if self.records_boundary_state_offloads:
+            # Its blocks go back to the pool now: offers not yet taken would name blocks
+            # another request may be handed.
+            self._producer_partial_tail_reqs.pop(request_id, None)
+            pending = self._pending_boundary_state_offloads
+            if pending:
+                self._pending_boundary_state_offloads = [
+                    entry for entry in pending if entry[0] != request_id
+                ]
 
     # ------------------------------------------------------------------------- caching
     def _block_mask(

@@ -326,6 +326,10 @@ def _manager_state(manager: KVCacheManager, rename: Mapping[str, str]) -> dict[s
     junctions = manager.coordinator._junctions
     if junctions:  # sparse retention: where each request's last lookup found a shared prefix
         state["junctions"] = {rename.get(rid, rid): at for rid, at in sorted(junctions.items())}
+    if manager.retained_copy_batches:  # an asynchronous KV consumer's copies in flight
+        state["retained_copies"] = [
+            [block.block_id for block in batch] for batch in manager.retained_copy_batches
+        ]
     return state
 
 
@@ -602,7 +606,10 @@ def _restore_manager(manager: KVCacheManager, state: object) -> None:
     n = len(blocks)
     groups = manager.coordinator.single_type_managers
     s = fields_of(
-        state, "manager", ("groups", "requests", "prefix_cache_stats", "metrics"), ("junctions",)
+        state,
+        "manager",
+        ("groups", "requests", "prefix_cache_stats", "metrics"),
+        ("junctions", "retained_copies"),
     )
     saved_groups = as_list(s["groups"], "manager.groups")
     if len(saved_groups) != len(groups):
@@ -637,6 +644,10 @@ def _restore_manager(manager: KVCacheManager, state: object) -> None:
         )
         for rid, at in junctions.items()
     }
+    manager.retained_copy_batches = deque(
+        [blocks[i] for i in as_ints(batch, f"manager.retained_copies[{k}]", 1, n)]
+        for k, batch in enumerate(as_list(s.get("retained_copies", []), "manager.retained_copies"))
+    )
     stats = as_type(s["prefix_cache_stats"], "manager.prefix_cache_stats",
                    PrefixCacheStats, type(None))  # fmt: skip
     if manager.log_stats:  # a snapshot of a copy that kept no stats starts them afresh

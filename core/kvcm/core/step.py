@@ -629,7 +629,7 @@ def _execute_skipped(x: _Execution) -> Handler:
     return run
 
 
-# --------------------------------------------------------------------------- PREEMPT, FINISH
+# -------------------------------------------------------------- PREEMPT, FINISH(_DEFERRED)
 def _validate_free(v: checks.Shadow) -> Handler:
     ops, state_of, table, discard = v.program.ops, v.state, v.table, v.allocated.discard
     preempt, holds_no = OpKind.PREEMPT, checks.HOLDS_NO
@@ -651,6 +651,11 @@ def _validate_free(v: checks.Shadow) -> Handler:
 def _execute_free(x: _Execution) -> Handler:
     free, keys, ops, preempt = x.pool.free, x.program.request_keys, x.program.ops, OpKind.PREEMPT
     return lambda op_index, k, n: free(keys[k], preempt=ops[op_index] == preempt)
+
+
+def _execute_free_deferred(x: _Execution) -> Handler:
+    free, keys = x.pool.free, x.program.request_keys
+    return lambda op_index, k, n: free(keys[k], preempt=False, in_one_call=True)
 
 
 # ------------------------------------------------------------------------------ EVICT_BLOCKS
@@ -801,6 +806,58 @@ def _execute_take_copies(x: _Execution) -> Handler:
             drained.extend((source, destination))
         if retained:
             manager.block_pool.free_blocks(retained)
+
+    return run
+
+
+# ------------------------------------------- TAKE_BLOCK_COPIES_RETAINED, RELEASE_BLOCK_COPIES
+def _validate_retain_copies(v: checks.Shadow) -> Handler:
+    def check(op_index: int, k: int, n: int) -> None:
+        v.retained_copy_batches += 1
+
+    return check
+
+
+def _execute_retain_copies(x: _Execution) -> Handler:
+    # vLLM's scheduler when it defers frees (an asynchronous KV consumer): the drained copies'
+    # blocks stay referenced until the step running the copies completed.
+    manager, outcome = x.manager, x.outcome
+    drained, counts = outcome.drained_copy_block_ids, outcome.drained_num_copies
+
+    def run(op_index: int, k: int, n: int) -> None:
+        copies, retained = manager.take_kv_cache_block_copies()
+        counts.append(len(copies))
+        for source, destination in copies:
+            drained.extend((source, destination))
+        manager.retain_block_copies(retained)
+
+    return run
+
+
+def _validate_release_copies(v: checks.Shadow) -> Handler:
+    kind = OpKind.RELEASE_BLOCK_COPIES
+
+    def check(op_index: int, k: int, n: int) -> None:
+        if not v.retained_copy_batches:
+            raise checks.reject(
+                FailedPreconditionError(
+                    f"pool {v.pool.name!r} retains no drained block copies to release "
+                    "(TAKE_BLOCK_COPIES_RETAINED retains one drain per op)"
+                ),
+                op_index,
+                kind,
+                f"ops[{op_index}]",
+            )
+        v.retained_copy_batches -= 1
+
+    return check
+
+
+def _execute_release_copies(x: _Execution) -> Handler:
+    release = x.manager.release_block_copies
+
+    def run(op_index: int, k: int, n: int) -> None:
+        release()
 
     return run
 
@@ -1179,6 +1236,9 @@ _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.TAKE_HOST_COPIES: (_validate_take_host_copies, _execute_take_host_copies),
     OpKind.ADMIT_WITH_HOST: (_validate_admit_host, _execute_admit_host),
     OpKind.HOST_SYNC: (_validate_host_sync, _execute_host_sync),
+    OpKind.FINISH_DEFERRED: (_validate_free, _execute_free_deferred),
+    OpKind.TAKE_BLOCK_COPIES_RETAINED: (_validate_retain_copies, _execute_retain_copies),
+    OpKind.RELEASE_BLOCK_COPIES: (_validate_release_copies, _execute_release_copies),
 }
 """Per op kind, its validate and execute handlers' makers (one row per op table row)."""
 assert set(_PAIRS) == set(OP_TABLE), "every op kind has a validate and an execute handler"

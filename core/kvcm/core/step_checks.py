@@ -120,6 +120,7 @@ class Shadow:
         "pool",
         "program",
         "requests_get",
+        "retained_copy_batches",
         "swapped",
         "table",
         "verify",
@@ -137,6 +138,9 @@ class Shadow:
         self.allocated: set[int] = set()
         self.deferred_hits: set[int] = set()  # alloc indices whose hit is checked at run time
         self.swapped: dict[int, bool] = {}  # keys swapped out (True) or in (False) by ops so far
+        # Retained copy drains after the ops so far (TAKE_BLOCK_COPIES_RETAINED adds one,
+        # RELEASE_BLOCK_COPIES takes the oldest).
+        self.retained_copy_batches = len(manager.retained_copy_batches)
 
     def is_swapped(self, key: int, request: Request) -> bool:
         """Whether the request is swapped out to the host tier after the ops so far."""

@@ -35,6 +35,9 @@ class StepOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_OP_KIND_SWAP_IN: _ClassVar[StepOpKind]
     STEP_OP_KIND_TAKE_HOST_COPIES: _ClassVar[StepOpKind]
     STEP_OP_KIND_ADMIT_WITH_HOST: _ClassVar[StepOpKind]
+    STEP_OP_KIND_FINISH_DEFERRED: _ClassVar[StepOpKind]
+    STEP_OP_KIND_TAKE_BLOCK_COPIES_RETAINED: _ClassVar[StepOpKind]
+    STEP_OP_KIND_RELEASE_BLOCK_COPIES: _ClassVar[StepOpKind]
     STEP_OP_KIND_HOST_SYNC: _ClassVar[StepOpKind]
 
 class HostSyncAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -68,6 +71,9 @@ STEP_OP_KIND_SWAP_OUT: StepOpKind
 STEP_OP_KIND_SWAP_IN: StepOpKind
 STEP_OP_KIND_TAKE_HOST_COPIES: StepOpKind
 STEP_OP_KIND_ADMIT_WITH_HOST: StepOpKind
+STEP_OP_KIND_FINISH_DEFERRED: StepOpKind
+STEP_OP_KIND_TAKE_BLOCK_COPIES_RETAINED: StepOpKind
+STEP_OP_KIND_RELEASE_BLOCK_COPIES: StepOpKind
 STEP_OP_KIND_HOST_SYNC: StepOpKind
 HOST_SYNC_ACTION_UNSPECIFIED: HostSyncAction
 HOST_SYNC_ACTION_STORE: HostSyncAction
