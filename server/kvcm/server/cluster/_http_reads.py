@@ -108,6 +108,7 @@ class ClusterReads:
 
         Raises:
             InvalidArgumentError: A state name is unknown (naming ``state``).
+            ClusterCallError: A replica refused its part (its status).
         """
         request = pd_pb2.ListTransfersRequest()
         for name in states:
@@ -120,7 +121,7 @@ class ClusterReads:
                 self._node, self._peers, request, CallerContext(authorization)
             )
         except PeerRefusedError as exc:
-            raise _translated(exc) from exc
+            raise ClusterCallError(exc.code.name, exc.details) from exc
         listing: dict[str, Any] = json_format.MessageToDict(
             merged,
             preserving_proto_field_name=True,
@@ -145,7 +146,7 @@ class ClusterReads:
         the pools, the replicas missed, the replicas asked.
 
         Raises:
-            ClusterCallError: A peer refused its part (or another error named by code).
+            ClusterCallError: A peer refused its part (its status).
         """
         node = self._node
         headers = {LOCAL_KEY: "1"}
@@ -159,7 +160,7 @@ class ClusterReads:
         try:
             answers, missed = await _ask(node, CallerContext(authorization), "ListPools", parts)
         except PeerRefusedError as exc:
-            raise _translated(exc) from exc
+            raise ClusterCallError(exc.code.name, exc.details) from exc
         listings: list[tuple[str, Iterable[Mapping[str, Any]]]] = [(node.address, local)]
         listings.extend((address, answer) for address, answer in answers)
         merged = merge_listings(node, listings, lambda pool: str(pool["name"]))

@@ -26,6 +26,7 @@ from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.core.pd_route import PdRoute, PdRouteQuery
 from kvcm.server.access import RefusalLog, may_read
 from kvcm.server.http._cluster import (
+    ClusterCallError,
     ClusterReadsLike,
     ClusterRedirect,
     fanned_headers,
@@ -429,10 +430,14 @@ def build_app(
         listed = PoolList(pools=summarize_wired(readable))
         if cluster is None or is_local_request(request.headers):
             return listed
-        pools, missing, asked = await cluster.pools(
-            [summary.model_dump() for summary in listed.pools],
-            request.headers.get("authorization"),
-        )
+        try:
+            pools, missing, asked = await cluster.pools(
+                [summary.model_dump() for summary in listed.pools],
+                request.headers.get("authorization"),
+            )
+        except ClusterCallError as exc:  # a replica's refusal, with its status
+            refused = ErrorBody(error=ErrorDetail(code=exc.code, message=str(exc)))
+            return JSONResponse(refused.model_dump(), status_code=exc.status)
         return JSONResponse(
             {"pools": pools, "missing_replicas": list(missing), "replicas": asked},
             headers=fanned_headers(asked, missing),

@@ -54,9 +54,13 @@ REPLICAS_HEADER: Final = "kvcm-replicas"
 #: The replicas a fanned-out answer missed (comma-separated advertise addresses).
 MISSING_HEADER: Final = "kvcm-missing-replicas"
 
-# gRPC code name -> HTTP status, for a replica's refusal that has no core exception twin.
+# gRPC code name -> HTTP status of a replica's refusal (the statuses the routes answer).
 _HTTP_STATUS: Final = {
+    "INVALID_ARGUMENT": 400,
     "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
     "FAILED_PRECONDITION": 409,
     "UNAVAILABLE": 503,
     "DEADLINE_EXCEEDED": 504,
@@ -64,8 +68,9 @@ _HTTP_STATUS: Final = {
 
 
 class ClusterCallError(KVCMError):
-    """A replica refused its part of a cluster-wide read with a status that no core error
-    stands for (UNAVAILABLE from a replica being stopped, UNAUTHENTICATED, ...).
+    """A replica refused its part of a cluster-wide read (``/v1/lookup`` and ``/v1/pd/route``
+    get the refusals a single server answers as core errors, this for the others:
+    UNAVAILABLE from a replica being stopped, UNAUTHENTICATED, ...).
 
     Attributes:
         code: The gRPC status code's name.
@@ -111,6 +116,7 @@ class ClusterReadsLike(Protocol):
 
         Raises:
             InvalidArgumentError: A state name is unknown (naming ``state``).
+            ClusterCallError: A replica refused its part.
         """
         ...
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from kvcm.common.errors import InvalidArgumentError, KVCMError, NotFoundError
+from kvcm.common.errors import InvalidArgumentError, NotFoundError
 from kvcm.server.http._cluster import (
     ClusterCallError,
     ClusterReadsLike,
@@ -80,10 +80,8 @@ def add_transfer_routes(
                 )
             except InvalidArgumentError as exc:
                 return _error("INVALID_ARGUMENT", str(exc), 400)
-            except ClusterCallError as exc:
+            except ClusterCallError as exc:  # a replica's refusal, with its status
                 return _error(exc.code, str(exc), exc.status)
-            except KVCMError as exc:  # a replica's refusal (a denied or unknown principal)
-                return _error("PERMISSION_DENIED", str(exc), 403)
             body = {**listed, "missing_replicas": list(missing), "replicas": asked}
             return JSONResponse(body, headers=fanned_headers(asked, missing))
         try:
