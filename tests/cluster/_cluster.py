@@ -7,12 +7,14 @@ temporary directory, and is stopped at the end (``kill -9`` for the ones a test 
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +23,10 @@ import pytest
 
 from kvcm.client import SchedulerClient
 
-CLI = [sys.executable, "-m", "kvcm.server.cli"]
+# kvcm serve, able to dump its threads' and tasks' stacks on SIGUSR1 (_replica_main.py).
+CLI = [sys.executable, str(Path(__file__).resolve().parent / "_replica_main.py")]
+# The replicas' log level (KVCM_TEST_REPLICA_LOG_LEVEL=INFO shows checkpoints and links).
+LOG_LEVEL = os.environ.get("KVCM_TEST_REPLICA_LOG_LEVEL", "WARNING")
 
 
 def free_port() -> int:
@@ -73,7 +78,13 @@ class Etcd:
 
 
 class Replica:
-    """``kvcm serve --etcd-endpoints`` in a subprocess."""
+    """``kvcm serve --etcd-endpoints`` in a subprocess.
+
+    Its stderr (its log) goes to a file, ``<data_dir>.log`` beside its data directory (else
+    in a temporary directory): a pipe nobody reads would stall a replica that logs a lot.
+    :meth:`log_tail` reads the end of it; :meth:`dump_stacks` has the replica write where
+    each of its threads and asyncio tasks waits there.
+    """
 
     def __init__(
         self, etcd: Etcd, prefix: str, *, lease_ttl_s: int = 2, data_dir: Path | None = None
@@ -85,21 +96,43 @@ class Replica:
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
         self.process: subprocess.Popen[bytes] | None = None
+        if data_dir is not None:
+            self.log_path = data_dir.with_name(data_dir.name + ".log")
+        else:
+            self.log_path = Path(tempfile.mkdtemp(prefix="kvcm-replica-")) / "replica.log"
 
     def start(self) -> None:
         self.spawn()
         self.wait_serving()
 
     def spawn(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._popen(log)
+
+    def _popen(self, log: io.BufferedWriter) -> None:
         self.process = subprocess.Popen(
             [*CLI, "serve", "--grpc-address", self.address,
              "--http-address", f"127.0.0.1:{self.http_port}",
              "--etcd-endpoints", self.etcd.endpoint, "--etcd-prefix", self.prefix,
              "--etcd-lease-ttl-s", str(self.lease_ttl_s), "--etcd-timeout-s", "1",
-             "--cluster-fanout-timeout-s", "1", "--log-level", "WARNING",
+             "--cluster-fanout-timeout-s", "1", "--log-level", LOG_LEVEL,
              *(["--data-dir", str(self.data_dir)] if self.data_dir is not None else [])],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ),
+            stdout=subprocess.DEVNULL, stderr=log, env=dict(os.environ),
         )  # fmt: skip
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last ``lines`` lines of the replica's log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def dump_stacks(self) -> None:
+        """Have the running replica write its threads' and tasks' stacks to its log."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGUSR1)
 
     def wait_serving(self) -> None:
         assert self.process is not None
@@ -111,8 +144,10 @@ class Replica:
                     return
                 except Exception:
                     if self.process.poll() is not None:
-                        err = self.process.stderr.read().decode()  # type: ignore[union-attr]
-                        raise AssertionError(f"kvcm serve exited: {err}") from None
+                        raise AssertionError(
+                            f"kvcm serve exited; its log ({self.log_path}) ends:\n"
+                            + self.log_tail()
+                        ) from None
                     assert time.monotonic() - started < 60, "kvcm serve did not come up"
                     time.sleep(0.05)
 

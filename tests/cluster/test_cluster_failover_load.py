@@ -54,7 +54,8 @@ LEASE_TTL_S = 2
 PREFIX = "/kvcm-test-failover-load"
 SDK_POOLS = [f"load-{i}" for i in range(5)]
 ENGINE_POOL = "load-engine"
-KILLS = 30 if os.environ.get("KVCM_LONG") == "1" else 2
+# KVCM_KILLS=N overrides the count (a shorter extended run while working on it).
+KILLS = int(os.environ.get("KVCM_KILLS") or (30 if os.environ.get("KVCM_LONG") == "1" else 2))
 
 
 def _import_vllm() -> None:
@@ -104,6 +105,15 @@ def cluster(etcd: Etcd, tmp_path: Path) -> Iterator[list[Replica]]:
     finally:
         for replica in started:
             replica.stop(signal.SIGKILL)
+
+
+def _report(replicas: list[Replica]) -> None:
+    """On a failure: where each live replica waits (its stacks), and every replica's log."""
+    for replica in replicas:
+        replica.dump_stacks()
+    time.sleep(1.0)
+    for replica in replicas:
+        print(f"=== {replica.address} ({replica.log_path}):\n{replica.log_tail(200)}")
 
 
 def _wait(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
@@ -291,6 +301,9 @@ def test_kill_9_under_sdk_and_vllm_mirror_load_loses_nothing_and_clients_ride_it
             f" p50 {p50:.2f} s, p99 {p99:.2f} s, max {failovers[-1]:.2f} s"
         )
         assert failovers[-1] < LEASE_TTL_S + 1.0, failovers
+    except BaseException:
+        _report(cluster)
+        raise
     finally:
         for worker in [*drivers, *readers]:
             worker.stopping.set()

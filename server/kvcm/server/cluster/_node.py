@@ -36,7 +36,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aetcd.exceptions
@@ -278,15 +278,18 @@ class ClusterNode:
             self._apply(pool_id, new)
         return bool(won)
 
-    def _choose(self, primary: str | None = None) -> tuple[str, str | None]:
+    def _choose(
+        self, primary: str | None = None, planned: Mapping[str, Placement] | None = None
+    ) -> tuple[str, str | None]:
         """Primary and standby for a new pool, as placed now: the live replica with the fewest
         primaries (then standbys, then address), and of the others the one with the fewest
         standbys (then primaries, then address); this replica when it knows of none.
-        ``primary``: already chosen (a pool this replica holds); only the standby is."""
+        ``primary``: already chosen (a pool this replica holds); only the standby is.
+        ``planned``: placements about to be written, counted instead of the pools' own."""
         live = set(self.replicas) | {self.address}
         primaries = dict.fromkeys(live, 0)
         standbys = dict.fromkeys(live, 0)
-        for placement in self._placements.values():
+        for placement in {**self._placements, **(planned or {})}.values():
             if placement.primary in primaries:
                 primaries[placement.primary] += 1
             if placement.standby in standbys:
@@ -435,17 +438,19 @@ class ClusterNode:
         this replica serves whose standby left a new one (see the module docstring)."""
         if self.can_promote is None or self.address not in self.replicas:
             return  # failover off, or this replica's own session is not live: act on nothing
+        planned: dict[str, Placement] = {}
+        changes: list[tuple[Placement, Placement]] = []
         for placement in list(self._placements.values()):
             live = self.replicas
             if placement.primary in live:
                 if placement.primary != self.address or placement.standby in live:
                     continue
-                _, standby = self._choose(self.address)
+                _, standby = self._choose(self.address, planned)
                 if standby == placement.standby:
                     continue
                 new = dataclasses.replace(placement, standby=standby)
             elif placement.standby == self.address and self.can_promote(placement.pool_id):
-                _, standby = self._choose(self.address)
+                _, standby = self._choose(self.address, planned)
                 new = Placement(
                     pool_id=placement.pool_id,
                     primary=self.address,
@@ -454,11 +459,18 @@ class ClusterNode:
                 )
             else:
                 continue
-            try:
-                won = await self.replace(placement, new)
-            except Exception as exc:  # etcd away: the next listing tries again
-                _LOG.warning("failover of pool %s waits: %s", placement.pool_id, exc)
-                return
+            planned[new.pool_id] = new
+            changes.append((placement, new))
+        # Side by side: the pools a dead peer held change placement within one etcd round
+        # trip, so this replica promotes them together (one checkpoint, Replication.promote)
+        # instead of one transaction, and one checkpoint, after the other.
+        outcomes = await asyncio.gather(
+            *(self.replace(old, new) for old, new in changes), return_exceptions=True
+        )
+        for (placement, new), won in zip(changes, outcomes, strict=True):
+            if isinstance(won, BaseException):  # etcd away: the next listing tries again
+                _LOG.warning("failover of pool %s waits: %s", placement.pool_id, won)
+                continue
             if won:
                 _LOG.warning(
                     "pool %s: %s is primary at epoch %d (standby %s); %s left",

@@ -112,9 +112,8 @@ class ClusterRuntime:
         def changed(pool_id: str, placement: Placement | None) -> None:
             changes.put_nowait((pool_id, placement))
 
-        async def feed() -> None:
-            while True:
-                pool_id, placement = await changes.get()
+        async def take(pool_id: str, placements: list[Placement | None]) -> None:
+            for placement in placements:
                 try:
                     known = replication.pools.get(pool_id)
                     if placement is None:
@@ -128,6 +127,19 @@ class ClusterRuntime:
                         await replication.set_placement(placement)
                 except Exception:
                     _LOG.exception("replication refused placement %s of %s", placement, pool_id)
+
+        async def feed() -> None:
+            # Each pool's changes in order; the pools that changed together side by side, so
+            # that the pools a dead peer held are promoted at once (one checkpoint for all:
+            # Replication.promote), not each after the previous one's checkpoint.
+            while True:
+                batch = [await changes.get()]
+                while not changes.empty():
+                    batch.append(changes.get_nowait())
+                by_pool: dict[str, list[Placement | None]] = {}
+                for pool_id, placement in batch:
+                    by_pool.setdefault(pool_id, []).append(placement)
+                await asyncio.gather(*(take(p, placements) for p, placements in by_pool.items()))
 
         def can_promote(pool_id: str) -> bool:
             entry = replication.pools.get(pool_id)

@@ -93,6 +93,9 @@ _SEED_CHUNK: Final = 1 << 20  # bytes of snapshot per seed message
 _MAX_UNACKED: Final = 65_536  # records in flight to a standby before the link is reseeded
 _BACKOFF_S: Final = (0.05, 1.0)  # reconnect backoff: first, most
 _STOP_POLL_S: Final = 0.25  # how often an idle ShipRecords stream looks for a server stop
+# How long a promotion's checkpoint waits before it begins, so that the pools whose placements
+# arrive together (one etcd watch message after another) share it.
+_PROMOTION_GATHER_S: Final = 0.02
 
 
 class Role(enum.Enum):
@@ -218,6 +221,10 @@ class Replication:
         self.fenced = 0  # times this replica stepped down
         self.directory = directory
         self._saved = b""
+        # Promotions share checkpoints: the one not begun yet (every pool promoted before it
+        # begins is in it), and the one being taken.
+        self._next_checkpoint: asyncio.Future[None] | None = None
+        self._checkpointing: asyncio.Task[None] | None = None
         if directory is not None:
             self._load(directory / STATE_FILE)
 
@@ -370,6 +377,7 @@ class Replication:
         """
         entry = self.entry(pool_id)
         self._check_promotable(entry, epoch)
+        started = time.monotonic()
         state = self.state
         entry.role = Role.PROMOTING
         entry.epoch = epoch
@@ -378,21 +386,12 @@ class Replication:
         self._unlink(entry, None)
         state.standby_pools.discard(pool_id)
         state.activity[pool_id] = state.clock.now()
-        journal = state.journal
 
         def promoting() -> bool:
             return entry.role is Role.PROMOTING and entry.epoch == epoch
 
-        while journal is not None and pool_id in state.registry and promoting():
-            while journal.gate is not None:  # another checkpoint is being taken
-                await journal.gate.wait()
-            try:
-                if await checkpoint_live(state, journal):
-                    break
-                await asyncio.sleep(0.05)  # postponed: calls were still running
-            except OSError as exc:  # a full or failing disk: the calls wait, try again
-                _LOG.error("promotion of %r waits for a checkpoint: %s", pool_id, exc)
-                await asyncio.sleep(1.0)
+        if state.journal is not None and pool_id in state.registry:
+            await self._checkpoint_after_now()
         if not promoting():
             return  # stepped down (a newer epoch) while the checkpoint was taken
         entry.role = Role.PRIMARY
@@ -400,9 +399,68 @@ class Replication:
         self.failovers += 1
         _LOG.warning(
             "promoted to primary",
-            extra={"event": "replica_promoted", "pool": pool_id, "placement_epoch": epoch},
+            extra={
+                "event": "replica_promoted",
+                "pool": pool_id,
+                "placement_epoch": epoch,
+                "seconds": round(time.monotonic() - started, 3),
+            },
         )
         self._relink(entry)
+
+    async def _checkpoint_after_now(self) -> None:
+        """Wait for a live checkpoint that begins after this call (it holds every pool not a
+        standby's, so every pool promoted before it begins is then durable here).
+
+        Promotions share it: a replica that takes over several pools at once (its peer died)
+        writes one checkpoint for all of them, not one after the other (each O(every pool's
+        state), the kept event logs included), which made the last pool's failover grow with
+        the number of pools and their logs.
+        """
+        waiting = self._next_checkpoint
+        if waiting is None:
+            waiting = self._next_checkpoint = asyncio.get_running_loop().create_future()
+            previous = self._checkpointing
+            self._checkpointing = asyncio.get_running_loop().create_task(
+                self._take_checkpoint(waiting, previous), name="kvcm-promotion-checkpoint"
+            )
+        await asyncio.shield(waiting)
+
+    async def _take_checkpoint(
+        self, done: asyncio.Future[None], previous: asyncio.Task[None] | None
+    ) -> None:
+        state = self.state
+        journal = state.journal
+        try:
+            if previous is not None:  # one round at a time: the next one begins after it
+                with contextlib.suppress(BaseException):
+                    await previous
+            await asyncio.sleep(_PROMOTION_GATHER_S)
+            if self._next_checkpoint is done:
+                self._next_checkpoint = None  # promotions from now on wait for the next one
+            while journal is not None:
+                while journal.gate is not None:  # another checkpoint is being taken
+                    await journal.gate.wait()
+                try:
+                    if await checkpoint_live(state, journal):
+                        break
+                    await asyncio.sleep(0.05)  # postponed: calls were still running
+                except OSError as exc:  # a full or failing disk: the calls wait, try again
+                    _LOG.error("a promotion waits for a checkpoint: %s", exc)
+                    await asyncio.sleep(1.0)
+        except asyncio.CancelledError:
+            done.cancel()
+            raise
+        except Exception as exc:
+            if not done.done():
+                done.set_exception(exc)
+                done.exception()
+            raise
+        finally:
+            if self._next_checkpoint is done:
+                self._next_checkpoint = None
+        if not done.done():
+            done.set_result(None)
 
     def _check_promotable(self, entry: ReplicaState, epoch: int) -> None:
         pool_id = entry.pool_id
