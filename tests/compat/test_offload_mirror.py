@@ -17,22 +17,22 @@ evictions and loads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from _engine_core import build_engine, plan_workload, run
+from _engine_core import Engine, RequestPlan, _engine_request, build_engine, plan_workload, run
 from test_offload_spec import _setup
 
 from kvcm.client import LookupQuery, SchedulerClient
 from kvcm.common.hashing import external_block_hash
-from kvcm.core.host_tier import prefix_host_hit_tokens
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.settings import ServerSettings
 
 NUM_REQUESTS = 30
-NUM_CHUNKS = 40  # far below the working set: the tier evicts
+NUM_CHUNKS = 40  # far below the working set: the tier evicts (fewer chunks when hybrid)
 
 
 @pytest.fixture
@@ -67,19 +67,22 @@ def _server_tier(server: EmbeddedServer, pool_id: str) -> tuple[tuple[Any, ...],
     return server.call(read())
 
 
-def _cpu_events(events: list[Any]) -> list[tuple[str, Any]]:
-    # (type, hash) per key, in order; the engine's events (plain data: a stored event has
-    # token_ids) may carry several keys each, the server's kvcm events one.
-    pairs = []
+def _cpu_events(events: list[Any]) -> dict[Any, list[tuple[str, Any]]]:
+    # Per KV-cache group, (type, hash) per key in order. The engine's events (plain data: a
+    # stored event has token_ids) carry a call's keys per group, the server's one key each.
+    pairs: dict[Any, list[tuple[str, Any]]] = {}
     for event in events:
         if isinstance(event, dict):
             if event.get("medium") != "CPU":
                 continue
             kind = "BlockStored" if "token_ids" in event else "BlockRemoved"
-            pairs += [(kind, block_hash) for block_hash in event["block_hashes"]]
+            group, hashes = event.get("group_idx"), event["block_hashes"]
         elif getattr(event, "medium", None) == "CPU":
-            kind = type(event).__name__
-            pairs += [(kind, external_block_hash(h)) for h in event.block_hashes]
+            kind, group = type(event).__name__, event.group_idx
+            hashes = [external_block_hash(h) for h in event.block_hashes]
+        else:
+            continue
+        pairs.setdefault(group, []).extend((kind, h) for h in hashes)
     return pairs
 
 
@@ -95,16 +98,22 @@ def _plain(outputs: Any) -> Any:
     return outputs
 
 
-@pytest.mark.parametrize("mode", ["mirror", "remote"])
+@pytest.mark.parametrize(
+    ("case", "mode"), [("full", "mirror"), ("full", "remote"), ("hybrid-swa", "mirror")]
+)
 def test_the_server_holds_the_engine_host_tier_after_every_step(
-    mode: str, server: EmbeddedServer, vllm: Any
+    case: str, mode: str, server: EmbeddedServer, vllm: Any
 ) -> None:
     from kvcm.integrations.vllm import KvcmOffloadingManager, KvcmScheduler
 
     del vllm
     setup = _setup("KvcmOffloadingSpec", NUM_CHUNKS)
+    if case == "hybrid-swa":  # a sliding-window layer beside the full-attention one
+        setup = dataclasses.replace(
+            setup, sliding_window=32, retention_interval=None, num_blocks=96
+        )
     plans = plan_workload(7, NUM_REQUESTS, setup)
-    pool_id = f"offload-{mode}"
+    pool_id = f"offload-{case}-{mode}"
     config = {"kvcm": {"address": server.grpc_address, "pool_id": pool_id, "mode": mode}}
     reference = build_engine(setup)
     mirrored = build_engine(setup, KvcmScheduler, config)
@@ -114,7 +123,7 @@ def test_the_server_holds_the_engine_host_tier_after_every_step(
         assert isinstance(offloading, KvcmOffloadingManager)
         host = offloading.host
         assert manager.host_tier is host
-        assert manager.pool_config().offload_host_blocks == NUM_CHUNKS
+        assert manager.pool_config().offload_host_blocks == host.num_blocks > 0
         reference_host = reference.scheduler.connector.connector_scheduler.manager.host
         engine_events: list[Any] = []
         turns = 0
@@ -132,7 +141,7 @@ def test_the_server_holds_the_engine_host_tier_after_every_step(
             assert _tier_state(host) == _tier_state(reference_host), turns
         stats = host.stats()
         assert turns > 100
-        assert stats.stores > NUM_CHUNKS  # the tier filled
+        assert stats.stores > host.num_blocks  # the tier filled
         assert stats.evictions > 0
         shipper = manager.sink.stats
         assert shipper.mismatches == 0
@@ -142,9 +151,8 @@ def test_the_server_holds_the_engine_host_tier_after_every_step(
         assert _cpu_events(engine_events)
         assert _cpu_events(server_events) == _cpu_events(engine_events)
 
-        # Lookup: a prompt whose blocks only the host tier holds hits there, as the engine's
-        # connector would load them.
-        core = manager.core
+        # Lookup: past the device hit, the host tier's tokens are what the engine's own
+        # connector would load for the prompt (its lookup, run on the engine's tier).
         held = 0
         with SchedulerClient(server.grpc_address) as client:
             for plan in plans:
@@ -153,10 +161,7 @@ def test_the_server_holds_the_engine_host_tier_after_every_step(
                 tokens = list(plan.prompt)
                 answer = client.lookup(LookupQuery(token_ids=tokens, pool_ids=[pool_id]))
                 (hit,) = answer.pools
-                hashes = _prompt_hashes(server, pool_id, tokens)
-                expected_cpu = prefix_host_hit_tokens(
-                    core, host, hashes, hit.num_hit_tokens, len(tokens) - 1
-                )
+                expected_cpu = _connector_hit(mirrored, plan, hit.num_hit_tokens)
                 assert dict(hit.tier_hit_tokens).get("CPU", 0) == expected_cpu, plan.request_id
                 held += expected_cpu > 0
         assert held, "some prompt is held in the host tier only"
@@ -165,7 +170,7 @@ def test_the_server_holds_the_engine_host_tier_after_every_step(
         http_address = server.http_address
         with httpx.Client(base_url=f"http://{http_address}", timeout=5.0) as http:
             tier = http.get(f"/v1/pools/{pool_id}").json()["host_tier"]
-        assert tier["blocks"] == NUM_CHUNKS
+        assert tier["blocks"] == host.num_blocks
         assert tier["used_blocks"] == stats.num_used
         assert tier["demoted_blocks"] == stats.stores
         assert tier["evicted_blocks"] == stats.evictions
@@ -175,9 +180,32 @@ def test_the_server_holds_the_engine_host_tier_after_every_step(
         reference.shutdown()
 
 
-def _prompt_hashes(server: EmbeddedServer, pool_id: str, tokens: list[int]) -> Any:
-    async def read() -> Any:
-        pool = await server.server.state.pool(pool_id)
-        return pool.computed_hashes(tokens, None, None)
+def _connector_hit(engine: Engine, plan: RequestPlan, num_device: int) -> int:
+    """What vLLM's offloading connector would load for ``plan``'s prompt as a new request
+    after ``num_device`` device-hit tokens: its lookup of complete chunks on the engine's
+    tier. A full-attention model leaves the last token to compute, as kvcm's lookups do
+    (vLLM's connector then looks up to the prompt's end; its scheduler recomputes the last
+    token), so its hit is bounded by the whole blocks before the last token."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        RequestOffloadState,
+        _create_req_context,
+    )
 
-    return server.call(read())
+    scheduler = engine.scheduler.connector.connector_scheduler
+    probe = dataclasses.replace(plan, request_id=f"lookup-{plan.request_id}")
+    request, _ = engine.core.preprocess_add_request(_engine_request(probe))
+    context = _create_req_context(request)
+    state = RequestOffloadState(
+        config=scheduler.config,
+        req=request,
+        req_context=context,
+        offloading_context=scheduler.manager.on_new_request(context),
+    )
+    state.update_offload_keys()
+    state.num_locally_computed_tokens = num_device
+    found = scheduler._lookup_complete_chunks(state) or 0
+    if scheduler._sliding_window_groups or not found:
+        return found
+    block_size = engine.setup.block_size
+    bound = (len(plan.prompt) - 1) // block_size * block_size - num_device
+    return min(found, bound) if bound > 0 else 0

@@ -175,6 +175,7 @@ class HostTier:
         block_bytes: Bytes one host block holds (0: not known).
         enable_events: Whether events are recorded for ``take_events``.
         medium: Medium reported in events.
+        connector: Kept by an engine's offloading connector (HOST_SYNC ops).
     """
 
     # NOTE: the tier's state.
@@ -201,6 +202,7 @@ class HostTier:
         "_swapped",
         "_where",
         "block_bytes",
+        "connector",
         "enable_events",
         "medium",
         "num_blocks",
@@ -213,6 +215,7 @@ class HostTier:
         block_bytes: int = 0,
         enable_events: bool = False,
         medium: str = MEDIUM_CPU,
+        connector: bool = False,
     ) -> None:
         """Create an empty tier.
 
@@ -221,6 +224,8 @@ class HostTier:
             block_bytes: Bytes per host block, for usage reports (>= 0).
             enable_events: Record events for ``take_events``.
             medium: Medium reported in events.
+            connector: An engine's offloading connector keeps the tier (HOST_SYNC): prefix
+                hits are answered as its lookup finds them, sliding-window groups included.
 
         Raises:
             InvalidArgumentError: A count is negative or not an int.
@@ -232,6 +237,7 @@ class HostTier:
         self.block_bytes = block_bytes
         self.enable_events = bool(enable_events)
         self.medium = medium
+        self.connector = connector
         self._where: dict[BlockHashWithGroupId, int] = {}
         self._key_of: dict[int, BlockHashWithGroupId] = {}
         # An OrderedDict: a plain dict walked from the front after many deletions there skips
@@ -955,8 +961,19 @@ def prefix_host_hit_tokens(
     num_device_hit_tokens: int,
     max_hit_tokens: int,
 ) -> int:
-    """``host_hit_tokens`` of a prompt's block hashes (a Lookup's, with no request)."""
-    if not manager.enable_caching or not _host_capable(manager):
+    """``host_hit_tokens`` of a prompt's block hashes (a Lookup's, with no request).
+
+    A tier an engine's offloading connector keeps (``HostTier.connector``) also answers for
+    pools of full-attention and sliding-window groups, as vLLM 0.33's offloading connector
+    looks such a request up (:func:`_windowed_hit_tokens`).
+    """
+    if not manager.enable_caching:
+        return 0
+    if not _host_capable(manager):
+        if host.connector:
+            return _windowed_hit_tokens(
+                manager, host, block_hashes, num_device_hit_tokens, max_hit_tokens
+            )
         return 0
     hash_block_size = manager.hash_block_size
     num_hit = max_hit_tokens
@@ -969,6 +986,104 @@ def prefix_host_hit_tokens(
         matched = host.match_prefix(_group_keys(manager, block_hashes, group_id, start, num_full))
         num_hit = min(num_hit, (start + matched) * block_size)
     return max(0, num_hit - num_device_hit_tokens)
+
+
+def _windowed_hit_tokens(
+    manager: KVCacheManager,
+    host: HostTier,
+    block_hashes: Sequence[BlockHash],
+    num_device_hit_tokens: int,
+    max_hit_tokens: int,
+) -> int:
+    # vLLM 0.33's OffloadingConnector lookup of complete chunks (one chunk per block) for
+    # full-attention and sliding-window groups: full-attention groups need every chunk from
+    # the device hit on, a sliding-window group only the chunks of its window before the hit's
+    # end (scanned from the right); a group that lowers the end makes the windows be checked
+    # again at the new end. A store not completed is not a hit (vLLM waits for it). Groups of
+    # other kinds (Mamba, chunked local attention) answer no host hit.
+    from kvcm.core.single_type_managers import FullAttentionManager, SlidingWindowManager
+
+    full: list[tuple[int, int, None]] = []
+    windowed: list[tuple[int, int, int | None]] = []
+    for group_id, single in enumerate(manager.coordinator.single_type_managers):
+        size = single.block_size
+        if type(single) is FullAttentionManager:
+            full.append((group_id, size, None))
+        elif type(single) is SlidingWindowManager:
+            reach = max(
+                single.sliding_window, single.sliding_window - 1 + single.extra_retained_tokens
+            )
+            windowed.append((group_id, size, -(-reach // size)))
+        else:
+            return 0
+    windowed.sort(key=lambda group: -(group[2] or 0))
+    order = [*full, *windowed]
+    computed = num_device_hit_tokens
+    num_tokens = len(block_hashes) * manager.hash_block_size
+    limit = max_hit_tokens
+    num_hit = 0
+    pending_groups: list[tuple[int, int, int | None]] = order
+    while pending_groups:
+        groups, pending_groups = pending_groups, []
+        looked_up_window = False
+        for group_id, size, window in groups:
+            num_keys = num_tokens // size
+            limit = min(limit, num_keys * size)
+            if limit - computed < size:
+                return 0
+            num_chunks = min(-(-limit // size), num_keys)
+            start = computed // size
+            keys = _group_keys(manager, block_hashes, group_id, start, num_chunks)
+            if window is None:
+                found = host.match_prefix(keys)
+            else:
+                found = _window_end(
+                    host,
+                    keys,
+                    window,
+                    _load_window(manager, group_id, size, window, min(limit, num_chunks * size)),
+                )
+            if found == 0:
+                return 0
+            limit = min(limit, size * (start + found))
+            new = limit - computed
+            if new < size:
+                return 0
+            if new < num_hit and looked_up_window and not pending_groups:
+                pending_groups = list(windowed)  # the windows again, at the lower end
+            looked_up_window |= window is not None
+            num_hit = new
+    return num_hit
+
+
+def _load_window(manager: KVCacheManager, group_id: int, size: int, window: int, end: int) -> int:
+    # The window an allocation keeps when the hit ends at `end` (vLLM's
+    # load_window_size_in_chunks): rounding the end up may need one chunk more.
+    from kvcm.core.single_type_managers import SlidingWindowManager
+
+    single = manager.coordinator.single_type_managers[group_id]
+    assert isinstance(single, SlidingWindowManager)
+    reach = single.sliding_window - 1 + single.extra_retained_tokens + (-end % size)
+    return max(window, -(-reach // size))
+
+
+def _window_end(
+    host: HostTier, keys: Sequence[BlockHashWithGroupId], window: int, first: int
+) -> int:
+    # The end (in keys) of the last run of `window` ready keys, scanning from the right; the
+    # rightmost run may need `first` keys (a partial rightmost chunk). No such run: the run
+    # ending at the front (0 when the front key misses).
+    run = 0
+    need = first
+    for index in range(len(keys) - 1, -1, -1):
+        if host.lookup(keys[index]) == HIT:
+            run += 1
+        else:
+            run = 0
+            need = window
+        if run == need:
+            return index + need
+    return run
 
 
 @dataclass(frozen=True, slots=True)

@@ -260,6 +260,7 @@ class Pool:
                 options.offload_host_blocks,
                 block_bytes=block_bytes,
                 enable_events=options.enable_kv_cache_events,
+                connector=True,
             )
         self.kv_cache_config = scheduler_config
         self.max_model_len = max_model_len

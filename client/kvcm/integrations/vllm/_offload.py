@@ -80,7 +80,7 @@ class KvcmOffloadingManager(OffloadingManager):
     ) -> None:
         """A tier of ``num_chunks`` host blocks; ``enable_events``: record OffloadingEvents;
         ``tokens_per_key``: per KV-cache group, the tokens one chunk holds (hit counts)."""
-        self.host = HostTier(num_chunks)
+        self.host = HostTier(num_chunks, connector=True)
         self.sync: Callable[[int, Sequence[BlockHashWithGroupId]], None] | None = None
         self._tokens_per_key = tuple(tokens_per_key)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
