@@ -310,10 +310,11 @@ def test_with_a_replica_stopped_every_cluster_read_comes_in_time_and_names_it(
     finally:
         victim.process.send_signal(signal.SIGCONT)
     missing = [victim.address]
+    print("answered with a replica stopped:", {k: round(v[0], 2) for k, v in answers.items()})
     for name, (elapsed_s, _) in answers.items():
-        # Each fan-out waits at most the deadline (RoutePd: one per role) plus slack for a
-        # loaded 2-core machine.
-        assert elapsed_s < 2 * FANOUT_TIMEOUT_S + 2.5, (name, elapsed_s)
+        # Each fan-out waits at most the deadline (RoutePd's two roles at once) plus slack
+        # for a loaded 2-core machine.
+        assert elapsed_s < FANOUT_TIMEOUT_S + 2.0, (name, elapsed_s)
     body = _fanned(answers["http lookup"][1], 3, missing)
     assert sorted(hit["pool_id"] for hit in body["pools"]) == kept
     assert body["num_pools_in_scope"] == len(kept)

@@ -12,8 +12,8 @@ again), answers its own part, and merges:
   core's rank key (score, then waiting requests, then usage, then pool id) and cut at
   ``max_results``; ``skipped`` and ``num_pools_in_scope`` add up. Packed or not, as asked.
   A standby's copy of a pool (replication) is left out: only the primary's answer counts.
-* ``RoutePd``: each role's Lookup fanned out and merged as above (this replica's part over
-  the loopback), the held request (bidirectional) read by the best decode pool's own replica,
+* ``RoutePd``: each role's Lookup fanned out and merged as above, both roles at once (this
+  replica's part over the loopback), the held request (bidirectional) read by the best decode pool's own replica,
   then the core's ranking, so the route is the one a single server holding every pool gives.
 * ``ListTransfers`` of every pool (no ``pool_id``; one pool's is redirected to its primary):
   each replica's records of the pools it is the primary of (a standby's copies left out), in
@@ -471,31 +471,35 @@ async def cluster_route_pd(
     node: ClusterNode, peers: PeerChannels, query: PdRouteQuery, context: Any
 ) -> tuple[PdRoute, int]:
     """``RoutePd`` over every live replica's pools: each role's Lookup fanned out and merged
-    (this replica's part over the loopback), the held request read on the best decode pool's
-    own replica, then the core's ranking (:func:`kvcm.core.pd_route.rank_pd`). Returns the
-    route, with the replicas it missed, and the number of replicas asked. ``context``: the
+    (both roles at once; this replica's part over the loopback), the held request read on the
+    best decode pool's own replica, then the core's ranking
+    (:func:`kvcm.core.pd_route.rank_pd`). Returns the route, with the replicas it missed, and
+    the number of replicas asked. ``context``: the
     gRPC call's, or a :class:`CallerContext`.
 
     Raises:
         PeerRefusedError: A replica refused a role's part (its field named by role, as a
             single server names it).
     """
-    answers: list[LookupAnswer] = []
-    missed: set[str] = set()
-    asked = 0
-    for role in ("prefill_scope", "decode_scope"):
+
+    async def role_answer(role: str) -> tuple[LookupAnswer, int]:
         role_request = lookup_query_to_proto(query.role_query(role), packed=False)
         try:
-            answer, role_asked = await _cluster_lookup(
-                node, peers, None, role_request, context, method="RoutePd"
-            )
+            return await _cluster_lookup(node, peers, None, role_request, context, method="RoutePd")
         except grpc.aio.AioRpcError as exc:  # name the role's field, as a lone server does
             details = (exc.details() or "").replace("Lookup: scope", f"RoutePd: {role}")
             raise PeerRefusedError(exc.code(), details.replace("scope.", f"{role}.")) from exc
-        answers.append(answer)
-        missed.update(answer.missing_replicas)
-        asked = max(asked, role_asked)
-    prefill, decode = answers
+
+    # Both roles at once: a replica that does not answer costs one deadline, not two.
+    roles = await asyncio.gather(
+        role_answer("prefill_scope"), role_answer("decode_scope"), return_exceptions=True
+    )
+    for result in roles:  # the prefill scope's refusal first, as a lone server checks it
+        if isinstance(result, BaseException):
+            raise result
+    (prefill, prefill_asked), (decode, decode_asked) = roles  # type: ignore[misc]
+    missed = {*prefill.missing_replicas, *decode.missing_replicas}
+    asked = max(prefill_asked, decode_asked)
     held: tuple[str, int] | None = None
     if query.bidirectional and query.held and decode.pools:
         best = decode.pools[0].pool_id
