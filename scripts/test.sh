@@ -53,4 +53,7 @@ fi
 echo "== the sync scheduler client is generated from the async one" >&2
 python scripts/gen_sync_client.py --check
 echo "== pytest" >&2
+# A test skipped for a missing component (vLLM reference, etcd, Prometheus, Chromium) fails the
+# run here (tests/conftest.py); KVCM_STRICT_SKIPS=0 lets it skip, as a plain `pytest` does.
+export KVCM_STRICT_SKIPS="${KVCM_STRICT_SKIPS:-1}"
 python -m pytest "$@"
