@@ -9,8 +9,13 @@ import pytest
 from test_sdk_trace import full_attention_layout
 
 from kvcm.client import ItemStatus, PoolConfig, SchedulerClient, StepBuilder, StepResult
-from kvcm.client._errors import ServiceError
-from kvcm.common.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
+from kvcm.client._errors import ServiceError, ServiceNotFoundError
+from kvcm.common.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from kvcm.core.pool import Pool
 from kvcm.wire import program_from_proto
 
@@ -121,3 +126,52 @@ def test_unary_fork_then_a_decode_answers_the_copy(client: SchedulerClient) -> N
     ((source, destination),) = client.step("fork-unary", decode).copies
     assert source == blocks[0]
     assert destination != source
+
+
+def test_common_computed_blocks_over_grpc_equal_the_core_answer(client: SchedulerClient) -> None:
+    """COMMON_BLOCKS (V0's get_common_computed_block_ids): the SDK call and a Step op answer
+    what the core function answers in process; a key that is not live is NOT_FOUND naming
+    its entry, and the Step changes nothing."""
+    from kvcm.common.hashing import BlockHasher
+    from kvcm.core.fork import pool_common_computed_block_ids
+
+    client.create_pool("fork-common", _config())
+    local = Pool("fork-common", _config())
+    hashing = local.hashing
+    block_size = hashing.hash_block_size
+    hasher = BlockHasher(block_size, hashing.algorithm, hashing.seed)
+    prompt = list(range(2 * block_size + 3))  # two full blocks (cached) and a partial one
+    first = StepBuilder()
+    first.add_request(1, prompt, list(hasher.hash_token_ids(prompt)), request_id="a")
+    first.allocate(1, len(prompt), 0)
+    second = StepBuilder()
+    second.fork(1, 2, len(prompt))
+    second.fork(1, 3, len(prompt))
+    for builder in (first, second):
+        client.step("fork-common", builder)
+        local.run_step(builder.build())
+    # The samples hold the prompt's two cached blocks in common (the partial one is not
+    # computed in V0's sense: not promoted).
+    expected = pool_common_computed_block_ids(local, [1, 2, 3])
+    assert client.common_computed_blocks("fork-common", [1, 2, 3]) == expected
+    assert len(expected[0]) == 2
+    builder = StepBuilder()
+    builder.common_computed_blocks([2])
+    builder.common_computed_blocks([1, 3])
+    remote = client.step("fork-common", builder)
+    in_process = StepResult.of(builder, local.run_step(builder.build()))
+    assert remote.common_blocks == in_process.common_blocks
+    assert remote.common_blocks == [
+        pool_common_computed_block_ids(local, [2]),
+        pool_common_computed_block_ids(local, [1, 3]),
+    ]
+    before = local.state_fingerprint()
+    bad = StepBuilder()
+    bad.common_computed_blocks([1, 99])
+    with pytest.raises(ServiceNotFoundError) as info:
+        client.step("fork-common", bad)
+    assert info.value.field == "common_keys[1]"
+    with pytest.raises(NotFoundError) as local_info:
+        local.run_step(bad.build())
+    assert local_info.value.field == "common_keys[1]"
+    assert local.state_fingerprint() == before

@@ -378,6 +378,12 @@ class StepBuilder:
         The first write into a shared partial block is copied (``StepResult.copies``)."""
         self._writer.op[OpKind.FORK](request_key, child_key, num_computed_tokens)
 
+    def common_computed_blocks(self, request_keys: Sequence[int]) -> None:
+        """Ask for the common computed blocks of a group of requests (COMMON_BLOCKS, V0's
+        ``get_common_computed_block_ids``; docs/fork-cow.md): per group, the leading cached
+        blocks they all hold at the same positions (``StepResult.common_blocks``)."""
+        self._writer.op[OpKind.COMMON_BLOCKS](list(request_keys))
+
     def take_block_copies(self, *, retain: bool = False) -> None:
         """Drain the block copies of sub-block prefix hits where vLLM's scheduler calls
         ``take_kv_cache_block_copies`` (TAKE_BLOCK_COPIES; docs/mamba.md): they are answered
@@ -511,6 +517,7 @@ class StepResult:
         "_lookup_allocations",
         "_lookups",
         "_num_allocations",
+        "_ops",
         "_statuses",
         "num_ops_executed",
         "outcome",
@@ -523,6 +530,7 @@ class StepResult:
         outcome: StepOutcome | scheduler_pb2.StepResponse,
         num_allocations: int,
         lookup_allocations: Sequence[int] = (),
+        ops: Sequence[int] = (),
     ) -> None:
         """Wrap a Step's outcome.
 
@@ -535,6 +543,7 @@ class StepResult:
                 ``kvcm.wire.outcome_from_proto``).
             num_allocations: Allocations the Step carried.
             lookup_allocations: Indexes of its lookup allocations, ascending.
+            ops: The Step's ops (which answers ``common_blocks`` has).
         """
         if isinstance(outcome, scheduler_pb2.StepResponse):
             outcome = outcome_from_proto(outcome)
@@ -544,6 +553,7 @@ class StepResult:
         self.token_budget_left = outcome.token_budget_left
         self._num_allocations = num_allocations
         self._lookup_allocations = lookup_allocations
+        self._ops = ops
         self._statuses: list[ItemStatus] | None = None
         self._blocks: list[KVCacheBlocks | None] | None = None
         self._lookups: dict[int, LookupResult] | None = None
@@ -570,7 +580,9 @@ class StepResult:
     @classmethod
     def of(cls, builder: StepBuilder, outcome: StepOutcome) -> StepResult:
         """The result of ``builder``'s program answered by ``outcome`` (in-process or remote)."""
-        return cls(outcome, builder.num_allocations, builder.lookup_allocations)
+        return cls(
+            outcome, builder.num_allocations, builder.lookup_allocations, builder.program.ops
+        )
 
     @property
     def resets(self) -> list[bool]:
@@ -597,6 +609,25 @@ class StepResult:
             drains.append(list(zip(ids[start:end:2], ids[start + 1 : end : 2], strict=True)))
             start = end
         return drains
+
+    @property
+    def common_blocks(self) -> list[tuple[list[int], ...]]:
+        """Per executed COMMON_BLOCKS, per group, the common computed blocks' ids."""
+        o = self.outcome
+        counts, ids = o.common_num_block_ids, o.common_block_ids
+        executed = self._ops[: self.num_ops_executed].count(OpKind.COMMON_BLOCKS)
+        answers: list[tuple[list[int], ...]] = []
+        if not executed:
+            return answers
+        num_groups = len(counts) // executed
+        start = 0
+        for first in range(0, len(counts), num_groups):
+            answer = []
+            for count in counts[first : first + num_groups]:
+                answer.append(ids[start : start + count])
+                start += count
+            answers.append(tuple(answer))
+        return answers
 
     @property
     def swapped_out(self) -> list[bool]:

@@ -349,8 +349,10 @@ class SchedulerClient(ChannelClient):
     ) -> StepResult:
         """Run a whole scheduler step in one round trip.
 
-        A Step with a ``step_seq`` is retried on UNAVAILABLE (the server runs it once); the
-        retries share the call's deadline.
+        A Step with a ``step_seq`` is retried on UNAVAILABLE (the server runs it once), and
+        in a cluster also when an attempt gets no answer within the retry policy's
+        ``attempt_timeout_s`` (a paused primary: the seeds name its promoted standby); the
+        retries share the call's deadline. A Step without one is never sent twice.
 
         Args:
             pool_id: The pool.
@@ -373,14 +375,15 @@ class SchedulerClient(ChannelClient):
         give_up_at = time.monotonic() + total_s
         attempt = 1
         reroutes = 0
+        resendable = step.step_seq is not None
         while True:
             stub = self._stubs_for(pool_id).scheduler.Step
             try:
-                response = stub(request, timeout=max(give_up_at - time.monotonic(), 1e-3))
+                response = stub(request, timeout=self._attempt_s(pool_id, give_up_at, resendable))
             except grpc.RpcError as exc:
-                if reroutes < _base.MAX_REROUTES and self._rerouted(
-                    exc, pool_id, step.step_seq is not None
-                ):
+                if self._timed_out(exc, pool_id, give_up_at, resendable):
+                    continue  # a cluster's replica that did not answer: ask the seeds again
+                if reroutes < _base.MAX_REROUTES and self._rerouted(exc, pool_id, resendable):
                     reroutes += 1
                     continue
                 error = _base.unrouted_error(exc, "Step")
@@ -597,6 +600,27 @@ class SchedulerClient(ChannelClient):
         step = StepBuilder()
         step.fork(request_key, child_key, num_computed_tokens)
         self.step(pool_id, step, timeout=timeout)
+
+    def common_computed_blocks(
+        self,
+        pool_id: str,
+        request_keys: Iterable[int],
+        *,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
+    ) -> tuple[list[int], ...]:
+        """Per KV-cache group, the leading cached blocks every one of the requests holds at
+        the same positions (V0's ``get_common_computed_block_ids``; a Step with one
+        COMMON_BLOCKS; docs/fork-cow.md); empty lists when one holds no blocks.
+
+        Raises:
+            ServiceNotFoundError: A request is not live (the field names it).
+            ServiceInvalidArgumentError: No request given.
+        """
+        step = StepBuilder()
+        step.common_computed_blocks(list(request_keys))
+        result = self.step(pool_id, step, timeout=timeout)
+        (answer,) = result.common_blocks
+        return answer
 
     def evict_blocks(
         self, pool_id: str, block_ids: Iterable[int], *, timeout: Timeout = USE_CLIENT_DEFAULT

@@ -36,6 +36,8 @@ from it, so a new op kind is a new row here plus its validate/execute pair in
     HOST_SYNC              -      host_sync_actions,                 host_sync_num_keys ->
                                   host_sync_num_keys                 host_sync_keys (hashes),
                                                                      host_sync_group_ids
+    COMMON_BLOCKS          -      common_num_keys                    common_num_keys ->
+                                                                     common_keys
 
 A keyed op takes the next entry of ``request_keys``. Op number ``n`` of a kind (its ordinal
 among the program's ops of that kind) takes entry ``n`` of each of its per-op columns, so one
@@ -154,6 +156,12 @@ _ROWS: Final = (
             Span("host_sync_num_keys", "host_sync_keys", hashes=True),
             Span("host_sync_num_keys", "host_sync_group_ids"),
         ),
+    ),
+    OpColumns(
+        OpKind.COMMON_BLOCKS,
+        keyed=False,
+        columns=("common_num_keys",),
+        spans=(Span("common_num_keys", "common_keys"),),
     ),
 )
 

@@ -70,6 +70,7 @@ class OpKind(enum.IntEnum):
     TAKE_BLOCK_COPIES_RETAINED = 19
     RELEASE_BLOCK_COPIES = 20
     HOST_SYNC = 21
+    COMMON_BLOCKS = 22
 
 
 @enum.unique
@@ -198,6 +199,8 @@ class StepProgram:
     host_sync_num_keys: list[int] = field(default_factory=list)
     host_sync_keys: bytes = b""
     host_sync_group_ids: list[int] = field(default_factory=list)
+    common_num_keys: list[int] = field(default_factory=list)
+    common_keys: list[int] = field(default_factory=list)
     default_num_lookahead_tokens: int = 0
     token_budget: int | None = None
     continue_on_does_not_fit: bool = False
@@ -252,6 +255,9 @@ class StepOutcome:
             flattened ``host_block_id, device_block_id`` pairs.
         host_num_d2h: Per executed TAKE_HOST_COPIES, its pairs of ``host_d2h_block_ids``.
         host_num_h2d: Per executed TAKE_HOST_COPIES, its pairs of ``host_h2d_block_ids``.
+        common_num_block_ids: Per executed COMMON_BLOCKS, one count per group: how many
+            entries of ``common_block_ids`` are that group's common computed blocks.
+        common_block_ids: The common computed blocks of every executed COMMON_BLOCKS.
         delayed_keys: The request keys of the executed ALLOCATEs that fit with
             ``delay_cache_blocks`` (P/D transfers the server tracks), in op order. Not on the
             wire and not part of a pool's state (fingerprints leave it out; a snapshot keeps it
@@ -302,4 +308,10 @@ class StepOutcome:
     )
     host_num_d2h: list[int] = field(default_factory=list, compare=False, metadata={TRANSIENT: True})
     host_num_h2d: list[int] = field(default_factory=list, compare=False, metadata={TRANSIENT: True})
+    common_num_block_ids: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
+    common_block_ids: list[int] = field(
+        default_factory=list, compare=False, metadata={TRANSIENT: True}
+    )
     delayed_keys: list[int] = field(default_factory=list, compare=False, metadata={TRANSIENT: True})

@@ -53,11 +53,12 @@ from kvcm.common.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCMError,
+    NotFoundError,
     ResourceExhaustedError,
 )
 from kvcm.common.hashing import BlockHash, make_block_hash_with_group_id
 from kvcm.core import step_checks as checks
-from kvcm.core.fork import fork_request
+from kvcm.core.fork import common_computed_block_ids, fork_request
 from kvcm.core.host_tier import SyncAction, apply_sync
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS, CacheHit, KVCacheBlocks, SlotOptions
 from kvcm.core.op_table import KEYED, OP_TABLE
@@ -1216,6 +1217,67 @@ def _execute_host_sync(x: _Execution) -> Handler:
 _SYNC_ACTIONS: Final = frozenset(int(action) for action in SyncAction)
 
 
+# ------------------------------------------------------------------------ COMMON_BLOCKS
+def _validate_common(v: checks.Shadow) -> Handler:
+    pool, program, kind = v.pool, v.program, OpKind.COMMON_BLOCKS
+    counts, keys = program.common_num_keys, program.common_keys
+    cursor = 0
+
+    def check(op_index: int, k: int, n: int) -> None:
+        nonlocal cursor
+        if n >= len(counts):
+            raise checks.too_few(op_index, kind, "common_num_keys")
+        count = counts[n]
+        if count < 1:
+            raise checks.reject(
+                InvalidArgumentError(f"common_num_keys[{n}]={count}: at least one request"),
+                op_index,
+                kind,
+                f"common_num_keys[{n}]",
+            )
+        end = cursor + count
+        if end > len(keys):
+            raise checks.too_few(op_index, kind, "common_keys")
+        for position in range(cursor, end):
+            key = keys[position]
+            live = v.table[key] is not None if key in v.table else key in pool.requests
+            if not live:
+                raise checks.reject(
+                    NotFoundError(f"request key {key} is not live in pool {pool.name!r}"),
+                    op_index,
+                    kind,
+                    f"common_keys[{position}]",
+                )
+        cursor = end
+
+    return check
+
+
+def _execute_common(x: _Execution) -> Handler:
+    # V0's get_common_computed_block_ids: per group, the leading cached blocks every request
+    # holds at the same positions (a request holding no blocks has none).
+    manager, program, outcome = x.manager, x.program, x.outcome
+    counts, keys = program.common_num_keys, program.common_keys
+    holds = manager.holds_blocks
+    groups = manager.coordinator.single_type_managers
+    cursor = 0
+
+    def run(op_index: int, k: int, n: int) -> None:
+        nonlocal cursor
+        end = cursor + counts[n]
+        request_ids = [str(key) for key in keys[cursor:end]]
+        cursor = end
+        if all(holds(request_id) for request_id in request_ids):
+            answer = common_computed_block_ids(manager, request_ids)
+        else:
+            answer = tuple([] for _ in groups)
+        for common in answer:
+            outcome.common_num_block_ids.append(len(common))
+            outcome.common_block_ids.extend(common)
+
+    return run
+
+
 _Pair: TypeAlias = tuple[Callable[[checks.Shadow], Handler], Callable[[_Execution], Handler]]
 _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.ADD_REQUEST: (_validate_add, _execute_add),
@@ -1236,6 +1298,7 @@ _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.TAKE_HOST_COPIES: (_validate_take_host_copies, _execute_take_host_copies),
     OpKind.ADMIT_WITH_HOST: (_validate_admit_host, _execute_admit_host),
     OpKind.HOST_SYNC: (_validate_host_sync, _execute_host_sync),
+    OpKind.COMMON_BLOCKS: (_validate_common, _execute_common),
     OpKind.FINISH_DEFERRED: (_validate_free, _execute_free_deferred),
     OpKind.TAKE_BLOCK_COPIES_RETAINED: (_validate_retain_copies, _execute_retain_copies),
     OpKind.RELEASE_BLOCK_COPIES: (_validate_release_copies, _execute_release_copies),

@@ -323,6 +323,9 @@ def outcome_to_proto(outcome: StepOutcome) -> scheduler_pb2.StepResponse:
         response.host_h2d_block_ids.extend(outcome.host_h2d_block_ids)
         response.host_num_d2h.extend(outcome.host_num_d2h)
         response.host_num_h2d.extend(outcome.host_num_h2d)
+    if outcome.common_num_block_ids:
+        response.common_num_block_ids.extend(outcome.common_num_block_ids)
+        response.common_block_ids.extend(outcome.common_block_ids)
     if outcome.token_budget_left is not None:
         response.token_budget_left = outcome.token_budget_left
     if outcome.step_seq is not None:
@@ -353,6 +356,8 @@ def outcome_from_proto(msg: scheduler_pb2.StepResponse) -> StepOutcome:
         host_h2d_block_ids=list(msg.host_h2d_block_ids),
         host_num_d2h=list(msg.host_num_d2h),
         host_num_h2d=list(msg.host_num_h2d),
+        common_num_block_ids=list(msg.common_num_block_ids),
+        common_block_ids=list(msg.common_block_ids),
         token_budget_left=msg.token_budget_left if msg.HasField("token_budget_left") else None,
         step_seq=msg.step_seq if msg.HasField("step_seq") else None,
     )
