@@ -78,8 +78,14 @@ def test_fork_over_grpc_answers_the_copies_as_in_process(client: SchedulerClient
         (lambda s: s.fork(1, 1, 3), AlreadyExistsError, "fork_child_keys[0]"),
         (lambda s: s.fork(1, 2, 99), InvalidArgumentError, "fork_num_computed_tokens[0]"),
         (lambda s: s.fork(9, 2, 1), Exception, "request_keys[0]"),
+        # A FORK after an ALLOCATE of the parent in a Step that runs on after does-not-fit
+        # (the ALLOCATE may not have fit: its slots are not known).
         (
-            lambda s: (s.allocate(1, 1, 3), s.fork(1, 2, 3)),
+            lambda s: (
+                setattr(s, "continue_on_does_not_fit", True),
+                s.allocate(1, 1, 3),
+                s.fork(1, 2, 3),
+            ),
             FailedPreconditionError,
             "request_keys[1]",
         ),

@@ -12,6 +12,7 @@ from kvcm.common.specs import FullAttentionSpec, SlidingWindowSpec
 from kvcm.core.fork import fork_request, pool_common_computed_block_ids, take_fork_copies
 from kvcm.core.invariants import pool_violations
 from kvcm.core.pool import Pool, PoolConfig
+from kvcm.core.program import NewRequestSpec, OpKind, StepProgram
 from kvcm.core.snapshot import decode_pool, encode_pool
 
 BS = 4
@@ -120,3 +121,66 @@ def test_a_restored_pool_keeps_the_sharing_and_copies_on_write() -> None:
         assert copy[0] == parent[1]
         assert _table(each, 1) == parent
     assert restored.state_fingerprint() == pool.state_fingerprint()
+
+
+def _prefill_and_fork(
+    pool: Pool, tokens: list[int], counts: list[int], *, go_on: bool = False, options: bool = False
+) -> StepProgram:
+    # One Step: a prompt added and allocated, then forked (parallel samples admitted at once).
+    from kvcm.core.op_table import OpWriter
+    from kvcm.core.program import AllocOptions
+
+    hasher = BlockHasher(BS, pool.hashing.algorithm, pool.hashing.seed)
+    program = StepProgram(continue_on_does_not_fit=go_on)
+    writer = OpWriter(program)
+    writer.op[OpKind.ADD_REQUEST](
+        NewRequestSpec(
+            key=1,
+            request_id="prompt",
+            prompt_token_ids=tokens,
+            block_hashes=b"".join(hasher.hash_token_ids(tokens)),
+        )
+    )
+    writer.op[OpKind.ALLOCATE](1, len(tokens), 0)
+    if options:
+        program.alloc_options[0] = AllocOptions(num_in_flight_tokens=1)
+    for child, count in enumerate(counts, start=2):
+        writer.op[OpKind.FORK](1, child, count)
+    return writer.flush()
+
+
+def test_a_prompt_allocated_and_forked_in_one_step_equals_two_steps() -> None:
+    """FORK after an ALLOCATE of the parent in the same program (parallel samples admitted in
+    one Step) shares the blocks the ALLOCATE gave, as a FORK in the next Step does."""
+    tokens = [1, 2, 3, 4, 5, 6]
+    one, two = _pool(8), _pool(8)
+    outcome = one.run_step(_prefill_and_fork(one, tokens, [6, 6]))
+    assert outcome.num_ops_executed == 4
+    two.run_step(_prefill_and_fork(two, tokens, []))
+    for child in (2, 3):
+        fork_request(two, 1, child, "prompt", 6)
+    assert one.state_fingerprint() == two.state_fingerprint()
+    assert _table(one, 2) == _table(one, 3) == _table(one, 1)
+    assert list(pool_violations(one)) == []
+
+
+def test_fork_after_an_allocation_in_the_step_is_refused_where_its_slots_are_not_exact() -> None:
+    tokens = [1, 2, 3, 4, 5, 6]
+    for kwargs, field, error in (
+        # Runs on after does-not-fit: the FORK could follow an ALLOCATE that did not fit.
+        ({"go_on": True}, "request_keys[1]", FailedPreconditionError),
+        # An ALLOCATE with options (here an in-flight count) is not a plain one.
+        ({"options": True}, "request_keys[1]", FailedPreconditionError),
+    ):
+        pool = _pool(8)
+        before = pool.state_fingerprint()
+        with pytest.raises(error) as info:
+            pool.run_step(_prefill_and_fork(pool, tokens, [6], **kwargs))  # type: ignore[arg-type]
+        assert info.value.field == field
+        assert pool.state_fingerprint() == before
+    # Beyond the tokens the ALLOCATE gave slots for (6 tokens, 2 blocks of 4: 8 slots, but the
+    # request has 6 tokens).
+    pool = _pool(8)
+    with pytest.raises(InvalidArgumentError) as bad:
+        pool.run_step(_prefill_and_fork(pool, tokens, [7]))
+    assert bad.value.field == "fork_num_computed_tokens[0]"

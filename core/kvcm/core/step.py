@@ -719,17 +719,27 @@ def _validate_fork(v: checks.Shadow) -> Handler:
                 f"request_keys[{k}]",
             )
         parent: Request = state[4]
-        if (
-            pool.requests.get(key) is not parent
-            or key in v.allocated
-            or state[1] == checks.HOLDS_NO
-            or parent.status is not RequestStatus.RUNNING
-            or not manager.holds_blocks(parent.request_id)
+        before = (
+            pool.requests.get(key) is parent
+            and parent.status is RequestStatus.RUNNING
+            and manager.holds_blocks(parent.request_id)
+        )
+        # Allocated earlier in this program (a prompt admitted and forked in one Step, as
+        # parallel samples are): the slots its ALLOCATEs give it, when that is exact.
+        allocated = (
+            _slots_allocated(program, op_index, key, pool.max_model_len)
+            if key in v.allocated
+            else None
+        )
+        if state[1] == checks.HOLDS_NO or (
+            allocated is None and (key in v.allocated or not before)
         ):
             raise fail(
                 FailedPreconditionError(
-                    f"request key {key} must be running with blocks from before this Step "
-                    "(not allocated, preempted or added earlier in it) to be forked"
+                    f"request key {key} must be running with blocks from before this Step, "
+                    "or allocated earlier in it by plain ALLOCATEs in a Step that stops at "
+                    "does-not-fit (not preempted, swapped or admitted with options), to be "
+                    "forked"
                 ),
                 f"request_keys[{k}]",
             )
@@ -741,10 +751,16 @@ def _validate_fork(v: checks.Shadow) -> Handler:
                 else InvalidArgumentError("key must be >= 0")
             )
             raise fail(error, f"fork_child_keys[{n}]")
-        slots = min(
-            len(group.req_to_blocks[parent.request_id]) * group.block_size
-            for group in manager.coordinator.single_type_managers
+        slots = (
+            min(
+                len(group.req_to_blocks[parent.request_id]) * group.block_size
+                for group in manager.coordinator.single_type_managers
+            )
+            if before
+            else 0
         )
+        if allocated is not None:
+            slots = max(slots, allocated)
         most = min(state[0], slots)
         if not 0 <= num_computed <= most:
             raise fail(
@@ -765,6 +781,42 @@ def _validate_fork(v: checks.Shadow) -> Handler:
         v.allocated.discard(child)
 
     return check
+
+
+def _slots_allocated(
+    program: StepProgram, op_index: int, key: int, max_model_len: int
+) -> int | None:
+    """The fewest slots ``key`` holds at op ``op_index`` through the ALLOCATEs of it earlier
+    in the program (``computed + new + lookahead`` tokens, capped at ``max_model_len``: every
+    group's blocks hold at least that many), or ``None`` when that is not exact: the program
+    runs on after does-not-fit (the FORK could follow an ALLOCATE that did not fit), or an
+    ALLOCATE of it has options (a lookup, a hit, slot options), or another op allocated or
+    freed its blocks (SWAP_OUT, SWAP_IN, ADMIT_WITH_HOST, PREEMPT)."""
+    if program.continue_on_does_not_fit:
+        return None
+    ops, keys, options = program.ops, program.request_keys, program.alloc_options
+    lookahead = program.default_num_lookahead_tokens
+    position = ordinal = 0
+    target: int | None = None
+    for op in ops[:op_index]:
+        keyed = _KEYED_BY_KIND[op] if op < _NUM_KINDS else 0
+        mine = keyed and keys[position] == key
+        if op == OpKind.ALLOCATE:
+            if mine:
+                if ordinal in options:
+                    return None
+                computed = program.alloc_num_computed_tokens[ordinal]
+                target = computed + program.alloc_num_new_tokens[ordinal] + lookahead
+            ordinal += 1
+        elif mine and op in _ALLOCATING:
+            return None
+        position += keyed
+    return None if target is None else min(target, max_model_len)
+
+
+_ALLOCATING: Final = frozenset(
+    {OpKind.SWAP_OUT, OpKind.SWAP_IN, OpKind.ADMIT_WITH_HOST, OpKind.PREEMPT}
+)
 
 
 def _execute_fork(x: _Execution) -> Handler:
