@@ -15,6 +15,13 @@ Retries: the channel's service config retries the calls ``service.proto`` declar
 ``RoutePd``, every TransferService call) on UNAVAILABLE. A
 ``Step`` is idempotent only when it carries a ``step_seq``, which a service config cannot see,
 so the clients retry such Steps themselves with the same policy (``RETRY_POLICY``).
+
+In a kvcm cluster (several seeds, or a pool whose owner a redirect named), an idempotent call's
+attempt is also bounded by ``RetryPolicy.attempt_timeout_s``: a paused or black-holed replica
+accepts the connection and answers nothing (DEADLINE_EXCEEDED, not UNAVAILABLE), so an attempt
+that gets no answer in time forgets the pool's route and asks the next seed, which redirects
+to the pool's current owner (its promoted standby). Other calls keep the caller's whole
+deadline and are not sent again (docs/cluster.md); a lone server behaves as without a cluster.
 """
 
 from __future__ import annotations
@@ -83,12 +90,28 @@ class RetryPolicy:
         initial_backoff_s: Upper bound of the first randomized backoff, in seconds.
         max_backoff_s: Upper bound of any backoff, in seconds.
         backoff_multiplier: Growth of the bound after each attempt.
+        attempt_timeout_s: In a kvcm cluster only (several seeds, or a pool redirected to
+            its owner): the longest one attempt of an idempotent call (a Step with a
+            step_seq, a read) waits before it is sent again through the seeds, so that a
+            paused or unreachable primary is left for its promoted standby, which takes over
+            about one etcd lease TTL after the pause: about a quarter of the cluster's TTL
+            (the server's default TTL is 5 s) serves the pool again within TTL + 1 s. The
+            call's own deadline still bounds all attempts together.
     """
 
     max_attempts: int = 4
     initial_backoff_s: float = 0.05
     max_backoff_s: float = 1.0
     backoff_multiplier: float = 2.0
+    attempt_timeout_s: float = 1.25
+
+    def __post_init__(self) -> None:
+        value = self.attempt_timeout_s
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise InvalidArgumentError(
+                f"attempt_timeout_s must be a positive number of seconds, got {value!r}",
+                field="attempt_timeout_s",
+            )
 
     def backoff_s(self, attempt: int) -> float:
         """Upper bound of the backoff before attempt ``attempt + 1`` (``attempt`` >= 1)."""
@@ -400,6 +423,8 @@ class _ClientBase:
     is followed at once and remembered per pool; when the remembered replica or the seed is
     unreachable (UNAVAILABLE), the route is forgotten and the next seed asked, and the call
     is sent again when it is idempotent (else it raises, and the next call finds the owner).
+    An idempotent call's attempt in a cluster that gets no answer within
+    ``RetryPolicy.attempt_timeout_s`` (a paused primary) is handled as UNAVAILABLE is.
     """
 
     def __init__(
@@ -480,6 +505,35 @@ class _ClientBase:
             return resendable
         return False
 
+    def _clustered(self, pool_id: str | None) -> bool:
+        """Whether calls of ``pool_id`` go to a kvcm cluster: several seeds, or a route
+        learned from a redirect (a lone server never redirects)."""
+        return len(self._seeds) > 1 or (pool_id is not None and pool_id in self._routes)
+
+    def _attempt_s(self, pool_id: str | None, give_up_at: float, resendable: bool) -> float:
+        """The deadline of the next attempt: what is left of the call's, bounded by
+        ``attempt_timeout_s`` when the call can be sent again elsewhere (a cluster)."""
+        left = max(give_up_at - time.monotonic(), 1e-3)
+        if resendable and self._clustered(pool_id):
+            return min(left, self._settings.retry_policy.attempt_timeout_s)
+        return left
+
+    def _timed_out(
+        self, exc: grpc.RpcError, pool_id: str | None, give_up_at: float, resendable: bool
+    ) -> bool:
+        """Learn from an attempt that got no answer in time (DEADLINE_EXCEEDED) in a
+        cluster: the pool's route is forgotten, and the seed when the call went to it, so
+        the next attempt asks the next seed (which redirects to the current owner). Returns
+        whether to send the call again: only a resendable call with time left; a lone
+        server's DEADLINE_EXCEEDED, or the call's own deadline, raises as it always did."""
+        if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED or not self._clustered(pool_id):
+            return False
+        routed = self._routes.pop(pool_id, None) if pool_id else None
+        if (routed is None or routed == self._seeds[self._seed]) and len(self._seeds) > 1:
+            self._seed = (self._seed + 1) % len(self._seeds)
+            self._stubs = self._replica(self._seeds[self._seed])
+        return resendable and time.monotonic() < give_up_at - 1e-3
+
     def _reopener(self, request: Any, timeout: float | None) -> Callable[[str], Any]:
         """Opens the ``SubscribeEvents`` stream of ``request`` again on a named owner (a
         redirect), remembering the owner for the pool."""
@@ -531,16 +585,20 @@ class ChannelClient(_ClientBase):
             except grpc.RpcError as exc:
                 raise error_from_rpc(exc, method) from exc
         resendable = _resendable(method, request, None)
-        for hop in range(MAX_REROUTES + 1):
+        give_up_at = time.monotonic() + deadline
+        hop = 0
+        while True:
             try:
                 stub = self._stub(self._stubs_for(pool_id), method)
                 if trailers is not None:
                     stub = _trailed(stub, trailers)
-                return stub(request, timeout=deadline)
+                return stub(request, timeout=self._attempt_s(pool_id, give_up_at, resendable))
             except grpc.RpcError as exc:
+                if self._timed_out(exc, pool_id, give_up_at, resendable):
+                    continue  # bounded by the call's deadline
                 if hop == MAX_REROUTES or not self._rerouted(exc, pool_id, resendable):
                     raise unrouted_error(exc, method) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+                hop += 1
 
     def close(self) -> None:
         """Close the channels; calls in flight are cancelled."""
@@ -581,16 +639,20 @@ class AsyncChannelClient(_ClientBase):
             except grpc.RpcError as exc:
                 raise error_from_rpc(exc, method) from exc
         resendable = _resendable(method, request, None)
-        for hop in range(MAX_REROUTES + 1):
+        give_up_at = time.monotonic() + deadline
+        hop = 0
+        while True:
             try:
                 stub = self._stub(self._stubs_for(pool_id), method)
                 if trailers is not None:
                     stub = _async_trailed(stub, trailers)
-                return await stub(request, timeout=deadline)
+                return await stub(request, timeout=self._attempt_s(pool_id, give_up_at, resendable))
             except grpc.RpcError as exc:
+                if self._timed_out(exc, pool_id, give_up_at, resendable):
+                    continue  # bounded by the call's deadline
                 if hop == MAX_REROUTES or not self._rerouted(exc, pool_id, resendable):
                     raise unrouted_error(exc, method) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+                hop += 1
 
     async def close(self) -> None:
         """Close the channels; calls in flight are cancelled."""
