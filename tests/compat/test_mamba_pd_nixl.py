@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import os
 import random
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -112,8 +111,8 @@ def _scheduler_cls(engine_async: bool, kvcm: bool) -> Any:
 
 
 def _cluster(prefill_async: bool, kvcm: bool, config: dict[str, Any] | None = None) -> PdCluster:
-    # The decode engine (the KV consumer) schedules synchronously: see
-    # test_async_consumer_with_mamba_is_refused. ``config``: additional_config per role.
+    # The decode engine (the KV consumer) schedules synchronously (an asynchronous one defers
+    # its frees: test_mamba_async_consumer.py). ``config``: additional_config per role.
     fabric = TransferFabric(pull_turns=1, seconds_per_turn=LEASE_S / LEASE_TURNS)
     config = config or {}
     prefill = _build(
@@ -235,18 +234,3 @@ def test_hybrid_mamba_pd_turns_equal_vllm(
     assert counts["local-hits"]
     assert counts["diverged"]
     assert counts["zero-skips"]
-
-
-def test_async_consumer_with_mamba_is_refused(vllm: ModuleType) -> None:
-    """An asynchronous KV-consumer engine defers frees (vLLM's ``pop_blocks_for_free`` and
-    its copy retentions), which kvcm mirrors for single-group pools only: kvcm's scheduler
-    refuses the hybrid Mamba decode engine at construction, naming the setting, while vLLM's
-    own scheduler builds it."""
-    from kvcm.common.errors import ConfigError
-
-    del vllm
-    fabric = TransferFabric(pull_turns=1, seconds_per_turn=LEASE_S / LEASE_TURNS)
-    setup = _setup("decode", fabric, True)
-    _close(_build(setup, None))
-    with pytest.raises(ConfigError, match=r"defers block frees.*--no-async-scheduling"):
-        _build(setup, _scheduler_cls(True, kvcm=True))

@@ -262,39 +262,24 @@ def _check_state_alignment(
 
 
 def check_connector_groups(vllm_config: Any, config: Any) -> None:
-    """Refuse what vLLM 0.33 refuses for this model's groups, and what kvcm cannot mirror.
+    """Refuse what vLLM 0.33 refuses for this model's groups, and what kvcm cannot mirror
+    (nothing at present: the hook stays where the scheduler checks its groups first).
 
     Prefill context parallelism is not refused: vLLM 0.33's scheduler builds its manager with
     ``pcp_world_size=1`` whatever ``prefill_context_parallel_size`` is (the KV cache is
     replicated over the PCP ranks), so its coordinator's PCP check never runs and the manager
     decides as without PCP; kvcm's does the same. KV connectors are accepted with Mamba
-    layers as vLLM accepts them (its connector lookup, boundary-state
-    hand-offs and partial tails are the core's), except on an engine whose frees vLLM
-    defers (an asynchronous KV consumer): kvcm defers frees for single-group pools only.
+    layers as vLLM accepts them (its connector lookup, boundary-state hand-offs, partial tails
+    and, on an asynchronous KV consumer, deferred frees and copy retentions are the core's).
 
     Args:
         vllm_config: vLLM's config.
         config: vLLM's (scheduler's) ``KVCacheConfig``.
 
     Raises:
-        ConfigError: The message names the setting and why.
+        ConfigError: The message names the setting and why (never raised at present).
     """
-    groups = config.kv_cache_groups
-    kinds = [type(group.kv_cache_spec).__name__ for group in groups]
-    transfer = vllm_config.kv_transfer_config
-    if (
-        transfer is not None
-        and "MambaSpec" in kinds
-        and transfer.is_kv_consumer
-        and vllm_config.max_concurrent_batches > 1
-    ):
-        raise ConfigError(
-            "a KV-consumer engine with several batches in flight (async scheduling or "
-            "pipeline parallelism, --kv-transfer-config kv_role kv_consumer/kv_both) defers "
-            "block frees, which kvcm models for single-group pools only; this hybrid Mamba "
-            f"model has {len(groups)} KV-cache groups: pass --no-async-scheduling, or run it "
-            "on vLLM's own scheduler"
-        )
+    del vllm_config, config  # nothing vLLM 0.33 refuses here is left for kvcm to refuse
 
 
 class RequestView(Request):

@@ -75,6 +75,8 @@ class MirrorManagerConfig:
         hash_algorithm: vLLM's ``--prefix-caching-hash-algo`` (the pool hashes alike).
         dcp_world_size: vLLM's ``decode_context_parallel_size`` (the scheduler's
             ``dcp_world_size``; vLLM's scheduler builds its manager with no PCP).
+        defer_block_free: vLLM's scheduler defers block frees (its ``defer_block_free``: an
+            asynchronous KV consumer), copy retentions of sub-block hits included.
     """
 
     kv_cache_config: Any
@@ -88,6 +90,7 @@ class MirrorManagerConfig:
     watermark: float = 0.0
     hash_algorithm: str = "sha256"
     dcp_world_size: int = 1
+    defer_block_free: bool = False
 
 
 class _GroupView:
@@ -166,8 +169,9 @@ class _CoordinatorView:
 class _BlockPoolView:
     """kvcm's block pool as vLLM's scheduler reaches it through ``kv_cache_manager.block_pool``:
     every read goes to the pool; ``free_blocks`` of the blocks a deferred free popped frees
-    their request (:meth:`MirrorKVCacheManager.pop_blocks_for_free`), other blocks go back to
-    the pool as vLLM's would."""
+    their request (:meth:`MirrorKVCacheManager.pop_blocks_for_free`), of a retained copy
+    drain's releases it (:meth:`MirrorKVCacheManager.take_kv_cache_block_copies`), other
+    blocks go back to the pool as vLLM's would."""
 
     __slots__ = ("_free_deferred", "_pool")
 
@@ -181,7 +185,7 @@ class _BlockPoolView:
     def free_blocks(self, ordered_blocks: Any) -> None:
         """Return blocks to the pool, in order (vLLM's signature)."""
         blocks = list(ordered_blocks)
-        if not self._free_deferred(tuple(block.block_id for block in blocks)):
+        if blocks and not self._free_deferred(tuple(block.block_id for block in blocks)):
             self._pool.free_blocks(blocks)
 
 
@@ -287,6 +291,9 @@ class MirrorKVCacheManager:
         # Deferred frees (pop_blocks_for_free): the popped block ids in vLLM's free order ->
         # the request, freed when vLLM's scheduler hands those blocks back.
         self._deferred: dict[tuple[int, ...], RequestView] = {}
+        # vLLM's scheduler defers frees: copy drains stay retained (in the core) until it
+        # frees them, and a popped request of several groups is freed in one pool call.
+        self._defers_frees = config.defer_block_free
         self._slot_options: dict[tuple[int, ...], SlotOptions] = {}
         # Under sparse retention every admission tells the server's copy the junction its
         # lookup found (0 included, so a stale one from an earlier lookup never lingers).
@@ -506,25 +513,24 @@ class MirrorKVCacheManager:
         step completed; the request keeps them in kvcm until then and is freed (one FINISH,
         the same blocks in the same order) at that moment, on the server's copy too.
 
-        Raises:
-            NotImplementedError: A pool of several KV-cache groups (vLLM frees the popped
-                blocks in an order kvcm's free does not reproduce).
+        With several KV-cache groups the blocks are every group's, in group order, and the
+        free is FINISH_DEFERRED (vLLM returns them in one pool call, which queues the groups'
+        cached blocks in another order than one call per group).
         """
         request_id = request.request_id
         if not self.core.holds_blocks(request_id):
+            self.free(request)  # nothing to hand back: vLLM's scheduler forgets it now
             return []
-        if self.num_kv_cache_groups > 1:
-            raise NotImplementedError(
-                f"pop_blocks_for_free({request_id!r}): kvcm defers frees for single-group "
-                "pools only (an asynchronous KV-consumer engine freed a request while a step "
-                "was in flight)"
-            )
         null_block = self.core.block_pool.null_block
-        blocks = list(self.core.get_blocks(request_id).blocks[0])
-        start = 0
-        while start < len(blocks) and blocks[start] is null_block:
-            start += 1  # vLLM hands back the blocks past the skipped (null) head
-        blocks = blocks[start:]
+        blocks: list[Any] = []
+        for group in self.core.get_blocks(request_id).blocks:
+            start = 0
+            while start < len(group) and group[start] is null_block:
+                start += 1  # vLLM hands back the blocks past the skipped (null) head
+            blocks += group[start:]
+        if not blocks:  # vLLM's scheduler defers nothing: the request is gone now
+            self._finish_popped(self._view(request))
+            return blocks
         self._deferred[tuple(block.block_id for block in reversed(blocks))] = self._view(request)
         return blocks
 
@@ -532,13 +538,30 @@ class MirrorKVCacheManager:
         # block_pool.free_blocks of a deferred free's blocks: free their request now.
         view = self._deferred.pop(block_ids, None)
         if view is None:
-            return False
+            return self._release_copies(block_ids)
+        self._finish_popped(view)
+        return True
+
+    def _finish_popped(self, view: RequestView) -> None:
         request_id = view.request_id
-        self.core.free(view)
-        self.recorder.free(request_id, finished=True)
+        if self.num_kv_cache_groups > 1:
+            self.core.free_deferred(view)
+            self.recorder.free(request_id, finished=True, deferred=True)
+        else:  # one group: FINISH releases its blocks in the same single call
+            self.core.free(view)
+            self.recorder.free(request_id, finished=True)
         self._views.pop(request_id, None)
         if not self._views:
             self.close_step()
+
+    def _release_copies(self, block_ids: tuple[int, ...]) -> bool:
+        # block_pool.free_blocks of the oldest retained copy drain (vLLM's scheduler frees
+        # them in drained order, oldest drain first, once the step running them completed).
+        batches = self.core.retained_copy_batches
+        if not batches or block_ids != tuple(block.block_id for block in batches[0]):
+            return False
+        self.core.release_block_copies()
+        self.recorder.release_block_copies()
         return True
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -652,20 +675,28 @@ class MirrorKVCacheManager:
         beside an align-mode Mamba group) as vLLM's ``KVCacheBlockCopy`` records.
 
         vLLM's scheduler drops the copies' extra references (``block_pool.free_blocks``) right
-        after draining them (it defers nothing without a KV connector, which Mamba layers
-        refuse); the mirror drops them here already, as the pool's TAKE_BLOCK_COPIES does, so
-        the recorded op is one whole mutation. The retained blocks answered are none.
+        after draining them unless it defers frees; the mirror then drops them here already,
+        as the pool's TAKE_BLOCK_COPIES does, so the recorded op is one whole mutation, and
+        answers no retained blocks. When it defers frees (an asynchronous KV consumer), the
+        retained blocks are answered and stay referenced in the core
+        (TAKE_BLOCK_COPIES_RETAINED) until vLLM's scheduler hands them back
+        (``block_pool.free_blocks``: RELEASE_BLOCK_COPIES).
         """
         copies, retained = self.core.take_kv_cache_block_copies()
         if not copies:
             return [], []
-        self.core.block_pool.free_blocks(retained)
-        self.recorder.take_block_copies(copies)
+        if self._defers_frees:
+            self.core.retain_block_copies(retained)
+            self.recorder.take_block_copies(copies, retain=True)
+        else:
+            self.core.block_pool.free_blocks(retained)
+            self.recorder.take_block_copies(copies)
+            retained = []
         if self._acknowledge_each_answer:
             self.close_step()  # remote mode: the server answers the same copies first
         from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-        return [KVCacheBlockCopy(src, dst) for src, dst in copies], []
+        return [KVCacheBlockCopy(src, dst) for src, dst in copies], retained
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """Drain the align-mode Mamba boundary states offered to a KV connector this step

@@ -72,6 +72,9 @@ _NEW_STEP_STARTS: Final = OpKind.NEW_STEP_STARTS
 _NEW_STEP_STARTS_OP: Final = int(OpKind.NEW_STEP_STARTS)
 _HOST_SYNC_OP: Final = int(OpKind.HOST_SYNC)
 _NEW_STEP_NOTE: tuple[Any, ...] = (_NEW_STEP_STARTS,)
+_RELEASE_COPIES_NOTE: tuple[Any, ...] = (OpKind.RELEASE_BLOCK_COPIES,)
+_FINISH: Final = OpKind.FINISH
+_FINISH_DEFERRED: Final = OpKind.FINISH_DEFERRED
 
 
 class RecordedStep:
@@ -309,10 +312,12 @@ class StepRecorder:
             )
         )
 
-    def free(self, request_id: str, *, finished: bool) -> None:
-        """Note a free: FINISH forgets the request, PREEMPT keeps its tokens in the pool."""
+    def free(self, request_id: str, *, finished: bool, deferred: bool = False) -> None:
+        """Note a free: FINISH forgets the request, PREEMPT keeps its tokens in the pool;
+        ``deferred``: FINISH_DEFERRED (vLLM's deferred free, every group in one pool call)."""
         if not self._off:
-            self._notes.append((OpKind.FINISH if finished else OpKind.PREEMPT, request_id))
+            kind = OpKind.FINISH if finished else OpKind.PREEMPT
+            self._notes.append((OpKind.FINISH_DEFERRED if deferred else kind, request_id))
 
     def record_prefix_stats(self, view: RequestView, num_hits: int) -> None:
         """Note RECORD_PREFIX_STATS (vLLM counted an admitted request's lookup)."""
@@ -329,11 +334,18 @@ class StepRecorder:
         if not self._off:
             self._notes.append(_NEW_STEP_NOTE)
 
-    def take_block_copies(self, copies: Sequence[tuple[int, int]]) -> None:
+    def take_block_copies(self, copies: Sequence[tuple[int, int]], *, retain: bool = False) -> None:
         """Note TAKE_BLOCK_COPIES: the mirror drained these copies (sub-block hits) and
-        dropped their blocks' extra references."""
+        dropped their blocks' extra references; ``retain``: TAKE_BLOCK_COPIES_RETAINED, the
+        references kept until a RELEASE_BLOCK_COPIES."""
         if not self._off:
-            self._notes.append((OpKind.TAKE_BLOCK_COPIES, tuple(copies)))
+            kind = OpKind.TAKE_BLOCK_COPIES_RETAINED if retain else OpKind.TAKE_BLOCK_COPIES
+            self._notes.append((kind, tuple(copies)))
+
+    def release_block_copies(self) -> None:
+        """Note RELEASE_BLOCK_COPIES (the oldest retained drain's references dropped)."""
+        if not self._off:
+            self._notes.append(_RELEASE_COPIES_NOTE)
 
     def host_sync(self, action: int, keys: Sequence[bytes]) -> None:
         """Note HOST_SYNC: one call of the engine's offloading connector into its host tier
@@ -431,7 +443,7 @@ class StepRecorder:
                 step_ops = 3 * len(step._notes)
                 step_tokens = 0
                 for note in step._notes:
-                    if note[0] is OpKind.FINISH:  # the id may come back as a new request
+                    if note[0] is _FINISH or note[0] is _FINISH_DEFERRED:  # the id may return
                         sent[note[1]] = 0
                     elif note[0] is _ALLOCATE or note[0] in _SYNCED:
                         request_id = note[1].request_id
@@ -568,19 +580,19 @@ class StepRecorder:
                 ops(_NEW_STEP_STARTS_OP)
             elif kind in _SYNCED:  # CACHE_BLOCKS, REMOVE_SKIPPED_BLOCKS, RECORD_PREFIX_STATS
                 write[kind](self._sync_request(write, note), note[6])
-            elif kind is OpKind.FINISH or kind is OpKind.PREEMPT:
-                # FINISH forgets the request; PREEMPT keeps its tokens in the pool.
+            elif kind is _FINISH or kind is OpKind.PREEMPT or kind is _FINISH_DEFERRED:
+                # FINISH(_DEFERRED) forgets the request; PREEMPT keeps its tokens in the pool.
                 found = (
-                    tracked_by_id.pop(note[1], None)
-                    if kind is OpKind.FINISH
-                    else tracked_by_id.get(note[1])
+                    tracked_by_id.get(note[1])
+                    if kind is OpKind.PREEMPT
+                    else tracked_by_id.pop(note[1], None)
                 )
                 if found is not None:  # else never shown to the pool: nothing to free there
                     write[kind](found.key)
             elif kind is OpKind.RESET_PREFIX_CACHE:
                 write[kind]()
                 expected.reset.append(note[1])
-            elif kind is OpKind.TAKE_BLOCK_COPIES:
+            elif kind is OpKind.TAKE_BLOCK_COPIES or kind is OpKind.TAKE_BLOCK_COPIES_RETAINED:
                 write[kind]()
                 expected.drained_num_copies.append(len(note[1]))
                 for pair in note[1]:
