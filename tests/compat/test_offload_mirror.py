@@ -99,7 +99,8 @@ def _plain(outputs: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("case", "mode"), [("full", "mirror"), ("full", "remote"), ("hybrid-swa", "mirror")]
+    ("case", "mode"),
+    [("full", "mirror"), ("full", "remote"), ("hybrid-swa", "mirror"), ("hybrid-mamba", "mirror")],
 )
 def test_the_server_holds_the_engine_host_tier_after_every_step(
     case: str, mode: str, server: EmbeddedServer, vllm: Any
@@ -112,11 +113,19 @@ def test_the_server_holds_the_engine_host_tier_after_every_step(
         setup = dataclasses.replace(
             setup, sliding_window=32, retention_interval=None, num_blocks=96
         )
-    plans = plan_workload(7, NUM_REQUESTS, setup)
     pool_id = f"offload-{case}-{mode}"
     config = {"kvcm": {"address": server.grpc_address, "pool_id": pool_id, "mode": mode}}
-    reference = build_engine(setup)
-    mirrored = build_engine(setup, KvcmScheduler, config)
+    if case == "hybrid-mamba":  # full attention + Mamba in align mode (sub-block hits)
+        from test_mamba_engine_core import CASES, _build, _plans
+
+        setup = dataclasses.replace(CASES["sync"], kv_transfer=setup.kv_transfer)
+        plans = _plans(3, NUM_REQUESTS // 2, setup.max_model_len)
+        reference = _build(setup)
+        mirrored = _build(setup, KvcmScheduler, additional_config=config)
+    else:
+        plans = plan_workload(7, NUM_REQUESTS, setup)
+        reference = build_engine(setup)
+        mirrored = build_engine(setup, KvcmScheduler, config)
     try:
         manager = mirrored.scheduler.kv_cache_manager
         offloading = mirrored.scheduler.connector.connector_scheduler.manager
@@ -136,13 +145,18 @@ def test_the_server_holds_the_engine_host_tier_after_every_step(
             # update_from_output()'s calls (completed stores and loads) ship with the next
             # step: flush them too.
             assert manager.flush(10.0), manager.sink.stats
+            if not manager.recorder.num_steps:  # nothing shipped yet: no pool, an empty tier
+                assert not host.keys()
+                continue
             state, server_events = _server_tier(server, pool_id)
             assert state == _tier_state(host), f"turn {turns}: the server's tier differs"
             assert _tier_state(host) == _tier_state(reference_host), turns
         stats = host.stats()
         assert turns > 100
-        assert stats.stores > host.num_blocks  # the tier filled
-        assert stats.evictions > 0
+        assert stats.stores > 0
+        if case != "hybrid-mamba":  # its buffer holds the (short) workload
+            assert stats.stores > host.num_blocks  # the tier filled
+            assert stats.evictions > 0
         shipper = manager.sink.stats
         assert shipper.mismatches == 0
         assert shipper.resyncs == 0
@@ -161,10 +175,14 @@ def test_the_server_holds_the_engine_host_tier_after_every_step(
                 tokens = list(plan.prompt)
                 answer = client.lookup(LookupQuery(token_ids=tokens, pool_ids=[pool_id]))
                 (hit,) = answer.pools
+                cpu = dict(hit.tier_hit_tokens).get("CPU", 0)
+                if case == "hybrid-mamba":
+                    assert cpu == 0  # Mamba pools answer no host hits (docs/host-tier.md)
+                    continue
                 expected_cpu = _connector_hit(mirrored, plan, hit.num_hit_tokens)
-                assert dict(hit.tier_hit_tokens).get("CPU", 0) == expected_cpu, plan.request_id
+                assert cpu == expected_cpu, plan.request_id
                 held += expected_cpu > 0
-        assert held, "some prompt is held in the host tier only"
+        assert held or case == "hybrid-mamba", "some prompt is held in the host tier only"
 
         # Metrics: the pool's summary reports the engine tier's usage and counters.
         http_address = server.http_address
