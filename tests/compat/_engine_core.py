@@ -92,6 +92,12 @@ class Setup:
             ``NixlConnector`` in the producer or consumer role; ``None``: no connector.
         fabric: The :class:`TransferFabric` the simulated workers move KV through (needed
             with ``kv_transfer``; one per set of engines that transfer to each other).
+        num_speculative_tokens: vLLM's speculative decoding with this many draft tokens
+            (``--speculative-config '{"method": ..., ...}'``; 0: off). The simulated drafter
+            proposes tokens the simulated model accepts in part (see
+            :meth:`SimulatedWorker.take_draft_token_ids`).
+        speculative_method: ``"ngram"``, or ``"draft_model"`` (the same tiny model drafts;
+            vLLM then reserves ``num_speculative_tokens`` lookahead slots per allocation).
     """
 
     num_blocks: int | None = 160
@@ -114,6 +120,8 @@ class Setup:
     serve_defaults: bool = False
     kv_transfer: dict[str, Any] | None = None
     fabric: Any = None
+    num_speculative_tokens: int = 0
+    speculative_method: str = "ngram"
 
 
 @cache
@@ -239,6 +247,7 @@ def _explicit_config(setup: Setup, scheduler_cls: Any, additional_config: Any, e
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
+        SpeculativeConfig,
         VllmConfig,
     )
 
@@ -266,17 +275,33 @@ def _explicit_config(setup: Setup, scheduler_cls: Any, additional_config: Any, e
     }
     if setup.retention_interval != DEFAULT:
         cache["prefix_cache_retention_interval"] = setup.retention_interval
+    parallel = ParallelConfig(
+        tensor_parallel_size=setup.tensor_parallel_size,
+        pipeline_parallel_size=setup.pipeline_parallel_size,
+        decode_context_parallel_size=setup.decode_context_parallel_size,
+        distributed_executor_backend=executor_class(setup),
+    )
+    speculative = None
+    if setup.num_speculative_tokens:
+        drafter: dict[str, Any] = (
+            {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
+            if setup.speculative_method == "ngram"
+            else {"model": _model_dir()}
+        )
+        speculative = SpeculativeConfig(
+            method=setup.speculative_method,
+            num_speculative_tokens=setup.num_speculative_tokens,
+            target_model_config=model,
+            target_parallel_config=parallel,
+            **drafter,
+        )
     return VllmConfig(
         device_config=DeviceConfig(device="cpu"),
         model_config=model,
         cache_config=CacheConfig(**cache),
         scheduler_config=scheduler,
-        parallel_config=ParallelConfig(
-            tensor_parallel_size=setup.tensor_parallel_size,
-            pipeline_parallel_size=setup.pipeline_parallel_size,
-            decode_context_parallel_size=setup.decode_context_parallel_size,
-            distributed_executor_backend=executor_class(setup),
-        ),
+        parallel_config=parallel,
+        speculative_config=speculative,
         lora_config=LoRAConfig(max_loras=2, max_lora_rank=8) if setup.lora else None,
         kv_events_config=events,
         kv_transfer_config=(
@@ -306,6 +331,8 @@ class SimulatedWorker:
         self.layout: tuple[str, int] | None = None
         self._prompt_lengths: dict[str, int] = {}
         self._pending: Any = None
+        # Speculative decoding: the requests that sampled in the last step -> their length.
+        self._drafts_for: dict[str, int] = {}
         # The rank whose output the executor returns moves the KV (one per engine).
         world = vllm_config.parallel_config.world_size
         connector = (setup.kv_transfer or {}).get("kv_connector")
@@ -427,10 +454,22 @@ class SimulatedWorker:
             known[req_id] = (computed, self._prompt_lengths[req_id] + num_output)
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
+        self._drafts_for = {}
         for req_id in req_ids:
             computed, num_tokens = known[req_id]
-            end = computed + output.num_scheduled_tokens[req_id]
-            sampled.append([token_at(req_id, end)] if end >= num_tokens else [])
+            drafts = output.scheduled_spec_decode_tokens.get(req_id, ())
+            end = computed + output.num_scheduled_tokens[req_id] - len(drafts)
+            tokens: list[int] = []
+            if end >= num_tokens:
+                # The target model verifies the drafts in order: each sampled token is the
+                # model's own; the first draft that differs ends the accepted run.
+                for position in range(end, end + len(drafts) + 1):
+                    tokens.append(token_at(req_id, position))
+                    index = position - end
+                    if index == len(drafts) or drafts[index] != tokens[-1]:
+                        break
+                self._drafts_for[req_id] = end + len(tokens)
+            sampled.append(tokens)
         connector_output, self._connector_output = self._connector_output, None
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -438,6 +477,29 @@ class SimulatedWorker:
             sampled_token_ids=sampled,
             kv_connector_output=connector_output,
         )
+
+    def take_draft_token_ids(self) -> Any:
+        """The simulated n-gram drafter's proposals for the requests that just sampled:
+        0 to ``num_speculative_tokens`` tokens each (a deterministic function of the request
+        and its length), some the model's own next tokens and some not, so steps accept
+        every draft, a part, or none."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        k = self.setup.num_speculative_tokens
+        if not k or not self._drafts_for:
+            return None
+        req_ids = sorted(self._drafts_for)
+        drafts = []
+        for req_id in req_ids:
+            length = self._drafts_for[req_id]
+            seed = zlib.crc32(f"draft/{req_id}/{length}".encode())
+            count = seed % (k + 1)
+            miss = (seed // (k + 1)) % (2 * k + 1)  # >= count: every draft right
+            drafts.append(
+                [(token_at(req_id, length + i) + (i == miss)) % VOCAB for i in range(count)]
+            )
+        self._drafts_for = {}
+        return DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts)
 
     def shutdown(self) -> None:
         """Nothing to release."""
@@ -723,8 +785,11 @@ class Engine:
         self.core.abort_requests(request_ids)
 
     def step(self) -> tuple[dict[int, Any] | None, bool]:
-        """One turn of the engine's busy loop: ``step()`` or ``step_with_batch_queue()``."""
-        return self.core.step_fn()
+        """One turn of the engine's busy loop: ``step()`` or ``step_with_batch_queue()``, then
+        ``post_step`` (the draft tokens the executor proposed go to the scheduler)."""
+        outputs, executed = self.core.step_fn()
+        self.core.post_step(executed)
+        return outputs, executed
 
     def has_work(self) -> bool:
         """Requests left, or batches in flight."""

@@ -75,8 +75,15 @@ def check_supported(vllm_config: Any) -> None:
             "encoder-cache connectors (--ec-transfer-config) are not supported with kvcm",
         ),
         (
-            vllm_config.speculative_config is not None,
-            "speculative decoding is not supported with kvcm yet",
+            # Drafters that read the target's hidden states change what the manager does:
+            # lookahead block hashes, re-prefillable tokens, EAGLE's trailing-block drop (see
+            # docs/vllm.md). N-gram, suffix and draft-model drafting change only how many
+            # tokens (and lookahead slots) each allocation asks for, which kvcm serves.
+            vllm_config.speculative_config is not None
+            and vllm_config.speculative_config.use_eagle(),
+            "speculative decoding with a hidden-state drafter (EAGLE, EAGLE3, MTP, DFlash, "
+            "DSpark) is not supported with kvcm yet; n-gram, suffix and draft-model "
+            "speculative decoding are",
         ),
         (
             vllm_config.num_hash_lookahead_tokens != 0,

@@ -1,0 +1,273 @@
+"""vLLM's real EngineCore with n-gram speculative decoding, once on vLLM's own scheduler and
+once on kvcm's, compared turn by turn.
+
+The simulated executor (tests/compat/_engine_core.py) verifies the scheduled draft tokens
+against the simulated model's tokens (accepting a run, rejecting the rest) and proposes new
+drafts through ``take_draft_token_ids``, as vLLM's n-gram drafter does in the model runner;
+EngineCore hands them to the scheduler (``update_draft_token_ids``), which schedules them as
+speculative tokens, allocates their slots and rolls rejected tokens back. Every turn's
+``SchedulerOutput`` (``scheduled_spec_decode_tokens`` included), engine outputs (spec-decoding
+stats included) and KV events must be equal, on a full-attention model (mirror mode, its
+programs replayed on the server's interpreter, and remote mode through a real kvcm server)
+and on a hybrid full-attention + Mamba model in align mode, whose Mamba group holds
+``num_speculative_tokens`` speculative state blocks per request (vLLM's
+``MambaSpec.num_speculative_blocks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+from _engine_core import (
+    Engine,
+    Setup,
+    assert_same_runs,
+    build_engine,
+    executor_class,
+    plan_workload,
+    vllm_config,
+    workload_scale,
+)
+
+NUM_SPEC = 3
+
+
+def _spec_counts(engine: Engine) -> dict[str, int]:
+    return dict(engine.scheduler.kvcm_spec_counts)
+
+
+def _counting(cls: type) -> type:
+    # Counts the scheduled draft tokens (the workload must exercise them).
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = cls.schedule(self, *args, **kwargs)
+        counts = self.__dict__.setdefault("kvcm_spec_counts", {"drafts": 0, "steps": 0})
+        drafts = sum(len(t) for t in output.scheduled_spec_decode_tokens.values())
+        counts["drafts"] += drafts
+        counts["steps"] += bool(drafts)
+        return output
+
+    return type(f"Counting{cls.__name__}", (cls,), {"schedule": schedule})
+
+
+@pytest.fixture
+def server() -> Iterator[Any]:
+    """A kvcm server on 127.0.0.1 (gRPC only)."""
+    from kvcm.server.embedded import start_embedded_server
+    from kvcm.server.settings import ServerSettings
+
+    embedded = start_embedded_server(ServerSettings(grpc_address="127.0.0.1:0", http_address=""))
+    try:
+        yield embedded
+    finally:
+        embedded.stop()
+
+
+FULL = Setup(num_blocks=60, max_model_len=512, num_speculative_tokens=NUM_SPEC)
+
+
+def test_ngram_engine_turns_equal_vllm_mirror_replayed(vllm: ModuleType) -> None:
+    """Mirror mode: every turn equals vLLM's; Pool.run_step replays every program exactly."""
+    from test_vllm_scheduler import ReplayCheckingSink
+
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    del vllm
+
+    def make_step_sink(self: Any, settings: Any) -> ReplayCheckingSink:
+        del self, settings
+        return ReplayCheckingSink()
+
+    checked = type("CheckedKvcmScheduler", (KvcmScheduler,), {"make_step_sink": make_step_sink})
+    plans = plan_workload(21, 40 * workload_scale(), FULL)
+    reference = build_engine(FULL)
+    mirrored = build_engine(FULL, _counting(checked))
+    try:
+        assert reference.core.vllm_config.speculative_config.method == "ngram"
+        assert mirrored.scheduler.num_spec_tokens == reference.scheduler.num_spec_tokens
+        sink = mirrored.scheduler.kv_cache_manager.recorder.sink
+        sink.mirror = mirrored.scheduler.kv_cache_manager
+        tally = assert_same_runs(reference, mirrored, plans, resets={40: False, 120: True})
+        counts = _spec_counts(mirrored)
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+    print(
+        f"ngram full attention, mirror: {tally.turns} turns, {tally.batches} batches, "
+        f"{tally.events} events, {tally.hits} hits, {tally.preempted} preemptions, "
+        f"{counts['drafts']} draft tokens in {counts['steps']} steps; "
+        f"{sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step"
+    )
+    assert sink.interpreter_error is None, sink.interpreter_error
+    assert sink.num_interpreted == sink.num_steps >= tally.batches > 50
+    assert counts["drafts"] > 100
+    assert tally.hits > 0
+    assert tally.preempted > 0
+
+
+def test_ngram_engine_turns_equal_vllm_remote(server: Any, vllm: ModuleType) -> None:
+    """Remote mode: each allocation (draft slots included) answered by a real kvcm server
+    equals vLLM's; the server's pool ends equal to the engine's mirror."""
+    from _program_replay import pool_state
+    from test_vllm_shipping import server_pool_state
+
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    del vllm
+    setup = dataclasses.replace(FULL, num_blocks=50)
+    plans = plan_workload(22, 30 * workload_scale(), setup)
+    config = {"kvcm": {"address": server.grpc_address, "pool_id": "spec", "mode": "remote"}}
+    reference = build_engine(setup)
+    mirrored = build_engine(setup, _counting(KvcmScheduler), config)
+    try:
+        tally = assert_same_runs(reference, mirrored, plans)
+        manager = mirrored.scheduler.kv_cache_manager
+        shipper = manager.recorder.sink
+        assert manager.flush(30.0), shipper.stats
+        stats = shipper.stats
+        counts = _spec_counts(mirrored)
+        assert stats.mismatches == 0
+        assert stats.steps_verified == stats.steps_submitted == stats.step_rpcs
+        scheduler = mirrored.scheduler
+        mirror = pool_state(manager.core, sorted(scheduler.requests))
+        assert server_pool_state(server, "spec") == mirror
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+    print(
+        f"ngram full attention, remote: {tally.turns} turns, {tally.batches} batches, "
+        f"{counts['drafts']} draft tokens, {stats.step_rpcs} Step RPCs"
+    )
+    assert counts["drafts"] > 50
+    assert tally.batches > 50
+
+
+def test_draft_model_engine_turns_equal_vllm_mirror_replayed(vllm: ModuleType) -> None:
+    """Draft-model drafting: every allocation also reserves ``num_speculative_tokens``
+    lookahead slots (``num_lookahead_tokens``); turns equal vLLM's, programs replay exactly."""
+    from test_vllm_scheduler import ReplayCheckingSink
+
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    del vllm
+
+    def make_step_sink(self: Any, settings: Any) -> ReplayCheckingSink:
+        del self, settings
+        return ReplayCheckingSink()
+
+    checked = type("CheckedKvcmScheduler", (KvcmScheduler,), {"make_step_sink": make_step_sink})
+    setup = dataclasses.replace(FULL, num_blocks=50, speculative_method="draft_model")
+    plans = plan_workload(24, 30 * workload_scale(), setup)
+    reference = build_engine(setup)
+    mirrored = build_engine(setup, _counting(checked))
+    try:
+        assert reference.scheduler.num_lookahead_tokens == NUM_SPEC
+        assert mirrored.scheduler.num_lookahead_tokens == NUM_SPEC
+        sink = mirrored.scheduler.kv_cache_manager.recorder.sink
+        sink.mirror = mirrored.scheduler.kv_cache_manager
+        tally = assert_same_runs(reference, mirrored, plans)
+        counts = _spec_counts(mirrored)
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+    print(
+        f"draft model, mirror: {tally.turns} turns, {tally.batches} batches, "
+        f"{tally.preempted} preemptions, {counts['drafts']} draft tokens; "
+        f"{sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step"
+    )
+    assert sink.interpreter_error is None, sink.interpreter_error
+    assert sink.num_interpreted == sink.num_steps >= tally.batches > 50
+    assert counts["drafts"] > 50
+
+
+def test_hidden_state_drafters_are_refused(vllm: ModuleType) -> None:
+    """EAGLE, EAGLE3 and MTP (vLLM's use_eagle()) are refused with the reason named."""
+    from kvcm.common.errors import ConfigError
+    from kvcm.integrations.vllm._scheduler import check_supported
+
+    del vllm
+    config = vllm_config(FULL)
+    check_supported(config)  # n-gram drafting is served
+    for method in ("eagle", "eagle3", "mtp"):
+        config.speculative_config.method = method
+        assert config.speculative_config.use_eagle()
+        with pytest.raises(ConfigError, match="hidden-state drafter"):
+            check_supported(config)
+
+
+MAMBA = Setup(
+    block_size=256,
+    num_blocks=60,
+    max_model_len=2048,
+    max_num_batched_tokens=512,
+    max_num_seqs=8,
+    num_speculative_tokens=NUM_SPEC,
+)
+
+
+def _build_hybrid(setup: Setup, scheduler_cls: Any = None) -> Engine:
+    from test_mamba_engine_core import HASH_BLOCK, MAMBA_BLOCK, _HybridMambaWorker, _layer_specs
+    from vllm.v1.engine.core import EngineCore
+
+    class SpeculativeMambaWorker(_HybridMambaWorker):
+        # vLLM's Mamba layers hold one state block per draft token (num_speculative_blocks).
+        def get_kv_cache_spec(self) -> dict[str, Any]:
+            specs = _layer_specs(self.vllm_config.cache_config.block_size)
+            name = "model.layers.1.mixer"
+            specs[name] = dataclasses.replace(
+                specs[name], num_speculative_blocks=self.vllm_config.num_speculative_tokens
+            )
+            return specs
+
+    base = executor_class(setup)
+
+    def init_executor(self: Any) -> None:
+        base._init_executor(self)
+        world = self.vllm_config.parallel_config.world_size
+        self.workers = [SpeculativeMambaWorker(self.vllm_config, r, setup) for r in range(world)]
+
+    executor = type("SpecMambaExecutor", (base,), {"_init_executor": init_executor})
+    config = vllm_config(setup, scheduler_cls)
+    config.cache_config.mamba_cache_mode = "align"
+    config.cache_config.mamba_block_size = MAMBA_BLOCK
+    config.cache_config.prefix_match_unit = HASH_BLOCK
+    config.parallel_config.distributed_executor_backend = executor
+    return Engine(EngineCore(config, executor, setup.log_stats), setup)
+
+
+def test_ngram_hybrid_mamba_align_turns_equal_vllm(vllm: ModuleType) -> None:
+    """A hybrid Mamba model in align mode with speculative state blocks: kvcm's scheduler
+    answers EngineCore exactly as vLLM's (sub-block hits, block copies, draft slots)."""
+    from test_mamba_engine_core import _plans
+
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    del vllm
+    plans = _plans(23, 24 * workload_scale(), MAMBA.max_model_len)
+    reference = _build_hybrid(MAMBA)
+    mirrored = _build_hybrid(MAMBA, _counting(KvcmScheduler))
+    try:
+        groups = reference.scheduler.kv_cache_config.kv_cache_groups
+        spec = next(
+            g.kv_cache_spec for g in groups if type(g.kv_cache_spec).__name__ == "MambaSpec"
+        )
+        assert spec.num_speculative_blocks == NUM_SPEC
+        assert mirrored.scheduler.kv_cache_config == reference.scheduler.kv_cache_config
+        assert mirrored.scheduler.mamba_partial_cache_hit
+        tally = assert_same_runs(reference, mirrored, plans)
+        counts = _spec_counts(mirrored)
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+    print(
+        f"ngram hybrid Mamba align: {tally.turns} turns, {tally.batches} batches, "
+        f"{tally.events} events, {tally.hits} hits, {tally.preempted} preemptions, "
+        f"{counts['drafts']} draft tokens in {counts['steps']} steps"
+    )
+    assert tally.batches > 50
+    assert tally.hits > 0
+    assert counts["drafts"] > 50
+    assert tally.finished == len(plans)
