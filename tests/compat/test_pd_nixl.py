@@ -661,7 +661,7 @@ def test_other_kv_connectors_are_refused(connector: str, vllm: Any) -> None:
     setup = _setup("decode", TransferFabric(), False, {})
     transfer = {**(setup.kv_transfer or {}), "kv_connector": connector}
     config = vllm_config(dataclasses.replace(setup, kv_transfer=transfer))
-    with pytest.raises(ConfigError, match="NIXL connector only"):
+    with pytest.raises(ConfigError, match="NIXL connector and its offloading connector"):
         check_supported(config)
     check_supported(vllm_config(setup))  # vLLM's NixlConnector is accepted
 
