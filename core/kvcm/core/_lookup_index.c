@@ -18,11 +18,14 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #define INLINE_IDS 4
 #define MAX_SLOT 65534
 #define MIN_CAPACITY 64
-#define PREFETCH_AHEAD 8
+#define PREFETCH_AHEAD 16
 #define MAX_KEY 256
 
 typedef struct {
@@ -41,7 +44,44 @@ typedef struct {
     Entry *table;
     size_t mask; /* capacity - 1 */
     size_t used;
+    int mapped; /* the table is an mmap of its own (large tables, on Linux) */
 } KeyIndex;
+
+/* Tables from this size get pages of their own, advised to be huge pages: a walk's probes
+   land anywhere in hundreds of MB, and 4 KiB pages would add a TLB miss to most of them. */
+#define MAPPED_BYTES ((size_t)4 << 20)
+
+static Entry *table_alloc(size_t capacity, int *mapped) {
+    size_t bytes = capacity * sizeof(Entry);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= MAPPED_BYTES) {
+        void *table = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (table != MAP_FAILED) {
+            (void)madvise(table, bytes, MADV_HUGEPAGE); /* a hint: refused, 4 KiB pages */
+            *mapped = 1;
+            return table; /* zero-filled */
+        }
+    }
+#endif
+    *mapped = 0;
+    return PyMem_Calloc(capacity, sizeof(Entry));
+}
+
+static void table_free(Entry *table, size_t capacity, int mapped) {
+    if (table == NULL) {
+        return;
+    }
+#ifdef __linux__
+    if (mapped) {
+        munmap(table, capacity * sizeof(Entry));
+        return;
+    }
+#else
+    (void)capacity;
+    (void)mapped;
+#endif
+    PyMem_Free(table);
+}
 
 static inline const uint16_t *entry_ids(const Entry *e) {
     return e->cap ? e->ids.heap : e->ids.inl;
@@ -75,7 +115,8 @@ static inline Entry *probe(const KeyIndex *self, Py_hash_t hash, const char *dat
 }
 
 static int resize(KeyIndex *self, size_t capacity) {
-    Entry *table = PyMem_Calloc(capacity, sizeof(Entry));
+    int mapped;
+    Entry *table = table_alloc(capacity, &mapped);
     if (table == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -92,9 +133,10 @@ static int resize(KeyIndex *self, size_t capacity) {
             table[i] = old[j];
         }
     }
-    PyMem_Free(old);
+    table_free(old, old_capacity, self->mapped);
     self->table = table;
     self->mask = mask;
+    self->mapped = mapped;
     return 0;
 }
 
@@ -223,7 +265,7 @@ static void KeyIndex_dealloc(KeyIndex *self) {
                 }
             }
         }
-        PyMem_Free(self->table);
+        table_free(self->table, self->mask + 1, self->mapped);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -446,6 +488,18 @@ static int append_level(PyObject *levels, Py_ssize_t depth, const uint64_t *bits
     return failed;
 }
 
+/* Make block b's key (its hash then the suffix) in key, hash it into ahead[b % PREFETCH_AHEAD]
+   and prefetch its table entry. */
+static inline void make_key(const KeyIndex *self, char *key, Py_hash_t *ahead, Py_ssize_t b,
+                            const char *raw, Py_ssize_t hash_size, const char *suffix,
+                            Py_ssize_t suffix_size) {
+    memcpy(key, raw + b * hash_size, (size_t)hash_size);
+    memcpy(key + hash_size, suffix, (size_t)suffix_size);
+    Py_hash_t hash = hash_buffer(key, hash_size + suffix_size);
+    ahead[b % PREFETCH_AHEAD] = hash;
+    __builtin_prefetch(&self->table[(size_t)hash & self->mask]);
+}
+
 static PyObject *KeyIndex_walk(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError,
@@ -497,24 +551,35 @@ static PyObject *KeyIndex_walk(KeyIndex *self, PyObject *const *args, Py_ssize_t
         goto done_empty;
     }
     Py_ssize_t key_size = hash_size + suffix_size;
+    const char *suffix = PyBytes_AS_STRING(suffix_obj);
     char keys[PREFETCH_AHEAD][MAX_KEY];
     /* The previous block's set, when every running pool held it. */
     const uint16_t *last_ids = NULL;
     uint32_t last_n = 0;
     Py_ssize_t depth = 0;
+    /* A block's key is made and hashed, and its table entry prefetched, PREFETCH_AHEAD blocks
+       before it is read; PREFETCH_AHEAD / 2 blocks before, its entry (in cache by then) names
+       the key object and the heap set, which are prefetched in turn. So the walk's cache
+       misses (entry, key, set: three per block in a table of millions of keys) overlap instead
+       of following each other. */
+    for (Py_ssize_t b = 0; b < PREFETCH_AHEAD - 1 && b < max_blocks; b++) {
+        make_key(self, keys[b], ahead, b, raw, hash_size, suffix, suffix_size);
+    }
     for (; depth < max_blocks; depth++) {
-        /* Keys and hashes are made PREFETCH_AHEAD blocks ahead and their entries prefetched,
-           so the table's cache misses overlap instead of following each other. */
-        if (depth % PREFETCH_AHEAD == 0) {
-            Py_ssize_t end = depth + PREFETCH_AHEAD < max_blocks ? depth + PREFETCH_AHEAD
-                                                                  : max_blocks;
-            for (Py_ssize_t b = depth; b < end; b++) {
-                char *key = keys[b % PREFETCH_AHEAD];
-                memcpy(key, raw + b * hash_size, (size_t)hash_size);
-                memcpy(key + hash_size, PyBytes_AS_STRING(suffix_obj), (size_t)suffix_size);
-                Py_hash_t hash = hash_buffer(key, key_size);
-                ahead[b % PREFETCH_AHEAD] = hash;
-                __builtin_prefetch(&self->table[(size_t)hash & self->mask]);
+        Py_ssize_t next = depth + PREFETCH_AHEAD - 1;
+        if (next < max_blocks) {
+            make_key(self, keys[next % PREFETCH_AHEAD], ahead, next, raw, hash_size, suffix,
+                     suffix_size);
+        }
+        Py_ssize_t near = depth + PREFETCH_AHEAD / 2;
+        if (near < max_blocks) {
+            Py_hash_t hash = ahead[near % PREFETCH_AHEAD];
+            const Entry *home = &self->table[(size_t)hash & self->mask];
+            if (home->key != NULL && home->hash == hash) {
+                __builtin_prefetch(home->key);
+                if (home->cap) {
+                    __builtin_prefetch(home->ids.heap);
+                }
             }
         }
         Entry *e = probe(self, ahead[depth % PREFETCH_AHEAD], keys[depth % PREFETCH_AHEAD],
