@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["BlockPool"]
 
 _CacheEntry: TypeAlias = KVCacheBlock | dict[int, KVCacheBlock]
+_INDEX_BATCH = 4096  # keys per index call when a whole cache is attached (~1 ms)
 
 # Key suffixes of the first group ids, so lookups concatenate instead of encoding an int.
 _NUM_PRECOMPUTED_GROUPS = 64
@@ -643,7 +644,11 @@ class BlockPool:
         self._index = index
         self._index_slot = slot
         self._index_lock = lock
-        self._index_keys(self._cached)
+        # In batches: the compiled index holds the GIL for a whole call, and a server attaches
+        # a large cache in a worker thread while its event loop keeps serving.
+        keys = list(self._cached)
+        for start in range(0, len(keys), _INDEX_BATCH):
+            self._index_keys(keys[start : start + _INDEX_BATCH])
 
     def detach_index(self) -> None:
         """Clear this pool's bit from its index (O(cache)) and stop maintaining it."""
