@@ -57,7 +57,9 @@ class Driver:
 
     def served_after(self, moment: float) -> float | None:
         """When the first program sent after ``moment`` was acknowledged."""
-        times = [acked for sent, acked in self.acks.values() if sent > moment]
+        # A copy first (one C call under the GIL): the scheduler thread adds to ``acks``
+        # meanwhile, and iterating the dict itself failed once in a 30-kill run.
+        times = [acked for sent, acked in list(self.acks.values()) if sent > moment]
         return min(times) if times else None
 
 

@@ -96,6 +96,7 @@ class ClusterRuntime:
         self.interceptor = ClusterInterceptor(self.node, self._peers, has_pool=has_pool)
         self.reads = ClusterReads(self.node, self._peers, ssl_context=_peer_http_ssl(settings))
         self._feeding: asyncio.Task[None] | None = None
+        self._pool_feeds: dict[str, asyncio.Task[None]] = {}
 
     def attach(self, replication: Replication) -> None:
         """Drive ``replication`` from etcd (before :meth:`start`): every placement change is
@@ -112,8 +113,16 @@ class ClusterRuntime:
         def changed(pool_id: str, placement: Placement | None) -> None:
             changes.put_nowait((pool_id, placement))
 
-        async def take(pool_id: str, placements: list[Placement | None]) -> None:
-            for placement in placements:
+        # Each pool's changes in order, by a task of its own while it has any; the pools side
+        # by side, so that the pools a dead peer held are promoted at once (one checkpoint for
+        # all: Replication.promote), not each after the previous one's checkpoint.
+        queued: dict[str, list[Placement | None]] = {}
+        feeds = self._pool_feeds
+
+        async def take(pool_id: str) -> None:
+            placements = queued[pool_id]
+            while placements:
+                placement = placements.pop(0)
                 try:
                     known = replication.pools.get(pool_id)
                     if placement is None:
@@ -127,19 +136,16 @@ class ClusterRuntime:
                         await replication.set_placement(placement)
                 except Exception:
                     _LOG.exception("replication refused placement %s of %s", placement, pool_id)
+            del queued[pool_id]  # no await since the last pop: nothing was queued meanwhile
+            del feeds[pool_id]
 
         async def feed() -> None:
-            # Each pool's changes in order; the pools that changed together side by side, so
-            # that the pools a dead peer held are promoted at once (one checkpoint for all:
-            # Replication.promote), not each after the previous one's checkpoint.
+            loop = asyncio.get_running_loop()
             while True:
-                batch = [await changes.get()]
-                while not changes.empty():
-                    batch.append(changes.get_nowait())
-                by_pool: dict[str, list[Placement | None]] = {}
-                for pool_id, placement in batch:
-                    by_pool.setdefault(pool_id, []).append(placement)
-                await asyncio.gather(*(take(p, placements) for p, placements in by_pool.items()))
+                pool_id, placement = await changes.get()
+                queued.setdefault(pool_id, []).append(placement)
+                if pool_id not in feeds:
+                    feeds[pool_id] = loop.create_task(take(pool_id), name="kvcm-placement")
 
         def can_promote(pool_id: str) -> bool:
             entry = replication.pools.get(pool_id)
@@ -175,6 +181,10 @@ class ClusterRuntime:
     async def stop(self) -> None:
         """Leave the cluster and close the peer channels."""
         await self.node.stop()
+        feeds = list(self._pool_feeds.values())
+        for task in feeds:
+            task.cancel()
+        await asyncio.gather(*feeds, return_exceptions=True)
         if self._feeding is not None:
             self._feeding.cancel()
             with contextlib.suppress(asyncio.CancelledError):
