@@ -7,6 +7,11 @@ p50 and p99 and the ratios to "no standby".
     python bench/replication.py                      # 256-request Steps, 300 samples each
     python bench/replication.py --requests 32 --steps 500 --mode async
     python bench/replication.py --failovers 10       # instead: kill -9 + promotion times
+    python bench/replication.py --kv-events          # pools publish KV events on ZMQ
+
+With ``--kv-events`` every server publishes on its own ZMQ socket (``tcp://*:0``) and the pools
+emit KV events: a ``sync`` pool's batches then go out once its standby acknowledged them
+(docs/replication.md), which this measures against the unreplicated server's at once.
 
 Failover (``--failovers N``): a scheduler drives a sync pool on A (standby B); A is killed with
 SIGKILL; B is promoted at once (``SetPlacement``: what placement's etcd watch does once A's
@@ -17,6 +22,7 @@ the time from the kill to the scheduler's first acknowledged Step on B (same ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -202,7 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--mode", choices=("sync", "async"), default="sync")
     parser.add_argument("--failovers", type=int, default=0, help="instead: kill -9 this often")
+    parser.add_argument("--kv-events", action="store_true", help="pools publish KV events")
     args = parser.parse_args(argv)
+    if args.kv_events:
+        import rpc
+
+        config = rpc._pool_config
+        rpc._pool_config = lambda: dataclasses.replace(config(), enable_kv_cache_events=True)
+        os.environ["KVCM_KV_EVENTS_ENDPOINT"] = "tcp://*:0"
     if args.failovers:
         bench_failovers(args.failovers)
         return

@@ -11,25 +11,28 @@ for byte the one B's replay holds (same events, same timestamps, same numbering)
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from pathlib import Path
 
+import grpc
 import zmq
 from _data_dir_server import HASHER
 from _replication import CONFIG, Server, place
 
 from kvcm.client import SchedulerClient, StepBuilder
 from kvcm.core.program import StepProgram
+from kvcm.v1 import service_pb2_grpc
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def program(seq: int) -> StepProgram:
+def program(seq: int, *, sequenced: bool = True) -> StepProgram:
     """Step ``seq``: admit and cache a fresh 2-block prompt (a BlockStored batch), finish it."""
     prompt = list(range(seq * 1000, seq * 1000 + 40))
     step = StepBuilder()
-    step.step_seq = seq
+    step.step_seq = seq if sequenced else None
     step.add_request(seq, prompt, HASHER.hash_token_ids(prompt))
     step.allocate(seq, len(prompt), 0, lookup=True)
     step.cache_blocks(seq, len(prompt))
@@ -79,11 +82,12 @@ def _replay(
         dealer.close(linger=0)
 
 
-def _server(tmp_path: Path, name: str) -> Server:
+def _server(tmp_path: Path, name: str, sync_timeout_s: str = "5") -> Server:
     env = {
         "KVCM_KV_EVENTS_ENDPOINT": f"ipc://{tmp_path}/{name}-pub",
         "KVCM_KV_EVENTS_REPLAY_ENDPOINT": f"ipc://{tmp_path}/{name}-replay",
         "KVCM_REPLICA_DIGEST_EVERY": "4",
+        "KVCM_REPLICA_SYNC_TIMEOUT_S": sync_timeout_s,
     }
     server = Server(tmp_path / name, env)
     server.start()
@@ -154,3 +158,104 @@ def test_zmq_numbering_continues_across_a_failover(tmp_path: Path) -> None:
         ctx.destroy(linger=0)
         a.stop()
         b.stop()
+
+
+def _events_seen(address: str, pool_id: str, seen: list[int], stop: threading.Event) -> None:
+    """A gRPC reader of the pool from sequence 1: appends each event's sequence to ``seen``."""
+    with SchedulerClient(address, timeout=10.0) as client:
+        stream = client.subscribe_events(pool_id, start_sequence=1, timeout=60.0)
+        try:
+            for batch in stream:
+                seen.extend(batch.first_sequence + i for i in range(len(batch.events)))
+                if stop.is_set():
+                    return
+        except Exception:  # the server was killed: the reader ends
+            return
+        finally:
+            stream.close()
+
+
+def test_events_wait_for_the_standby(tmp_path: Path) -> None:
+    """A sync pool's batch goes out (ZMQ live and replay, gRPC, DescribePool's last_seq) only
+    once its standby acknowledged the record: while the standby is stopped, a Step's batch is
+    held; it goes out when the standby has it. A primary killed with a batch held never sent
+    it, so the router, moved to the promoted standby, holds exactly the standby's batches."""
+    a = _server(tmp_path, "a", sync_timeout_s="1")
+    b = _server(tmp_path, "b", sync_timeout_s="1")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    on_a = Router(ctx, f"ipc://{tmp_path}/a-pub")
+    grpc_seen: list[int] = []
+    stop = threading.Event()
+    reader = threading.Thread(target=_events_seen, args=(a.address, "z", grpc_seen, stop))
+    try:
+        place(b.address, "z", a.address, b.address, 1)
+        place(a.address, "z", a.address, b.address, 1)
+        time.sleep(0.3)  # the SUB socket's subscription reaches the publisher
+        with SchedulerClient(a.address, timeout=10.0) as client:
+            client.create_pool("z", CONFIG)
+            reader.start()
+            for seq in range(1, 5):
+                client.step("z", program(seq))
+            out = _last_seq(a.address)
+            events_out = client.describe_pool("z").last_event_sequence
+        _wait(lambda: on_a.batches and on_a.batches[-1][0] == out, "A's batches")
+        _wait(lambda: grpc_seen and grpc_seen[-1] == events_out, "A's events")
+        assert b.process is not None
+        b.process.send_signal(signal.SIGSTOP)
+        try:
+            refused = _step_raw(a.address, program(5))  # applied and journaled on A
+            assert refused is grpc.StatusCode.UNAVAILABLE, refused  # but not acknowledged
+            time.sleep(0.3)
+            assert on_a.batches[-1][0] == out, "a batch went out before the standby had it"
+            assert grpc_seen[-1] == events_out, "events went out before the standby had them"
+            assert max(seq for seq, _ in _replay(ctx, f"ipc://{tmp_path}/a-replay", 0)) == out
+            assert _last_seq(a.address) == out
+        finally:
+            b.process.send_signal(signal.SIGCONT)
+        # The standby acknowledges it: the batch goes out, the same as its retry's answer.
+        _wait(lambda: on_a.batches[-1][0] == out + 1, "the held batch")
+        _wait(lambda: grpc_seen[-1] > events_out, "the held events")
+        with SchedulerClient(a.address, timeout=10.0) as client:
+            client.step("z", program(5))  # the retry (same step_seq) is answered
+            assert client.describe_pool("z").zmq_events.last_seq == out + 1  # type: ignore[union-attr]
+        # A batch held when the primary dies: never out.
+        b.process.send_signal(signal.SIGSTOP)
+        try:
+            assert _step_raw(a.address, program(6)) is grpc.StatusCode.UNAVAILABLE
+            time.sleep(0.3)
+            a.kill()
+        finally:
+            b.process.send_signal(signal.SIGCONT)
+        place(b.address, "z", b.address, None, 2)  # promoted
+        with SchedulerClient(b.address, timeout=10.0) as client:
+            # New prompts (whether B had Step 6 or not): new blocks, new batches.
+            for seq in range(7, 10):
+                client.step("z", program(seq, sequenced=False))
+        last_on_b = _last_seq(b.address)
+        # The router: what it read from A, then B's replay after the last seq it saw.
+        seen = dict(on_a.batches)
+        assert sorted(seen) == list(range(out + 2))
+        for seq, payload in _replay(ctx, f"ipc://{tmp_path}/b-replay", out + 2):
+            assert seq not in seen
+            seen[seq] = payload
+        from_b = dict(_replay(ctx, f"ipc://{tmp_path}/b-replay", 0))
+        assert sorted(from_b) == list(range(last_on_b + 1))
+        assert seen == from_b, "the router's batches differ from the new primary's"
+    finally:
+        stop.set()
+        on_a.close()
+        ctx.destroy(linger=0)
+        a.stop()
+        b.stop()
+        reader.join(10)
+
+
+def _step_raw(address: str, step: StepProgram) -> grpc.StatusCode | None:
+    """One Step attempt (no SDK retry): its status code (``None``: acknowledged)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = service_pb2_grpc.SchedulerServiceStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            stub.Step(StepBuilder.from_program(step).to_proto("z"), timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+        return None

@@ -294,11 +294,14 @@ class KVCMServer:
                 continue
             if stream is not None and stream.stream_offset(listed) != offset:
                 continue
+            if listed.name in state.standby_pools:  # a standby's copy publishes nothing here
+                continue
             try:
                 pool = await state.pool(listed.name)  # waits while a worker thread holds it
             except NotFoundError:
                 continue
-            out.extend(collect_batches(pool, state.topic(pool), numbering, start, topic))
+            held = state.first_held_batch(pool)  # not out yet: its standby lacks its record
+            out.extend(collect_batches(pool, state.topic(pool), numbering, start, topic, held=held))
         return out
 
     def _pool_wiring(self, pool_ids: Sequence[str]) -> dict[str, PoolWiring]:

@@ -539,9 +539,15 @@ class KvEventStream:
             dedicated=sharing.get(offset, 0) <= 1,
         )
 
-    def publish(self, pool: Pool, topic: str) -> None:
-        """Queue the batch ``pool`` published last (called right after it published)."""
-        last = pool.last_event_batch()
+    def publish(
+        self,
+        pool: Pool,
+        topic: str,
+        held: tuple[int, list[KVCacheEvent], float] | None = None,
+    ) -> None:
+        """Queue the batch ``pool`` published last (called right after it published), or
+        ``held`` (one it published earlier, held until its standby had it)."""
+        last = pool.last_event_batch() if held is None else held
         if last is None:
             return
         seq, events, ts = last
@@ -738,10 +744,17 @@ def _close_stream(stream: _Stream) -> None:
 
 
 def collect_batches(
-    pool: Pool, topic: str, numbering: KvEventNumbering, start: int, wanted: str | None
+    pool: Pool,
+    topic: str,
+    numbering: KvEventNumbering,
+    start: int,
+    wanted: str | None,
+    *,
+    held: int | None = None,
 ) -> list[_Batch]:
     """Every kept batch of ``pool`` (publishing as ``topic``) whose wire ``seq`` is ``start``
-    or later, unless ``wanted`` names another topic."""
+    or later, unless ``wanted`` names another topic; none from the pool's batch ``held`` on
+    (held for its standby: not out yet)."""
     if wanted is not None and wanted != topic:
         return []
     base = numbering.base(pool.name)
@@ -750,6 +763,7 @@ def collect_batches(
     return [
         _Batch(encoded, base + seq, ts, events, rank)
         for seq, events, ts in pool.event_batches_from(max(0, start - base))
+        if held is None or seq < held
     ]
 
 

@@ -606,9 +606,17 @@ class Replication:
         link = entry.link
         if link is not None and link.standby == entry.standby and link.epoch == entry.epoch:
             return
-        self._unlink(entry, None)
+        marks = link.marks if link is not None else None
+        entry.link = None
+        if link is not None:
+            link.close(None, release=not (entry.standby and entry.sync))
         if entry.standby:
-            entry.link = _Link(self, entry.pool_id, entry.standby, entry.epoch)
+            entry.link = new = _Link(self, entry.pool_id, entry.standby, entry.epoch)
+            if entry.sync:  # its KV events go out once the standby has their records
+                self.state.hold_events(entry.pool_id)
+                new.holds = True
+                if marks:  # the old standby's unacknowledged ones: the new one's seed has them
+                    new.marks.append((0, *marks[-1][1:]))
 
     def _unlink(self, entry: ReplicaState, reason: str | None) -> None:
         link, entry.link = entry.link, None
@@ -988,6 +996,10 @@ class _Link:
         # (seq, time.monotonic()) of records not acknowledged yet (the oldest kept when more
         # than _MAX_UNACKED are outstanding): the replication lag in seconds.
         self.times: collections.deque[tuple[int, float]] = collections.deque()
+        # A sync pool's KV events wait for their records' acknowledgements (ServerState.
+        # release_events): (record seq, the pool object, its last event sequence after it).
+        self.holds = False
+        self.marks: collections.deque[tuple[int, Pool, int]] = collections.deque()
         self.task = asyncio.get_running_loop().create_task(
             self._run(), name=f"kvcm-replica-{pool_id}"
         )
@@ -997,6 +1009,13 @@ class _Link:
     ) -> Awaitable[None] | None:
         self.last += 1
         seq = self.last
+        if self.holds:
+            pool = self.owner._pool(self.pool_id)
+            if pool is not None:
+                marks = self.marks
+                last = pool.last_event_sequence
+                if not marks or marks[-1][1] is not pool or marks[-1][2] != last:
+                    marks.append((seq, pool, last))  # the record that completes these events
         if len(self.times) < _MAX_UNACKED:
             self.times.append((seq, time.monotonic()))
         if self.live:
@@ -1030,18 +1049,29 @@ class _Link:
         times = self.times
         while times and times[0][0] <= seq:
             times.popleft()
+        marks = self.marks
+        if marks and marks[0][0] <= seq:
+            released = None
+            while marks and marks[0][0] <= seq:
+                released = marks.popleft()
+            if released is not None:
+                self.owner.state.release_events(released[1], released[2])
 
     def lag(self) -> tuple[int, float]:
         """Records not acknowledged yet, and the age in seconds of the oldest of them."""
         age = time.monotonic() - self.times[0][1] if self.times else 0.0
         return self.last - self.acked, age
 
-    def close(self, reason: str | None) -> None:
+    def close(self, reason: str | None, *, release: bool = True) -> None:
         """Stop; waiting calls fail with ``reason`` (``None``: they are released: the pool
-        has no standby any more)."""
+        has no standby any more, and its held KV events go out unless not ``release``: a
+        new standby takes over). With a ``reason`` (this replica stepped down) its held
+        events never go out here: the new primary may not have them."""
         self.closed = True
         self.live = False
         self.task.cancel()
+        if reason is None and release and self.holds:
+            self.owner.state.unhold_events(self.pool_id)
         while self.waiters:
             _, future = self.waiters.popleft()
             if future.done():

@@ -109,6 +109,9 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
         _check_epoch(request, pool)
         start = request.start_sequence if request.HasField("start_sequence") else None
         sequence = pool.check_event_start(start)
+        visible = self._state.visible_events(pool)
+        if visible is not None:  # events its standby does not have yet are not out yet
+            sequence = min(sequence, visible + 1)
         limit = self._state.limits.max_subscribers_per_pool
         if runtime.subscribers >= limit:
             raise ResourceExhaustedError(
@@ -158,7 +161,13 @@ class EventServicer(service_pb2_grpc.EventServiceServicer):
             # deleted gets NOT_FOUND next, not the deleted pool's remaining events.
             self._check_live(pool, runtime, sequence)
             waiter = runtime.events
-            got = pool.events_from(sequence, limit)
+            visible = self._state.visible_events(pool)
+            if visible is not None and visible < sequence:  # held for the standby
+                await waiter.wait()
+                continue
+            got = pool.events_from(
+                sequence, limit if visible is None else min(limit, visible + 1 - sequence)
+            )
             if got is None:
                 raise AbortRpc(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,

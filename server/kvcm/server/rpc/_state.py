@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import fnmatch
 import time
 from collections.abc import Callable
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from kvcm.common.errors import KVCMError
+from kvcm.common.events import KVCacheEvent
 from kvcm.core.limits import DEFAULT_LIMITS, Limits
 from kvcm.core.pool import Pool, PoolRegistry
 from kvcm.core.pool_types import ZmqEventStream
@@ -30,6 +33,7 @@ __all__ = [
     "CALL_TIME",
     "PRINCIPAL",
     "AwakeClock",
+    "EventHold",
     "PoolRuntime",
     "Principal",
     "ServerState",
@@ -171,6 +175,29 @@ class PoolRuntime:
 
 
 @dataclass(slots=True)
+class EventHold:
+    """A pool whose KV events wait for its standby (a replicated ``sync`` pool,
+    docs/replication.md): subscribers read, and the ZMQ wire carries, only the events of
+    records the standby acknowledged, so a router never sees a batch the next primary may not
+    have.
+
+    Attributes:
+        pool: The pool object held (``None``: the pool's first; a pool replaced under its
+            id is held by a new hold from its first batch on).
+        visible: The last event sequence released (subscribers read up to it).
+        pending: ZMQ batches published by the core but not released yet, oldest first: (the
+            pool's last event sequence once the batch was published, (batch sequence,
+            events, timestamp)).
+    """
+
+    pool: Pool | None
+    visible: int
+    pending: collections.deque[tuple[int, tuple[int, list[KVCacheEvent], float]]] = field(
+        default_factory=collections.deque
+    )
+
+
+@dataclass(slots=True)
 class ServerState:
     """The state every servicer reads.
 
@@ -210,6 +237,9 @@ class ServerState:
             event set when the call ends. Every call on such a pool waits for it
             (:meth:`pool`), so a pool is never read or changed by two threads at once and
             each call stays atomic; other pools keep being served on the loop.
+        event_holds: Pools whose KV events are released only once their standby has the
+            records that made them (:class:`EventHold`; set by the replication of ``sync``
+            pools, empty otherwise: events go out as they are published).
     """
 
     registry: PoolRegistry
@@ -233,6 +263,7 @@ class ServerState:
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
     kv_numbering: KvEventNumbering = field(default_factory=KvEventNumbering)
     standby_pools: set[str] = field(default_factory=set)
+    event_holds: dict[str, EventHold] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.clock.on_stall = self._extend_leases
@@ -315,11 +346,77 @@ class ServerState:
         """The loop's half of :meth:`published`: wake the pool's subscribers and hand its
         last batch to the ZMQ stream, once the batch is published (a long Step publishes it
         in its lane: ``Pool.publish_events`` costs ~7 us per event)."""
+        hold = self.event_holds.get(pool.name) if self.event_holds else None
+        if hold is not None and hold.pool is not pool and pool.name in self.standby_pools:
+            del self.event_holds[pool.name]  # a stepped-down primary's, replaced by a seed
+            hold = None
+        if hold is not None:
+            if hold.pool is not pool:  # replaced under its id (ResyncPool): hold the new one
+                last = pool.last_event_batch()
+                start = pool.last_event_sequence - (len(last[1]) if last is not None else 0)
+                hold = self.event_holds[pool.name] = EventHold(pool, start)
+            if self.kv_events is not None and pool.name not in self.standby_pools:
+                batch = pool.last_event_batch()
+                if batch is not None:
+                    hold.pending.append((pool.last_event_sequence, batch))
+            return  # subscribers are woken when it is released
         runtime = self.runtimes.get(pool.name)
         if runtime is not None:
             runtime.wake_subscribers()
         if self.kv_events is not None and pool.name not in self.standby_pools:
             self.kv_events.publish(pool, self.topic(pool))
+
+    def hold_events(self, pool_id: str) -> None:
+        """From now on release ``pool_id``'s KV events only by :meth:`release_events` (what
+        was published so far is out already)."""
+        pool = self.registry.get(pool_id) if pool_id in self.registry else None
+        hold = self.event_holds.get(pool_id)
+        if hold is None or hold.pool is not pool:
+            start = pool.last_event_sequence if pool is not None else 0
+            self.event_holds[pool_id] = EventHold(pool, start)
+
+    def release_events(self, pool: Pool, through: int) -> None:
+        """The standby has every record that published ``pool``'s events up to sequence
+        ``through``: hand their ZMQ batches to the wire, in order, and let subscribers read
+        them."""
+        hold = self.event_holds.get(pool.name)
+        if hold is None or hold.pool is not pool or through <= hold.visible:
+            return
+        hold.visible = through
+        pending = hold.pending
+        stream = self.kv_events
+        while pending and pending[0][0] <= through:
+            _, batch = pending.popleft()
+            if stream is not None and pool.name not in self.standby_pools:
+                stream.publish(pool, self.topic(pool), batch)
+        runtime = self.runtimes.get(pool.name)
+        if runtime is not None:
+            runtime.wake_subscribers()
+
+    def unhold_events(self, pool_id: str) -> None:
+        """Stop holding ``pool_id``'s events (it has no standby any more): release what is
+        pending, and publish as they come from now on."""
+        hold = self.event_holds.get(pool_id)
+        if hold is None:
+            return
+        if hold.pool is not None:
+            self.release_events(hold.pool, hold.pool.last_event_sequence)
+        self.event_holds.pop(pool_id, None)
+
+    def first_held_batch(self, pool: Pool) -> int | None:
+        """The batch sequence of ``pool``'s oldest batch held for its standby (``None``:
+        none is held): a ZMQ replay sends none from it on."""
+        hold = self.event_holds.get(pool.name) if self.event_holds else None
+        if hold is None or hold.pool is not pool or not hold.pending:
+            return None
+        return hold.pending[0][1][0]
+
+    def visible_events(self, pool: Pool) -> int | None:
+        """The last event sequence of ``pool`` its subscribers may read (``None``: all)."""
+        hold = self.event_holds.get(pool.name) if self.event_holds else None
+        if hold is None or hold.pool is not pool:
+            return None
+        return hold.visible
 
     def topic(self, pool: Pool) -> str:
         """The pool's ZMQ topic (``kv_events_topic``)."""
@@ -343,14 +440,23 @@ class ServerState:
         out = {}
         for pool in publishing:
             described = stream.describe(pool, self.topic(pool), sharing)
-            if described is not None:
-                out[pool.name] = described
+            if described is None:
+                continue
+            held = self.first_held_batch(pool)
+            if held is not None:  # the last batch out is the one before the first held
+                last = stream.numbering.base(pool.name) + held - 1
+                described = dataclasses.replace(described, last_seq=last)
+            out[pool.name] = described
         return out
 
     def retire(self, pool: Pool) -> None:
         """End a pool that was deleted or is being replaced: publish ``AllBlocksCleared`` as
         its last batch, then end its registrations and event streams (NOT_FOUND). The pool
-        id's next incarnation numbers its ZMQ batches after that one."""
+        id's next incarnation numbers its ZMQ batches after that one. Held events go out
+        first (under this incarnation's numbering)."""
+        hold = self.event_holds.get(pool.name)
+        if hold is not None and hold.pool is pool:
+            self.release_events(pool, pool.last_event_sequence)
         if (
             pool.publish_cleared(CALL_TIME.get() or time.time())
             and self.kv_events is not None
