@@ -331,8 +331,12 @@ class SimulatedWorker:
         self.layout: tuple[str, int] | None = None
         self._prompt_lengths: dict[str, int] = {}
         self._pending: Any = None
-        # Speculative decoding: the requests that sampled in the last step -> their length.
+        # Speculative decoding: the requests that sampled in the last step -> their length,
+        # the drafts proposed for them, each request's computed and known token counts.
         self._drafts_for: dict[str, int] = {}
+        self._proposed: dict[str, list[int]] = {}
+        self._computed: dict[str, int] = {}
+        self._length: dict[str, int] = {}
         # The rank whose output the executor returns moves the KV (one per engine).
         world = vllm_config.parallel_config.world_size
         connector = (setup.kv_transfer or {}).get("kv_connector")
@@ -435,6 +439,9 @@ class SimulatedWorker:
     def _forget(self, finished_req_ids: set[str]) -> None:
         for req_id in finished_req_ids:
             self._prompt_lengths.pop(req_id, None)
+            self._computed.pop(req_id, None)
+            self._length.pop(req_id, None)
+            self._proposed.pop(req_id, None)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         """One token per request whose scheduled chunk reaches the end of its known tokens."""
@@ -453,23 +460,14 @@ class SimulatedWorker:
         ):
             known[req_id] = (computed, self._prompt_lengths[req_id] + num_output)
         req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        self._drafts_for = {}
-        for req_id in req_ids:
-            computed, num_tokens = known[req_id]
-            drafts = output.scheduled_spec_decode_tokens.get(req_id, ())
-            end = computed + output.num_scheduled_tokens[req_id] - len(drafts)
-            tokens: list[int] = []
-            if end >= num_tokens:
-                # The target model verifies the drafts in order: each sampled token is the
-                # model's own; the first draft that differs ends the accepted run.
-                for position in range(end, end + len(drafts) + 1):
-                    tokens.append(token_at(req_id, position))
-                    index = position - end
-                    if index == len(drafts) or drafts[index] != tokens[-1]:
-                        break
-                self._drafts_for[req_id] = end + len(tokens)
-            sampled.append(tokens)
+        if self.setup.num_speculative_tokens:
+            sampled = self._verify_drafts(output, known)
+        else:
+            sampled = []
+            for req_id in req_ids:
+                computed, num_tokens = known[req_id]
+                end = computed + output.num_scheduled_tokens[req_id]
+                sampled.append([token_at(req_id, end)] if end >= num_tokens else [])
         connector_output, self._connector_output = self._connector_output, None
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -478,27 +476,64 @@ class SimulatedWorker:
             kv_connector_output=connector_output,
         )
 
+    def _verify_drafts(self, output: Any, known: dict[str, tuple[int, int]]) -> list[list[int]]:
+        # Speculative decoding: the worker keeps each request's computed and known token
+        # counts itself (under async scheduling the scheduler's are optimistic until it has
+        # processed the previous step's rejections, as vLLM's model runner corrects them) and
+        # the drafts it proposed (async scheduling schedules placeholders, -1, for them).
+        resumed = output.scheduled_cached_reqs.resumed_req_ids
+        for req_id, (computed, num_tokens) in known.items():
+            if req_id not in self._computed or req_id in resumed:
+                self._computed[req_id], self._length[req_id] = computed, num_tokens
+        sampled = []
+        self._drafts_for = {}
+        for req_id, num_scheduled in output.num_scheduled_tokens.items():
+            computed, length = self._computed[req_id], self._length[req_id]
+            drafts = list(output.scheduled_spec_decode_tokens.get(req_id, ()))
+            proposed = self._proposed.pop(req_id, [])
+            for i, draft in enumerate(drafts):
+                if draft < 0:  # a placeholder: this worker's own proposal, or a miss
+                    right = token_at(req_id, length + i)
+                    drafts[i] = proposed[i] if i < len(proposed) else (right + 1) % VOCAB
+            tokens: list[int] = []
+            end = computed + num_scheduled - len(drafts)
+            if end >= length:
+                # The target model verifies the drafts in order: each sampled token is the
+                # model's own; the first draft that differs ends the accepted run.
+                for index in range(len(drafts) + 1):
+                    tokens.append(token_at(req_id, length + index))
+                    if index == len(drafts) or drafts[index] != tokens[-1]:
+                        break
+                self._length[req_id] = length + len(tokens)
+                self._drafts_for[req_id] = length + len(tokens)
+            rejected = len(drafts) - max(len(tokens) - 1, 0) if tokens else 0
+            self._computed[req_id] = computed + num_scheduled - rejected
+            sampled.append(tokens)
+        for req_id, length in self._drafts_for.items():
+            self._proposed[req_id] = self._draft(req_id, length)
+        return sampled
+
+    def _draft(self, req_id: str, length: int) -> list[int]:
+        # The simulated drafter: 0 to k tokens, a deterministic function of the request and
+        # its length, right up to a deterministic miss (or all right).
+        k = self.setup.num_speculative_tokens
+        seed = zlib.crc32(f"draft/{req_id}/{length}".encode())
+        count = seed % (k + 1)
+        miss = (seed // (k + 1)) % (2 * k + 1)  # >= count: every draft right
+        return [(token_at(req_id, length + i) + (i == miss)) % VOCAB for i in range(count)]
+
     def take_draft_token_ids(self) -> Any:
-        """The simulated n-gram drafter's proposals for the requests that just sampled:
-        0 to ``num_speculative_tokens`` tokens each (a deterministic function of the request
-        and its length), some the model's own next tokens and some not, so steps accept
-        every draft, a part, or none."""
+        """The simulated drafter's proposals for the requests that just sampled (see
+        ``_draft``): 0 to ``num_speculative_tokens`` tokens each, some the model's own next
+        tokens and some not, so steps accept every draft, a part, or none. EngineCore asks
+        only without async scheduling; with it the worker fills the scheduler's placeholders."""
         from vllm.v1.outputs import DraftTokenIds
 
-        k = self.setup.num_speculative_tokens
-        if not k or not self._drafts_for:
+        if not self._drafts_for:
             return None
         req_ids = sorted(self._drafts_for)
-        drafts = []
-        for req_id in req_ids:
-            length = self._drafts_for[req_id]
-            seed = zlib.crc32(f"draft/{req_id}/{length}".encode())
-            count = seed % (k + 1)
-            miss = (seed // (k + 1)) % (2 * k + 1)  # >= count: every draft right
-            drafts.append(
-                [(token_at(req_id, length + i) + (i == miss)) % VOCAB for i in range(count)]
-            )
         self._drafts_for = {}
+        drafts = [self._proposed[req_id] for req_id in req_ids]
         return DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts)
 
     def shutdown(self) -> None:
