@@ -14,7 +14,8 @@ again), answers its own part, and merges:
   A standby's copy of a pool (replication) is left out: only the primary's answer counts.
 * ``RoutePd``: each role's Lookup fanned out and merged as above, both roles at once (this
   replica's part over the loopback), the held request (bidirectional) read by the best decode
-  pool's own replica, then the core's ranking, so the route is the one a single server holding every pool gives.
+  pool's own replica, then the core's ranking, so the route is the one a single server
+  holding every pool gives.
 * ``ListTransfers`` of every pool (no ``pool_id``; one pool's is redirected to its primary):
   each replica's records of the pools it is the primary of (a standby's copies left out), in
   flight first (oldest first), then ended ones (latest first), as one server orders them.
