@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,6 +52,9 @@ _LOG = logging.getLogger("kvcm.server.cluster")
 
 # Pause before listing and watching again after the watch broke (etcd down), in seconds.
 _REWATCH_S = 0.5
+# How long a standby its primary replaced for not acknowledging is chosen as no pool's standby
+# again by this replica, in seconds (a full disk, a stuck apply: the operator's to fix).
+_UNFIT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +90,8 @@ class ClusterStats:
         placement_failures: Placements refused because etcd could not be reached.
         fanout_missed: Cluster-wide calls' peer parts that did not answer, by method.
         session_losses: Times the etcd session was lost (etcd unreachable, lease expired).
+        standby_replacements: Standbys this replica replaced, as their pools' primary, for not
+            acknowledging while live in etcd (:meth:`ClusterNode.replace_standby`).
     """
 
     redirects: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -93,6 +99,7 @@ class ClusterStats:
     placement_failures: int = 0
     fanout_missed: dict[str, int] = dataclasses.field(default_factory=dict)
     session_losses: int = 0
+    standby_replacements: int = 0
 
 
 class ClusterNode:
@@ -140,6 +147,9 @@ class ClusterNode:
         self._tasks: list[asyncio.Task[None]] = []
         self._listed = asyncio.Event()
         self._reconciling: asyncio.Task[None] | None = None
+        # Replicas replaced as a standby for not acknowledging: time.monotonic() until which
+        # none is chosen as a standby here (_UNFIT_S).
+        self._unfit: dict[str, float] = {}
         #: Whether this replica holds a live copy of a pool it follows and may take it over
         #: (set by replication; ``None``: failover off, a standby is never promoted).
         self.can_promote: Callable[[str], bool] | None = None
@@ -296,12 +306,48 @@ class ClusterNode:
                 standbys[placement.standby] += 1
         if primary is None:
             primary = min(live, key=lambda a: (primaries[a], standbys[a], a))
-        others = live - {primary}
+        now = time.monotonic()
+        unfit = {address for address, until in self._unfit.items() if until > now}
+        others = live - {primary} - unfit
         if not others:
             return primary, None
         # The standby's own load is its standbys (what it replays), then its primaries.
         standby = min(others, key=lambda a: (standbys.get(a, 0), primaries.get(a, 0), a))
         return primary, standby
+
+    async def replace_standby(self, pool_id: str, standby: str) -> Placement | None:
+        """Replace the pool's standby ``standby``, live in etcd but not acknowledging (a full or
+        failing disk, a stuck apply, a partition between the two replicas), as this replica,
+        its primary, asks: one transaction swaps the record for one at the same epoch naming
+        another live replica (the least-loaded), or no standby if none is left. The replaced
+        one is no pool's standby here for ``_UNFIT_S`` seconds. It is no longer in the
+        placement, so it can never be promoted (failover promotes only the standby named).
+
+        Returns:
+            The new placement, or ``None`` when nothing changed (the record no longer names
+            this replica primary and ``standby`` as its standby, or it changed meanwhile).
+
+        Raises:
+            EtcdUnavailableError: etcd could not be reached; nothing changed.
+        """
+        placement = self._placements.get(pool_id)
+        if placement is None or (placement.primary, placement.standby) != (self.address, standby):
+            return None
+        self._unfit[standby] = time.monotonic() + _UNFIT_S
+        _, new_standby = self._choose(self.address)
+        new = dataclasses.replace(placement, standby=new_standby)
+        if not await self.replace(placement, new):
+            return None
+        self.stats.standby_replacements += 1
+        _LOG.warning(
+            "pool %s: standby %s does not acknowledge; replaced by %s (epoch %d)",
+            pool_id,
+            standby,
+            new_standby or "none (acknowledged after the local journal)",
+            new.epoch,
+            extra={"event": "standby_replaced", "pool": pool_id},
+        )
+        return new
 
     def _apply(self, pool_id: str, placement: Placement | None) -> None:
         """Record a change in the local view and tell the watchers (only if it changed)."""

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from kvcm.common.errors import ConfigError
+from kvcm.server.cluster._etcd import EtcdUnavailableError
 from kvcm.server.cluster._fanout import PeerChannels
 from kvcm.server.cluster._http_reads import ClusterReads
 from kvcm.server.cluster._node import ClusterConfig, ClusterNode
@@ -151,8 +152,25 @@ class ClusterRuntime:
             entry = replication.pools.get(pool_id)
             return entry is not None and entry.role is Role.STANDBY and entry.has_copy
 
+        replacing: set[asyncio.Task[None]] = set()
+
+        async def replace_standby(pool_id: str, standby: str) -> None:
+            try:
+                await self.node.replace_standby(pool_id, standby)
+            except EtcdUnavailableError as exc:  # the next calls' timeouts ask again
+                _LOG.warning("replacing the standby of pool %s waits: %s", pool_id, exc)
+                entry = replication.pools.get(pool_id)
+                if entry is not None and entry.link is not None:
+                    entry.link.reported = False
+
+        def standby_stuck(pool_id: str, standby: str) -> None:
+            task = asyncio.get_running_loop().create_task(replace_standby(pool_id, standby))
+            replacing.add(task)
+            task.add_done_callback(replacing.discard)
+
         self.node.watch(changed)
         self.node.can_promote = can_promote
+        replication.standby_stuck = standby_stuck
         self._feeding = asyncio.get_running_loop().create_task(feed(), name="kvcm-placements")
 
     async def start(self, grpc_address: str, http_address: str) -> None:
@@ -201,6 +219,7 @@ class ClusterRuntime:
         return {
             "kvcm_cluster_etcd_session_up": [([], 1.0 if node.etcd_up else 0.0)],
             "kvcm_cluster_etcd_session_losses_total": [([], float(stats.session_losses))],
+            "kvcm_cluster_standby_replacements_total": [([], float(stats.standby_replacements))],
             "kvcm_cluster_replicas": [([], float(len(node.replicas)))],
             "kvcm_cluster_primary_pools": [([], float(primaries))],
             "kvcm_cluster_redirects_total": [

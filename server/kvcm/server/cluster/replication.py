@@ -90,6 +90,9 @@ SYNC_TIMEOUT_ENV: Final = "KVCM_REPLICA_SYNC_TIMEOUT_S"
 """Overrides ``sync_timeout_s`` (seconds a sync call waits for its standby)."""
 
 _SEED_CHUNK: Final = 1 << 20  # bytes of snapshot per seed message
+# Sync calls that timed out waiting for the standby, with no acknowledgement in between, after
+# which the primary asks placement for another standby (Replication.standby_stuck).
+_STUCK_TIMEOUTS: Final = 3
 _MAX_UNACKED: Final = 65_536  # records in flight to a standby before the link is reseeded
 _BACKOFF_S: Final = (0.05, 1.0)  # reconnect backoff: first, most
 _STOP_POLL_S: Final = 0.25  # how often an idle ShipRecords stream looks for a server stop
@@ -217,6 +220,11 @@ class Replication:
         #: Makes the TLS credentials of a channel to a peer (``None``: plaintext; set by the
         #: server from ``tls_cert``, see :func:`kvcm.server.tls.peer_credentials`).
         self.credentials: Callable[[], grpc.ChannelCredentials] | None = None
+        #: Called with ``(pool_id, standby)`` when a ``sync`` pool's standby has let
+        #: ``_STUCK_TIMEOUTS`` calls in a row time out (live in etcd but not acknowledging):
+        #: the primary's placement replaces it (a cluster's, set by the runtime; ``None``:
+        #: static placements, the operator's to change).
+        self.standby_stuck: Callable[[str, str], None] | None = None
         self.failovers = 0  # promotions of this replica
         self.fenced = 0  # times this replica stepped down
         self.directory = directory
@@ -590,6 +598,19 @@ class Replication:
         except TimeoutError:
             entry = self.pools.get(pool_id)
             standby = entry.standby if entry is not None else "?"
+            link = entry.link if entry is not None else None
+            if link is not None and entry is not None and entry.role is Role.PRIMARY:
+                link.timeouts += 1
+                stuck = self.standby_stuck
+                if link.timeouts >= _STUCK_TIMEOUTS and not link.reported and stuck is not None:
+                    link.reported = True
+                    _LOG.warning(
+                        "standby %s let %d calls in a row time out: asking for another",
+                        link.standby,
+                        link.timeouts,
+                        extra={"event": "replica_standby_stuck", "pool": pool_id},
+                    )
+                    stuck(pool_id, link.standby)
             raise AbortRpc(
                 grpc.StatusCode.UNAVAILABLE,
                 f"{method}: pool {pool_id!r}: the standby {standby} did not confirm the "
@@ -607,11 +628,15 @@ class Replication:
         if link is not None and link.standby == entry.standby and link.epoch == entry.epoch:
             return
         marks = link.marks if link is not None else None
+        # A sync pool's calls waiting for the old standby wait for the new one's seed, which
+        # holds their records: acknowledged once a standby has them (no new standby: released).
+        waiting = link.take_waiters() if link is not None and entry.standby and entry.sync else []
         entry.link = None
         if link is not None:
             link.close(None, release=not (entry.standby and entry.sync))
         if entry.standby:
             entry.link = new = _Link(self, entry.pool_id, entry.standby, entry.epoch)
+            new.waiters.extend((0, future) for future in waiting)
             if entry.sync:  # its KV events go out once the standby has their records
                 self.state.hold_events(entry.pool_id)
                 new.holds = True
@@ -1000,6 +1025,8 @@ class _Link:
         # release_events): (record seq, the pool object, its last event sequence after it).
         self.holds = False
         self.marks: collections.deque[tuple[int, Pool, int]] = collections.deque()
+        self.timeouts = 0  # sync calls timed out since the last acknowledgement
+        self.reported = False  # standby_stuck was called for this link
         self.task = asyncio.get_running_loop().create_task(
             self._run(), name=f"kvcm-replica-{pool_id}"
         )
@@ -1042,6 +1069,7 @@ class _Link:
 
     def _acked(self, seq: int) -> None:
         self.acked = max(self.acked, seq)
+        self.timeouts = 0
         while self.waiters and self.waiters[0][0] <= seq:
             _, future = self.waiters.popleft()
             if not future.done():
@@ -1056,6 +1084,12 @@ class _Link:
                 released = marks.popleft()
             if released is not None:
                 self.owner.state.release_events(released[1], released[2])
+
+    def take_waiters(self) -> list[asyncio.Future[None]]:
+        """Remove and return the futures of the calls waiting for an acknowledgement."""
+        waiting = [future for _, future in self.waiters]
+        self.waiters.clear()
+        return waiting
 
     def lag(self) -> tuple[int, float]:
         """Records not acknowledged yet, and the age in seconds of the oldest of them."""

@@ -83,6 +83,7 @@ _CLUSTER_METRICS = (
     "kvcm_cluster_placement_changes_total",
     "kvcm_cluster_placement_failures_total",
     "kvcm_cluster_fanout_missed_total",
+    "kvcm_cluster_standby_replacements_total",
 )
 _REPLICATION_METRICS = (
     "kvcm_replication_role",
@@ -529,6 +530,12 @@ METRICS: tuple[MetricSpec, ...] = (
         kind="counter",
         labels=(),
         help="Times the replica lost its etcd session (etcd unreachable, or its lease expired).",
+    ),
+    MetricSpec(
+        name="kvcm_cluster_standby_replacements_total",
+        kind="counter",
+        labels=(),
+        help="Standbys this replica replaced as a pool's primary for not acknowledging.",
     ),
     MetricSpec(
         name="kvcm_cluster_replicas",
