@@ -29,9 +29,11 @@ from _load import CONFIG, assert_pool_matches, expected_pool
 from _data_dir_server import program  # isort: skip  (tests/integration, put on sys.path by _load)
 from _replication import replica_state  # isort: skip
 
-from kvcm.client import RetryPolicy, SchedulerClient, StepBuilder
+from kvcm.client import RetryPolicy, SchedulerClient, StepBuilder, UnavailableError
+from kvcm.common.errors import InvalidArgumentError
 from kvcm.server.cluster import Placement
-from kvcm.v1 import service_pb2_grpc
+from kvcm.v1 import admin_pb2, replica_pb2, service_pb2_grpc
+from kvcm.wire import pool_config_to_proto
 
 LEASE_TTL_S = 2
 PREFIX = "/kvcm-test-fencing"
@@ -190,3 +192,98 @@ def test_paused_primary_fails_over_through_the_sdk_and_is_fenced(
     )
     if on_old.role == "standby" or final.standby == old.address:
         assert replica_state(old.address, pool_id).digest == on_primary.digest
+
+
+def test_async_pool_keeps_its_mode_and_its_paused_primary_acknowledges_nothing(
+    etcd: Etcd, cluster: list[Replica]
+) -> None:
+    """An ``async`` pool (chosen at creation, kept in its placement record): its primary is
+    fenced by its own etcd lease, since no standby's word stands between it and an answer."""
+    seeds = ",".join(replica.address for replica in cluster)
+    pool_id = "fence-async"
+    with SchedulerClient(seeds, timeout=10.0, retry_policy=POLICY) as client:
+        with pytest.raises(InvalidArgumentError, match="replication_mode") as bad:
+            client.create_pool("bad", CONFIG, replication_mode="eventually")
+        assert bad.value.field == "replication_mode"
+        with grpc.insecure_channel(cluster[0].address) as channel:  # the server checks too
+            stub = service_pb2_grpc.AdminServiceStub(channel)  # type: ignore[no-untyped-call]
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.CreatePool(
+                    admin_pb2.CreatePoolRequest(
+                        pool_id="bad", config=pool_config_to_proto(CONFIG), replication_mode="x"
+                    ),
+                    timeout=10,
+                )
+            assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "replication_mode" in (refused.value.details() or "")
+        client.create_pool(pool_id, CONFIG, replication_mode="async")
+        for seq in range(1, 11):
+            client.step(pool_id, program(seq))
+    placements = asyncio.run(_placements(etcd))
+    assert "bad" not in placements  # refused: nothing placed
+    before = placements[pool_id]
+    assert before.mode == "async"
+    assert before.standby is not None
+    assert replica_state(before.primary, pool_id).mode == replica_pb2.REPLICATION_MODE_ASYNC
+    on_primary = replica_state(before.primary, pool_id)
+    _wait(
+        lambda: replica_state(before.standby, pool_id).digest == on_primary.digest,  # type: ignore[arg-type]
+        "the standby to hold the 10 programs",
+    )
+    old = next(replica for replica in cluster if replica.address == before.primary)
+    assert old.process is not None
+    old.process.send_signal(signal.SIGSTOP)
+    late: list[grpc.RpcError | None] = []
+    sender = threading.Thread(
+        target=lambda: late.append(_direct_step(old.address, pool_id, 11)), daemon=True
+    )
+    sender.start()  # queued while the primary is paused, read once it runs again
+    try:
+        _wait(lambda: asyncio.run(_placements(etcd))[pool_id].epoch >= 2, "the promotion", 10)
+        after = asyncio.run(_placements(etcd))[pool_id]
+        assert after.primary == before.standby
+        assert after.mode == "async"  # honoured after the failover
+        with SchedulerClient(seeds, timeout=10.0, retry_policy=POLICY) as client:
+            for seq in range(11, 21):
+                client.step(pool_id, program(seq))
+    finally:
+        old.process.send_signal(signal.SIGCONT)
+    refused_now = _direct_step(old.address, pool_id, 21)
+    sender.join(20)
+    assert late, "the Step sent during the pause got no answer"
+    print(f"answers of the old primary: {late}, {refused_now}")
+    assert late[0] is not None, "the paused async primary acknowledged a Step after its lease"
+    assert refused_now is not None, "the old async primary acknowledged a Step after SIGCONT"
+    _wait(lambda: replica_state(old.address, pool_id).role != "primary", "the old to step down")
+    final = asyncio.run(_placements(etcd))[pool_id]
+    assert final.primary == after.primary
+    assert final.mode == "async"
+    assert replica_state(final.primary, pool_id).mode == replica_pb2.REPLICATION_MODE_ASYNC
+    assert_pool_matches(final.primary, pool_id, expected_pool(20))
+    # etcd away past the lease TTL: the async pool's primary cannot renew its lease, so it
+    # answers nothing (its lease may have expired and its standby be promoted, as far as
+    # it can tell), while a sync pool goes on (its standby's acknowledgement fences it).
+    # etcd back: the async pool answers again.
+    with SchedulerClient(seeds, timeout=10.0, retry_policy=POLICY) as client:
+        client.create_pool("fence-sync", CONFIG)
+        client.step("fence-sync", program(1))
+        etcd.stop()
+        try:
+            time.sleep(LEASE_TTL_S + 0.5)
+            unleased = _direct_step(final.primary, pool_id, 21)
+            assert unleased is not None, "an async primary acknowledged without a live lease"
+            assert unleased.code() is grpc.StatusCode.UNAVAILABLE, unleased
+            assert "etcd lease" in (unleased.details() or "")
+            client.step("fence-sync", program(2))
+        finally:
+            etcd.start()
+        # The same step_seq again, as a scheduler would, until the lease is renewed.
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.step(pool_id, program(21))
+                break
+            except UnavailableError:
+                assert time.monotonic() < deadline, "the async pool never answered again"
+                time.sleep(0.2)
+    assert_pool_matches(final.primary, pool_id, expected_pool(21))

@@ -742,11 +742,22 @@ def blocks_to_grouped(blocks: KVCacheBlocks, message: common_pb2.GroupedBlockIds
 
 
 # ------------------------------------------------------------------------------ admin
-def build_create_pool(pool_id: str, config: PoolConfig) -> admin_pb2.CreatePoolRequest:
-    """``CreatePoolRequest`` for a pool id and config."""
+def build_create_pool(
+    pool_id: str, config: PoolConfig, replication_mode: str | None = None
+) -> admin_pb2.CreatePoolRequest:
+    """``CreatePoolRequest`` for a pool id, config and replication mode (``None``: sync)."""
     if not isinstance(config, PoolConfig):
         raise InvalidArgumentError(f"config must be a PoolConfig, got {config!r}")
-    return admin_pb2.CreatePoolRequest(pool_id=pool_id, config=pool_config_to_proto(config))
+    if replication_mode not in (None, "sync", "async"):
+        raise InvalidArgumentError(
+            f"replication_mode must be 'sync' or 'async', got {replication_mode!r}",
+            field="replication_mode",
+        )
+    return admin_pb2.CreatePoolRequest(
+        pool_id=pool_id,
+        config=pool_config_to_proto(config),
+        replication_mode=replication_mode or "",
+    )
 
 
 RESYNC_CHUNK_BYTES: Final = 1 << 20

@@ -87,16 +87,30 @@ class AsyncSchedulerClient(AsyncChannelClient):
 
     # ----------------------------------------------------------------------------- admin
     async def create_pool(
-        self, pool_id: str, config: PoolConfig, *, timeout: Timeout = USE_CLIENT_DEFAULT
+        self,
+        pool_id: str,
+        config: PoolConfig,
+        *,
+        replication_mode: str | None = None,
+        timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> PoolInfo:
         """Create a pool (one per engine instance).
+
+        Args:
+            pool_id: The new pool's id.
+            config: Its configuration.
+            replication_mode: In a kvcm cluster, when its mutations are acknowledged:
+                ``"sync"`` (after its hot standby has them; ``None`` means it) or ``"async"``
+                (after the primary's journal; a failover may lose the last ones). Kept for
+                the pool's life, across failovers and moves (docs/replication.md).
+            timeout: Deadline in seconds.
 
         Raises:
             ServiceAlreadyExistsError: The id is taken.
             ServiceInvalidArgumentError: The config is inconsistent.
             ServiceResourceExhaustedError: The server's pool limit is reached.
         """
-        request = _base.build_create_pool(pool_id, config)
+        request = _base.build_create_pool(pool_id, config, replication_mode)
         response = await self._unary("CreatePool", self._stubs.admin.CreatePool, request, timeout)
         return pool_info_from_proto(response.pool)
 

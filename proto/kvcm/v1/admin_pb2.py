@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvcm.v1 import common_pb2 as kvcm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvcm/v1/admin.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/common.proto\"X\n\x0e\x45xplicitLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x32\n\x0fkv_cache_groups\x18\x02 \x03(\x0b\x32\x19.kvcm.v1.KVCacheGroupSpec\"\xfa\n\n\nPoolConfig\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x35\n\x0f\x65xplicit_layout\x18\x02 \x01(\x0b\x32\x17.kvcm.v1.ExplicitLayoutH\x00\x88\x01\x01\x12 \n\x13num_blocks_override\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12!\n\x14scheduler_block_size\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fhash_block_size\x18\x06 \x01(\rH\x03\x88\x01\x01\x12!\n\x14max_in_flight_tokens\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x0e\x65nable_caching\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12.\n\x0ehash_algorithm\x18\t \x01(\x0e\x32\x16.kvcm.v1.HashAlgorithm\x12\x16\n\thash_seed\x18\n \x01(\tH\x06\x88\x01\x01\x12\x1b\n\x13verify_block_hashes\x18\x0b \x01(\x08\x12\x1e\n\x16\x65nable_kv_cache_events\x18\x0c \x01(\x08\x12\'\n\x1a\x65vent_retention_num_events\x18\r \x01(\rH\x07\x88\x01\x01\x12\x16\n\tlog_stats\x18\x0e \x01(\x08H\x08\x88\x01\x01\x12\x11\n\twatermark\x18\x0f \x01(\x01\x12\x19\n\x11scheduler_lease_s\x18\x10 \x01(\x01\x12*\n\x0clease_expiry\x18\x11 \x01(\x0e\x32\x14.kvcm.v1.LeaseExpiry\x12/\n\x06labels\x18\x12 \x03(\x0b\x32\x1f.kvcm.v1.PoolConfig.LabelsEntry\x12,\n\x1f\x64isable_hybrid_kv_cache_manager\x18\x13 \x01(\x08H\t\x88\x01\x01\x12#\n\x16max_num_batched_tokens\x18\x14 \x01(\rH\n\x88\x01\x01\x12)\n\x1cmax_num_encoder_input_tokens\x18\x15 \x01(\rH\x0b\x88\x01\x01\x12\"\n\x15kv_cache_memory_bytes\x18\x16 \x01(\x04H\x0c\x88\x01\x01\x12\x1e\n\x16\x61uto_fit_max_model_len\x18\x17 \x01(\x08\x12\x17\n\x0fkv_cache_layout\x18\x18 \x01(\t\x12,\n\x1fprefix_cache_retention_interval\x18\x19 \x01(\rH\r\x88\x01\x01\x12\x17\n\x0fhost_tier_bytes\x18\x1a \x01(\x04\x12)\n\x1c\x64\x65\x63ode_context_parallel_size\x18\x1b \x01(\rH\x0e\x88\x01\x01\x12\x1b\n\x13offload_host_blocks\x18\x1c \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_explicit_layoutB\x16\n\x14_num_blocks_overrideB\x17\n\x15_scheduler_block_sizeB\x12\n\x10_hash_block_sizeB\x17\n\x15_max_in_flight_tokensB\x11\n\x0f_enable_cachingB\x0c\n\n_hash_seedB\x1d\n\x1b_event_retention_num_eventsB\x0c\n\n_log_statsB\"\n _disable_hybrid_kv_cache_managerB\x19\n\x17_max_num_batched_tokensB\x1f\n\x1d_max_num_encoder_input_tokensB\x18\n\x16_kv_cache_memory_bytesB\"\n _prefix_cache_retention_intervalB\x1f\n\x1d_decode_context_parallel_size\"I\n\x11\x43reatePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12#\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x13.kvcm.v1.PoolConfig\"5\n\x12\x43reatePoolResponse\x12\x1f\n\x04pool\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.PoolInfo\"\x12\n\x10ListPoolsRequest\"8\n\x11ListPoolsResponse\x12#\n\x05pools\x18\x01 \x03(\x0b\x32\x14.kvcm.v1.PoolSummary\"&\n\x13\x44\x65scribePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"7\n\x14\x44\x65scribePoolResponse\x12\x1f\n\x04pool\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.PoolInfo\"$\n\x11\x44\x65letePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65letePoolResponse\"\x84\x01\n\x0bPoolSummary\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.kvcm.v1.PoolState\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x14\n\x0cnum_requests\x18\x05 \x01(\r\"\x96\x04\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.kvcm.v1.PoolState\x12#\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x13.kvcm.v1.PoolConfig\x12\x34\n\x0fkv_cache_config\x18\x04 \x01(\x0b\x32\x16.kvcm.v1.KVCacheConfigH\x00\x88\x01\x01\x12+\n\x07hashing\x18\x05 \x01(\x0b\x32\x1a.kvcm.v1.HashingParameters\x12\x18\n\x10registered_ranks\x18\x06 \x03(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x14\n\x0cnum_requests\x18\x08 \x01(\r\x12\r\n\x05usage\x18\t \x01(\x01\x12\x1b\n\x13last_event_sequence\x18\n \x01(\x04\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x30\n\nzmq_events\x18\x14 \x01(\x0b\x32\x17.kvcm.v1.ZmqEventStreamH\x01\x88\x01\x01\x12\x31\n\rstep_progress\x18\x1e \x01(\x0b\x32\x15.kvcm.v1.StepProgressH\x02\x88\x01\x01\x12\x30\n\x0cprefix_cache\x18( \x01(\x0b\x32\x1a.kvcm.v1.PrefixCacheTotalsB\x12\n\x10_kv_cache_configB\r\n\x0b_zmq_eventsB\x10\n\x0e_step_progress\"\xda\x01\n\x11PrefixCacheTotals\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x04\x12\x18\n\x10num_query_tokens\x18\x02 \x01(\x04\x12\x16\n\x0enum_hit_tokens\x18\x03 \x01(\x04\x12\x1e\n\x16num_preempted_requests\x18\x04 \x01(\x04\x12\"\n\x1anum_preempted_query_tokens\x18\x05 \x01(\x04\x12 \n\x18num_preempted_hit_tokens\x18\x06 \x01(\x04\x12\x17\n\x0frecent_hit_rate\x18\x07 \x01(\x01\"\x89\x01\n\x0cStepProgress\x12\x15\n\rlast_step_seq\x18\x01 \x01(\x04\x12\x17\n\x0flast_step_age_s\x18\x02 \x01(\x01\x12\x1a\n\x12scheduler_step_seq\x18\x03 \x01(\x04\x12\x14\n\x0csteps_behind\x18\x04 \x01(\x04\x12\x17\n\x0fsince_applied_s\x18\x05 \x01(\x01\"\x8b\x01\n\x0eZmqEventStream\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x17\n\x0freplay_endpoint\x18\x02 \x01(\t\x12\r\n\x05topic\x18\x03 \x01(\t\x12\x10\n\x08last_seq\x18\x04 \x01(\x03\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x05 \x01(\r\x12\x11\n\tdedicated\x18\x06 \x01(\x08*]\n\tPoolState\x12\x1a\n\x16POOL_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPOOL_STATE_PENDING_WORKERS\x10\x01\x12\x14\n\x10POOL_STATE_READY\x10\x02*c\n\x0bLeaseExpiry\x12\x1c\n\x18LEASE_EXPIRY_UNSPECIFIED\x10\x00\x12\x1e\n\x1aLEASE_EXPIRY_FREE_REQUESTS\x10\x01\x12\x16\n\x12LEASE_EXPIRY_CLEAR\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvcm/v1/admin.proto\x12\x07kvcm.v1\x1a\x14kvcm/v1/common.proto\"X\n\x0e\x45xplicitLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x32\n\x0fkv_cache_groups\x18\x02 \x03(\x0b\x32\x19.kvcm.v1.KVCacheGroupSpec\"\xfa\n\n\nPoolConfig\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x35\n\x0f\x65xplicit_layout\x18\x02 \x01(\x0b\x32\x17.kvcm.v1.ExplicitLayoutH\x00\x88\x01\x01\x12 \n\x13num_blocks_override\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12!\n\x14scheduler_block_size\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fhash_block_size\x18\x06 \x01(\rH\x03\x88\x01\x01\x12!\n\x14max_in_flight_tokens\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x1b\n\x0e\x65nable_caching\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12.\n\x0ehash_algorithm\x18\t \x01(\x0e\x32\x16.kvcm.v1.HashAlgorithm\x12\x16\n\thash_seed\x18\n \x01(\tH\x06\x88\x01\x01\x12\x1b\n\x13verify_block_hashes\x18\x0b \x01(\x08\x12\x1e\n\x16\x65nable_kv_cache_events\x18\x0c \x01(\x08\x12\'\n\x1a\x65vent_retention_num_events\x18\r \x01(\rH\x07\x88\x01\x01\x12\x16\n\tlog_stats\x18\x0e \x01(\x08H\x08\x88\x01\x01\x12\x11\n\twatermark\x18\x0f \x01(\x01\x12\x19\n\x11scheduler_lease_s\x18\x10 \x01(\x01\x12*\n\x0clease_expiry\x18\x11 \x01(\x0e\x32\x14.kvcm.v1.LeaseExpiry\x12/\n\x06labels\x18\x12 \x03(\x0b\x32\x1f.kvcm.v1.PoolConfig.LabelsEntry\x12,\n\x1f\x64isable_hybrid_kv_cache_manager\x18\x13 \x01(\x08H\t\x88\x01\x01\x12#\n\x16max_num_batched_tokens\x18\x14 \x01(\rH\n\x88\x01\x01\x12)\n\x1cmax_num_encoder_input_tokens\x18\x15 \x01(\rH\x0b\x88\x01\x01\x12\"\n\x15kv_cache_memory_bytes\x18\x16 \x01(\x04H\x0c\x88\x01\x01\x12\x1e\n\x16\x61uto_fit_max_model_len\x18\x17 \x01(\x08\x12\x17\n\x0fkv_cache_layout\x18\x18 \x01(\t\x12,\n\x1fprefix_cache_retention_interval\x18\x19 \x01(\rH\r\x88\x01\x01\x12\x17\n\x0fhost_tier_bytes\x18\x1a \x01(\x04\x12)\n\x1c\x64\x65\x63ode_context_parallel_size\x18\x1b \x01(\rH\x0e\x88\x01\x01\x12\x1b\n\x13offload_host_blocks\x18\x1c \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_explicit_layoutB\x16\n\x14_num_blocks_overrideB\x17\n\x15_scheduler_block_sizeB\x12\n\x10_hash_block_sizeB\x17\n\x15_max_in_flight_tokensB\x11\n\x0f_enable_cachingB\x0c\n\n_hash_seedB\x1d\n\x1b_event_retention_num_eventsB\x0c\n\n_log_statsB\"\n _disable_hybrid_kv_cache_managerB\x19\n\x17_max_num_batched_tokensB\x1f\n\x1d_max_num_encoder_input_tokensB\x18\n\x16_kv_cache_memory_bytesB\"\n _prefix_cache_retention_intervalB\x1f\n\x1d_decode_context_parallel_size\"c\n\x11\x43reatePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12#\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x13.kvcm.v1.PoolConfig\x12\x18\n\x10replication_mode\x18\x03 \x01(\t\"5\n\x12\x43reatePoolResponse\x12\x1f\n\x04pool\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.PoolInfo\"\x12\n\x10ListPoolsRequest\"8\n\x11ListPoolsResponse\x12#\n\x05pools\x18\x01 \x03(\x0b\x32\x14.kvcm.v1.PoolSummary\"&\n\x13\x44\x65scribePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"7\n\x14\x44\x65scribePoolResponse\x12\x1f\n\x04pool\x18\x01 \x01(\x0b\x32\x11.kvcm.v1.PoolInfo\"$\n\x11\x44\x65letePoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65letePoolResponse\"\x84\x01\n\x0bPoolSummary\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.kvcm.v1.PoolState\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x14\n\x0cnum_requests\x18\x05 \x01(\r\"\x96\x04\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12!\n\x05state\x18\x02 \x01(\x0e\x32\x12.kvcm.v1.PoolState\x12#\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x13.kvcm.v1.PoolConfig\x12\x34\n\x0fkv_cache_config\x18\x04 \x01(\x0b\x32\x16.kvcm.v1.KVCacheConfigH\x00\x88\x01\x01\x12+\n\x07hashing\x18\x05 \x01(\x0b\x32\x1a.kvcm.v1.HashingParameters\x12\x18\n\x10registered_ranks\x18\x06 \x03(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x14\n\x0cnum_requests\x18\x08 \x01(\r\x12\r\n\x05usage\x18\t \x01(\x01\x12\x1b\n\x13last_event_sequence\x18\n \x01(\x04\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x30\n\nzmq_events\x18\x14 \x01(\x0b\x32\x17.kvcm.v1.ZmqEventStreamH\x01\x88\x01\x01\x12\x31\n\rstep_progress\x18\x1e \x01(\x0b\x32\x15.kvcm.v1.StepProgressH\x02\x88\x01\x01\x12\x30\n\x0cprefix_cache\x18( \x01(\x0b\x32\x1a.kvcm.v1.PrefixCacheTotalsB\x12\n\x10_kv_cache_configB\r\n\x0b_zmq_eventsB\x10\n\x0e_step_progress\"\xda\x01\n\x11PrefixCacheTotals\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x04\x12\x18\n\x10num_query_tokens\x18\x02 \x01(\x04\x12\x16\n\x0enum_hit_tokens\x18\x03 \x01(\x04\x12\x1e\n\x16num_preempted_requests\x18\x04 \x01(\x04\x12\"\n\x1anum_preempted_query_tokens\x18\x05 \x01(\x04\x12 \n\x18num_preempted_hit_tokens\x18\x06 \x01(\x04\x12\x17\n\x0frecent_hit_rate\x18\x07 \x01(\x01\"\x89\x01\n\x0cStepProgress\x12\x15\n\rlast_step_seq\x18\x01 \x01(\x04\x12\x17\n\x0flast_step_age_s\x18\x02 \x01(\x01\x12\x1a\n\x12scheduler_step_seq\x18\x03 \x01(\x04\x12\x14\n\x0csteps_behind\x18\x04 \x01(\x04\x12\x17\n\x0fsince_applied_s\x18\x05 \x01(\x01\"\x8b\x01\n\x0eZmqEventStream\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x17\n\x0freplay_endpoint\x18\x02 \x01(\t\x12\r\n\x05topic\x18\x03 \x01(\t\x12\x10\n\x08last_seq\x18\x04 \x01(\x03\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x05 \x01(\r\x12\x11\n\tdedicated\x18\x06 \x01(\x08*]\n\tPoolState\x12\x1a\n\x16POOL_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPOOL_STATE_PENDING_WORKERS\x10\x01\x12\x14\n\x10POOL_STATE_READY\x10\x02*c\n\x0bLeaseExpiry\x12\x1c\n\x18LEASE_EXPIRY_UNSPECIFIED\x10\x00\x12\x1e\n\x1aLEASE_EXPIRY_FREE_REQUESTS\x10\x01\x12\x16\n\x12LEASE_EXPIRY_CLEAR\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_POOLCONFIG_LABELSENTRY']._loaded_options = None
   _globals['_POOLCONFIG_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_POOLSTATE']._serialized_start=3089
-  _globals['_POOLSTATE']._serialized_end=3182
-  _globals['_LEASEEXPIRY']._serialized_start=3184
-  _globals['_LEASEEXPIRY']._serialized_end=3283
+  _globals['_POOLSTATE']._serialized_start=3115
+  _globals['_POOLSTATE']._serialized_end=3208
+  _globals['_LEASEEXPIRY']._serialized_start=3210
+  _globals['_LEASEEXPIRY']._serialized_end=3309
   _globals['_EXPLICITLAYOUT']._serialized_start=54
   _globals['_EXPLICITLAYOUT']._serialized_end=142
   _globals['_POOLCONFIG']._serialized_start=145
@@ -45,29 +45,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOLCONFIG_LABELSENTRY']._serialized_start=1119
   _globals['_POOLCONFIG_LABELSENTRY']._serialized_end=1164
   _globals['_CREATEPOOLREQUEST']._serialized_start=1549
-  _globals['_CREATEPOOLREQUEST']._serialized_end=1622
-  _globals['_CREATEPOOLRESPONSE']._serialized_start=1624
-  _globals['_CREATEPOOLRESPONSE']._serialized_end=1677
-  _globals['_LISTPOOLSREQUEST']._serialized_start=1679
-  _globals['_LISTPOOLSREQUEST']._serialized_end=1697
-  _globals['_LISTPOOLSRESPONSE']._serialized_start=1699
-  _globals['_LISTPOOLSRESPONSE']._serialized_end=1755
-  _globals['_DESCRIBEPOOLREQUEST']._serialized_start=1757
-  _globals['_DESCRIBEPOOLREQUEST']._serialized_end=1795
-  _globals['_DESCRIBEPOOLRESPONSE']._serialized_start=1797
-  _globals['_DESCRIBEPOOLRESPONSE']._serialized_end=1852
-  _globals['_DELETEPOOLREQUEST']._serialized_start=1854
-  _globals['_DELETEPOOLREQUEST']._serialized_end=1890
-  _globals['_DELETEPOOLRESPONSE']._serialized_start=1892
-  _globals['_DELETEPOOLRESPONSE']._serialized_end=1912
-  _globals['_POOLSUMMARY']._serialized_start=1915
-  _globals['_POOLSUMMARY']._serialized_end=2047
-  _globals['_POOLINFO']._serialized_start=2050
-  _globals['_POOLINFO']._serialized_end=2584
-  _globals['_PREFIXCACHETOTALS']._serialized_start=2587
-  _globals['_PREFIXCACHETOTALS']._serialized_end=2805
-  _globals['_STEPPROGRESS']._serialized_start=2808
-  _globals['_STEPPROGRESS']._serialized_end=2945
-  _globals['_ZMQEVENTSTREAM']._serialized_start=2948
-  _globals['_ZMQEVENTSTREAM']._serialized_end=3087
+  _globals['_CREATEPOOLREQUEST']._serialized_end=1648
+  _globals['_CREATEPOOLRESPONSE']._serialized_start=1650
+  _globals['_CREATEPOOLRESPONSE']._serialized_end=1703
+  _globals['_LISTPOOLSREQUEST']._serialized_start=1705
+  _globals['_LISTPOOLSREQUEST']._serialized_end=1723
+  _globals['_LISTPOOLSRESPONSE']._serialized_start=1725
+  _globals['_LISTPOOLSRESPONSE']._serialized_end=1781
+  _globals['_DESCRIBEPOOLREQUEST']._serialized_start=1783
+  _globals['_DESCRIBEPOOLREQUEST']._serialized_end=1821
+  _globals['_DESCRIBEPOOLRESPONSE']._serialized_start=1823
+  _globals['_DESCRIBEPOOLRESPONSE']._serialized_end=1878
+  _globals['_DELETEPOOLREQUEST']._serialized_start=1880
+  _globals['_DELETEPOOLREQUEST']._serialized_end=1916
+  _globals['_DELETEPOOLRESPONSE']._serialized_start=1918
+  _globals['_DELETEPOOLRESPONSE']._serialized_end=1938
+  _globals['_POOLSUMMARY']._serialized_start=1941
+  _globals['_POOLSUMMARY']._serialized_end=2073
+  _globals['_POOLINFO']._serialized_start=2076
+  _globals['_POOLINFO']._serialized_end=2610
+  _globals['_PREFIXCACHETOTALS']._serialized_start=2613
+  _globals['_PREFIXCACHETOTALS']._serialized_end=2831
+  _globals['_STEPPROGRESS']._serialized_start=2834
+  _globals['_STEPPROGRESS']._serialized_end=2971
+  _globals['_ZMQEVENTSTREAM']._serialized_start=2974
+  _globals['_ZMQEVENTSTREAM']._serialized_end=3113
 # @@protoc_insertion_point(module_scope)

@@ -102,12 +102,14 @@ class PoolConfig(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., explicit_layout: _Optional[_Union[ExplicitLayout, _Mapping]] = ..., num_blocks_override: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algorithm: _Optional[_Union[_common_pb2.HashAlgorithm, str]] = ..., hash_seed: _Optional[str] = ..., verify_block_hashes: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., event_retention_num_events: _Optional[int] = ..., log_stats: _Optional[bool] = ..., watermark: _Optional[float] = ..., scheduler_lease_s: _Optional[float] = ..., lease_expiry: _Optional[_Union[LeaseExpiry, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., disable_hybrid_kv_cache_manager: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., auto_fit_max_model_len: _Optional[bool] = ..., kv_cache_layout: _Optional[str] = ..., prefix_cache_retention_interval: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., decode_context_parallel_size: _Optional[int] = ..., offload_host_blocks: _Optional[int] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
-    __slots__ = ("pool_id", "config")
+    __slots__ = ("pool_id", "config", "replication_mode")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_MODE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     config: PoolConfig
-    def __init__(self, pool_id: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ...) -> None: ...
+    replication_mode: str
+    def __init__(self, pool_id: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., replication_mode: _Optional[str] = ...) -> None: ...
 
 class CreatePoolResponse(_message.Message):
     __slots__ = ("pool",)

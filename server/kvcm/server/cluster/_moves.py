@@ -178,8 +178,8 @@ async def _move(
                 )
             await asyncio.sleep(_POLL_S)
             state = await _replica_state(target, pool_id, metadata, 10.0)
-        moved = Placement(
-            pool_id=pool_id, primary=target, standby=current.primary, epoch=current.epoch + 1
+        moved = dataclasses.replace(  # the pool keeps its replication mode
+            current, primary=target, standby=current.primary, epoch=current.epoch + 1
         )
         if not await etcd.swap(current, moved):
             continue

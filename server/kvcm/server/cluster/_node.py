@@ -143,6 +143,8 @@ class ClusterNode:
         self._placements: dict[str, Placement] = {}
         self._callbacks: list[PlacementCallback] = []
         self._lease: Any = None
+        # time.monotonic() when the last keep-alive that etcd granted was sent (None: none).
+        self._renewed_at: float | None = None
         self._registered_pools = -1
         self._tasks: list[asyncio.Task[None]] = []
         self._listed = asyncio.Event()
@@ -209,13 +211,16 @@ class ClusterNode:
         await self._watching.close()
 
     # ---------------------------------------------------------------------- placement
-    async def place(self, pool_id: str, *, primary: str | None = None) -> tuple[Placement, bool]:
+    async def place(
+        self, pool_id: str, *, primary: str | None = None, mode: str = "sync"
+    ) -> tuple[Placement, bool]:
         """The pool's placement, created (least-loaded live replicas) if it has none.
 
         Args:
             pool_id: The pool.
             primary: The primary a new record names (a pool this replica already holds);
                 ``None``: the least-loaded live replica.
+            mode: The replication mode a new record names (an existing one keeps its own).
 
         Returns:
             The placement in etcd, and whether this call created it.
@@ -231,7 +236,9 @@ class ClusterNode:
                 self._apply(pool_id, placement)
                 return placement, False
             primary, standby = self._choose(primary)
-            placement = Placement(pool_id=pool_id, primary=primary, standby=standby, epoch=1)
+            placement = Placement(
+                pool_id=pool_id, primary=primary, standby=standby, epoch=1, mode=mode
+            )
             tx = self._session.client.transactions
 
             async def create(client: Any) -> tuple[bool, Any]:
@@ -393,6 +400,7 @@ class ClusterNode:
             await asyncio.sleep(ttl / 3)
 
     async def _keep_session(self, ttl: int) -> None:
+        sent = time.monotonic()
         if self._lease is not None:
             reply = await self._session.call(lambda c: c.refresh_lease(self._lease.id))
             if reply is None or reply.TTL <= 0:  # expired while etcd was away: start again
@@ -402,6 +410,13 @@ class ClusterNode:
         if self._lease is None:
             self._lease = await self._session.call(lambda c: c.lease(ttl))
             self._registered_pools = -1
+            if self._renewed_at is not None:
+                # The old lease expired (a pause, a partition): pools may have been taken
+                # over meanwhile. Read every placement before the lease counts as live again,
+                # so that an async pool's answer (lease_fresh) sees the new owner first.
+                prefix = f"{self.config.prefix}/".encode()
+                self._relist(await self._session.call(lambda c: c.get_prefix(prefix)))
+        self._renewed_at = sent
         num_pools = self._num_pools()
         if num_pools != self._registered_pools:
             value = json.dumps(
@@ -416,6 +431,25 @@ class ClusterNode:
             lease = self._lease
             await self._session.call(lambda c: c.put(key, value, lease=lease))
             self._registered_pools = num_pools
+
+    def lease_fresh(self, pool_id: str, epoch: int) -> bool:
+        """Whether this replica may still acknowledge a call of ``pool_id`` as its primary at
+        ``epoch`` without a standby's word (an ``async`` pool): its etcd lease was renewed
+        less than the TTL minus a margin ago (``time.monotonic()``; the margin, a third of
+        the TTL, covers the keep-alive's own round trip and the answer's way out), and the
+        placement it last read still names it primary at that epoch. A standby can be
+        promoted only after the lease expired, so no two primaries acknowledge at once."""
+        renewed = self._renewed_at
+        if renewed is None:
+            return False
+        ttl = self.config.lease_ttl_s
+        if time.monotonic() - renewed >= ttl - ttl / 3:
+            return False
+        placement = self._placements.get(pool_id)
+        return placement is not None and (placement.primary, placement.epoch) == (
+            self.address,
+            epoch,
+        )
 
     # ------------------------------------------------------------------------- watch
     async def _watch_loop(self) -> None:
@@ -497,11 +531,8 @@ class ClusterNode:
                 new = dataclasses.replace(placement, standby=standby)
             elif placement.standby == self.address and self.can_promote(placement.pool_id):
                 _, standby = self._choose(self.address, planned)
-                new = Placement(
-                    pool_id=placement.pool_id,
-                    primary=self.address,
-                    standby=standby,
-                    epoch=placement.epoch + 1,
+                new = dataclasses.replace(
+                    placement, primary=self.address, standby=standby, epoch=placement.epoch + 1
                 )
             else:
                 continue

@@ -41,7 +41,7 @@ from kvcm.server.cluster._fanout import (
     is_local_call,
 )
 from kvcm.server.cluster._node import ClusterNode
-from kvcm.server.rpc import MethodInterceptor
+from kvcm.server.rpc import MethodInterceptor, check_replication_mode
 from kvcm.v1 import service_pb2
 
 __all__ = ["EPOCH_KEY", "OWNER_KEY", "ClusterInterceptor"]
@@ -140,18 +140,20 @@ class ClusterInterceptor(MethodInterceptor):
             ((OWNER_KEY, placement.primary), (EPOCH_KEY, str(placement.epoch))),
         )
 
-    async def _place(self, method: str, pool_id: str, context: Any) -> bool:
-        """Place the pool (etcd) before it is created; redirect when another replica is its
-        primary. Returns whether this call created the placement."""
+    async def _place(self, method: str, pool_id: str, context: Any, mode: str = "") -> bool:
+        """Place the pool (etcd) before it is created, with replication ``mode`` (a
+        CreatePool's; ``""``: sync); redirect when another replica is its primary. Returns
+        whether this call created the placement."""
         try:
             check_pool_id(pool_id)
+            mode = check_replication_mode(mode)
         except KVCMError:
             return False  # the servicer refuses it, naming the field; nothing is placed
         if self._has_pool(pool_id) and method == "ResyncPool":
             await self._redirect(method, pool_id, context)
             return False
         try:
-            placement, created = await self._node.place(pool_id)
+            placement, created = await self._node.place(pool_id, mode=mode)
         except EtcdUnavailableError as exc:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
@@ -187,7 +189,9 @@ class ClusterInterceptor(MethodInterceptor):
         async def routed(request: Any, context: Any) -> Any:
             pool_id: str = request.pool_id
             if method in _PLACING and not is_local_call(context):
-                await self._place(method, pool_id, context)
+                await self._place(
+                    method, pool_id, context, getattr(request, "replication_mode", "")
+                )
                 try:
                     return await behavior(request, context)
                 finally:

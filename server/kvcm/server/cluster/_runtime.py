@@ -134,7 +134,7 @@ class ClusterRuntime:
                             # deleted and created again while this replica did not watch
                             # (down, or its watch broken): the delete it missed.
                             await replication.deleted(pool_id)
-                        await replication.set_placement(placement)
+                        await replication.set_placement(placement, sync=placement.mode != "async")
                 except Exception:
                     _LOG.exception("replication refused placement %s of %s", placement, pool_id)
             del queued[pool_id]  # no await since the last pop: nothing was queued meanwhile
@@ -170,6 +170,7 @@ class ClusterRuntime:
 
         self.node.watch(changed)
         self.node.can_promote = can_promote
+        replication.lease_fresh = self.node.lease_fresh
         replication.standby_stuck = standby_stuck
         self._feeding = asyncio.get_running_loop().create_task(feed(), name="kvcm-placements")
 

@@ -2,7 +2,9 @@
 
 A pool's placement (:class:`Placement`) names the replica that serves it (``primary``), the
 replica that follows it (``standby``, or ``None`` with a single live replica) and an ``epoch``
-that rises by one every time the primary changes (a promotion, a move). The records live in
+that rises by one every time the primary changes (a promotion, a move), and the pool's
+replication ``mode`` (``sync`` or ``async``, chosen when the pool is created and kept through
+every later change, docs/replication.md). The records live in
 etcd under ``<prefix>/placement/<pool_id>`` and change only through etcd transactions that
 compare the record's mod revision, so two replicas can never both believe they won the same
 change; every replica keeps a local copy, refreshed by an etcd watch, behind the
@@ -34,12 +36,15 @@ class Placement:
         epoch: Starts at 1 when the pool is placed; rises by one whenever ``primary`` changes,
             so a record, message or answer stamped with a lower epoch comes from a deposed
             primary and is refused.
+        mode: ``"sync"`` (a mutation is acknowledged once the standby has it) or
+            ``"async"`` (once the primary's journal has it); set when the pool is placed.
     """
 
     pool_id: str
     primary: str
     standby: str | None
     epoch: int
+    mode: str = "sync"
 
     def __post_init__(self) -> None:
         if not self.pool_id:
@@ -50,18 +55,21 @@ class Placement:
             raise ValueError("Placement.standby must differ from primary")
         if self.epoch < 1:
             raise ValueError(f"Placement.epoch must be >= 1, got {self.epoch}")
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"Placement.mode must be 'sync' or 'async', got {self.mode!r}")
 
     def encode(self) -> bytes:
-        """The record's value in etcd (UTF-8 JSON, keys sorted)."""
-        return json.dumps(
-            {
-                "pool_id": self.pool_id,
-                "primary": self.primary,
-                "standby": self.standby,
-                "epoch": self.epoch,
-            },
-            sort_keys=True,
-        ).encode()
+        """The record's value in etcd (UTF-8 JSON, keys sorted; ``mode`` only when async, so
+        a sync record reads the same as before modes existed)."""
+        record: dict[str, object] = {
+            "pool_id": self.pool_id,
+            "primary": self.primary,
+            "standby": self.standby,
+            "epoch": self.epoch,
+        }
+        if self.mode != "sync":
+            record["mode"] = self.mode
+        return json.dumps(record, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Placement:
@@ -74,6 +82,7 @@ class Placement:
                 primary=str(obj["primary"]),
                 standby=None if standby is None else str(standby),
                 epoch=int(obj["epoch"]),
+                mode=str(obj.get("mode", "sync")),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a placement record: {raw[:80]!r}") from exc

@@ -225,6 +225,11 @@ class Replication:
         #: the primary's placement replaces it (a cluster's, set by the runtime; ``None``:
         #: static placements, the operator's to change).
         self.standby_stuck: Callable[[str, str], None] | None = None
+        #: Whether this replica's etcd lease is surely still live and names it the pool's
+        #: primary at the epoch (``(pool_id, epoch)``; a cluster's, set by the runtime): an
+        #: ``async`` pool's primary acknowledges nothing once it may have expired (its standby
+        #: may have been promoted). ``None``: no lease (static placements).
+        self.lease_fresh: Callable[[str, int], bool] | None = None
         self.failovers = 0  # promotions of this replica
         self.fenced = 0  # times this replica stepped down
         self.directory = directory
@@ -561,7 +566,24 @@ class Replication:
         link = entry.link
         if link is None:
             return None
-        return link.add(method, request, when, wait=entry.sync)
+        pending = link.add(method, request, when, wait=entry.sync)
+        if pending is None and self.lease_fresh is not None:
+            return self._leased(method, pool_id, entry.epoch)  # async: fenced by the lease
+        return pending
+
+    async def _leased(self, method: str, pool_id: str, epoch: int) -> None:
+        """An ``async`` pool's answer, just before it goes: refused once this replica's etcd
+        lease may have expired (its standby may be the primary now and never see this call:
+        shipped, it is refused there by the new epoch)."""
+        fresh = self.lease_fresh
+        if fresh is not None and not fresh(pool_id, epoch):
+            raise AbortRpc(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{method}: pool {pool_id!r}: this replica ({self.address}) has not renewed its "
+                "etcd lease in time, so its standby may have taken the pool over: the call is "
+                "not acknowledged (an async pool's primary answers only under a live lease); "
+                "retry a Step with the same step_seq",
+            )
 
     def call_applied(
         self, method: str, pool_id: str, request: bytes, when: float

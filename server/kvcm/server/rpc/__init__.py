@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvcm.server.rpc._admin import AdminServicer
+from kvcm.server.rpc._admin import AdminServicer, check_replication_mode
 from kvcm.server.rpc._durability import (
     JournalInterceptor,
     checkpoint_live,
@@ -71,6 +71,7 @@ __all__ = [
     "TransferView",
     "WorkerServicer",
     "add_servicers",
+    "check_replication_mode",
     "decode_transfers",
     "encode_transfers",
     "list_transfers",

@@ -16,6 +16,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
+from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.pool import Pool, PoolConfig
 from kvcm.server.access import may_read
 from kvcm.server.rpc._log import log_pool_created, log_pool_deleted
@@ -29,10 +30,30 @@ from kvcm.wire import (
     zmq_event_stream_to_proto,
 )
 
-__all__ = ["OFF_LOOP_BLOCKS", "AdminServicer"]
+__all__ = ["OFF_LOOP_BLOCKS", "REPLICATION_MODES", "AdminServicer", "check_replication_mode"]
 
 OFF_LOOP_BLOCKS: Final = 4096
 """Pools of at least this many blocks are built and dismantled off the event loop (~4 ms)."""
+
+REPLICATION_MODES: Final = ("sync", "async")
+"""A clustered pool's replication modes (CreatePoolRequest.replication_mode)."""
+
+
+def check_replication_mode(value: str) -> str:
+    """The replication mode ``CreatePoolRequest.replication_mode`` names (``""``: sync).
+
+    Raises:
+        InvalidArgumentError: Another value (the field is named).
+    """
+    if value == "":
+        return "sync"
+    if value not in REPLICATION_MODES:
+        raise InvalidArgumentError(
+            f"replication_mode must be 'sync' or 'async' (or empty: sync), got {value!r}",
+            field="replication_mode",
+        )
+    return value
+
 
 # grpc ships no type information: its context is Any to mypy.
 Context: TypeAlias = Any
@@ -49,6 +70,7 @@ class AdminServicer(service_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.CreatePoolRequest, context: Context
     ) -> admin_pb2.CreatePoolResponse:
         """Create a pool (READY at once with an explicit layout)."""
+        check_replication_mode(request.replication_mode)
         options = pool_config_from_proto(request.config)
         registry = self._state.registry
         layout = options.explicit_layout
