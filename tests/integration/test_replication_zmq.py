@@ -11,17 +11,20 @@ for byte the one B's replay holds (same events, same timestamps, same numbering)
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
 from pathlib import Path
 
 import grpc
+import msgspec
 import zmq
 from _data_dir_server import HASHER
 from _replication import CONFIG, Server, place
 
 from kvcm.client import SchedulerClient, StepBuilder
+from kvcm.core.pool_types import LeaseExpiry
 from kvcm.core.program import StepProgram
 from kvcm.v1 import service_pb2_grpc
 
@@ -259,3 +262,43 @@ def _step_raw(address: str, step: StepProgram) -> grpc.StatusCode | None:
         except grpc.RpcError as exc:
             return exc.code()  # type: ignore[no-any-return]
         return None
+
+
+def test_a_lease_reclaims_events_wait_for_the_standby(tmp_path: Path) -> None:
+    """A change the server makes itself (an expired scheduler lease clearing the pool) is
+    shipped with nobody waiting, and its batch still goes out only once the standby has it."""
+    a, b = _server(tmp_path, "a"), _server(tmp_path, "b")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    on_a = Router(ctx, f"ipc://{tmp_path}/a-pub")
+    try:
+        place(b.address, "z", a.address, b.address, 1)
+        place(a.address, "z", a.address, b.address, 1)
+        time.sleep(0.3)  # the SUB socket's subscription reaches the publisher
+        config = dataclasses.replace(CONFIG, scheduler_lease_s=2.0, lease_expiry=LeaseExpiry.CLEAR)
+        with SchedulerClient(a.address, timeout=10.0) as client:
+            client.create_pool("z", config)
+            prompt = list(range(40))
+            step = StepBuilder()
+            step.add_request(1, prompt, HASHER.hash_token_ids(prompt))
+            step.allocate(1, len(prompt), 0, lookup=True)
+            step.cache_blocks(1, len(prompt))  # request 1 stays: the lease reclaims it
+            client.step("z", step)  # acknowledged: the standby has it
+            assert b.process is not None
+            b.process.send_signal(signal.SIGSTOP)
+            try:
+                out = _last_seq(a.address)
+                _wait(lambda: on_a.batches and on_a.batches[-1][0] == out, "the Step's batch")
+                # The lease expires (2 s) and the pool is cleared on A, its batch held.
+                _wait(lambda: client.describe_pool("z").num_requests == 0, "the reclaim", 15)
+                time.sleep(0.3)
+                assert on_a.batches[-1][0] == out, "the reclaim's batch went out first"
+                assert _last_seq(a.address) == out
+            finally:
+                b.process.send_signal(signal.SIGCONT)
+        _wait(lambda: on_a.batches[-1][0] > out, "the reclaim's batch")
+        assert "AllBlocksCleared" in repr(msgspec.msgpack.decode(on_a.batches[-1][1]))
+    finally:
+        on_a.close()
+        ctx.destroy(linger=0)
+        a.stop()
+        b.stop()
