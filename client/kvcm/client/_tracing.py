@@ -1,9 +1,10 @@
 """Metadata the SDK adds to every call: W3C trace context, and the bearer token if any.
 
-When ``opentelemetry-api`` is importable, every channel the SDK opens gets a client
-interceptor that adds the caller's current span context (``traceparent`` / ``tracestate``,
-via OpenTelemetry's configured propagator) to each call's metadata, so the server's spans
-join the caller's trace. Without OpenTelemetry no interceptor is installed; with it but no
+When ``opentelemetry-api`` is importable, every channel the SDK opens adds the caller's current
+span context (``traceparent`` / ``tracestate``, via OpenTelemetry's configured propagator) to
+each call's metadata, so the server's spans join the caller's trace: sync channels through a
+thin channel wrapper (cheaper per call than a gRPC interceptor), ``grpc.aio`` ones through an
+interceptor. Without OpenTelemetry or a token nothing is installed; with it but no
 active span, a call adds nothing. The SDK never starts spans or configures exporters itself:
 that is the application's choice.
 """
@@ -11,7 +12,7 @@ that is the application's choice.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 
@@ -46,52 +47,81 @@ def _metadata(existing: Metadata | None, static: Metadata) -> Metadata | None:
     return [*(existing or ()), *extra]
 
 
-class _Details(NamedTuple):
-    method: str
-    timeout: float | None
-    metadata: Metadata | None
-    credentials: grpc.CallCredentials | None
-    wait_for_ready: bool | None
-    compression: Any
+class _Adding:
+    """A sync multicallable whose calls carry the channel's metadata: the caller's, then the
+    static pairs and the current trace context (passed through unchanged when there is
+    nothing to add). Cheaper than a ``grpc.intercept_channel`` interceptor (about 0.1 ms of
+    CPU a call), whose call details and outcome objects are built for every call."""
+
+    __slots__ = ("_inner", "_static")
+
+    def __init__(self, inner: Any, static: Metadata) -> None:
+        self._inner, self._static = inner, static
+
+    def _metadata(self, metadata: Metadata | None) -> Metadata | None:
+        return _metadata(metadata, self._static)
+
+    def __call__(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **kw: Any,
+    ) -> Any:
+        return self._inner(request, timeout, self._metadata(metadata), **kw)
+
+    def with_call(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **kw: Any,
+    ) -> Any:
+        return self._inner.with_call(request, timeout, self._metadata(metadata), **kw)
+
+    def future(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **kw: Any,
+    ) -> Any:
+        return self._inner.future(request, timeout, self._metadata(metadata), **kw)
 
 
-class _CallDetails(_Details, grpc.ClientCallDetails):  # type: ignore[misc]
-    """``grpc.ClientCallDetails`` with the trace context added to the metadata."""
+class _MetadataChannel(grpc.Channel):  # type: ignore[misc]
+    """A sync channel whose multicallables add the static metadata (a token) and the current
+    trace context to every call (see :class:`_Adding`)."""
 
+    def __init__(self, channel: grpc.Channel, static: Metadata) -> None:
+        self._channel, self._static = channel, static
 
-def _with_context(details: grpc.ClientCallDetails, static: Metadata) -> grpc.ClientCallDetails:
-    return _CallDetails(
-        details.method,
-        details.timeout,
-        _metadata(details.metadata, static),
-        details.credentials,
-        getattr(details, "wait_for_ready", None),
-        getattr(details, "compression", None),
-    )
+    def unary_unary(self, method: str, *args: Any, **kw: Any) -> _Adding:
+        return _Adding(self._channel.unary_unary(method, *args, **kw), self._static)
 
+    def unary_stream(self, method: str, *args: Any, **kw: Any) -> _Adding:
+        return _Adding(self._channel.unary_stream(method, *args, **kw), self._static)
 
-class _Propagator(
-    grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
-    grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.StreamStreamClientInterceptor,  # type: ignore[misc]
-):
-    """Adds the static metadata and the current trace context to every call (sync)."""
+    def stream_unary(self, method: str, *args: Any, **kw: Any) -> _Adding:
+        return _Adding(self._channel.stream_unary(method, *args, **kw), self._static)
 
-    def __init__(self, static: Metadata) -> None:
-        self._static = static
+    def stream_stream(self, method: str, *args: Any, **kw: Any) -> _Adding:
+        return _Adding(self._channel.stream_stream(method, *args, **kw), self._static)
 
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(_with_context(details, self._static), request)
+    def subscribe(self, callback: Any, try_to_connect: bool = False) -> None:
+        self._channel.subscribe(callback, try_to_connect)
 
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(_with_context(details, self._static), request)
+    def unsubscribe(self, callback: Any) -> None:
+        self._channel.unsubscribe(callback)
 
-    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(_with_context(details, self._static), requests)
+    def close(self) -> None:
+        self._channel.close()
 
-    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(_with_context(details, self._static), requests)
+    def __enter__(self) -> _MetadataChannel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._channel.close()
 
 
 def intercept(channel: grpc.Channel, static: Metadata = ()) -> grpc.Channel:
@@ -99,7 +129,7 @@ def intercept(channel: grpc.Channel, static: Metadata = ()) -> grpc.Channel:
     (as it is when there is neither)."""
     if _INJECT is None and not static:
         return channel
-    return grpc.intercept_channel(channel, _Propagator(tuple(static)))
+    return _MetadataChannel(channel, tuple(static))
 
 
 def _aio_details(details: Any, static: Metadata) -> Any:
