@@ -108,20 +108,32 @@ def test_ngram_engine_turns_equal_vllm_mirror_replayed(vllm: ModuleType) -> None
     assert tally.preempted > 0
 
 
-def test_ngram_engine_turns_equal_vllm_remote(server: Any, vllm: ModuleType) -> None:
+REMOTE = {
+    "ngram-sync": dataclasses.replace(FULL, num_blocks=50),
+    "draft-model-async": dataclasses.replace(
+        FULL, num_blocks=50, speculative_method="draft_model", async_scheduling=True
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REMOTE))
+def test_engine_turns_equal_vllm_remote(case: str, server: Any, vllm: ModuleType) -> None:
     """Remote mode: each allocation (draft slots included) answered by a real kvcm server
-    equals vLLM's; the server's pool ends equal to the engine's mirror."""
+    equals vLLM's; the server's pool ends equal to the engine's mirror. Under async
+    scheduling the server's Step validation takes computed tokens running ahead of the known
+    ones by the tokens in flight (unverified drafts)."""
     from _program_replay import pool_state
     from test_vllm_shipping import server_pool_state
 
-    from kvcm.integrations.vllm import KvcmScheduler
+    from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
 
     del vllm
-    setup = dataclasses.replace(FULL, num_blocks=50)
+    setup = REMOTE[case]
     plans = plan_workload(22, 30 * workload_scale(), setup)
     config = {"kvcm": {"address": server.grpc_address, "pool_id": "spec", "mode": "remote"}}
     reference = build_engine(setup)
-    mirrored = build_engine(setup, _counting(KvcmScheduler), config)
+    kvcm_cls = KvcmAsyncScheduler if setup.async_scheduling else KvcmScheduler
+    mirrored = build_engine(setup, _counting(kvcm_cls), config)
     try:
         tally = assert_same_runs(reference, mirrored, plans)
         manager = mirrored.scheduler.kv_cache_manager
@@ -138,7 +150,7 @@ def test_ngram_engine_turns_equal_vllm_remote(server: Any, vllm: ModuleType) -> 
         mirrored.shutdown()
         reference.shutdown()
     print(
-        f"ngram full attention, remote: {tally.turns} turns, {tally.batches} batches, "
+        f"{case}, remote: {tally.turns} turns, {tally.batches} batches, "
         f"{counts['drafts']} draft tokens, {stats.step_rpcs} Step RPCs"
     )
     assert counts["drafts"] > 50
@@ -198,22 +210,48 @@ def test_hidden_state_drafters_are_refused(vllm: ModuleType) -> None:
             check_supported(config)
 
 
-def test_async_scheduling_with_drafts_is_refused(vllm: ModuleType) -> None:
-    """Draft-model drafting under async scheduling (vLLM's default for it) is refused, named:
-    the scheduler counts unverified drafts as computed, so an allocation's computed tokens
-    run ahead of the request's tokens (measured: 147 against 144 with 3 drafts), which a
-    kvcm pool's Step validation refuses."""
-    from kvcm.common.errors import ConfigError
-    from kvcm.integrations.vllm._scheduler import check_supported
+def test_draft_model_async_engine_turns_equal_vllm(vllm: ModuleType) -> None:
+    """Draft-model drafting under async scheduling (vLLM's default for it): the scheduler
+    schedules placeholder drafts the worker fills, counts them as computed before they are
+    verified (an allocation's computed tokens run ahead of the request's known tokens by at
+    most its tokens in flight) and corrects the counts a step later. KvcmAsyncScheduler's
+    turns equal vLLM's AsyncScheduler's; Pool.run_step replays every program exactly."""
+    from test_vllm_scheduler import ReplayCheckingSink
+
+    from kvcm.integrations.vllm import KvcmAsyncScheduler
 
     del vllm
-    setup = dataclasses.replace(FULL, speculative_method="draft_model", async_scheduling=True)
-    config = vllm_config(setup)
-    assert config.scheduler_config.async_scheduling
-    with pytest.raises(ConfigError, match="async scheduling"):
-        check_supported(config)
-    config.scheduler_config.async_scheduling = False
-    check_supported(config)
+
+    def make_step_sink(self: Any, settings: Any) -> ReplayCheckingSink:
+        del self, settings
+        return ReplayCheckingSink()
+
+    checked = type(
+        "CheckedKvcmAsyncScheduler", (KvcmAsyncScheduler,), {"make_step_sink": make_step_sink}
+    )
+    setup = dataclasses.replace(
+        FULL, num_blocks=40, speculative_method="draft_model", async_scheduling=True
+    )
+    plans = plan_workload(25, 30 * workload_scale(), setup)
+    reference = build_engine(setup)
+    mirrored = build_engine(setup, _counting(checked))
+    try:
+        assert reference.core.vllm_config.scheduler_config.async_scheduling
+        sink = mirrored.scheduler.kv_cache_manager.recorder.sink
+        sink.mirror = mirrored.scheduler.kv_cache_manager
+        tally = assert_same_runs(reference, mirrored, plans)
+        counts = _spec_counts(mirrored)
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+    print(
+        f"draft model, async: {tally.turns} turns, {tally.batches} batches, "
+        f"{tally.preempted} preemptions, {counts['drafts']} draft tokens; "
+        f"{sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step"
+    )
+    assert sink.interpreter_error is None, sink.interpreter_error
+    assert sink.num_interpreted == sink.num_steps >= tally.batches > 50
+    assert counts["drafts"] > 50
 
 
 MAMBA = Setup(

@@ -367,10 +367,14 @@ def check_allocate(  # noqa: PLR0917 (private helper)
             f"alloc_num_new_tokens[{index}] must be >= 0, got {num_new}",
             f"alloc_num_new_tokens[{index}]",
         )
-    if num_computed > num_tokens:
+    # Under async scheduling the computed count includes the tokens still in flight (with
+    # speculative decoding, drafts not yet verified, which are no known tokens).
+    in_flight = entry.num_in_flight_tokens if entry is not None else 0
+    if num_computed - max(in_flight, 0) > num_tokens:
         raise fail(
             f"alloc_num_computed_tokens[{index}]={num_computed} exceeds the request's "
-            f"{num_tokens} tokens",
+            f"{num_tokens} tokens"
+            + (f" and its {in_flight} tokens in flight" if in_flight > 0 else ""),
             f"alloc_num_computed_tokens[{index}]",
         )
     options = entry.slot_options if entry is not None else DEFAULT_SLOT_OPTIONS
@@ -464,7 +468,7 @@ def check_alloc_options(  # noqa: PLR0917 (private helper)
         raise fail(f"{field}.num_in_flight_tokens must be >= 0", f"{field}.num_in_flight_tokens")
     # (SlotOptions checked its counts when it was made.)
     external = options.num_external_computed_tokens
-    if num_computed + external > num_tokens:
+    if num_computed - entry.num_in_flight_tokens + external > num_tokens:
         raise fail(
             f"{field}.options.num_external_computed_tokens={external}: with "
             f"{num_computed} computed tokens it exceeds the request's {num_tokens} tokens",

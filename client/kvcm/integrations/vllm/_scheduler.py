@@ -86,15 +86,6 @@ def check_supported(vllm_config: Any) -> None:
             "speculative decoding are",
         ),
         (
-            # Async scheduling counts a step's drafts as computed before they are verified:
-            # an allocation's computed tokens then run ahead of the request's known tokens,
-            # which a kvcm pool's Step validation refuses (the mirror alone would follow).
-            vllm_config.speculative_config is not None
-            and bool(vllm_config.scheduler_config.async_scheduling),
-            "speculative decoding with async scheduling is not supported with kvcm yet "
-            "(pass --no-async-scheduling and use KvcmScheduler)",
-        ),
-        (
             vllm_config.num_hash_lookahead_tokens != 0,
             "hash lookahead tokens are not supported with kvcm",
         ),
