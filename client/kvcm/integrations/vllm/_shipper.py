@@ -25,7 +25,8 @@ the server which steps it covers; the answers are verified as one. So the shippe
 throughput grows with the backlog, and the lag stays bounded while the engine steps faster
 than one round trip. Every Step also reports the newest step the scheduler closed and the
 shipped step's age, which the server exports as the pool's step progress. The engine side's
-view is :meth:`GrpcStepShipper.lag` (logged when the oldest unshipped step gets old).
+view is :meth:`GrpcStepShipper.lag` (logged when the oldest unshipped step gets old), also
+exported as Prometheus metrics of the engine process (:mod:`kvcm.integrations.vllm._metrics`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from kvcm.client import (
     UnimplementedError,
 )
 from kvcm.core.program import StepOutcome, StepProgram
+from kvcm.integrations.vllm import _metrics
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -336,6 +338,7 @@ class GrpcStepShipper:
         if not synchronous:
             self._thread = threading.Thread(target=self._run, name="kvcm-step-shipper", daemon=True)
             self._thread.start()
+        _metrics.track(self)  # exported by the engine process's /metrics
 
     # ------------------------------------------------------------------ scheduler thread
     def submit(self, step: RecordedStep) -> None:
@@ -426,6 +429,7 @@ class GrpcStepShipper:
         A snapshot the shipper waits for is not taken here: call the mirror's ``flush``
         first (``shutdown()`` does).
         """
+        _metrics.untrack(self)
         if self._thread is None:
             if self._owns_client:
                 self._client.close()
