@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from _drivers import CROSS, Layout, RequestSpec, Snapshot, normalise_events
+from _drivers import CROSS, MAMBA, Layout, RequestSpec, Snapshot, normalise_events
 
 from kvcm.common.errors import KVCMError
 
@@ -51,6 +51,12 @@ class Knobs:
     remove_skipped: float = 0.2
     common_prefix: float = 0.3
     encoder_tokens: int = 0
+    # Prompt shapes: shared-prefix lengths, tokens appended to a prefix or a continuation.
+    prefix_len: tuple[int, int] = (2, 40)
+    suffix_len: int = 24
+    continuation_len: int = 12
+    # Requests aborted (freed and forgotten) mid-flight, per step.
+    abort: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,9 @@ class Tally:
     preemptions: int = 0
     events: int = 0
     resets: int = 0
+    aborts: int = 0
+    copies: int = 0
+    sub_block_hits: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
 
@@ -190,6 +199,63 @@ class _Req:
     holds_blocks: bool = False
     remote_done: bool = False
     first_allocation: bool = True
+    junction: int = 0
+
+
+def _checkpoint(num_tokens: int, granularity: int) -> int:
+    return max((num_tokens - 1) // granularity * granularity, 0)
+
+
+def align_chunk(
+    layout: Layout,
+    *,
+    num_prompt: int,
+    num_tokens: int,
+    start: int,
+    num_new: int,
+    junction: int,
+    token_budget: int,
+) -> int:
+    """How many of ``num_new`` tokens from ``start`` a scheduler computes in one chunk when
+    the layout's Mamba group runs in align mode (vLLM's split, no Eagle): chunks end on Mamba
+    block boundaries, at the last cacheable boundary, at the prompt's tail hash boundary (for
+    sub-block hits) and at the shared-prefix junction; decode is not split."""
+    mamba = next(g for g in layout.groups if g.kind == MAMBA)
+    block = mamba.block_size
+    hash_block = layout.hash_block_size
+    partial = hash_block < block or (layout.dcp_world_size > 1 and hash_block == block)
+    prefill_end = max(num_prompt, num_tokens - 1)
+    if start >= prefill_end:
+        return num_new
+    end = start + num_new
+    last_cache = _checkpoint(num_tokens, block)
+    checkpoint = _checkpoint(prefill_end, hash_block if partial else block)
+    internal = (
+        mamba.num_prefill_checkpoint_blocks > 0
+        and end >= prefill_end
+        and mamba.prefill_checkpoint_alignment is not None
+        and start % hash_block == 0
+        and -(-end // block) - 2 > (start - 1) // block
+        and start + hash_block <= checkpoint
+        and start < checkpoint < end
+        and (checkpoint - start) % mamba.prefill_checkpoint_alignment == 0
+    )
+    if internal:
+        last_cache = 0
+    if end < prefill_end:
+        aligned = end // block * block
+        if aligned > start or block <= token_budget:
+            end = aligned
+    tail = _checkpoint(num_prompt, hash_block) if partial and not internal else 0
+    floored = start + (junction - start) // block * block
+    stops = (
+        (start // block + 1) * block if start % block and not internal else 0,
+        last_cache,
+        tail if last_cache < tail < num_prompt else 0,
+        floored if start < junction < end else 0,
+    )
+    end = min((stop for stop in stops if start < stop < end), default=end)
+    return max(end - start, 0)
 
 
 class Workload:
@@ -212,8 +278,15 @@ class Workload:
         self.step_no = 0
         rng = self.rng
         self.prefixes = [
-            [rng.randrange(1, 30_000) for _ in range(rng.randint(2, 40))] for _ in range(5)
+            [rng.randrange(1, 30_000) for _ in range(rng.randint(*self.k.prefix_len))]
+            for _ in range(5)
         ]
+        # A Mamba group in align mode: chunks split as vLLM's scheduler splits them, and the
+        # block copies of sub-block hits drained every step.
+        self.mamba = next(
+            (g for g in self.layout.groups if g.kind == MAMBA and g.mamba_cache_mode == "align"),
+            None,
+        )
         self.loras: list[tuple[str, int, str] | None] = [None]
         if self.k.lora:
             self.loras += [("adapter-a", 1, "/lora/a"), ("adapter-b", 2, "/lora/b")]
@@ -234,7 +307,7 @@ class Workload:
         mode = rng.random()
         if mode < 0.35:
             prompt = rng.choice(self.prefixes) + [
-                rng.randrange(1, 30_000) for _ in range(rng.randint(0, 24))
+                rng.randrange(1, 30_000) for _ in range(rng.randint(0, self.k.suffix_len))
             ]
         elif mode < 0.8 and self.history:
             tokens, origin = rng.choice(self.history)
@@ -242,7 +315,9 @@ class Workload:
                 tenant = origin
             prompt = list(tokens)
             if mode >= 0.55:
-                prompt += [rng.randrange(1, 30_000) for _ in range(rng.randint(1, 12))]
+                prompt += [
+                    rng.randrange(1, 30_000) for _ in range(rng.randint(1, self.k.continuation_len))
+                ]
         else:
             prompt = [rng.randrange(1, 30_000) for _ in range(rng.randint(1, limit))]
         return prompt[: max(1, limit)], tenant
@@ -274,6 +349,35 @@ class Workload:
 
     def _set(self, rid: str, **values: Any) -> None:
         self.p.both("update", rid, **values)
+
+    def _chunk(self, req: _Req, start: int, num_new: int, budget: int) -> int:
+        # The scheduler's chunk: as asked, or split for a Mamba group in align mode.
+        if self.mamba is None:
+            return num_new
+        return align_chunk(
+            self.layout,
+            num_prompt=req.num_prompt_tokens,
+            num_tokens=len(req.tokens),
+            start=start,
+            num_new=num_new,
+            junction=req.junction,
+            token_budget=budget,
+        )
+
+    def _abort(self) -> None:
+        # A client aborts a request mid-flight: running or waiting, holding blocks or not.
+        # As vLLM's finish_requests: the status first, then the blocks freed.
+        rid = self.rng.choice(sorted(self.reqs))
+        del self.reqs[rid]
+        for queue in (self.running, self.remote):
+            if rid in queue:
+                queue.remove(rid)
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+        self._set(rid, status="FINISHED_ABORTED")
+        self.p.call("free", rid)
+        self.p.both("drop_request", rid)
+        self.p.tally.aborts += 1
 
     def _preempt(self, rid: str) -> None:
         req = self.reqs[rid]
@@ -329,6 +433,8 @@ class Workload:
         budget, preempted = self._schedule_running(budget, scheduled)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
+        if self.mamba is not None:
+            self.p.tally.copies += len(self.p.call("take_copies"))
         self._process_outputs(scheduled)
         self._settle_in_flight()
         self._random_calls()
@@ -358,7 +464,10 @@ class Workload:
             remaining = len(req.tokens) - req.num_computed
             drafts = 0
             if remaining > 1:
-                num_new = min(remaining, budget)
+                num_new = self._chunk(req, req.num_computed, min(remaining, budget), budget)
+                if num_new <= 0:
+                    idx += 1
+                    continue
             else:
                 drafts = min(rng.randint(0, k.max_drafts), max_len - len(req.tokens) - 1)
                 drafts = max(drafts, 0)
@@ -398,9 +507,11 @@ class Workload:
                 bound = None
                 if rng.random() < k.max_hit_len:
                     bound = rng.randint(0, num_tokens - 1)
-                _, hit, _ = self.p.call("get_computed_blocks", rid, bound)
+                _, hit, req.junction = self.p.call("get_computed_blocks", rid, bound)
                 if hit:
                     self.p.tally.hits += 1
+                    if hit % self.layout.scheduler_block_size:
+                        self.p.tally.sub_block_hits += 1
                 computed = hit
             else:
                 computed = req.num_computed
@@ -410,6 +521,10 @@ class Workload:
                 external = rng.randint(1, remaining - 1)
                 delay = rng.random() < 0.5
             num_new = 0 if delay else min(remaining - external, budget)
+            if num_new:
+                num_new = self._chunk(req, computed + external, num_new, budget)
+                if num_new <= 0:
+                    break
             options: dict[str, Any] = {
                 "num_lookahead_tokens": rng.randint(0, k.max_lookahead),
                 "num_external_computed_tokens": external,
@@ -485,6 +600,8 @@ class Workload:
             self.p.call("num_common_prefix_blocks", rng.choice(holders))
         for rid in holders:
             self.p.call("get_block_ids", rid)
+        if k.abort and self.reqs and rng.random() < k.abort:
+            self._abort()
         if rng.random() < k.reset and self.p.call("reset_prefix_cache"):
             self.p.tally.resets += 1
         if rng.random() < k.drain_and_reset:

@@ -20,11 +20,7 @@ from types import ModuleType
 
 import pytest
 from _drivers import FULL, MAMBA, SWA, GroupDesc, KvcmSide, Layout, RequestSpec, VllmSide
-from _workloads import Pair, Tally
-
-
-def _checkpoint(num_tokens: int, granularity: int) -> int:
-    return max((num_tokens - 1) // granularity * granularity, 0)
+from _workloads import Pair, Tally, align_chunk
 
 
 @dataclass(frozen=True)
@@ -78,8 +74,6 @@ class _Loop:
         self.partial = self.hash_block < self.block or (
             self.layout.dcp_world_size > 1 and self.hash_block == self.block
         )
-        self.ckpt_blocks = mamba.num_prefill_checkpoint_blocks > 0
-        self.ckpt_alignment = mamba.prefill_checkpoint_alignment
         self.prefixes = [
             [self.rng.randrange(1, 30000) for _ in range(self.layout.max_model_len)]
             for _ in range(4)
@@ -123,42 +117,15 @@ class _Loop:
 
     def _split(self, req: _Req, start: int, num_new: int) -> int:
         # vLLM's scheduler for align mode (no Eagle, no shared-prefix checkpoint).
-        num_prompt = len(req.prompt)
-        num_tokens = num_prompt + req.generated
-        prefill_end = max(num_prompt, num_tokens - 1)
-        if start >= prefill_end:
-            return num_new
-        block = self.block
-        end = start + num_new
-        last_cache = _checkpoint(num_tokens, block)
-        checkpoint = _checkpoint(prefill_end, self.hash_block if self.partial else block)
-        internal = (
-            self.ckpt_blocks
-            and end >= prefill_end
-            and self.ckpt_alignment is not None
-            and start % self.hash_block == 0
-            and -(-end // block) - 2 > (start - 1) // block
-            and start + self.hash_block <= checkpoint
-            and start < checkpoint < end
-            and (checkpoint - start) % self.ckpt_alignment == 0
+        return align_chunk(
+            self.layout,
+            num_prompt=len(req.prompt),
+            num_tokens=len(req.prompt) + req.generated,
+            start=start,
+            num_new=num_new,
+            junction=req.junction,
+            token_budget=self.s.token_budget,
         )
-        if internal:
-            last_cache = 0
-        if end < prefill_end:
-            aligned = end // block * block
-            if aligned > start or block <= self.s.token_budget:
-                end = aligned
-        tail = _checkpoint(num_prompt, self.hash_block) if self.partial and not internal else 0
-        junction = req.junction
-        floored = start + (junction - start) // block * block
-        stops = (
-            (start // block + 1) * block if start % block and not internal else 0,
-            last_cache,
-            tail if last_cache < tail < num_prompt else 0,
-            floored if start < junction < end else 0,
-        )
-        end = min((stop for stop in stops if start < stop < end), default=end)
-        return max(end - start, 0)
 
     def _preempt(self, req: _Req) -> None:
         self.pair.call("free", req.rid)

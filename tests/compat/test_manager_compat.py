@@ -54,6 +54,29 @@ _NO_CACHE = Knobs(
     max_reserved_blocks=2,
 )
 
+# Hybrid full attention + Mamba in align mode (prefix caching of hybrid models): a hash block
+# of 64 under a Mamba block of 256, so hits land inside Mamba blocks and are served through
+# block copies; prompts long enough to span several Mamba blocks, with LoRA adapters and cache
+# salts (other hash keys), evictions, resets, aborts and bounded lookups.
+_MAMBA = Knobs(
+    num_steps=100,
+    max_arrivals=2,
+    token_budgets=(256, 512, 768),
+    max_prompt_len=1200,
+    max_output=12,
+    lora=True,
+    salts=True,
+    evict=0.1,
+    reset=0.03,
+    drain_and_reset=0.02,
+    skip_reading=0.05,
+    max_hit_len=0.1,
+    abort=0.05,
+    prefix_len=(64, 700),
+    suffix_len=200,
+    continuation_len=80,
+)
+
 
 def _g(kind: str, block_size: int, window: int = 0, **kw: Any) -> GroupDesc:
     return GroupDesc(kind, block_size, window, **kw)
@@ -154,6 +177,24 @@ SCENARIOS = [
         _BUSY,
     ),
     Scenario(
+        "hybrid-full64-mamba256-align",
+        Layout(
+            (_g(FULL, 64), _g(MAMBA, 256, mamba_cache_mode="align")),
+            num_blocks=90,
+            max_model_len=1536,
+        ),
+        _MAMBA,
+    ),
+    Scenario(
+        "hybrid-full64-swa64-mamba256-align",
+        Layout(
+            (_g(FULL, 64), _g(SWA, 64, 128), _g(MAMBA, 256, mamba_cache_mode="align")),
+            num_blocks=120,
+            max_model_len=1536,
+        ),
+        _MAMBA,
+    ),
+    Scenario(
         "no-cache-full",
         Layout((_g(FULL, 4),), num_blocks=32, max_model_len=96, enable_caching=False),
         _NO_CACHE,
@@ -198,7 +239,9 @@ class _Summary:
         terminalreporter.write_line(
             f"{_TOTAL.ops} manager operations compared ({ops}); {_TOTAL.snapshots} pool-state "
             f"snapshots; {_TOTAL.hits} hits, {_TOTAL.not_fit} does-not-fit, "
-            f"{_TOTAL.preemptions} preemptions, {_TOTAL.events} events, {_TOTAL.resets} resets"
+            f"{_TOTAL.preemptions} preemptions, {_TOTAL.events} events, {_TOTAL.resets} resets, "
+            f"{_TOTAL.aborts} aborts; {_TOTAL.sub_block_hits} sub-block hits served through "
+            f"{_TOTAL.copies} block copies"
         )
 
 
@@ -235,9 +278,22 @@ def test_manager_matches_vllm(vllm_env: None, scenario: Scenario, seed: int) -> 
     _TOTAL.preemptions += tally.preemptions
     _TOTAL.events += tally.events
     _TOTAL.resets += tally.resets
+    _TOTAL.aborts += tally.aborts
+    _TOTAL.copies += tally.copies
+    _TOTAL.sub_block_hits += tally.sub_block_hits
     for name, n in tally.by_op.items():
         _TOTAL.by_op[name] = _TOTAL.by_op.get(name, 0) + n
     assert tally.ops > 0
+    if any(g.kind == MAMBA and g.mamba_cache_mode == "align" for g in scenario.layout.groups):
+        print(
+            f"\n{scenario.name} seed {seed}: {tally.ops} ops compared, {tally.hits} hits "
+            f"({tally.sub_block_hits} sub-block), {tally.copies} copies, {tally.events} events, "
+            f"{tally.resets} resets, {tally.aborts} aborts, {tally.preemptions} preemptions"
+        )
+        # Hits inside Mamba blocks, served through copies, met the generator's ops.
+        assert tally.sub_block_hits > 0
+        assert tally.copies > 0
+        assert tally.ops > 2000
 
 
 def test_event_records_carry_vllm_fields(vllm_env: None) -> None:
