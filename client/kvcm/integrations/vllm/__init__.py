@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvcm.integrations.vllm._manager import MirrorKVCacheManager, MirrorManagerConfig
+from kvcm.integrations.vllm._metrics import register_engine_metrics
 from kvcm.integrations.vllm._recorder import RecordedStep, StepRecorder
 from kvcm.integrations.vllm._settings import KvcmSettings
 from kvcm.integrations.vllm._sinks import CollectingSink, LocalSink, NullSink, StepSink
@@ -66,4 +67,5 @@ __all__ = [
     "StepRecorder",
     "StepSink",
     "check_supported",
+    "register_engine_metrics",
 ]

@@ -67,9 +67,11 @@ _COUNTERS: Final = (
 _GAUGE_MODES: Final = ("livesum", "livemax", "livemin")
 
 _lock = threading.Lock()
+_publish_lock = threading.Lock()  # one writer of the multiprocess files at a time
 _shippers: weakref.WeakSet[GrpcStepShipper] = weakref.WeakSet()
 _registries: list[Any] = []  # registries the collector is in
-_state: dict[str, Any] = {"publisher": None, "objects": None}
+# The publisher thread, the multiprocess metrics, the counts already written per shipper.
+_state: dict[str, Any] = {"publisher": None, "objects": None, "published": {}}
 
 
 def _gauge_values(shipper: GrpcStepShipper) -> tuple[float, float, float]:
@@ -155,8 +157,9 @@ def untrack(shipper: GrpcStepShipper) -> None:
     """Stop exporting ``shipper`` (it was closed)."""
     with _lock:
         _shippers.discard(shipper)
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        _publish_once(_metric_objects(), {}, closed=shipper)
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and _state["objects"] is not None:
+        with _publish_lock:  # its last counts; its backlog and age no longer count
+            _write(_metric_objects(), [shipper], closed=True)
 
 
 def _metric_objects() -> dict[str, Any]:
@@ -177,20 +180,11 @@ def _metric_objects() -> dict[str, Any]:
         return result
 
 
-def _publish_once(
-    objects: dict[str, Any],
-    published: dict[tuple[int, str], int],
-    *,
-    closed: GrpcStepShipper | None = None,
-) -> None:
-    with _lock:
-        shippers = list(_shippers)
-    if closed is not None:  # its backlog and age no longer count
-        for name, _ in _GAUGES:
-            objects[name].labels(closed.pool_id).set(0.0)
-        objects["kvcm_engine_server_reachable"].labels(closed.pool_id).set(1.0)
+def _write(objects: dict[str, Any], shippers: list[GrpcStepShipper], *, closed: bool) -> None:
+    published: dict[tuple[int, str], int] = _state["published"]
     for shipper in shippers:
-        for (name, _), value in zip(_GAUGES, _gauge_values(shipper), strict=True):
+        gauges = (0.0, 0.0, 1.0) if closed else _gauge_values(shipper)
+        for (name, _), value in zip(_GAUGES, gauges, strict=True):
             objects[name].labels(shipper.pool_id).set(value)
         for name, field, _ in _COUNTERS:
             key = (id(shipper), field)
@@ -198,16 +192,21 @@ def _publish_once(
             delta = value - published.get(key, 0)
             if delta > 0:
                 objects[name].labels(shipper.pool_id).inc(delta)
-            published[key] = value
+            if closed:
+                published.pop(key, None)
+            else:
+                published[key] = value
 
 
 def _publish() -> None:
     objects = _metric_objects()
-    published: dict[tuple[int, str], int] = {}
     wake = threading.Event()
     while True:
         try:
-            _publish_once(objects, published)
+            with _publish_lock:  # reads the shippers under it: untrack() writes after
+                with _lock:
+                    shippers = list(_shippers)
+                _write(objects, shippers, closed=False)
         except Exception:  # a metrics failure must never reach the engine
             _LOG.exception("kvcm: writing the engine metrics failed")
         wake.wait(PUBLISH_INTERVAL_S)

@@ -429,10 +429,10 @@ class GrpcStepShipper:
         A snapshot the shipper waits for is not taken here: call the mirror's ``flush``
         first (``shutdown()`` does).
         """
-        _metrics.untrack(self)
         if self._thread is None:
             if self._owns_client:
                 self._client.close()
+            _metrics.untrack(self)
             return
         if not self.flush(timeout_s):
             _LOG.warning(
@@ -447,6 +447,7 @@ class GrpcStepShipper:
         self._thread.join(timeout=timeout_s)
         if self._owns_client:
             self._client.close()
+        _metrics.untrack(self)
 
     # ------------------------------------------------------------------ remote mode
     def _ship_now(self) -> None:
