@@ -13,8 +13,8 @@ nothing is exported):
   process; its ``/metrics`` then reads the directory with a ``MultiProcessCollector``) a
   registry in the engine process is never scraped: a thread copies the lag and the counters
   into the directory's files every :data:`PUBLISH_INTERVAL_S`, independent of the shipping
-  thread (which may be waiting on a stalled server). Gauges use ``live*`` modes, so an engine
-  process that exited stops counting once vLLM marks it dead.
+  thread (which may be waiting on a stalled server). A closed shipper's backlog and age are
+  written as 0.
 
 Nothing is added to the scheduler's step: the counters are the shipper's
 :class:`~kvcm.integrations.vllm._shipper.ShipperStats`, read when the metrics are read.
