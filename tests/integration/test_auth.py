@@ -673,3 +673,31 @@ def test_a_flood_of_refusals_is_rate_limited_and_counted(
     assert logged <= refusals.burst + refusals.rate_per_s * elapsed + 1
     assert counts
     assert all(count > 0 for count in counts)
+
+
+def test_async_sdk_sends_its_token(server: EmbeddedServer) -> None:
+    """The asyncio SDK's channel adds its token to every call (a channel wrapper, not an
+    interceptor): a token's Lookup on its own pool is answered, on another pool refused as
+    PERMISSION_DENIED, and without a token as UNAUTHENTICATED."""
+    import asyncio
+
+    from kvcm.client import AsyncSchedulerClient, StatusCode
+
+    def query(pool_id: str) -> LookupQuery:
+        return LookupQuery(block_hashes=b"\0" * 32, num_tokens=16, pool_ids=(pool_id,))
+
+    async def main() -> None:
+        async with AsyncSchedulerClient(
+            server.grpc_address, token="sched-a-token", timeout=5.0
+        ) as client:
+            answer = await client.lookup(query(OWN_POOL))
+            assert [hit.pool_id for hit in answer.pools] == [OWN_POOL]
+            with pytest.raises(PermissionDeniedError) as denied:
+                await client.lookup(query(OTHER_POOL))
+            assert denied.value.code == StatusCode.PERMISSION_DENIED
+        async with AsyncSchedulerClient(server.grpc_address, timeout=5.0) as anonymous:
+            with pytest.raises(PermissionDeniedError) as refused:
+                await anonymous.lookup(query(OWN_POOL))
+            assert refused.value.code == StatusCode.UNAUTHENTICATED
+
+    asyncio.run(main())

@@ -158,3 +158,32 @@ def test_tracing_configured_without_the_extra_is_a_clear_error() -> None:
     assert "pip install 'kvcm[tracing]'" in out.stdout
     with pytest.raises(ConfigError, match="trace_sample_ratio"):
         ServerSettings(trace_sample_ratio=1.5)
+
+
+def test_the_async_sdk_propagates_the_trace_context(
+    traced: tuple[EmbeddedServer, InMemorySpanExporter], client_tracer: Any
+) -> None:
+    """The asyncio SDK's channel adds the caller's span context to a call made inside it
+    (a channel wrapper, not an interceptor), and nothing to a call made outside one."""
+    import asyncio
+
+    from kvcm.client import AsyncSchedulerClient
+
+    server, exporter = traced
+
+    async def main() -> int:
+        async with AsyncSchedulerClient(server.grpc_address) as client:
+            await client.list_pools()
+            with client_tracer.start_as_current_span("router.create") as parent:
+                await client.create_pool("traced-aio", CONFIG)
+            span_id: int = parent.get_span_context().span_id
+            return span_id
+
+    parent_span_id = asyncio.run(main())
+    spans = _spans_by_name(
+        exporter, "kvcm.v1.AdminService/CreatePool", "kvcm.v1.AdminService/ListPools"
+    )
+    created = spans["kvcm.v1.AdminService/CreatePool"]
+    assert created.parent is not None
+    assert created.parent.span_id == parent_span_id
+    assert spans["kvcm.v1.AdminService/ListPools"].parent is None

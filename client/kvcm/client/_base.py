@@ -37,7 +37,7 @@ import grpc
 
 from kvcm.client._errors import ServiceError, StatusCode, UnavailableError, error_from_rpc
 from kvcm.client._step import StepBuilder, check_in_flight_tokens
-from kvcm.client._tracing import aio_interceptors, intercept
+from kvcm.client._tracing import aio_intercept, intercept
 from kvcm.client._types import (
     DEFAULT_TIMEOUT_S,
     USE_CLIENT_DEFAULT,
@@ -616,7 +616,7 @@ class AsyncChannelClient(_ClientBase):
     """An asyncio client: one ``grpc.aio.Channel``; create it inside the loop that uses it."""
 
     def _open_channel(self, target: str, metadata: Sequence[tuple[str, str]]) -> grpc.aio.Channel:
-        return self._settings.aio_channel(aio_interceptors(metadata), target)
+        return aio_intercept(self._settings.aio_channel((), target), metadata)
 
     async def _unary(
         self,

@@ -3,9 +3,10 @@
 When ``opentelemetry-api`` is importable, every channel the SDK opens adds the caller's current
 span context (``traceparent`` / ``tracestate``, via OpenTelemetry's configured propagator) to
 each call's metadata, so the server's spans join the caller's trace: sync channels through a
-thin channel wrapper (cheaper per call than a gRPC interceptor), ``grpc.aio`` ones through an
-interceptor. Without OpenTelemetry or a token nothing is installed; with it but no
-active span, a call adds nothing. The SDK never starts spans or configures exporters itself:
+thin channel wrapper (cheaper per call than a gRPC interceptor), ``grpc.aio`` ones as well
+(:func:`aio_intercept`; :func:`aio_interceptors` remains for a caller's own channels).
+Without OpenTelemetry or a token nothing is installed; with it but no active span, a call adds
+nothing. The SDK never starts spans or configures exporters itself:
 that is the application's choice.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import grpc
 
-__all__ = ["aio_interceptors", "intercept"]
+__all__ = ["aio_intercept", "aio_interceptors", "intercept"]
 
 Metadata = Sequence[tuple[str, str | bytes]]
 
@@ -122,6 +123,66 @@ class _MetadataChannel(grpc.Channel):  # type: ignore[misc]
 
     def __exit__(self, *exc_info: object) -> None:
         self._channel.close()
+
+
+class _AioAdding:
+    """A ``grpc.aio`` multicallable whose calls carry the channel's metadata (as
+    :class:`_Adding`): cheaper than an aio client interceptor, which wraps every call in an
+    intercepted call object of its own (about 65 us of CPU a call)."""
+
+    __slots__ = ("_inner", "_static")
+
+    def __init__(self, inner: Any, static: Metadata) -> None:
+        self._inner, self._static = inner, static
+
+    def __call__(self, *args: Any, metadata: Metadata | None = None, **kw: Any) -> Any:
+        return self._inner(*args, metadata=_metadata(metadata, self._static), **kw)
+
+
+class _AioMetadataChannel(grpc.aio.Channel):  # type: ignore[misc]
+    """A ``grpc.aio`` channel whose multicallables add the static metadata (a token) and the
+    current trace context to every call (see :class:`_AioAdding`)."""
+
+    def __init__(self, channel: grpc.aio.Channel, static: Metadata) -> None:
+        self._channel, self._static = channel, static
+
+    def unary_unary(self, method: str, *args: Any, **kw: Any) -> _AioAdding:
+        return _AioAdding(self._channel.unary_unary(method, *args, **kw), self._static)
+
+    def unary_stream(self, method: str, *args: Any, **kw: Any) -> _AioAdding:
+        return _AioAdding(self._channel.unary_stream(method, *args, **kw), self._static)
+
+    def stream_unary(self, method: str, *args: Any, **kw: Any) -> _AioAdding:
+        return _AioAdding(self._channel.stream_unary(method, *args, **kw), self._static)
+
+    def stream_stream(self, method: str, *args: Any, **kw: Any) -> _AioAdding:
+        return _AioAdding(self._channel.stream_stream(method, *args, **kw), self._static)
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self._channel.get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self._channel.channel_ready()
+
+    async def close(self, grace: float | None = None) -> None:
+        await self._channel.close(grace)
+
+    async def __aenter__(self) -> _AioMetadataChannel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._channel.close(None)
+
+
+def aio_intercept(channel: grpc.aio.Channel, static: Metadata = ()) -> grpc.aio.Channel:
+    """``channel`` (``grpc.aio``) adding ``static`` metadata (a token) and the trace context
+    to every call (as it is when there is neither)."""
+    if _INJECT is None and not static:
+        return channel
+    return _AioMetadataChannel(channel, tuple(static))
 
 
 def intercept(channel: grpc.Channel, static: Metadata = ()) -> grpc.Channel:
