@@ -777,7 +777,7 @@ class MirrorKVCacheManager:
             self.core,
             requests,
             request_ids,
-            extras=fresh_extras(last_step_seq=recorder.num_steps, max_model_len=self.max_model_len),
+            extras=extras,
             drop_pending_events=True,
         )
 
