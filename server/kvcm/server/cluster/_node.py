@@ -152,6 +152,9 @@ class ClusterNode:
         # Replicas replaced as a standby for not acknowledging: time.monotonic() until which
         # none is chosen as a standby here (_UNFIT_S).
         self._unfit: dict[str, float] = {}
+        # time.monotonic() when the session came up last (after a loss: failover settles).
+        self._regained_at: float | None = None
+        self._settle_pending = False
         #: Whether this replica holds a live copy of a pool it follows and may take it over
         #: (set by replication; ``None``: failover off, a standby is never promoted).
         self.can_promote: Callable[[str], bool] | None = None
@@ -377,6 +380,7 @@ class ClusterNode:
             try:
                 await self._keep_session(ttl)
                 if not self.etcd_up:
+                    self._regained_at = time.monotonic()
                     _LOG.info(
                         "etcd session up (%s)",
                         self._session.describe(),
@@ -513,11 +517,41 @@ class ClusterNode:
         if self._reconciling is None or self._reconciling.done():
             self._reconciling = asyncio.create_task(self._reconcile(), name="kvcm-cluster-failover")
 
+    def _settling_s(self) -> float:
+        """Seconds before failover may act again after this replica lost etcd (0: now).
+
+        When etcd was away from every replica (an etcd outage), each replica's lease may
+        expire in etcd's view before that replica's next keep-alive reaches it once etcd is
+        back (its reconnect backoff): its key goes, yet it is alive and serving. Acting on
+        that would fail over live primaries (a new epoch, their calls refused) for nothing.
+        So after a session loss a replica acts on departures only once its own session has
+        been up for twice the TTL plus an etcd call: a replica that is alive has re-registered
+        by then, and one that is not is still gone (its pools fail over that much later).
+        """
+        if self.stats.session_losses == 0:
+            return 0.0
+        grace = 2 * self.config.lease_ttl_s + self.config.etcd_timeout_s
+        regained = self._regained_at
+        if not self.etcd_up or regained is None:
+            return grace
+        return max(0.0, regained + grace - time.monotonic())
+
+    def _settled(self) -> None:
+        self._settle_pending = False
+        if self._tasks:  # not stopped meanwhile
+            self._reconcile_soon()
+
     async def _reconcile(self) -> None:
         """Take over the pools whose primary left and this replica follows; give the pools
         this replica serves whose standby left a new one (see the module docstring)."""
         if self.can_promote is None or self.address not in self.replicas:
             return  # failover off, or this replica's own session is not live: act on nothing
+        settling = self._settling_s()
+        if settling > 0:  # etcd just came back: see who re-registers first
+            if not self._settle_pending:
+                self._settle_pending = True
+                asyncio.get_running_loop().call_later(settling, self._settled)
+            return
         planned: dict[str, Placement] = {}
         changes: list[tuple[Placement, Placement]] = []
         for placement in list(self._placements.values()):
