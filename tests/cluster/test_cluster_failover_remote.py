@@ -172,7 +172,10 @@ def test_remote_mode_engine_rides_a_kill_9_and_its_pool_equals_the_replay(
         assert (after.primary, after.epoch) == (before.standby, before.epoch + 1)
         resumed = next(at for _, at in acknowledged[shipped:] if at > killed)
         print(f"remote engine: acknowledged again {resumed - killed:.2f} s after the kill")
-        assert resumed - killed < LEASE_TTL_S + 2.0
+        # The TTL plus one second is test_cluster_failover_load's bound; this one only keeps
+        # the engine from waiting for anything but the failover (measured 1.7-4.1 s on a
+        # 2-core VM at load average 10+).
+        assert resumed - killed < LEASE_TTL_S + 4.0
         assert len(acknowledged) > shipped + 20
         engine_turns(0.5)
     finally:
