@@ -154,6 +154,7 @@ class ClusterNode:
         self._unfit: dict[str, float] = {}
         # time.monotonic() when the session came up last (after a loss: failover settles).
         self._regained_at: float | None = None
+        self._lost_at: float | None = None  # when the session was lost last
         self._settle_pending = False
         #: Whether this replica holds a live copy of a pool it follows and may take it over
         #: (set by replication; ``None``: failover off, a standby is never promoted).
@@ -380,7 +381,10 @@ class ClusterNode:
             try:
                 await self._keep_session(ttl)
                 if not self.etcd_up:
-                    self._regained_at = time.monotonic()
+                    now = time.monotonic()
+                    lost = self._lost_at
+                    if lost is not None and now - lost >= ttl:  # long enough for leases to lapse
+                        self._regained_at = now
                     _LOG.info(
                         "etcd session up (%s)",
                         self._session.describe(),
@@ -394,6 +398,7 @@ class ClusterNode:
                     _LOG.warning("etcd session: unexpected %r", exc)
                 if self.etcd_up:
                     self.stats.session_losses += 1
+                    self._lost_at = time.monotonic()
                     _LOG.warning(
                         "etcd session lost: %s; serving the pools this replica owns, placement "
                         "changes wait for etcd",
@@ -524,16 +529,21 @@ class ClusterNode:
         expire in etcd's view before that replica's next keep-alive reaches it once etcd is
         back (its reconnect backoff): its key goes, yet it is alive and serving. Acting on
         that would fail over live primaries (a new epoch, their calls refused) for nothing.
-        So after a session loss a replica acts on departures only once its own session has
-        been up for twice the TTL plus an etcd call: a replica that is alive has re-registered
+        So after a session loss of at least the TTL (a shorter blip, a slow keep-alive, does
+        not wait) a replica acts on departures only once its own session has been up for
+        twice the TTL plus an etcd call: a replica that is alive has re-registered
         by then, and one that is not is still gone (its pools fail over that much later).
         """
-        if self.stats.session_losses == 0:
+        lost = self._lost_at
+        if lost is None:
             return 0.0
-        grace = 2 * self.config.lease_ttl_s + self.config.etcd_timeout_s
-        regained = self._regained_at
-        if not self.etcd_up or regained is None:
-            return grace
+        ttl = self.config.lease_ttl_s
+        grace = 2 * ttl + self.config.etcd_timeout_s
+        if not self.etcd_up:  # still away: only a loss as long as the TTL waits
+            return grace if time.monotonic() - lost >= ttl else 0.0
+        regained = self._regained_at  # set only after a loss of at least the TTL
+        if regained is None or regained < lost:
+            return 0.0
         return max(0.0, regained + grace - time.monotonic())
 
     def _settled(self) -> None:
