@@ -18,12 +18,16 @@ __all__ = ["registry_state", "untimed_fingerprint"]
 def untimed_fingerprint(pool: Pool) -> bytes:
     """``pool.state_fingerprint()`` with every event's publication time read as 0.0."""
     log = pool._events
+    # The log keeps each event's encoding (with its time) for digests: read the zeroed events
+    # through an empty cache, then put the log back as it was.
+    saved = (log._events, log._cache, log._cached_first, log._hash_sum)
     kept = log._events
     log._events = deque(((event, 0.0) for event, _ in kept), maxlen=kept.maxlen)
+    log._cache, log._cached_first, log._hash_sum = deque(), log.oldest_sequence, 0
     try:
         return pool.state_fingerprint()
     finally:
-        log._events = kept
+        log._events, log._cache, log._cached_first, log._hash_sum = saved
 
 
 def registry_state(registry: PoolRegistry) -> dict[str, bytes]:
