@@ -239,15 +239,17 @@ def _step(client: SchedulerClient, pool: str, seq: int, deadline: float) -> None
     """Step ``seq`` (exactly once): admit a fresh 3-block prompt, cache it, finish the request
     admitted two steps earlier (its blocks stay cached; evicted as the pool fills)."""
     prompt = [seq * 1000 + i for i in range(48)]
-    step = StepBuilder()
-    step.step_seq = seq
-    step.add_request(seq, prompt, client.block_hasher(pool).hash_token_ids(prompt))
-    step.allocate(seq, len(prompt), 0, lookup=True)
-    step.cache_blocks(seq, len(prompt))
-    if seq > 2:
-        step.finish(seq - 2)
     while True:
         try:
+            # The hasher's DescribePool is a call too: during a failover it may fail as the
+            # Step may (UnavailableError once its reroutes ran out), and is retried with it.
+            step = StepBuilder()
+            step.step_seq = seq
+            step.add_request(seq, prompt, client.block_hasher(pool).hash_token_ids(prompt))
+            step.allocate(seq, len(prompt), 0, lookup=True)
+            step.cache_blocks(seq, len(prompt))
+            if seq > 2:
+                step.finish(seq - 2)
             result = client.step(pool, step, timeout=5.0)
             assert result.statuses[0] is ItemStatus.OK, result.statuses
             return
