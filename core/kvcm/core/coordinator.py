@@ -27,11 +27,14 @@ from typing import TYPE_CHECKING
 
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import (
+    ChunkedLocalAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
 )
 from kvcm.core.block_pool import BlockPool
 from kvcm.core.single_type_managers import (
     CrossAttentionManager,
+    MambaManager,
     ManagerOptions,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
@@ -110,6 +113,12 @@ class CoordinatorConfig:
             module docstring); ``None``: dense.
         dcp_world_size: Decode context parallelism (the attention specs in
             ``kv_cache_config`` already span its ranks; it decides sub-block hits).
+        eagle_block_drop_group_ids: Groups whose hits drop their last matched block for an
+            EAGLE/MTP drafter (vLLM's ``drop_eagle_group_ids``: the draft groups, or every
+            group when none is marked, while the block drop is on).
+        num_hash_lookahead_tokens: Tokens after each block that its hash also covers.
+        num_prefill_lookahead: Prefill tokens past the computed range the drafter reads; the
+            last ``num_prefill_lookahead - 1`` computed tokens are not cached yet (MTP).
     """
 
     kv_cache_config: KVCacheConfig
@@ -122,6 +131,9 @@ class CoordinatorConfig:
     needs_kv_cache_zeroing: bool = False
     prefix_cache_retention_interval: int | None = None
     dcp_world_size: int = 1
+    eagle_block_drop_group_ids: tuple[int, ...] = ()
+    num_hash_lookahead_tokens: int = 0
+    num_prefill_lookahead: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +187,12 @@ class KVCacheCoordinator:
             enable_caching=enable_caching,
             hash_block_size=config.hash_block_size,
             enable_kv_cache_events=config.enable_kv_cache_events,
+            num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
         )
+        # EAGLE/MTP: the groups whose hits drop a block, and the trailing computed tokens a
+        # multi-module MTP drafter may still rewrite (not cached until final).
+        self.drop_eagle_group_ids = frozenset(config.eagle_block_drop_group_ids)
+        self.num_reprefillable_tokens = max(0, config.num_prefill_lookahead - 1)
         options = ManagerOptions(
             enable_caching=enable_caching,
             scheduler_block_size=config.scheduler_block_size,
@@ -330,9 +347,25 @@ class KVCacheCoordinator:
             copies.extend(manager.take_pending_cow_copies())
         return copies
 
-    def get_num_cacheable_tokens(self, num_computed_tokens: int) -> int:
-        """Prefix of the computed tokens that may be cached."""
-        return num_computed_tokens
+    def get_num_cacheable_tokens(
+        self, num_computed_tokens: int, manager: SingleTypeKVCacheManager
+    ) -> int:
+        """Prefix of the computed tokens that ``manager`` may cache (all but the tokens a
+        multi-module MTP drafter may still re-prefill)."""
+        return max(0, num_computed_tokens - self.num_reprefillable_tokens)
+
+    def _replay_boundaries(self, request: Request) -> tuple[int, ...]:
+        # Where a later request may resume: a resend of the prompt hits at most its length
+        # minus one token. With the EAGLE drop a hit matches a block further and drops it:
+        # a resend lands one block below its aligned hit, a longer sibling one block below
+        # the prompt's last full block (vLLM's replay_boundaries).
+        num_prompt = request.num_prompt_tokens
+        if not self.drop_eagle_group_ids:
+            return (num_prompt - 1,)
+        block = self.scheduler_block_size
+        resend = (num_prompt - 1) // block * block
+        extension = num_prompt // block * block
+        return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
 
     @property
     def caching_managers(self) -> tuple[SingleTypeKVCacheManager, ...]:
@@ -346,17 +379,20 @@ class KVCacheCoordinator:
             request: The request.
             num_computed_tokens: Tokens to cache, including those cached already.
         """
-        num_tokens = self.get_num_cacheable_tokens(num_computed_tokens)
-        # Where a later request may resume: a resend of the prompt hits at most its length
-        # minus one token; a sibling sharing a prefix resumes at the junction.
+        # Where a later request may resume: the replay boundaries, and the junction where a
+        # sibling sharing a prefix resumes (for an EAGLE group also one block below it: a
+        # sibling diverging right after the junction cannot use the block past it).
         junction = self._junctions.get(request.request_id, 0)
-        boundaries = (
-            (request.num_prompt_tokens - 1, junction)
-            if junction
-            else (request.num_prompt_tokens - 1,)
-        )
+        replay = self._replay_boundaries(request)
+        boundaries = (*replay, junction) if junction else replay
         for manager in self._caching_managers:
-            manager.cache_blocks(request, num_tokens, boundaries)
+            num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, manager)
+            if junction and manager.use_eagle:
+                manager.cache_blocks(
+                    request, num_tokens, (*boundaries, junction - manager.block_size)
+                )
+            else:
+                manager.cache_blocks(request, num_tokens, boundaries)
 
     def set_shared_prefix_boundary(self, request_id: str, boundary: int) -> None:
         """Record the shared-prefix junction of the request's latest lookup (0: none).
@@ -384,10 +420,11 @@ class KVCacheCoordinator:
         Raises:
             InvalidArgumentError: A group holds fewer blocks than the tokens need.
         """
-        num_tokens = self.get_num_cacheable_tokens(num_computed_tokens)
         num_hashed_tokens = len(request.block_hashes) * self.hash_block_size
-        num_tokens = min(num_tokens, num_hashed_tokens)
         for manager in self._caching_managers:
+            num_tokens = min(
+                self.get_num_cacheable_tokens(num_computed_tokens, manager), num_hashed_tokens
+            )
             blocks = manager.req_to_blocks.get(request.request_id, ())
             if num_tokens // manager.block_size > len(blocks):
                 raise InvalidArgumentError(
@@ -509,13 +546,19 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         self._manager = manager
         self._group_ids = (0,)
         self._block_size = manager.block_size
+        self._drop_eagle_block = 0 in self.drop_eagle_group_ids
+        manager.set_use_eagle(self._drop_eagle_block)
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> PrefixHit:
         """The group's own longest hit."""
         hit = self._manager.find_longest_cache_hit(
-            block_hashes, max_cache_hit_length, self._group_ids, self._block_size
+            block_hashes,
+            max_cache_hit_length,
+            self._group_ids,
+            self._block_size,
+            self._drop_eagle_block,
         )
         return PrefixHit(hit.blocks, hit.num_tokens)
 
@@ -528,6 +571,10 @@ class _SpecGroup:
     group_ids: tuple[int, ...]
     manager: SingleTypeKVCacheManager
     is_full_attention: bool
+    # EAGLE: any member drops (the members are looked up, so dropped, together), and the
+    # tokens matched past the candidate before the drop (0: no drop).
+    use_eagle: bool = False
+    eagle_margin: int = 0
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
@@ -581,24 +628,52 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     break
             else:
                 members.append((manager, [manager.kv_cache_group_id]))
-        groups = [
-            _SpecGroup(
-                first.kv_cache_spec,
-                tuple(group_ids),
-                first,
-                first.kv_cache_spec.traits.full_attention,
+        drop = self.drop_eagle_group_ids
+        groups = []
+        for first, group_ids in members:
+            use_eagle = any(group_id in drop for group_id in group_ids)
+            for group_id in group_ids:
+                self.single_type_managers[group_id].set_use_eagle(use_eagle)
+            # A fine-grained lookup drops one hash unit, others one block (vLLM's
+            # eagle_proof_margin); Mamba's finder never drops, so it has no margin.
+            margin = 0
+            if use_eagle and not isinstance(first, MambaManager):
+                fine = (
+                    self.enable_partial_hash_hits
+                    and first.supports_fine_grained_hash_lookup
+                    and first.block_size > self.hash_block_size
+                )
+                margin = self.hash_block_size if fine else first.block_size
+            groups.append(
+                _SpecGroup(
+                    first.kv_cache_spec,
+                    tuple(group_ids),
+                    first,
+                    first.kv_cache_spec.traits.full_attention,
+                    use_eagle,
+                    margin,
+                )
             )
-            for first, group_ids in members
-        ]
         # Stable: full attention first, the rest in group order.
         groups.sort(key=lambda group: not group.is_full_attention)
         return tuple(groups)
 
-    def get_num_cacheable_tokens(self, num_computed_tokens: int) -> int:
-        """Only scheduler-block-aligned prefixes can ever be hit (any with sub-block hits)."""
+    def _align_cacheable(self, num_tokens: int) -> int:
         if self.enable_partial_hash_hits:
-            return num_computed_tokens
-        return num_computed_tokens - num_computed_tokens % self.scheduler_block_size
+            return num_tokens
+        return num_tokens - num_tokens % self.scheduler_block_size
+
+    def get_num_cacheable_tokens(
+        self, num_computed_tokens: int, manager: SingleTypeKVCacheManager
+    ) -> int:
+        """Only scheduler-block-aligned prefixes can ever be hit (any with sub-block hits);
+        an EAGLE group also caches the block past that boundary, which its hits match and
+        drop (only finalized tokens: not those an MTP drafter may re-prefill)."""
+        aligned = self._align_cacheable(num_computed_tokens)
+        if manager.use_eagle and aligned > 0:
+            finalized = max(0, num_computed_tokens - self.num_reprefillable_tokens)
+            return min(finalized, self._align_cacheable(finalized) + manager.block_size)
+        return aligned
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
@@ -612,16 +687,28 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         alignment = self.cache_hit_alignment_tokens
         hit_length = max_cache_hit_length
         longest = 0
+        max_hashed = len(block_hashes) * self.hash_block_size
+        # Spec groups whose EAGLE drop is verified at the current candidate: each drops at
+        # most once per candidate length (a shrinking candidate clears them).
+        eagle_verified: set[int] = set()
         while True:
             candidate = hit_length
-            for group in self._spec_groups:
+            for index, group in enumerate(self._spec_groups):
                 first_id = group.group_ids[0]
                 if group.is_full_attention and hit_blocks[first_id] is not None:
                     candidate = min(candidate, hit_lengths[first_id])
                     continue
+                drop = group.use_eagle and index not in eagle_verified
+                max_length = candidate
+                if drop and group.eagle_margin:
+                    max_length = min(candidate + group.eagle_margin, max_hashed)
                 found = group.manager.find_longest_cache_hit(
-                    block_hashes, candidate, group.group_ids, alignment
+                    block_hashes, max_length, group.group_ids, alignment, drop
                 )
+                if drop:
+                    eagle_verified.add(index)
+                elif found.num_tokens < candidate:
+                    eagle_verified.clear()
                 candidate = found.num_tokens
                 longest = max(longest, candidate)
                 for group_id, blocks in zip(group.group_ids, found.blocks, strict=True):
@@ -656,9 +743,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(self._num_groups)]
         hit_lengths = [0] * self._num_groups
         alignment = self.cache_hit_alignment_tokens
+        max_hashed = len(block_hashes) * self.hash_block_size
         for group in self._spec_groups:
+            max_length = max_cache_hit_length
+            if group.eagle_margin:
+                max_length = min(max_length + group.eagle_margin, max_hashed)
             found = group.manager.find_longest_cache_hit(
-                block_hashes, max_cache_hit_length, group.group_ids, alignment
+                block_hashes, max_length, group.group_ids, alignment, group.use_eagle
             )
             for group_id, blocks in zip(group.group_ids, found.blocks, strict=True):
                 hit_blocks[group_id] = blocks
@@ -689,8 +780,45 @@ def _check_retention(config: CoordinatorConfig) -> None:
         )
 
 
+def _check_eagle(config: CoordinatorConfig) -> None:
+    groups = config.kv_cache_config.kv_cache_groups
+    for name in ("num_hash_lookahead_tokens", "num_prefill_lookahead"):
+        value = getattr(config, name)
+        if type(value) is not int or value < 0:
+            raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+    drop = config.eagle_block_drop_group_ids
+    if len(set(drop)) != len(drop) or not all(
+        type(group_id) is int and 0 <= group_id < len(groups) for group_id in drop
+    ):
+        raise ConfigError(
+            f"eagle_block_drop_group_ids must be distinct group indices below {len(groups)}, "
+            f"got {list(drop)}"
+        )
+    if not config.enable_caching or not drop:
+        return
+    if config.scheduler_block_size < config.num_prefill_lookahead:
+        raise ConfigError(  # vLLM's check, with its reason
+            "Multi-module MTP with prefix caching requires scheduler_block_size"
+            f" (={config.scheduler_block_size}) >= num_speculative_tokens"
+            f" (={config.num_prefill_lookahead})."
+        )
+    for group_id, group in enumerate(groups):
+        kind = type(group.kv_cache_spec).__name__
+        if isinstance(group.kv_cache_spec, ChunkedLocalAttentionSpec) and group_id in drop:
+            raise ConfigError(  # vLLM asserts it
+                "Hybrid KV cache is not supported for eagle + chunked local attention."
+            )
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            raise ConfigError(
+                f"group {group_id} ({kind}): the EAGLE trailing-block drop with Mamba groups is "
+                "not served by kvcm yet (lookahead block hashes, vLLM's default for EAGLE with "
+                "prefix caching, are)"
+            )
+
+
 def _check_specs(config: CoordinatorConfig) -> None:
     _check_retention(config)
+    _check_eagle(config)
     groups = config.kv_cache_config.kv_cache_groups
     for group_id, group in enumerate(groups):
         spec = group.kv_cache_spec

@@ -106,6 +106,19 @@ class KVCacheManagerConfig:
             the manager's attention blocks span ``block_size * dcp_world_size`` tokens (hits,
             hashes, events); Mamba states are replicated on every rank and keep their size.
             vLLM 0.33 supports it with full-attention (and MLA) and Mamba groups only.
+        eagle_block_drop_group_ids: EAGLE/MTP speculative decoding with the trailing-block
+            drop (vLLM's ``use_eagle`` with its ``drop_eagle_group_ids``): these groups' hits
+            drop their last matched block (one hash block with sub-block hits) and cache the
+            block past each aligned boundary. An engine passes its draft groups, or every
+            group when none is marked; empty: no drop (vLLM's default with prefix caching,
+            whose lookahead block hashes make the drop unnecessary).
+        num_hash_lookahead_tokens: Tokens after each block that its hash also covers (vLLM's
+            ``num_hash_lookahead_tokens``: EAGLE/MTP's lookahead block hashes; events carry
+            them in ``lookahead_token_ids``; the Mamba prefill checkpoint moves back by them).
+        num_prefill_lookahead: vLLM's ``num_prefill_lookahead_tokens``: the prefill tokens an
+            EAGLE/MTP drafter reads past the computed range; the last
+            ``num_prefill_lookahead - 1`` computed tokens (multi-module MTP) are cached only
+            once final.
     """
 
     kv_cache_config: KVCacheConfig
@@ -119,6 +132,9 @@ class KVCacheManagerConfig:
     watermark: float = 0.0
     prefix_cache_retention_interval: int | None = None
     dcp_world_size: int = 1
+    eagle_block_drop_group_ids: tuple[int, ...] = ()
+    num_hash_lookahead_tokens: int = 0
+    num_prefill_lookahead: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -419,6 +435,9 @@ class KVCacheManager:
                 needs_kv_cache_zeroing=_needs_kv_cache_zeroing(specs),
                 prefix_cache_retention_interval=config.prefix_cache_retention_interval,
                 dcp_world_size=config.dcp_world_size,
+                eagle_block_drop_group_ids=tuple(config.eagle_block_drop_group_ids),
+                num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
+                num_prefill_lookahead=config.num_prefill_lookahead,
             )
         )
         self.block_pool: BlockPool = self.coordinator.block_pool
@@ -439,9 +458,15 @@ class KVCacheManager:
         # (no window to free, no partial tail to cache, nothing to coordinate).
         managers = self.coordinator.single_type_managers
         only = managers[0] if len(managers) == 1 else None
+        # The fast paths cache every computed token at its group's own alignment: not for
+        # an EAGLE drop or an MTP drafter's re-prefillable tokens.
+        plain = not (
+            self.coordinator.drop_eagle_group_ids or self.coordinator.num_reprefillable_tokens
+        )
         self._fast_group: FullAttentionManager | None = (
             only
-            if type(self.coordinator) is UnitaryKVCacheCoordinator
+            if plain
+            and type(self.coordinator) is UnitaryKVCacheCoordinator
             and type(only) is FullAttentionManager
             and only.block_size == self.hash_block_size
             else None
@@ -449,7 +474,9 @@ class KVCacheManager:
         # The running fast path of every other cached pool of full-attention and
         # sliding-window groups (hybrid models): the general path's decisions, in its order,
         # without its per-call generality (hits, external tokens, encoder, watermark).
-        self._fast_groups = _running_fast_groups(self.coordinator, self.hash_block_size)
+        self._fast_groups = (
+            _running_fast_groups(self.coordinator, self.hash_block_size) if plain else ()
+        )
         self._fast_windows = tuple(m for m in managers if type(m) is SlidingWindowManager)
         # Full attention registers a prompt's partial tail block whenever it caches with a
         # hash block smaller than its block: then caching cannot be skipped by a count.

@@ -242,6 +242,9 @@ class Pool:
                 watermark=options.watermark,
                 prefix_cache_retention_interval=options.prefix_cache_retention_interval,
                 dcp_world_size=options.decode_context_parallel_size,
+                eagle_block_drop_group_ids=options.eagle_block_drop_group_ids,
+                num_hash_lookahead_tokens=options.num_hash_lookahead_tokens,
+                num_prefill_lookahead=options.num_prefill_lookahead,
             )
         )
         self.manager = manager
@@ -513,7 +516,9 @@ class Pool:
         """Block hashes a request of ``num_tokens`` tokens carries."""
         if not self.options.enable_caching:
             return 0
-        return num_tokens // self.hashing.hash_block_size
+        # A lookahead hash also covers the tokens after its block.
+        num_hashed = num_tokens - self.options.num_hash_lookahead_tokens
+        return max(num_hashed, 0) // self.hashing.hash_block_size
 
     def add_request(
         self,
@@ -562,7 +567,12 @@ class Pool:
         """The block hashes the server computes for ``token_ids`` (hash verification)."""
         from kvcm.common.hashing import BlockHasher
 
-        hasher = BlockHasher(self.hashing.hash_block_size, self.hashing.algorithm, self._seed)
+        hasher = BlockHasher(
+            self.hashing.hash_block_size,
+            self.hashing.algorithm,
+            self._seed,
+            num_lookahead_tokens=self.options.num_hash_lookahead_tokens,
+        )
         return hasher.hash_token_ids(token_ids, lora_name=lora_name, cache_salt=cache_salt)
 
     def _verify(self, request: Request, sent: Sequence[BlockHash], first: int) -> None:

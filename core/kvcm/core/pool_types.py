@@ -42,6 +42,9 @@ MAX_LABELS: Final = 32
 MAX_LABEL_VALUE_CHARS: Final = 256
 # Decode context parallelism beyond this many ranks is a typo, not a deployment.
 _MAX_DCP_SIZE: Final = 1024
+# Bounds of the EAGLE/MTP settings: a drafter reads a few tokens ahead; group indices.
+_MAX_LOOKAHEAD: Final = 64
+_MAX_GROUPS: Final = 1024
 _LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}")
 _POOL_ID_CHARS: Final = frozenset(
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
@@ -188,6 +191,15 @@ class PoolConfig:
             so the manager's attention blocks span ``block_size * n`` tokens; Mamba states
             are whole on every rank. 1: none; above 1 needs ``explicit_layout`` (planning
             from registered workers does not model DCP).
+        num_hash_lookahead_tokens: EAGLE/MTP lookahead block hashes (vLLM's
+            ``num_hash_lookahead_tokens``): each block's hash also covers this many tokens
+            after it, so a request carries ``(num_tokens - n) // hash_block_size`` hashes;
+            events carry them as ``lookahead_token_ids``. 0: none.
+        num_prefill_lookahead: vLLM's ``num_prefill_lookahead_tokens`` (EAGLE/MTP): the last
+            ``n - 1`` computed tokens are cached only once final. 0: no drafter.
+        eagle_block_drop_group_ids: Groups whose hits drop their last matched block (vLLM's
+            EAGLE trailing-block drop, on when lookahead hashes are off); distinct group
+            indices of the pool's layout. Empty: none.
     """
 
     max_model_len: int
@@ -218,6 +230,9 @@ class PoolConfig:
     host_tier_bytes: int = 0
     decode_context_parallel_size: int = 1
     offload_host_blocks: int = 0
+    num_hash_lookahead_tokens: int = 0
+    num_prefill_lookahead: int = 0
+    eagle_block_drop_group_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_labels(self.labels)
@@ -344,6 +359,25 @@ class PoolConfig:
                 "config.decode_context_parallel_size > 1 needs config.explicit_layout: "
                 "planning from registered workers does not model DCP",
                 field="config.decode_context_parallel_size",
+            )
+        for name in ("num_hash_lookahead_tokens", "num_prefill_lookahead"):
+            value = getattr(self, name)
+            if type(value) is not int or not 0 <= value <= _MAX_LOOKAHEAD:
+                raise InvalidArgumentError(
+                    f"config.{name} must be an int in [0, {_MAX_LOOKAHEAD}], got {value!r}",
+                    field=f"config.{name}",
+                )
+        object.__setattr__(
+            self, "eagle_block_drop_group_ids", tuple(self.eagle_block_drop_group_ids)
+        )
+        drop = self.eagle_block_drop_group_ids
+        if len(set(drop)) != len(drop) or not all(
+            type(group_id) is int and 0 <= group_id < _MAX_GROUPS for group_id in drop
+        ):
+            raise InvalidArgumentError(
+                "config.eagle_block_drop_group_ids must be distinct group indices in "
+                f"[0, {_MAX_GROUPS}), got {list(drop)}",
+                field="config.eagle_block_drop_group_ids",
             )
         if not 0.0 <= self.scheduler_lease_s <= 1e9:
             raise InvalidArgumentError(

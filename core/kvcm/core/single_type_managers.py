@@ -14,8 +14,16 @@ retention), chunked local attention, Mamba (with prefix caching in vLLM's "align
 cross attention. Sub-block ("partial") hash hits are served where vLLM 0.33 serves them: in a
 hybrid pool with an align-mode Mamba group whose block is larger than the hash block, full
 attention and Mamba find hits on hash-block boundaries, and a hit ending inside a block is
-served through a private copy of that block (``take_pending_cow_copies``). Eagle, DCP/PCP and
-KV-connector boundary-state offloads are not implemented.
+served through a private copy of that block (``take_pending_cow_copies``).
+
+EAGLE/MTP drafters (vLLM's hidden-state speculative decoding): where vLLM drops the last
+matched block of a hit (``use_eagle`` on a group: the drafter needs the hidden state of the
+token before the generation point recomputed), full attention drops one block (one hash block
+when it serves sub-block hits) and sliding window needs one more contiguous block and drops it;
+lookahead block hashes (``BlockPool.num_hash_lookahead_tokens``) move the Mamba prefill
+checkpoint back by the lookahead, as vLLM's ``get_mamba_prefill_checkpoint_position``. The
+block drop with Mamba groups, chunked local attention, DCP/PCP and KV-connector boundary-state
+offloads are not implemented.
 """
 
 from __future__ import annotations
@@ -119,6 +127,8 @@ class SingleTypeKVCacheManager:
             the hash block size where sub-block hits are served).
         req_to_blocks: Request id -> its block table (null blocks stand for skipped blocks).
         num_cached_block: Request id -> how many leading blocks are already cached.
+        use_eagle: Whether this group's hits drop their last matched block for an EAGLE/MTP
+            drafter (set by the coordinator, as vLLM's); it also moves what is cached.
     """
 
     # Whether the manager can find hits on hash-block boundaries inside its blocks.
@@ -166,6 +176,11 @@ class SingleTypeKVCacheManager:
         # redirected to a private copy at the next allocation; copies not yet handed out.
         self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
         self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        self.use_eagle = False
+
+    def set_use_eagle(self, use_eagle: bool) -> None:
+        """Mark the group as one whose hits drop their last block (vLLM's ``use_eagle``)."""
+        self.use_eagle = use_eagle
 
     # ----------------------------------------------------------------- attention window
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -445,6 +460,7 @@ class SingleTypeKVCacheManager:
         max_length: int,
         kv_cache_group_ids: Sequence[int],
         alignment_tokens: int,
+        drop_eagle_block: bool = False,
     ) -> GroupHit:
         """Longest prefix of at most ``max_length`` tokens cached for every listed group.
 
@@ -455,6 +471,7 @@ class SingleTypeKVCacheManager:
             max_length: Upper bound of the hit, in tokens.
             kv_cache_group_ids: Groups that must all hit (they share this spec).
             alignment_tokens: The hit length is a multiple of this.
+            drop_eagle_block: Drop the last matched block (EAGLE/MTP), as vLLM's.
 
         Returns:
             Hit blocks per group (null blocks where the window skips) and the hit length.
@@ -560,6 +577,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         max_length: int,
         kv_cache_group_ids: Sequence[int],
         alignment_tokens: int,
+        drop_eagle_block: bool = False,
     ) -> GroupHit:
         """Scan left to right; the first miss ends the hit (hashes are chained)."""
         block_size = self.block_size
@@ -588,9 +606,16 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if alignment_tokens < block_size:
             # Sub-block hits: extend into the first block that missed, at its last cached
             # hash boundary.
-            return self._extend_into_partial_block(
+            extended = self._extend_into_partial_block(
                 block_hashes, max_length, group_ids, alignment_tokens, computed, hit_length
             )
+            if not (drop_eagle_block and extended.num_tokens):
+                return extended
+            computed, hit_length = extended
+        if drop_eagle_block and hit_length:
+            # The drafter needs the tokens before the generation point recomputed: one hash
+            # unit fewer with sub-block hits (the tail block still covers it), else a block.
+            hit_length -= min(alignment_tokens, block_size)
         hit_length -= hit_length % alignment_tokens
         num_blocks = _cdiv(hit_length, block_size)
         for group_blocks in computed:
@@ -631,12 +656,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def _cache_partial_tail_block(
         self, request: Request, num_tokens: int, hash_block_size: int
     ) -> None:
-        # A resend of the same prompt hits at most num_prompt_tokens - 1 tokens; when that
-        # boundary falls inside one of this group's (larger) blocks, vLLM registers the block
-        # under the boundary's hash as a secondary, partial entry.
+        # A resend of the same prompt hits at most num_prompt_tokens - 1 tokens (an EAGLE
+        # lookup reads the whole prompt, then drops a hash unit); when that boundary falls
+        # inside one of this group's (larger) blocks, vLLM registers the block under the
+        # boundary's hash as a secondary, partial entry.
+        token_limit = request.num_prompt_tokens - (0 if self.use_eagle else 1)
         boundary_tokens = (
-            min((request.num_prompt_tokens - 1) // hash_block_size, len(request.block_hashes))
-            * hash_block_size
+            min(token_limit // hash_block_size, len(request.block_hashes)) * hash_block_size
         )
         if boundary_tokens == 0 or boundary_tokens > num_tokens:
             return
@@ -684,10 +710,18 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # Tokens kept below the window (never read) for multi-token speculative re-prefill.
         self.extra_retained_tokens: int = kv_cache_spec.extra_retained_tokens
         # Contiguous cached blocks that make a hit: the window before the next token.
-        self.contiguous_blocks_for_hit = _cdiv(self.sliding_window - 1, self.block_size)
+        self._window_blocks = _cdiv(self.sliding_window - 1, self.block_size)
+        self.contiguous_blocks_for_hit = self._window_blocks
         self._mask_period = self._cache_mask_period()
         # Blocks are block-granular; a sub-block alignment cannot be masked (cache all).
         self._maskable = self.cache_hit_alignment_tokens % self.block_size == 0
+
+    def set_use_eagle(self, use_eagle: bool) -> None:
+        """As the base class; an EAGLE group's hit needs one more block (the one dropped),
+        so what the mask keeps moves one block up."""
+        super().set_use_eagle(use_eagle)
+        self.contiguous_blocks_for_hit = self._window_blocks + int(use_eagle)
+        self._mask_period = self._cache_mask_period()
 
     def _cache_mask_period(self) -> int | None:
         # Hits land on multiples of the alignment; only the last `contiguous_blocks_for_hit`
@@ -724,18 +758,23 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if period == 0:
             return None
         need = self.contiguous_blocks_for_hit
+        # An EAGLE hit's run ends one block past the boundary (the block it drops).
+        shift = int(self.use_eagle)
         if period is None:
             mask = [False] * (end_block - start_block)
         else:
             first_kept = period - need
-            mask = [i % period >= first_kept for i in range(start_block, end_block)]
+            mask = [
+                i >= shift and (i - shift) % period >= first_kept
+                for i in range(start_block, end_block)
+            ]
         if self.retention_interval is not None:
             # Sparse retention: keep the window that ends on each resume point (floored to
             # the alignment), whatever the periodic segments keep.
             alignment = self.cache_hit_alignment_tokens
             block_size = self.block_size
             for boundary in boundaries:
-                end = boundary // alignment * alignment // block_size
+                end = boundary // alignment * alignment // block_size + shift
                 for i in range(max(start_block, end - need), min(end_block, end)):
                     mask[i - start_block] = True
         return mask
@@ -746,13 +785,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         max_length: int,
         kv_cache_group_ids: Sequence[int],
         alignment_tokens: int,
+        drop_eagle_block: bool = False,
     ) -> GroupHit:
-        """Scan right to left for the last run of cached blocks that covers a window."""
+        """Scan right to left for the last run of cached blocks that covers a window (and,
+        for EAGLE, one block more, dropped after the match)."""
         block_size = self.block_size
         pool = self.block_pool
         hashes = hashes_at_block_size(block_hashes, pool.hash_block_size, block_size)
         group_ids = list(kv_cache_group_ids)
-        need = self.contiguous_blocks_for_hit
+        need = self._window_blocks + int(drop_eagle_block)
         max_num_blocks = min(max_length // block_size, len(hashes))
         computed = tuple([pool.null_block] * max_num_blocks for _ in group_ids)
         aligned = block_size == alignment_tokens
@@ -763,8 +804,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if not cached:
                 num_contiguous = 0
                 continue
-            # A run must end on an aligned boundary.
-            if num_contiguous == 0 and not aligned and ((i + 1) * block_size) % alignment_tokens:
+            # A run must end on an aligned boundary (after the EAGLE drop, if any).
+            if (
+                num_contiguous == 0
+                and not aligned
+                and ((i + 1 - int(drop_eagle_block)) * block_size) % alignment_tokens
+            ):
                 continue
             for group_blocks, block in zip(computed, cached, strict=True):
                 group_blocks[i] = block
@@ -778,6 +823,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             # A run reaching the first block is a hit even if shorter than the window.
             for group_blocks in computed:
                 del group_blocks[num_contiguous:]
+            if not aligned:
+                while len(computed[0]) * block_size % alignment_tokens:
+                    for group_blocks in computed:
+                        group_blocks.pop()
+        if drop_eagle_block and computed[0]:
+            for group_blocks in computed:
+                group_blocks.pop()
             if not aligned:
                 while len(computed[0]) * block_size % alignment_tokens:
                     for group_blocks in computed:
@@ -819,8 +871,10 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         max_length: int,
         kv_cache_group_ids: Sequence[int],
         alignment_tokens: int,
+        drop_eagle_block: bool = False,
     ) -> GroupHit:
-        """Blocks before the current chunk count as hits (null); scan the chunk's blocks."""
+        """Blocks before the current chunk count as hits (null); scan the chunk's blocks
+        (never with an EAGLE drop: the coordinator refuses one, as vLLM does)."""
         block_size = self.block_size
         pool = self.block_pool
         hashes = hashes_at_block_size(block_hashes, pool.hash_block_size, block_size)
@@ -838,13 +892,14 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return GroupHit(computed, len(computed[0]) * block_size)
 
 
-def _checkpoint_position(num_tokens: int, granularity: int) -> int:
+def _checkpoint_position(num_tokens: int, granularity: int, num_lookahead: int = 0) -> int:
     """The last reusable Mamba state of a ``num_tokens`` prefill, on a ``granularity`` boundary.
 
-    At least one token is left to recompute (a resend needs its logits), so the position is
+    At least one token is left to recompute (a resend needs its logits), and with lookahead
+    block hashes the ``num_lookahead`` tokens the checkpoint's hash covers, so the position is
     strictly below ``num_tokens``.
     """
-    return max((num_tokens - 1) // granularity * granularity, 0)
+    return max((num_tokens - max(1, num_lookahead)) // granularity * granularity, 0)
 
 
 class MambaManager(SingleTypeKVCacheManager):
@@ -955,8 +1010,11 @@ class MambaManager(SingleTypeKVCacheManager):
         max_length: int,
         kv_cache_group_ids: Sequence[int],
         alignment_tokens: int,
+        drop_eagle_block: bool = False,
     ) -> GroupHit:
         """Scan right to left for the last cached state; blocks before it are null.
+
+        A Mamba finder never drops (draft models have no Mamba layers), as vLLM's.
 
         With sub-block hits (alignment below the block size) every hash boundary is probed;
         otherwise every block boundary that lands on the alignment.
@@ -1068,7 +1126,9 @@ class MambaManager(SingleTypeKVCacheManager):
         )
         if has_partial_hit:
             num_new = max(num_new, 0) + 1
-        checkpoint_position = _checkpoint_position(num_tokens, self.cache_hit_alignment_tokens)
+        checkpoint_position = _checkpoint_position(
+            num_tokens, self.cache_hit_alignment_tokens, self.block_pool.num_hash_lookahead_tokens
+        )
         if not self._needs_internal_checkpoint(
             request_id, total_computed_tokens, num_tokens, checkpoint_position, prefill_end
         ):
@@ -1320,7 +1380,9 @@ class MambaManager(SingleTypeKVCacheManager):
             position, block_idx = checkpoint
             block = blocks[block_idx]
             reachable = position == _checkpoint_position(
-                request.num_prompt_tokens, self.cache_hit_alignment_tokens
+                request.num_prompt_tokens,
+                self.cache_hit_alignment_tokens,
+                self.block_pool.num_hash_lookahead_tokens,
             )
             if not reachable and position % block_size == 0:
                 state_idx = position // block_size - 1
@@ -1343,7 +1405,9 @@ class MambaManager(SingleTypeKVCacheManager):
         if num_tokens <= 0 or num_tokens % hash_block_size:
             return None
         # Only the prompt's last hash boundary (where a resend resumes) is keyed.
-        if num_tokens != _checkpoint_position(request.num_prompt_tokens, hash_block_size):
+        if num_tokens != _checkpoint_position(
+            request.num_prompt_tokens, hash_block_size, self.block_pool.num_hash_lookahead_tokens
+        ):
             return None
         block_idx = _cdiv(num_tokens, block_size) - 1
         if block_idx >= len(blocks):

@@ -348,6 +348,7 @@ def _validate_append(v: checks.Shadow) -> Handler:
     num_hash_bytes = len(program.append_block_hashes)
     max_model_len = pool.max_model_len
     hash_block_size = pool.hashing.hash_block_size if pool.options.enable_caching else 0
+    lookahead = pool.options.num_hash_lookahead_tokens
     hash_length = pool.hashing.hash_length_bytes
     token_cursor = hash_cursor = 0
     kind = OpKind.APPEND_TOKENS
@@ -376,7 +377,7 @@ def _validate_append(v: checks.Shadow) -> Handler:
             or (
                 num_hashes
                 and not checks.hashes_expected(
-                    before, num_tokens, num_hashes, hashes_before, hash_block_size
+                    before, num_tokens, num_hashes, hashes_before, hash_block_size, lookahead
                 )
             )
         ):

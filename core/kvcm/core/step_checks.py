@@ -213,15 +213,23 @@ def check_program_fields(program: StepProgram) -> None:
             )
 
 
-def hashes_expected(
-    before: int, num_tokens: int, num_hashes: int, hashes_before: int, hash_block_size: int
+def hashes_expected(  # noqa: PLR0917 (private helper)
+    before: int,
+    num_tokens: int,
+    num_hashes: int,
+    hashes_before: int,
+    hash_block_size: int,
+    lookahead: int = 0,
 ) -> bool:
-    """Whether an append's hashes are the ones it must carry (see ``check_append``)."""
+    """Whether an append's hashes are the ones it must carry (see ``check_append``; a
+    lookahead hash also covers ``lookahead`` tokens after its block)."""
     if not hash_block_size:
         return False
+    expected_before = max(before - lookahead, 0) // hash_block_size
     return (
-        hashes_before == before // hash_block_size
-        and num_hashes == (before + num_tokens) // hash_block_size - before // hash_block_size
+        hashes_before == expected_before
+        and num_hashes
+        == max(before + num_tokens - lookahead, 0) // hash_block_size - expected_before
     )
 
 

@@ -35,7 +35,7 @@ class ExplicitLayout(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., kv_cache_groups: _Optional[_Iterable[_Union[_common_pb2.KVCacheGroupSpec, _Mapping]]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("world_size", "explicit_layout", "num_blocks_override", "max_model_len", "scheduler_block_size", "hash_block_size", "max_in_flight_tokens", "enable_caching", "hash_algorithm", "hash_seed", "verify_block_hashes", "enable_kv_cache_events", "event_retention_num_events", "log_stats", "watermark", "scheduler_lease_s", "lease_expiry", "labels", "disable_hybrid_kv_cache_manager", "max_num_batched_tokens", "max_num_encoder_input_tokens", "kv_cache_memory_bytes", "auto_fit_max_model_len", "kv_cache_layout", "prefix_cache_retention_interval", "host_tier_bytes", "decode_context_parallel_size", "offload_host_blocks")
+    __slots__ = ("world_size", "explicit_layout", "num_blocks_override", "max_model_len", "scheduler_block_size", "hash_block_size", "max_in_flight_tokens", "enable_caching", "hash_algorithm", "hash_seed", "verify_block_hashes", "enable_kv_cache_events", "event_retention_num_events", "log_stats", "watermark", "scheduler_lease_s", "lease_expiry", "labels", "disable_hybrid_kv_cache_manager", "max_num_batched_tokens", "max_num_encoder_input_tokens", "kv_cache_memory_bytes", "auto_fit_max_model_len", "kv_cache_layout", "prefix_cache_retention_interval", "host_tier_bytes", "decode_context_parallel_size", "offload_host_blocks", "num_hash_lookahead_tokens", "num_prefill_lookahead", "eagle_block_drop_group_ids")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,9 @@ class PoolConfig(_message.Message):
     HOST_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
     DECODE_CONTEXT_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    EAGLE_BLOCK_DROP_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     explicit_layout: ExplicitLayout
     num_blocks_override: int
@@ -99,7 +102,10 @@ class PoolConfig(_message.Message):
     host_tier_bytes: int
     decode_context_parallel_size: int
     offload_host_blocks: int
-    def __init__(self, world_size: _Optional[int] = ..., explicit_layout: _Optional[_Union[ExplicitLayout, _Mapping]] = ..., num_blocks_override: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algorithm: _Optional[_Union[_common_pb2.HashAlgorithm, str]] = ..., hash_seed: _Optional[str] = ..., verify_block_hashes: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., event_retention_num_events: _Optional[int] = ..., log_stats: _Optional[bool] = ..., watermark: _Optional[float] = ..., scheduler_lease_s: _Optional[float] = ..., lease_expiry: _Optional[_Union[LeaseExpiry, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., disable_hybrid_kv_cache_manager: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., auto_fit_max_model_len: _Optional[bool] = ..., kv_cache_layout: _Optional[str] = ..., prefix_cache_retention_interval: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., decode_context_parallel_size: _Optional[int] = ..., offload_host_blocks: _Optional[int] = ...) -> None: ...
+    num_hash_lookahead_tokens: int
+    num_prefill_lookahead: int
+    eagle_block_drop_group_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, world_size: _Optional[int] = ..., explicit_layout: _Optional[_Union[ExplicitLayout, _Mapping]] = ..., num_blocks_override: _Optional[int] = ..., max_model_len: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algorithm: _Optional[_Union[_common_pb2.HashAlgorithm, str]] = ..., hash_seed: _Optional[str] = ..., verify_block_hashes: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., event_retention_num_events: _Optional[int] = ..., log_stats: _Optional[bool] = ..., watermark: _Optional[float] = ..., scheduler_lease_s: _Optional[float] = ..., lease_expiry: _Optional[_Union[LeaseExpiry, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., disable_hybrid_kv_cache_manager: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., auto_fit_max_model_len: _Optional[bool] = ..., kv_cache_layout: _Optional[str] = ..., prefix_cache_retention_interval: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., decode_context_parallel_size: _Optional[int] = ..., offload_host_blocks: _Optional[int] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., num_prefill_lookahead: _Optional[int] = ..., eagle_block_drop_group_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("pool_id", "config", "replication_mode")

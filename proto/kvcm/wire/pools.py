@@ -115,6 +115,9 @@ def pool_config_to_proto(config: PoolConfig) -> admin_pb2.PoolConfig:
     message.offload_host_blocks = config.offload_host_blocks
     if config.decode_context_parallel_size != 1:
         message.decode_context_parallel_size = config.decode_context_parallel_size
+    message.num_hash_lookahead_tokens = config.num_hash_lookahead_tokens
+    message.num_prefill_lookahead = config.num_prefill_lookahead
+    message.eagle_block_drop_group_ids.extend(config.eagle_block_drop_group_ids)
     return message
 
 
@@ -169,6 +172,9 @@ def pool_config_from_proto(message: admin_pb2.PoolConfig, field: str = "config")
             if message.HasField("decode_context_parallel_size")
             else 1
         ),
+        num_hash_lookahead_tokens=message.num_hash_lookahead_tokens,
+        num_prefill_lookahead=message.num_prefill_lookahead,
+        eagle_block_drop_group_ids=tuple(message.eagle_block_drop_group_ids),
         **optional,
     )
 

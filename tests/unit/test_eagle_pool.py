@@ -1,0 +1,112 @@
+"""A pool's EAGLE/MTP settings (kvcm.v1.PoolConfig fields 29-31): validation, the wire, and
+what a pool with lookahead block hashes expects of its requests' hashes.
+
+The decisions themselves (the trailing-block drop, lookahead events) are compared with vLLM
+0.33 in tests/compat/test_spec_decode_engine_core.py and test_eagle_manager_compat.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.errors import ConfigError, InvalidArgumentError
+from kvcm.common.hashing import BlockHasher
+from kvcm.common.specs import ChunkedLocalAttentionSpec, FullAttentionSpec
+from kvcm.core.pool import Pool, PoolConfig
+from kvcm.wire import pool_config_from_proto, pool_config_to_proto
+
+SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
+LAYOUT = KVCacheConfig(
+    num_blocks=16,
+    kv_cache_tensors=(),
+    kv_cache_groups=(KVCacheGroupSpec(layer_names=("l0",), kv_cache_spec=SPEC),),
+)
+
+
+def _hashes(pool: Pool, tokens: list[int], lookahead: int) -> bytes:
+    hashing = pool.hashing
+    hasher = BlockHasher(
+        hashing.hash_block_size, hashing.algorithm, hashing.seed, num_lookahead_tokens=lookahead
+    )
+    return b"".join(hasher.hash_token_ids(tokens))
+
+
+def test_eagle_settings_round_trip_and_bad_values_name_their_field() -> None:
+    config = PoolConfig(
+        max_model_len=256,
+        explicit_layout=LAYOUT,
+        num_hash_lookahead_tokens=1,
+        num_prefill_lookahead=3,
+        eagle_block_drop_group_ids=(0,),
+    )
+    assert pool_config_from_proto(pool_config_to_proto(config)) == config
+    plain = pool_config_to_proto(PoolConfig(max_model_len=256, explicit_layout=LAYOUT))
+    assert plain.num_hash_lookahead_tokens == plain.num_prefill_lookahead == 0
+    assert not plain.eagle_block_drop_group_ids
+    for field, value in (
+        ("num_hash_lookahead_tokens", -1),
+        ("num_hash_lookahead_tokens", 65),
+        ("num_prefill_lookahead", 1000),
+        ("eagle_block_drop_group_ids", (0, 0)),
+        ("eagle_block_drop_group_ids", (-1,)),
+    ):
+        with pytest.raises(InvalidArgumentError, match=rf"config\.{field}") as caught:
+            PoolConfig(max_model_len=256, explicit_layout=LAYOUT, **{field: value})  # type: ignore[arg-type]
+        assert caught.value.field == f"config.{field}"
+    wire = pool_config_to_proto(config)
+    wire.num_prefill_lookahead = 65
+    with pytest.raises(InvalidArgumentError, match=r"config\.num_prefill_lookahead"):
+        pool_config_from_proto(wire)
+
+
+def test_groups_the_drop_cannot_serve_are_refused_when_the_pool_is_planned() -> None:
+    # A group index past the layout, and chunked local attention (vLLM asserts it).
+    with pytest.raises(ConfigError, match="eagle_block_drop_group_ids"):
+        Pool(
+            "p",
+            PoolConfig(max_model_len=256, explicit_layout=LAYOUT, eagle_block_drop_group_ids=(1,)),
+        )
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16, attention_chunk_size=64
+    )
+    layout = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=(),
+        kv_cache_groups=(KVCacheGroupSpec(layer_names=("l0",), kv_cache_spec=chunked),),
+    )
+    with pytest.raises(ConfigError, match="chunked local attention"):
+        Pool(
+            "p",
+            PoolConfig(max_model_len=256, explicit_layout=layout, eagle_block_drop_group_ids=(0,)),
+        )
+
+
+def test_lookahead_hashes_cover_the_next_token_and_are_verified() -> None:
+    pool = Pool(
+        "p",
+        PoolConfig(
+            max_model_len=256,
+            explicit_layout=LAYOUT,
+            num_hash_lookahead_tokens=1,
+            verify_block_hashes=True,
+        ),
+    )
+    prompt = list(range(32))
+    # 32 tokens fill two blocks, but the second block's hash needs token 32: one hash.
+    assert pool.expected_num_hashes(32) == 1
+    with pytest.raises(InvalidArgumentError, match="1 hashes"):
+        pool.add_request(1, "r", prompt, _hashes(pool, prompt, 0))
+    with pytest.raises(InvalidArgumentError, match="differ"):
+        pool.add_request(
+            1, "r", prompt, _hashes(pool, prompt, 0)[: len(_hashes(pool, prompt, 0)) // 2]
+        )
+    pool.add_request(1, "r", prompt, _hashes(pool, prompt, 1))
+    # The next token completes the second hash; the standard hash of that block is refused.
+    grown = [*prompt, 32]
+    second = _hashes(pool, grown, 1)[pool.hashing.hash_length_bytes :]
+    with pytest.raises(InvalidArgumentError, match="differ"):
+        pool.append_tokens(1, [32], _hashes(pool, grown, 0)[pool.hashing.hash_length_bytes :])
+    pool.append_tokens(1, [32], second)
+    assert len(pool.request(1).block_hashes) == 2
