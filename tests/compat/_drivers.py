@@ -74,6 +74,12 @@ class Layout:
     prefix_match_unit: int | None = None
     # vLLM's decode_context_parallel_size: attention blocks span this many ranks' blocks.
     dcp_world_size: int = 1
+    # EAGLE/MTP as vLLM's scheduler hands them to its manager: use_eagle (the trailing-block
+    # drop; no group is marked, so every group drops), num_hash_lookahead_tokens (every
+    # block hash also covers the tokens after it), num_prefill_lookahead.
+    use_eagle: bool = False
+    hash_lookahead: int = 0
+    prefill_lookahead: int = 0
 
     @property
     def block_sizes(self) -> list[int]:
@@ -209,7 +215,9 @@ class VllmSide:
                 os.environ.pop("PYTHONHASHSEED", None)
             else:
                 os.environ["PYTHONHASHSEED"] = saved
-        self._block_hasher = kcu.get_request_block_hasher(layout.hash_block_size, hash_fn)
+        self._block_hasher = kcu.get_request_block_hasher(
+            layout.hash_block_size, hash_fn, layout.hash_lookahead
+        )
         groups = [
             KVCacheGroupSpec(layer_names=(f"layer.{i}",), kv_cache_spec=self._spec(g))
             for i, g in enumerate(layout.groups)
@@ -231,6 +239,9 @@ class VllmSide:
             enable_kv_cache_events=True,
             watermark=layout.watermark,
             dcp_world_size=layout.dcp_world_size,
+            use_eagle=layout.use_eagle,
+            num_hash_lookahead_tokens=layout.hash_lookahead,
+            num_prefill_lookahead=layout.prefill_lookahead,
         )
         from vllm.v1.metrics.stats import CachingMetrics
 
@@ -552,10 +563,19 @@ class KvcmSide:
                     None if layout.prefix_match_unit is None else layout.hash_block_size
                 ),
                 dcp_world_size=layout.dcp_world_size,
+                # vLLM's fallback when no group is marked as a draft group: all drop.
+                eagle_block_drop_group_ids=(
+                    tuple(range(len(groups))) if layout.use_eagle and layout.enable_caching else ()
+                ),
+                num_hash_lookahead_tokens=layout.hash_lookahead,
+                num_prefill_lookahead=layout.prefill_lookahead,
             )
         )
         self.hasher = BlockHasher(
-            self.manager.hash_block_size, layout.hash_algorithm, layout.hash_seed
+            self.manager.hash_block_size,
+            layout.hash_algorithm,
+            layout.hash_seed,
+            num_lookahead_tokens=layout.hash_lookahead,
         )
         self.requests: dict[str, Any] = {}
         self._hits: dict[str, Any] = {}
