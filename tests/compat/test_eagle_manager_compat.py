@@ -53,6 +53,8 @@ SCENARIOS = [
     _scenario("hybrid-full8-swa4-mtp-lookahead", _HYBRID, _MTP_LOOKAHEAD),
     _scenario("hybrid-full16-swa4-retention-default-drop", _RETAINED, _DROP),
     _scenario("hybrid-full64-mamba256-align-lookahead", _MAMBA_ALIGN, _LOOKAHEAD, _MAMBA),
+    # Three lookahead tokens move the Mamba prefill checkpoint back (one is the logits token).
+    _scenario("hybrid-full64-mamba256-align-mtp-lookahead", _MAMBA_ALIGN, _MTP_LOOKAHEAD, _MAMBA),
 ]
 # One seed in CI (about 25 s); KVCM_LONG=1 runs three.
 SEEDS = (0, 1, 2) if os.environ.get("KVCM_LONG") else (0,)
