@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 import threading
@@ -38,12 +39,10 @@ def key_index(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
             pytest.fail("kvcm.core._lookup_index is not built (pip install -e . builds it)")
         assert _key_index.NATIVE is not None
         monkeypatch.setattr(lookup_module, "KeyIndex", _key_index.COMPILED)
-        monkeypatch.setattr(lookup_module, "_score_rows", _key_index.NATIVE.score_rows)
-        monkeypatch.setattr(lookup_module, "_ranked", _key_index.NATIVE.ranked)
+        monkeypatch.setattr(lookup_module, "_answer_all", _key_index.NATIVE.answer_all)
     else:
         monkeypatch.setattr(lookup_module, "KeyIndex", _key_index.PyKeyIndex)
-        monkeypatch.setattr(lookup_module, "_score_rows", lookup_module._py_score_rows)
-        monkeypatch.setattr(lookup_module, "_ranked", lookup_module._py_ranked)
+        monkeypatch.setattr(lookup_module, "_answer_all", lookup_module._py_answer_all)
     return str(request.param)
 
 
@@ -181,6 +180,45 @@ def test_ranking_scope_labels_and_load() -> None:
     assert listed.num_pools_in_scope == 2
     with pytest.raises(NotFoundError, match=r"scope.pool_ids\[1\]"):
         registry.lookup(LookupQuery(token_ids=prompt, pool_ids=["a", "nope"]))
+
+
+def test_every_pool_answer_breaks_ties_by_name_and_outlives_collections(key_index: str) -> None:
+    """Most pools of an every-pool answer tie on score, waiting and usage: the name decides,
+    whether the names reach the ranking sorted (a whole kind) or not (a listed scope, two
+    kinds, pools answered by their own coordinator). The compiled answer's records are left
+    out of the cyclic collector (they can be in no cycle): a full collection keeps them whole."""
+    registry = PoolRegistry()
+    rng = random.Random(5)
+    names = [f"p{index:02d}" for index in range(40)]
+    rng.shuffle(names)
+    pools = {}
+    for index, name in enumerate(names):
+        block_size = 4 if index % 3 else 8  # two kinds
+        pools[name] = _create(registry, name, [_full(block_size)])
+    for name in ("s1", "s0"):  # answered by their own coordinator (not indexed)
+        pools[name] = _create(registry, name, [_full(), _swa()])
+    prompt = list(range(64))
+    for key, name in enumerate(sorted(pools)[::5]):
+        _serve(pools[name], key, prompt[: 16 + key])
+    expected_hits = {name: _own_hit(pool, prompt) for name, pool in pools.items()}
+    one_kind = sorted(names[::3])  # the pools of block size 8, the whole kind: names sorted
+    scopes: list[list[str]] = [[], one_kind, sorted(names, reverse=True), names[:7]]
+    for scope in scopes:
+        answer = registry.lookup(LookupQuery(token_ids=prompt, pool_ids=scope, load_weight=0.0))
+        hits = answer.pools
+        assert {hit.pool_id for hit in hits} == set(scope or pools)
+        assert _by_pool(hits) == {name: expected_hits[name] for name in scope or pools}
+        assert [hit.pool_id for hit in hits] == sorted(
+            (hit.pool_id for hit in hits), key=lambda name: (-expected_hits[name], name)
+        )
+        gc.collect()
+        assert [hit.num_tokens for hit in hits] == [64] * len(hits)
+        assert all(type(hit.load) is PoolLoad and hit.load.num_running == 0 for hit in hits)
+        if key_index == "compiled":
+            indexed = [hit for hit in hits if not hit.pool_id.startswith("s")]
+            assert indexed
+            assert not any(gc.is_tracked(hit) for hit in indexed)
+            assert gc.is_tracked(hits) == any(hit.pool_id.startswith("s") for hit in hits)
 
 
 def test_hash_prompts_lora_salt_and_multimodal_keys() -> None:

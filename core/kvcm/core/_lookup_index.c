@@ -658,10 +658,6 @@ static PyObject *KeyIndex_sizeof(KeyIndex *self, PyObject *Py_UNUSED(ignored)) {
 
 static PyObject *str_num_free_blocks;
 
-static long long long_item(PyObject *list, Py_ssize_t i) {
-    return PyLong_AsLongLong(PyList_GET_ITEM(list, i));
-}
-
 /* A tuple subclass instance (a NamedTuple) holding the given new references (stolen). */
 static PyObject *new_record(PyTypeObject *type, Py_ssize_t n, PyObject **items) {
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -682,225 +678,35 @@ static PyObject *new_record(PyTypeObject *type, Py_ssize_t n, PyObject **items) 
     for (Py_ssize_t k = 0; k < n; k++) {
         PyTuple_SET_ITEM(record, k, items[k]);
     }
+    /* Out of the cyclic collector's reach: a record holds only immutable values (numbers,
+       names, the shared hit parts, another record), so it can be in no cycle; the collections
+       that the 2,000 records of 1,000 pools' answer set off (one per 700 allocations) then
+       traverse none of them (tracked, they cost ~0.3-0.9 ms per answer here). */
+    if (PyObject_GC_IsTracked(record)) {
+        PyObject_GC_UnTrack(record);
+    }
     return record;
 }
 
-/* score_rows(rows, levels, block_size, num_tokens, weight, columns, parts, hit_parts,
- *            pool_hit, pool_load): kvcm.core.lookup._ranked_all's loop over one kind's columns,
- * appending (-score, num_waiting, usage, name, PoolHit) per pool; see _score_rows there. */
-static PyObject *score_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "score_rows takes 10 arguments");
-        return NULL;
-    }
-    PyObject *rows = args[0], *levels = args[1], *columns = args[5], *parts = args[6];
-    PyObject *hit_parts = args[7];
-    PyTypeObject *pool_hit = (PyTypeObject *)args[8], *pool_load = (PyTypeObject *)args[9];
-    long long block_size = PyLong_AsLongLong(args[2]);
-    long long num_tokens = PyLong_AsLongLong(args[3]);
-    double weight = PyFloat_AsDouble(args[4]);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
-    if (!PyList_Check(rows) || !PyList_Check(levels) || !PyTuple_Check(columns) ||
-        PyTuple_GET_SIZE(columns) != 7 || !PyDict_Check(parts) || !PyType_Check(args[8]) ||
-        !PyType_Check(args[9]) || !PyType_IsSubtype(pool_hit, &PyTuple_Type) ||
-        !PyType_IsSubtype(pool_load, &PyTuple_Type) || num_tokens <= 0) {
-        PyErr_SetString(PyExc_TypeError, "score_rows: bad arguments");
-        return NULL;
-    }
-    PyObject *slots = PyTuple_GET_ITEM(columns, 0), *queues = PyTuple_GET_ITEM(columns, 1);
-    PyObject *running = PyTuple_GET_ITEM(columns, 2), *requests = PyTuple_GET_ITEM(columns, 3);
-    PyObject *names = PyTuple_GET_ITEM(columns, 4), *usable = PyTuple_GET_ITEM(columns, 5);
-    PyObject *media = PyTuple_GET_ITEM(columns, 6);
-    Py_ssize_t n = PyList_Size(slots);
-    PyObject *lists[7] = {slots, queues, running, requests, names, usable, media};
-    for (int c = 0; c < 7; c++) {
-        if (!PyList_Check(lists[c]) || PyList_GET_SIZE(lists[c]) != n) {
-            PyErr_SetString(PyExc_TypeError, "score_rows: columns must be lists of one length");
-            return NULL;
-        }
-    }
-    /* The hit of every slot the levels name (slots absent from them hit nothing). */
-    size_t num_slots = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long slot = long_item(slots, i);
-        if (slot < 0 || slot > MAX_SLOT) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_ValueError, "score_rows: slot out of range");
-            }
-            return NULL;
-        }
-        if ((size_t)slot + 1 > num_slots) {
-            num_slots = (size_t)slot + 1;
-        }
-    }
-    long long *hits = PyMem_Calloc(num_slots ? num_slots : 1, sizeof(long long));
-    if (hits == NULL) {
-        return PyErr_NoMemory();
-    }
-    PyObject *result = NULL;
-    PyObject **free_counts = NULL;
-    for (Py_ssize_t l = 0; l < PyList_GET_SIZE(levels); l++) {
-        PyObject *level = PyList_GET_ITEM(levels, l);
-        if (!PyTuple_Check(level) || PyTuple_GET_SIZE(level) != 2) {
-            PyErr_SetString(PyExc_TypeError, "score_rows: levels are (blocks, mask) pairs");
-            goto done;
-        }
-        long long num_blocks = PyLong_AsLongLong(PyTuple_GET_ITEM(level, 0));
-        if (num_blocks == -1 && PyErr_Occurred()) {
-            goto done;
-        }
-        if (num_blocks == 0) {
-            continue;
-        }
-        size_t words;
-        uint64_t *bits = bits_of_int(PyTuple_GET_ITEM(level, 1), &words);
-        if (bits == NULL) {
-            goto done;
-        }
-        for (size_t w = 0; w < words; w++) {
-            uint64_t word = bits[w];
-            while (word) {
-                size_t slot = w * 64 + (size_t)__builtin_ctzll(word);
-                word &= word - 1;
-                if (slot < num_slots) {
-                    hits[slot] = num_blocks * block_size;
-                }
-            }
-        }
-        PyMem_Free(bits);
-    }
-    /* The pools' objects are scattered over a large heap and mostly out of the CPU's caches:
-       they are all prefetched first (their misses overlap), then the free counts read and their
-       int objects prefetched, then every pool answered from cached memory. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        for (int c = 1; c < 6; c++) {
-            __builtin_prefetch(PyList_GET_ITEM(lists[c], i));
-        }
-    }
-    free_counts = PyMem_Calloc(n ? (size_t)n : 1, sizeof(PyObject *));
-    if (free_counts == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        free_counts[i] = PyObject_GetAttr(PyList_GET_ITEM(queues, i), str_num_free_blocks);
-        if (free_counts[i] == NULL) {
-            goto done;
-        }
-        __builtin_prefetch(free_counts[i]);
-        __builtin_prefetch(PyList_GET_ITEM(slots, i));
-    }
-    PyObject *tokens_obj = PyLong_FromLongLong(num_tokens);
-    if (tokens_obj == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long num_hit = hits[long_item(slots, i)];
-        PyObject *free_obj = free_counts[i];
-        free_counts[i] = NULL; /* the reference goes to the PoolLoad */
-        long long num_free = PyLong_AsLongLong(free_obj);
-        long long num_usable = long_item(usable, i);
-        Py_ssize_t num_running = PyObject_Size(PyList_GET_ITEM(running, i));
-        Py_ssize_t num_tracked = PyObject_Size(PyList_GET_ITEM(requests, i));
-        if (PyErr_Occurred()) {
-            Py_DECREF(free_obj);
-            goto done_tokens;
-        }
-        /* The same double operations, in the same order, as the Python twin (the build turns
-           off contracting them into fused multiply-adds): identical scores. */
-        double usage = num_usable ? 1.0 - (double)num_free / (double)num_usable : 0.0;
-        double score = (double)num_hit / (double)num_tokens - weight * usage;
-        long long num_waiting = (long long)num_tracked - (long long)num_running;
-        PyObject *name = PyList_GET_ITEM(names, i), *medium = PyList_GET_ITEM(media, i);
-        PyObject *hit_obj = PyLong_FromLongLong(num_hit);
-        if (hit_obj == NULL) {
-            Py_DECREF(free_obj);
-            goto done_tokens;
-        }
-        PyObject *shared = PyDict_GetItemWithError(parts, hit_obj); /* borrowed */
-        int has_medium = 0;
-        if (shared != NULL && PyTuple_Check(shared) && PyTuple_GET_SIZE(shared) == 2) {
-            has_medium = PySequence_Contains(PyTuple_GET_ITEM(shared, 1), medium);
-        }
-        if (has_medium < 0 || PyErr_Occurred()) {
-            Py_DECREF(free_obj);
-            Py_DECREF(hit_obj);
-            goto done_tokens;
-        }
-        PyObject *made = NULL;
-        if (!has_medium) {
-            made = PyObject_CallFunctionObjArgs(hit_parts, parts, hit_obj, medium, NULL);
-            if (made == NULL) {
-                Py_DECREF(free_obj);
-                Py_DECREF(hit_obj);
-                goto done_tokens;
-            }
-            shared = made;
-        }
-        Py_INCREF(shared);
-        Py_XDECREF(made);
-        PyObject *usage_obj = PyFloat_FromDouble(usage);
-        Py_XINCREF(usage_obj); /* one for the load, one for the row */
-        PyObject *load_items[4] = {
-            usage_obj,
-            free_obj,
-            PyLong_FromSsize_t(num_running),
-            PyLong_FromLongLong(num_waiting > 0 ? num_waiting : 0),
-        };
-        PyObject *load = new_record(pool_load, 4, load_items);
-        Py_INCREF(name);
-        Py_INCREF(tokens_obj);
-        PyObject *groups = PyTuple_GET_ITEM(shared, 0), *tiers = PyTuple_GET_ITEM(shared, 1);
-        Py_INCREF(groups);
-        Py_INCREF(tiers);
-        Py_DECREF(shared);
-        PyObject *hit_items[7] = {name,  hit_obj, groups, tiers, tokens_obj,
-                                  load,  PyFloat_FromDouble(score)};
-        PyObject *hit = new_record(pool_hit, 7, hit_items);
-        if (hit == NULL) {
-            Py_XDECREF(usage_obj);
-            goto done_tokens;
-        }
-        Py_INCREF(name);
-        PyObject *row_items[5] = {PyFloat_FromDouble(-score), PyLong_FromLongLong(num_waiting),
-                                  usage_obj, name, hit};
-        PyObject *row = new_record(&PyTuple_Type, 5, row_items);
-        if (row == NULL) {
-            goto done_tokens;
-        }
-        int failed = PyList_Append(rows, row);
-        Py_DECREF(row);
-        if (failed) {
-            goto done_tokens;
-        }
-    }
-    result = Py_None;
-    Py_INCREF(result);
-done_tokens:
-    Py_DECREF(tokens_obj);
-done:
-    if (free_counts != NULL) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            Py_XDECREF(free_counts[i]);
-        }
-        PyMem_Free(free_counts);
-    }
-    PyMem_Free(hits);
-    return result;
-}
-
+/* One pool of an every-pool answer: its rank key, then what its PoolHit is made of (hit is
+   set for the rows of pools the index does not hold: their PoolHit comes made). */
 typedef struct {
     double neg_score;
-    long long waiting;
+    long long waiting; /* requests tracked - running (the rank key; the load clamps it at 0) */
     double usage;
-    PyObject *name;
-    PyObject *hit;
-} RankRow;
+    PyObject *name; /* borrowed from the columns or the row */
+    PyObject *hit;  /* borrowed: a direct row's PoolHit; NULL for an indexed pool */
+    PyObject *free_obj; /* owned: the free count read (goes to the PoolLoad) */
+    PyObject *medium;   /* borrowed */
+    Py_ssize_t order;   /* the name's rank where the names came sorted, else -1 */
+    long long num_hit;
+    long long num_tokens;
+    Py_ssize_t num_running;
+    double score;
+} Cand;
 
-static int compare_rows(const void *a, const void *b) {
-    const RankRow *x = a, *y = b;
+static int compare_cands(const void *a, const void *b) {
+    const Cand *x = a, *y = b;
     if (x->neg_score != y->neg_score) {
         return x->neg_score < y->neg_score ? -1 : 1;
     }
@@ -910,57 +716,334 @@ static int compare_rows(const void *a, const void *b) {
     if (x->usage != y->usage) {
         return x->usage < y->usage ? -1 : 1;
     }
+    if (x->order >= 0) { /* the names came in order (all candidates have one then) */
+        return x->order < y->order ? -1 : (x->order > y->order);
+    }
     return PyUnicode_Compare(x->name, y->name); /* str against str: cannot fail */
 }
 
-/* ranked(rows): the rows' answers (item 4), best first: sorted by (-score, num_waiting,
- * usage, name), as kvcm.core.lookup._ranked_all's stable passes sort them. */
-static PyObject *ranked(PyObject *Py_UNUSED(module), PyObject *rows) {
-    if (!PyList_Check(rows)) {
-        PyErr_SetString(PyExc_TypeError, "ranked takes a list of rows");
-        return NULL;
+/* The hit (blocks) of every slot the levels name, in hits[0..num_slots) (others stay 0). */
+static int fill_hits(PyObject *levels, long long *hits, size_t num_slots) {
+    for (Py_ssize_t l = 0; l < PyList_GET_SIZE(levels); l++) {
+        PyObject *level = PyList_GET_ITEM(levels, l);
+        if (!PyTuple_Check(level) || PyTuple_GET_SIZE(level) != 2) {
+            PyErr_SetString(PyExc_TypeError, "answer_all: levels are (blocks, mask) pairs");
+            return -1;
+        }
+        long long num_blocks = PyLong_AsLongLong(PyTuple_GET_ITEM(level, 0));
+        if (num_blocks == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (num_blocks == 0) {
+            continue;
+        }
+        size_t words;
+        uint64_t *bits = bits_of_int(PyTuple_GET_ITEM(level, 1), &words);
+        if (bits == NULL) {
+            return -1;
+        }
+        for (size_t w = 0; w < words; w++) {
+            uint64_t word = bits[w];
+            while (word) {
+                size_t slot = w * 64 + (size_t)__builtin_ctzll(word);
+                word &= word - 1;
+                if (slot < num_slots) {
+                    hits[slot] = num_blocks;
+                }
+            }
+        }
+        PyMem_Free(bits);
     }
-    Py_ssize_t n = PyList_GET_SIZE(rows);
-    RankRow *keys = PyMem_Malloc((n ? n : 1) * sizeof(RankRow));
-    if (keys == NULL) {
-        return PyErr_NoMemory();
+    return 0;
+}
+
+#define LOAD_AHEAD 12
+
+/* Score one kind's pools (its columns) into cands[0..n). The pools' objects are scattered over
+   a large heap and mostly out of the CPU's caches, so the reads are pipelined: the objects of
+   the pool LOAD_AHEAD ahead are prefetched while one pool's free count is read, and the count's
+   int object (and the name, which the PoolHit will reference) is prefetched for the second pass. */
+static int score_kind(PyObject *spec, double weight, Cand *cands, Py_ssize_t *count) {
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 4) {
+        PyErr_SetString(PyExc_TypeError, "answer_all: a kind is (levels, block_size, num_tokens, "
+                                         "columns)");
+        return -1;
+    }
+    PyObject *levels = PyTuple_GET_ITEM(spec, 0), *columns = PyTuple_GET_ITEM(spec, 3);
+    long long block_size = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 1));
+    long long num_tokens = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 2));
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (!PyList_Check(levels) || !PyTuple_Check(columns) || PyTuple_GET_SIZE(columns) != 7 ||
+        num_tokens <= 0) {
+        PyErr_SetString(PyExc_TypeError, "answer_all: bad kind");
+        return -1;
+    }
+    PyObject *slots = PyTuple_GET_ITEM(columns, 0), *queues = PyTuple_GET_ITEM(columns, 1);
+    PyObject *running = PyTuple_GET_ITEM(columns, 2), *requests = PyTuple_GET_ITEM(columns, 3);
+    PyObject *names = PyTuple_GET_ITEM(columns, 4), *usable = PyTuple_GET_ITEM(columns, 5);
+    PyObject *media = PyTuple_GET_ITEM(columns, 6);
+    PyObject *lists[7] = {slots, queues, running, requests, names, usable, media};
+    if (!PyList_Check(slots)) {
+        PyErr_SetString(PyExc_TypeError, "answer_all: columns must be lists of one length");
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(slots);
+    for (int c = 0; c < 7; c++) {
+        if (!PyList_Check(lists[c]) || PyList_GET_SIZE(lists[c]) != n) {
+            PyErr_SetString(PyExc_TypeError, "answer_all: columns must be lists of one length");
+            return -1;
+        }
+    }
+    size_t num_slots = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(slots, i), *name = PyList_GET_ITEM(names, i);
+        long long slot = PyLong_AsLongLong(item);
+        if (slot < 0 || slot > MAX_SLOT) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "answer_all: slot out of range");
+            }
+            return -1;
+        }
+        if (!PyUnicode_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "answer_all: names must be str");
+            return -1;
+        }
+        if ((size_t)slot + 1 > num_slots) {
+            num_slots = (size_t)slot + 1;
+        }
+    }
+    long long *hits = PyMem_Calloc(num_slots ? num_slots : 1, sizeof(long long));
+    if (hits == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (fill_hits(levels, hits, num_slots) < 0) {
+        PyMem_Free(hits);
+        return -1;
+    }
+    Cand *out = cands + *count;
+    for (Py_ssize_t i = 0; i < n && i < LOAD_AHEAD; i++) {
+        for (int c = 1; c < 4; c++) {
+            __builtin_prefetch(PyList_GET_ITEM(lists[c], i));
+        }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *row = PyList_GET_ITEM(rows, i);
+        if (i + LOAD_AHEAD < n) {
+            for (int c = 1; c < 6; c++) {
+                __builtin_prefetch(PyList_GET_ITEM(lists[c], i + LOAD_AHEAD));
+            }
+        }
+        PyObject *free_obj = PyObject_GetAttr(PyList_GET_ITEM(queues, i), str_num_free_blocks);
+        if (free_obj == NULL) {
+            PyMem_Free(hits);
+            return -1;
+        }
+        __builtin_prefetch(free_obj);
+        Cand *cand = out + i;
+        cand->free_obj = free_obj;
+        (*count)++; /* owns free_obj from here (released by the caller on error) */
+        cand->num_running = PyObject_Size(PyList_GET_ITEM(running, i));
+        cand->waiting = (long long)PyObject_Size(PyList_GET_ITEM(requests, i));
+        if (PyErr_Occurred()) {
+            PyMem_Free(hits);
+            return -1;
+        }
+        cand->waiting -= (long long)cand->num_running;
+        cand->name = PyList_GET_ITEM(names, i);
+        __builtin_prefetch(cand->name, 1);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Cand *cand = out + i;
+        long long num_free = PyLong_AsLongLong(cand->free_obj);
+        long long num_usable = PyLong_AsLongLong(PyList_GET_ITEM(usable, i));
+        if (PyErr_Occurred()) {
+            PyMem_Free(hits);
+            return -1;
+        }
+        long long num_hit = hits[PyLong_AsLongLong(PyList_GET_ITEM(slots, i))] * block_size;
+        /* The same double operations, in the same order, as the Python twin (the build turns
+           off contracting them into fused multiply-adds): identical scores. */
+        double usage = num_usable ? 1.0 - (double)num_free / (double)num_usable : 0.0;
+        double score = (double)num_hit / (double)num_tokens - weight * usage;
+        cand->neg_score = -score;
+        cand->usage = usage;
+        cand->score = score;
+        cand->hit = NULL;
+        cand->medium = PyList_GET_ITEM(media, i);
+        cand->num_hit = num_hit;
+        cand->num_tokens = num_tokens;
+    }
+    PyMem_Free(hits);
+    return 0;
+}
+
+/* The PoolHit of an indexed pool's candidate (its group and tier parts shared through parts). */
+static PyObject *make_hit(Cand *cand, PyObject *parts, PyObject *hit_parts, PyTypeObject *pool_hit,
+                          PyTypeObject *pool_load) {
+    PyObject *hit_obj = PyLong_FromLongLong(cand->num_hit);
+    if (hit_obj == NULL) {
+        return NULL;
+    }
+    PyObject *shared = PyDict_GetItemWithError(parts, hit_obj); /* borrowed */
+    int has_medium = 0;
+    if (shared != NULL && PyTuple_Check(shared) && PyTuple_GET_SIZE(shared) == 2) {
+        has_medium = PySequence_Contains(PyTuple_GET_ITEM(shared, 1), cand->medium);
+    }
+    if (has_medium < 0 || PyErr_Occurred()) {
+        Py_DECREF(hit_obj);
+        return NULL;
+    }
+    PyObject *made = NULL;
+    if (!has_medium) {
+        made = PyObject_CallFunctionObjArgs(hit_parts, parts, hit_obj, cand->medium, NULL);
+        if (made == NULL || !PyTuple_Check(made) || PyTuple_GET_SIZE(made) != 2) {
+            if (made != NULL) {
+                PyErr_SetString(PyExc_TypeError, "answer_all: hit_parts answers a pair");
+            }
+            Py_XDECREF(made);
+            Py_DECREF(hit_obj);
+            return NULL;
+        }
+        shared = made;
+    }
+    PyObject *groups = PyTuple_GET_ITEM(shared, 0), *tiers = PyTuple_GET_ITEM(shared, 1);
+    Py_INCREF(groups);
+    Py_INCREF(tiers);
+    Py_XDECREF(made);
+    PyObject *free_obj = cand->free_obj;
+    cand->free_obj = NULL; /* the reference goes to the PoolLoad */
+    PyObject *load_items[4] = {
+        PyFloat_FromDouble(cand->usage),
+        free_obj,
+        PyLong_FromSsize_t(cand->num_running),
+        PyLong_FromLongLong(cand->waiting > 0 ? cand->waiting : 0),
+    };
+    PyObject *load = new_record(pool_load, 4, load_items);
+    Py_INCREF(cand->name);
+    PyObject *hit_items[7] = {cand->name, hit_obj, groups, tiers, PyLong_FromLongLong(cand->num_tokens),
+                              load, PyFloat_FromDouble(cand->score)};
+    return new_record(pool_hit, 7, hit_items);
+}
+
+/* answer_all(kinds, rows, weight, parts, hit_parts, pool_hit, pool_load): every pool answered,
+ * best first (kvcm.core.lookup._answer_all): each kind (levels, block_size, num_tokens,
+ * columns) scored from its columns, with the rows of the pools the index does not hold
+ * ((-score, waiting, usage, name, PoolHit)), sorted by (-score, waiting, usage, name) in one
+ * qsort of C records; the indexed pools' PoolHits made last, in rank order, out of the
+ * cyclic collector's reach (see new_record), and the answer tuple tracked once full. */
+static PyObject *answer_all(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "answer_all takes 7 arguments");
+        return NULL;
+    }
+    PyObject *kinds = args[0], *rows = args[1], *parts = args[3], *hit_parts = args[4];
+    double weight = PyFloat_AsDouble(args[2]);
+    if (weight == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyList_Check(kinds) || !PyList_Check(rows) || !PyDict_Check(parts) ||
+        !PyType_Check(args[5]) || !PyType_Check(args[6]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[5], &PyTuple_Type) ||
+        !PyType_IsSubtype((PyTypeObject *)args[6], &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "answer_all: bad arguments");
+        return NULL;
+    }
+    PyTypeObject *pool_hit = (PyTypeObject *)args[5], *pool_load = (PyTypeObject *)args[6];
+    Py_ssize_t total = PyList_GET_SIZE(rows);
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(kinds); k++) {
+        PyObject *spec = PyList_GET_ITEM(kinds, k);
+        if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 4 ||
+            !PyTuple_Check(PyTuple_GET_ITEM(spec, 3)) ||
+            PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 3)) != 7 ||
+            !PyList_Check(PyTuple_GET_ITEM(PyTuple_GET_ITEM(spec, 3), 0))) {
+            PyErr_SetString(PyExc_TypeError, "answer_all: bad kind");
+            return NULL;
+        }
+        total += PyList_GET_SIZE(PyTuple_GET_ITEM(PyTuple_GET_ITEM(spec, 3), 0));
+    }
+    Cand *cands = PyMem_Malloc((total ? (size_t)total : 1) * sizeof(Cand));
+    if (cands == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t count = 0;
+    PyObject *answer = NULL;
+    for (Py_ssize_t r = 0; r < PyList_GET_SIZE(rows); r++) {
+        PyObject *row = PyList_GET_ITEM(rows, r);
         if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) < 5 ||
             !PyUnicode_Check(PyTuple_GET_ITEM(row, 3))) {
-            PyMem_Free(keys);
-            PyErr_SetString(PyExc_TypeError, "ranked: rows are (-score, waiting, usage, name, hit)");
-            return NULL;
+            PyErr_SetString(PyExc_TypeError,
+                            "answer_all: rows are (-score, waiting, usage, name, hit)");
+            goto done;
         }
-        keys[i].neg_score = PyFloat_AsDouble(PyTuple_GET_ITEM(row, 0));
-        keys[i].waiting = PyLong_AsLongLong(PyTuple_GET_ITEM(row, 1));
-        keys[i].usage = PyFloat_AsDouble(PyTuple_GET_ITEM(row, 2));
-        keys[i].name = PyTuple_GET_ITEM(row, 3);
-        keys[i].hit = PyTuple_GET_ITEM(row, 4);
+        Cand *cand = cands + count;
+        cand->neg_score = PyFloat_AsDouble(PyTuple_GET_ITEM(row, 0));
+        cand->waiting = PyLong_AsLongLong(PyTuple_GET_ITEM(row, 1));
+        cand->usage = PyFloat_AsDouble(PyTuple_GET_ITEM(row, 2));
+        cand->name = PyTuple_GET_ITEM(row, 3);
+        cand->hit = PyTuple_GET_ITEM(row, 4);
+        cand->free_obj = NULL;
+        count++;
         if (PyErr_Occurred()) {
-            PyMem_Free(keys);
-            return NULL;
+            goto done;
         }
     }
-    qsort(keys, (size_t)n, sizeof(RankRow), compare_rows);
-    PyObject *answer = PyTuple_New(n);
-    if (answer != NULL) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            Py_INCREF(keys[i].hit);
-            PyTuple_SET_ITEM(answer, i, keys[i].hit);
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(kinds); k++) {
+        if (score_kind(PyList_GET_ITEM(kinds, k), weight, cands, &count) < 0) {
+            goto done;
         }
     }
-    PyMem_Free(keys);
+    /* Most pools tie on the first three keys (the same hit, no load), so most comparisons
+       reach the names: where the names came sorted (a whole kind's columns are, and one kind
+       is the usual scope), each candidate's rank among them stands for its name. */
+    Py_ssize_t sorted = 1;
+    for (Py_ssize_t i = 1; i < count && sorted; i++) {
+        sorted = PyUnicode_Compare(cands[i - 1].name, cands[i].name) < 0;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        cands[i].order = sorted ? i : -1;
+    }
+    qsort(cands, (size_t)count, sizeof(Cand), compare_cands);
+    answer = PyTuple_New(count);
+    if (answer == NULL) {
+        goto done;
+    }
+    /* Untracked while it holds NULLs and its records are made (collections that the records'
+       allocations set off skip it), and after, unless it holds a tracked PoolHit (a direct
+       row's): it can then be in no cycle either. */
+    PyObject_GC_UnTrack(answer);
+    int track = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Cand *cand = cands + i;
+        PyObject *hit = cand->hit;
+        if (hit != NULL) {
+            Py_INCREF(hit);
+            track |= PyObject_GC_IsTracked(hit);
+        } else {
+            hit = make_hit(cand, parts, hit_parts, pool_hit, pool_load);
+            if (hit == NULL) {
+                Py_CLEAR(answer); /* its NULL items are skipped */
+                goto done;
+            }
+        }
+        PyTuple_SET_ITEM(answer, i, hit);
+    }
+    if (track) {
+        PyObject_GC_Track(answer);
+    }
+done:
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_XDECREF(cands[i].free_obj);
+    }
+    PyMem_Free(cands);
     return answer;
 }
 
 static PyMethodDef module_methods[] = {
-    {"score_rows", (PyCFunction)(void (*)(void))score_rows, METH_FASTCALL,
-     "score_rows(rows, levels, block_size, num_tokens, weight, columns, parts, hit_parts, "
-     "pool_hit, pool_load): append one kind's ranked rows (kvcm.core.lookup._score_rows)."},
-    {"ranked", (PyCFunction)ranked, METH_O,
-     "ranked(rows): the rows' answers, best first (kvcm.core.lookup._ranked)."},
+    {"answer_all", (PyCFunction)(void (*)(void))answer_all, METH_FASTCALL,
+     "answer_all(kinds, rows, weight, parts, hit_parts, pool_hit, pool_load): every pool "
+     "answered, best first (kvcm.core.lookup._answer_all)."},
     {NULL, NULL, 0, NULL},
 };
 

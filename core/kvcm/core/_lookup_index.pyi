@@ -17,17 +17,13 @@ class KeyIndex:
         self, raw: bytes, hash_size: int, suffix: bytes, max_blocks: int, scope: int, /
     ) -> list[tuple[int, int]]: ...
 
-def score_rows(
+def answer_all(
+    kinds: list[tuple[list[tuple[int, int]], int, int, tuple[list[Any], ...]]],
     rows: list[Any],
-    levels: list[tuple[int, int]],
-    block_size: int,
-    num_tokens: int,
     weight: float,
-    columns: tuple[list[Any], ...],
     parts: dict[int, Any],
     hit_parts: Callable[[dict[int, Any], int, str], Any],
     pool_hit: type[Any],
     pool_load: type[Any],
     /,
-) -> None: ...
-def ranked(rows: list[Any], /) -> tuple[Any, ...]: ...
+) -> tuple[Any, ...]: ...

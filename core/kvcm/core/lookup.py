@@ -949,33 +949,56 @@ def _hit_parts(
     return shared
 
 
+_KindSpec: TypeAlias = tuple[list[tuple[int, int]], int, int, _Columns]
+"""What :func:`_answer_all` reads of one kind in scope: its group's walk (levels), block size
+and prompt length, and the kind's columns."""
+
+
 def _ranked_all(groups: Iterable[_Group], rows: list[_Row], weight: float) -> tuple[PoolHit, ...]:
-    """Every pool answered, best first: each kind's rows made from its columns
-    (:func:`_score_rows`), then ranked (:func:`_ranked`); both compiled where the extension is
-    built (``kvcm.core._lookup_index``: no Python-level work per pool but the answer's own
-    objects)."""
-    parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]] = {}
-    score_rows = _score_rows
+    """Every pool answered, best first (:func:`_answer_all`: compiled where the extension is
+    built, ``kvcm.core._lookup_index``: no Python-level work per pool, and no object per pool
+    but the answer's own)."""
+    kinds: list[_KindSpec] = []
     for group in groups:
         for kind, members in group.kinds:
             # A whole kind's columns are kept ready; a part of one is read here.
             columns = kind.columns() if len(members) == len(kind.members) else _columns_of(members)
-            score_rows(
-                rows,
-                group.levels,
-                group.block_size,
-                group.num_tokens,
-                weight,
-                columns,
-                parts,
-                _hit_parts,
-                PoolHit,
-                PoolLoad,
-            )
-    return _ranked(rows)
+            kinds.append((group.levels, group.block_size, group.num_tokens, columns))
+    return _answer_all(kinds, rows, weight, {}, _hit_parts, PoolHit, PoolLoad)
 
 
-def _py_score_rows(  # noqa: PLR0917 (the compiled twin's positional signature)
+def _py_answer_all(  # noqa: PLR0917 (the compiled twin's positional signature)
+    kinds: list[_KindSpec],
+    rows: list[_Row],
+    weight: float,
+    parts: dict[int, tuple[tuple[int, ...], Mapping[str, int]]],
+    hit_parts: Callable[
+        [dict[int, tuple[tuple[int, ...], Mapping[str, int]]], int, str],
+        tuple[tuple[int, ...], Mapping[str, int]],
+    ],
+    pool_hit: type[PoolHit],
+    pool_load: type[PoolLoad],
+) -> tuple[PoolHit, ...]:
+    """Every pool answered, best first: a row per pool of each kind (:func:`_py_score_rows`)
+    after ``rows`` (the pools the index does not hold), ranked (:func:`_py_ranked`). The
+    compiled ``answer_all`` answers the same, sorting C records and making the PoolHits last."""
+    for levels, block_size, num_tokens, columns in kinds:
+        _py_score_rows(
+            rows,
+            levels,
+            block_size,
+            num_tokens,
+            weight,
+            columns,
+            parts,
+            hit_parts,
+            pool_hit,
+            pool_load,
+        )
+    return _py_ranked(rows)
+
+
+def _py_score_rows(  # noqa: PLR0917 (the compiled answer_all reads the same values)
     rows: list[_Row],
     levels: list[tuple[int, int]],
     block_size: int,
@@ -993,7 +1016,7 @@ def _py_score_rows(  # noqa: PLR0917 (the compiled twin's positional signature)
     """Append a row ``(-score, num_waiting, usage, name, PoolHit)`` per pool of one kind's
     ``columns`` (its pools' hits read from the group's walk, ``levels``); pools with the same
     hit share their ``group_hit_tokens`` and ``tier_hit_tokens`` (``parts``, made by
-    ``hit_parts``). The compiled ``score_rows`` does the same."""
+    ``hit_parts``). The compiled ``answer_all`` computes the same."""
     append = rows.append
     new = _new
     hit_of: dict[int, int] = {}  # slot -> hit tokens, pools with a hit only
@@ -1022,7 +1045,7 @@ def _py_ranked(rows: list[_Row]) -> tuple[PoolHit, ...]:
     """The rows' answers, best first: by ``(-score, num_waiting, usage, name)``, in stable
     passes, least significant key first: each sorts one float, int or str column (specialized
     comparisons), where one pass over whole rows compares tuples element by element. The
-    compiled ``ranked`` sorts the same keys in one pass."""
+    compiled ``answer_all`` sorts the same keys in one pass."""
     for column in _RANK_COLUMNS:
         rows.sort(key=column)
     return tuple(map(_ANSWER, rows))
@@ -1153,9 +1176,8 @@ _MEDIUM = attrgetter("medium")
 _RANK_COLUMNS = (itemgetter(3), itemgetter(2), itemgetter(1), itemgetter(0))
 
 # The compiled answer's loops where the extension is built (tests switch both ways).
-_score_rows: Callable[..., None] = _py_score_rows if NATIVE is None else NATIVE.score_rows
-_ranked: Callable[[list[_Row]], tuple[PoolHit, ...]] = (
-    _py_ranked if NATIVE is None else NATIVE.ranked
+_answer_all: Callable[..., tuple[PoolHit, ...]] = (
+    _py_answer_all if NATIVE is None else NATIVE.answer_all
 )
 _FIRST = itemgetter(0)
 
