@@ -24,7 +24,7 @@ _COMMON = {
 
 settings.register_profile(
     "kvcm-ci",
-    max_examples=400,
+    max_examples=200,
     stateful_step_count=50,
     derandomize=True,
     print_blob=True,

@@ -6,13 +6,14 @@ was. See ``docs/cluster.md``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from kvcm.server.cluster._etcd import EtcdUnavailableError
 from kvcm.server.cluster._fanout import LOCAL_KEY, MISSING_KEY, REPLICAS_KEY
 from kvcm.server.cluster._moves import MoveError, drain_replica, move_pool
 from kvcm.server.cluster._node import ClusterConfig, ClusterNode, ClusterStats
 from kvcm.server.cluster._replica_rpc import add_replica_servicer
 from kvcm.server.cluster._routing import EPOCH_KEY, OWNER_KEY
-from kvcm.server.cluster._runtime import ClusterRuntime
 from kvcm.server.cluster.placement import Placement, PlacementCallback, PlacementView
 
 __all__ = [
@@ -34,3 +35,16 @@ __all__ = [
     "drain_replica",
     "move_pool",
 ]
+
+if TYPE_CHECKING:
+    from kvcm.server.cluster._runtime import ClusterRuntime
+
+
+def __getattr__(name: str) -> Any:
+    """``ClusterRuntime`` on first use: it pulls in the HTTP side (FastAPI), which tools that
+    read a replica's files (``kvcm data-dir check``) never need."""
+    if name == "ClusterRuntime":
+        from kvcm.server.cluster._runtime import ClusterRuntime
+
+        return ClusterRuntime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
