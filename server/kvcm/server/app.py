@@ -258,6 +258,9 @@ class KVCMServer:
             advertised = str(getattr(settings, "advertise_address", "") or "")
             self.replication.address = advertised or f"{host}:{bound}"
         self._grpc = server
+        if self.cluster is not None and self.replication is not None:
+            # Before anything is served: a pool deleted while this replica was down never is.
+            await self.cluster.drop_deleted(self.replication)
         await server.start()
         if http_socket is not None:
             await self._start_http(http_socket)

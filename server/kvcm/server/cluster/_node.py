@@ -4,6 +4,13 @@
 
     <prefix>/replicas/<address>    {"address", "http_address", "num_pools"}  on the replica's lease
     <prefix>/placement/<pool_id>   Placement.encode()                           no lease
+    <prefix>/deleted/<pool_id>     {"pool_id", "epoch"}: the pool was deleted    no lease
+
+A pool's **tombstone** (``deleted/``) is written in the transaction that deletes its placement
+(the deleted record's epoch in it) and removed in the one that places a pool of that id again,
+so etcd holds at most one of the two. It tells a replica that restarts with a copy of the pool
+in its data directory, and no placement for it, that the pool was deleted while it was down
+(:meth:`ClusterNode.claim`): the copy goes instead of being placed again.
 
 Two background tasks run from :meth:`ClusterNode.start` to :meth:`ClusterNode.stop`:
 
@@ -92,6 +99,8 @@ class ClusterStats:
         session_losses: Times the etcd session was lost (etcd unreachable, lease expired).
         standby_replacements: Standbys this replica replaced, as their pools' primary, for not
             acknowledging while live in etcd (:meth:`ClusterNode.replace_standby`).
+        deleted_pools_dropped: Copies of pools deleted while this replica was away (a
+            tombstone, no placement) that it dropped instead of placing them again.
     """
 
     redirects: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -100,6 +109,7 @@ class ClusterStats:
     fanout_missed: dict[str, int] = dataclasses.field(default_factory=dict)
     session_losses: int = 0
     standby_replacements: int = 0
+    deleted_pools_dropped: int = 0
 
 
 class ClusterNode:
@@ -140,7 +150,10 @@ class ClusterNode:
         )
         self._replica_prefix = f"{config.prefix}/replicas/".encode()
         self._placement_prefix = f"{config.prefix}/placement/".encode()
+        self._deleted_prefix = f"{config.prefix}/deleted/".encode()
         self._placements: dict[str, Placement] = {}
+        # The tombstones as last seen: pool id -> the deleted placement's epoch.
+        self._tombstones: dict[str, int] = {}
         self._callbacks: list[PlacementCallback] = []
         self._lease: Any = None
         # time.monotonic() when the last keep-alive that etcd granted was sent (None: none).
@@ -178,6 +191,11 @@ class ClusterNode:
     def placements(self) -> dict[str, Placement]:
         """Every placement as last seen (a copy)."""
         return dict(self._placements)
+
+    def deleted_epoch(self, pool_id: str) -> int | None:
+        """The epoch of the pool's deleted placement when its tombstone was last seen (the pool
+        was deleted and no pool of that id placed since), else ``None``."""
+        return self._tombstones.get(pool_id)
 
     def peers(self) -> list[str]:
         """The live replicas other than this one, sorted."""
@@ -244,11 +262,14 @@ class ClusterNode:
                 pool_id=pool_id, primary=primary, standby=standby, epoch=1, mode=mode
             )
             tx = self._session.client.transactions
+            # A pool of a deleted id: its tombstone goes in the same transaction (first, so
+            # that a watcher has forgotten it when it sees the new record).
+            tombstone = self._deleted_prefix + pool_id.encode()
 
             async def create(client: Any) -> tuple[bool, Any]:
                 return await client.transaction(  # type: ignore[no-any-return]
                     compare=[tx.create(key) == 0],
-                    success=[tx.put(key, placement.encode())],
+                    success=[tx.delete(tombstone), tx.put(key, placement.encode())],
                     failure=[tx.get(key)],
                 )
 
@@ -272,6 +293,73 @@ class ClusterNode:
         self._apply(pool_id, placement)
         return placement, False
 
+    async def read_tombstones(self) -> dict[str, int]:
+        """Every tombstone in etcd now (pool id -> the deleted placement's epoch), in one read:
+        a pool listed has no placement (etcd never holds both), so a copy of it is a deleted
+        pool's. Callable before :meth:`start`.
+
+        Raises:
+            EtcdUnavailableError: etcd could not be reached.
+        """
+        prefix = self._deleted_prefix
+        listing = await self._session.call(lambda c: c.get_prefix(prefix))
+        tombstones: dict[str, int] = {}
+        for kv in listing:
+            self._read(kv.key, kv.value, None, None, tombstones)
+        return tombstones
+
+    async def claim(self, pool_id: str) -> Placement | int:
+        """Place a pool this replica's data directory brought back (this replica its primary,
+        a sync pool) unless the pool was deleted meanwhile: one transaction creates the record
+        only where neither a record nor a tombstone exists.
+
+        Returns:
+            The placement in etcd (created here, or one found), or the tombstone's epoch: the
+            pool was deleted while this replica was away, and its copy must go.
+
+        Raises:
+            EtcdUnavailableError: etcd could not be reached; nothing changed.
+        """
+        key = self._placement_prefix + pool_id.encode()
+        tombstone = self._deleted_prefix + pool_id.encode()
+        try:
+            _, standby = self._choose(self.address)
+            placement = Placement(pool_id=pool_id, primary=self.address, standby=standby, epoch=1)
+            tx = self._session.client.transactions
+
+            async def create(client: Any) -> tuple[bool, Any]:
+                return await client.transaction(  # type: ignore[no-any-return]
+                    compare=[tx.create(key) == 0, tx.create(tombstone) == 0],
+                    success=[tx.put(key, placement.encode())],
+                    failure=[tx.get(key), tx.get(tombstone)],
+                )
+
+            won, responses = await self._session.call(create)
+        except EtcdUnavailableError:
+            self.stats.placement_failures += 1
+            raise
+        if won:
+            self.stats.placement_changes += 1
+            self._apply(pool_id, placement)
+            _LOG.info(
+                "placed pool %s, brought back by the data directory, on this replica (standby %s)",
+                pool_id,
+                placement.standby,
+                extra={"event": "pool_placed", "pool": pool_id},
+            )
+            return placement
+        found, dead = responses
+        if found:
+            placement = Placement.decode(found[0][0])
+            self._apply(pool_id, placement)
+            return placement
+        try:
+            epoch = _tombstone_epoch(dead[0][0])
+        except (IndexError, ValueError, KeyError, TypeError):
+            epoch = 0  # an unreadable tombstone still says the pool was deleted
+        self._tombstones[pool_id] = epoch
+        return epoch
+
     async def replace(self, expected: Placement, new: Placement | None) -> bool:
         """Swap the pool's record for ``new`` (``None``: delete it) if it still is ``expected``.
 
@@ -286,7 +374,12 @@ class ClusterNode:
             raise ValueError(f"replace: pool ids differ ({pool_id!r}, {new.pool_id!r})")
         key = self._placement_prefix + pool_id.encode()
         tx = self._session.client.transactions
-        success = [tx.delete(key)] if new is None else [tx.put(key, new.encode())]
+        if new is None:  # the tombstone first: a watcher knows it when it sees the delete
+            tombstone = self._deleted_prefix + pool_id.encode()
+            dead = json.dumps({"pool_id": pool_id, "epoch": expected.epoch}, sort_keys=True)
+            success = [tx.put(tombstone, dead.encode()), tx.delete(key)]
+        else:
+            success = [tx.put(key, new.encode())]
 
         async def swap(client: Any) -> tuple[bool, Any]:
             return await client.transaction(  # type: ignore[no-any-return]
@@ -296,6 +389,8 @@ class ClusterNode:
         won, _ = await self._session.call(swap)
         if won:
             self.stats.placement_changes += 1
+            if new is None:
+                self._tombstones[pool_id] = expected.epoch
             self._apply(pool_id, new)
         return bool(won)
 
@@ -362,6 +457,8 @@ class ClusterNode:
 
     def _apply(self, pool_id: str, placement: Placement | None) -> None:
         """Record a change in the local view and tell the watchers (only if it changed)."""
+        if placement is not None:  # etcd holds a record or a tombstone, never both
+            self._tombstones.pop(pool_id, None)
         if self._placements.get(pool_id) == placement:
             return
         if placement is None:
@@ -488,9 +585,11 @@ class ClusterNode:
     def _relist(self, listing: Any) -> None:
         replicas: dict[str, dict[str, Any]] = {}
         placements: dict[str, Placement] = {}
+        tombstones: dict[str, int] = {}
         for kv in listing:
-            self._read(kv.key, kv.value, replicas, placements)
+            self._read(kv.key, kv.value, replicas, placements, tombstones)
         self.replicas = replicas
+        self._tombstones = tombstones  # before the placements' callbacks: they may read it
         for pool_id in [p for p in self._placements if p not in placements]:
             self._apply(pool_id, None)
         for pool_id, placement in placements.items():
@@ -507,6 +606,11 @@ class ClusterNode:
                 self._reconcile_soon()
             else:
                 self._read(key, event.kv.value, self.replicas, None)
+        elif key.startswith(self._deleted_prefix):
+            if deleted:
+                self._tombstones.pop(key[len(self._deleted_prefix) :].decode(), None)
+            else:
+                self._read(key, event.kv.value, None, None, self._tombstones)
         elif key.startswith(self._placement_prefix):
             pool_id = key[len(self._placement_prefix) :].decode()
             if deleted:
@@ -609,6 +713,7 @@ class ClusterNode:
         value: bytes,
         replicas: dict[str, dict[str, Any]] | None,
         placements: dict[str, Placement] | None,
+        tombstones: dict[str, int] | None = None,
     ) -> None:
         try:
             if key.startswith(self._replica_prefix) and replicas is not None:
@@ -617,5 +722,12 @@ class ClusterNode:
             elif key.startswith(self._placement_prefix) and placements is not None:
                 placement = Placement.decode(value)
                 placements[placement.pool_id] = placement
+            elif key.startswith(self._deleted_prefix) and tombstones is not None:
+                tombstones[key[len(self._deleted_prefix) :].decode()] = _tombstone_epoch(value)
         except (ValueError, KeyError, TypeError):
             _LOG.warning("ignoring a malformed cluster record under %r", key)
+
+
+def _tombstone_epoch(value: bytes) -> int:
+    """The epoch a tombstone's value names (raises ValueError, KeyError or TypeError)."""
+    return int(json.loads(value)["epoch"])

@@ -36,6 +36,8 @@ _WILDCARDS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
 # How long start-up waits for the first listing of the cluster (so the first CreatePool sees
 # the other replicas); a replica that cannot reach etcd starts anyway and keeps trying.
 _FIRST_LISTING_S: Final = 2.0
+# Seconds between two tries to place the pools a data directory brought back while etcd is away.
+_CLAIM_RETRY_S: Final = 1.0
 
 
 def _peer_http_ssl(settings: ServerSettings) -> ssl.SSLContext | None:
@@ -80,6 +82,7 @@ class ClusterRuntime:
         """
         self._settings = settings
         self._pool_ids = pool_ids
+        self._has_pool = has_pool
         self.node = ClusterNode(
             ClusterConfig(
                 endpoints=parse_etcd_endpoints(settings.etcd_endpoints),
@@ -98,6 +101,8 @@ class ClusterRuntime:
         self.reads = ClusterReads(self.node, self._peers, ssl_context=_peer_http_ssl(settings))
         self._feeding: asyncio.Task[None] | None = None
         self._pool_feeds: dict[str, asyncio.Task[None]] = {}
+        self._replication: Replication | None = None
+        self._claiming: asyncio.Task[None] | None = None
 
     def attach(self, replication: Replication) -> None:
         """Drive ``replication`` from etcd (before :meth:`start`): every placement change is
@@ -105,6 +110,7 @@ class ClusterRuntime:
         pool whose primary left)."""
         from kvcm.server.cluster.replication import Role
 
+        self._replication = replication
         # In etcd's order, deletions included: a deleted placement (the pool was deleted)
         # makes replication drop a copy it does not own and forget the pool's epoch, so a
         # pool created again under that id (epoch 1) is not ignored as older than the
@@ -127,7 +133,18 @@ class ClusterRuntime:
                 try:
                     known = replication.pools.get(pool_id)
                     if placement is None:
-                        await replication.deleted(pool_id)
+                        epoch = self.node.deleted_epoch(pool_id)
+                        if (
+                            epoch is not None
+                            and known is not None
+                            and known.role is Role.PRIMARY
+                            and self._has_pool(pool_id)
+                        ):
+                            # Deleted through a newer primary while this one was cut off
+                            # from etcd: its copy is the deleted pool's.
+                            await self._drop_deleted(pool_id, epoch)
+                        else:
+                            await replication.deleted(pool_id)
                     else:
                         if known is not None and placement.epoch < known.epoch:
                             # etcd only raises a placement's epoch: a lower one is a pool
@@ -171,12 +188,18 @@ class ClusterRuntime:
         self.node.watch(changed)
         self.node.can_promote = can_promote
         replication.lease_fresh = self.node.lease_fresh
+        node = self.node
+        replication.pool_deleted = lambda pool_id: (
+            node.get(pool_id) is None and node.deleted_epoch(pool_id) is not None
+        )
         replication.standby_stuck = standby_stuck
         self._feeding = asyncio.get_running_loop().create_task(feed(), name="kvcm-placements")
 
     async def start(self, grpc_address: str, http_address: str) -> None:
         """Join the cluster as the advertise address (``grpc_address``, the bound one, when
-        ``advertise_address`` is empty); claim the pools a data directory brought back.
+        ``advertise_address`` is empty); claim the pools a data directory brought back that
+        etcd does not place, and drop those deleted meanwhile (:meth:`_claim`; tried again in
+        the background until etcd answers).
 
         Raises:
             ConfigError: No advertise address can be derived (a wildcard listen address).
@@ -189,16 +212,96 @@ class ClusterRuntime:
                 "--advertise-address HOST:PORT (how other replicas and clients reach this one)"
             )
         await self.node.start(advertise, http_address, wait_s=_FIRST_LISTING_S)
-        for pool_id in self._pool_ids():
-            placement = self.node.get(pool_id)
-            if placement is None:
-                try:
-                    await self.node.place(pool_id, primary=advertise)
-                except Exception:
-                    break
+        if not await self._claim():
+            self._claiming = asyncio.get_running_loop().create_task(
+                self._claim_until_done(), name="kvcm-cluster-claim"
+            )
+
+    async def drop_deleted(self, replication: Replication) -> None:
+        """Before the server serves (and joins): drop the copies of the pools that were deleted
+        from the cluster while this replica was down, as etcd's tombstones say, so that none
+        is ever served again (a cluster replica's data directory: one with a
+        ``replication.json``; a lone server's pools are claimed instead). When etcd cannot be
+        reached the pools wait unplaced, and :meth:`start`'s claim decides in its transaction
+        once etcd answers."""
+        self._replication = replication
+        if not replication.had_roles:
+            return  # a first start, or a lone server's data directory
+        try:
+            tombstones = await self.node.read_tombstones()
+        except Exception as exc:
+            _LOG.warning("reading the deleted pools' tombstones waits for etcd: %r", exc)
+            return
+        held = set(replication.pools) | set(self._pool_ids())
+        for pool_id in sorted(held & set(tombstones)):
+            await self._drop_deleted(pool_id, tombstones[pool_id])
+
+    async def _claim(self) -> bool:
+        """Settle every pool this replica holds, or held a role for, that etcd does not place:
+
+        * a copy of a pool in a cluster replica's data directory (one with a
+          ``replication.json``) is placed again (this replica its primary) unless etcd holds
+          the pool's tombstone, in one etcd transaction (:meth:`ClusterNode.claim`): then it
+          was deleted while this replica was away, and the copy is dropped, journaled
+          (:meth:`Replication.drop_deleted`); a role without a copy (a standby's) is
+          forgotten;
+        * a pool of a lone server's data directory (no ``replication.json``) joining a cluster
+          is placed, its id's tombstone, if any, removed.
+
+        Returns whether every pool was settled (``False``: etcd could not be reached).
+        """
+        node, replication = self.node, self._replication
+        roles = set(replication.pools) if replication is not None else set()
+        try:
+            for pool_id in sorted(set(self._pool_ids()) | roles):
+                if node.get(pool_id) is not None:
+                    continue
+                clustered = replication is not None and (
+                    replication.had_roles or pool_id in replication.pools
+                )
+                if not self._has_pool(pool_id):
+                    epoch = node.deleted_epoch(pool_id)
+                    if clustered and epoch is not None:
+                        await self._drop_deleted(pool_id, epoch)  # its role and epoch
+                    continue
+                if not clustered:
+                    await node.place(pool_id, primary=node.address)
+                    continue
+                outcome = await node.claim(pool_id)
+                if not isinstance(outcome, Placement):
+                    await self._drop_deleted(pool_id, outcome)
+        except Exception as exc:  # etcd away (or an answer aetcd could not take): again later
+            _LOG.warning(
+                "the pools the data directory brought back wait for etcd to be placed: %r", exc
+            )
+            return False
+        return True
+
+    async def _claim_until_done(self) -> None:
+        while not await self._claim():
+            await asyncio.sleep(_CLAIM_RETRY_S)
+
+    async def _drop_deleted(self, pool_id: str, epoch: int) -> None:
+        """Drop the copy (and forget the role) of a pool deleted from the cluster while this
+        replica was away; a copy dropped is counted and logged."""
+        replication = self._replication
+        if replication is None or not await replication.drop_deleted(pool_id):
+            return
+        self.node.stats.deleted_pools_dropped += 1
+        _LOG.warning(
+            "pool %s was deleted from the cluster while this replica was away (its placement "
+            "at epoch %d): the copy here is dropped, journaled, not placed again",
+            pool_id,
+            epoch,
+            extra={"event": "deleted_pool_dropped", "pool": pool_id, "placement_epoch": epoch},
+        )
 
     async def stop(self) -> None:
         """Leave the cluster and close the peer channels."""
+        if self._claiming is not None:
+            self._claiming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._claiming
         await self.node.stop()
         feeds = list(self._pool_feeds.values())
         for task in feeds:
@@ -221,6 +324,7 @@ class ClusterRuntime:
             "kvcm_cluster_etcd_session_up": [([], 1.0 if node.etcd_up else 0.0)],
             "kvcm_cluster_etcd_session_losses_total": [([], float(stats.session_losses))],
             "kvcm_cluster_standby_replacements_total": [([], float(stats.standby_replacements))],
+            "kvcm_cluster_deleted_pools_dropped_total": [([], float(stats.deleted_pools_dropped))],
             "kvcm_cluster_replicas": [([], float(len(node.replicas)))],
             "kvcm_cluster_primary_pools": [([], float(primaries))],
             "kvcm_cluster_redirects_total": [

@@ -45,7 +45,7 @@ from typing import Any, Final
 
 import grpc
 
-from kvcm.common.errors import ConfigError, KVCMError
+from kvcm.common.errors import ConfigError, KVCMError, NotFoundError
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import PoolState
 from kvcm.core.snapshot import decode_pool, encode_pool
@@ -57,6 +57,7 @@ from kvcm.server.rpc import (
     ServerState,
     checkpoint_live,
     decode_transfers,
+    delete_pool_journaled,
     encode_transfers,
     replay_records,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "Replication",
     "Role",
     "pool_digest",
+    "read_state",
 ]
 
 _LOG = logging.getLogger("kvcm.server.replication")
@@ -114,6 +116,30 @@ class Role(enum.Enum):
     """The pool follows its primary's records; clients' mutations are refused."""
     FENCED = "fenced"
     """A newer epoch deposed this replica: nothing on the pool is acknowledged here."""
+
+
+def read_state(data: bytes, path: Path) -> list[ReplicaState]:
+    """The pools' roles and epochs a ``replication.json`` (at ``path``, for the message) holds.
+
+    Raises:
+        ConfigError: It is not such a file: one line naming it and what is wrong.
+    """
+    try:
+        rows = json.loads(data)
+        entries = [
+            ReplicaState(
+                str(pool_id),
+                role=Role(row["role"]),
+                epoch=int(row["epoch"]),
+                primary=str(row["primary"]),
+                standby=str(row["standby"]),
+                sync=bool(row["sync"]),
+            )
+            for pool_id, row in rows.items()
+        ]
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ConfigError(f"data_dir: {path} is damaged: {exc!r}") from None
+    return entries
 
 
 def pool_digest(pool: Pool) -> bytes:
@@ -230,9 +256,17 @@ class Replication:
         #: ``async`` pool's primary acknowledges nothing once it may have expired (its standby
         #: may have been promoted). ``None``: no lease (static placements).
         self.lease_fresh: Callable[[str, int], bool] | None = None
+        #: Whether the pool was deleted from the cluster and not placed again (its tombstone
+        #: in etcd, no placement; a cluster's, set by the runtime): a primary's message for a
+        #: pool this replica knows nothing of is then refused, so that a seed in flight when
+        #: the pool was deleted does not leave a copy behind. ``None``: never.
+        self.pool_deleted: Callable[[str], bool] | None = None
         self.failovers = 0  # promotions of this replica
         self.fenced = 0  # times this replica stepped down
         self.directory = directory
+        #: Whether the data directory held a ``replication.json`` at start: it is a cluster
+        #: replica's (its pools were placed), not a lone server's.
+        self.had_roles = False
         self._saved = b""
         # Promotions share checkpoints: the one not begun yet (every pool promoted before it
         # begins is in it), and the one being taken.
@@ -248,21 +282,8 @@ class Replication:
             return
         except OSError as exc:
             raise ConfigError(f"data_dir: cannot read {path}: {exc.strerror or exc}") from None
-        try:
-            rows = json.loads(data)
-            entries = [
-                ReplicaState(
-                    str(pool_id),
-                    role=Role(row["role"]),
-                    epoch=int(row["epoch"]),
-                    primary=str(row["primary"]),
-                    standby=str(row["standby"]),
-                    sync=bool(row["sync"]),
-                )
-                for pool_id, row in rows.items()
-            ]
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ConfigError(f"data_dir: {path} is damaged: {exc!r}") from None
+        entries = read_state(data, path)
+        self.had_roles = True
         for entry in entries:
             if entry.role is Role.PROMOTING:
                 entry.role = Role.STANDBY  # its checkpoint may not be written: seed it again
@@ -697,6 +718,21 @@ class Replication:
                     state.transfer_book.drop_pool(pool_id)
         self.forget(pool_id)
 
+    async def drop_deleted(self, pool_id: str) -> bool:
+        """Drop this replica's copy of a pool deleted from the cluster while this replica was
+        away (etcd holds its tombstone and no placement): the copy is deleted as a client's
+        ``DeletePool`` deletes it, journaled (a restart does not bring it back), publishing
+        nothing (the primary that deleted the pool published its ``AllBlocksCleared``), and
+        the pool's role and epoch are forgotten. Returns whether a copy was dropped."""
+        state = self.state
+        dropped = False
+        if pool_id in state.registry:
+            state.standby_pools.add(pool_id)  # not served here: its deletion publishes nothing
+            dropped = await delete_pool_journaled(state, pool_id)
+            state.transfer_book.drop_pool(pool_id)
+        self.forget(pool_id)
+        return dropped
+
     def samples(self) -> dict[str, list[tuple[list[str], float]]]:
         """The ``kvcm_replication_*`` samples by metric name (``(label values, value)``)."""
         roles: list[tuple[list[str], float]] = []
@@ -806,6 +842,17 @@ class Replication:
             raise AbortRpc(
                 grpc.StatusCode.INVALID_ARGUMENT, "ShipRecords: pool_id: must not be empty"
             )
+        if (
+            pool_id not in self.pools
+            and self.pool_deleted is not None
+            and self.pool_deleted(pool_id)
+        ):
+            return replica_pb2.ShipRecordsResponse(
+                pool_id=pool_id,
+                placement_epoch=request.placement_epoch,
+                status=replica_pb2.SHIP_STATUS_NOT_STANDBY,
+                detail="the pool was deleted from the cluster",
+            )
         entry = self.entry(pool_id)
         epoch = request.placement_epoch
         if epoch < entry.epoch:
@@ -912,7 +959,7 @@ class Replication:
         data = b"".join(entry.seed_chunks)
         entry.seed_chunks = []
         try:
-            pool = await self._install(request.pool_id, first, data)
+            pool = await self._install(entry, first, data)
         except KVCMError as exc:
             entry.has_copy = False
             return self._answer(entry, replica_pb2.SHIP_STATUS_NEED_SEED, f"seed refused: {exc}")
@@ -924,9 +971,15 @@ class Replication:
         return self._answer(entry, replica_pb2.SHIP_STATUS_OK)
 
     async def _install(
-        self, pool_id: str, seed: replica_pb2.ReplicaSeed, data: bytes
+        self, entry: ReplicaState, seed: replica_pb2.ReplicaSeed, data: bytes
     ) -> Pool | None:
-        """Replace the standby's copy of ``pool_id`` by the seed's."""
+        """Replace the standby's copy of ``entry``'s pool by the seed's.
+
+        Raises:
+            NotFoundError: The pool was forgotten (deleted from the cluster) while the seed was
+                decoded: nothing is installed.
+        """
+        pool_id = entry.pool_id
         state = self.state
         registry = state.registry
         pool: Pool | None = None
@@ -939,7 +992,13 @@ class Replication:
                 )
             else:
                 pool = Pool(pool_id, options, limits=registry.limits)
-        if pool_id in registry:
+        # Checked after each await (the decode, the wait for the old copy): a pool forgotten
+        # meanwhile was deleted from the cluster, and its seed must leave no copy behind.
+        for _ in range(2):
+            if self.pools.get(pool_id) is not entry:
+                raise NotFoundError(f"pool {pool_id!r} was deleted while its seed was installed")
+            if pool_id not in registry:
+                break
             old = await state.pool(pool_id)
             registry.delete(pool_id)
             state.retire(old)

@@ -84,6 +84,7 @@ _CLUSTER_METRICS = (
     "kvcm_cluster_placement_failures_total",
     "kvcm_cluster_fanout_missed_total",
     "kvcm_cluster_standby_replacements_total",
+    "kvcm_cluster_deleted_pools_dropped_total",
 )
 _REPLICATION_METRICS = (
     "kvcm_replication_role",
@@ -536,6 +537,12 @@ METRICS: tuple[MetricSpec, ...] = (
         kind="counter",
         labels=(),
         help="Standbys this replica replaced as a pool's primary for not acknowledging.",
+    ),
+    MetricSpec(
+        name="kvcm_cluster_deleted_pools_dropped_total",
+        kind="counter",
+        labels=(),
+        help="Copies of pools deleted while this replica was away that it dropped at return.",
     ),
     MetricSpec(
         name="kvcm_cluster_replicas",

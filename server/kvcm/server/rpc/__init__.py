@@ -13,6 +13,7 @@ from kvcm.server.rpc._durability import (
     JournalInterceptor,
     checkpoint_live,
     checkpoint_of,
+    delete_pool_journaled,
     recover,
     replay_records,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "EventServicer",
     "JournalInterceptor",
     "checkpoint_live",
+    "delete_pool_journaled",
     "replay_records",
     "LeaseMonitor",
     "MethodInterceptor",

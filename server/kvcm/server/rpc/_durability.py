@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final
 import grpc
 from google.protobuf.message_factory import GetMessageClass  # type: ignore[import-untyped]
 
-from kvcm.common.errors import ConfigError, KVCMError
+from kvcm.common.errors import ConfigError, KVCMError, NotFoundError
 from kvcm.core.pool import Pool
 from kvcm.core.pool_types import PoolState
 from kvcm.core.snapshot import decode_pool, encode_pool
@@ -72,6 +72,7 @@ __all__ = [
     "MUTATING_METHODS",
     "JournalInterceptor",
     "checkpoint_of",
+    "delete_pool_journaled",
     "encode_round",
     "journal_planned",
     "recover",
@@ -537,6 +538,28 @@ async def _replay(state: ServerState, records: list[JournalRecord]) -> int:
             failed += 1
             _LOG.exception("journal: record %d (%s) failed on replay", record.seq, record.method)
     return failed
+
+
+async def delete_pool_journaled(state: ServerState, pool_id: str) -> bool:
+    """Delete a pool on the server's own behalf as a client's ``DeletePool`` does (the same
+    servicer method runs), and journal that call's record, so that neither a replay nor a
+    checkpoint brings the pool back: a cluster replica dropping its copy of a pool deleted
+    while it was away. Returns whether there was such a pool, once the record is durable (a
+    record the disk refuses is kept and written again, :meth:`Journal.append`).
+    """
+    request = admin_pb2.DeletePoolRequest(pool_id=pool_id)
+    when = time.time()
+    CALL_TIME.set(when)
+    try:
+        await AdminServicer(state).DeletePool(request, _ReplayContext())
+    except NotFoundError:
+        return False
+    journal = state.journal
+    if journal is not None:
+        await journal.commit(
+            journal.append("DeletePool", pool_id, request.SerializeToString(), when)
+        )
+    return True
 
 
 async def checkpoint_live(state: ServerState, journal: Journal) -> bool:
