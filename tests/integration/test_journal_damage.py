@@ -185,3 +185,53 @@ def test_check_verifies_the_checkpoint_too(journaled: Server) -> None:
     assert refused.returncode == 1
     assert "only a backup can replace it" in refused.stdout
     assert checkpoint.read_bytes() == bytes(data)
+
+
+def test_check_verifies_a_cluster_replicas_roles_too(journaled: Server) -> None:
+    """``replication.json`` (a cluster replica's pools' roles and placement epochs, written by
+    the server as placements change) is checked as a start reads it: ok with each pool's role
+    and epoch, or damaged, naming the file; a start is refused on it then, and ``recover``
+    never changes it."""
+    from _replication import place
+
+    journaled.start()
+    try:  # a static placement: pool p's primary is this server, at epoch 3, without standby
+        assert place(journaled.address, "p", journaled.address, None, 3) == "primary"
+    finally:
+        journaled.stop()
+    roles = journaled.data_dir / "replication.json"
+    good = run_cli("data-dir", "check", str(journaled.data_dir), "--json")
+    assert good.returncode == 0, good.stdout
+    report = json.loads(good.stdout)
+    assert report["status"] == "ok"
+    assert report["replication"] == {
+        "file": str(roles),
+        "present": True,
+        "error": None,
+        "pools": [{"pool_id": "p", "role": "primary", "epoch": 3}],
+    }
+    text = run_cli("data-dir", "check", str(journaled.data_dir))
+    assert "replication.json: ok, 1 pools (1 primary)" in text.stdout
+
+    damaged = roles.read_bytes()[:-7]  # a write cut short (the server renames whole files)
+    roles.write_bytes(damaged)
+    bad = run_cli("data-dir", "check", str(journaled.data_dir), "--json")
+    assert bad.returncode == 1
+    found = json.loads(bad.stdout)
+    assert found["status"] == "damaged"
+    assert found["replication"]["error"].startswith(f"{roles} is damaged")
+    assert found["checkpoint"]["error"] is None
+    assert found["journal"]["damage"] is None
+    assert (
+        f"replication.json: DAMAGED: {roles} is damaged"
+        in run_cli("data-dir", "check", str(journaled.data_dir)).stdout
+    )
+    assert f"{roles} is damaged" in journaled.refused()
+    recovered = run_cli("data-dir", "recover", str(journaled.data_dir), "--drop-after-damage")
+    assert "recover never changes it" in recovered.stdout
+    assert roles.read_bytes() == damaged
+
+    roles.unlink()  # a lone server's directory: no roles, nothing wrong
+    lone = json.loads(run_cli("data-dir", "check", str(journaled.data_dir), "--json").stdout)
+    assert lone["status"] == "ok"
+    assert lone["replication"] == {"file": str(roles), "present": False, "error": None}

@@ -1,18 +1,21 @@
 """``kvcm data-dir check|recover``: verify a data directory offline, and cut a damaged journal.
 
 ``check`` reads the checkpoint (frame, CRC, pool table, and every pool's config and snapshot
-decoded as a start decodes them) and the journal (every record's frame and CRC, in order), and
-says whether a server would start on it: ``ok``, ``torn_tail`` (the last record was left
-incomplete by a crash; a start trims it) or ``damaged`` (a start is refused; nothing is
-changed). ``recover --drop-after-damage`` cuts the journal at its damage, after saving the bytes
-it drops beside it, and says exactly what it dropped: records, sequence range, bytes. It never
-runs unasked, and never touches a damaged checkpoint (only a backup can replace that).
+decoded as a start decodes them), the journal (every record's frame and CRC, in order) and a
+cluster replica's ``replication.json`` (its pools' roles and placement epochs, read as a start
+reads them), and says whether a server would start on it: ``ok``, ``torn_tail`` (the last
+record was left incomplete by a crash; a start trims it) or ``damaged`` (a start is refused;
+nothing is changed). ``recover --drop-after-damage`` cuts the journal at its damage, after
+saving the bytes it drops beside it, and says exactly what it dropped: records, sequence range,
+bytes. It never runs unasked, and never touches a damaged checkpoint (only a backup can replace
+that) nor ``replication.json``.
 
 Run both on a stopped server's directory. See docs/durability.md.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +34,10 @@ from kvcm.server.journal import (
 
 __all__ = ["DataDirReport", "check_data_dir", "recover_data_dir"]
 
+# A cluster replica's pools' roles and placement epochs (kvcm.server.cluster.replication's
+# STATE_FILE; named here so that reading a directory's report imports no cluster code).
+STATE_FILE = "replication.json"
+
 OK = "ok"
 TORN_TAIL = "torn_tail"
 DAMAGED = "damaged"
@@ -46,6 +53,8 @@ class DataDirReport:
             is refused).
         checkpoint: The checkpoint's findings (``present``, ``error``, ``seq``, ``pools``).
         journal: The journal's findings (``records``, sequence range, ``damage``).
+        replication: ``replication.json``'s findings (``present``, ``error``, ``pools``: each
+            pool's role and placement epoch); a lone server has none.
         leftovers: Temporary files an interrupted write left (ignored by a start).
     """
 
@@ -53,6 +62,7 @@ class DataDirReport:
     status: str = OK
     checkpoint: dict[str, Any] = field(default_factory=dict)
     journal: dict[str, Any] = field(default_factory=dict)
+    replication: dict[str, Any] = field(default_factory=dict)
     leftovers: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -62,6 +72,7 @@ class DataDirReport:
             "status": self.status,
             "checkpoint": self.checkpoint,
             "journal": self.journal,
+            "replication": self.replication,
             "leftovers": self.leftovers,
         }
 
@@ -107,6 +118,15 @@ class DataDirReport:
                     f"  {damage['records_after']} intact records after it (seq {first}..{last}) "
                     "would be lost by cutting there"
                 )
+        rp = self.replication
+        if not rp["present"]:
+            out.append(f"  {STATE_FILE}: none (no cluster roles)")
+        elif rp["error"]:
+            out.append(f"  {STATE_FILE}: DAMAGED: {rp['error']}")
+        else:
+            roles = collections.Counter(pool["role"] for pool in rp["pools"])
+            counts = ", ".join(f"{count} {role}" for role, count in sorted(roles.items()))
+            out.append(f"  {STATE_FILE}: ok, {len(rp['pools'])} pools ({counts or 'none'})")
         for name in self.leftovers:
             out.append(f"  leftover {name} (an interrupted write; ignored, may be removed)")
         return out
@@ -155,6 +175,29 @@ def _check_checkpoint(directory: Path) -> tuple[dict[str, Any], Checkpoint | Non
     return found, checkpoint
 
 
+def _check_replication(directory: Path) -> dict[str, Any]:
+    from kvcm.common.errors import ConfigError
+    from kvcm.server.cluster.replication import read_state
+
+    path = directory / STATE_FILE
+    found: dict[str, Any] = {"file": str(path), "present": path.exists(), "error": None}
+    if not found["present"]:
+        return found
+    try:
+        entries = read_state(path.read_bytes(), path)
+    except ConfigError as exc:
+        found["error"] = str(exc).removeprefix("data_dir: ")
+        return found
+    except OSError as exc:
+        found["error"] = f"cannot read {path}: {exc.strerror or exc}"
+        return found
+    found["pools"] = [
+        {"pool_id": entry.pool_id, "role": entry.role.value, "epoch": entry.epoch}
+        for entry in sorted(entries, key=lambda entry: entry.pool_id)
+    ]
+    return found
+
+
 def _journal_findings(path: Path, scan: JournalScan, checkpoint_seq: int) -> dict[str, Any]:
     records = scan.records
     found: dict[str, Any] = {
@@ -197,12 +240,13 @@ def check_data_dir(path: str) -> tuple[DataDirReport, JournalScan]:
     scan = scan_journal(journal_path.read_bytes()) if journal_path.exists() else JournalScan()
     seq = checkpoint.seq if checkpoint is not None else 0
     report.journal = _journal_findings(journal_path, scan, seq)
+    report.replication = _check_replication(directory)
     report.leftovers = sorted(
         name
-        for name in (CHECKPOINT_FILE + ".tmp", JOURNAL_FILE + ".tmp")
+        for name in (CHECKPOINT_FILE + ".tmp", JOURNAL_FILE + ".tmp", STATE_FILE + ".tmp")
         if (directory / name).exists()
     )
-    if report.checkpoint["error"] or scan.damaged:
+    if report.checkpoint["error"] or scan.damaged or report.replication["error"]:
         report.status = DAMAGED
     elif scan.torn:
         report.status = TORN_TAIL
@@ -227,6 +271,14 @@ def recover_data_dir(path: str, *, drop_after_damage: bool) -> tuple[DataDirRepo
             f"cannot recover: {CHECKPOINT_FILE} is damaged ({report.checkpoint['error']}); "
             "only a backup can replace it. Nothing was changed."
         ]
+    note = ""
+    if report.replication["error"]:
+        note = (
+            f"{STATE_FILE} is damaged ({report.replication['error']}): recover never changes "
+            "it; a start stays refused until it is replaced (docs/cluster.md)."
+        )
+        if scan.damage is None:
+            return report, [note + " Nothing was changed."]
     if scan.damage is None:
         return report, ["nothing to recover: the journal is intact. Nothing was changed."]
     damage = report.journal["damage"]
@@ -264,4 +316,5 @@ def recover_data_dir(path: str, *, drop_after_damage: bool) -> tuple[DataDirRepo
         f"kept {kept} records"
         + (f" (seq {report.journal['first_seq']}..{report.journal['last_seq']})" if kept else "")
         + ": a start now replays those",
+        *([note] if note else []),
     ]
