@@ -183,3 +183,40 @@ def test_only_the_newest_stream_changes_the_copy(standby: EmbeddedServer) -> Non
         old.put(None)
         with SchedulerClient(standby.grpc_address, timeout=10.0) as client:
             assert client.describe_pool("p").last_event_sequence == 0  # the Step never ran
+
+
+def test_a_newer_epoch_is_taken_without_asking_placement(standby: EmbeddedServer) -> None:
+    """A primary placed at a newer epoch can ship before the standby's own placement says so
+    (its etcd watch lags by a round trip): the standby takes the newer epoch at once, as that
+    epoch's standby (epochs only rise through placement's transactions), and the older one is
+    stale from then on."""
+    with grpc.insecure_channel(standby.grpc_address) as channel:
+        stub = _stub(channel)
+        stub.SetPlacement(_place(standby=standby.grpc_address), timeout=10)  # epoch 3
+        create = admin_pb2.CreatePoolRequest(
+            pool_id="p", config=pool_config_to_proto(CONFIG)
+        ).SerializeToString()
+        messages = [
+            replica_pb2.ShipRecordsRequest(pool_id="p", placement_epoch=4),  # hello
+            replica_pb2.ShipRecordsRequest(
+                pool_id="p", placement_epoch=4, seed=replica_pb2.ReplicaSeed(last=True)
+            ),
+            replica_pb2.ShipRecordsRequest(
+                pool_id="p",
+                placement_epoch=4,
+                seq=1,
+                record=replica_pb2.ReplicaRecord(method="CreatePool", request=create, time=1.0),
+            ),
+            replica_pb2.ShipRecordsRequest(pool_id="p", placement_epoch=3),  # the old primary
+        ]
+        answers = list(stub.ShipRecords(iter(messages), timeout=20))
+        assert [(a.status, a.seq, a.placement_epoch) for a in answers] == [
+            (replica_pb2.SHIP_STATUS_OK, 0, 4),
+            (replica_pb2.SHIP_STATUS_OK, 0, 4),
+            (replica_pb2.SHIP_STATUS_OK, 1, 4),
+            (replica_pb2.SHIP_STATUS_STALE_EPOCH, 1, 4),
+        ]
+        state = stub.GetReplicaState(replica_pb2.GetReplicaStateRequest(pool_id="p"), timeout=10)
+        assert (state.role, state.placement_epoch, state.seq) == ("standby", 4, 1)
+    with SchedulerClient(standby.grpc_address, timeout=10.0) as client:
+        assert client.describe_pool("p").num_requests == 0  # the copy the records made
