@@ -722,17 +722,36 @@ static int compare_cands(const void *a, const void *b) {
     return PyUnicode_Compare(x->name, y->name); /* str against str: cannot fail */
 }
 
-/* The hit (blocks) of every slot the levels name, in hits[0..num_slots) (others stay 0). */
-static int fill_hits(PyObject *levels, long long *hits, size_t num_slots) {
+/* The hit (blocks) of every slot the levels name, in a new array of *num_slots (slots past it
+   hit nothing), or NULL with an exception set. */
+static long long *hits_of_levels(PyObject *levels, size_t *num_slots) {
+    size_t most = 1;
     for (Py_ssize_t l = 0; l < PyList_GET_SIZE(levels); l++) {
         PyObject *level = PyList_GET_ITEM(levels, l);
-        if (!PyTuple_Check(level) || PyTuple_GET_SIZE(level) != 2) {
+        if (!PyTuple_Check(level) || PyTuple_GET_SIZE(level) != 2 ||
+            !PyLong_Check(PyTuple_GET_ITEM(level, 1))) {
             PyErr_SetString(PyExc_TypeError, "answer_all: levels are (blocks, mask) pairs");
-            return -1;
+            return NULL;
         }
+        size_t nbits = _PyLong_NumBits(PyTuple_GET_ITEM(level, 1));
+        if (nbits == (size_t)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (nbits > most) {
+            most = nbits;
+        }
+    }
+    long long *hits = PyMem_Calloc(most, sizeof(long long));
+    if (hits == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t l = 0; l < PyList_GET_SIZE(levels); l++) {
+        PyObject *level = PyList_GET_ITEM(levels, l);
         long long num_blocks = PyLong_AsLongLong(PyTuple_GET_ITEM(level, 0));
         if (num_blocks == -1 && PyErr_Occurred()) {
-            return -1;
+            PyMem_Free(hits);
+            return NULL;
         }
         if (num_blocks == 0) {
             continue;
@@ -740,29 +759,31 @@ static int fill_hits(PyObject *levels, long long *hits, size_t num_slots) {
         size_t words;
         uint64_t *bits = bits_of_int(PyTuple_GET_ITEM(level, 1), &words);
         if (bits == NULL) {
-            return -1;
+            PyMem_Free(hits);
+            return NULL;
         }
         for (size_t w = 0; w < words; w++) {
             uint64_t word = bits[w];
             while (word) {
                 size_t slot = w * 64 + (size_t)__builtin_ctzll(word);
                 word &= word - 1;
-                if (slot < num_slots) {
+                if (slot < most) {
                     hits[slot] = num_blocks;
                 }
             }
         }
         PyMem_Free(bits);
     }
-    return 0;
+    *num_slots = most;
+    return hits;
 }
 
-#define LOAD_AHEAD 12
+#define LOAD_AHEAD 8
 
-/* Score one kind's pools (its columns) into cands[0..n). The pools' objects are scattered over
-   a large heap and mostly out of the CPU's caches, so the reads are pipelined: the objects of
-   the pool LOAD_AHEAD ahead are prefetched while one pool's free count is read, and the count's
-   int object (and the name, which the PoolHit will reference) is prefetched for the second pass. */
+/* Score one kind's pools (its columns) into cands[*count..). The pools' objects are scattered
+   over a large heap and mostly out of the CPU's caches, so the reads are pipelined: every
+   object of the pool LOAD_AHEAD ahead is prefetched while one pool's are read, and the free
+   count's int object (read in a second pass) as soon as it is known. */
 static int score_kind(PyObject *spec, double weight, Cand *cands, Py_ssize_t *count) {
     if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 4) {
         PyErr_SetString(PyExc_TypeError, "answer_all: a kind is (levels, block_size, num_tokens, "
@@ -797,43 +818,27 @@ static int score_kind(PyObject *spec, double weight, Cand *cands, Py_ssize_t *co
         }
     }
     size_t num_slots = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(slots, i), *name = PyList_GET_ITEM(names, i);
-        long long slot = PyLong_AsLongLong(item);
-        if (slot < 0 || slot > MAX_SLOT) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_ValueError, "answer_all: slot out of range");
-            }
-            return -1;
-        }
-        if (!PyUnicode_Check(name)) {
-            PyErr_SetString(PyExc_TypeError, "answer_all: names must be str");
-            return -1;
-        }
-        if ((size_t)slot + 1 > num_slots) {
-            num_slots = (size_t)slot + 1;
-        }
-    }
-    long long *hits = PyMem_Calloc(num_slots ? num_slots : 1, sizeof(long long));
+    long long *hits = hits_of_levels(levels, &num_slots);
     if (hits == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    if (fill_hits(levels, hits, num_slots) < 0) {
-        PyMem_Free(hits);
         return -1;
     }
     Cand *out = cands + *count;
     for (Py_ssize_t i = 0; i < n && i < LOAD_AHEAD; i++) {
-        for (int c = 1; c < 4; c++) {
+        for (int c = 0; c < 6; c++) {
             __builtin_prefetch(PyList_GET_ITEM(lists[c], i));
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + LOAD_AHEAD < n) {
-            for (int c = 1; c < 6; c++) {
+            for (int c = 0; c < 6; c++) {
                 __builtin_prefetch(PyList_GET_ITEM(lists[c], i + LOAD_AHEAD));
             }
+        }
+        PyObject *name = PyList_GET_ITEM(names, i);
+        if (!PyUnicode_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "answer_all: names must be str");
+            PyMem_Free(hits);
+            return -1;
         }
         PyObject *free_obj = PyObject_GetAttr(PyList_GET_ITEM(queues, i), str_num_free_blocks);
         if (free_obj == NULL) {
@@ -844,38 +849,43 @@ static int score_kind(PyObject *spec, double weight, Cand *cands, Py_ssize_t *co
         Cand *cand = out + i;
         cand->free_obj = free_obj;
         (*count)++; /* owns free_obj from here (released by the caller on error) */
+        cand->name = name;
+        cand->medium = PyList_GET_ITEM(media, i);
+        cand->hit = NULL;
+        cand->num_tokens = num_tokens;
+        long long slot = PyLong_AsLongLong(PyList_GET_ITEM(slots, i));
+        /* usage is kept here until the second pass (the usable blocks) */
+        cand->score = (double)PyLong_AsLongLong(PyList_GET_ITEM(usable, i));
         cand->num_running = PyObject_Size(PyList_GET_ITEM(running, i));
         cand->waiting = (long long)PyObject_Size(PyList_GET_ITEM(requests, i));
         if (PyErr_Occurred()) {
             PyMem_Free(hits);
             return -1;
         }
-        cand->waiting -= (long long)cand->num_running;
-        cand->name = PyList_GET_ITEM(names, i);
-        __builtin_prefetch(cand->name, 1);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Cand *cand = out + i;
-        long long num_free = PyLong_AsLongLong(cand->free_obj);
-        long long num_usable = PyLong_AsLongLong(PyList_GET_ITEM(usable, i));
-        if (PyErr_Occurred()) {
+        if (slot < 0 || slot > MAX_SLOT) {
+            PyErr_SetString(PyExc_ValueError, "answer_all: slot out of range");
             PyMem_Free(hits);
             return -1;
         }
-        long long num_hit = hits[PyLong_AsLongLong(PyList_GET_ITEM(slots, i))] * block_size;
+        cand->num_hit = (size_t)slot < num_slots ? hits[slot] * block_size : 0;
+        cand->waiting -= (long long)cand->num_running;
+    }
+    PyMem_Free(hits);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Cand *cand = out + i;
+        long long num_free = PyLong_AsLongLong(cand->free_obj);
+        if (num_free == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        double num_usable = cand->score;
         /* The same double operations, in the same order, as the Python twin (the build turns
            off contracting them into fused multiply-adds): identical scores. */
-        double usage = num_usable ? 1.0 - (double)num_free / (double)num_usable : 0.0;
-        double score = (double)num_hit / (double)num_tokens - weight * usage;
+        double usage = num_usable != 0.0 ? 1.0 - (double)num_free / num_usable : 0.0;
+        double score = (double)cand->num_hit / (double)num_tokens - weight * usage;
         cand->neg_score = -score;
         cand->usage = usage;
         cand->score = score;
-        cand->hit = NULL;
-        cand->medium = PyList_GET_ITEM(media, i);
-        cand->num_hit = num_hit;
-        cand->num_tokens = num_tokens;
     }
-    PyMem_Free(hits);
     return 0;
 }
 

@@ -219,7 +219,7 @@ class PrefixIndex:
         self._version = 0  # counts the changes of the indexed pools (commit, remove)
         # The last scope found to hold exactly the indexed pools, and the version then: the
         # same list of pools (compared by identity, in C) needs no dictionary read per pool.
-        self._every: tuple[list[Pool], int] | None = None
+        self._every: tuple[Sequence[Pool], int] | None = None
 
     def __len__(self) -> int:
         """Distinct keys cached by at least one indexed pool."""
@@ -244,7 +244,11 @@ class PrefixIndex:
         pool in C, or one comparison by identity for the same list of pools as the last
         scope found to be every indexed pool (nothing indexed or removed since)."""
         every = self._every
-        if every is not None and every[1] == self._version and every[0] == pools:
+        if (
+            every is not None
+            and every[1] == self._version
+            and (every[0] is pools or every[0] == pools)
+        ):
             return []
         return list(compress(pools, map(is_, map(self._by_pool.get, pools), repeat(None))))
 
@@ -254,7 +258,11 @@ class PrefixIndex:
         identity, in C), else ``None``: what a scope of every pool is made of, without
         visiting a pool (indexed pools are READY)."""
         every = self._every
-        if every is not None and every[1] == self._version and every[0] == pools:
+        if (
+            every is not None
+            and every[1] == self._version
+            and (every[0] is pools or every[0] == pools)
+        ):
             return list(self._kinds)
         return None
 
@@ -715,11 +723,16 @@ def _sort_scope(
     comparison by identity.
     """
     every = index._every
-    if every is not None and every[1] == index._version and every[0] == pools:
+    if (
+        every is not None
+        and every[1] == index._version
+        and (every[0] is pools or every[0] == pools)
+    ):
         return [(kind, kind.members) for kind in index._kinds.values()], []
     found = list(map(index._by_pool.get, pools))
     if len(found) == index.num_pools and None not in found:
-        index._every = (list(pools), index._version)
+        # The registry's own tuple of every pool is kept as it is (compared by identity).
+        index._every = (pools if type(pools) is tuple else list(pools), index._version)
         return [(kind, kind.members) for kind in index._kinds.values()], []
     by_kind: dict[_Kind, list[_Member]] = {}
     others: list[Pool] = []

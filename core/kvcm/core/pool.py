@@ -1156,6 +1156,10 @@ class PoolRegistry:
         self.epoch = epoch
         self.max_pools = limits.max_pools
         self._pools: dict[str, Pool] = {}
+        # Every pool, as a lookup's scope, with the (epoch, number of pools) it was made at: a
+        # tuple made once per change, so a lookup makes no list of 1,000 pools that its own
+        # allocations' garbage collections would traverse (a cache miss per pool).
+        self._every: tuple[tuple[int, int], tuple[Pool, ...]] = ((-1, -1), ())
         self._building: dict[str, int] = {}
         self.index = PrefixIndex()
 
@@ -1257,6 +1261,13 @@ class PoolRegistry:
         Raises:
             NotFoundError: The scope names a pool that does not exist.
         """
+        if not query.pool_ids and not query.labels:
+            made_at, every = self._every
+            now = (self.epoch, len(self._pools))  # an add moves the epoch, a delete the count
+            if made_at != now:
+                every = tuple(self._pools.values())
+                self._every = (now, every)
+            return every
         return scope_pools(self._pools.values(), self._pools, query)
 
     def lookup(
