@@ -97,7 +97,11 @@ class Setup:
             proposes tokens the simulated model accepts in part (see
             :meth:`SimulatedWorker.take_draft_token_ids`).
         speculative_method: ``"ngram"``, or ``"draft_model"`` (the same tiny model drafts;
-            vLLM then reserves ``num_speculative_tokens`` lookahead slots per allocation).
+            vLLM then reserves ``num_speculative_tokens`` lookahead slots per allocation),
+            or a hidden-state drafter, ``"eagle"`` or ``"eagle3"`` (the tiny model stands in
+            for the drafter's weights, which the simulated executor never loads).
+        disable_lookahead_block_hashes: vLLM's speculative option of that name: EAGLE drops
+            the trailing prefix-cache block instead of hashing lookahead tokens.
     """
 
     num_blocks: int | None = 160
@@ -122,6 +126,7 @@ class Setup:
     fabric: Any = None
     num_speculative_tokens: int = 0
     speculative_method: str = "ngram"
+    disable_lookahead_block_hashes: bool = False
 
 
 @cache
@@ -293,6 +298,7 @@ def _explicit_config(setup: Setup, scheduler_cls: Any, additional_config: Any, e
             num_speculative_tokens=setup.num_speculative_tokens,
             target_model_config=model,
             target_parallel_config=parallel,
+            disable_lookahead_block_hashes=setup.disable_lookahead_block_hashes,
             **drafter,
         )
     return VllmConfig(

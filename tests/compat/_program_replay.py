@@ -58,7 +58,8 @@ class ProgramReplayer:
                     cache_salt=spec.cache_salt,
                     skip_reading_prefix_cache=spec.skip_reading_prefix_cache,
                 )
-                count = len(spec.prompt_token_ids) // manager.hash_block_size
+                lookahead = manager.block_pool.num_hash_lookahead_tokens
+                count = max(len(spec.prompt_token_ids) - lookahead, 0) // manager.hash_block_size
                 if spec.block_hashes:
                     hash_size = len(spec.block_hashes) // count
                 request.block_hashes.extend(

@@ -113,6 +113,12 @@ REMOTE = {
     "draft-model-async": dataclasses.replace(
         FULL, num_blocks=50, speculative_method="draft_model", async_scheduling=True
     ),
+    "eagle-async": dataclasses.replace(
+        FULL, num_blocks=50, speculative_method="eagle", async_scheduling=True
+    ),
+    "eagle3-drop-sync": dataclasses.replace(
+        FULL, num_blocks=50, speculative_method="eagle3", disable_lookahead_block_hashes=True
+    ),
 }
 
 
@@ -195,19 +201,98 @@ def test_draft_model_engine_turns_equal_vllm_mirror_replayed(vllm: ModuleType) -
     assert counts["drafts"] > 50
 
 
-def test_hidden_state_drafters_are_refused(vllm: ModuleType) -> None:
-    """EAGLE, EAGLE3 and MTP (vLLM's use_eagle()) are refused with the reason named."""
+EAGLE = {
+    # vLLM's default for EAGLE with prefix caching: lookahead block hashes (each hash also
+    # covers the next token), no block drop.
+    "eagle-lookahead": dataclasses.replace(FULL, num_blocks=50, speculative_method="eagle"),
+    # Lookahead hashes off: every hit drops its last matched block (use_eagle).
+    "eagle3-drop": dataclasses.replace(
+        FULL, num_blocks=50, speculative_method="eagle3", disable_lookahead_block_hashes=True
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EAGLE))
+def test_eagle_engine_turns_equal_vllm_mirror_replayed(case: str, vllm: ModuleType) -> None:
+    """Hidden-state drafters (EAGLE, EAGLE3): lookahead block hashes (hashes, events'
+    lookahead_token_ids, the hashes a request carries) or the trailing-block drop on every
+    hit, with the drafter's lookahead slots; turns equal vLLM's, programs replay exactly."""
+    from test_vllm_scheduler import ReplayCheckingSink
+
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    del vllm
+
+    def make_step_sink(self: Any, settings: Any) -> ReplayCheckingSink:
+        del self, settings
+        return ReplayCheckingSink()
+
+    checked = type("CheckedKvcmScheduler", (KvcmScheduler,), {"make_step_sink": make_step_sink})
+    setup = EAGLE[case]
+    plans = plan_workload(26, 30 * workload_scale(), setup)
+    reference = build_engine(setup)
+    mirrored = build_engine(setup, _counting(checked))
+    try:
+        ref, kv = reference.scheduler, mirrored.scheduler
+        assert ref.use_eagle
+        assert kv.use_eagle
+        drop = setup.disable_lookahead_block_hashes
+        assert ref.num_hash_lookahead_tokens == kv.num_hash_lookahead_tokens == (0 if drop else 1)
+        assert ref.use_eagle_block_drop == drop
+        assert kv.kv_cache_manager.core.coordinator.drop_eagle_group_ids == (
+            ref.kv_cache_manager.coordinator.drop_eagle_group_ids
+        )
+        assert kv.kv_cache_manager.core.coordinator.drop_eagle_group_ids == (
+            frozenset({0}) if drop else frozenset()
+        )
+        assert kv.num_lookahead_tokens == NUM_SPEC
+        sink = kv.kv_cache_manager.recorder.sink
+        sink.mirror = kv.kv_cache_manager
+        tally = assert_same_runs(reference, mirrored, plans, resets={60: True})
+        counts = _spec_counts(mirrored)
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+    print(
+        f"{case}, mirror: {tally.turns} turns, {tally.batches} batches, {tally.events} events, "
+        f"{tally.hits} hits, {tally.preempted} preemptions, {counts['drafts']} draft tokens; "
+        f"{sink.num_interpreted}/{sink.num_steps} steps verified on Pool.run_step"
+    )
+    assert sink.interpreter_error is None, sink.interpreter_error
+    assert sink.num_interpreted == sink.num_steps >= tally.batches > 50
+    assert counts["drafts"] > 50
+    assert tally.hits > 0
+
+
+def test_eagle_refusals_are_vllms_or_named(vllm: ModuleType) -> None:
+    """A hidden-state drafter is served; what kvcm does not model is refused with the reason:
+    the Mamba shared-prefix checkpoint vLLM turns on with a drafter, and (in the core) the
+    trailing-block drop beside a Mamba group."""
+    from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+    from kvcm.common.dtypes import DType
     from kvcm.common.errors import ConfigError
+    from kvcm.common.specs import FullAttentionSpec, MambaSpec
+    from kvcm.core.manager import KVCacheManager, KVCacheManagerConfig
     from kvcm.integrations.vllm._scheduler import check_supported
 
     del vllm
-    config = vllm_config(FULL)
-    check_supported(config)  # n-gram drafting is served
-    for method in ("eagle", "eagle3", "mtp"):
-        config.speculative_config.method = method
-        assert config.speculative_config.use_eagle()
-        with pytest.raises(ConfigError, match="hidden-state drafter"):
-            check_supported(config)
+    config = vllm_config(EAGLE["eagle-lookahead"])
+    check_supported(config)
+    config.cache_config.enable_mamba_shared_prefix_checkpoint = True
+    with pytest.raises(ConfigError, match="enable_mamba_shared_prefix_checkpoint"):
+        check_supported(config)
+    attention = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=DType.FLOAT16)
+    mamba = MambaSpec(
+        block_size=16, shapes=((4,),), dtypes=(DType.FLOAT16,), mamba_cache_mode="align"
+    )
+    groups = (KVCacheGroupSpec(("a",), attention), KVCacheGroupSpec(("m",), mamba))
+    layout = KVCacheConfig(num_blocks=20, kv_cache_tensors=(), kv_cache_groups=groups)
+    with pytest.raises(ConfigError, match="EAGLE trailing-block drop with Mamba"):
+        KVCacheManager(
+            KVCacheManagerConfig(
+                kv_cache_config=layout, max_model_len=256, eagle_block_drop_group_ids=(0, 1)
+            )
+        )
 
 
 def test_draft_model_async_engine_turns_equal_vllm(vllm: ModuleType) -> None:
@@ -320,6 +405,40 @@ def test_ngram_hybrid_mamba_align_turns_equal_vllm(vllm: ModuleType) -> None:
         reference.shutdown()
     print(
         f"ngram hybrid Mamba align: {tally.turns} turns, {tally.batches} batches, "
+        f"{tally.events} events, {tally.hits} hits, {tally.preempted} preemptions, "
+        f"{counts['drafts']} draft tokens in {counts['steps']} steps"
+    )
+    assert tally.batches > 50
+    assert tally.hits > 0
+    assert counts["drafts"] > 50
+    assert tally.finished == len(plans)
+
+
+def test_eagle_hybrid_mamba_align_turns_equal_vllm(vllm: ModuleType) -> None:
+    """EAGLE on a hybrid Mamba model in align mode, with vLLM's default lookahead block hashes:
+    the Mamba prefill checkpoint backs off by the lookahead (vLLM's
+    get_mamba_prefill_checkpoint_position) and every hash covers the next token; kvcm's
+    scheduler answers EngineCore exactly as vLLM's (sub-block hits, block copies, draft slots)."""
+    from test_mamba_engine_core import _plans
+
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    del vllm
+    setup = dataclasses.replace(MAMBA, speculative_method="eagle")
+    plans = _plans(27, 24 * workload_scale(), setup.max_model_len)
+    reference = _build_hybrid(setup)
+    mirrored = _build_hybrid(setup, _counting(KvcmScheduler))
+    try:
+        assert reference.scheduler.num_hash_lookahead_tokens == 1
+        assert mirrored.scheduler.kv_cache_manager.core.block_pool.num_hash_lookahead_tokens == 1
+        assert mirrored.scheduler.mamba_partial_cache_hit
+        tally = assert_same_runs(reference, mirrored, plans)
+        counts = _spec_counts(mirrored)
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+    print(
+        f"eagle hybrid Mamba align: {tally.turns} turns, {tally.batches} batches, "
         f"{tally.events} events, {tally.hits} hits, {tally.preempted} preemptions, "
         f"{counts['drafts']} draft tokens in {counts['steps']} steps"
     )

@@ -65,6 +65,9 @@ class ReplayCheckingSink(LocalSink):
                 watermark=config.watermark,
                 prefix_cache_retention_interval=config.prefix_cache_retention_interval,
                 decode_context_parallel_size=config.dcp_world_size,
+                num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
+                num_prefill_lookahead=config.num_prefill_lookahead,
+                eagle_block_drop_group_ids=tuple(config.eagle_block_drop_group_ids),
             ),
         )
 
@@ -410,7 +413,6 @@ def test_engine_resolution_kvcm_would_compute_differently_is_refused(
 @pytest.mark.parametrize(
     ("group_fields", "message"),
     [
-        ({"is_eagle_group": True}, "EAGLE draft groups"),
         ({"host_resident": True}, "host-resident groups"),
         ({"role": "hisparse_source"}, "HiSparse groups"),
     ],
@@ -440,6 +442,10 @@ def test_group_roles_kvcm_does_not_model_are_refused(
     config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
     with pytest.raises(ConfigError, match=rf"kv_cache_groups\[1\]: {message}"):
         convert_kv_cache_config(config)
+    # An EAGLE/MTP draft group is an ordinary group to the pool (which groups drop a block on
+    # a hit reaches the manager separately, as vLLM's coordinator resolves it).
+    groups[1] = KVCacheGroupSpec(["b"], spec, is_eagle_group=True)
+    assert convert_kv_cache_config(config).kv_cache_groups[1].layer_names == ("b",)
     # A group with no layer names (a later pipeline stage's) is named by its place.
     groups[1] = KVCacheGroupSpec([], spec)
     converted = convert_kv_cache_config(config)

@@ -136,8 +136,10 @@ def convert_kv_cache_config(config: Any) -> KVCacheConfig:
 
     Raises:
         ConfigError: A group's spec is not supported (see :func:`convert_spec`), a group has a
-            role kvcm does not model (EAGLE draft, HiSparse, host resident), or the config
-            uses HiSparse host blocks.
+            role kvcm does not model (HiSparse, host resident), or the config uses HiSparse
+            host blocks. An EAGLE draft group (``is_eagle_group``) is an ordinary group to
+            the pool; which groups drop a block on a hit reaches the manager separately
+            (``MirrorManagerConfig.eagle_block_drop_group_ids``).
     """
     if getattr(config, "hisparse_host_num_blocks", None) is not None:
         raise ConfigError("kv_cache_config: HiSparse host blocks are not supported")
@@ -147,8 +149,6 @@ def convert_kv_cache_config(config: Any) -> KVCacheConfig:
         role = group.role.value
         if role != "default":
             raise ConfigError(f"{where}: HiSparse groups (role {role!r}) are not supported")
-        if group.is_eagle_group:
-            raise ConfigError(f"{where}: EAGLE draft groups are not supported")
         if group.host_resident:
             raise ConfigError(f"{where}: host-resident groups are not supported")
         # Under pipeline parallelism the scheduler's config is the first stage's: a group

@@ -77,6 +77,11 @@ class MirrorManagerConfig:
             ``dcp_world_size``; vLLM's scheduler builds its manager with no PCP).
         defer_block_free: vLLM's scheduler defers block frees (its ``defer_block_free``: an
             asynchronous KV consumer), copy retentions of sub-block hits included.
+        eagle_group_ids: The groups vLLM's coordinator flags as EAGLE/MTP groups.
+        eagle_block_drop_group_ids: The groups whose hits drop their last block (vLLM's
+            coordinator's ``drop_eagle_group_ids``: empty unless the block drop is on).
+        num_hash_lookahead_tokens: vLLM's ``num_hash_lookahead_tokens``.
+        num_prefill_lookahead: vLLM's ``num_prefill_lookahead_tokens``.
     """
 
     kv_cache_config: Any
@@ -91,6 +96,10 @@ class MirrorManagerConfig:
     hash_algorithm: str = "sha256"
     dcp_world_size: int = 1
     defer_block_free: bool = False
+    eagle_group_ids: tuple[int, ...] = ()
+    eagle_block_drop_group_ids: tuple[int, ...] = ()
+    num_hash_lookahead_tokens: int = 0
+    num_prefill_lookahead: int = 0
 
 
 class _GroupView:
@@ -118,21 +127,32 @@ class _CoordinatorView:
         block_pool: kvcm's block pool.
         enable_partial_hash_hits: Whether hits land on hash blocks inside larger blocks
             (beside an align-mode Mamba group), as the core decided it.
-        eagle_group_ids: Always empty (EAGLE block dropping is refused).
-        num_reprefillable_tokens: Always 0.
+        eagle_group_ids: The groups flagged for EAGLE/MTP (vLLM's coordinator's).
+        num_reprefillable_tokens: Trailing computed tokens a multi-module MTP drafter may
+            still rewrite (not cached yet), as the core decided it.
     """
 
-    __slots__ = ("_coordinator", "block_pool", "enable_partial_hash_hits", "single_type_managers")
-
-    eagle_group_ids: tuple[int, ...] = ()
-    num_reprefillable_tokens = 0
+    __slots__ = (
+        "_coordinator",
+        "block_pool",
+        "eagle_group_ids",
+        "enable_partial_hash_hits",
+        "num_reprefillable_tokens",
+        "single_type_managers",
+    )
 
     def __init__(
-        self, single_type_managers: list[_GroupView], block_pool: Any, coordinator: Any
+        self,
+        single_type_managers: list[_GroupView],
+        block_pool: Any,
+        coordinator: Any,
+        eagle_group_ids: tuple[int, ...] = (),
     ) -> None:
         self.single_type_managers = single_type_managers
         self.block_pool = block_pool
         self._coordinator = coordinator
+        self.eagle_group_ids = set(eagle_group_ids)
+        self.num_reprefillable_tokens = coordinator.num_reprefillable_tokens
         self.enable_partial_hash_hits = False
 
     def get_num_blocks_to_allocate(
@@ -247,9 +267,13 @@ class MirrorKVCacheManager:
                     config.kv_cache_config.prefix_cache_retention_interval
                 ),
                 dcp_world_size=config.dcp_world_size,
+                eagle_block_drop_group_ids=config.eagle_block_drop_group_ids,
+                num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
+                num_prefill_lookahead=config.num_prefill_lookahead,
             )
         )
         core = self.core
+        self.use_eagle = bool(config.eagle_block_drop_group_ids)
         self.max_model_len = config.max_model_len
         self.enable_caching = config.enable_caching
         self.enable_kv_cache_events = config.enable_kv_cache_events
@@ -271,6 +295,7 @@ class MirrorKVCacheManager:
             ],
             core.block_pool,
             core.coordinator,
+            config.eagle_group_ids,
         )
         # vLLM's scheduler reads whether hits land inside blocks (Mamba align mode).
         self.coordinator.enable_partial_hash_hits = core.coordinator.enable_partial_hash_hits
@@ -283,6 +308,7 @@ class MirrorKVCacheManager:
             hash_block_size=core.hash_block_size,
             send_hashes=config.enable_caching,
             no_blocks=core.empty_kv_cache_blocks,
+            num_hash_lookahead_tokens=core.block_pool.num_hash_lookahead_tokens,
         )
         # Remote mode: every allocate_slots closes a program of its own, which the sink ships
         # and the server acknowledges before the answer goes back to vLLM.
@@ -733,6 +759,9 @@ class MirrorKVCacheManager:
             prefix_cache_retention_interval=core.prefix_cache_retention_interval,
             decode_context_parallel_size=core.dcp_world_size,
             offload_host_blocks=0 if self.host_tier is None else self.host_tier.num_blocks,
+            num_hash_lookahead_tokens=core.num_hash_lookahead_tokens,
+            num_prefill_lookahead=core.num_prefill_lookahead,
+            eagle_block_drop_group_ids=tuple(core.eagle_block_drop_group_ids),
         )
 
     def attach_host_tier(self, offloading: KvcmOffloadingManager) -> None:

@@ -174,6 +174,7 @@ class StepRecorder:
 
     __slots__ = (
         "_hash_block_size",
+        "_hash_lookahead",
         "_in_flight_options",
         "_lock",
         "_next_key",
@@ -198,6 +199,7 @@ class StepRecorder:
         send_hashes: bool = True,
         clock: Any = None,
         no_blocks: object = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         """Record into fresh programs handed to ``sink``.
 
@@ -209,11 +211,14 @@ class StepRecorder:
             clock: Stamps ``RecordedStep.closed_at`` (``None``: ``time.monotonic``).
             no_blocks: The answer the mirror gives an allocation that fits without a new
                 block (its shared empty ``KVCacheBlocks``): recorded without looking inside.
+            num_hash_lookahead_tokens: Tokens after each block its hash also covers (EAGLE's
+                lookahead hashes): a prompt carries ``(n - this) // hash_block_size`` hashes.
         """
         self._send_hashes = send_hashes
         self._zero_counts = [0] * num_groups
         self._no_blocks = no_blocks if no_blocks is not None else object()
         self._hash_block_size = hash_block_size
+        self._hash_lookahead = num_hash_lookahead_tokens
         self.clock = clock if clock is not None else time.monotonic
         self.num_steps = 0
         self._next_key = 1
@@ -621,7 +626,9 @@ class StepRecorder:
         key = self._next_key
         self._next_key += 1
         num_prompt = view.num_prompt_tokens
-        num_prompt_hashes = min(num_hashes, num_prompt // self._hash_block_size)
+        num_prompt_hashes = min(
+            num_hashes, max(num_prompt - self._hash_lookahead, 0) // self._hash_block_size
+        )
         write[OpKind.ADD_REQUEST](
             NewRequestSpec(
                 key=key,

@@ -75,19 +75,15 @@ def check_supported(vllm_config: Any) -> None:
             "encoder-cache connectors (--ec-transfer-config) are not supported with kvcm",
         ),
         (
-            # Drafters that read the target's hidden states change what the manager does:
-            # lookahead block hashes, re-prefillable tokens, EAGLE's trailing-block drop (see
-            # docs/vllm.md). N-gram, suffix and draft-model drafting change only how many
-            # tokens (and lookahead slots) each allocation asks for, which kvcm serves.
+            # Hidden-state drafters (EAGLE, EAGLE3, MTP, DFlash, DSpark) are served: their
+            # lookahead block hashes, re-prefillable tokens and trailing-block drop reach the
+            # core (see docs/vllm.md). With them vLLM turns on the Mamba shared-prefix
+            # checkpoint when asked, which kvcm does not model.
             vllm_config.speculative_config is not None
-            and vllm_config.speculative_config.use_eagle(),
-            "speculative decoding with a hidden-state drafter (EAGLE, EAGLE3, MTP, DFlash, "
-            "DSpark) is not supported with kvcm yet; n-gram, suffix and draft-model "
-            "speculative decoding are",
-        ),
-        (
-            vllm_config.num_hash_lookahead_tokens != 0,
-            "hash lookahead tokens are not supported with kvcm",
+            and vllm_config.speculative_config.use_eagle()
+            and bool(getattr(vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", 0)),
+            "enable_mamba_shared_prefix_checkpoint with a hidden-state drafter (EAGLE, MTP, "
+            "...) is not supported with kvcm",
         ),
         (
             vllm_config.aux_output_config.enabled,
@@ -200,6 +196,7 @@ class _KvcmSchedulerMixin:
         self.kvcm_settings = settings
         self.kv_cache_config = kv_cache_config
         scheduler: Any = self
+        placeholder = scheduler.kv_cache_manager.coordinator
         self.kv_cache_manager = MirrorKVCacheManager(
             MirrorManagerConfig(
                 kv_cache_config=kv_cache_config,
@@ -214,6 +211,11 @@ class _KvcmSchedulerMixin:
                 hash_algorithm=scheduler.cache_config.prefix_caching_hash_algo,
                 dcp_world_size=scheduler.dcp_world_size,
                 defer_block_free=bool(scheduler.defer_block_free),
+                # EAGLE/MTP as vLLM's constructor resolved them on its placeholder manager.
+                eagle_group_ids=tuple(sorted(placeholder.eagle_group_ids)),
+                eagle_block_drop_group_ids=tuple(sorted(placeholder.drop_eagle_group_ids)),
+                num_hash_lookahead_tokens=scheduler.num_hash_lookahead_tokens,
+                num_prefill_lookahead=scheduler.num_prefill_lookahead,
             ),
         )
         offloading = _kvcm_offloading_manager(self)
