@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aetcd
+import grpc
 import httpx
 import pytest
 from _cluster import Etcd, Replica, wait_for_members
@@ -31,6 +32,7 @@ from _replication import replica_state  # isort: skip
 from kvcm.client import SchedulerClient, ServiceNotFoundError, UnavailableError
 from kvcm.core.lookup import LookupQuery
 from kvcm.server.cluster import Placement
+from kvcm.v1 import admin_pb2, service_pb2_grpc
 
 LEASE_TTL_S = 2
 PREFIX = "/kvcm-test-deleted-pool"
@@ -81,6 +83,31 @@ def _metric(replica: Replica, name: str) -> float:
     raise AssertionError(f"{replica.address} has no {name}")
 
 
+def _local_pools(replica: Replica) -> set[str]:
+    """The pools ``replica`` holds itself (a ListPools that is not fanned out)."""
+    with grpc.insecure_channel(replica.address) as channel:
+        stub = service_pb2_grpc.AdminServiceStub(channel)  # type: ignore[no-untyped-call]
+        answer = stub.ListPools(
+            admin_pb2.ListPoolsRequest(), metadata=(("kvcm-cluster-local", "1"),), timeout=10
+        )
+        return {pool.pool_id for pool in answer.pools}
+
+
+def _delete(cluster: list[Replica], away: Replica, pool_ids: list[str]) -> None:
+    """Delete the pools through the replicas other than ``away``."""
+    seeds = ",".join(r.address for r in cluster if r is not away)
+    with SchedulerClient(seeds, timeout=10.0) as client:
+        for pool_id in pool_ids:
+            deadline = time.monotonic() + 10
+            while True:  # UNAVAILABLE while a promotion's checkpoint is taken: again
+                try:
+                    client.delete_pool(pool_id)
+                    break
+                except UnavailableError:
+                    assert time.monotonic() < deadline, f"{pool_id} was not deleted"
+                    time.sleep(0.05)
+
+
 def _assert_gone(cluster: list[Replica], gone: set[str], kept: set[str]) -> None:
     """Through every replica: ListPools and Lookup show exactly ``kept``, DescribePool of each
     of ``gone`` is NOT_FOUND; etcd places only ``kept``."""
@@ -119,23 +146,15 @@ def test_a_pool_deleted_while_its_replica_was_down_does_not_come_back(
 
     assert victim.process is not None
     victim.stop(signal.SIGKILL)
-    others = [r for r in cluster if r is not victim]
     _wait(lambda: _placements(etcd)["del-a"].epoch == 2, "del-a's failover")
-    with SchedulerClient(",".join(r.address for r in others), timeout=10.0) as client:
-        for pool_id in sorted(deleted):
-            deadline = time.monotonic() + 10
-            while True:  # del-a answers UNAVAILABLE while its promotion's checkpoint is taken
-                try:
-                    client.delete_pool(pool_id)
-                    break
-                except UnavailableError:
-                    assert time.monotonic() < deadline, f"{pool_id} was not deleted"
-                    time.sleep(0.05)
+    _delete(cluster, victim, sorted(deleted))
     tombstones = asyncio.run(_records(etcd, "deleted"))
     assert set(tombstones) == deleted
     assert b'"epoch": 2' in tombstones["del-a"]  # the deleted placement's
 
     for restart in range(2):  # the second start finds the drop journaled
+        if restart:
+            victim.stop(signal.SIGKILL)
         victim.start()
         wait_for_members(cluster, 3)
         _assert_gone(cluster, deleted, {kept})
@@ -147,9 +166,6 @@ def test_a_pool_deleted_while_its_replica_was_down_does_not_come_back(
             state = replica_state(victim.address, pool_id)
             assert (state.role, state.placement_epoch, state.digest) == ("none", 0, b"")
         assert_pool_matches(seeds, kept, expected_pool(STEPS))
-        victim.stop(signal.SIGKILL)
-    victim.start()
-    wait_for_members(cluster, 3)
 
     with SchedulerClient(seeds, timeout=10.0) as client:
         client.create_pool("del-a", CONFIG)
@@ -159,4 +175,27 @@ def test_a_pool_deleted_while_its_replica_was_down_does_not_come_back(
     assert _placements(etcd)["del-a"].epoch == 1
     for replica in cluster:
         assert_pool_matches(replica.address, "del-a", expected_pool(STEPS))
+    assert_pool_matches(seeds, kept, expected_pool(STEPS))
+
+    # A primary paused past its lease while its pool fails over and is deleted: it learns of
+    # it on SIGCONT and drops its copy (a stepped-down primary's, or, had its watch missed the
+    # failover, its own); its journal still holds the pool, so were that drop not durable its
+    # next start would bring the pool back (it has no role for it any more: the data
+    # directory is a cluster replica's, and the tombstone decides).
+    paused = next(r for r in cluster if r.address == _placements(etcd)["del-a"].primary)
+    assert paused.process is not None
+    paused.process.send_signal(signal.SIGSTOP)
+    try:
+        _wait(lambda: _placements(etcd)["del-a"].epoch == 2, "del-a's second failover")
+        _delete(cluster, paused, ["del-a"])
+    finally:
+        paused.process.send_signal(signal.SIGCONT)
+    _wait(lambda: "del-a" not in _local_pools(paused), "the paused primary's drop")
+    live = _metric(paused, "kvcm_cluster_deleted_pools_dropped_total")
+    paused.stop(signal.SIGKILL)
+    paused.start()
+    wait_for_members(cluster, 3)
+    _assert_gone(cluster, {"del-a", *deleted}, {kept})
+    # Dropped once, durably: live (its own copy) or at this start (the stepped-down copy).
+    assert live + _metric(paused, "kvcm_cluster_deleted_pools_dropped_total") == 1
     assert_pool_matches(seeds, kept, expected_pool(STEPS))
