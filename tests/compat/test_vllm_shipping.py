@@ -13,6 +13,8 @@ mid-run; the engine keeps scheduling exactly as vLLM, and the server's copy conv
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -137,6 +139,19 @@ PARAMS = [
     for mode in ("mirror", "remote")
     if mode == "mirror" or case not in {"pp2-hybrid-planned", "serve-defaults"}
 ]
+# The shipper process (``shipper: process``) ships the cases whose notes differ most: hits
+# and chunked prefills, preemptions with async scheduling, a hybrid pool, caching off (no
+# hashes), LoRA with salts.
+PARAMS += [
+    (case, "mirror-process")
+    for case in (
+        "prefix-hits-chunked",
+        "async-preemption",
+        "hybrid-swa",
+        "caching-off",
+        "async-lora-salts-no-stats",
+    )
+]
 
 
 @pytest.mark.parametrize(("case", "mode"), PARAMS)
@@ -147,6 +162,8 @@ def test_shipped_steps_equal_vllm_and_the_server_copy_converges(
     del vllm
     setup, seed, num_requests = CASES[case]
     # Remote mode pays a loopback round trip per allocation: two thirds of the requests.
+    shipper_kind = "process" if mode == "mirror-process" else "thread"
+    mode = mode.removesuffix("-process")
     num_requests = num_requests * workload_scale() * (3 if mode == "mirror" else 2) // 3
     plans = plan_workload(seed, num_requests, setup)
     pool_id = f"engine-{case}"
@@ -156,6 +173,7 @@ def test_shipped_steps_equal_vllm_and_the_server_copy_converges(
             "pool_id": pool_id,
             "mode": mode,
             "labels": {"tenant": f"t-{case}-{mode}"},
+            "shipper": shipper_kind,
         }
     }
     reference = build_engine(setup)
@@ -166,7 +184,8 @@ def test_shipped_steps_equal_vllm_and_the_server_copy_converges(
         shipper = _shipper(mirrored)
         assert manager.flush(30.0), shipper.stats
         stats = shipper.stats
-        print(f"{case} {mode}: {tally.turns} turns, {tally.batches} batches, {stats}")
+        print(f"{case} {mode}/{shipper_kind}: {tally.turns} turns, {tally.batches} batches")
+        print(stats)
         assert stats.mismatches == 0
         assert stats.resyncs == 0
         assert stats.steps_verified == stats.steps_submitted == stats.steps_shipped
@@ -269,7 +288,11 @@ def test_remote_mode_answers_nothing_the_server_has_not_acknowledged(
 
 
 def _fault_run(
-    server_address: str, faults: dict[int, Callable[[Engine], None]], *, max_backlog: int = 4096
+    server_address: str,
+    faults: dict[int, Callable[[Engine], None]],
+    *,
+    max_backlog: int = 4096,
+    shipper: str = "thread",
 ) -> tuple[Engine, int]:
     """Run vLLM's engine and kvcm's side by side; after turn ``n`` call ``faults[n]`` with
     kvcm's engine. Every turn must stay identical to vLLM's. Returns kvcm's engine (not shut
@@ -284,6 +307,7 @@ def _fault_run(
             "pool_id": "engine-faults",
             "max_backlog": max_backlog,
             "step_timeout_s": 2,
+            "shipper": shipper,
         }
     }
     reference = build_engine(setup)
@@ -305,8 +329,9 @@ def _fault_run(
     return mirrored, tally.turns
 
 
+@pytest.mark.parametrize("shipper", ["thread", "process"])
 def test_a_pool_deleted_mid_run_is_recreated_from_the_mirror(
-    server: EmbeddedServer, vllm: Any
+    shipper: str, server: EmbeddedServer, vllm: Any
 ) -> None:
     """An operator deletes the pool twice: the engine never notices, the server converges."""
     del vllm
@@ -316,11 +341,13 @@ def test_a_pool_deleted_mid_run_is_recreated_from_the_mirror(
             assert engine.scheduler.kv_cache_manager.flush(10.0)  # the pool exists by now
             client.delete_pool("engine-faults")
 
-        mirrored, num_turns = _fault_run(server.grpc_address, {40: delete, 120: delete})
+        mirrored, num_turns = _fault_run(
+            server.grpc_address, {40: delete, 120: delete}, shipper=shipper
+        )
     try:
-        shipper = _shipper(mirrored)
-        assert mirrored.scheduler.kv_cache_manager.flush(30.0), shipper.stats
-        stats = shipper.stats
+        sink = _shipper(mirrored)
+        assert mirrored.scheduler.kv_cache_manager.flush(30.0), sink.stats
+        stats = sink.stats
         print(f"{num_turns} turns, {stats}")
         assert stats.resyncs == 2
         assert stats.mismatches == 0
@@ -368,3 +395,61 @@ def test_a_server_restarted_mid_run_is_resynchronised_and_a_backlog_overflow_too
             mirrored.shutdown()
     finally:
         servers[0].stop()
+
+
+def test_a_killed_shipper_process_is_replaced_and_the_pool_resynchronised(
+    server: EmbeddedServer, vllm: Any
+) -> None:
+    """``shipper: process``: the child is killed with SIGKILL twice mid-run, once with steps
+    in its pipe and once idle. The engine keeps scheduling exactly as vLLM's; at its next
+    step boundaries it starts a new child and reseeds it from a snapshot of the mirror; what
+    the server acknowledged before stays, and the server's copy ends equal to the mirror's."""
+    del vllm
+    from kvcm.integrations.vllm._procship import ProcessStepShipper
+
+    pids: list[int] = []
+    acked_before: list[int] = []
+
+    def kill(engine: Engine) -> None:
+        sink = _shipper(engine)
+        assert isinstance(sink, ProcessStepShipper)
+        pid = sink.pid
+        assert pid is not None
+        lag = sink.lag()
+        acked_before.append(lag.last_acked_step_seq)
+        os.kill(pid, signal.SIGKILL)
+        pids.append(pid)
+
+    def kill_idle(engine: Engine) -> None:
+        assert engine.scheduler.kv_cache_manager.flush(10.0)
+        kill(engine)
+
+    def resynced(engine: Engine) -> None:
+        # The second child is up and has repaired the pool (its start takes ~1-3 s);
+        # the next turns' steps are then in its pipe or its backlog when it is killed.
+        assert engine.scheduler.kv_cache_manager.flush(30.0)
+        assert _shipper(engine).stats.resyncs == 1
+
+    mirrored, num_turns = _fault_run(
+        server.grpc_address, {50: kill_idle, 105: resynced, 110: kill}, shipper="process"
+    )
+    try:
+        sink = _shipper(mirrored)
+        manager = mirrored.scheduler.kv_cache_manager
+        assert manager.flush(30.0), sink.stats
+        stats = sink.stats
+        print(f"{num_turns} turns, {sink.child_restarts} restarts, {stats}")
+        assert len(pids) == 2
+        assert sink.pid is not None
+        assert sink.pid not in pids
+        assert sink.child_restarts == 2
+        assert stats.resyncs == 2
+        assert stats.mismatches == 0
+        assert 0 < acked_before[0] < acked_before[1]
+        lag = sink.lag()
+        assert lag.backlog_steps == 0
+        assert lag.last_acked_step_seq == lag.last_closed_step_seq == manager.recorder.num_steps
+        assert server_pool_state(server, "engine-faults") == mirror_state(mirrored)
+    finally:
+        mirrored.shutdown()
+    assert sink.pid is None  # shut down with the scheduler

@@ -75,6 +75,13 @@ def test_settings_read_pool_labels() -> None:
     assert given.labels == {"role": "decode"}
 
 
+def test_settings_read_the_shipper() -> None:
+    assert KvcmSettings().shipper == "thread"
+    assert KvcmSettings.from_sources(None, {"KVCM_SHIPPER": "process"}).shipper == "process"
+    given = KvcmSettings.from_sources({"kvcm": {"shipper": "process"}}, {"KVCM_SHIPPER": "x"})
+    assert given.shipper == "process"
+
+
 def test_settings_default_without_kvcm_section() -> None:
     assert KvcmSettings.from_sources(None, {}) == KvcmSettings()
     assert KvcmSettings.from_sources({"other": 1}, {}) == KvcmSettings()
@@ -91,6 +98,7 @@ def test_settings_default_without_kvcm_section() -> None:
         ({"kvcm": ["address"]}, {}, "must be a mapping"),
         ({}, {"KVCM_POOL_LABELS": "role"}, "not key=value"),
         ({"kvcm": {"labels": {"bad key": "x"}}}, {}, "kvcm labels"),
+        ({}, {"KVCM_SHIPPER": "fork"}, "shipper must be one of \\('thread', 'process'\\)"),
     ],
 )
 def test_settings_refuse_bad_values(additional: Any, environ: dict[str, str], message: str) -> None:

@@ -176,6 +176,7 @@ class StepRecorder:
         "_hash_block_size",
         "_hash_lookahead",
         "_in_flight_options",
+        "_keeps_steps",
         "_lock",
         "_next_key",
         "_no_blocks",
@@ -229,6 +230,17 @@ class StepRecorder:
         self._in_flight_options: dict[int, AllocOptions] = {}
         self._sink: StepSink = sink
         self._off = isinstance(sink, NullSink)
+        self._keeps_steps = not getattr(sink, "builds_elsewhere", False)
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments that make a recorder build the same programs from the same
+        notes (the shipper process builds its own recorder with them)."""
+        return {
+            "num_groups": len(self._zero_counts),
+            "hash_block_size": self._hash_block_size,
+            "send_hashes": self._send_hashes,
+            "num_hash_lookahead_tokens": self._hash_lookahead,
+        }
 
     @property
     def sink(self) -> StepSink:
@@ -239,6 +251,9 @@ class StepRecorder:
     def sink(self, sink: StepSink) -> None:
         self._sink = sink
         self._off = isinstance(sink, NullSink)
+        # A sink that ``builds_elsewhere`` (the shipper process) takes each step's notes and
+        # keeps what the pool was told itself (its ``tracked()``): no step waits here.
+        self._keeps_steps = not getattr(sink, "builds_elsewhere", False)
 
     # ------------------------------------------------------------------ notes (scheduler thread)
     def allocate(
@@ -384,9 +399,29 @@ class StepRecorder:
         step._notes = notes
         step._recorder = self
         self._notes = []
-        self._unbuilt.append(step)
+        if self._keeps_steps:
+            self._unbuilt.append(step)
         self._sink.submit(step)
         return step
+
+    def extend_notes(self, notes: Iterable[tuple[Any, ...]]) -> None:
+        """Add notes made elsewhere (the shipper process rebuilds the engine's notes with
+        its own request views); the next :meth:`close_step` closes them as one step."""
+        self._notes.extend(notes)
+
+    def restore(
+        self, tracked: dict[str, tuple[int, int, int]], *, next_key: int, num_steps: int
+    ) -> None:
+        """Start from a snapshot's requests: request id -> (key, tokens sent, block hashes
+        sent), the next request's key, the steps closed so far. For a fresh recorder (the
+        shipper process after a resync); the next step closed is ``num_steps + 1``."""
+        with self._lock:
+            self._tracked = {
+                request_id: _Tracked(key, num_tokens, num_hashes)
+                for request_id, (key, num_tokens, num_hashes) in tracked.items()
+            }
+            self._next_key = next_key
+            self.num_steps = num_steps
 
     # ------------------------------------------------------------------ building (any thread)
     def build_through(self, step: RecordedStep | None = None) -> None:
@@ -401,6 +436,10 @@ class StepRecorder:
     def tracked(self) -> dict[str, tuple[int, int, int]]:
         """Requests the pool holds after the last closed step: request id -> (key, tokens
         sent, block hashes sent)."""
+        if not self._keeps_steps:
+            sink: Any = self._sink
+            elsewhere: dict[str, tuple[int, int, int]] = sink.tracked()
+            return elsewhere
         self.build_through()
         with self._lock:
             return {
@@ -410,6 +449,9 @@ class StepRecorder:
 
     def key_of(self, request_id: str) -> int | None:
         """The key the programs use for a live request (after the last closed step)."""
+        if not self._keeps_steps:
+            found = self.tracked().get(request_id)
+            return None if found is None else found[0]
         self.build_through()
         tracked = self._tracked.get(request_id)
         return None if tracked is None else tracked.key

@@ -26,6 +26,7 @@ from kvcm.client import TlsConfig
 from kvcm.common.errors import ConfigError
 from kvcm.integrations.vllm._convert import check_connector_groups
 from kvcm.integrations.vllm._manager import MirrorKVCacheManager, MirrorManagerConfig
+from kvcm.integrations.vllm._procship import ProcessStepShipper
 from kvcm.integrations.vllm._settings import KvcmSettings
 from kvcm.integrations.vllm._shipper import GrpcStepShipper
 from kvcm.integrations.vllm._sinks import NullSink
@@ -253,14 +254,35 @@ class _KvcmSchedulerMixin:
         vllm_config: Any = getattr(self, "vllm_config", None)
         pool_id = settings.pool_id or default_pool_id(vllm_config)
         manager = self.kv_cache_manager
-        return GrpcStepShipper(
-            address=settings.address,
-            pool_id=pool_id,
-            pool_config=lambda: dataclasses.replace(
+
+        def pool_config() -> Any:
+            return dataclasses.replace(
                 manager.pool_config(),
                 scheduler_lease_s=settings.lease_s,
                 labels={**default_labels(vllm_config), **settings.labels},
-            ),
+            )
+
+        if settings.mode == "mirror" and settings.shipper == "process":
+            return ProcessStepShipper(
+                address=settings.address,
+                pool_id=pool_id,
+                pool_config=pool_config,
+                recorder_options=manager.recorder.options(),
+                no_blocks=manager.core.empty_kv_cache_blocks,
+                step_timeout_s=settings.step_timeout_s,
+                max_backlog=settings.max_backlog,
+                lease_s=settings.lease_s,
+                tls_files=(
+                    (settings.tls_ca, settings.tls_cert, settings.tls_key)
+                    if settings.tls_ca or settings.tls_cert
+                    else None
+                ),
+                token=settings.token,
+            )
+        return GrpcStepShipper(
+            address=settings.address,
+            pool_id=pool_id,
+            pool_config=pool_config,
             step_timeout_s=settings.step_timeout_s,
             max_backlog=settings.max_backlog,
             synchronous=settings.mode == "remote",

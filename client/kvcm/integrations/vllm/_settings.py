@@ -10,9 +10,10 @@ from typing import Any, Final
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.core.pool_types import check_labels
 
-__all__ = ["MODES", "KvcmSettings"]
+__all__ = ["MODES", "SHIPPERS", "KvcmSettings"]
 
 MODES: Final = ("mirror", "remote")
+SHIPPERS: Final = ("thread", "process")
 
 # Setting name -> (environment variable, parser).
 _ENV: Final = {
@@ -28,6 +29,7 @@ _ENV: Final = {
     "tls_key": "KVCM_TLS_KEY",
     "token": "KVCM_TOKEN",
     "labels": "KVCM_POOL_LABELS",
+    "shipper": "KVCM_SHIPPER",
 }
 
 
@@ -57,6 +59,10 @@ class KvcmSettings:
             ``tenant``...), on top of ``model`` and ``data_parallel_rank``, which the
             integration sets from the engine's config. ``KVCM_POOL_LABELS`` reads
             ``key=value,key=value``.
+        shipper: Mirror mode with an address: where the Step programs are built, encoded
+            and sent. ``"thread"``: a thread of the engine's process (it shares the engine's
+            interpreter lock); ``"process"``: a child process the engine hands each step's
+            notes to over a pipe (docs/vllm.md, "The shipper process").
     """
 
     address: str | None = None
@@ -71,6 +77,7 @@ class KvcmSettings:
     tls_key: str | None = None
     token: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    shipper: str = "thread"
 
     @classmethod
     def from_sources(
@@ -119,6 +126,8 @@ class KvcmSettings:
         """Raise :class:`ConfigError` naming the first setting out of its domain."""
         if self.mode not in MODES:
             raise ConfigError(f"kvcm mode must be one of {MODES}, got {self.mode!r}")
+        if self.shipper not in SHIPPERS:
+            raise ConfigError(f"kvcm shipper must be one of {SHIPPERS}, got {self.shipper!r}")
         if not self.step_timeout_s > 0:
             raise ConfigError(f"kvcm step_timeout_s must be > 0, got {self.step_timeout_s}")
         if self.max_backlog < 1:

@@ -388,6 +388,17 @@ class GrpcStepShipper:
             self._snapshot = (step_seq, data)
             self._cond.notify()
 
+    def resync_from(self, step_seq: int, data: bytes) -> None:
+        """Repair the server's copy from this snapshot (after step ``step_seq``) before
+        anything else: the steps queued up to it are dropped, a call in flight is not
+        repeated. For a shipper that learns of a snapshot unasked (the shipper process)."""
+        with self._cond:
+            self._need_snapshot = True
+            self._inflight = None
+            self._snapshot = (step_seq, data)
+            self._last_closed_seq = max(self._last_closed_seq, step_seq)
+            self._cond.notify_all()
+
     def lag(self) -> ShippingLag:
         """How far the server's copy is behind the mirror now (any thread)."""
         with self._cond:
