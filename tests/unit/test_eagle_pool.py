@@ -110,3 +110,38 @@ def test_lookahead_hashes_cover_the_next_token_and_are_verified() -> None:
         pool.append_tokens(1, [32], _hashes(pool, grown, 0)[pool.hashing.hash_length_bytes :])
     pool.append_tokens(1, [32], second)
     assert len(pool.request(1).block_hashes) == 2
+
+
+def test_token_lookups_and_the_pools_hasher_use_the_lookahead() -> None:
+    """A router's token-id Lookup (and the SDK's DescribePool hasher) hashes a lookahead
+    pool's prompts as its engine did: with standard hashes nothing would ever match."""
+    from kvcm.core.lookup import LookupQuery
+    from kvcm.core.pool import PoolRegistry
+    from kvcm.core.program import HitSpec
+    from kvcm.wire import hashing_from_proto, hashing_to_proto
+
+    registry = PoolRegistry()
+    pools = {
+        lookahead: registry.create(
+            f"l{lookahead}",
+            PoolConfig(
+                max_model_len=256, explicit_layout=LAYOUT, num_hash_lookahead_tokens=lookahead
+            ),
+        )
+        for lookahead in (0, 1)
+    }
+    prompt = list(range(50))  # 3 full blocks; with one lookahead token 3 hashes (49 // 16)
+    for lookahead, pool in pools.items():
+        hashing = hashing_from_proto(hashing_to_proto(pool.hashing))
+        assert hashing.num_lookahead_tokens == lookahead
+        assert b"".join(hashing.block_hasher().hash_token_ids(prompt)) == _hashes(
+            pool, prompt, lookahead
+        )
+        pool.add_request(1, "r", prompt, _hashes(pool, prompt, lookahead))
+        hit = pool.get_computed_blocks(1, None)
+        spec = HitSpec(num_tokens=hit.num_computed_tokens, block_ids=hit.blocks.get_block_ids())
+        assert pool.allocate(1, len(prompt), 0, hit=spec) is not None
+        pool.free(1, preempt=False)
+    # 49 tokens: three blocks for both pools (the third lookahead hash covers token 48).
+    answer = registry.lookup(LookupQuery(token_ids=prompt[:49]))
+    assert {hit.pool_id: hit.num_hit_tokens for hit in answer.pools} == {"l0": 48, "l1": 48}

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias, cast, overl
 from kvcm.common.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcm.common.hashing import (
     BlockHash,
-    BlockHasher,
     HashAlgorithm,
     MultiModalFeature,
     make_block_hash_with_group_id,
@@ -82,7 +81,7 @@ MAX_LOOKUP_HASH_WORK: Final = 1024 * 1024
 _MAX_LOAD_WEIGHT: Final = 1e6
 _GROUP0_SUFFIX: Final = make_block_hash_with_group_id(BlockHash(b""), 0)
 
-Profile: TypeAlias = tuple[HashAlgorithm, str, int, int]
+Profile: TypeAlias = tuple[HashAlgorithm, str, int, int, int]
 """Hashing parameters that give a prompt the same hashes: algorithm, seed, block size, length."""
 
 
@@ -540,7 +539,13 @@ def scope_pools(
 
 def _profile(pool: Pool) -> Profile:
     hashing = pool.hashing
-    return (hashing.algorithm, hashing.seed, hashing.hash_block_size, hashing.hash_length_bytes)
+    return (
+        hashing.algorithm,
+        hashing.seed,
+        hashing.hash_block_size,
+        hashing.hash_length_bytes,
+        hashing.num_lookahead_tokens,
+    )
 
 
 def _takes(pool: Pool, query: LookupQuery) -> bool:
@@ -654,7 +659,7 @@ def lookup(
 def _prompt_hashes(pool: Pool, query: LookupQuery) -> list[BlockHash]:
     hashing = pool.hashing
     if query.token_ids is not None:
-        hasher = BlockHasher(hashing.hash_block_size, hashing.algorithm, hashing.seed)
+        hasher = hashing.block_hasher()
         return hasher.hash_token_ids(
             query.token_ids,
             lora_name=query.lora_name,

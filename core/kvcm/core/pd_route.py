@@ -250,6 +250,7 @@ def held_prefix(
         hashing.seed,
         hashing.hash_block_size,
         hashing.hash_length_bytes,
+        hashing.num_lookahead_tokens,
     )
     if hashed is None or profile not in hashed:
         hashed = hash_prompt([pool], prompt)

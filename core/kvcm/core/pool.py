@@ -198,6 +198,7 @@ class Pool:
             seed=self._seed,
             hash_block_size=options.hash_block_size or 0,
             hash_length_bytes=hash_length_bytes(algorithm),
+            num_lookahead_tokens=options.num_hash_lookahead_tokens,
         )
         self.state = PoolState.PENDING_WORKERS
         self.manager: KVCacheManager | None = None
@@ -272,6 +273,7 @@ class Pool:
             seed=self._seed,
             hash_block_size=manager.hash_block_size,
             hash_length_bytes=self.hashing.hash_length_bytes,
+            num_lookahead_tokens=options.num_hash_lookahead_tokens,
         )
         self.state = PoolState.READY
 

@@ -416,22 +416,31 @@ class HashingParameters:
         seed: The NONE_HASH seed. For xxhash algorithms it is a secret (kept out of ``repr``).
         hash_block_size: Tokens per hashed block.
         hash_length_bytes: Bytes per block hash (32 for sha256, 16 for xxhash algorithms).
+        num_lookahead_tokens: Tokens after each block that its hash also covers (an EAGLE/MTP
+            engine's lookahead block hashes, ``PoolConfig.num_hash_lookahead_tokens``).
     """
 
     algorithm: HashAlgorithm
     seed: str
     hash_block_size: int
     hash_length_bytes: int
+    num_lookahead_tokens: int = 0
 
     def block_hasher(self) -> BlockHasher:
         """A hasher whose hashes equal the server's (and vLLM's) for this pool."""
-        return BlockHasher(self.hash_block_size, self.algorithm, self.seed)
+        return BlockHasher(
+            self.hash_block_size,
+            self.algorithm,
+            self.seed,
+            num_lookahead_tokens=self.num_lookahead_tokens,
+        )
 
     def __repr__(self) -> str:
         # The seed of an xxhash pool is a secret: keep it out of logs.
         return (
             f"HashingParameters(algorithm={self.algorithm!s}, seed=<hidden>, "
-            f"hash_block_size={self.hash_block_size}, hash_length_bytes={self.hash_length_bytes})"
+            f"hash_block_size={self.hash_block_size}, hash_length_bytes={self.hash_length_bytes}, "
+            f"num_lookahead_tokens={self.num_lookahead_tokens})"
         )
 
 

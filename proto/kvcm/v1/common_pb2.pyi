@@ -246,16 +246,18 @@ class KVCacheConfig(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., kv_cache_tensors: _Optional[_Iterable[_Union[KVCacheTensor, _Mapping]]] = ..., kv_cache_groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., kv_cache_layout: _Optional[str] = ...) -> None: ...
 
 class HashingParameters(_message.Message):
-    __slots__ = ("algorithm", "seed", "hash_block_size", "hash_length_bytes")
+    __slots__ = ("algorithm", "seed", "hash_block_size", "hash_length_bytes", "num_lookahead_tokens")
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_LENGTH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     algorithm: HashAlgorithm
     seed: str
     hash_block_size: int
     hash_length_bytes: int
-    def __init__(self, algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., seed: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_length_bytes: _Optional[int] = ...) -> None: ...
+    num_lookahead_tokens: int
+    def __init__(self, algorithm: _Optional[_Union[HashAlgorithm, str]] = ..., seed: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_length_bytes: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class GroupedBlockIds(_message.Message):
     __slots__ = ("block_ids", "num_block_ids")

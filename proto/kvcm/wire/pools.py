@@ -196,6 +196,7 @@ def hashing_to_proto(hashing: HashingParameters) -> common_pb2.HashingParameters
         seed=hashing.seed,
         hash_block_size=hashing.hash_block_size,
         hash_length_bytes=hashing.hash_length_bytes,
+        num_lookahead_tokens=hashing.num_lookahead_tokens,
     )
 
 
@@ -208,6 +209,7 @@ def hashing_from_proto(
         seed=message.seed,
         hash_block_size=message.hash_block_size,
         hash_length_bytes=message.hash_length_bytes,
+        num_lookahead_tokens=message.num_lookahead_tokens,
     )
 
 
