@@ -267,7 +267,9 @@ class ClusterRuntime:
                 if not clustered:
                     await node.place(pool_id, primary=node.address)
                     continue
-                outcome = await node.claim(pool_id)
+                role = replication.pools.get(pool_id) if replication is not None else None
+                mode = "async" if role is not None and not role.sync else "sync"
+                outcome = await node.claim(pool_id, mode=mode)  # the mode it was placed with
                 if not isinstance(outcome, Placement):
                     await self._drop_deleted(pool_id, outcome)
         except Exception as exc:  # etcd away (or an answer aetcd could not take): again later
