@@ -152,6 +152,15 @@ def test_engine_turns_equal_vllm_remote(case: str, server: Any, vllm: ModuleType
         scheduler = mirrored.scheduler
         mirror = pool_state(manager.core, sorted(scheduler.requests))
         assert server_pool_state(server, "spec") == mirror
+        # The server's pool decides with the engine's EAGLE settings (lookahead, drop).
+
+        async def options() -> Any:
+            return (await server.server.state.pool("spec")).options
+
+        served = server.call(options())
+        assert served.num_hash_lookahead_tokens == scheduler.num_hash_lookahead_tokens
+        drop = (0,) if scheduler.use_eagle_block_drop else ()
+        assert served.eagle_block_drop_group_ids == drop
     finally:
         mirrored.shutdown()
         reference.shutdown()
