@@ -7,7 +7,7 @@ for these drafters with prefix caching) and ``num_prefill_lookahead`` (multi-mod
 re-prefillable tokens). The generator of test_manager_compat.py drives both managers with
 each combination the scheduler makes, on full attention, sliding window (sparse retention
 too), hybrid full attention + sliding window, and hybrid full attention + Mamba in align mode
-(lookahead hashes; the drop beside Mamba is refused by kvcm, see the last test): block ids,
+(lookahead hashes, and the drop, which moves Mamba's checkpoints back a hash block): block ids,
 hits, copies, events (``lookahead_token_ids`` included), stats and pool state compared after
 every step.
 """
@@ -55,6 +55,8 @@ SCENARIOS = [
     _scenario("hybrid-full64-mamba256-align-lookahead", _MAMBA_ALIGN, _LOOKAHEAD, _MAMBA),
     # Three lookahead tokens move the Mamba prefill checkpoint back (one is the logits token).
     _scenario("hybrid-full64-mamba256-align-mtp-lookahead", _MAMBA_ALIGN, _MTP_LOOKAHEAD, _MAMBA),
+    # The drop beside Mamba: checkpoints one hash block below the last boundary.
+    _scenario("hybrid-full64-mamba256-align-drop", _MAMBA_ALIGN, _DROP, _MAMBA),
 ]
 # One seed in CI (about 25 s); KVCM_LONG=1 runs three.
 SEEDS = (0, 1, 2) if os.environ.get("KVCM_LONG") else (0,)

@@ -273,15 +273,10 @@ def test_eagle_engine_turns_equal_vllm_mirror_replayed(case: str, vllm: ModuleTy
     assert tally.hits > 0
 
 
-def test_eagle_refusals_are_vllms_or_named(vllm: ModuleType) -> None:
-    """A hidden-state drafter is served; what kvcm does not model is refused with the reason:
-    the Mamba shared-prefix checkpoint vLLM turns on with a drafter, and (in the core) the
-    trailing-block drop beside a Mamba group."""
-    from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
-    from kvcm.common.dtypes import DType
+def test_eagle_refusals_are_named(vllm: ModuleType) -> None:
+    """A hidden-state drafter is served; the Mamba shared-prefix checkpoint vLLM turns on
+    with one (when asked) is not modelled, and is refused with the setting named."""
     from kvcm.common.errors import ConfigError
-    from kvcm.common.specs import FullAttentionSpec, MambaSpec
-    from kvcm.core.manager import KVCacheManager, KVCacheManagerConfig
     from kvcm.integrations.vllm._scheduler import check_supported
 
     del vllm
@@ -290,18 +285,6 @@ def test_eagle_refusals_are_vllms_or_named(vllm: ModuleType) -> None:
     config.cache_config.enable_mamba_shared_prefix_checkpoint = True
     with pytest.raises(ConfigError, match="enable_mamba_shared_prefix_checkpoint"):
         check_supported(config)
-    attention = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=DType.FLOAT16)
-    mamba = MambaSpec(
-        block_size=16, shapes=((4,),), dtypes=(DType.FLOAT16,), mamba_cache_mode="align"
-    )
-    groups = (KVCacheGroupSpec(("a",), attention), KVCacheGroupSpec(("m",), mamba))
-    layout = KVCacheConfig(num_blocks=20, kv_cache_tensors=(), kv_cache_groups=groups)
-    with pytest.raises(ConfigError, match="EAGLE trailing-block drop with Mamba"):
-        KVCacheManager(
-            KVCacheManagerConfig(
-                kv_cache_config=layout, max_model_len=256, eagle_block_drop_group_ids=(0, 1)
-            )
-        )
 
 
 def test_draft_model_async_engine_turns_equal_vllm(vllm: ModuleType) -> None:
@@ -423,23 +406,35 @@ def test_ngram_hybrid_mamba_align_turns_equal_vllm(vllm: ModuleType) -> None:
     assert tally.finished == len(plans)
 
 
-def test_eagle_hybrid_mamba_align_turns_equal_vllm(vllm: ModuleType) -> None:
-    """EAGLE on a hybrid Mamba model in align mode, with vLLM's default lookahead block hashes:
-    the Mamba prefill checkpoint backs off by the lookahead (vLLM's
-    get_mamba_prefill_checkpoint_position) and every hash covers the next token; kvcm's
-    scheduler answers EngineCore exactly as vLLM's (sub-block hits, block copies, draft slots)."""
+@pytest.mark.parametrize("case", sorted(EAGLE))
+def test_eagle_hybrid_mamba_align_turns_equal_vllm(case: str, vllm: ModuleType) -> None:
+    """EAGLE on a hybrid Mamba model in align mode, with vLLM's default lookahead block hashes
+    (every hash covers the next token) or EAGLE3 with the trailing-block drop (full attention
+    drops a hash block, the Mamba prefill checkpoint backs off one: vLLM's
+    drop_eagle_checkpoint_block); kvcm's scheduler answers EngineCore exactly as vLLM's
+    (sub-block hits, block copies, draft slots)."""
     from test_mamba_engine_core import _plans
 
     from kvcm.integrations.vllm import KvcmScheduler
 
     del vllm
-    setup = dataclasses.replace(MAMBA, speculative_method="eagle")
+    drop = EAGLE[case].disable_lookahead_block_hashes
+    setup = dataclasses.replace(
+        MAMBA,
+        speculative_method=EAGLE[case].speculative_method,
+        disable_lookahead_block_hashes=drop,
+    )
     plans = _plans(27, 24 * workload_scale(), setup.max_model_len)
     reference = _build_hybrid(setup)
     mirrored = _build_hybrid(setup, _counting(KvcmScheduler))
     try:
-        assert reference.scheduler.num_hash_lookahead_tokens == 1
-        assert mirrored.scheduler.kv_cache_manager.core.block_pool.num_hash_lookahead_tokens == 1
+        core = mirrored.scheduler.kv_cache_manager.core
+        assert reference.scheduler.num_hash_lookahead_tokens == (0 if drop else 1)
+        assert core.block_pool.num_hash_lookahead_tokens == (0 if drop else 1)
+        assert core.coordinator.drop_eagle_group_ids == (
+            reference.scheduler.kv_cache_manager.coordinator.drop_eagle_group_ids
+        )
+        assert bool(core.coordinator.drop_eagle_group_ids) == drop
         assert mirrored.scheduler.mamba_partial_cache_hit
         tally = assert_same_runs(reference, mirrored, plans)
         counts = _spec_counts(mirrored)
@@ -447,7 +442,7 @@ def test_eagle_hybrid_mamba_align_turns_equal_vllm(vllm: ModuleType) -> None:
         mirrored.shutdown()
         reference.shutdown()
     print(
-        f"eagle hybrid Mamba align: {tally.turns} turns, {tally.batches} batches, "
+        f"{case} hybrid Mamba align: {tally.turns} turns, {tally.batches} batches, "
         f"{tally.events} events, {tally.hits} hits, {tally.preempted} preemptions, "
         f"{counts['drafts']} draft tokens in {counts['steps']} steps"
     )

@@ -29,7 +29,6 @@ from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import (
     ChunkedLocalAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
 )
 from kvcm.core.block_pool import BlockPool
 from kvcm.core.single_type_managers import (
@@ -207,6 +206,11 @@ class KVCacheCoordinator:
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
         )
         managers = self.single_type_managers
+        if self.drop_eagle_group_ids:
+            # With the drop on, Mamba checkpoints land where full attention's hits do.
+            for manager in managers:
+                if isinstance(manager, MambaManager):
+                    manager.drop_eagle_checkpoint_block = True
         # Hoisted per-call branches: which managers can free early, which are cross attention.
         self._skipping_managers = tuple(m for m in managers if m.skips_tokens)
         self._is_cross = tuple(isinstance(m, CrossAttentionManager) for m in managers)
@@ -389,10 +393,13 @@ class KVCacheCoordinator:
             num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, manager)
             if junction and manager.use_eagle:
                 manager.cache_blocks(
-                    request, num_tokens, (*boundaries, junction - manager.block_size)
+                    request,
+                    num_tokens,
+                    (*boundaries, junction - manager.block_size),
+                    junction=junction,
                 )
             else:
-                manager.cache_blocks(request, num_tokens, boundaries)
+                manager.cache_blocks(request, num_tokens, boundaries, junction=junction)
 
     def set_shared_prefix_boundary(self, request_id: str, boundary: int) -> None:
         """Record the shared-prefix junction of the request's latest lookup (0: none).
@@ -803,16 +810,9 @@ def _check_eagle(config: CoordinatorConfig) -> None:
             f" (={config.num_prefill_lookahead})."
         )
     for group_id, group in enumerate(groups):
-        kind = type(group.kv_cache_spec).__name__
         if isinstance(group.kv_cache_spec, ChunkedLocalAttentionSpec) and group_id in drop:
             raise ConfigError(  # vLLM asserts it
                 "Hybrid KV cache is not supported for eagle + chunked local attention."
-            )
-        if isinstance(group.kv_cache_spec, MambaSpec):
-            raise ConfigError(
-                f"group {group_id} ({kind}): the EAGLE trailing-block drop with Mamba groups is "
-                "not served by kvcm yet (lookahead block hashes, vLLM's default for EAGLE with "
-                "prefix caching, are)"
             )
 
 

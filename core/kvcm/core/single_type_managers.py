@@ -21,9 +21,9 @@ matched block of a hit (``use_eagle`` on a group: the drafter needs the hidden s
 token before the generation point recomputed), full attention drops one block (one hash block
 when it serves sub-block hits) and sliding window needs one more contiguous block and drops it;
 lookahead block hashes (``BlockPool.num_hash_lookahead_tokens``) move the Mamba prefill
-checkpoint back by the lookahead, as vLLM's ``get_mamba_prefill_checkpoint_position``. The
-block drop with Mamba groups, chunked local attention, DCP/PCP and KV-connector boundary-state
-offloads are not implemented.
+checkpoint back by the lookahead, and the drop by one hash block, as vLLM's
+``get_mamba_prefill_checkpoint_position``. The drop with chunked local attention (vLLM
+asserts), DCP/PCP and KV-connector boundary-state offloads are not implemented.
 """
 
 from __future__ import annotations
@@ -420,7 +420,12 @@ class SingleTypeKVCacheManager:
 
     # ------------------------------------------------------------------------- caching
     def cache_blocks(
-        self, request: Request, num_tokens: int, boundaries: Sequence[int] = ()
+        self,
+        request: Request,
+        num_tokens: int,
+        boundaries: Sequence[int] = (),
+        *,
+        junction: int = 0,
     ) -> None:
         """Cache the request's blocks that became full within its first ``num_tokens`` tokens.
 
@@ -430,6 +435,8 @@ class SingleTypeKVCacheManager:
             boundaries: Token positions a later request may resume at (its replay boundary
                 and any shared-prefix junction); sparse retention keeps the blocks a hit
                 there needs. Dense managers ignore them.
+            junction: The request's shared-prefix junction (0: none; align-mode Mamba keys
+                a state there).
         """
         request_id = request.request_id
         num_cached_blocks = self.num_cached_block.get(request_id, 0)
@@ -645,7 +652,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return GroupHit(computed, hit_length)
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, boundaries: Sequence[int] = ()
+        self,
+        request: Request,
+        num_tokens: int,
+        boundaries: Sequence[int] = (),
+        *,
+        junction: int = 0,
     ) -> None:
         """Cache full blocks, then the prompt's last hash boundary inside a block, if any."""
         super().cache_blocks(request, num_tokens)
@@ -892,13 +904,18 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return GroupHit(computed, len(computed[0]) * block_size)
 
 
-def _checkpoint_position(num_tokens: int, granularity: int, num_lookahead: int = 0) -> int:
+def _checkpoint_position(
+    num_tokens: int, granularity: int, num_lookahead: int = 0, drop_eagle_block: bool = False
+) -> int:
     """The last reusable Mamba state of a ``num_tokens`` prefill, on a ``granularity`` boundary.
 
     At least one token is left to recompute (a resend needs its logits), and with lookahead
     block hashes the ``num_lookahead`` tokens the checkpoint's hash covers, so the position is
-    strictly below ``num_tokens``.
+    strictly below ``num_tokens``. With EAGLE's trailing-block drop the checkpoint is one unit
+    below the last boundary, where full attention's hit lands after its drop.
     """
+    if drop_eagle_block:
+        return max(num_tokens // granularity * granularity - granularity, 0)
     return max((num_tokens - max(1, num_lookahead)) // granularity * granularity, 0)
 
 
@@ -929,6 +946,8 @@ class MambaManager(SingleTypeKVCacheManager):
         )
         assert isinstance(kv_cache_spec, MambaSpec)
         self.align = kv_cache_spec.mamba_cache_mode == "align"
+        # EAGLE's trailing-block drop in the pool (any group): checkpoints back off a unit.
+        self.drop_eagle_checkpoint_block = False
         if options.enable_caching and not self.align:
             raise ConfigError(
                 f"group {kv_cache_group_id}: Mamba prefix caching requires mamba_cache_mode='align'"
@@ -1127,7 +1146,10 @@ class MambaManager(SingleTypeKVCacheManager):
         if has_partial_hit:
             num_new = max(num_new, 0) + 1
         checkpoint_position = _checkpoint_position(
-            num_tokens, self.cache_hit_alignment_tokens, self.block_pool.num_hash_lookahead_tokens
+            num_tokens,
+            self.cache_hit_alignment_tokens,
+            self.block_pool.num_hash_lookahead_tokens,
+            self.drop_eagle_checkpoint_block,
         )
         if not self._needs_internal_checkpoint(
             request_id, total_computed_tokens, num_tokens, checkpoint_position, prefill_end
@@ -1331,14 +1353,20 @@ class MambaManager(SingleTypeKVCacheManager):
         return mask
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, boundaries: Sequence[int] = ()
+        self,
+        request: Request,
+        num_tokens: int,
+        boundaries: Sequence[int] = (),
+        *,
+        junction: int = 0,
     ) -> None:
         """Cache full states; align mode also keys the prefill checkpoint or prompt tail.
 
         Args:
             request: The request.
             num_tokens: Tokens to cache, including those cached already.
-            boundaries: The replay boundary, then the shared-prefix junction if any.
+            boundaries: The replay boundaries and the shared-prefix junction, if any.
+            junction: The shared-prefix junction (0: none).
         """
         request_id = request.request_id
         num_before = self.num_cached_block.get(request_id, 0)
@@ -1346,7 +1374,6 @@ class MambaManager(SingleTypeKVCacheManager):
         num_after = self.num_cached_block.get(request_id, 0)
         cached_this_step = self.cached_blocks_this_step
         if self.align:
-            junction = boundaries[1] if len(boundaries) > 1 else 0
             key = self._cache_partial_tail_block(request, num_tokens, junction)
             if key is not None:
                 cached_this_step.add(key)
@@ -1383,6 +1410,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 request.num_prompt_tokens,
                 self.cache_hit_alignment_tokens,
                 self.block_pool.num_hash_lookahead_tokens,
+                self.drop_eagle_checkpoint_block,
             )
             if not reachable and position % block_size == 0:
                 state_idx = position // block_size - 1
@@ -1406,7 +1434,10 @@ class MambaManager(SingleTypeKVCacheManager):
             return None
         # Only the prompt's last hash boundary (where a resend resumes) is keyed.
         if num_tokens != _checkpoint_position(
-            request.num_prompt_tokens, hash_block_size, self.block_pool.num_hash_lookahead_tokens
+            request.num_prompt_tokens,
+            hash_block_size,
+            self.block_pool.num_hash_lookahead_tokens,
+            self.drop_eagle_checkpoint_block,
         ):
             return None
         block_idx = _cdiv(num_tokens, block_size) - 1
@@ -1458,7 +1489,12 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         return
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, boundaries: Sequence[int] = ()
+        self,
+        request: Request,
+        num_tokens: int,
+        boundaries: Sequence[int] = (),
+        *,
+        junction: int = 0,
     ) -> None:
         """Cross-attention blocks are never cached."""
         return
