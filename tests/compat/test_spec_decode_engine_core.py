@@ -219,11 +219,19 @@ EAGLE = {
         FULL, num_blocks=50, speculative_method="eagle3", disable_lookahead_block_hashes=True
     ),
 }
+# Hidden-state drafters whose draft KV does not depend on the next token (DSpark): neither
+# lookahead hashes nor the drop, one prefill lookahead token; mirror mode only.
+MIRRORED = {
+    **EAGLE,
+    "dspark": dataclasses.replace(FULL, num_blocks=50, speculative_method="dspark"),
+}
+# (num_hash_lookahead_tokens, the drop) vLLM resolves for each.
+RESOLVED = {"eagle-lookahead": (1, False), "eagle3-drop": (0, True), "dspark": (0, False)}
 
 
-@pytest.mark.parametrize("case", sorted(EAGLE))
+@pytest.mark.parametrize("case", sorted(MIRRORED))
 def test_eagle_engine_turns_equal_vllm_mirror_replayed(case: str, vllm: ModuleType) -> None:
-    """Hidden-state drafters (EAGLE, EAGLE3): lookahead block hashes (hashes, events'
+    """Hidden-state drafters (EAGLE, EAGLE3, DSpark): lookahead block hashes (hashes, events'
     lookahead_token_ids, the hashes a request carries) or the trailing-block drop on every
     hit, with the drafter's lookahead slots; turns equal vLLM's, programs replay exactly."""
     from test_vllm_scheduler import ReplayCheckingSink
@@ -237,7 +245,7 @@ def test_eagle_engine_turns_equal_vllm_mirror_replayed(case: str, vllm: ModuleTy
         return ReplayCheckingSink()
 
     checked = type("CheckedKvcmScheduler", (KvcmScheduler,), {"make_step_sink": make_step_sink})
-    setup = EAGLE[case]
+    setup = MIRRORED[case]
     plans = plan_workload(26, 30 * workload_scale(), setup)
     reference = build_engine(setup)
     mirrored = build_engine(setup, _counting(checked))
@@ -245,9 +253,10 @@ def test_eagle_engine_turns_equal_vllm_mirror_replayed(case: str, vllm: ModuleTy
         ref, kv = reference.scheduler, mirrored.scheduler
         assert ref.use_eagle
         assert kv.use_eagle
-        drop = setup.disable_lookahead_block_hashes
-        assert ref.num_hash_lookahead_tokens == kv.num_hash_lookahead_tokens == (0 if drop else 1)
+        lookahead, drop = RESOLVED[case]
+        assert ref.num_hash_lookahead_tokens == kv.num_hash_lookahead_tokens == lookahead
         assert ref.use_eagle_block_drop == drop
+        assert kv.num_prefill_lookahead == 1
         assert kv.kv_cache_manager.core.coordinator.drop_eagle_group_ids == (
             ref.kv_cache_manager.coordinator.drop_eagle_group_ids
         )
