@@ -122,16 +122,23 @@ def _check_stall(
     return done
 
 
+@pytest.mark.parametrize("shipper", ["thread", "process"])
 def test_in_process_engine_lag_is_in_vllm_default_registry(
-    server: tuple[str, subprocess.Popen[bytes]], vllm: Any, monkeypatch: pytest.MonkeyPatch
+    shipper: str,
+    server: tuple[str, subprocess.Popen[bytes]],
+    vllm: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """With either shipper (``process``: the figures come from the child's reports)."""
     from kvcm.integrations.vllm import KvcmScheduler
 
     del vllm
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     address, process = server
-    pool_id = "engine-metrics-inproc"
-    engine = build_engine(_SETUP, KvcmScheduler, _config(address, pool_id))
+    pool_id = f"engine-metrics-inproc-{shipper}"
+    config = _config(address, pool_id)
+    config["kvcm"]["shipper"] = shipper
+    engine = build_engine(_SETUP, KvcmScheduler, config)
     manager = engine.scheduler.kv_cache_manager
     turns = run(engine, plan_workload(51, 30, _SETUP), record=False, max_steps=2000)
     try:
