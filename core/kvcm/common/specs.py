@@ -179,6 +179,8 @@ class SpecTraits:
         snapshot: A pool's snapshot may hold this spec (a rank's registered layer specs).
         vllm_class: The name of vLLM 0.33's spec class that the vLLM integration converts to
             this one; ``None``: the integration refuses the type.
+        eagle_block_drop: A hit may drop its last block for an EAGLE drafter (vLLM refuses the
+            drop on a chunked local attention group).
     """
 
     wire_tag: str
@@ -196,6 +198,7 @@ class SpecTraits:
     not_on_the_wire: frozenset[str] = frozenset()
     snapshot: bool = True
     vllm_class: str | None = None
+    eagle_block_drop: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -643,6 +646,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         hit_needs_shared_block_size=True,
         can_pad_page=True,
         vllm_class="ChunkedLocalAttentionSpec",
+        eagle_block_drop=False,
     )
 
     attention_chunk_size: int

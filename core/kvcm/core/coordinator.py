@@ -26,10 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcm.common.errors import ConfigError, InvalidArgumentError
-from kvcm.common.specs import (
-    ChunkedLocalAttentionSpec,
-    KVCacheSpec,
-)
+from kvcm.common.specs import KVCacheSpec
 from kvcm.core.block_pool import BlockPool
 from kvcm.core.single_type_managers import (
     CrossAttentionManager,
@@ -810,7 +807,7 @@ def _check_eagle(config: CoordinatorConfig) -> None:
             f" (={config.num_prefill_lookahead})."
         )
     for group_id, group in enumerate(groups):
-        if isinstance(group.kv_cache_spec, ChunkedLocalAttentionSpec) and group_id in drop:
+        if not group.kv_cache_spec.traits.eagle_block_drop and group_id in drop:
             raise ConfigError(  # vLLM asserts it
                 "Hybrid KV cache is not supported for eagle + chunked local attention."
             )
