@@ -395,9 +395,8 @@ class ProcessStepShipper:
     # ------------------------------------------------------------------ the child
     def _start(self) -> None:
         # A fresh child, with its settings once the pool config is known (lock held).
-        import kvcm
-
-        paths = [os.path.dirname(path) for path in kvcm.__path__]
+        # The roots of kvcm's namespace package (one per distribution: core, client, ...).
+        paths = [os.path.dirname(path) for path in sys.modules["kvcm"].__path__]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
         try:
@@ -805,6 +804,7 @@ class _Child:
         self._settings: dict[str, Any] = {}
         self._stop = threading.Event()
         self._last_sent: Any = None
+        self._flusher: threading.Thread | None = None
 
     def _make_recorder(self) -> Any:
         from kvcm.integrations.vllm._recorder import StepRecorder
@@ -984,9 +984,14 @@ class _Child:
                 _LOG.exception("kvcm: shipper process: reporting failed")
 
     def flush(self) -> None:
+        # The engine's flush() repeats the message while it waits: one flusher at a time.
         shipper = self._shipper
-        if shipper is not None:
-            threading.Thread(target=shipper.flush, args=(60.0,), daemon=True).start()
+        flusher = self._flusher
+        if shipper is not None and (flusher is None or not flusher.is_alive()):
+            self._flusher = threading.Thread(
+                target=shipper.flush, args=(60.0,), name="kvcm-ship-flush", daemon=True
+            )
+            self._flusher.start()
 
     def close(self, timeout_s: float) -> None:
         self._stop.set()
