@@ -225,6 +225,12 @@ class Harness:
                 return findings
             call = Call(call.service, call.method, decoded, call.timeout_s)
         request_pool = getattr(call.request, "pool_id", None)
+        if call.method == "DescribePool" and request_pool == target.pool_id:
+            # Its answer's counters come from Pool.snapshot(), which drains the manager's
+            # pending prefix-cache stats into the pool's totals (and its recent hit rate):
+            # the reference is read the same way, at the same point.
+            target.reference.snapshot()
+            return findings
         if call.method == "ResyncPool" and request_pool == target.pool_id:
             findings.extend(self._follow_resync(call, target, text))
             return findings
