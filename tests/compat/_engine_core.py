@@ -72,6 +72,8 @@ class Setup:
         sliding_window: Layer 1 is a sliding-window layer of this window (0: all full
             attention); hybrid models need vLLM's hybrid KV-cache manager (GPU default).
         retention_interval: ``--prefix-cache-retention-interval``; ``DEFAULT``: vLLM's.
+        kv_cache_dtype: vLLM's ``--kv-cache-dtype`` (``"fp8"``: a quantized cache, whose
+            layers report vLLM's storage dtype and quantization mode for it).
         sliding_window_dtype: The sliding-window layer's KV dtype (another than the full
             layers' makes a mixed-precision cache, whose new blocks workers must zero).
         enable_caching: Prefix caching.
@@ -110,6 +112,7 @@ class Setup:
     sliding_window: int = 0
     retention_interval: int | str | None = DEFAULT
     sliding_window_dtype: str = "float16"
+    kv_cache_dtype: str = "auto"
     enable_caching: bool = True
     async_scheduling: bool = False
     log_stats: bool = True
@@ -223,6 +226,7 @@ def _serve_config(setup: Setup, scheduler_cls: Any, additional_config: Any, even
         model=_model_dir(),
         skip_tokenizer_init=True,
         load_format="dummy",
+        kv_cache_dtype=setup.kv_cache_dtype,
         scheduler_cls=scheduler_cls,
         additional_config=additional_config or {},
         kv_events_config=events,
@@ -277,6 +281,7 @@ def _explicit_config(setup: Setup, scheduler_cls: Any, additional_config: Any, e
         "block_size": setup.block_size,
         "enable_prefix_caching": setup.enable_caching,
         "num_gpu_blocks_override": setup.num_blocks,
+        "cache_dtype": setup.kv_cache_dtype,
     }
     if setup.retention_interval != DEFAULT:
         cache["prefix_cache_retention_interval"] = setup.retention_interval
@@ -374,12 +379,19 @@ class SimulatedWorker:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
         config = self.vllm_config
-        attn = {
+        attn: dict[str, Any] = {
             "block_size": config.cache_config.block_size,
             "num_kv_heads": max(1, NUM_KV_HEADS // config.parallel_config.tensor_parallel_size),
             "head_size": HEAD_SIZE,
             "dtype": torch.float16,
         }
+        cache_dtype = config.cache_config.cache_dtype
+        if cache_dtype != "auto":  # what an attention layer reports for a quantized cache
+            from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+            from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+            attn["dtype"] = STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+            attn["kv_quant_mode"] = get_kv_quant_mode(cache_dtype)
         specs: dict[str, Any] = {}
         for layer in self._layers():
             name = f"model.layers.{layer}.self_attn.attn"

@@ -256,6 +256,8 @@ CASES = {
     # `vllm serve MODEL --scheduler-cls ...`: async scheduling, 2048-token batches, 256
     # sequences, the model's 8192-token context, the pool planned from memory.
     "serve-defaults": (Setup(serve_defaults=True, num_blocks=None, memory_blocks=600), 12, 70),
+    # `--kv-cache-dtype fp8`: the layers report uint8 storage and per-tensor fp8 quantization.
+    "fp8-kv-cache": (Setup(kv_cache_dtype="fp8", num_blocks=60, **_SMALL), 15, 60),
 }
 
 
@@ -473,6 +475,37 @@ def test_unsupported_spec_refused(vllm: ModuleType) -> None:
     )
     with pytest.raises(ConfigError, match="CrossAttentionSpec"):
         convert_kv_cache_config(config)
+
+
+def test_quantized_caches_are_served_where_kvcm_computes_their_page(vllm: ModuleType) -> None:
+    """fp8 (per-tensor scales outside the page) converts with vLLM's storage dtype and the same
+    page bytes (the EngineCore case ``fp8-kv-cache`` runs it); a backend's page laid out
+    otherwise (per-token-head scales inside it) is refused, naming the mode, both page sizes
+    and what to serve instead."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, get_kv_quant_mode
+
+    from kvcm.integrations.vllm._convert import convert_spec
+
+    del vllm
+    common = {"block_size": 16, "num_kv_heads": 2, "head_size": 64}
+    fp8 = FullAttentionSpec(**common, dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode("fp8"))
+    converted = convert_spec(fp8)
+    assert converted.page_size_bytes == fp8.page_size_bytes == 2 * 16 * 128
+    per_head = FullAttentionSpec(
+        **common,
+        dtype=torch.int8,
+        kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD,
+        state_content_bytes=128 + 8,  # the codes and a scale per token and head
+    )
+    with pytest.raises(ConfigError) as refused:
+        convert_spec(per_head, "kv_cache_groups[0]")
+    message = str(refused.value)
+    assert "INT8_PER_TOKEN_HEAD" in message
+    assert "kv_cache_groups[0]" in message
+    assert f"{per_head.page_size_bytes} bytes" in message
+    assert "4096" in message
+    assert "--kv-cache-dtype auto" in message
 
 
 def test_mamba_align_converts_and_its_sub_block_alignment_is_accepted(vllm: ModuleType) -> None:

@@ -40,9 +40,6 @@ def _dtype(value: Any, where: str) -> DType:
 
 
 def _attention_kwargs(spec: Any, where: str) -> dict[str, Any]:
-    quant_mode = getattr(spec, "kv_quant_mode", None)
-    if quant_mode is not None and getattr(quant_mode, "name", "NONE") != "NONE":
-        raise ConfigError(f"{where}: quantized KV caches ({spec.kv_quant_mode}) are not supported")
     if getattr(spec, "non_causal", False):
         raise ConfigError(f"{where}: non-causal attention is not supported")
     return {
@@ -64,7 +61,28 @@ def _convert_attention(cls: type[Any], spec: Any, where: str) -> kvcm_specs.KVCa
     for field in dataclasses.fields(cls):
         if field.name not in _ATTENTION_FIELDS and hasattr(spec, field.name):
             kwargs[field.name] = getattr(spec, field.name)
-    return cast("kvcm_specs.KVCacheSpec", cls(**kwargs))
+    converted = cast("kvcm_specs.KVCacheSpec", cls(**kwargs))
+    _check_quantized_page(spec, converted, where)
+    return converted
+
+
+def _check_quantized_page(spec: Any, converted: kvcm_specs.KVCacheSpec, where: str) -> None:
+    """A quantized KV cache (``--kv-cache-dtype fp8`` and others) changes only the kernels and
+    the page's bytes: vLLM's manager decides nothing by it. kvcm takes one whose page it
+    computes to the byte from the dtype (per-tensor scales live outside the page: fp8, the
+    common case); one whose backend lays the page out otherwise (per-token-head scales,
+    packed 4-bit codes) is refused, saying what to serve instead."""
+    mode = getattr(spec, "kv_quant_mode", None)
+    if mode is None or getattr(mode, "name", "NONE") == "NONE":
+        return
+    ours, theirs = converted.page_size_bytes, int(spec.page_size_bytes)
+    if ours != theirs:
+        name = getattr(mode, "name", str(mode))
+        raise ConfigError(
+            f"{where}: the quantized KV cache {name} lays a {spec.block_size}-token page out as "
+            f"{theirs} bytes, where kvcm computes {ours} from its dtype; kvcm serves KV caches "
+            "whose page is the dtype's (--kv-cache-dtype auto, fp8, fp8_e4m3 or fp8_e5m2)"
+        )
 
 
 def _convert_uniform(spec: Any, where: str) -> kvcm_specs.KVCacheSpec:
