@@ -85,6 +85,9 @@ def test_a_lone_servers_pools_and_pools_etcd_lost_are_claimed(etcd: Etcd, tmp_pa
         fast_again = Placement.decode(keys["placement/fast"])
         assert (lone_again.primary, lone_again.mode) == (replica.address, "sync")
         assert (fast_again.primary, fast_again.mode) == (replica.address, "async")
+        # The next term after the epoch the data directory knew (1), so a replica that had
+        # followed the pool takes it as a primary change, not as a pool created again.
+        assert lone_again.epoch == fast_again.epoch == 2
         assert not [key for key in keys if key.startswith("deleted/")]
         for pool_id in ("lone", "fast"):
             assert_pool_matches(replica.address, pool_id, expected_pool(STEPS))

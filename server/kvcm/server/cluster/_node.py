@@ -308,10 +308,10 @@ class ClusterNode:
             self._read(kv.key, kv.value, None, None, tombstones)
         return tombstones
 
-    async def claim(self, pool_id: str, *, mode: str = "sync") -> Placement | int:
+    async def claim(self, pool_id: str, *, mode: str = "sync", epoch: int = 1) -> Placement | int:
         """Place a pool this replica's data directory brought back (this replica its primary,
-        replication ``mode``) unless the pool was deleted meanwhile: one transaction creates
-        the record only where neither a record nor a tombstone exists.
+        replication ``mode``, placement ``epoch``) unless the pool was deleted meanwhile: one
+        transaction creates the record only where neither a record nor a tombstone exists.
 
         Returns:
             The placement in etcd (created here, or one found), or the tombstone's epoch: the
@@ -325,7 +325,7 @@ class ClusterNode:
         try:
             _, standby = self._choose(self.address)
             placement = Placement(
-                pool_id=pool_id, primary=self.address, standby=standby, epoch=1, mode=mode
+                pool_id=pool_id, primary=self.address, standby=standby, epoch=epoch, mode=mode
             )
             tx = self._session.client.transactions
 

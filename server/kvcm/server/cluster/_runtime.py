@@ -269,7 +269,11 @@ class ClusterRuntime:
                     continue
                 role = replication.pools.get(pool_id) if replication is not None else None
                 mode = "async" if role is not None and not role.sync else "sync"
-                outcome = await node.claim(pool_id, mode=mode)  # the mode it was placed with
+                # Above the epoch the data directory knows: a replica that followed the pool
+                # at that epoch takes the claim as the pool's next term, not as a pool deleted
+                # and created again (whose copies are dropped).
+                epoch = role.epoch + 1 if role is not None and role.epoch >= 1 else 1
+                outcome = await node.claim(pool_id, mode=mode, epoch=epoch)
                 if not isinstance(outcome, Placement):
                     await self._drop_deleted(pool_id, outcome)
         except Exception as exc:  # etcd away (or an answer aetcd could not take): again later
