@@ -7,6 +7,7 @@ temporary directory, and is stopped at the end (``kill -9`` for the ones a test 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -179,17 +180,40 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
 def replicas(etcd: Etcd, request: pytest.FixtureRequest) -> Iterator[list[Replica]]:
     """Three replicas of one cluster (a key prefix of the module's own)."""
     prefix = "/kvcm-test-" + request.module.__name__.rsplit(".", 1)[-1]
-    started = [Replica(etcd, prefix) for _ in range(3)]
-    try:
-        for replica in started:  # side by side: each spends its start-up importing
-            replica.spawn()
-        for replica in started:
-            replica.wait_serving()
-        wait_for_members(started, 3)
+    with running([Replica(etcd, prefix) for _ in range(3)], stop_signal=signal.SIGTERM) as started:
         yield started
+
+
+def durable_replicas(
+    etcd: Etcd, prefix: str, directory: Path, *, lease_ttl_s: int = 2, count: int = 3
+) -> list[Replica]:
+    """``count`` replicas of the cluster ``prefix``, each with a data directory under
+    ``directory`` (``r0``, ``r1``, ...), not started."""
+    return [
+        Replica(etcd, prefix, lease_ttl_s=lease_ttl_s, data_dir=directory / f"r{i}")
+        for i in range(count)
+    ]
+
+
+@contextlib.contextmanager
+def running(
+    replicas: list[Replica], *, stop_signal: int = signal.SIGKILL
+) -> Iterator[list[Replica]]:
+    """Start ``replicas`` side by side (each spends its start-up importing), wait until each
+    serves and every one sees them all; at the end stop each with ``stop_signal``, one a test
+    left SIGSTOPped continued first."""
+    try:
+        for replica in replicas:
+            replica.spawn()
+        for replica in replicas:
+            replica.wait_serving()
+        wait_for_members(replicas, len(replicas))
+        yield replicas
     finally:
-        for replica in started:
-            replica.stop()
+        for replica in replicas:
+            if replica.process is not None and replica.process.poll() is None:
+                replica.process.send_signal(signal.SIGCONT)
+            replica.stop(stop_signal)
 
 
 def wait_for_members(replicas: list[Replica], count: int, timeout_s: float = 10.0) -> None:

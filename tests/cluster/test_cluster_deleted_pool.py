@@ -23,7 +23,7 @@ import aetcd
 import grpc
 import httpx
 import pytest
-from _cluster import Etcd, Replica, wait_for_members
+from _cluster import Etcd, Replica, durable_replicas, running, wait_for_members
 from _load import CONFIG, assert_pool_matches, expected_pool
 
 from _data_dir_server import program  # isort: skip  (tests/integration, put on sys.path by _load)
@@ -41,20 +41,8 @@ STEPS = 6
 
 @pytest.fixture
 def cluster(etcd: Etcd, tmp_path: Path) -> Iterator[list[Replica]]:
-    started = [
-        Replica(etcd, PREFIX, lease_ttl_s=LEASE_TTL_S, data_dir=tmp_path / f"r{i}")
-        for i in range(3)
-    ]
-    try:
-        for replica in started:
-            replica.spawn()
-        for replica in started:
-            replica.wait_serving()
-        wait_for_members(started, 3)
+    with running(durable_replicas(etcd, PREFIX, tmp_path, lease_ttl_s=LEASE_TTL_S)) as started:
         yield started
-    finally:
-        for replica in started:
-            replica.stop(signal.SIGKILL)
 
 
 async def _records(etcd: Etcd, kind: str) -> dict[str, bytes]:

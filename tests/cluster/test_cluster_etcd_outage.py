@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import aetcd
 import httpx
 import pytest
-from _cluster import Etcd, Replica, wait_for_members
+from _cluster import Etcd, Replica, durable_replicas, running
 from _load import CONFIG, Driver, assert_pool_matches, expected_pool
 
 from kvcm.client import SchedulerClient, UnavailableError
@@ -39,22 +38,12 @@ MAX_GAP_S = 1.0
 
 @pytest.fixture
 def cluster(etcd: Etcd, tmp_path: Path) -> Iterator[list[Replica]]:
-    started = [
-        Replica(etcd, PREFIX, lease_ttl_s=LEASE_TTL_S, data_dir=tmp_path / f"r{i}")
-        for i in range(3)
-    ]
     try:
-        for replica in started:
-            replica.spawn()
-        for replica in started:
-            replica.wait_serving()
-        wait_for_members(started, 3)
-        yield started
+        with running(durable_replicas(etcd, PREFIX, tmp_path, lease_ttl_s=LEASE_TTL_S)) as started:
+            yield started
     finally:
         if etcd.process is None:
             etcd.start()  # the module's etcd, for the tests after this one
-        for replica in started:
-            replica.stop(signal.SIGKILL)
 
 
 async def _placements(etcd: Etcd) -> dict[str, Placement]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import aetcd
 import grpc
 import pytest
-from _cluster import Etcd, Replica, wait_for_members
+from _cluster import Etcd, Replica, durable_replicas, running, wait_for_members
 
 from kvcm.client import ItemStatus, SchedulerClient, ServiceError, StepBuilder
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
@@ -45,20 +45,8 @@ PREFIX = "/kvcm-test-failover"
 
 @pytest.fixture
 def cluster(etcd: Etcd, tmp_path: Path) -> Iterator[list[Replica]]:
-    started = [
-        Replica(etcd, PREFIX, lease_ttl_s=LEASE_TTL_S, data_dir=tmp_path / f"r{i}")
-        for i in range(3)
-    ]
-    try:
-        for replica in started:
-            replica.spawn()
-        for replica in started:
-            replica.wait_serving()
-        wait_for_members(started, 3)
+    with running(durable_replicas(etcd, PREFIX, tmp_path, lease_ttl_s=LEASE_TTL_S)) as started:
         yield started
-    finally:
-        for replica in started:
-            replica.stop(signal.SIGKILL)
 
 
 async def _placements(etcd: Etcd) -> dict[str, Placement]:

@@ -42,7 +42,7 @@ from typing import Any
 
 import aetcd
 import pytest
-from _cluster import Etcd, Replica, wait_for_members
+from _cluster import Etcd, Replica, durable_replicas, running, wait_for_members
 from _load import CONFIG, Driver, Reader, assert_pool_matches, expected_pool
 
 from kvcm.client import SchedulerClient
@@ -91,20 +91,8 @@ def _move(etcd: Etcd, pool_id: str, target: str | None) -> None:
 
 @pytest.fixture
 def cluster(etcd: Etcd, tmp_path: Path) -> Iterator[list[Replica]]:
-    started = [
-        Replica(etcd, PREFIX, lease_ttl_s=LEASE_TTL_S, data_dir=tmp_path / f"r{i}")
-        for i in range(3)
-    ]
-    try:
-        for replica in started:
-            replica.spawn()
-        for replica in started:
-            replica.wait_serving()
-        wait_for_members(started, 3)
+    with running(durable_replicas(etcd, PREFIX, tmp_path, lease_ttl_s=LEASE_TTL_S)) as started:
         yield started
-    finally:
-        for replica in started:
-            replica.stop(signal.SIGKILL)
 
 
 def _report(replicas: list[Replica]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import aetcd
 import pytest
-from _cluster import Etcd, Replica, wait_for_members
+from _cluster import Etcd, Replica, durable_replicas, running
 from _load import assert_pool_matches
 
 from _replication import replica_state  # isort: skip  (tests/integration, put on sys.path by _load)
@@ -69,20 +69,8 @@ def _wait(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
 
 @pytest.fixture
 def cluster(etcd: Etcd, tmp_path: Path) -> Iterator[list[Replica]]:
-    started = [
-        Replica(etcd, PREFIX, lease_ttl_s=LEASE_TTL_S, data_dir=tmp_path / f"r{i}")
-        for i in range(3)
-    ]
-    try:
-        for replica in started:
-            replica.spawn()
-        for replica in started:
-            replica.wait_serving()
-        wait_for_members(started, 3)
+    with running(durable_replicas(etcd, PREFIX, tmp_path, lease_ttl_s=LEASE_TTL_S)) as started:
         yield started
-    finally:
-        for replica in started:
-            replica.stop(signal.SIGKILL)
 
 
 def _replay(core: Any, programs: list[Any]) -> Pool:

@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _cluster import Etcd, Replica, wait_for_members
+from _cluster import Etcd, Replica, running, wait_for_members
 from google.protobuf import json_format
 
 from kvcm.client import (
@@ -62,19 +62,10 @@ PROMPT = tuple(range(96))
 @pytest.fixture(scope="module")
 def cluster(etcd: Etcd) -> Iterator[list[Replica]]:
     """Three replicas whose leases outlast a short SIGSTOP."""
-    started = [Replica(etcd, f"/kvcm-fanout-http-{os.getpid()}", lease_ttl_s=15) for _ in range(3)]
-    try:
-        for replica in started:
-            replica.spawn()
-        for replica in started:
-            replica.wait_serving()
-        wait_for_members(started, 3)
+    prefix = f"/kvcm-fanout-http-{os.getpid()}"
+    replicas = [Replica(etcd, prefix, lease_ttl_s=15) for _ in range(3)]
+    with running(replicas, stop_signal=signal.SIGTERM) as started:
         yield started
-    finally:
-        for replica in started:
-            if replica.process is not None:
-                replica.process.send_signal(signal.SIGCONT)
-            replica.stop()
 
 
 def _seeds(replicas: list[Replica]) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import aetcd
 import grpc
 import pytest
-from _cluster import Etcd, Replica, wait_for_members
+from _cluster import Etcd, Replica, durable_replicas, running
 from _load import CONFIG, assert_pool_matches, expected_pool
 
 from _data_dir_server import program  # isort: skip  (tests/integration, put on sys.path by _load)
@@ -45,22 +45,8 @@ POLICY = RetryPolicy(
 
 @pytest.fixture
 def cluster(etcd: Etcd, tmp_path: Path) -> Iterator[list[Replica]]:
-    started = [
-        Replica(etcd, PREFIX, lease_ttl_s=LEASE_TTL_S, data_dir=tmp_path / f"r{i}")
-        for i in range(3)
-    ]
-    try:
-        for replica in started:
-            replica.spawn()
-        for replica in started:
-            replica.wait_serving()
-        wait_for_members(started, 3)
+    with running(durable_replicas(etcd, PREFIX, tmp_path, lease_ttl_s=LEASE_TTL_S)) as started:
         yield started
-    finally:
-        for replica in started:
-            if replica.process is not None and replica.process.poll() is None:
-                replica.process.send_signal(signal.SIGCONT)
-            replica.stop(signal.SIGKILL)
 
 
 async def _placements(etcd: Etcd) -> dict[str, Placement]:

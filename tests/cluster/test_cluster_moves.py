@@ -15,7 +15,6 @@ exactly-once Steps through the seed list and one KV-event reader per pool, all t
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import aetcd
 import pytest
-from _cluster import Etcd, Replica, wait_for_members
+from _cluster import Etcd, Replica, durable_replicas, running
 from _load import CONFIG, Driver, Reader, assert_pool_matches, expected_pool
 from _replication import replica_state
 
@@ -37,17 +36,8 @@ POOLS = ["mv-0", "mv-1", "mv-2"]
 
 @pytest.fixture
 def cluster(etcd: Etcd, tmp_path: Path) -> Iterator[list[Replica]]:
-    started = [Replica(etcd, PREFIX, data_dir=tmp_path / f"r{i}") for i in range(3)]
-    try:
-        for replica in started:
-            replica.spawn()
-        for replica in started:
-            replica.wait_serving()
-        wait_for_members(started, 3)
+    with running(durable_replicas(etcd, PREFIX, tmp_path)) as started:
         yield started
-    finally:
-        for replica in started:
-            replica.stop(signal.SIGKILL)
 
 
 def _placements(etcd: Etcd) -> dict[str, Placement]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import aetcd
 import httpx
 import pytest
-from _cluster import Etcd, Replica, wait_for_members
+from _cluster import Etcd, Replica, durable_replicas, running
 from _load import CONFIG, assert_pool_matches, expected_pool
 
 from _data_dir_server import program  # isort: skip  (tests/integration, put on sys.path by _load)
@@ -44,22 +44,8 @@ RESUME_BOUND_S = 3 * SYNC_TIMEOUT_S + 4.0
 @pytest.fixture
 def cluster(etcd: Etcd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Replica]]:
     monkeypatch.setenv("KVCM_REPLICA_SYNC_TIMEOUT_S", str(SYNC_TIMEOUT_S))
-    started = [
-        Replica(etcd, PREFIX, lease_ttl_s=LEASE_TTL_S, data_dir=tmp_path / f"r{i}")
-        for i in range(3)
-    ]
-    try:
-        for replica in started:
-            replica.spawn()
-        for replica in started:
-            replica.wait_serving()
-        wait_for_members(started, 3)
+    with running(durable_replicas(etcd, PREFIX, tmp_path, lease_ttl_s=LEASE_TTL_S)) as started:
         yield started
-    finally:
-        for replica in started:
-            if replica.process is not None and replica.process.poll() is None:
-                replica.process.send_signal(signal.SIGCONT)
-            replica.stop(signal.SIGKILL)
 
 
 async def _read(etcd: Etcd) -> tuple[dict[str, Placement], set[str]]:
