@@ -56,4 +56,7 @@ echo "== pytest" >&2
 # A test skipped for a missing component (vLLM reference, etcd, Prometheus, Chromium) fails the
 # run here (tests/conftest.py); KVCM_STRICT_SKIPS=0 lets it skip, as a plain `pytest` does.
 export KVCM_STRICT_SKIPS="${KVCM_STRICT_SKIPS:-1}"
-python -m pytest "$@"
+# Two workers (pytest-xdist; a file's tests stay together on one, so its module fixtures are
+# built once): many tests wait on subprocesses, etcd leases and sleeps. KVCM_TEST_WORKERS=0 runs
+# the suite in one process.
+python -m pytest -n "${KVCM_TEST_WORKERS:-2}" --dist loadfile "$@"

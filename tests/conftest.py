@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,24 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             _unexpected_skips.append(f"{report.nodeid}: {reason}")
 
 
+# With pytest-xdist (scripts/test.sh runs two workers) a module's own terminal summary stays in
+# its worker: tests/compat/test_manager_compat.py hands its line over in ``workeroutput``.
+_WORKER_SUMMARY_KEY = "kvcm_manager_compat_summary"
+_worker_summaries: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    del error
+    line = getattr(node, "workeroutput", {}).get(_WORKER_SUMMARY_KEY)
+    if line:
+        _worker_summaries.append(line)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in _worker_summaries:
+        terminalreporter.write_sep("-", "kvcm KVCacheManager vs vLLM 0.33.0")
+        terminalreporter.write_line(line)
     if _unexpected_skips:
         terminalreporter.write_line(
             f"KVCM_STRICT_SKIPS=1: {len(_unexpected_skips)} test(s) skipped, a component missing:"

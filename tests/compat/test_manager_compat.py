@@ -226,23 +226,35 @@ SCENARIOS = [
 SEEDS = (0, 1, 2)
 
 _TOTAL = Tally()
+SUMMARY_TITLE = "kvcm KVCacheManager vs vLLM 0.33.0"
+SUMMARY_KEY = "kvcm_manager_compat_summary"  # tests/conftest.py reads it from xdist workers
 
 
 class _Summary:
     """Terminal-summary plugin: how much was compared against vLLM this session."""
 
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not _TOTAL.ops:
-            return
+    @staticmethod
+    def _line() -> str:
         ops = ", ".join(f"{name} {n}" for name, n in sorted(_TOTAL.by_op.items()))
-        terminalreporter.write_sep("-", "kvcm KVCacheManager vs vLLM 0.33.0")
-        terminalreporter.write_line(
+        return (
             f"{_TOTAL.ops} manager operations compared ({ops}); {_TOTAL.snapshots} pool-state "
             f"snapshots; {_TOTAL.hits} hits, {_TOTAL.not_fit} does-not-fit, "
             f"{_TOTAL.preemptions} preemptions, {_TOTAL.events} events, {_TOTAL.resets} resets, "
             f"{_TOTAL.aborts} aborts; {_TOTAL.sub_block_hits} sub-block hits served through "
             f"{_TOTAL.copies} block copies"
         )
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        # An xdist worker: hand the line to the controller (tests/conftest.py prints it).
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None and _TOTAL.ops:
+            workeroutput[SUMMARY_KEY] = self._line()
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not _TOTAL.ops or hasattr(terminalreporter.config, "workeroutput"):
+            return
+        terminalreporter.write_sep("-", SUMMARY_TITLE)
+        terminalreporter.write_line(self._line())
 
 
 @pytest.fixture(scope="session", autouse=True)
