@@ -278,15 +278,7 @@ class ClusterNode:
             self.stats.placement_failures += 1
             raise
         if won:
-            self.stats.placement_changes += 1
-            self._apply(pool_id, placement)
-            _LOG.info(
-                "placed pool %s on %s (standby %s)",
-                pool_id,
-                placement.primary,
-                placement.standby,
-                extra={"event": "pool_placed", "pool": pool_id},
-            )
+            self._placed(placement, "on " + placement.primary)
             return placement, True
         # Another replica placed it between our read and our transaction: theirs stands.
         placement = Placement.decode(responses[0][0][0])
@@ -341,14 +333,7 @@ class ClusterNode:
             self.stats.placement_failures += 1
             raise
         if won:
-            self.stats.placement_changes += 1
-            self._apply(pool_id, placement)
-            _LOG.info(
-                "placed pool %s, brought back by the data directory, on this replica (standby %s)",
-                pool_id,
-                placement.standby,
-                extra={"event": "pool_placed", "pool": pool_id},
-            )
+            self._placed(placement, "brought back by the data directory, on this replica")
             return placement
         found, dead = responses
         if found:
@@ -361,6 +346,18 @@ class ClusterNode:
             epoch = 0  # an unreadable tombstone still says the pool was deleted
         self._tombstones[pool_id] = epoch
         return epoch
+
+    def _placed(self, placement: Placement, where: str) -> None:
+        """Count, record and log a placement this replica's transaction created."""
+        self.stats.placement_changes += 1
+        self._apply(placement.pool_id, placement)
+        _LOG.info(
+            "placed pool %s %s (standby %s)",
+            placement.pool_id,
+            where,
+            placement.standby,
+            extra={"event": "pool_placed", "pool": placement.pool_id},
+        )
 
     async def replace(self, expected: Placement, new: Placement | None) -> bool:
         """Swap the pool's record for ``new`` (``None``: delete it) if it still is ``expected``.
