@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -16,6 +17,8 @@ from kvcm.client import (
     DeadlineExceededError,
     FreeMode,
     PoolConfig,
+    PoolInfo,
+    RetryPolicy,
     SchedulerClient,
     ServiceAlreadyExistsError,
     ServiceError,
@@ -31,6 +34,8 @@ from kvcm.common import errors
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec
+from kvcm.server.embedded import EmbeddedServer, start_embedded_server
+from kvcm.server.settings import ServerSettings
 
 BLOCK_SIZE = 16
 
@@ -188,6 +193,76 @@ def test_no_server_is_unavailable_after_retries() -> None:
         with pytest.raises(ServiceError) as caught_step:
             client.step("p", StepBuilder(step_seq=1))  # retried by the SDK
         assert caught_step.value.code in {StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED}
+
+
+def _unbound_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# Dead replicas are redialled within tens of milliseconds (gRPC's default reconnect backoff
+# starts at 1 s and grows), so that the test measures the SDK's retries, not the channel's.
+_QUICK_REDIAL = (
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 100),
+)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_cluster_call_waits_within_its_deadline_for_a_replica(flavour: str) -> None:
+    """A seed list whose every replica is down (a failover, a restart under way): an
+    idempotent call backs off and tries the seeds again until its deadline, instead of
+    raising after its four reroutes; it is answered once a replica serves the pool. A
+    non-idempotent call still raises at once (it may have run)."""
+    first, second = _unbound_port(), _unbound_port()
+    seeds = f"127.0.0.1:{first},127.0.0.1:{second}"
+    policy = RetryPolicy(initial_backoff_s=0.02, max_backoff_s=0.1)
+    options = {"timeout": 8.0, "retry_policy": policy, "channel_options": _QUICK_REDIAL}
+    settings = ServerSettings(
+        grpc_address=f"127.0.0.1:{second}", http_address="", log_level="ERROR"
+    )
+    started: list[EmbeddedServer] = []
+
+    def replica_comes_up() -> None:
+        time.sleep(1.0)
+        server = start_embedded_server(settings)
+        started.append(server)
+        with SchedulerClient(server.grpc_address, timeout=5.0) as lone:
+            lone.create_pool("waited", _config())
+
+    with SchedulerClient(seeds, timeout=0.5) as hasty, pytest.raises(UnavailableError):
+        hasty.create_pool("never", _config())  # not idempotent: no retry of its own
+    thread = threading.Thread(target=replica_comes_up)
+    begun = time.monotonic()
+    thread.start()
+    try:
+        if flavour == "sync":
+            with SchedulerClient(seeds, **options) as client:
+                described = client.describe_pool("waited")
+        else:
+
+            async def describe() -> PoolInfo:
+                async with AsyncSchedulerClient(seeds, **options) as client:
+                    return await client.describe_pool("waited")
+
+            described = asyncio.run(describe())
+        waited = time.monotonic() - begun
+    finally:
+        thread.join()
+        for server in started:
+            server.stop()
+    assert described.pool_id == "waited"
+    assert 1.0 <= waited < 8.0
+    # Before, the call raised UnavailableError after four hops, in milliseconds.
+    with SchedulerClient(seeds, timeout=1.0, retry_policy=policy) as client:
+        begun = time.monotonic()
+        # The replica is gone again: the deadline bounds the call (its last attempt may be
+        # the one that runs out of it).
+        with pytest.raises((UnavailableError, DeadlineExceededError)):
+            client.describe_pool("waited")
+        assert 0.5 < time.monotonic() - begun < 3.0
 
 
 def test_every_call_has_a_deadline(client: SchedulerClient) -> None:

@@ -26,8 +26,10 @@ deadline and are not sent again (docs/cluster.md); a lone server behaves as with
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -86,7 +88,9 @@ class RetryPolicy:
     """How idempotent calls are retried on UNAVAILABLE (gRPC's retryPolicy fields).
 
     Attributes:
-        max_attempts: Attempts in all, the first included (gRPC caps it at 5).
+        max_attempts: Attempts in all, the first included (gRPC caps it at 5), on a lone
+            server. In a kvcm cluster an idempotent call that stays UNAVAILABLE (a failover
+            or a move under way) backs off and is sent again until its deadline.
         initial_backoff_s: Upper bound of the first randomized backoff, in seconds.
         max_backoff_s: Upper bound of any backoff, in seconds.
         backoff_multiplier: Growth of the bound after each attempt.
@@ -300,25 +304,36 @@ class ClientSettings:
         )
 
 
-def should_retry_step(
-    step: StepBuilder, error: ServiceError, attempt: int, policy: RetryPolicy, give_up_at: float
+def should_retry(
+    error: ServiceError,
+    attempt: int,
+    *,
+    resendable: bool,
+    clustered: bool,
+    policy: RetryPolicy,
+    give_up_at: float,
 ) -> bool:
-    """Whether a failed Step attempt is worth another one.
+    """Whether a call that failed on this attempt is worth another one after a backoff.
 
-    Only an exactly-once Step (with a step_seq) may run again, only after a transport failure
-    (UNAVAILABLE), and only while attempts and the call's deadline allow a backoff.
+    Only a call that may run twice (an idempotent RPC, a Step with a step_seq), only after
+    UNAVAILABLE (its replica unreachable, or still redirected after ``MAX_REROUTES`` hops
+    while a placement changes), and only while the call's deadline leaves room for the
+    backoff. A lone server's attempts are also bounded by ``max_attempts``; in a kvcm
+    cluster only the deadline bounds them, so that an idempotent call rides through a
+    failover (about one etcd lease TTL) instead of failing in its first second.
 
     Args:
-        step: The Step.
+        resendable: Whether the call may run twice.
+        clustered: Whether the call goes to a kvcm cluster.
         error: How the attempt failed.
         attempt: Attempts made so far.
         policy: The retry policy.
         give_up_at: ``time.monotonic()`` value of the call's deadline.
     """
     return (
-        step.step_seq is not None
+        resendable
         and error.code is StatusCode.UNAVAILABLE
-        and attempt < policy.max_attempts
+        and (clustered or attempt < policy.max_attempts)
         and time.monotonic() + policy.backoff_s(attempt) < give_up_at
     )
 
@@ -586,7 +601,7 @@ class ChannelClient(_ClientBase):
                 raise error_from_rpc(exc, method) from exc
         resendable = _resendable(method, request, None)
         give_up_at = time.monotonic() + deadline
-        hop = 0
+        hop, attempt = 0, 1
         while True:
             try:
                 stub = self._stub(self._stubs_for(pool_id), method)
@@ -596,9 +611,24 @@ class ChannelClient(_ClientBase):
             except grpc.RpcError as exc:
                 if self._timed_out(exc, pool_id, give_up_at, resendable):
                     continue  # bounded by the call's deadline
-                if hop == MAX_REROUTES or not self._rerouted(exc, pool_id, resendable):
-                    raise unrouted_error(exc, method) from exc
-                hop += 1
+                if hop < MAX_REROUTES and self._rerouted(exc, pool_id, resendable):
+                    hop += 1
+                    continue
+                error = unrouted_error(exc, method)
+                # A lone server's UNAVAILABLE was already retried by the channel (gRPC's
+                # retry policy); a cluster's placement that is changing is waited for.
+                policy = self._settings.retry_policy
+                if not self._clustered(pool_id) or not should_retry(
+                    error,
+                    attempt,
+                    resendable=resendable,
+                    clustered=True,
+                    policy=policy,
+                    give_up_at=give_up_at,
+                ):
+                    raise error from exc
+                time.sleep(random.uniform(0.0, policy.backoff_s(attempt)))
+                attempt, hop = attempt + 1, 0
 
     def close(self) -> None:
         """Close the channels; calls in flight are cancelled."""
@@ -640,7 +670,7 @@ class AsyncChannelClient(_ClientBase):
                 raise error_from_rpc(exc, method) from exc
         resendable = _resendable(method, request, None)
         give_up_at = time.monotonic() + deadline
-        hop = 0
+        hop, attempt = 0, 1
         while True:
             try:
                 stub = self._stub(self._stubs_for(pool_id), method)
@@ -650,9 +680,24 @@ class AsyncChannelClient(_ClientBase):
             except grpc.RpcError as exc:
                 if self._timed_out(exc, pool_id, give_up_at, resendable):
                     continue  # bounded by the call's deadline
-                if hop == MAX_REROUTES or not self._rerouted(exc, pool_id, resendable):
-                    raise unrouted_error(exc, method) from exc
-                hop += 1
+                if hop < MAX_REROUTES and self._rerouted(exc, pool_id, resendable):
+                    hop += 1
+                    continue
+                error = unrouted_error(exc, method)
+                # A lone server's UNAVAILABLE was already retried by the channel (gRPC's
+                # retry policy); a cluster's placement that is changing is waited for.
+                policy = self._settings.retry_policy
+                if not self._clustered(pool_id) or not should_retry(
+                    error,
+                    attempt,
+                    resendable=resendable,
+                    clustered=True,
+                    policy=policy,
+                    give_up_at=give_up_at,
+                ):
+                    raise error from exc
+                await asyncio.sleep(random.uniform(0.0, policy.backoff_s(attempt)))
+                attempt, hop = attempt + 1, 0
 
     async def close(self) -> None:
         """Close the channels; calls in flight are cancelled."""

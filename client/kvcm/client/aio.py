@@ -416,7 +416,14 @@ class AsyncSchedulerClient(AsyncChannelClient):
                     reroutes += 1
                     continue
                 error = _base.unrouted_error(exc, "Step")
-                if not _base.should_retry_step(step, error, attempt, policy, give_up_at):
+                if not _base.should_retry(
+                    error,
+                    attempt,
+                    resendable=resendable,
+                    clustered=self._clustered(pool_id),
+                    policy=policy,
+                    give_up_at=give_up_at,
+                ):
                     raise error from exc
                 await asyncio.sleep(random.uniform(0.0, policy.backoff_s(attempt)))
                 attempt += 1

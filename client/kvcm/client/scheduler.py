@@ -401,7 +401,14 @@ class SchedulerClient(ChannelClient):
                     reroutes += 1
                     continue
                 error = _base.unrouted_error(exc, "Step")
-                if not _base.should_retry_step(step, error, attempt, policy, give_up_at):
+                if not _base.should_retry(
+                    error,
+                    attempt,
+                    resendable=resendable,
+                    clustered=self._clustered(pool_id),
+                    policy=policy,
+                    give_up_at=give_up_at,
+                ):
                     raise error from exc
                 time.sleep(random.uniform(0.0, policy.backoff_s(attempt)))
                 attempt += 1
