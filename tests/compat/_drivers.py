@@ -80,6 +80,18 @@ class Layout:
     use_eagle: bool = False
     hash_lookahead: int = 0
     prefill_lookahead: int = 0
+    # Groups marked as the drafter's (vLLM's is_eagle_group; none: every group with the drop)
+    # and vLLM's enable_mamba_shared_prefix_checkpoint.
+    eagle_groups: tuple[int, ...] = ()
+    shared_prefix_checkpoint: bool = False
+
+    @property
+    def eagle_group_ids(self) -> tuple[int, ...]:
+        """vLLM's coordinator's eagle_group_ids: the marked groups, or every group when
+        none is marked and the drop is on."""
+        if self.eagle_groups:
+            return self.eagle_groups
+        return tuple(range(len(self.groups))) if self.use_eagle else ()
 
     @property
     def block_sizes(self) -> list[int]:
@@ -219,7 +231,11 @@ class VllmSide:
             layout.hash_block_size, hash_fn, layout.hash_lookahead
         )
         groups = [
-            KVCacheGroupSpec(layer_names=(f"layer.{i}",), kv_cache_spec=self._spec(g))
+            KVCacheGroupSpec(
+                layer_names=(f"layer.{i}",),
+                kv_cache_spec=self._spec(g),
+                is_eagle_group=i in layout.eagle_groups,
+            )
             for i, g in enumerate(layout.groups)
         ]
         config = KVCacheConfig(
@@ -242,6 +258,7 @@ class VllmSide:
             use_eagle=layout.use_eagle,
             num_hash_lookahead_tokens=layout.hash_lookahead,
             num_prefill_lookahead=layout.prefill_lookahead,
+            enable_mamba_shared_prefix_checkpoint=layout.shared_prefix_checkpoint,
         )
         from vllm.v1.metrics.stats import CachingMetrics
 
@@ -565,10 +582,14 @@ class KvcmSide:
                 dcp_world_size=layout.dcp_world_size,
                 # vLLM's fallback when no group is marked as a draft group: all drop.
                 eagle_block_drop_group_ids=(
-                    tuple(range(len(groups))) if layout.use_eagle and layout.enable_caching else ()
+                    layout.eagle_group_ids if layout.use_eagle and layout.enable_caching else ()
                 ),
                 num_hash_lookahead_tokens=layout.hash_lookahead,
                 num_prefill_lookahead=layout.prefill_lookahead,
+                # An engine sends the flag only with a drafter's group, as vLLM acts on it.
+                enable_mamba_shared_prefix_checkpoint=(
+                    layout.shared_prefix_checkpoint and bool(layout.eagle_group_ids)
+                ),
             )
         )
         self.hasher = BlockHasher(

@@ -82,6 +82,9 @@ class Tally:
     aborts: int = 0
     copies: int = 0
     sub_block_hits: int = 0
+    # Lookups that found a shared-prefix junction, and chunks that ended exactly there.
+    junctions: int = 0
+    junction_stops: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
 
@@ -215,11 +218,13 @@ def align_chunk(
     num_new: int,
     junction: int,
     token_budget: int,
+    shared_prefix_checkpoint: bool = False,
 ) -> int:
     """How many of ``num_new`` tokens from ``start`` a scheduler computes in one chunk when
     the layout's Mamba group runs in align mode (vLLM's split, no Eagle): chunks end on Mamba
     block boundaries, at the last cacheable boundary, at the prompt's tail hash boundary (for
-    sub-block hits) and at the shared-prefix junction; decode is not split."""
+    sub-block hits) and at the shared-prefix junction (exactly there within the prompt with
+    vLLM's shared-prefix checkpoint, else floored to a Mamba block); decode is not split."""
     mamba = next(g for g in layout.groups if g.kind == MAMBA)
     block = mamba.block_size
     hash_block = layout.hash_block_size
@@ -248,11 +253,12 @@ def align_chunk(
             end = aligned
     tail = _checkpoint(num_prompt, hash_block) if partial and not internal else 0
     floored = start + (junction - start) // block * block
+    junction_stop = junction if shared_prefix_checkpoint and junction <= num_prompt else floored
     stops = (
         (start // block + 1) * block if start % block and not internal else 0,
         last_cache,
         tail if last_cache < tail < num_prompt else 0,
-        floored if start < junction < end else 0,
+        junction_stop if start < junction < end else 0,
     )
     end = min((stop for stop in stops if start < stop < end), default=end)
     return max(end - start, 0)
@@ -287,6 +293,10 @@ class Workload:
             (g for g in self.layout.groups if g.kind == MAMBA and g.mamba_cache_mode == "align"),
             None,
         )
+        # vLLM's scheduler ends chunks at junctions when its manager keys them (its
+        # mamba_shared_prefix_checkpoint; sub-block hits are on beside such a group).
+        manager = getattr(pair.ref, "manager", None)
+        self.junction_stops = bool(getattr(manager, "mamba_shared_prefix_checkpoint", False))
         self.loras: list[tuple[str, int, str] | None] = [None]
         if self.k.lora:
             self.loras += [("adapter-a", 1, "/lora/a"), ("adapter-b", 2, "/lora/b")]
@@ -362,6 +372,7 @@ class Workload:
             num_new=num_new,
             junction=req.junction,
             token_budget=budget,
+            shared_prefix_checkpoint=self.junction_stops,
         )
 
     def _abort(self) -> None:
@@ -468,6 +479,8 @@ class Workload:
                 if num_new <= 0:
                     idx += 1
                     continue
+                if req.junction and req.num_computed + num_new == req.junction:
+                    self.p.tally.junction_stops += 1
             else:
                 drafts = min(rng.randint(0, k.max_drafts), max_len - len(req.tokens) - 1)
                 drafts = max(drafts, 0)
@@ -508,6 +521,8 @@ class Workload:
                 if rng.random() < k.max_hit_len:
                     bound = rng.randint(0, num_tokens - 1)
                 _, hit, req.junction = self.p.call("get_computed_blocks", rid, bound)
+                if req.junction:
+                    self.p.tally.junctions += 1
                 if hit:
                     self.p.tally.hits += 1
                     if hit % self.layout.scheduler_block_size:
@@ -525,6 +540,8 @@ class Workload:
                 num_new = self._chunk(req, computed + external, num_new, budget)
                 if num_new <= 0:
                     break
+                if req.junction and computed + external + num_new == req.junction:
+                    self.p.tally.junction_stops += 1
             options: dict[str, Any] = {
                 "num_lookahead_tokens": rng.randint(0, k.max_lookahead),
                 "num_external_computed_tokens": external,

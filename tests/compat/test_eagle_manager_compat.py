@@ -29,6 +29,10 @@ _DROP = {"use_eagle": True, "prefill_lookahead": 1}
 _LOOKAHEAD = {"hash_lookahead": 1, "prefill_lookahead": 1}
 _MTP_DROP = {"use_eagle": True, "prefill_lookahead": 3}
 _MTP_LOOKAHEAD = {"hash_lookahead": 3, "prefill_lookahead": 3}
+# vLLM's Mamba shared-prefix checkpoint with the drop, and with lookahead hashes and the draft
+# layers' group (full attention) marked.
+_SPC_DROP = {**_DROP, "shared_prefix_checkpoint": True}
+_SPC_LOOKAHEAD = {**_LOOKAHEAD, "eagle_groups": (0,), "shared_prefix_checkpoint": True}
 
 
 def _scenario(name: str, layout: Layout, eagle: dict[str, Any], knobs: Any = _BUSY) -> Scenario:
@@ -57,7 +61,27 @@ SCENARIOS = [
     _scenario("hybrid-full64-mamba256-align-mtp-lookahead", _MAMBA_ALIGN, _MTP_LOOKAHEAD, _MAMBA),
     # The drop beside Mamba: checkpoints one hash block below the last boundary.
     _scenario("hybrid-full64-mamba256-align-drop", _MAMBA_ALIGN, _DROP, _MAMBA),
+    # vLLM's enable_mamba_shared_prefix_checkpoint: chunks end at each request's junction,
+    # where Mamba keys the state too. With the drop (every group an EAGLE group), and with
+    # lookahead hashes beside a marked draft group (full attention, as EAGLE's layers join).
+    _scenario("hybrid-full64-mamba256-align-drop-shared-prefix", _MAMBA_ALIGN, _SPC_DROP, _MAMBA),
+    _scenario(
+        "hybrid-full64-mamba256-align-lookahead-shared-prefix", _MAMBA_ALIGN, _SPC_LOOKAHEAD, _MAMBA
+    ),
 ]
+# The shared-prefix checkpoint's predicate, vLLM's: the flag asked for, an EAGLE group, sub-block
+# hits, no re-prefillable tokens.
+_SPC_FLAG = (
+    ("drop", _SPC_DROP, True),
+    ("lookahead-marked", _SPC_LOOKAHEAD, True),
+    ("lookahead-unmarked", {**_LOOKAHEAD, "shared_prefix_checkpoint": True}, False),
+    (
+        "mtp-lookahead-marked",
+        {**_SPC_LOOKAHEAD, "prefill_lookahead": 3, "hash_lookahead": 3},
+        False,
+    ),
+    ("flag-off", {**_DROP, "eagle_groups": (0,)}, False),
+)
 # One seed in CI (about 25 s); KVCM_LONG=1 runs three.
 SEEDS = (0, 1, 2) if os.environ.get("KVCM_LONG") else (0,)
 
@@ -74,12 +98,38 @@ def test_eagle_manager_matches_vllm(vllm_env: None, scenario: Scenario, seed: in
         ref.manager.coordinator.num_reprefillable_tokens
     )
     assert ours.manager.block_pool.num_hash_lookahead_tokens == layout.hash_lookahead
+    checkpoint = ref.manager.mamba_shared_prefix_checkpoint
+    assert ours.manager.mamba_shared_prefix_checkpoint == checkpoint
+    assert checkpoint == layout.shared_prefix_checkpoint
     tally = run_workload(scenario, seed, ref, ours)
     print(
         f"\n{scenario.name} seed {seed}: {tally.ops} ops compared, {tally.hits} hits "
         f"({tally.sub_block_hits} sub-block), {tally.copies} copies, {tally.events} events, "
-        f"{tally.preemptions} preemptions"
+        f"{tally.preemptions} preemptions, {tally.junctions} junctions "
+        f"({tally.junction_stops} chunks ended there)"
     )
     assert tally.ops > 1000
     assert tally.hits > 0
     assert tally.events > 0
+    if checkpoint:
+        assert tally.junction_stops > 0
+
+
+@pytest.mark.parametrize(
+    ("eagle", "expected"), [c[1:] for c in _SPC_FLAG], ids=[c[0] for c in _SPC_FLAG]
+)
+def test_shared_prefix_checkpoint_predicate_matches_vllm(
+    vllm_env: None,  # noqa: F811
+    eagle: dict[str, Any],
+    expected: bool,
+) -> None:
+    layout = dataclasses.replace(_MAMBA_ALIGN, **eagle)
+    theirs = VllmSide(layout).manager.mamba_shared_prefix_checkpoint
+    ours = KvcmSide(layout).manager
+    assert theirs is expected
+    assert ours.mamba_shared_prefix_checkpoint is expected
+    # Only align-mode Mamba groups key the junction, and only when the predicate holds.
+    flags = [
+        getattr(m, "shared_prefix_checkpoint", False) for m in ours.coordinator.single_type_managers
+    ]
+    assert flags == [False, expected]

@@ -1,4 +1,4 @@
-"""A pool's EAGLE/MTP settings (kvcm.v1.PoolConfig fields 29-31): validation, the wire, and
+"""A pool's EAGLE/MTP settings (kvcm.v1.PoolConfig fields 29-32): validation, the wire, and
 what a pool with lookahead block hashes expects of its requests' hashes.
 
 The decisions themselves (the trailing-block drop, lookahead events) are compared with vLLM
@@ -7,13 +7,15 @@ The decisions themselves (the trailing-block drop, lookahead events) are compare
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.hashing import BlockHasher
-from kvcm.common.specs import ChunkedLocalAttentionSpec, FullAttentionSpec
+from kvcm.common.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec
 from kvcm.core.pool import Pool, PoolConfig
 from kvcm.wire import pool_config_from_proto, pool_config_to_proto
 
@@ -145,3 +147,60 @@ def test_token_lookups_and_the_pools_hasher_use_the_lookahead() -> None:
     # 49 tokens: three blocks for both pools (the third lookahead hash covers token 48).
     answer = registry.lookup(LookupQuery(token_ids=prompt[:49]))
     assert {hit.pool_id: hit.num_hit_tokens for hit in answer.pools} == {"l0": 48, "l1": 48}
+
+
+def _hybrid_mamba_layout() -> KVCacheConfig:
+    # Full attention of 64-token blocks beside an align-mode Mamba group of 256: sub-block hits.
+    full = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
+    mamba = MambaSpec(
+        block_size=256, shapes=((4, 8),), dtypes=(DType.FLOAT16,), mamba_cache_mode="align"
+    )
+    return KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=(),
+        kv_cache_groups=(
+            KVCacheGroupSpec(layer_names=("attn",), kv_cache_spec=full),
+            KVCacheGroupSpec(layer_names=("mamba",), kv_cache_spec=mamba),
+        ),
+    )
+
+
+def test_mamba_shared_prefix_checkpoint_setting_round_trips_and_takes_vllms_predicate() -> None:
+    # kvcm.v1.PoolConfig field 32: on the wire, validated, and in effect only where vLLM 0.33's
+    # KVCacheManager turns it on (sub-block hits beside align-mode Mamba, no MTP re-prefill).
+    layout = _hybrid_mamba_layout()
+    config = PoolConfig(
+        max_model_len=2048,
+        explicit_layout=layout,
+        hash_block_size=64,
+        num_hash_lookahead_tokens=1,
+        num_prefill_lookahead=1,
+        enable_mamba_shared_prefix_checkpoint=True,
+    )
+    wire = pool_config_to_proto(config)
+    assert wire.enable_mamba_shared_prefix_checkpoint
+    assert pool_config_from_proto(wire) == config
+    assert not pool_config_to_proto(
+        PoolConfig(max_model_len=256, explicit_layout=LAYOUT)
+    ).enable_mamba_shared_prefix_checkpoint
+    with pytest.raises(
+        InvalidArgumentError, match=r"config\.enable_mamba_shared_prefix_checkpoint"
+    ):
+        PoolConfig(
+            max_model_len=256, explicit_layout=LAYOUT, enable_mamba_shared_prefix_checkpoint=1
+        )  # type: ignore[arg-type]
+
+    def decided(**changes: object) -> tuple[bool, list[bool]]:
+        manager = Pool("p", dataclasses.replace(config, **changes)).manager
+        assert manager is not None
+        groups = manager.coordinator.single_type_managers
+        return manager.mamba_shared_prefix_checkpoint, [
+            bool(getattr(group, "shared_prefix_checkpoint", False)) for group in groups
+        ]
+
+    assert decided() == (True, [False, True])
+    assert decided(enable_mamba_shared_prefix_checkpoint=False) == (False, [False, False])
+    # Multi-module MTP's re-prefillable tokens: the cached count trails the chunk end.
+    assert decided(num_prefill_lookahead=3, num_hash_lookahead_tokens=3) == (False, [False, False])
+    # No align-mode Mamba group (full attention only): no sub-block hits, nothing to key.
+    assert decided(explicit_layout=LAYOUT, hash_block_size=None) == (False, [False])

@@ -119,6 +119,12 @@ class KVCacheManagerConfig:
             EAGLE/MTP drafter reads past the computed range; the last
             ``num_prefill_lookahead - 1`` computed tokens (multi-module MTP) are cached only
             once final.
+        enable_mamba_shared_prefix_checkpoint: vLLM's
+            ``CacheConfig.enable_mamba_shared_prefix_checkpoint`` for an engine with an
+            EAGLE/MTP group (vLLM ignores it without one): an align-mode Mamba group also
+            keys the state at a request's shared-prefix junction, where a sibling resumes.
+            It takes effect only with sub-block hits and no re-prefillable tokens, as in
+            vLLM (``KVCacheManager.mamba_shared_prefix_checkpoint``).
     """
 
     kv_cache_config: KVCacheConfig
@@ -135,6 +141,7 @@ class KVCacheManagerConfig:
     eagle_block_drop_group_ids: tuple[int, ...] = ()
     num_hash_lookahead_tokens: int = 0
     num_prefill_lookahead: int = 0
+    enable_mamba_shared_prefix_checkpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -440,7 +447,20 @@ class KVCacheManager:
                 num_prefill_lookahead=config.num_prefill_lookahead,
             )
         )
-        self.block_pool: BlockPool = self.coordinator.block_pool
+        coordinator = self.coordinator
+        # vLLM's one predicate, read by its scheduler (a chunk ends at the junction) and the
+        # Mamba managers (the state there is keyed): a multi-module MTP drafter's cached
+        # count trails the chunk end, so no junction is ever reached exactly.
+        self.mamba_shared_prefix_checkpoint = bool(
+            config.enable_mamba_shared_prefix_checkpoint
+            and coordinator.enable_partial_hash_hits
+            and coordinator.num_reprefillable_tokens == 0
+        )
+        if self.mamba_shared_prefix_checkpoint:
+            for group in coordinator.single_type_managers:
+                if isinstance(group, MambaManager):
+                    group.shared_prefix_checkpoint = True
+        self.block_pool: BlockPool = coordinator.block_pool
         self.watermark_blocks = int(config.watermark * kv_cache_config.num_blocks)
         self._event_metadata = tuple((spec.kind, spec.event_sliding_window()) for spec in specs)
         # The pool writes them into each BlockStored as it records it (no copy per event here).

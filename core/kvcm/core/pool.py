@@ -246,6 +246,9 @@ class Pool:
                 eagle_block_drop_group_ids=options.eagle_block_drop_group_ids,
                 num_hash_lookahead_tokens=options.num_hash_lookahead_tokens,
                 num_prefill_lookahead=options.num_prefill_lookahead,
+                enable_mamba_shared_prefix_checkpoint=(
+                    options.enable_mamba_shared_prefix_checkpoint
+                ),
             )
         )
         self.manager = manager

@@ -200,6 +200,11 @@ class PoolConfig:
         eagle_block_drop_group_ids: Groups whose hits drop their last matched block (vLLM's
             EAGLE trailing-block drop, on when lookahead hashes are off); distinct group
             indices of the pool's layout. Empty: none.
+        enable_mamba_shared_prefix_checkpoint: vLLM's
+            ``enable_mamba_shared_prefix_checkpoint``, sent by an engine with an EAGLE/MTP
+            group (vLLM ignores it without one): align-mode Mamba groups also key the state
+            at a request's shared-prefix junction. It takes effect, as in vLLM, only with
+            sub-block hits and no re-prefillable tokens (multi-module MTP).
     """
 
     max_model_len: int
@@ -233,6 +238,7 @@ class PoolConfig:
     num_hash_lookahead_tokens: int = 0
     num_prefill_lookahead: int = 0
     eagle_block_drop_group_ids: tuple[int, ...] = ()
+    enable_mamba_shared_prefix_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         check_labels(self.labels)
@@ -378,6 +384,12 @@ class PoolConfig:
                 "config.eagle_block_drop_group_ids must be distinct group indices in "
                 f"[0, {_MAX_GROUPS}), got {list(drop)}",
                 field="config.eagle_block_drop_group_ids",
+            )
+        if type(self.enable_mamba_shared_prefix_checkpoint) is not bool:
+            raise InvalidArgumentError(
+                "config.enable_mamba_shared_prefix_checkpoint must be a bool, got "
+                f"{self.enable_mamba_shared_prefix_checkpoint!r}",
+                field="config.enable_mamba_shared_prefix_checkpoint",
             )
         if not 0.0 <= self.scheduler_lease_s <= 1e9:
             raise InvalidArgumentError(

@@ -948,6 +948,9 @@ class MambaManager(SingleTypeKVCacheManager):
         self.align = kv_cache_spec.mamba_cache_mode == "align"
         # EAGLE's trailing-block drop in the pool (any group): checkpoints back off a unit.
         self.drop_eagle_checkpoint_block = False
+        # vLLM's shared-prefix checkpoint (set by the manager when its predicate holds): the
+        # state at a request's junction is keyed as well as the prompt's last hash boundary.
+        self.shared_prefix_checkpoint = False
         if options.enable_caching and not self.align:
             raise ConfigError(
                 f"group {kv_cache_group_id}: Mamba prefix caching requires mamba_cache_mode='align'"
@@ -1432,12 +1435,19 @@ class MambaManager(SingleTypeKVCacheManager):
         hash_block_size = self.block_pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hash_block_size:
             return None
-        # Only the prompt's last hash boundary (where a resend resumes) is keyed.
+        # The prompt's last hash boundary (where a resend resumes) is keyed; with the
+        # shared-prefix checkpoint also the junction, when this chunk of the prompt ends
+        # there (the scheduler ends one there). Past the prompt the running state changes
+        # in place and holds the key's state only after the step's forward.
         if num_tokens != _checkpoint_position(
             request.num_prompt_tokens,
             hash_block_size,
             self.block_pool.num_hash_lookahead_tokens,
             self.drop_eagle_checkpoint_block,
+        ) and not (
+            self.shared_prefix_checkpoint
+            and num_tokens == junction
+            and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
         ):
             return None
         block_idx = _cdiv(num_tokens, block_size) - 1

@@ -118,6 +118,7 @@ def pool_config_to_proto(config: PoolConfig) -> admin_pb2.PoolConfig:
     message.num_hash_lookahead_tokens = config.num_hash_lookahead_tokens
     message.num_prefill_lookahead = config.num_prefill_lookahead
     message.eagle_block_drop_group_ids.extend(config.eagle_block_drop_group_ids)
+    message.enable_mamba_shared_prefix_checkpoint = config.enable_mamba_shared_prefix_checkpoint
     return message
 
 
@@ -175,6 +176,7 @@ def pool_config_from_proto(message: admin_pb2.PoolConfig, field: str = "config")
         num_hash_lookahead_tokens=message.num_hash_lookahead_tokens,
         num_prefill_lookahead=message.num_prefill_lookahead,
         eagle_block_drop_group_ids=tuple(message.eagle_block_drop_group_ids),
+        enable_mamba_shared_prefix_checkpoint=message.enable_mamba_shared_prefix_checkpoint,
         **optional,
     )
 
