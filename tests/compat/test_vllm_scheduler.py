@@ -68,6 +68,7 @@ class ReplayCheckingSink(LocalSink):
                 num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
                 num_prefill_lookahead=config.num_prefill_lookahead,
                 eagle_block_drop_group_ids=tuple(config.eagle_block_drop_group_ids),
+                enable_mamba_shared_prefix_checkpoint=config.enable_mamba_shared_prefix_checkpoint,
             ),
         )
 

@@ -82,6 +82,9 @@ class MirrorManagerConfig:
             coordinator's ``drop_eagle_group_ids``: empty unless the block drop is on).
         num_hash_lookahead_tokens: vLLM's ``num_hash_lookahead_tokens``.
         num_prefill_lookahead: vLLM's ``num_prefill_lookahead_tokens``.
+        enable_mamba_shared_prefix_checkpoint: vLLM's
+            ``CacheConfig.enable_mamba_shared_prefix_checkpoint`` (the core gets it only with
+            an EAGLE/MTP group, as vLLM's manager acts on it only then).
     """
 
     kv_cache_config: Any
@@ -100,6 +103,7 @@ class MirrorManagerConfig:
     eagle_block_drop_group_ids: tuple[int, ...] = ()
     num_hash_lookahead_tokens: int = 0
     num_prefill_lookahead: int = 0
+    enable_mamba_shared_prefix_checkpoint: bool = False
 
 
 class _GroupView:
@@ -223,7 +227,6 @@ class MirrorKVCacheManager:
         prefix_cache_stats: vLLM's stats value being filled, or ``None`` without log_stats.
     """
 
-    mamba_shared_prefix_checkpoint = False
     use_eagle = False
     retained_hit_group_ids: tuple[int, ...] = ()
     # The engine's offloading tier, when the connector's index is kvcm's (attach_host_tier).
@@ -270,10 +273,16 @@ class MirrorKVCacheManager:
                 eagle_block_drop_group_ids=config.eagle_block_drop_group_ids,
                 num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
                 num_prefill_lookahead=config.num_prefill_lookahead,
+                enable_mamba_shared_prefix_checkpoint=(
+                    config.enable_mamba_shared_prefix_checkpoint and bool(config.eagle_group_ids)
+                ),
             )
         )
         core = self.core
         self.use_eagle = bool(config.eagle_block_drop_group_ids)
+        # vLLM's scheduler ends a prompt chunk at a request's shared-prefix junction when
+        # this holds (the core's copy of vLLM's predicate; its Mamba groups key the state).
+        self.mamba_shared_prefix_checkpoint: bool = core.mamba_shared_prefix_checkpoint
         self.max_model_len = config.max_model_len
         self.enable_caching = config.enable_caching
         self.enable_kv_cache_events = config.enable_kv_cache_events
@@ -323,9 +332,14 @@ class MirrorKVCacheManager:
         self._slot_options: dict[tuple[int, ...], SlotOptions] = {}
         # Under sparse retention every admission tells the server's copy the junction its
         # lookup found (0 included, so a stale one from an earlier lookup never lingers).
-        self._sends_junctions = core.config.prefix_cache_retention_interval is not None and any(
-            isinstance(m.kv_cache_spec, (SlidingWindowSpec, MambaSpec))
-            for m in core.coordinator.caching_managers
+        # With the Mamba shared-prefix checkpoint the server's Mamba groups key the state at
+        # the junction, which a lookup with no hit may find too.
+        self._sends_junctions = core.mamba_shared_prefix_checkpoint or (
+            core.config.prefix_cache_retention_interval is not None
+            and any(
+                isinstance(m.kv_cache_spec, (SlidingWindowSpec, MambaSpec))
+                for m in core.coordinator.caching_managers
+            )
         )
         # The groups whose cache_blocks completes blocks only (no partial tail entries, which
         # a group with blocks larger than a hash block adds): a no-op shows in their counts.
@@ -762,6 +776,7 @@ class MirrorKVCacheManager:
             num_hash_lookahead_tokens=core.num_hash_lookahead_tokens,
             num_prefill_lookahead=core.num_prefill_lookahead,
             eagle_block_drop_group_ids=tuple(core.eagle_block_drop_group_ids),
+            enable_mamba_shared_prefix_checkpoint=core.enable_mamba_shared_prefix_checkpoint,
         )
 
     def attach_host_tier(self, offloading: KvcmOffloadingManager) -> None:
