@@ -27,6 +27,14 @@ than one round trip. Every Step also reports the newest step the scheduler close
 shipped step's age, which the server exports as the pool's step progress. The engine side's
 view is :meth:`GrpcStepShipper.lag` (logged when the oldest unshipped step gets old), also
 exported as Prometheus metrics of the engine process (:mod:`kvcm.integrations.vllm._metrics`).
+
+The shipping thread shares the interpreter lock with the engine's, so whatever it runs while
+the engine is inside the scheduler lengthens that turn. With :class:`EngineTurns` (the kvcm
+schedulers mark every ``schedule()`` and ``update_from_output()``) it starts each unit of work
+(building a batch, a Step call) only while the engine is between those calls, as while a GPU
+engine waits for the model, and parks until the engine leaves its call otherwise; past
+:data:`MAX_DEFER_S` (the oldest unshipped step's age) it ships anyway, so the lag stays
+bounded for an engine that never waits.
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COALESCE_WINDOW_S",
+    "MAX_DEFER_S",
+    "EngineTurns",
     "MAX_COALESCED_OPS",
     "MAX_COALESCED_TOKENS",
     "GrpcStepShipper",
@@ -91,6 +101,10 @@ the rest of it, and one call then carries every step closed meanwhile. An engine
 slower than this ships each step at once; a faster one pays one call (~0.5 ms of the
 process's CPU with gRPC's Python client) per window instead of per step, and its lag grows by
 at most this much."""
+MAX_DEFER_S: Final = 0.1
+"""The longest the shipping thread waits for the engine to leave the scheduler before it
+starts a unit of work anyway (the oldest unshipped step's age): an engine that never waits
+for anything still has its steps shipped, at most this much later."""
 # A backlog this long is sent without waiting for the window.
 _FULL_BATCH_STEPS = 64
 MAX_COALESCED_OPS: Final = 4096
@@ -163,6 +177,61 @@ class ShippingLag:
     lag_p50_s: float
     lag_p99_s: float
     reachable: bool
+
+
+class EngineTurns:
+    """Whether the engine's thread is inside the scheduler now, for the shipping thread.
+
+    The scheduler calls :meth:`enter` when ``schedule()`` or ``update_from_output()`` starts
+    and :meth:`leave` when it returns (each a flag write; ``leave`` also releases a parked
+    shipping thread). The shipping thread calls :meth:`wait_between` before each unit of
+    work: it returns at once while the engine is between turns, and otherwise parks (the
+    interpreter lock released, no polling) until the engine leaves its call, ``ring`` is
+    called, or the timeout passes.
+
+    Attributes:
+        busy: The engine's thread is inside ``schedule()`` or ``update_from_output()``.
+    """
+
+    __slots__ = ("_bell", "_parked", "busy")
+
+    def __init__(self) -> None:
+        self.busy = False
+        self._parked = False
+        # Held while nobody rang: the parked thread blocks acquiring it, leave() releases it.
+        self._bell = threading.Lock()
+        self._bell.acquire()
+
+    def enter(self) -> None:
+        """The engine's thread starts a scheduler call (engine thread)."""
+        self.busy = True
+
+    def leave(self) -> None:
+        """The engine's thread returned from its scheduler call (engine thread)."""
+        self.busy = False
+        if self._parked:
+            self.ring()
+
+    def ring(self) -> None:
+        """Release a parked shipping thread now (any thread: flush, close)."""
+        self._parked = False
+        with contextlib.suppress(RuntimeError):  # already released: nobody parked since
+            self._bell.release()
+
+    def wait_between(self, timeout_s: float) -> bool:
+        """Shipping thread: wait up to ``timeout_s`` until the engine is between scheduler
+        calls; whether it is (``False``: the timeout passed, or ``ring`` was called, while it
+        was still inside one)."""
+        bell = self._bell
+        bell.acquire(blocking=False)  # forget a ring nobody waited for
+        self._parked = True
+        if not self.busy:
+            self._parked = False
+            return True
+        if timeout_s > 0:
+            bell.acquire(timeout=timeout_s)
+        self._parked = False
+        return not self.busy
 
 
 def coalesce(steps: list[RecordedStep]) -> tuple[StepProgram, StepOutcome]:
@@ -272,6 +341,7 @@ class GrpcStepShipper:
         tls: TlsConfig | None = None,
         token: str | None = None,
         coalesce_window_s: float = COALESCE_WINDOW_S,
+        max_defer_s: float = MAX_DEFER_S,
     ) -> None:
         """Connect lazily and start the shipping thread (none when ``synchronous``).
 
@@ -296,6 +366,8 @@ class GrpcStepShipper:
             token: Bearer token sent with every call.
             coalesce_window_s: The least time between two Step calls (0: none); see
                 :data:`COALESCE_WINDOW_S`.
+            max_defer_s: How long a unit of work waits for the engine to leave the scheduler
+                (see :attr:`turns`); see :data:`MAX_DEFER_S`.
         """
         self.pool_id = pool_id
         self.stats = ShipperStats()
@@ -334,6 +406,10 @@ class GrpcStepShipper:
         self._window_s = coalesce_window_s
         self._last_send = -coalesce_window_s
         self._hurry = False  # flush(): send what is queued without waiting for the window
+        self._max_defer_s = max_defer_s
+        self.turns = EngineTurns()
+        """The engine's scheduler calls: the shipping thread works between them (the kvcm
+        schedulers mark them; unmarked, the engine always counts as between them)."""
         self._thread: threading.Thread | None = None
         if not synchronous:
             self._thread = threading.Thread(target=self._run, name="kvcm-step-shipper", daemon=True)
@@ -424,6 +500,7 @@ class GrpcStepShipper:
         with self._cond:
             self._hurry = True
             self._cond.notify_all()
+            self.turns.ring()
             try:
                 while self._backlog or self._busy or self._need_snapshot:
                     left = deadline - self._clock()
@@ -455,6 +532,7 @@ class GrpcStepShipper:
         with self._cond:
             self._closing = True
             self._cond.notify()
+        self.turns.ring()
         self._thread.join(timeout=timeout_s)
         if self._owns_client:
             self._client.close()
@@ -599,8 +677,10 @@ class GrpcStepShipper:
             return
         batch = self._inflight
         if batch is None:
+            self._between_turns()
             batch = self._next_batch()
             self._inflight = batch
+        self._between_turns()
         self._ship(batch)
         with self._cond:
             if self._inflight is batch:
@@ -612,6 +692,20 @@ class GrpcStepShipper:
             if self._synchronous and self._snapshot_needed():
                 # Remote mode repairs at once; the step is in the mirror's snapshot.
                 backlog.clear()
+
+    def _between_turns(self) -> None:
+        # Shipping thread, before a unit of work: wait while the engine is inside the
+        # scheduler (its turn would pay for the work), but not past the oldest unshipped
+        # step's deferral bound, nor in remote mode, a flush or a close.
+        turns = self.turns
+        while turns.busy and not (self._synchronous or self._hurry or self._closing):
+            with self._cond:
+                oldest = self._backlog[0].closed_at if self._backlog else None
+            if oldest is None:
+                return
+            left = oldest + self._max_defer_s - self._clock()
+            if left <= 0 or turns.wait_between(left):
+                return
 
     def _next_batch(self) -> tuple[list[RecordedStep], StepProgram, StepOutcome]:
         # Every queued step that fits in one coalesced Step (at least the first one).
