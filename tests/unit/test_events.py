@@ -13,6 +13,7 @@ from kvcm.common.events import (
     BlockStored,
     KVCacheEvent,
     KVEventBatch,
+    new_block_stored,
 )
 
 
@@ -71,6 +72,36 @@ def test_frozen_slotted_and_replace() -> None:
     annotated = dataclasses.replace(event, kv_cache_spec_kind="full_attention")
     assert annotated.kv_cache_spec_kind == "full_attention"
     assert event.kv_cache_spec_kind is None
+
+
+def test_new_block_stored_equals_the_constructor_s_event() -> None:
+    """The block pool's fast builder sets every field, in order, as the constructor does."""
+    values = {
+        "block_hashes": [b"a", b"b"],
+        "parent_block_hash": b"p",
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 2,
+        "lora_id": 7,
+        "medium": MEDIUM_GPU,
+        "lora_name": "adapter",
+        "extra_keys": [("adapter",), None],
+        "group_idx": 1,
+        "kv_cache_spec_kind": "sliding_window",
+        "kv_cache_spec_sliding_window": 64,
+        "session_id": "s",
+        "lookahead_token_ids": [[5], [6]],
+    }
+    fast = new_block_stored(*values.values())  # type: ignore[arg-type]
+    made = BlockStored(**values)  # type: ignore[arg-type]
+    assert fast == made
+    assert hash(fast) == hash(made)
+    assert {f.name: getattr(fast, f.name) for f in dataclasses.fields(BlockStored)} == {
+        **values,
+        "locality": None,
+        "ownership": None,
+    }
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.block_size = 3  # type: ignore[misc]
 
 
 def test_equal_events_hash_alike() -> None:

@@ -115,6 +115,85 @@ class BlockStored:
         )
 
 
+# Each BlockStored field's slot, set directly (the frozen dataclass's __init__ goes through
+# object.__setattr__ by name, field by field: ~3 us per event, on the allocation path).
+_STORED_SLOTS = tuple(
+    getattr(BlockStored, name).__set__
+    for name in (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
+    )
+)
+assert len(_STORED_SLOTS) == len(BlockStored.__slots__)  # every field, none forgotten
+
+
+def new_block_stored(  # noqa: PLR0917 (one per field, positional for speed)
+    block_hashes: list[bytes],
+    parent_block_hash: bytes | None,
+    token_ids: list[int],
+    block_size: int,
+    lora_id: int | None,
+    medium: str | None,
+    lora_name: str | None,
+    extra_keys: list[tuple[Any, ...] | None] | None,
+    group_idx: int | None,
+    kv_cache_spec_kind: str | None,
+    kv_cache_spec_sliding_window: int | None,
+    session_id: str | None,
+    lookahead_token_ids: list[list[int]] | None,
+) -> BlockStored:
+    """A :class:`BlockStored` equal to the one its constructor makes from the same values
+    (``locality`` and ``ownership`` unset), made without the frozen constructor's per-field
+    ``object.__setattr__``: the block pool makes one per cache call."""
+    (
+        set_hashes,
+        set_parent,
+        set_tokens,
+        set_size,
+        set_lora_id,
+        set_medium,
+        set_lora_name,
+        set_extra_keys,
+        set_group,
+        set_kind,
+        set_window,
+        set_locality,
+        set_ownership,
+        set_session,
+        set_lookahead,
+    ) = _STORED_SLOTS
+    event = object.__new__(BlockStored)
+    set_hashes(event, block_hashes)
+    set_parent(event, parent_block_hash)
+    set_tokens(event, token_ids)
+    set_size(event, block_size)
+    set_lora_id(event, lora_id)
+    set_medium(event, medium)
+    set_lora_name(event, lora_name)
+    set_extra_keys(event, extra_keys)
+    set_group(event, group_idx)
+    set_kind(event, kv_cache_spec_kind)
+    set_window(event, kv_cache_spec_sliding_window)
+    set_locality(event, None)
+    set_ownership(event, None)
+    set_session(event, session_id)
+    set_lookahead(event, lookahead_token_ids)
+    return event
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockRemoved:
     """Cached blocks lost their hash (evicted, or replaced by a longer entry).

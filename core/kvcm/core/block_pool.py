@@ -29,6 +29,7 @@ from kvcm.common.events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    new_block_stored,
 )
 from kvcm.common.hashing import (
     BlockHash,
@@ -404,7 +405,7 @@ class BlockPool:
         new_keys: list[BlockHashWithGroupId] | None = None if self._index is None else []
         num_tokens = num_cached_blocks * block_size
         num_inserted = 0
-        stored: list[BlockHash] | None = [] if self.enable_kv_cache_events else None
+        stored: list[bytes] | None = [] if self.enable_kv_cache_events else None
         for position, (block, block_hash) in enumerate(zip(new_blocks, new_hashes, strict=True)):
             num_tokens += block_size
             if block.is_null or (block_mask is not None and not block_mask[position]):
@@ -780,7 +781,7 @@ class BlockPool:
         self,
         request: Request,
         blocks: Sequence[KVCacheBlock],
-        stored: list[BlockHash],
+        stored: list[bytes],
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
@@ -792,41 +793,43 @@ class BlockPool:
             None if num_cached_blocks == 0 else request.block_hashes[num_cached_blocks * scale - 1]
         )
         lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
-        extra_keys: list[tuple[Any, ...] | None]
+        event_keys: list[tuple[Any, ...] | None] | None
         if lookahead is None and _has_no_extra_keys(request):
             # Most requests: no LoRA, salt, multi-modal items or embeddings, so every stored
-            # block's keys are None; skip the per-block key generation.
-            extra_keys = [None] * len(stored)
+            # block's keys are None (what to_event_extra_keys makes of them); skip the
+            # per-block key generation.
+            event_keys = [None] * len(stored) if stored else None
         else:
-            extra_keys = self._stored_extra_keys(
-                request,
-                blocks,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                block_mask,
-                lookahead,
+            event_keys = to_event_extra_keys(
+                self._stored_extra_keys(
+                    request,
+                    blocks,
+                    num_cached_blocks,
+                    num_full_blocks,
+                    block_size,
+                    block_mask,
+                    lookahead,
+                )
             )
         metadata = self.event_metadata
         kind, sliding_window = (
             metadata[kv_cache_group_id] if 0 <= kv_cache_group_id < len(metadata) else (None, None)
         )
-        return BlockStored(
-            block_hashes=list[bytes](stored),
-            parent_block_hash=parent,
-            token_ids=request.all_token_ids[
-                num_cached_blocks * block_size : num_full_blocks * block_size
-            ],
-            block_size=block_size,
-            lora_id=request.lora_id,
-            medium=self.medium,
-            lora_name=request.lora_name,
-            extra_keys=to_event_extra_keys(extra_keys),
-            group_idx=kv_cache_group_id,
-            kv_cache_spec_kind=kind,
-            kv_cache_spec_sliding_window=sliding_window,
-            session_id=request.session_id,
-            lookahead_token_ids=lookahead,
+        # ``stored`` is the caller's fresh list: the event owns it.
+        return new_block_stored(
+            stored,
+            parent,
+            request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size],
+            block_size,
+            request.lora_id,
+            self.medium,
+            request.lora_name,
+            event_keys,
+            kv_cache_group_id,
+            kind,
+            sliding_window,
+            request.session_id,
+            lookahead,
         )
 
     def _stored_extra_keys(  # noqa: PLR0917 (mirrors cache_full_blocks)
