@@ -17,6 +17,7 @@ from kvcm.common.hashing import BlockHasher, HashAlgorithm, MultiModalFeature
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvcm.core import _key_index
 from kvcm.core import lookup as lookup_module
+from kvcm.core.block import FreeKVCacheBlockQueue
 from kvcm.core.lookup import LookupQuery, PoolHit, PoolLoad, PrefixIndex
 from kvcm.core.pool import Pool, PoolConfig, PoolRegistry
 from kvcm.core.program import HitSpec
@@ -219,6 +220,72 @@ def test_every_pool_answer_breaks_ties_by_name_and_outlives_collections(key_inde
             assert indexed
             assert not any(gc.is_tracked(hit) for hit in indexed)
             assert gc.is_tracked(hits) == any(hit.pool_id.startswith("s") for hit in hits)
+
+
+_FREE_SLOT = FreeKVCacheBlockQueue.__dict__["num_free_blocks"]
+
+
+class _PropertyQueue(FreeKVCacheBlockQueue):
+    """A free queue whose count is a property: the compiled answer reads a queue's count from
+    its slot where the type keeps it in one (borrowed, referenced a few pools later) and
+    through getattr otherwise, which may run Python code."""
+
+    __slots__ = ()
+    reads = 0
+    fail = False
+
+    @property  # type: ignore[override]
+    def num_free_blocks(self) -> int:
+        if _PropertyQueue.fail:
+            raise RuntimeError("free count unreadable")
+        _PropertyQueue.reads += 1
+        value: int = _FREE_SLOT.__get__(self, FreeKVCacheBlockQueue)
+        return value
+
+    @num_free_blocks.setter
+    def num_free_blocks(self, value: int) -> None:
+        _FREE_SLOT.__set__(self, value)
+
+
+def test_every_pool_loads_equal_each_pools_own_whatever_its_queue_type() -> None:
+    """Every pool answered: each pool's load is its own free count and tables, whether its
+    queue keeps the count in a slot or answers it through a property (mixed within one kind,
+    so the compiled loop switches between its two reads), with requests left running; a
+    count that cannot be read fails the lookup and leaves the next one whole."""
+    registry = PoolRegistry()
+    rng = random.Random(11)
+    pools = [_create(registry, f"q{index:02d}", [_full()]) for index in range(30)]
+    for index, pool in enumerate(pools):
+        assert pool.manager is not None
+        if index % 3 == 1 or index in (20, 21, 22, 23):
+            pool.manager.block_pool.free_block_queue.__class__ = _PropertyQueue
+    prompt = list(range(48))
+    for key in range(60):
+        pool = rng.choice(pools)
+        _serve(pool, key, prompt[: rng.randrange(4, 48)], finish=rng.random() < 0.6)
+    _PropertyQueue.reads = 0
+    try:
+        for weight in (0.0, 0.5):
+            answer = registry.lookup(LookupQuery(token_ids=prompt, load_weight=weight))
+            assert [hit.pool_id for hit in answer.pools] != []
+            for hit in answer.pools:
+                pool = registry.get(hit.pool_id)
+                assert pool.manager is not None
+                block_pool = pool.manager.block_pool
+                running = pool.manager.coordinator.single_type_managers[0].req_to_blocks
+                assert hit.num_hit_tokens == _own_hit(pool, prompt)
+                assert hit.load.num_free_blocks == block_pool.get_num_free_blocks()
+                assert hit.load.usage == block_pool.get_usage()
+                assert hit.load.num_running == len(running)
+                assert hit.load.num_waiting == len(pool.requests) - len(running)
+        assert _PropertyQueue.reads >= 2 * 14
+        _PropertyQueue.fail = True
+        with pytest.raises(RuntimeError, match="free count unreadable"):
+            registry.lookup(LookupQuery(token_ids=prompt))
+    finally:
+        _PropertyQueue.fail = False
+    again = registry.lookup(LookupQuery(token_ids=prompt, load_weight=0.5))
+    assert again.pools == answer.pools
 
 
 def test_hash_prompts_lora_salt_and_multimodal_keys() -> None:

@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <structmember.h>
 #include <string.h>
 #ifdef __linux__
 #include <sys/mman.h>
@@ -779,6 +780,24 @@ static long long *hits_of_levels(PyObject *levels, size_t *num_slots) {
 }
 
 #define LOAD_AHEAD 8
+#define FREE_AHEAD 8
+
+/* The offset at which instances of type keep num_free_blocks, where it is an object slot
+   (a __slots__ member) read by the generic getattr; -1 otherwise (read through getattr). */
+static Py_ssize_t free_slot_offset(PyTypeObject *type) {
+    if (type->tp_getattro != PyObject_GenericGetAttr) {
+        return -1;
+    }
+    PyObject *descr = _PyType_Lookup(type, str_num_free_blocks); /* borrowed; sets no error */
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        return -1;
+    }
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    if (member->type != T_OBJECT_EX || (member->flags & PY_AUDIT_READ)) {
+        return -1;
+    }
+    return member->offset;
+}
 
 /* Score one kind's pools (its columns) into cands[*count..). The pools' objects are scattered
    over a large heap and mostly out of the CPU's caches, so the reads are pipelined: every
@@ -828,6 +847,19 @@ static int score_kind(PyObject *spec, double weight, Cand *cands, Py_ssize_t *co
             __builtin_prefetch(PyList_GET_ITEM(lists[c], i));
         }
     }
+    /* The free counts are read from the queues' slot directly where the queue's type keeps
+       num_free_blocks in one (FreeKVCacheBlockQueue's __slots__), borrowed and prefetched,
+       and only referenced FREE_AHEAD pools later, when the int's line has come in (taking
+       the reference at once stalled on that miss, the largest part of this loop at 10M
+       blocks). Between a borrow and its reference only C code runs on this thread (exact
+       dicts' and ints' reads), so no other thread can replace the count meanwhile; before
+       anything that might run Python code (another queue type, or a column entry that is not
+       an exact dict or int) every borrowed count is referenced first. *count counts the
+       candidates holding their reference (the caller releases those on error). */
+    PyTypeObject *queue_type = NULL;
+    Py_ssize_t queue_offset = -1;
+    Py_ssize_t held = *count; /* out[0 .. held - *count) hold their reference */
+    Py_ssize_t base = *count;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + LOAD_AHEAD < n) {
             for (int c = 0; c < 6; c++) {
@@ -840,24 +872,49 @@ static int score_kind(PyObject *spec, double weight, Cand *cands, Py_ssize_t *co
             PyMem_Free(hits);
             return -1;
         }
-        PyObject *free_obj = PyObject_GetAttr(PyList_GET_ITEM(queues, i), str_num_free_blocks);
+        PyObject *queue = PyList_GET_ITEM(queues, i);
+        PyObject *slot_obj = PyList_GET_ITEM(slots, i), *usable_obj = PyList_GET_ITEM(usable, i);
+        PyObject *running_obj = PyList_GET_ITEM(running, i);
+        PyObject *requests_obj = PyList_GET_ITEM(requests, i);
+        if (Py_TYPE(queue) != queue_type) {
+            queue_type = Py_TYPE(queue);
+            queue_offset = free_slot_offset(queue_type);
+        }
+        PyObject *free_obj = NULL;
+        if (queue_offset >= 0 && PyLong_CheckExact(slot_obj) && PyLong_CheckExact(usable_obj) &&
+            PyDict_CheckExact(running_obj) && PyDict_CheckExact(requests_obj)) {
+            free_obj = *(PyObject **)((char *)queue + queue_offset); /* borrowed */
+        }
+        Cand *cand = out + i;
         if (free_obj == NULL) {
-            PyMem_Free(hits);
-            return -1;
+            for (; held < base + i; held++) {
+                Py_INCREF(cands[held].free_obj);
+            }
+            *count = held;
+            free_obj = PyObject_GetAttr(queue, str_num_free_blocks);
+            if (free_obj == NULL) {
+                PyMem_Free(hits);
+                return -1;
+            }
+            cand->free_obj = free_obj;
+            *count = ++held; /* owns free_obj from here (released by the caller on error) */
+        } else {
+            cand->free_obj = free_obj;
         }
         __builtin_prefetch(free_obj);
-        Cand *cand = out + i;
-        cand->free_obj = free_obj;
-        (*count)++; /* owns free_obj from here (released by the caller on error) */
+        if (held + FREE_AHEAD <= base + i) {
+            Py_INCREF(cands[held].free_obj);
+            *count = ++held;
+        }
         cand->name = name;
         cand->medium = PyList_GET_ITEM(media, i);
         cand->hit = NULL;
         cand->num_tokens = num_tokens;
-        long long slot = PyLong_AsLongLong(PyList_GET_ITEM(slots, i));
+        long long slot = PyLong_AsLongLong(slot_obj);
         /* usage is kept here until the second pass (the usable blocks) */
-        cand->score = (double)PyLong_AsLongLong(PyList_GET_ITEM(usable, i));
-        cand->num_running = PyObject_Size(PyList_GET_ITEM(running, i));
-        cand->waiting = (long long)PyObject_Size(PyList_GET_ITEM(requests, i));
+        cand->score = (double)PyLong_AsLongLong(usable_obj);
+        cand->num_running = PyObject_Size(running_obj);
+        cand->waiting = (long long)PyObject_Size(requests_obj);
         if (PyErr_Occurred()) {
             PyMem_Free(hits);
             return -1;
@@ -870,6 +927,10 @@ static int score_kind(PyObject *spec, double weight, Cand *cands, Py_ssize_t *co
         cand->num_hit = (size_t)slot < num_slots ? hits[slot] * block_size : 0;
         cand->waiting -= (long long)cand->num_running;
     }
+    for (; held < base + n; held++) {
+        Py_INCREF(cands[held].free_obj);
+    }
+    *count = held;
     PyMem_Free(hits);
     for (Py_ssize_t i = 0; i < n; i++) {
         Cand *cand = out + i;
