@@ -282,18 +282,16 @@ def test_eagle_engine_turns_equal_vllm_mirror_replayed(case: str, vllm: ModuleTy
     assert tally.hits > 0
 
 
-def test_eagle_refusals_are_named(vllm: ModuleType) -> None:
-    """A hidden-state drafter is served; the Mamba shared-prefix checkpoint vLLM turns on
-    with one (when asked) is not modelled, and is refused with the setting named."""
-    from kvcm.common.errors import ConfigError
+def test_eagle_with_the_mamba_shared_prefix_checkpoint_is_not_refused(vllm: ModuleType) -> None:
+    """A hidden-state drafter is served, with the Mamba shared-prefix checkpoint vLLM turns on
+    with one when asked (cases below); kvcm refuses neither."""
     from kvcm.integrations.vllm._scheduler import check_supported
 
     del vllm
     config = vllm_config(EAGLE["eagle-lookahead"])
     check_supported(config)
     config.cache_config.enable_mamba_shared_prefix_checkpoint = True
-    with pytest.raises(ConfigError, match="enable_mamba_shared_prefix_checkpoint"):
-        check_supported(config)
+    check_supported(config)
 
 
 def test_draft_model_async_engine_turns_equal_vllm(vllm: ModuleType) -> None:
@@ -350,7 +348,14 @@ MAMBA = Setup(
 )
 
 
-def _build_hybrid(setup: Setup, scheduler_cls: Any = None) -> Engine:
+def _build_hybrid(
+    setup: Setup,
+    scheduler_cls: Any = None,
+    additional_config: Any = None,
+    *,
+    shared_prefix_checkpoint: bool = False,
+    draft_attention: bool = False,
+) -> Engine:
     from test_mamba_engine_core import HASH_BLOCK, MAMBA_BLOCK, _HybridMambaWorker, _layer_specs
     from vllm.v1.engine.core import EngineCore
 
@@ -362,6 +367,11 @@ def _build_hybrid(setup: Setup, scheduler_cls: Any = None) -> Engine:
             specs[name] = dataclasses.replace(
                 specs[name], num_speculative_blocks=self.vllm_config.num_speculative_tokens
             )
+            if draft_attention:
+                # The attention layer reported as the drafter's (is_draft), so vLLM's planning
+                # marks its group as the EAGLE group, as a real drafter's layers mark theirs.
+                name = "model.layers.0.self_attn.attn"
+                specs[name] = dataclasses.replace(specs[name], is_draft=True)
             return specs
 
     base = executor_class(setup)
@@ -372,7 +382,8 @@ def _build_hybrid(setup: Setup, scheduler_cls: Any = None) -> Engine:
         self.workers = [SpeculativeMambaWorker(self.vllm_config, r, setup) for r in range(world)]
 
     executor = type("SpecMambaExecutor", (base,), {"_init_executor": init_executor})
-    config = vllm_config(setup, scheduler_cls)
+    config = vllm_config(setup, scheduler_cls, additional_config)
+    config.cache_config.enable_mamba_shared_prefix_checkpoint = shared_prefix_checkpoint
     config.cache_config.mamba_cache_mode = "align"
     config.cache_config.mamba_block_size = MAMBA_BLOCK
     config.cache_config.prefix_match_unit = HASH_BLOCK
@@ -458,4 +469,112 @@ def test_eagle_hybrid_mamba_align_turns_equal_vllm(case: str, vllm: ModuleType) 
     assert tally.batches > 50
     assert tally.hits > 0
     assert counts["drafts"] > 50
+    assert tally.finished == len(plans)
+
+
+# vLLM's enable_mamba_shared_prefix_checkpoint with EAGLE on the hybrid Mamba model: chunks end
+# at each request's shared-prefix junction (where full attention's hit outruns Mamba's) and the
+# Mamba state there is keyed, so a sibling sharing the prefix resumes at it. Lookahead hashes
+# (vLLM's default, the draft layer's group marked) in mirror mode; the drop (EAGLE3) in remote
+# mode, each allocation answered by a kvcm server whose pool carries the setting.
+SHARED_PREFIX = {"eagle-lookahead-mirror": "eagle-lookahead", "eagle3-drop-remote": "eagle3-drop"}
+
+
+def _junction_counting(cls: type) -> type:
+    # Counts the admissions whose lookup found a junction, and the chunks that ended there.
+    counted = _counting(cls)
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = counted.schedule(self, *args, **kwargs)
+        counts = self.__dict__.setdefault("kvcm_junctions", {"found": 0, "stops": 0})
+        for new in output.scheduled_new_reqs:
+            request = self.requests[new.req_id]
+            junction = request.shared_prefix_boundary
+            if junction:
+                counts["found"] += 1
+        for req_id, num in output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            junction = request.shared_prefix_boundary
+            if junction and request.num_computed_tokens == junction and num:
+                counts["stops"] += 1
+        return output
+
+    return type(f"Junction{cls.__name__}", (counted,), {"schedule": schedule})
+
+
+@pytest.mark.parametrize("case", sorted(SHARED_PREFIX))
+def test_eagle_hybrid_mamba_shared_prefix_checkpoint_turns_equal_vllm(
+    case: str, server: Any, vllm: ModuleType
+) -> None:
+    """EAGLE on the hybrid Mamba model with vLLM's Mamba shared-prefix checkpoint: kvcm's
+    scheduler (vLLM's chunking on kvcm's manager) answers EngineCore turn for turn as vLLM's,
+    in mirror mode and remote mode; the server's pool, created with the setting, verifies
+    every step and ends equal to the mirror."""
+    from _program_replay import pool_state
+    from test_mamba_engine_core import _plans
+    from test_vllm_shipping import server_pool_state
+
+    from kvcm.integrations.vllm import KvcmScheduler
+
+    del vllm
+    eagle = EAGLE[SHARED_PREFIX[case]]
+    mode = "remote" if case.endswith("remote") else "mirror"
+    setup = dataclasses.replace(
+        MAMBA,
+        speculative_method=eagle.speculative_method,
+        disable_lookahead_block_hashes=eagle.disable_lookahead_block_hashes,
+    )
+    config = {"kvcm": {"address": server.grpc_address, "pool_id": "spc", "mode": mode}}
+    plans = _plans(29, 24 * workload_scale(), setup.max_model_len)
+    # With lookahead hashes (no drop) vLLM acts on the setting only beside a marked draft group.
+    marked = not eagle.disable_lookahead_block_hashes
+    reference = _build_hybrid(setup, shared_prefix_checkpoint=True, draft_attention=marked)
+    mirrored = _build_hybrid(
+        setup,
+        _junction_counting(KvcmScheduler),
+        config,
+        shared_prefix_checkpoint=True,
+        draft_attention=marked,
+    )
+    try:
+        ref, kv = reference.scheduler, mirrored.scheduler
+        manager = kv.kv_cache_manager
+        # vLLM's predicate holds on both sides, read by both schedulers and managers.
+        assert ref.kv_cache_manager.mamba_shared_prefix_checkpoint
+        assert ref.mamba_shared_prefix_checkpoint
+        assert manager.mamba_shared_prefix_checkpoint
+        assert manager.core.mamba_shared_prefix_checkpoint
+        assert kv.mamba_shared_prefix_checkpoint
+        assert bool(manager.core.coordinator.drop_eagle_group_ids) == bool(
+            eagle.disable_lookahead_block_hashes
+        )
+        tally = assert_same_runs(reference, mirrored, plans)
+        counts = _spec_counts(mirrored)
+        junctions = dict(kv.kvcm_junctions)
+        # The server's copy (shipped in the background in mirror mode, answering each
+        # allocation in remote mode) took every step and ends equal to the engine's mirror.
+        shipper = manager.recorder.sink
+        assert manager.flush(30.0), shipper.stats
+        stats = shipper.stats
+        assert stats.mismatches == 0
+        assert stats.steps_verified == stats.steps_submitted > 0
+        assert server_pool_state(server, "spc") == pool_state(manager.core, sorted(kv.requests))
+
+        async def options() -> Any:
+            return (await server.server.state.pool("spc")).options
+
+        assert server.call(options()).enable_mamba_shared_prefix_checkpoint
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+    print(
+        f"{case} hybrid Mamba shared-prefix checkpoint: {tally.turns} turns, "
+        f"{tally.batches} batches, {tally.events} events, {tally.hits} hits, "
+        f"{tally.preempted} preemptions, {counts['drafts']} draft tokens, "
+        f"{junctions['found']} junctions found, {junctions['stops']} chunks ended there; "
+        f"{stats.steps_verified} steps verified by the server in {stats.step_rpcs} Step RPCs"
+    )
+    assert tally.batches > 50
+    assert tally.hits > 0
+    assert junctions["stops"] > 0
     assert tally.finished == len(plans)

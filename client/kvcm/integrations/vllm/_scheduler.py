@@ -28,7 +28,7 @@ from kvcm.integrations.vllm._convert import check_connector_groups
 from kvcm.integrations.vllm._manager import MirrorKVCacheManager, MirrorManagerConfig
 from kvcm.integrations.vllm._procship import ProcessStepShipper
 from kvcm.integrations.vllm._settings import KvcmSettings
-from kvcm.integrations.vllm._shipper import GrpcStepShipper
+from kvcm.integrations.vllm._shipper import EngineTurns, GrpcStepShipper
 from kvcm.integrations.vllm._sinks import NullSink
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -74,17 +74,6 @@ def check_supported(vllm_config: Any) -> None:
         (
             getattr(vllm_config, "ec_transfer_config", None) is not None,
             "encoder-cache connectors (--ec-transfer-config) are not supported with kvcm",
-        ),
-        (
-            # Hidden-state drafters (EAGLE, EAGLE3, MTP, DFlash, DSpark) are served: their
-            # lookahead block hashes, re-prefillable tokens and trailing-block drop reach the
-            # core (see docs/vllm.md). With them vLLM turns on the Mamba shared-prefix
-            # checkpoint when asked, which kvcm does not model.
-            vllm_config.speculative_config is not None
-            and vllm_config.speculative_config.use_eagle()
-            and bool(getattr(vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", 0)),
-            "enable_mamba_shared_prefix_checkpoint with a hidden-state drafter (EAGLE, MTP, "
-            "...) is not supported with kvcm",
         ),
         (
             vllm_config.aux_output_config.enabled,
@@ -217,12 +206,25 @@ class _KvcmSchedulerMixin:
                 eagle_block_drop_group_ids=tuple(sorted(placeholder.drop_eagle_group_ids)),
                 num_hash_lookahead_tokens=scheduler.num_hash_lookahead_tokens,
                 num_prefill_lookahead=scheduler.num_prefill_lookahead,
+                enable_mamba_shared_prefix_checkpoint=bool(
+                    scheduler.cache_config.enable_mamba_shared_prefix_checkpoint
+                ),
             ),
+        )
+        # vLLM's constructor read the shared-prefix checkpoint off its placeholder manager;
+        # the chunks end at junctions as the manager the scheduler runs on decides.
+        scheduler.mamba_shared_prefix_checkpoint = (
+            scheduler.mamba_partial_cache_hit
+            and self.kv_cache_manager.mamba_shared_prefix_checkpoint
         )
         offloading = _kvcm_offloading_manager(self)
         if offloading is not None:
             self.kv_cache_manager.attach_host_tier(offloading)
-        self.kv_cache_manager.sink = self.make_step_sink(settings)
+        sink = self.make_step_sink(settings)
+        self.kv_cache_manager.sink = sink
+        # The shipping thread works while the engine is outside schedule() and
+        # update_from_output() (GrpcStepShipper.turns); other sinks need no marks.
+        self._kvcm_turns: EngineTurns | None = getattr(sink, "turns", None)
 
     def _check_loop(self, vllm_config: Any) -> None:
         # vLLM runs a scheduler_cls under the loop async_scheduling selects, whatever the
@@ -302,9 +304,30 @@ class _KvcmSchedulerMixin:
         What ``update_from_output()`` changes (frees of finished requests, cached blocks) is
         recorded into the program of the next ``schedule()``, so a step costs one Step RPC.
         """
-        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        self.kv_cache_manager.close_step()
+        turns = self._kvcm_turns
+        if turns is None:
+            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            self.kv_cache_manager.close_step()
+            return output
+        turns.enter()
+        try:
+            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            self.kv_cache_manager.close_step()
+        finally:
+            turns.leave()
         return output
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``update_from_output()``, marked for the shipping thread (see
+        :class:`~kvcm.integrations.vllm._shipper.EngineTurns`)."""
+        turns = self._kvcm_turns
+        if turns is None:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        turns.enter()
+        try:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            turns.leave()
 
     def shutdown(self) -> None:
         """Ship what is pending (up to ``shutdown_timeout_s``), close the sink, then shut
