@@ -16,9 +16,11 @@ steadier figure), and in the engine thread's own CPU time (the scheduler's work 
 difference to the process's is what the shipping thread and gRPC's threads ran meanwhile).
 The engines' turns alternate in blocks of 10, after EngineCore's own ``gc.freeze()``. The
 mirror's shipping thread runs beside its engine's turns, sharing the interpreter lock as in a
-real engine (one call carries the steps of 5 ms); between blocks it is let finish, outside
-every sample, so that it never runs inside vLLM's. The last columns are what a whole turn
-costs in all: the process's CPU time per turn, each engine stepping back to
+real engine (one call carries the steps of 5 ms); it starts a unit of work (a batch build, a
+Step call) only while the engine is outside ``schedule()`` and ``update_from_output()``
+(``EngineTurns``), or once the oldest unshipped step is 0.1 s old; between blocks it is let
+finish, outside every sample, so that it never runs inside vLLM's. The last columns are what
+a whole turn costs in all: the process's CPU time per turn, each engine stepping back to
 back on its own until the server's copy is equal (the simulated model, and every call the
 shipper makes, included).
 
@@ -28,8 +30,9 @@ the engine's wait for its result sleeps, releasing the interpreter lock, as a mu
 executor waits on its workers' replies. That wait is in EngineCore's ``future.result()``, between
 ``schedule()`` and ``update_from_output()``, so it is never inside a sample; the mirror's
 shipping thread runs during it, as it does in a real engine. 0 is the worst case for the mirror:
-the engine never gives up the interpreter lock, and the shipper's work lands inside the engine's
-turns whenever the lock changes hands (every 5 ms).
+the engine never gives up the interpreter lock, so the shipping thread gets it only when the
+lock changes hands (every 5 ms), mostly inside a turn, where it parks again at once (or works,
+past the 0.1 s bound, as at N = 256, whose blocks of 10 turns last longer).
 
 **Lag** (``--lag``): the mirror engine steps back to back and once every 10 ms; figures:
 steps per second the shipper acknowledged, Step RPCs (one carries every step queued while the
@@ -49,7 +52,7 @@ close until the server's copy equals the mirror's.
 child's CPU is not in them); the whole-turn columns print the engine's process and, beside it,
 the engine's process plus the child (``+child``).
 
-Targets (issue 22): mirror median <= 0.9x vLLM's everywhere (aim 0.8x).
+Targets (issue 22): mirror median and p99 <= 0.9x vLLM's everywhere (aim 0.8x).
 """
 
 from __future__ import annotations
