@@ -76,17 +76,6 @@ def check_supported(vllm_config: Any) -> None:
             "encoder-cache connectors (--ec-transfer-config) are not supported with kvcm",
         ),
         (
-            # Hidden-state drafters (EAGLE, EAGLE3, MTP, DFlash, DSpark) are served: their
-            # lookahead block hashes, re-prefillable tokens and trailing-block drop reach the
-            # core (see docs/vllm.md). With them vLLM turns on the Mamba shared-prefix
-            # checkpoint when asked, which kvcm does not model.
-            vllm_config.speculative_config is not None
-            and vllm_config.speculative_config.use_eagle()
-            and bool(getattr(vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", 0)),
-            "enable_mamba_shared_prefix_checkpoint with a hidden-state drafter (EAGLE, MTP, "
-            "...) is not supported with kvcm",
-        ),
-        (
             vllm_config.aux_output_config.enabled,
             "aux output connectors are not supported with kvcm",
         ),
@@ -217,7 +206,16 @@ class _KvcmSchedulerMixin:
                 eagle_block_drop_group_ids=tuple(sorted(placeholder.drop_eagle_group_ids)),
                 num_hash_lookahead_tokens=scheduler.num_hash_lookahead_tokens,
                 num_prefill_lookahead=scheduler.num_prefill_lookahead,
+                enable_mamba_shared_prefix_checkpoint=bool(
+                    scheduler.cache_config.enable_mamba_shared_prefix_checkpoint
+                ),
             ),
+        )
+        # vLLM's constructor read the shared-prefix checkpoint off its placeholder manager;
+        # the chunks end at junctions as the manager the scheduler runs on decides.
+        scheduler.mamba_shared_prefix_checkpoint = (
+            scheduler.mamba_partial_cache_hit
+            and self.kv_cache_manager.mamba_shared_prefix_checkpoint
         )
         offloading = _kvcm_offloading_manager(self)
         if offloading is not None:
