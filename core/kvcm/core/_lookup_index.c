@@ -950,12 +950,55 @@ static int score_kind(PyObject *spec, double weight, Cand *cands, Py_ssize_t *co
     return 0;
 }
 
-/* The PoolHit of an indexed pool's candidate (its group and tier parts shared through parts). */
-static PyObject *make_hit(Cand *cand, PyObject *parts, PyObject *hit_parts, PyTypeObject *pool_hit,
-                          PyTypeObject *pool_load) {
+/* What the last PoolHit made was made of, reused by the next where equal (the ranking puts
+   equal hits, scores and usages side by side): fewer new objects per pool. Each holds a
+   reference (NULL: none yet); released by recent_clear. */
+typedef struct {
+    long long hit;
+    PyObject *medium; /* borrowed, compared by identity (the media are interned names) */
+    PyObject *hit_obj, *groups, *tiers;
+    long long num_tokens;
+    PyObject *num_tokens_obj;
+    double usage, score; /* compared bit for bit (0.0 and -0.0 stay apart) */
+    PyObject *usage_obj, *score_obj;
+} Recent;
+
+static void recent_clear(Recent *recent) {
+    Py_CLEAR(recent->hit_obj);
+    Py_CLEAR(recent->groups);
+    Py_CLEAR(recent->tiers);
+    Py_CLEAR(recent->num_tokens_obj);
+    Py_CLEAR(recent->usage_obj);
+    Py_CLEAR(recent->score_obj);
+}
+
+/* A new reference to a float of value, the last one made if it has the same bits. */
+static PyObject *recent_float(double value, double *last, PyObject **last_obj) {
+    if (*last_obj != NULL && memcmp(&value, last, sizeof value) == 0) {
+        Py_INCREF(*last_obj);
+        return *last_obj;
+    }
+    PyObject *made = PyFloat_FromDouble(value);
+    if (made != NULL) {
+        Py_XSETREF(*last_obj, Py_NewRef(made));
+        *last = value;
+    }
+    return made;
+}
+
+/* The hit's int and its group and tier parts (shared through parts), as new references. */
+static int hit_parts_of(Cand *cand, PyObject *parts, PyObject *hit_parts, Recent *recent,
+                        PyObject **hit_out, PyObject **groups_out, PyObject **tiers_out) {
+    if (recent->hit_obj != NULL && recent->hit == cand->num_hit &&
+        recent->medium == cand->medium) {
+        *hit_out = Py_NewRef(recent->hit_obj);
+        *groups_out = Py_NewRef(recent->groups);
+        *tiers_out = Py_NewRef(recent->tiers);
+        return 0;
+    }
     PyObject *hit_obj = PyLong_FromLongLong(cand->num_hit);
     if (hit_obj == NULL) {
-        return NULL;
+        return -1;
     }
     PyObject *shared = PyDict_GetItemWithError(parts, hit_obj); /* borrowed */
     int has_medium = 0;
@@ -964,7 +1007,7 @@ static PyObject *make_hit(Cand *cand, PyObject *parts, PyObject *hit_parts, PyTy
     }
     if (has_medium < 0 || PyErr_Occurred()) {
         Py_DECREF(hit_obj);
-        return NULL;
+        return -1;
     }
     PyObject *made = NULL;
     if (!has_medium) {
@@ -975,26 +1018,58 @@ static PyObject *make_hit(Cand *cand, PyObject *parts, PyObject *hit_parts, PyTy
             }
             Py_XDECREF(made);
             Py_DECREF(hit_obj);
-            return NULL;
+            return -1;
         }
         shared = made;
     }
-    PyObject *groups = PyTuple_GET_ITEM(shared, 0), *tiers = PyTuple_GET_ITEM(shared, 1);
-    Py_INCREF(groups);
-    Py_INCREF(tiers);
+    PyObject *groups = Py_NewRef(PyTuple_GET_ITEM(shared, 0));
+    PyObject *tiers = Py_NewRef(PyTuple_GET_ITEM(shared, 1));
     Py_XDECREF(made);
+    Py_XSETREF(recent->hit_obj, Py_NewRef(hit_obj));
+    Py_XSETREF(recent->groups, Py_NewRef(groups));
+    Py_XSETREF(recent->tiers, Py_NewRef(tiers));
+    recent->hit = cand->num_hit;
+    recent->medium = cand->medium;
+    *hit_out = hit_obj;
+    *groups_out = groups;
+    *tiers_out = tiers;
+    return 0;
+}
+
+/* The PoolHit of an indexed pool's candidate. */
+static PyObject *make_hit(Cand *cand, PyObject *parts, PyObject *hit_parts, PyTypeObject *pool_hit,
+                          PyTypeObject *pool_load, Recent *recent) {
+    PyObject *hit_obj, *groups, *tiers;
+    if (hit_parts_of(cand, parts, hit_parts, recent, &hit_obj, &groups, &tiers) < 0) {
+        return NULL;
+    }
+    PyObject *num_tokens_obj;
+    if (recent->num_tokens_obj != NULL && recent->num_tokens == cand->num_tokens) {
+        num_tokens_obj = Py_NewRef(recent->num_tokens_obj);
+    } else {
+        num_tokens_obj = PyLong_FromLongLong(cand->num_tokens);
+        if (num_tokens_obj != NULL) {
+            Py_XSETREF(recent->num_tokens_obj, Py_NewRef(num_tokens_obj));
+            recent->num_tokens = cand->num_tokens;
+        }
+    }
     PyObject *free_obj = cand->free_obj;
     cand->free_obj = NULL; /* the reference goes to the PoolLoad */
     PyObject *load_items[4] = {
-        PyFloat_FromDouble(cand->usage),
+        recent_float(cand->usage, &recent->usage, &recent->usage_obj),
         free_obj,
         PyLong_FromSsize_t(cand->num_running),
         PyLong_FromLongLong(cand->waiting > 0 ? cand->waiting : 0),
     };
     PyObject *load = new_record(pool_load, 4, load_items);
     Py_INCREF(cand->name);
-    PyObject *hit_items[7] = {cand->name, hit_obj, groups, tiers, PyLong_FromLongLong(cand->num_tokens),
-                              load, PyFloat_FromDouble(cand->score)};
+    PyObject *hit_items[7] = {cand->name,
+                              hit_obj,
+                              groups,
+                              tiers,
+                              num_tokens_obj,
+                              load,
+                              recent_float(cand->score, &recent->score, &recent->score_obj)};
     return new_record(pool_hit, 7, hit_items);
 }
 
@@ -1085,6 +1160,7 @@ static PyObject *answer_all(PyObject *Py_UNUSED(module), PyObject *const *args, 
        row's): it can then be in no cycle either. */
     PyObject_GC_UnTrack(answer);
     int track = 0;
+    Recent recent = {0};
     for (Py_ssize_t i = 0; i < count; i++) {
         Cand *cand = cands + i;
         PyObject *hit = cand->hit;
@@ -1092,14 +1168,16 @@ static PyObject *answer_all(PyObject *Py_UNUSED(module), PyObject *const *args, 
             Py_INCREF(hit);
             track |= PyObject_GC_IsTracked(hit);
         } else {
-            hit = make_hit(cand, parts, hit_parts, pool_hit, pool_load);
+            hit = make_hit(cand, parts, hit_parts, pool_hit, pool_load, &recent);
             if (hit == NULL) {
+                recent_clear(&recent);
                 Py_CLEAR(answer); /* its NULL items are skipped */
                 goto done;
             }
         }
         PyTuple_SET_ITEM(answer, i, hit);
     }
+    recent_clear(&recent);
     if (track) {
         PyObject_GC_Track(answer);
     }
