@@ -17,7 +17,6 @@ from kvcm.client import (
     DeadlineExceededError,
     FreeMode,
     PoolConfig,
-    PoolInfo,
     RetryPolicy,
     SchedulerClient,
     ServiceAlreadyExistsError,
@@ -211,11 +210,13 @@ _QUICK_REDIAL = (
 
 
 @pytest.mark.parametrize("flavour", ["sync", "async"])
-def test_a_cluster_call_waits_within_its_deadline_for_a_replica(flavour: str) -> None:
+@pytest.mark.parametrize("call", ["describe_pool", "step"])
+def test_a_cluster_call_waits_within_its_deadline_for_a_replica(flavour: str, call: str) -> None:
     """A seed list whose every replica is down (a failover, a restart under way): an
-    idempotent call backs off and tries the seeds again until its deadline, instead of
-    raising after its four reroutes; it is answered once a replica serves the pool. A
-    non-idempotent call still raises at once (it may have run)."""
+    idempotent call (a read; a Step with a step_seq) backs off and starts over from the
+    seeds until its deadline, instead of raising after its four reroutes; it is answered
+    once a replica serves the pool, on the second seed (each new attempt moves through the
+    seeds again). A non-idempotent call still raises at once (it may have run)."""
     first, second = _unbound_port(), _unbound_port()
     seeds = f"127.0.0.1:{first},127.0.0.1:{second}"
     policy = RetryPolicy(initial_backoff_s=0.02, max_backoff_s=0.1)
@@ -232,6 +233,16 @@ def test_a_cluster_call_waits_within_its_deadline_for_a_replica(flavour: str) ->
         with SchedulerClient(server.grpc_address, timeout=5.0) as lone:
             lone.create_pool("waited", _config())
 
+    def answered(client: SchedulerClient) -> object:
+        if call == "step":
+            return client.step("waited", StepBuilder(step_seq=1)).step_seq
+        return client.describe_pool("waited").pool_id
+
+    async def answered_async(client: AsyncSchedulerClient) -> object:
+        if call == "step":
+            return (await client.step("waited", StepBuilder(step_seq=1))).step_seq
+        return (await client.describe_pool("waited")).pool_id
+
     with SchedulerClient(seeds, timeout=0.5) as hasty, pytest.raises(UnavailableError):
         hasty.create_pool("never", _config())  # not idempotent: no retry of its own
     thread = threading.Thread(target=replica_comes_up)
@@ -240,20 +251,20 @@ def test_a_cluster_call_waits_within_its_deadline_for_a_replica(flavour: str) ->
     try:
         if flavour == "sync":
             with SchedulerClient(seeds, **options) as client:
-                described = client.describe_pool("waited")
+                answer = answered(client)
         else:
 
-            async def describe() -> PoolInfo:
+            async def run() -> object:
                 async with AsyncSchedulerClient(seeds, **options) as client:
-                    return await client.describe_pool("waited")
+                    return await answered_async(client)
 
-            described = asyncio.run(describe())
+            answer = asyncio.run(run())
         waited = time.monotonic() - begun
     finally:
         thread.join()
         for server in started:
             server.stop()
-    assert described.pool_id == "waited"
+    assert answer == (1 if call == "step" else "waited")
     assert 1.0 <= waited < 8.0
     # Before, the call raised UnavailableError after four hops, in milliseconds.
     with SchedulerClient(seeds, timeout=1.0, retry_policy=policy) as client:

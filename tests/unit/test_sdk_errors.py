@@ -10,6 +10,7 @@ from kvcm.client import (
     DeadlineExceededError,
     InternalError,
     PermissionDeniedError,
+    RetryPolicy,
     ServiceAlreadyExistsError,
     ServiceError,
     ServiceFailedPreconditionError,
@@ -23,6 +24,7 @@ from kvcm.client import (
 )
 from kvcm.client._errors import error_from_rpc
 from kvcm.common import errors
+from kvcm.common.errors import InvalidArgumentError
 from kvcm.v1 import scheduler_pb2
 from kvcm.wire import STEP_REJECTION_TRAILER
 
@@ -153,3 +155,36 @@ def test_whole_step_rejection_has_no_op_index_and_garbage_is_ignored() -> None:
 def test_not_found_reads_like_the_others() -> None:
     error = error_from_rpc(_FakeRpcError(grpc.StatusCode.NOT_FOUND, "no pool 'p'"), "GetUsage")
     assert str(error) == "GetUsage: NOT_FOUND: no pool 'p'"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_attempts", 1),
+        ("max_attempts", 2.5),
+        ("initial_backoff_s", 0),
+        ("max_backoff_s", -1.0),
+        ("backoff_multiplier", 0.5),
+        ("attempt_timeout_s", True),
+    ],
+)
+def test_a_retry_policy_that_would_spin_or_that_grpc_refuses_names_its_field(
+    field: str, value: object
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=field) as caught:
+        RetryPolicy(**{field: value})  # type: ignore[arg-type]
+    assert caught.value.field == field
+
+
+def test_the_backoff_grows_to_its_cap_and_never_overflows() -> None:
+    policy = RetryPolicy(initial_backoff_s=0.05, max_backoff_s=1.0, backoff_multiplier=2.0)
+    assert [policy.backoff_s(attempt) for attempt in (1, 2, 3, 5, 6)] == [
+        0.05,
+        0.1,
+        0.2,
+        0.8,
+        1.0,
+    ]
+    # A cluster's call retries until its deadline: attempt counts far past 2 ** 10.
+    assert policy.backoff_s(5_000) == 1.0
+    assert RetryPolicy(backoff_multiplier=1.0).backoff_s(10_000) == 0.05

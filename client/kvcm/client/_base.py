@@ -110,16 +110,33 @@ class RetryPolicy:
     attempt_timeout_s: float = 1.25
 
     def __post_init__(self) -> None:
-        value = self.attempt_timeout_s
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        # A zero backoff or a shrinking one would spin until a cluster call's deadline.
+        bounds = {
+            "initial_backoff_s": (self.initial_backoff_s, 0.0, "a positive number of seconds"),
+            "max_backoff_s": (self.max_backoff_s, 0.0, "a positive number of seconds"),
+            "attempt_timeout_s": (self.attempt_timeout_s, 0.0, "a positive number of seconds"),
+            "backoff_multiplier": (self.backoff_multiplier, 1.0, "a number >= 1"),
+        }
+        for field, (value, low, what) in bounds.items():
+            bad = isinstance(value, bool) or not isinstance(value, int | float)
+            if bad or not (value >= low if low else value > 0):
+                raise InvalidArgumentError(f"{field} must be {what}, got {value!r}", field=field)
+        attempts = self.max_attempts
+        # gRPC's service config refuses a retry policy of fewer than 2 attempts.
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 2:
             raise InvalidArgumentError(
-                f"attempt_timeout_s must be a positive number of seconds, got {value!r}",
-                field="attempt_timeout_s",
+                f"max_attempts must be an integer >= 2, got {attempts!r}", field="max_attempts"
             )
 
     def backoff_s(self, attempt: int) -> float:
         """Upper bound of the backoff before attempt ``attempt + 1`` (``attempt`` >= 1)."""
-        bound = self.initial_backoff_s * self.backoff_multiplier ** (attempt - 1)
+        bound = self.initial_backoff_s
+        # Grown one attempt at a time and capped, never as a power: a cluster's call retries
+        # until its deadline, and 2.0 ** 1100 overflows.
+        for _ in range(min(attempt, 64) - 1):
+            bound *= self.backoff_multiplier
+            if bound >= self.max_backoff_s:
+                break
         return float(min(bound, self.max_backoff_s))
 
 

@@ -426,7 +426,9 @@ class AsyncSchedulerClient(AsyncChannelClient):
                 ):
                     raise error from exc
                 await asyncio.sleep(random.uniform(0.0, policy.backoff_s(attempt)))
-                attempt += 1
+                # The next attempt starts over from the seeds: redirects followed, dead
+                # routes forgotten, as the first did.
+                attempt, reroutes = attempt + 1, 0
                 continue
             return StepResult.of(step, outcome_from_proto(response))
 
