@@ -25,6 +25,7 @@ from _engine_core import (
     assert_same_runs,
     build_engine,
     plan_workload,
+    vllm_config,
     workload_scale,
 )
 from _program_replay import ProgramReplayer, pool_state
@@ -359,6 +360,39 @@ def test_refused_when_engine_core_builds_it(
     setup = change.get("setup", Setup(async_scheduling=change.get("async_scheduling", False)))
     with pytest.raises(ConfigError, match=message):
         build_engine(setup, KvcmScheduler, change.get("additional_config"))
+
+
+def test_inputs_whose_hashes_kvcm_does_not_mirror_are_refused_before_any_request(
+    kvcm_classes: tuple[type, type], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Multi-modal items and prompt embeddings change vLLM's block hashes (placeholder
+    tokens' extra keys, embedding digests) in ways kvcm does not mirror yet: an engine that
+    can receive them is refused at construction, naming the setting that avoids it, instead
+    of failing at its first such request. A multi-modal config vLLM itself runs text-only is
+    served."""
+    from vllm.config import ModelConfig, MultiModalConfig
+
+    from kvcm.integrations.vllm import check_supported
+
+    del kvcm_classes
+    config = vllm_config(Setup())
+    check_supported(config)
+    config.model_config.enable_prompt_embeds = True
+    with pytest.raises(ConfigError, match="--enable-prompt-embeds"):
+        check_supported(config)
+    config.model_config.enable_prompt_embeds = False
+    # A text-only architecture given a multi-modal config: vLLM runs it text-only.
+    config.model_config.multimodal_config = MultiModalConfig()
+    assert config.model_config.is_multimodal_model
+    assert not config.model_config.supports_multimodal_inputs
+    check_supported(config)
+    # A real vision-language model needs its processor files to build on CPU; vLLM's answer
+    # for one is stood in for here, the refusal reads nothing else.
+    monkeypatch.setattr(ModelConfig, "supports_multimodal_inputs", property(lambda _: True))
+    with pytest.raises(ConfigError, match="--language-model-only"):
+        check_supported(config)
+    config.model_config.multimodal_config = None
+    check_supported(config)
 
 
 def _vllm_config_with(**fields: Any) -> Any:

@@ -58,6 +58,14 @@ SUPPORTED_KV_CONNECTORS = (
 )
 
 
+def _accepts_multimodal_inputs(model_config: Any) -> bool:
+    """Whether vLLM lets multi-modal items into this engine's requests (a multi-modal model
+    not limited to text; vLLM runs one without a multi-modal processor as text-only)."""
+    if model_config is None or not model_config.is_multimodal_model:
+        return False
+    return bool(model_config.supports_multimodal_inputs)
+
+
 def check_supported(vllm_config: Any) -> None:
     """Refuse configurations kvcm's integration does not manage.
 
@@ -74,6 +82,20 @@ def check_supported(vllm_config: Any) -> None:
         (
             getattr(vllm_config, "ec_transfer_config", None) is not None,
             "encoder-cache connectors (--ec-transfer-config) are not supported with kvcm",
+        ),
+        (
+            # vLLM's own test of whether image/audio/video items can reach this engine; kvcm
+            # does not hash their placeholders yet, so such a request would stop the engine
+            # when first scheduled: refused here, before any request.
+            _accepts_multimodal_inputs(vllm_config.model_config),
+            "multi-modal inputs are not supported with kvcm yet (their placeholder tokens' "
+            "block hashes are not mirrored); serve the model text-only (--language-model-only) "
+            "or without kvcm",
+        ),
+        (
+            bool(getattr(vllm_config.model_config, "enable_prompt_embeds", False)),
+            "prompt embeddings (--enable-prompt-embeds) are not supported with kvcm yet (their "
+            "block hashes are not mirrored); start without the flag or without kvcm",
         ),
         (
             vllm_config.aux_output_config.enabled,
