@@ -128,6 +128,9 @@ class RequestSpec:
     lora: tuple[str, int, str] | None = None
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False
+    # vLLM's SamplingParams.extra_args["kv_cache_report_mode"] = "full" (kvcm's
+    # report_cached_blocks): lookups that hit report the reused blocks as stored.
+    report_full: bool = False
 
 
 # The status names shared by both RequestStatus enums.
@@ -215,6 +218,7 @@ class VllmSide:
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
         self.layout = layout
+        self.report_failed = False
         self._kcu = kcu
         hash_fn = hashing.get_hash_fn_by_name(layout.hash_algorithm)
         # vLLM's NONE_HASH is process-global and seeded from PYTHONHASHSEED.
@@ -308,7 +312,8 @@ class VllmSide:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=1 << 20)
+        extra_args = {"kv_cache_report_mode": "full"} if spec.report_full else None
+        params = SamplingParams(max_tokens=1 << 20, extra_args=extra_args)
         if spec.skip_reading_prefix_cache:
             params.skip_reading_prefix_cache = True
         lora = None if spec.lora is None else LoRARequest(*spec.lora)
@@ -349,9 +354,28 @@ class VllmSide:
     def get_computed_blocks(
         self, request_id: str, max_len: int | None
     ) -> tuple[BlockIds, int, int]:
-        """Look up the hit (blocks, length, shared-prefix junction); keep it to allocate."""
+        """Look up the hit (blocks, length, shared-prefix junction); keep it to allocate.
+
+        vLLM's "full" report raises IndexError for a Mamba hit ending inside a block the
+        request's tokens do not fill (no hash to report): then the events of the earlier groups
+        are dropped, the lookup (which changed nothing) is done again unreported and
+        ``report_failed`` is set.
+        """
         request = self.requests[request_id]
-        blocks, num, junction = self.manager.get_computed_blocks(request, max_len)
+        queue = self.manager.block_pool.kv_event_queue
+        num_events = len(queue)
+        try:
+            blocks, num, junction = self.manager.get_computed_blocks(request, max_len)
+        except IndexError:
+            if request.kv_cache_report_mode != "full":
+                raise
+            self.report_failed = True
+            del queue[num_events:]  # the groups reported before the one that raised
+            request.kv_cache_report_mode = "incremental"
+            try:
+                blocks, num, junction = self.manager.get_computed_blocks(request, max_len)
+            finally:
+                request.kv_cache_report_mode = "full"
         # As vLLM's scheduler does after every lookup: sparse retention keeps the junction.
         request.shared_prefix_boundary = junction
         self._hits[request_id] = (blocks, num)
@@ -650,6 +674,7 @@ class KvcmSide:
             lora_path=lora_path,
             cache_salt=spec.cache_salt,
             skip_reading_prefix_cache=spec.skip_reading_prefix_cache,
+            report_cached_blocks=spec.report_full,
         )
 
     def update(self, request_id: str, **values: Any) -> None:
@@ -675,10 +700,19 @@ class KvcmSide:
 
     # ------------------------------------------------------------------ manager calls
     def get_computed_blocks(
-        self, request_id: str, max_len: int | None
+        self, request_id: str, max_len: int | None, report: bool = True
     ) -> tuple[BlockIds, int, int]:
-        """Look up the hit (blocks, length, shared-prefix junction); keep it to allocate."""
-        hit = self.manager.get_computed_blocks(self.requests[request_id], max_len)
+        """Look up the hit (blocks, length, shared-prefix junction); keep it to allocate.
+
+        ``report=False`` looks a "full"-mode request up unreported (where vLLM's report raised).
+        """
+        request = self.requests[request_id]
+        reported = request.report_cached_blocks
+        request.report_cached_blocks = reported and report
+        try:
+            hit = self.manager.get_computed_blocks(request, max_len)
+        finally:
+            request.report_cached_blocks = reported
         self._hits[request_id] = hit
         junction = self.manager.get_shared_prefix_boundary(request_id)
         return _ids(hit.blocks.blocks), hit.num_computed_tokens, junction

@@ -764,6 +764,66 @@ class BlockPool:
                 )
             )
 
+    def emit_cached_block_events(
+        self, request: Request, num_cached_blocks: int, block_size: int, kv_cache_group_id: int
+    ) -> None:
+        """Record one ``BlockStored`` for the first ``num_cached_blocks`` blocks of a hit.
+
+        vLLM's ``kv_cache_report_mode="full"``: blocks reused from the prefix cache are
+        reported as if stored again (a contiguous prefix from block 0, so no parent), with
+        the fields :meth:`cache_full_blocks` gives. Nothing about the blocks changes.
+
+        Args:
+            request: The request whose lookup hit.
+            num_cached_blocks: The group's hit length in blocks (null blocks included); the
+                blocks past the request's last full block are left out.
+            block_size: The group's block size (a multiple of ``hash_block_size``).
+            kv_cache_group_id: The group.
+        """
+        scale = block_size // self.hash_block_size
+        hashes = request.block_hashes
+        # A Mamba group's hit may end inside a block the request's tokens do not fill yet: that
+        # block has no hash (vLLM raises IndexError there), so the report stops before it.
+        num_cached_blocks = min(num_cached_blocks, len(hashes) // scale)
+        if not self.enable_kv_cache_events or num_cached_blocks <= 0:
+            return
+        stored: list[bytes] = [hashes[(i + 1) * scale - 1] for i in range(num_cached_blocks)]
+        lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
+        event_keys: list[tuple[Any, ...] | None] | None
+        if lookahead is None and _has_no_extra_keys(request):
+            event_keys = [None] * num_cached_blocks
+        else:
+            extra_keys: list[tuple[Any, ...] | None] = []
+            mm_idx = 0
+            for i in range(num_cached_blocks):
+                end = (i + 1) * block_size
+                keys, mm_idx = self._extra_keys(request, end - block_size, end, mm_idx)
+                extra_keys.append(keys)
+                if lookahead is not None:
+                    lookahead.append(self._lookahead_ids(request, end))
+            event_keys = to_event_extra_keys(extra_keys)
+        metadata = self.event_metadata
+        kind, sliding_window = (
+            metadata[kv_cache_group_id] if 0 <= kv_cache_group_id < len(metadata) else (None, None)
+        )
+        self.kv_event_queue.append(
+            new_block_stored(
+                stored,
+                None,
+                request.all_token_ids[: num_cached_blocks * block_size],
+                block_size,
+                request.lora_id,
+                self.medium,
+                request.lora_name,
+                event_keys,
+                kv_cache_group_id,
+                kind,
+                sliding_window,
+                request.session_id,
+                lookahead,
+            )
+        )
+
     def _extra_keys(
         self, request: Request, start: int, end: int, mm_idx: int
     ) -> tuple[tuple[Any, ...] | None, int]:

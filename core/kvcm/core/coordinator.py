@@ -398,6 +398,16 @@ class KVCacheCoordinator:
             else:
                 manager.cache_blocks(request, num_tokens, boundaries, junction=junction)
 
+    def emit_cached_block_events(
+        self, request: Request, blocks: tuple[list[KVCacheBlock], ...]
+    ) -> None:
+        """Report a hit's blocks as stored, one event per group that hit (vLLM's "full" mode)."""
+        for manager, group_blocks in zip(self.single_type_managers, blocks, strict=True):
+            if group_blocks:
+                self.block_pool.emit_cached_block_events(
+                    request, len(group_blocks), manager.block_size, manager.kv_cache_group_id
+                )
+
     def set_shared_prefix_boundary(self, request_id: str, boundary: int) -> None:
         """Record the shared-prefix junction of the request's latest lookup (0: none).
 

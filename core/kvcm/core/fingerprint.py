@@ -124,6 +124,7 @@ def _request_state(pool: Pool) -> tuple[object, ...]:
                 r.lora_name,
                 r.cache_salt,
                 r.skip_reading_prefix_cache,
+                r.report_cached_blocks,
             )
         )
     return tuple(out)

@@ -233,6 +233,7 @@ def fork_request(
         lora_name=parent.lora_name,
         cache_salt=parent.cache_salt,
         skip_reading_prefix_cache=parent.skip_reading_prefix_cache,
+        report_cached_blocks=parent.report_cached_blocks,
     )
     child.all_token_ids = list(parent.all_token_ids)
     child.block_hashes = list(parent.block_hashes)

@@ -765,6 +765,9 @@ def _request(pool: Pool, request: Request, path: str, hash_length: int) -> Itera
     skip: object = request.skip_reading_prefix_cache
     if type(skip) is not bool:
         yield Violation(f"{path}.skip_reading_prefix_cache", "must be a bool")
+    report: object = request.report_cached_blocks
+    if type(report) is not bool:
+        yield Violation(f"{path}.report_cached_blocks", "must be a bool")
     if request.mm_features or request.prompt_embeds is not None:
         yield Violation(path, "a pool's request carries no multi-modal inputs or embeddings")
 

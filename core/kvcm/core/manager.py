@@ -608,6 +608,13 @@ class KVCacheManager:
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
         hit = coordinator.find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
+        if (
+            hit.num_tokens
+            and request.report_cached_blocks
+            and self.block_pool.enable_kv_cache_events
+        ):
+            # vLLM's kv_cache_report_mode="full": the reused blocks are reported as stored.
+            coordinator.emit_cached_block_events(request, hit.blocks)
         # The junction to keep is where the longest single-group hit ends.
         junction = hit.num_tokens + hit.num_uncached if hit.num_uncached else 0
         coordinator.set_shared_prefix_boundary(request.request_id, junction)

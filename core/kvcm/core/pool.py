@@ -536,6 +536,7 @@ class Pool:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         skip_reading_prefix_cache: bool = False,
+        report_cached_blocks: bool = False,
     ) -> Request:
         """Start tracking a request.
 
@@ -558,6 +559,7 @@ class Pool:
             lora_name=lora_name,
             cache_salt=cache_salt,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
+            report_cached_blocks=report_cached_blocks,
         )
         if self.options.verify_block_hashes:
             self._verify(request, hashes, 0)

@@ -112,6 +112,7 @@ class NewRequestSpec:
         lora_name: vLLM's LoRA name (events, hash verification).
         cache_salt: vLLM's cache salt (hash verification).
         skip_reading_prefix_cache: Never look this request up.
+        report_cached_blocks: Report its prefix-cache hits in KV events (vLLM's "full" mode).
     """
 
     key: int
@@ -122,6 +123,7 @@ class NewRequestSpec:
     lora_name: str | None = None
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False
+    report_cached_blocks: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -88,6 +88,8 @@ class Request:
         num_preemptions: How many times the scheduler preempted the request.
         skip_reading_prefix_cache: The request computes everything itself (prompt logprobs,
             all-token pooling) and never reads the prefix cache.
+        report_cached_blocks: A prefix-cache hit is reported in KV events as ``BlockStored``
+            (vLLM's ``kv_cache_report_mode="full"``); otherwise only newly stored blocks are.
     """
 
     __slots__ = (
@@ -105,6 +107,7 @@ class Request:
         "num_prompt_tokens",
         "prompt_embeds",
         "prompt_token_ids",
+        "report_cached_blocks",
         "request_id",
         "session_id",
         "skip_reading_prefix_cache",
@@ -126,6 +129,7 @@ class Request:
         session_id: str | None = None,
         status: RequestStatus = RequestStatus.WAITING,
         skip_reading_prefix_cache: bool = False,
+        report_cached_blocks: bool = False,
     ) -> None:
         """Build and validate a request, hashing its prompt's full blocks.
 
@@ -143,6 +147,7 @@ class Request:
             session_id: Session id for events, if any.
             status: Initial status.
             skip_reading_prefix_cache: Opt out of prefix-cache reads.
+            report_cached_blocks: Report prefix-cache hits in KV events (a bool).
 
         Raises:
             InvalidArgumentError: A field is out of its domain (the message names it).
@@ -160,6 +165,10 @@ class Request:
             raise InvalidArgumentError(f"lora_id must be a non-negative int, got {lora_id!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidArgumentError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        if type(report_cached_blocks) is not bool:
+            raise InvalidArgumentError(
+                f"report_cached_blocks must be a bool, got {report_cached_blocks!r}"
+            )
         if not isinstance(status, RequestStatus):
             raise InvalidArgumentError(f"status must be a RequestStatus, got {status!r}")
         self.request_id = request_id
@@ -178,6 +187,7 @@ class Request:
         self.status = status
         self.num_preemptions = 0
         self.skip_reading_prefix_cache = bool(skip_reading_prefix_cache)
+        self.report_cached_blocks = report_cached_blocks
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self.update_block_hashes()

@@ -436,6 +436,7 @@ def _requests_state(
             request.lora_path,
             request.cache_salt,
             request.skip_reading_prefix_cache,
+            request.report_cached_blocks,
         ]
         for key, request in sorted(requests.items())
     ]
@@ -668,10 +669,13 @@ def _restore_requests(pool: Pool, state: object) -> None:
     size = pool.hashing.hash_length_bytes
     for index, entry in enumerate(as_list(state, "requests")):
         where = f"requests[{index}]"
+        fields = as_list(entry, where)
+        if len(fields) == 15:  # written before report_cached_blocks existed
+            fields.append(False)
         (
             key, request_id, prompt, tokens, hashes, num_hashes, status, computed,
-            in_flight, preemptions, lora_id, lora_name, lora_path, cache_salt, skip,
-        ) = as_list(entry, where, 15)  # fmt: skip
+            in_flight, preemptions, lora_id, lora_name, lora_path, cache_salt, skip, report,
+        ) = as_list(fields, where, 16)  # fmt: skip
         as_int(key, f"{where}.key", 0, REQUEST_KEY_LIMIT)
         if key in pool.requests:
             raise bad(f"{where}.key", f"repeats request key {key}")
@@ -697,6 +701,7 @@ def _restore_requests(pool: Pool, state: object) -> None:
                 cache_salt=cache_salt,
                 status=as_type(status, f"{where}.status", RequestStatus),
                 skip_reading_prefix_cache=as_type(skip, f"{where}.skip_reading_prefix_cache", bool),
+                report_cached_blocks=as_type(report, f"{where}.report_cached_blocks", bool),
             )
         except InvalidArgumentError as exc:
             raise bad(where, str(exc)) from None

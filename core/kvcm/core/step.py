@@ -331,6 +331,7 @@ def _execute_add(x: _Execution) -> Handler:
             lora_name=new.lora_name,
             cache_salt=new.cache_salt,
             skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+            report_cached_blocks=new.report_cached_blocks,
         )
 
     return run

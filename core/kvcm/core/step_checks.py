@@ -640,6 +640,14 @@ def check_add(v: Shadow, op_index: int, n_add: int) -> None:
         raise reject(exc, op_index, OpKind.ADD_REQUEST, field) from None
     if key < 0:
         raise reject(InvalidArgumentError("key must be >= 0"), op_index, OpKind.ADD_REQUEST, field)
+    report: object = new.report_cached_blocks  # a program built past the type checker
+    if type(report) is not bool:
+        raise reject(
+            InvalidArgumentError(f"report_cached_blocks must be a bool, got {report!r}"),
+            op_index,
+            OpKind.ADD_REQUEST,
+            f"{field}.report_cached_blocks",
+        )
     if v.verify and new.block_hashes:
         size = v.pool.hashing.hash_length_bytes
         raw = new.block_hashes

@@ -1,0 +1,165 @@
+"""A request's ``report_cached_blocks`` (vLLM's ``kv_cache_report_mode="full"``) in the core.
+
+The events themselves are compared with vLLM's in tests/compat/test_manager_compat.py (the
+``report-full`` scenarios); here: validation, the pool and Step paths, snapshots, forks, and
+the one place kvcm deliberately differs (a Mamba hit ending in an unhashed block, where vLLM
+raises IndexError).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.errors import InvalidArgumentError
+from kvcm.common.events import BlockStored
+from kvcm.common.hashing import BlockHasher
+from kvcm.common.specs import FullAttentionSpec
+from kvcm.core.block_pool import BlockPool
+from kvcm.core.fork import fork_request
+from kvcm.core.invariants import pool_violations
+from kvcm.core.pool import Pool, PoolConfig
+from kvcm.core.program import NewRequestSpec, OpKind, StepProgram
+from kvcm.core.request import Request
+from kvcm.core.snapshot import decode_pool, decode_sections, encode_pool, encode_sections
+
+BS = 4
+FULL = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=DType.FLOAT16)
+PROMPT = list(range(1, 11))  # two full blocks and a partial one
+
+
+def _options(events: bool = True) -> PoolConfig:
+    groups = (KVCacheGroupSpec(layer_names=("l0",), kv_cache_spec=FULL),)
+    layout = KVCacheConfig(num_blocks=16, kv_cache_tensors=(), kv_cache_groups=groups)
+    return PoolConfig(max_model_len=64, explicit_layout=layout, enable_kv_cache_events=events)
+
+
+def _hashes(pool: Pool, tokens: list[int]) -> bytes:
+    return b"".join(
+        BlockHasher(BS, pool.hashing.algorithm, pool.hashing.seed).hash_token_ids(tokens)
+    )
+
+
+def _warm(pool: Pool) -> None:
+    """Request 1 computes PROMPT and frees it: its two full blocks stay cached."""
+    pool.add_request(1, "warm", PROMPT, _hashes(pool, PROMPT))
+    assert pool.allocate(1, len(PROMPT), 0) is not None
+    pool.free(1, preempt=False)
+    assert pool.manager is not None
+    pool.manager.take_events()
+
+
+def test_the_flag_must_be_a_bool() -> None:
+    with pytest.raises(InvalidArgumentError, match="report_cached_blocks must be a bool"):
+        Request("r", [1], report_cached_blocks=1)  # type: ignore[arg-type]
+    assert Request("r", [1]).report_cached_blocks is False
+
+
+@pytest.mark.parametrize("report", [False, True])
+def test_a_hit_is_reported_as_stored_only_when_asked(report: bool) -> None:
+    pool = Pool("p", _options())
+    _warm(pool)
+    assert pool.manager is not None
+    pool.add_request(2, "again", PROMPT, _hashes(pool, PROMPT), report_cached_blocks=report)
+    hit = pool.get_computed_blocks(2, None)
+    assert hit.num_computed_tokens == 8
+    events = pool.manager.take_events()
+    if not report:
+        assert events == []
+        return
+    (event,) = events
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == pool.requests[2].block_hashes[:2]
+    assert event.parent_block_hash is None
+    assert event.token_ids == PROMPT[:8]
+    assert (event.block_size, event.group_idx) == (BS, 0)
+    assert event.kv_cache_spec_kind == "full_attention"
+    # Nothing about the cached blocks changed: a second lookup reports them again.
+    assert pool.get_computed_blocks(2, None).num_computed_tokens == 8
+    assert pool.manager.take_events() == [event]
+
+
+def test_no_events_without_a_hit_or_with_events_off() -> None:
+    pool = Pool("p", _options())
+    assert pool.manager is not None
+    pool.add_request(1, "cold", PROMPT, _hashes(pool, PROMPT), report_cached_blocks=True)
+    assert pool.get_computed_blocks(1, None).num_computed_tokens == 0
+    assert pool.manager.take_events() == []
+    quiet = Pool("q", _options(events=False))
+    _warm(quiet)
+    quiet.add_request(2, "again", PROMPT, _hashes(quiet, PROMPT), report_cached_blocks=True)
+    assert quiet.get_computed_blocks(2, None).num_computed_tokens == 8
+    assert quiet.manager is not None
+    assert quiet.manager.take_events() == []
+
+
+def test_the_step_add_op_carries_the_flag_and_checks_its_type() -> None:
+    pool = Pool("p", _options())
+    _warm(pool)
+    bad = StepProgram(
+        ops=[OpKind.ADD_REQUEST],
+        new_requests=[
+            NewRequestSpec(
+                key=2,
+                request_id="again",
+                prompt_token_ids=PROMPT,
+                report_cached_blocks="yes",  # type: ignore[arg-type]
+            )
+        ],
+    )
+    before = pool.state_fingerprint()
+    with pytest.raises(InvalidArgumentError, match="report_cached_blocks must be a bool") as e:
+        pool.run_step(bad)
+    assert e.value.field == "new_requests[0].report_cached_blocks"
+    assert pool.state_fingerprint() == before
+    good = StepProgram(
+        ops=[OpKind.ADD_REQUEST],
+        new_requests=[
+            NewRequestSpec(
+                key=2, request_id="again", prompt_token_ids=PROMPT, report_cached_blocks=True
+            )
+        ],
+    )
+    pool.run_step(good)
+    assert pool.requests[2].report_cached_blocks is True
+
+
+def test_snapshots_and_forks_keep_the_flag_and_old_snapshots_load() -> None:
+    pool = Pool("p", _options())
+    _warm(pool)
+    pool.add_request(2, "again", PROMPT, _hashes(pool, PROMPT), report_cached_blocks=True)
+    assert pool.allocate(2, 2, 8) is not None
+    child = fork_request(pool, 2, 3, "child", 10)
+    assert child.report_cached_blocks is True
+    data = encode_pool(pool)
+    restored = decode_pool(data, "p", _options())
+    assert restored.state_fingerprint() == pool.state_fingerprint()
+    assert list(pool_violations(restored)) == []
+    assert restored.requests[2].report_cached_blocks is True
+    # A snapshot written before the flag existed (15 entries per request) loads unreported.
+    sections = decode_sections(data)
+    for entry in sections[2]:
+        entry.pop()
+    old = decode_pool(encode_sections(sections), "p", _options())
+    assert [r.report_cached_blocks for r in old.requests.values()] == [False, False]
+    sections[2][0].extend([False, "x"])
+    with pytest.raises(InvalidArgumentError, match=r"requests\[0\]"):
+        decode_pool(encode_sections(sections), "p", _options())
+
+
+def test_a_hit_past_the_last_hashed_block_is_reported_up_to_it() -> None:
+    # A Mamba hit may end inside a block the request's tokens do not fill: vLLM's report
+    # indexes past the request's hashes (IndexError); kvcm reports the blocks that have one.
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=4,
+                     enable_kv_cache_events=True)  # fmt: skip
+    request = Request("r", list(range(1, 15)), block_hasher=BlockHasher(4, "sha256", None))
+    assert len(request.block_hashes) == 3
+    pool.emit_cached_block_events(request, 2, 8, 1)  # blocks of 8 tokens: only one is full
+    (event,) = pool.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == [request.block_hashes[1]]
+    assert event.token_ids == list(range(1, 9))
+    assert (event.block_size, event.group_idx, event.parent_block_hash) == (8, 1, None)
+    pool.emit_cached_block_events(request, 0, 8, 1)
+    assert pool.take_events() == []
