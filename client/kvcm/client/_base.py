@@ -38,7 +38,7 @@ from typing import Any, Final, Self, TypeVar
 import grpc
 
 from kvcm.client._errors import ServiceError, StatusCode, UnavailableError, error_from_rpc
-from kvcm.client._step import StepBuilder, check_in_flight_tokens
+from kvcm.client._step import StepBuilder, check_in_flight_tokens, check_report_cached_blocks
 from kvcm.client._tracing import aio_intercept, intercept
 from kvcm.client._types import (
     DEFAULT_TIMEOUT_S,
@@ -857,14 +857,17 @@ def build_add_request(
     lora_name: str | None,
     cache_salt: str | None,
     skip_reading_prefix_cache: bool,
+    report_cached_blocks: bool = False,
 ) -> scheduler_pb2.AddRequestRequest:
     """``AddRequestRequest``: one new request with its prompt and the prompt's block hashes."""
+    check_report_cached_blocks(report_cached_blocks)
     request = scheduler_pb2.NewRequest(
         request_key=request_key,
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         block_hashes=block_hashes if isinstance(block_hashes, bytes) else b"".join(block_hashes),
         skip_reading_prefix_cache=skip_reading_prefix_cache,
+        report_cached_blocks=report_cached_blocks,
     )
     if lora_id is not None:
         request.lora_id = lora_id

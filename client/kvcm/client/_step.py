@@ -53,6 +53,14 @@ def check_in_flight_tokens(value: object) -> None:
         )
 
 
+def check_report_cached_blocks(value: object) -> None:
+    """Refuse a report_cached_blocks that is not a bool (before it travels)."""
+    if type(value) is not bool:
+        raise InvalidArgumentError(
+            f"report_cached_blocks must be a bool, got {value!r}", field="report_cached_blocks"
+        )
+
+
 def _joined(block_hashes: Sequence[bytes] | bytes) -> bytes:
     return block_hashes if isinstance(block_hashes, bytes) else b"".join(block_hashes)
 
@@ -172,6 +180,7 @@ class StepBuilder:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         skip_reading_prefix_cache: bool = False,
+        report_cached_blocks: bool = False,
     ) -> None:
         """Start tracking a request (ADD_REQUEST).
 
@@ -184,7 +193,13 @@ class StepBuilder:
             lora_name: LoRA name, published in events.
             cache_salt: Only used by servers that verify hashes.
             skip_reading_prefix_cache: Never look this request up in the prefix cache.
+            report_cached_blocks: Report its prefix-cache hits in KV events as BlockStored
+                (vLLM's per-request ``kv_cache_report_mode="full"``).
+
+        Raises:
+            InvalidArgumentError: ``report_cached_blocks`` is not a bool.
         """
+        check_report_cached_blocks(report_cached_blocks)
         self._writer.op[OpKind.ADD_REQUEST](
             NewRequestSpec(
                 key=request_key,
@@ -195,6 +210,7 @@ class StepBuilder:
                 lora_name=lora_name,
                 cache_salt=cache_salt,
                 skip_reading_prefix_cache=skip_reading_prefix_cache,
+                report_cached_blocks=report_cached_blocks,
             )
         )
 

@@ -473,6 +473,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
         lora_name: str | None = None,
         cache_salt: str | None = None,
         skip_reading_prefix_cache: bool = False,
+        report_cached_blocks: bool = False,
         timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> None:
         """Start tracking a request under ``request_key``.
@@ -487,9 +488,12 @@ class AsyncSchedulerClient(AsyncChannelClient):
             lora_name: LoRA name (events).
             cache_salt: Only used by pools that verify hashes.
             skip_reading_prefix_cache: Never look the request up in the prefix cache.
+            report_cached_blocks: Report its prefix-cache hits in KV events as BlockStored
+                (vLLM's per-request ``kv_cache_report_mode="full"``).
             timeout: Deadline in seconds.
 
         Raises:
+            InvalidArgumentError: ``report_cached_blocks`` is not a bool (nothing is sent).
             ServiceAlreadyExistsError: The key is live.
             ServiceInvalidArgumentError: Empty or too long prompt, wrong hashes.
         """
@@ -503,6 +507,7 @@ class AsyncSchedulerClient(AsyncChannelClient):
             lora_name=lora_name,
             cache_salt=cache_salt,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
+            report_cached_blocks=report_cached_blocks,
         )
         await self._unary("AddRequest", self._stubs.scheduler.AddRequest, request, timeout)
 
@@ -540,7 +545,11 @@ class AsyncSchedulerClient(AsyncChannelClient):
         *,
         timeout: Timeout = USE_CLIENT_DEFAULT,
     ) -> CacheHit:
-        """The request's longest prefix-cache hit (changes nothing but the hit statistics)."""
+        """The request's longest prefix-cache hit.
+
+        It changes nothing but the hit statistics, and publishes the hit as BlockStored events
+        when the request was added with ``report_cached_blocks``.
+        """
         request = _base.build_get_computed_blocks(pool_id, request_key, max_cache_hit_length)
         response = await self._unary(
             "GetComputedBlocks", self._stubs.scheduler.GetComputedBlocks, request, timeout

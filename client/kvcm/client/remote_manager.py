@@ -106,6 +106,15 @@ class SchedulerRequest(Protocol):
     def skip_reading_prefix_cache(self) -> bool: ...
 
 
+def _reports_cached_blocks(request: object) -> bool:
+    """vLLM's per-request ``kv_cache_report_mode`` (from ``SamplingParams.extra_args``; only
+    "full" turns it on), else a kvcm request's ``report_cached_blocks``."""
+    mode: object = getattr(request, "kv_cache_report_mode", None)
+    if mode is not None:
+        return mode == "full"
+    return getattr(request, "report_cached_blocks", False) is True
+
+
 class _Tracked:
     """The manager's view of one request the pool knows: its key and what was sent.
 
@@ -250,6 +259,7 @@ class RemoteKVCacheManager:
             lora_name=request.lora_name,
             cache_salt=request.cache_salt,
             skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+            report_cached_blocks=_reports_cached_blocks(request),
         )
         tracked.num_tokens_sent = num_prompt
         tracked.num_hashes_sent = num_prompt_hashes

@@ -97,7 +97,7 @@ class MultiModalFeature(_message.Message):
     def __init__(self, identifier: _Optional[str] = ..., offset_tokens: _Optional[int] = ..., length_tokens: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_key", "request_id", "prompt_token_ids", "block_hashes", "lora_id", "lora_name", "cache_salt", "mm_features", "skip_reading_prefix_cache")
+    __slots__ = ("request_key", "request_id", "prompt_token_ids", "block_hashes", "lora_id", "lora_name", "cache_salt", "mm_features", "skip_reading_prefix_cache", "report_cached_blocks")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class NewRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MM_FEATURES_FIELD_NUMBER: _ClassVar[int]
     SKIP_READING_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_key: int
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -116,7 +117,8 @@ class NewRequest(_message.Message):
     cache_salt: str
     mm_features: _containers.RepeatedCompositeFieldContainer[MultiModalFeature]
     skip_reading_prefix_cache: bool
-    def __init__(self, request_key: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., skip_reading_prefix_cache: _Optional[bool] = ...) -> None: ...
+    report_cached_blocks: bool
+    def __init__(self, request_key: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[bytes] = ..., lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeature, _Mapping]]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., report_cached_blocks: _Optional[bool] = ...) -> None: ...
 
 class LookupOptions(_message.Message):
     __slots__ = ("max_cache_hit_length",)

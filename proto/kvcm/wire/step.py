@@ -99,6 +99,7 @@ def _new_request(new: scheduler_pb2.NewRequest) -> NewRequestSpec:
         lora_name=new.lora_name if new.HasField("lora_name") else None,
         cache_salt=new.cache_salt if new.HasField("cache_salt") else None,
         skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+        report_cached_blocks=new.report_cached_blocks,
     )
 
 
@@ -207,6 +208,7 @@ def program_to_proto(program: StepProgram, pool_id: str) -> scheduler_pb2.StepRe
             prompt_token_ids=new.prompt_token_ids,
             block_hashes=new.block_hashes,
             skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+            report_cached_blocks=new.report_cached_blocks,
         )
         if new.lora_id is not None:
             wire.lora_id = new.lora_id

@@ -170,6 +170,7 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
             lora_name=new.lora_name if new.HasField("lora_name") else None,
             cache_salt=new.cache_salt if new.HasField("cache_salt") else None,
             skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+            report_cached_blocks=new.report_cached_blocks,
         )
         return scheduler_pb2.AddRequestResponse()
 
@@ -199,6 +200,8 @@ class SchedulerServicer(service_pb2_grpc.SchedulerServiceServicer):
         lookup = request.lookup
         bound = lookup.max_cache_hit_length if lookup.HasField("max_cache_hit_length") else None
         hit = pool.get_computed_blocks(request.request_key, bound)
+        # A request with report_cached_blocks reports its hit as BlockStored events.
+        self._state.published(pool)
         response = scheduler_pb2.GetComputedBlocksResponse(
             num_computed_tokens=hit.num_computed_tokens
         )
