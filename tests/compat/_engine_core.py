@@ -104,6 +104,8 @@ class Setup:
             for the drafter's weights, which the simulated executor never loads).
         disable_lookahead_block_hashes: vLLM's speculative option of that name: EAGLE drops
             the trailing prefix-cache block instead of hashing lookahead tokens.
+        report_full: Share of requests whose ``SamplingParams.extra_args`` ask for
+            ``kv_cache_report_mode="full"`` (their prefix-cache hits reported as BlockStored).
     """
 
     num_blocks: int | None = 160
@@ -130,6 +132,7 @@ class Setup:
     num_speculative_tokens: int = 0
     speculative_method: str = "ngram"
     disable_lookahead_block_hashes: bool = False
+    report_full: float = 0.0
 
 
 @cache
@@ -892,6 +895,7 @@ class RequestPlan:
     cache_salt: str | None = None
     abort_step: int = -1
     kv_transfer_params: dict[str, Any] | None = None
+    report_full: bool = False
 
 
 def plan_workload(
@@ -919,9 +923,20 @@ def plan_workload(
                 lora=rng.choice((0, 0, 1, 2)) if setup.lora else 0,
                 cache_salt=rng.choice((None, None, None, "tenant-a")),
                 abort_step=step + rng.randrange(1, 30) if rng.random() < 0.08 else -1,
+                # Drawn only when on, so the other workloads keep their random streams.
+                report_full=bool(setup.report_full) and rng.random() < setup.report_full,
             )
         )
     return plans
+
+
+def _extra_args(plan: RequestPlan) -> dict[str, Any] | None:
+    extra: dict[str, Any] = {}
+    if plan.kv_transfer_params is not None:
+        extra["kv_transfer_params"] = dict(plan.kv_transfer_params)
+    if plan.report_full:
+        extra["kv_cache_report_mode"] = "full"
+    return extra or None
 
 
 def _engine_request(plan: RequestPlan) -> Any:
@@ -942,11 +957,7 @@ def _engine_request(plan: RequestPlan) -> Any:
             max_tokens=plan.max_tokens,
             ignore_eos=True,
             # A copy: vLLM's connector rewrites the request's parameters in place.
-            extra_args=(
-                {"kv_transfer_params": dict(plan.kv_transfer_params)}
-                if plan.kv_transfer_params is not None
-                else None
-            ),
+            extra_args=_extra_args(plan),
         ),
         pooling_params=None,
         arrival_time=0.0,

@@ -376,3 +376,29 @@ def test_retention_zero_is_accepted_without_sparse_groups(vllm_env: None) -> Non
     """vLLM's default (0) is fine on a full-attention-only model: both build and agree."""
     layout = Layout((_g(FULL, 4),), num_blocks=16, max_model_len=32, retention=0)
     assert VllmSide(layout).num_free_blocks() == KvcmSide(layout).num_free_blocks()
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "reported"),
+    [
+        (None, False),
+        ({}, False),
+        ({"kv_cache_report_mode": "incremental"}, False),
+        ({"kv_cache_report_mode": "full"}, True),
+        # vLLM compares the mode with "full" only: anything else is its incremental mode.
+        ({"kv_cache_report_mode": "FULL"}, False),
+        ({"kv_cache_report_mode": 1}, False),
+    ],
+)
+def test_request_view_reads_vllms_report_mode(
+    vllm_env: None, extra_args: dict[str, Any] | None, reported: bool
+) -> None:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvcm.integrations.vllm._convert import RequestView
+
+    params = SamplingParams(max_tokens=4, extra_args=extra_args)
+    source = Request("r", [1, 2, 3], sampling_params=params, pooling_params=None)
+    assert (source.kv_cache_report_mode == "full") is reported
+    assert RequestView(source).report_cached_blocks is reported

@@ -260,6 +260,14 @@ CASES = {
     "serve-defaults": (Setup(serve_defaults=True, num_blocks=None, memory_blocks=600), 12, 70),
     # `--kv-cache-dtype fp8`: the layers report uint8 storage and per-tensor fp8 quantization.
     "fp8-kv-cache": (Setup(kv_cache_dtype="fp8", num_blocks=60, **_SMALL), 15, 60),
+    # Half the requests ask for kv_cache_report_mode="full" (SamplingParams.extra_args): their
+    # hits are reported as BlockStored events at every lookup, as vLLM reports them.
+    "report-full": (Setup(report_full=0.5, num_blocks=60, **_SMALL), 17, 70),
+    "report-full-hybrid-swa-async": (
+        Setup(report_full=0.5, sliding_window=64, num_blocks=80, async_scheduling=True, **_SMALL),
+        18,
+        70,
+    ),
 }
 
 

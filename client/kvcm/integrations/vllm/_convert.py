@@ -349,6 +349,9 @@ class RequestView(Request):
         self.prompt_embeds = None
         self.session_id = source.session_id
         self.skip_reading_prefix_cache = source.skip_reading_prefix_cache
+        # vLLM's per-request mode (SamplingParams.extra_args["kv_cache_report_mode"]): vLLM
+        # compares it with "full" only, so any other value (or none) is its incremental mode.
+        self.report_cached_blocks = getattr(source, "kv_cache_report_mode", "incremental") == "full"
         self._block_hasher = None
         self.sync()
 

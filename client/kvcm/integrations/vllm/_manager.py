@@ -806,6 +806,7 @@ class MirrorKVCacheManager:
                 cache_salt=view.cache_salt,
                 status=view.status,
                 skip_reading_prefix_cache=view.skip_reading_prefix_cache,
+                report_cached_blocks=view.report_cached_blocks,
             )
             request.all_token_ids = list(view.all_token_ids[:num_tokens])
             request.block_hashes = list(view.block_hashes[:num_hashes])

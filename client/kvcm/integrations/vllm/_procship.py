@@ -123,6 +123,7 @@ def _meta(key: int, view: Any) -> tuple[Any, ...]:
         view.lora_name,
         view.cache_salt,
         view.skip_reading_prefix_cache,
+        view.report_cached_blocks,
     )
 
 
@@ -768,6 +769,7 @@ class _ChildView:
         "lora_id",
         "lora_name",
         "num_prompt_tokens",
+        "report_cached_blocks",
         "request_id",
         "skip_reading_prefix_cache",
     )
@@ -781,6 +783,7 @@ class _ChildView:
             self.lora_name,
             self.cache_salt,
             self.skip_reading_prefix_cache,
+            self.report_cached_blocks,
         ) = meta
         self.all_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []

@@ -681,6 +681,7 @@ class StepRecorder:
                 lora_name=view.lora_name,
                 cache_salt=view.cache_salt,
                 skip_reading_prefix_cache=view.skip_reading_prefix_cache,
+                report_cached_blocks=view.report_cached_blocks,
             )
         )
         tracked = _Tracked(key, num_prompt, num_prompt_hashes)
