@@ -933,6 +933,7 @@ def plan_workload(
 def _extra_args(plan: RequestPlan) -> dict[str, Any] | None:
     extra: dict[str, Any] = {}
     if plan.kv_transfer_params is not None:
+        # A copy: vLLM's connector rewrites the request's parameters in place.
         extra["kv_transfer_params"] = dict(plan.kv_transfer_params)
     if plan.report_full:
         extra["kv_cache_report_mode"] = "full"
