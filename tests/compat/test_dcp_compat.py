@@ -152,3 +152,33 @@ def test_dcp_refused_where_vllm_refuses(
     with pytest.raises(ConfigError) as ours:
         KvcmSide(layout)
     assert str(ours.value) == f"dcp_world_size=2: group {len(groups) - 1}: {reason}"
+
+
+def test_report_full_under_dcp_where_vllms_report_fails(vllm_env: None) -> None:
+    """vLLM's kv_cache_report_mode="full" with DCP: its report views the hashes at the spec's
+    per-rank block size (4 tokens), below the hash block (8), and asserts on the first hit. kvcm
+    reports at the scheduler's block size: the hit's blocks as cache_full_blocks stored them."""
+    from _drivers import RequestSpec
+
+    layout = _layout((GroupDesc(FULL, 4),), 2, num_blocks=48, max_model_len=256)
+    ref, ours = VllmSide(layout), KvcmSide(layout)
+    prompt = list(range(1, 41))
+    for side in (ref, ours):
+        side.add_request(RequestSpec("warm", prompt))
+        side.get_computed_blocks("warm", None)
+        assert side.allocate_slots("warm", len(prompt), True) is not None
+        side.free("warm")
+        side.add_request(RequestSpec("again", prompt, report_full=True))
+    stored = ours.take_events()
+    assert stored == [e for e in stored if type(e).__name__ == "BlockStored"]
+    with pytest.raises(AssertionError):
+        ref.manager.get_computed_blocks(ref.requests["again"])
+    ref.requests["again"].kv_cache_report_mode = "incremental"  # the report is what raised
+    assert ref.manager.get_computed_blocks(ref.requests["again"])[1] == 32
+    _, num, _ = ours.get_computed_blocks("again", None)
+    assert num == 32
+    (reported,) = ours.take_events()
+    (first,) = stored
+    assert reported.block_hashes == first.block_hashes[: num // 8]
+    assert reported.token_ids == prompt[:num]
+    assert (reported.block_size, reported.parent_block_hash) == (8, None)
