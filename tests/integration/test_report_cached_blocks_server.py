@@ -10,8 +10,12 @@ by the SDK, naming the field, before anything travels.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from _data_dir_server import CONFIG as DATA_DIR_CONFIG
+from _data_dir_server import HASHER as DATA_DIR_HASHER
+from _data_dir_server import Server
 
 from kvcm.client import PoolConfig, RemoteKVCacheManager, SchedulerClient, StepBuilder
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
@@ -179,3 +183,33 @@ def test_the_remote_manager_sends_the_mode_of_each_request(client: SchedulerClie
                   tuple(PROMPT[: 3 * BS]), BS, 0)  # fmt: skip
         assert [_view(e) for e in remote.take_events()] == [stored, stored]
     client.delete_pool(pool_id)
+
+
+def test_reported_hits_come_back_alike_after_a_crash(tmp_path: Path) -> None:
+    """The journal replays the calls that reported hits: the event log after a kill -9 and a
+    restart is the one the clients saw (same events, same sequence numbers)."""
+    server = Server(tmp_path / "data")
+    server.start()
+    try:
+        with SchedulerClient(server.address, timeout=10.0) as client:
+            client.create_pool("p", DATA_DIR_CONFIG)
+            hashes = DATA_DIR_HASHER.hash_token_ids(PROMPT)
+            warm = StepBuilder()
+            warm.add_request(0, PROMPT, hashes)
+            warm.allocate(0, len(PROMPT), 0, lookup=True)
+            warm.finish(0)
+            client.step("p", warm)
+            step = StepBuilder()
+            step.add_request(1, PROMPT, hashes, report_cached_blocks=True)
+            step.allocate(1, len(PROMPT), 0, lookup=True)
+            client.step("p", step)
+            client.add_request("p", 2, PROMPT, hashes, report_cached_blocks=True)
+            client.get_computed_blocks("p", 2)
+            before = [_view(e) for e in _events(client, "p", 0)]
+        assert [v[0] for v in before].count("stored") == 3  # the warm store, two reports
+        server.kill()
+        server.start()
+        with SchedulerClient(server.address, timeout=10.0) as client:
+            assert [_view(e) for e in _events(client, "p", 0)] == before
+    finally:
+        server.stop()
