@@ -204,3 +204,41 @@ def test_mamba_shared_prefix_checkpoint_setting_round_trips_and_takes_vllms_pred
     assert decided(num_prefill_lookahead=3, num_hash_lookahead_tokens=3) == (False, [False, False])
     # No align-mode Mamba group (full attention only): no sub-block hits, nothing to key.
     assert decided(explicit_layout=LAYOUT, hash_block_size=None) == (False, [False])
+
+
+def test_a_step_fed_mamba_pool_does_not_keep_every_block_it_ever_zeroed() -> None:
+    """A Mamba pool records new attention blocks for workers to zero; vLLM's scheduler drains
+    them every step. A pool fed by Steps (the vLLM mirror's copy on the server) drains them
+    when the next step starts: after many steps only the last step's are left, and a caller
+    that takes them after its Step still gets that step's."""
+    from kvcm.client import StepBuilder
+
+    pool = Pool("p", PoolConfig(max_model_len=4096, explicit_layout=_hybrid_mamba_layout()))
+    hasher = BlockHasher(pool.hashing.hash_block_size, pool.hashing.algorithm, pool.hashing.seed)
+    manager = pool.ready_manager()
+    prompt = list(range(100))
+    first = StepBuilder()
+    first.new_step_starts()
+    first.add_request(1, prompt, b"".join(hasher.hash_token_ids(prompt)))
+    first.allocate(1, len(prompt), 0)
+    first.cache_blocks(1, len(prompt))
+    pool.run_step(first.build())
+    recorded = [len(m.new_block_ids) for m in manager.coordinator.single_type_managers]
+    assert recorded[0] == 2  # the prompt's two 64-token attention blocks
+    computed = len(prompt)
+    # One token a step up to the step that takes the 41st attention block (token 2,560).
+    while computed <= 40 * 64:
+        step = StepBuilder()
+        step.new_step_starts()
+        step.append_tokens(1, [computed], b"")
+        step.allocate(1, 1, computed)
+        pool.run_step(step.build())
+        computed += 1
+    attention = manager.get_block_ids(pool.request(1).request_id)[0]
+    assert len(attention) == 41
+    # Only the last step's new block is left for zeroing (before: all 41 of them).
+    assert [m.new_block_ids for m in manager.coordinator.single_type_managers] == [
+        [attention[-1]],
+        [],
+    ]
+    assert manager.take_new_block_ids() == [attention[-1]]

@@ -361,6 +361,27 @@ def test_mamba_pool_records_new_attention_block_ids_for_zeroing() -> None:
     assert manager.take_new_block_ids() == []
 
 
+def test_a_failed_loads_blocks_are_recorded_for_zeroing_again_from_an_aligned_token() -> None:
+    """vLLM's record_blocks_for_zeroing: after a failed asynchronous KV load the request's
+    attention blocks from ``start_token`` on are zeroed again (Mamba groups are not
+    recorded); a start inside a block, which would wipe its valid tokens, is refused."""
+    mamba = MambaSpec(block_size=MAX_MODEL_LEN, shapes=((2,),), dtypes=(DType.FLOAT16,))
+    manager = make_manager([full(), mamba], enable_caching=False, num_blocks=20)
+    req = make_request(manager, "0", range(10))
+    blocks = manager.allocate_slots(req, 10)
+    assert blocks is not None
+    full_ids, _ = blocks.get_block_ids()
+    assert manager.take_new_block_ids() == full_ids
+    manager.record_blocks_for_zeroing("0", 4)
+    assert manager.take_new_block_ids() == full_ids[1:]
+    manager.record_blocks_for_zeroing("unknown", 0)  # nothing held: nothing recorded
+    assert manager.take_new_block_ids() == []
+    for bad in (5, -4):
+        with pytest.raises(InvalidArgumentError, match="start_token"):
+            manager.record_blocks_for_zeroing("0", bad)
+    assert manager.take_new_block_ids() == []
+
+
 # ---------------------------------------------------------------------- admission knobs
 def test_watermark_applies_to_waiting_requests_only_when_others_are_scheduled() -> None:
     manager = make_manager(num_blocks=11, watermark=0.2)  # 2 blocks of headroom

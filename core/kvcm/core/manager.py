@@ -1317,6 +1317,29 @@ class KVCacheManager:
             )
         return num_computed_tokens
 
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Record the request's attention blocks from ``start_token`` on for zeroing again,
+        as vLLM's manager does for blocks a failed asynchronous KV load left unwritten (taken
+        with :meth:`take_new_block_ids`; only where new blocks are recorded at all).
+
+        Raises:
+            InvalidArgumentError: ``start_token`` is not on a recording group's block
+                boundary (zeroing part of a block would wipe its valid tokens), or negative.
+        """
+        if start_token < 0:
+            raise InvalidArgumentError(f"start_token must be >= 0, got {start_token}")
+        managers = [m for m in self.coordinator.single_type_managers if m.records_new_block_ids]
+        for manager in managers:
+            if start_token % manager.block_size:
+                raise InvalidArgumentError(
+                    f"start_token {start_token} is not a multiple of group "
+                    f"{manager.kv_cache_group_id}'s block size {manager.block_size}"
+                )
+        for manager in managers:
+            blocks = manager.req_to_blocks.get(request_id, ())
+            start = start_token // manager.block_size
+            manager.new_block_ids.extend([block.block_id for block in blocks[start:]])
+
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids of attention blocks allocated since the last call, for zeroing.
 

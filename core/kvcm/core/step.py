@@ -838,8 +838,18 @@ def _validate_nothing(v: checks.Shadow) -> Handler:
 
 
 def _execute_new_step(x: _Execution) -> Handler:
-    new_step_starts = x.manager.new_step_starts
-    return lambda op_index, k, n: new_step_starts()
+    manager = x.manager
+
+    def run(op_index: int, k: int, n: int) -> None:
+        manager.new_step_starts()
+        # vLLM's scheduler drains the attention block ids recorded for zeroing on every
+        # step (take_new_block_ids); a pool fed by Steps (the vLLM mirror's copy) has no
+        # other drain, so the ids a step recorded are dropped when the next one starts,
+        # instead of growing with every block a Mamba pool ever allocated. A caller that
+        # wants them takes them after its Step (TakeNewBlockIds), as before.
+        manager.take_new_block_ids()
+
+    return run
 
 
 def _execute_reset(x: _Execution) -> Handler:

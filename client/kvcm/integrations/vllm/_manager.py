@@ -704,11 +704,10 @@ class MirrorKVCacheManager:
         return self.core.take_new_block_ids()
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        """Failed async KV loads only (connectors are refused)."""
-        raise NotImplementedError(
-            f"record_blocks_for_zeroing({request_id!r}, {start_token}): KV connectors are "
-            "not supported"
-        )
+        """A failed asynchronous KV load's unwritten blocks, from ``start_token`` on, are
+        zeroed by the workers again (engine-side bookkeeping: the pool's state is
+        unchanged, so nothing is shipped)."""
+        self.core.record_blocks_for_zeroing(request_id, start_token)
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         """Drain the block copies workers run before this step's forward (sub-block hits
