@@ -802,10 +802,7 @@ class BlockPool:
                 if lookahead is not None:
                     lookahead.append(self._lookahead_ids(request, end))
             event_keys = to_event_extra_keys(extra_keys)
-        metadata = self.event_metadata
-        kind, sliding_window = (
-            metadata[kv_cache_group_id] if 0 <= kv_cache_group_id < len(metadata) else (None, None)
-        )
+        kind, sliding_window = self._group_event_metadata(kv_cache_group_id)
         self.kv_event_queue.append(
             new_block_stored(
                 stored,
@@ -823,6 +820,13 @@ class BlockPool:
                 lookahead,
             )
         )
+
+    def _group_event_metadata(self, kv_cache_group_id: int) -> tuple[str | None, int | None]:
+        """The group's spec kind and sliding window for its events (``None`` when unset)."""
+        metadata = self.event_metadata
+        if 0 <= kv_cache_group_id < len(metadata):
+            return metadata[kv_cache_group_id]
+        return None, None
 
     def _extra_keys(
         self, request: Request, start: int, end: int, mm_idx: int
@@ -871,10 +875,7 @@ class BlockPool:
                     lookahead,
                 )
             )
-        metadata = self.event_metadata
-        kind, sliding_window = (
-            metadata[kv_cache_group_id] if 0 <= kv_cache_group_id < len(metadata) else (None, None)
-        )
+        kind, sliding_window = self._group_event_metadata(kv_cache_group_id)
         # ``stored`` is the caller's fresh list: the event owns it.
         return new_block_stored(
             stored,
