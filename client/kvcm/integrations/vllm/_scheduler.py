@@ -87,13 +87,13 @@ def check_supported(vllm_config: Any) -> None:
             # vLLM's own test of whether image/audio/video items can reach this engine; kvcm
             # does not hash their placeholders yet, so such a request would stop the engine
             # when first scheduled: refused here, before any request.
-            _accepts_multimodal_inputs(vllm_config.model_config),
+            _accepts_multimodal_inputs(getattr(vllm_config, "model_config", None)),
             "multi-modal inputs are not supported with kvcm yet (their placeholder tokens' "
             "block hashes are not mirrored); serve the model text-only (--language-model-only) "
             "or without kvcm",
         ),
         (
-            bool(getattr(vllm_config.model_config, "enable_prompt_embeds", False)),
+            bool(getattr(getattr(vllm_config, "model_config", None), "enable_prompt_embeds", 0)),
             "prompt embeddings (--enable-prompt-embeds) are not supported with kvcm yet (their "
             "block hashes are not mirrored); start without the flag or without kvcm",
         ),
