@@ -667,13 +667,6 @@ class BlockPool:
         with self._index_lock:
             index.add(keys, self._index_slot)
 
-    def _key_gone(self, key: BlockHashWithGroupId) -> None:
-        batch = self._index_batch
-        if batch is None:
-            self._unindex_keys((key,))
-        else:
-            batch.append(key)
-
     def _unindex_keys(self, keys: Iterable[BlockHashWithGroupId]) -> None:
         index = self._index
         assert index is not None
@@ -720,6 +713,10 @@ class BlockPool:
             keys.extend(secondary)
         cached = self._cached
         block_id = block.block_id
+        # Keys that leave the map leave the cross-pool index: into the eviction's batch when
+        # one is open (appended here, no call per key: this is the allocator's hot path).
+        batch = self._index_batch
+        indexed = self._index is not None
         removed: list[BlockHashWithGroupId] = []
         for key in keys:
             entry = cached.get(key)
@@ -730,12 +727,16 @@ class BlockPool:
                     continue
                 if not entry:
                     del cached[key]
-                    if self._index is not None:
-                        self._key_gone(key)
+                    if batch is not None:
+                        batch.append(key)
+                    elif indexed:
+                        self._unindex_keys((key,))
             elif entry.block_id == block_id:
                 del cached[key]
-                if self._index is not None:
-                    self._key_gone(key)
+                if batch is not None:
+                    batch.append(key)
+                elif indexed:
+                    self._unindex_keys((key,))
             else:
                 continue
             removed.append(key)
