@@ -69,8 +69,8 @@ def _events(client: SchedulerClient, pool_id: str, after: int) -> list[KVCacheEv
     return events
 
 
-def test_step_and_unary_adds_report_hits_as_the_core_does(client: SchedulerClient) -> None:
-    pool_id = "report-cached"
+def _create_pool(client: SchedulerClient, pool_id: str) -> None:
+    """A pool of LAYOUT whose events are on (reports need them)."""
     client.create_pool(
         pool_id,
         PoolConfig(
@@ -80,6 +80,11 @@ def test_step_and_unary_adds_report_hits_as_the_core_does(client: SchedulerClien
             enable_kv_cache_events=True,
         ),
     )
+
+
+def test_step_and_unary_adds_report_hits_as_the_core_does(client: SchedulerClient) -> None:
+    pool_id = "report-cached"
+    _create_pool(client, pool_id)
     hasher = client.block_hasher(pool_id)
     hashes = hasher.hash_token_ids(PROMPT)
     # Key 0 computes the prompt and finishes (its full blocks stay cached); keys 1 and 2 (a
@@ -156,15 +161,7 @@ class _VllmLikeRequest(Request):
 
 def test_the_remote_manager_sends_the_mode_of_each_request(client: SchedulerClient) -> None:
     pool_id = "report-cached-remote"
-    client.create_pool(
-        pool_id,
-        PoolConfig(
-            max_model_len=1024,
-            explicit_layout=LAYOUT,
-            hash_algorithm="sha256_cbor",
-            enable_kv_cache_events=True,
-        ),
-    )
+    _create_pool(client, pool_id)
     with RemoteKVCacheManager(client, pool_id) as remote:
         hasher = remote.block_hasher
         warm = Request("warm", PROMPT, block_hasher=hasher)

@@ -803,31 +803,51 @@ class BlockPool:
                 if lookahead is not None:
                     lookahead.append(self._lookahead_ids(request, end))
             event_keys = to_event_extra_keys(extra_keys)
-        kind, sliding_window = self._group_event_metadata(kv_cache_group_id)
         self.kv_event_queue.append(
-            new_block_stored(
+            self._stored_event(
+                request,
                 stored,
                 None,
                 request.all_token_ids[: num_cached_blocks * block_size],
                 block_size,
-                request.lora_id,
-                self.medium,
-                request.lora_name,
                 event_keys,
                 kv_cache_group_id,
-                kind,
-                sliding_window,
-                request.session_id,
                 lookahead,
             )
         )
 
-    def _group_event_metadata(self, kv_cache_group_id: int) -> tuple[str | None, int | None]:
-        """The group's spec kind and sliding window for its events (``None`` when unset)."""
+    def _stored_event(  # noqa: PLR0917 (the event's own fields)
+        self,
+        request: Request,
+        stored: list[bytes],
+        parent: bytes | None,
+        token_ids: list[int],
+        block_size: int,
+        event_keys: list[tuple[Any, ...] | None] | None,
+        kv_cache_group_id: int,
+        lookahead: list[list[int]] | None,
+    ) -> BlockStored:
+        """A ``BlockStored`` of ``stored`` with the request's LoRA and session, this pool's
+        medium and the group's spec kind and window (``None`` when unset)."""
         metadata = self.event_metadata
-        if 0 <= kv_cache_group_id < len(metadata):
-            return metadata[kv_cache_group_id]
-        return None, None
+        kind, sliding_window = (
+            metadata[kv_cache_group_id] if 0 <= kv_cache_group_id < len(metadata) else (None, None)
+        )
+        return new_block_stored(
+            stored,
+            parent,
+            token_ids,
+            block_size,
+            request.lora_id,
+            self.medium,
+            request.lora_name,
+            event_keys,
+            kv_cache_group_id,
+            kind,
+            sliding_window,
+            request.session_id,
+            lookahead,
+        )
 
     def _extra_keys(
         self, request: Request, start: int, end: int, mm_idx: int
@@ -876,21 +896,15 @@ class BlockPool:
                     lookahead,
                 )
             )
-        kind, sliding_window = self._group_event_metadata(kv_cache_group_id)
         # ``stored`` is the caller's fresh list: the event owns it.
-        return new_block_stored(
+        return self._stored_event(
+            request,
             stored,
             parent,
             request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size],
             block_size,
-            request.lora_id,
-            self.medium,
-            request.lora_name,
             event_keys,
             kv_cache_group_id,
-            kind,
-            sliding_window,
-            request.session_id,
             lookahead,
         )
 
