@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from pathlib import Path
 
 import aetcd
@@ -44,6 +45,18 @@ async def _etcd(
         return {kv.key.decode().removeprefix(f"{PREFIX}/"): kv.value for kv in listing}
 
 
+def _claimed(etcd: Etcd, *pool_ids: str, timeout_s: float = 10.0) -> dict[str, bytes]:
+    """Every key under the prefix once each pool of ``pool_ids`` is placed: a replica claims
+    its data directory's pools after it has started and registered, not before."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        keys = asyncio.run(_etcd(etcd))
+        if all(f"placement/{pool_id}" in keys for pool_id in pool_ids):
+            return keys
+        assert time.monotonic() < deadline, f"not placed within {timeout_s} s: {sorted(keys)}"
+        time.sleep(0.05)
+
+
 def test_a_lone_servers_pools_and_pools_etcd_lost_are_claimed(etcd: Etcd, tmp_path: Path) -> None:
     data_dir = tmp_path / "r0"
     lone = Server(data_dir)
@@ -63,7 +76,7 @@ def test_a_lone_servers_pools_and_pools_etcd_lost_are_claimed(etcd: Etcd, tmp_pa
     replica = Replica(etcd, PREFIX, data_dir=data_dir)
     replica.start()
     try:
-        keys = asyncio.run(_etcd(etcd))
+        keys = _claimed(etcd, "lone")
         assert "deleted/lone" not in keys  # removed in the placing transaction
         placed = Placement.decode(keys["placement/lone"])
         assert (placed.primary, placed.standby, placed.epoch) == (replica.address, None, 1)
@@ -80,7 +93,7 @@ def test_a_lone_servers_pools_and_pools_etcd_lost_are_claimed(etcd: Etcd, tmp_pa
         assert not [key for key in left if key.startswith(("placement/", "deleted/"))]
         assert (data_dir / "replication.json").exists()  # a cluster replica's directory now
         replica.start()
-        keys = asyncio.run(_etcd(etcd))
+        keys = _claimed(etcd, "lone", "fast")
         lone_again = Placement.decode(keys["placement/lone"])
         fast_again = Placement.decode(keys["placement/fast"])
         assert (lone_again.primary, lone_again.mode) == (replica.address, "sync")
