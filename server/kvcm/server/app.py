@@ -4,8 +4,10 @@
 
     KVCMServer.start()  gRPC: kvcm.v1 services + grpc.health.v1 + reflection, bound first
                         HTTP: build_app(registry, rpc_stats, is_ready) on uvicorn, same loop
-    KVCMServer.stop()   health NOT_SERVING and /readyz 503 first, then the gRPC side drains
-                        in-flight calls for shutdown_grace_s, then HTTP stops
+                        lookup port (lookup_address): Lookup without gRPC, same loop
+    KVCMServer.stop()   health NOT_SERVING and /readyz 503 first, then the lookup port and
+                        the gRPC side drain in-flight calls for shutdown_grace_s, then HTTP
+                        stops
 
 ``serve(settings)`` runs a server until SIGINT or SIGTERM. uvicorn's own signal handlers are
 disabled: the process has one shutdown path.
@@ -47,6 +49,7 @@ from kvcm.server.rpc import (
     SERVICE_NAMES,
     JournalInterceptor,
     LeaseMonitor,
+    LookupPort,
     ServerState,
     TelemetryInterceptor,
     TransferView,
@@ -64,6 +67,7 @@ from kvcm.server.tls import (
     grpc_server_credentials,
     peer_credentials,
     reload_ssl_context,
+    server_ssl_context,
     tls_files,
     uvicorn_ssl_options,
 )
@@ -97,6 +101,7 @@ class KVCMServer:
         state: What the servicers share (registry, RPC stats, per-pool wake-ups).
         grpc_port: The bound gRPC port (after ``start``).
         http_port: The bound HTTP port (after ``start``; 0 without HTTP).
+        lookup_port: The lookup port (after ``start``; ``None`` without ``lookup_address``).
         interceptors: The gRPC server interceptors (after ``start``): tracing's, when on,
             then the telemetry one.
         leases: The scheduler-lease monitor (reclaims what dead schedulers left).
@@ -134,6 +139,7 @@ class KVCMServer:
         self.kv_events: KvEventStream | None = None
         self.grpc_port = 0
         self.http_port = 0
+        self.lookup_port: LookupPort | None = None
         self.interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
         self.journal: Journal | None = None
         # With etcd_endpoints: membership, placement, redirects (docs/cluster.md).
@@ -147,6 +153,7 @@ class KVCMServer:
         self._stopped = asyncio.Event()
         self._draining = False
         self._tls_watch: asyncio.Task[None] | None = None
+        self._lookup_tls_watch: asyncio.Task[None] | None = None
         self.loop_lag = LoopLagMonitor()
         self.leases = LeaseMonitor(self.state)
 
@@ -164,6 +171,14 @@ class KVCMServer:
         host, _ = split_address(self.settings.http_address)
         return f"{host}:{self.http_port}"
 
+    @property
+    def lookup_address(self) -> str:
+        """``host:port`` the lookup port listens on (``""`` without one)."""
+        if not self.settings.lookup_address or self.lookup_port is None:
+            return ""
+        host, _ = split_address(self.settings.lookup_address)
+        return f"{host}:{self.lookup_port.port}"
+
     async def start(self) -> None:
         """Bind and start both sides; the gRPC side reports SERVING once started.
 
@@ -175,6 +190,9 @@ class KVCMServer:
         _bind("grpc_address", settings.grpc_address).close()
         http_socket = (
             _bind("http_address", settings.http_address) if settings.http_address else None
+        )
+        lookup_socket = (
+            _bind("lookup_address", settings.lookup_address) if settings.lookup_address else None
         )
         max_message_bytes = settings.limits.max_message_bytes
         interceptors: list[grpc.aio.ServerInterceptor] = [
@@ -264,6 +282,8 @@ class KVCMServer:
         await server.start()
         if http_socket is not None:
             await self._start_http(http_socket)
+        if lookup_socket is not None:
+            await self._start_lookup_port(lookup_socket)
         for name in ("", *SERVICE_NAMES):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.cluster is not None:  # joins once its calls can be answered
@@ -274,13 +294,15 @@ class KVCMServer:
         self.loop_lag.start(asyncio.get_running_loop())
         self.leases.start()
         _LOG.info(
-            "kvcm serving gRPC on %s, HTTP on %s",
+            "kvcm serving gRPC on %s, HTTP on %s, lookup port on %s",
             self.grpc_address,
             self.http_address if settings.http_address else "(off)",
+            self.lookup_address or "(off)",
             extra={
                 "event": "serving",
                 "grpc_address": self.grpc_address,
                 "http_address": self.http_address,
+                "lookup_address": self.lookup_address,
             },
         )
 
@@ -335,6 +357,24 @@ class KVCMServer:
                 ),
             )  # fmt: skip
         return out
+
+    async def _start_lookup_port(self, sock: socket.socket) -> None:
+        """Serve Lookup on ``sock`` without gRPC (docs/lookup.md), with the gRPC side's TLS
+        files (reloaded when they change, as the HTTP side's are) and tokens."""
+        context = server_ssl_context(self.tls) if self.tls is not None else None
+        self.lookup_port = LookupPort(
+            self.state,
+            max_message_bytes=self.settings.limits.max_message_bytes,
+            authenticate=self.tokens.principal if self.tokens is not None else None,
+            refusals=self.tokens.refusals if self.tokens is not None else None,
+            ssl_context=context,
+        )
+        await self.lookup_port.start(sock)
+        if self.tls is not None and context is not None:
+            self._lookup_tls_watch = asyncio.create_task(
+                self._watch_http_tls(context, self.tls, self.tls.stamp()),
+                name="kvcm-lookup-tls",
+            )
 
     async def _start_http(self, sock: socket.socket) -> None:
         host, port = split_address(self.settings.http_address)
@@ -411,6 +451,8 @@ class KVCMServer:
         if delay_s:  # calls are still served while endpoints take the server out
             await asyncio.sleep(delay_s)
         self.state.begin_shutdown()
+        if self.lookup_port is not None:  # its in-flight lookups get the same grace
+            await self.lookup_port.stop(grace)
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self.cluster is not None:  # leaves: its lease revoked, peers see it gone at once
@@ -422,10 +464,11 @@ class KVCMServer:
         await self.leases.stop()
         if self.replication is not None:
             await self.replication.close()
-        if self._tls_watch is not None:
-            self._tls_watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tls_watch
+        for watch in (self._tls_watch, self._lookup_tls_watch):
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
         if self.kv_events is not None:  # after the last call: every published batch is sent
             await asyncio.to_thread(self.kv_events.close)
             self.state.kv_events = None
@@ -522,6 +565,7 @@ async def run_until_signalled(
 _RESTART_SETTINGS = (
     "grpc_address",
     "http_address",
+    "lookup_address",
     "data_dir",
     "otlp_endpoint",
     "limits",

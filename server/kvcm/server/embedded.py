@@ -31,6 +31,7 @@ class EmbeddedServer:
     Attributes:
         grpc_address: ``host:port`` of the gRPC side (the bound port when 0 was asked for).
         http_address: ``host:port`` of the HTTP side (``""`` without one).
+        lookup_address: ``host:port`` of the lookup port (``""`` without one).
         server: The server object; touch it only through ``call``.
         loop: The event loop it runs on.
         thread: The thread running the loop.
@@ -41,6 +42,7 @@ class EmbeddedServer:
     server: KVCMServer
     loop: asyncio.AbstractEventLoop
     thread: threading.Thread
+    lookup_address: str = ""
 
     def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         """Run a coroutine on the server's loop and wait for its result."""
@@ -112,4 +114,5 @@ def start_embedded_server(settings: ServerSettings, *, span_exporter: Any = None
         server=server,
         loop=loop,
         thread=thread,
+        lookup_address=server.lookup_address,
     )

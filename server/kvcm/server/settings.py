@@ -54,6 +54,8 @@ class ServerSettings:
     Attributes:
         grpc_address: ``host:port`` of the gRPC side (port 0: any free port).
         http_address: ``host:port`` of the HTTP side (/metrics, probes); ``""``: no HTTP.
+        lookup_address: ``host:port`` of the lookup port (Lookup without gRPC, for routers;
+            docs/lookup.md); ``""``: off.
         log_level: Python logging level name.
         log_format: ``"text"`` (one line per record) or ``"json"`` (one JSON object per line).
         shutdown_grace_s: Seconds in-flight RPCs get to finish on shutdown.
@@ -108,6 +110,7 @@ class ServerSettings:
 
     grpc_address: str = DEFAULT_GRPC_ADDRESS
     http_address: str = DEFAULT_HTTP_ADDRESS
+    lookup_address: str = ""
     log_level: str = "INFO"
     log_format: str = "text"
     shutdown_grace_s: float = 5.0
@@ -142,7 +145,7 @@ class ServerSettings:
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
-        for name in ("grpc_address", "http_address"):
+        for name in ("grpc_address", "http_address", "lookup_address"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise ConfigError(f"{name} must be 'host:port', got {value!r}")
@@ -208,6 +211,12 @@ class ServerSettings:
     def _check_cluster(self) -> None:
         if self.etcd_endpoints:
             parse_etcd_endpoints(self.etcd_endpoints)
+            if self.lookup_address:
+                raise ConfigError(
+                    "lookup_address: the lookup port answers about this server's pools only; "
+                    "a cluster's Lookup fans out to every replica over gRPC: leave it '' with "
+                    "etcd_endpoints (routers call the Lookup RPC)"
+                )
             if self.tls_cert and not (self.tls_peer_ca or self.tls_client_ca):
                 raise ConfigError(
                     "tls_peer_ca: a replica with tls_cert in a cluster (etcd_endpoints) speaks "
@@ -297,6 +306,9 @@ class SettingSpec:
 _HELP: Final = {
     "grpc_address": "gRPC host:port (port 0: any free port)",
     "http_address": "HTTP host:port for /metrics, /healthz, /readyz, /v1/pools ('': no HTTP)",
+    "lookup_address": "host:port of the lookup port: Lookup over plain framed TCP on the "
+    "server's event loop, without gRPC's per-call cost, for routers (docs/lookup.md; '': off; "
+    "not in a cluster)",
     "log_level": f"logging level, one of {', '.join(LOG_LEVELS)}",
     "log_format": "log line format: text, or json (one object per line)",
     "shutdown_grace_s": "seconds in-flight RPCs get to finish on shutdown",

@@ -6,7 +6,8 @@ signed by that CA (mutual TLS). The gRPC side re-reads the three files whenever 
 changes on disk, at the next handshake (gRPC's dynamic server credentials): rotating a
 certificate needs no restart and drops no connection (established connections keep their
 session). The HTTP side (metrics, probes) checks the files every couple of seconds and loads
-changed ones into its TLS context, for new connections likewise.
+changed ones into its TLS context, for new connections likewise; so does the lookup port
+(``lookup_address``), which serves the same certificate and client-certificate policy.
 
 A cluster's replicas (docs/cluster.md) are each other's clients: with ``tls_cert`` their
 channels to each other (replication, fan-out) speak TLS, verify the peer's certificate
@@ -41,6 +42,7 @@ __all__ = [
     "grpc_server_credentials",
     "peer_credentials",
     "reload_ssl_context",
+    "server_ssl_context",
     "tls_files",
     "uvicorn_ssl_options",
 ]
@@ -147,6 +149,28 @@ def uvicorn_ssl_options(files: TlsFiles) -> dict[str, Any]:
         options["ssl_ca_certs"] = str(files.client_ca)
         options["ssl_cert_reqs"] = ssl.CERT_REQUIRED
     return options
+
+
+def server_ssl_context(files: TlsFiles) -> ssl.SSLContext:
+    """A server-side TLS context of ``files`` (the lookup port's): the server's certificate,
+    and with ``tls_client_ca`` a client certificate required, as on the gRPC side.
+
+    Raises:
+        ConfigError: The files do not load (the message names the setting).
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(str(files.cert), str(files.key))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls_cert, tls_key: cannot load {str(files.cert)!r}: {exc}") from exc
+    if files.client_ca is not None:
+        try:
+            context.load_verify_locations(str(files.client_ca))
+        except (OSError, ssl.SSLError) as exc:
+            where = str(files.client_ca)
+            raise ConfigError(f"tls_client_ca: cannot load {where!r}: {exc}") from exc
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def reload_ssl_context(context: ssl.SSLContext, files: TlsFiles) -> bool:

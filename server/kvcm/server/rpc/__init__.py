@@ -22,6 +22,7 @@ from kvcm.server.rpc._handlers import UndecodableRequest, register_services
 from kvcm.server.rpc._interceptor import MethodInterceptor, TelemetryInterceptor
 from kvcm.server.rpc._leases import LeaseMonitor
 from kvcm.server.rpc._lookup import LookupDeniedError, lookup_as
+from kvcm.server.rpc._lookup_port import LookupPort
 from kvcm.server.rpc._pd_route import PD_ROUTE_COUNTERS, RoutingServicer, route_pd, route_pd_as
 from kvcm.server.rpc._scheduler import SchedulerServicer
 from kvcm.server.rpc._state import PRINCIPAL, PoolRuntime, Principal, ServerState, may_hash
@@ -45,6 +46,7 @@ from kvcm.v1 import service_pb2
 
 __all__ = [
     "LookupDeniedError",
+    "LookupPort",
     "lookup_as",
     "PD_ROUTE_COUNTERS",
     "route_pd",

@@ -1,0 +1,388 @@
+"""The lookup port: ``Lookup`` on the server's own event loop, without gRPC (docs/lookup.md).
+
+A router asks Lookup once per request it places, so the call's latency is added to every
+time-to-first-token. The answer itself takes a fraction of a millisecond, but a gRPC call in
+Python crosses several threads (gRPC's poller, its completion queue, the event loop's wakeup),
+each paying a wakeup on an idle machine: about 2 ms a call on a 2-core VM whatever the method.
+This port serves exactly one method, Lookup, as an :class:`asyncio.Protocol` on the server's
+loop: one loop wakeup per query and no thread. Its frames (:mod:`kvcm.wire.lookup_port`) carry
+the gRPC method's own messages, and each request is answered as the gRPC Lookup answers it:
+:func:`lookup_as` with the connection's principal, the same errors as the same status codes
+and messages, counted in the same ``RpcStats`` (method ``Lookup``), refusals audited alike.
+
+A connection's first frame is a HELLO with the bearer token (checked by the tokens file when
+authentication is on; the principal is fixed for the connection); its requests are answered
+in order, one at a time (a client may pipeline them). A frame that breaks the protocol, a
+frame over the size limit or a refused hello gets an ERROR frame (request id
+``NO_REQUEST_ID``) after the answers already due, and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from typing import Final
+
+import grpc
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+from kvcm.common.errors import KVCMError, ResourceExhaustedError
+from kvcm.server.access import RefusalLog
+from kvcm.server.rpc._handlers import UndecodableRequest
+from kvcm.server.rpc._log import log_call_rejected
+from kvcm.server.rpc._lookup import LookupDeniedError, lookup_as
+from kvcm.server.rpc._state import Principal, ServerState
+from kvcm.server.rpc._status import status_details, status_of
+from kvcm.v1 import lookup_pb2
+from kvcm.wire.lookup import lookup_query_from_proto, lookup_result_to_proto
+from kvcm.wire.lookup_port import (
+    HEADER,
+    HELLO_MAX_BYTES,
+    NO_REQUEST_ID,
+    FrameError,
+    FrameKind,
+    decode_header,
+    encode_answer,
+    encode_error,
+    encode_frame,
+    split_id,
+)
+
+__all__ = ["DEFAULT_MAX_CONNECTIONS", "HELLO_TIMEOUT_S", "LookupPort"]
+
+_LOG = logging.getLogger("kvcm.server.lookup_port")
+_METHOD: Final = "Lookup"
+FULL_METHOD: Final = "/kvcm.v1.LookupService/Lookup"
+DEFAULT_MAX_CONNECTIONS: Final = 1024
+"""Connections the port holds at once; one more is answered RESOURCE_EXHAUSTED and closed."""
+HELLO_TIMEOUT_S: Final = 10.0
+"""Seconds a new connection has to send its HELLO before it is closed."""
+_MAX_QUEUED: Final = 64
+"""Requests waiting on one connection before the port stops reading it (a client pipelining
+more waits in its socket)."""
+_HELLO_ACCEPTED: Final = encode_frame(FrameKind.HELLO, b"")
+_CODES: Final = {code.name: code.value[0] for code in grpc.StatusCode}
+_DECODE: Final = lookup_pb2.LookupRequest.FromString
+_UNDECODABLE: Final = UndecodableRequest(lookup_pb2.LookupRequest.DESCRIPTOR.full_name)
+
+
+class LookupPort:
+    """The port's listener and its connections, on the server's event loop.
+
+    Attributes:
+        connections: The open connections.
+        port: The bound port (after :meth:`start`).
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        *,
+        max_message_bytes: int,
+        authenticate: Callable[[str], Principal | None] | None = None,
+        refusals: RefusalLog | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ) -> None:
+        """A port serving ``state``'s registry (nothing bound until :meth:`start`).
+
+        Args:
+            state: The server's state (its registry, its RPC statistics).
+            max_message_bytes: The longest ``LookupRequest`` read and ``LookupResponse``
+                sent (the server's gRPC message limit).
+            authenticate: The principal of a bearer token, ``None`` for an unknown one
+                (``None``: authentication is off).
+            refusals: Where refused hellos and denied lookups are audited.
+            ssl_context: TLS for every connection (``None``: plaintext).
+            max_connections: Connections held at once.
+        """
+        self.state = state
+        self.max_message_bytes = max_message_bytes
+        self.authenticate = authenticate
+        self.refusals = refusals if refusals is not None else RefusalLog()
+        self.ssl_context = ssl_context
+        self.max_connections = max_connections
+        self.connections: set[_Connection] = set()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self, sock: socket.socket) -> int:
+        """Listen on ``sock`` (bound, not yet listening); returns the bound port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self), sock=sock, ssl=self.ssl_context, backlog=1024
+        )
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop listening; every connection answers what it already read (up to ``grace_s``),
+        gets an UNAVAILABLE error frame and is closed."""
+        if self._server is None:
+            return
+        self._server.close()
+        for connection in list(self.connections):
+            connection.fail(grpc.StatusCode.UNAVAILABLE, "Lookup: the server is shutting down")
+        workers = [c.worker for c in self.connections if c.worker is not None]
+        if workers:
+            await asyncio.wait(workers, timeout=grace_s)
+        for connection in list(self.connections):
+            connection.abort()
+        await self._server.wait_closed()
+        self._server = None
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: its frames parsed as they come, its requests answered in order."""
+
+    def __init__(self, port: LookupPort) -> None:
+        self._port = port
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._principal: Principal | None = None
+        self._greeted = False
+        self._queue: collections.deque[tuple[int, bytes]] = collections.deque()
+        self.worker: asyncio.Task[None] | None = None
+        self._closing = False  # no frame is read any more; closed once the queue is answered
+        self._fatal: bytes | None = None  # the error frame written before closing
+        self._paused = False
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._hello_timer: asyncio.TimerHandle | None = None
+        self.peer = ""
+
+    # ----------------------------------------------------------------- transport events
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self.peer = _peer(transport.get_extra_info("peername"))
+        port = self._port
+        if len(port.connections) >= port.max_connections:
+            transport.write(
+                encode_error(
+                    NO_REQUEST_ID,
+                    _CODES["RESOURCE_EXHAUSTED"],
+                    f"Lookup: the lookup port holds {port.max_connections} connections already",
+                )
+            )
+            transport.close()
+            self._closing = True
+            return
+        port.connections.add(self)
+        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._no_hello)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._port.connections.discard(self)
+        self._closing = True
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self.worker is not None:  # the client is gone: its answers have nowhere to go
+            self.worker.cancel()
+        self._writable.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        try:
+            while len(buffer) - start >= HEADER.size and not self._closing:
+                kind, length = decode_header(buffer, start)
+                limit = HELLO_MAX_BYTES if kind is FrameKind.HELLO else self._port.max_message_bytes
+                if length > limit + (0 if kind is FrameKind.HELLO else 8):
+                    self.fail(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"Lookup: a {kind.name} frame of {length} bytes is over the limit "
+                        f"({limit} bytes{'' if kind is FrameKind.HELLO else ' plus the id'})",
+                    )
+                    break
+                end = start + HEADER.size + length
+                if len(buffer) < end:
+                    break
+                payload = bytes(buffer[start + HEADER.size : end])
+                start = end
+                self._frame(kind, payload)
+        except FrameError as exc:
+            self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"Lookup: {exc}")
+        del buffer[:start]  # fail() emptied it: nothing more is read
+
+    # ------------------------------------------------------------------------- frames
+    def _frame(self, kind: FrameKind, payload: bytes) -> None:
+        if not self._greeted:
+            if kind is not FrameKind.HELLO:
+                self.fail(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"Lookup: the first frame must be a HELLO, got {kind.name}",
+                )
+            else:
+                self._hello(payload)
+            return
+        if kind is not FrameKind.REQUEST:
+            self.fail(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"Lookup: a client sends REQUEST frames after its HELLO, got {kind.name}",
+            )
+            return
+        self._queue.append(split_id(payload))
+        if self.worker is None:
+            self.worker = asyncio.get_running_loop().create_task(self._serve())
+        if len(self._queue) >= _MAX_QUEUED and self._transport is not None:
+            self._transport.pause_reading()
+            self._paused = True
+
+    def _hello(self, payload: bytes) -> None:
+        """Authenticate the connection (when auth is on) and accept it."""
+        port = self._port
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+        if port.authenticate is not None:
+            token = payload.decode("utf-8", "replace")
+            principal = port.authenticate(token) if token else None
+            if principal is None:
+                port.refusals.refused(
+                    principal="",
+                    peer=self.peer,
+                    method=FULL_METHOD,
+                    pool="",
+                    code="UNAUTHENTICATED",
+                    reason="no token" if not token else "a token not in the tokens file",
+                )
+                port.state.rpc_stats.observe(_METHOD, "UNAUTHENTICATED", 0.0)
+                self.fail(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "Lookup: a valid bearer token is required in the HELLO frame",
+                )
+                return
+            # Lookup's rule (access.RULES) takes any valid token; lookup_as answers about the
+            # pools the principal may read only, and refuses a named pool it may not.
+            self._principal = principal
+        self._greeted = True
+        assert self._transport is not None
+        self._transport.write(_HELLO_ACCEPTED)
+
+    def _no_hello(self) -> None:
+        self._hello_timer = None
+        if not self._greeted:
+            self.fail(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"Lookup: no HELLO frame within {HELLO_TIMEOUT_S:g} s",
+            )
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        """Read no more frames; once the requests already read are answered, send an error
+        frame (``code``, ``message``) about the connection and close it."""
+        if self._closing:
+            return
+        self._closing = True
+        self._buffer.clear()
+        self._fatal = encode_error(NO_REQUEST_ID, code.value[0], status_details(message))
+        _LOG.debug(
+            "lookup port connection refused: %s",
+            message,
+            extra={"event": "lookup_port_refused", "peer": self.peer, "code": code.name},
+        )
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()
+        if self.worker is None:
+            self._finish()
+
+    def abort(self) -> None:
+        """Close now, answered or not (shutdown after its grace)."""
+        if self.worker is not None:
+            self.worker.cancel()
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _finish(self) -> None:
+        """After the last answer of a closing connection: its error frame, then close."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if self._fatal is not None:
+            transport.write(self._fatal)
+        transport.close()
+
+    # ------------------------------------------------------------------------ answers
+    async def _serve(self) -> None:
+        """Answer the queued requests in order, then finish a closing connection."""
+        queue = self._queue
+        try:
+            while queue:
+                request_id, body = queue.popleft()
+                frame = await self._answer(request_id, body)
+                if not self._writable.is_set():
+                    await self._writable.wait()
+                transport = self._transport
+                if transport is None or transport.is_closing():
+                    return
+                transport.write(frame)
+                if self._paused and len(queue) < _MAX_QUEUED // 2 and not self._closing:
+                    self._paused = False
+                    transport.resume_reading()
+            if self._closing:
+                self._finish()
+        finally:
+            self.worker = None
+
+    async def _answer(self, request_id: int, body: bytes) -> bytes:
+        """The ANSWER or ERROR frame of one request, observed as a gRPC Lookup call is."""
+        port = self._port
+        state = port.state
+        started = time.perf_counter()
+        code = "CANCELLED"
+        try:
+            try:
+                request = _DECODE(body)
+            except DecodeError:
+                raise _UNDECODABLE.error() from None
+            query = lookup_query_from_proto(request)
+            answer = await lookup_as(state.registry, query, self._principal, state=state)
+            data = lookup_result_to_proto(answer, packed=request.packed).SerializeToString()
+            if len(data) > port.max_message_bytes:
+                raise ResourceExhaustedError(
+                    f"Lookup: the answer is {len(data)} bytes, over max_message_bytes "
+                    f"({port.max_message_bytes}): narrow the scope or set max_results"
+                )
+            code = "OK"
+            return encode_answer(request_id, data)
+        except LookupDeniedError as exc:
+            code, details = "PERMISSION_DENIED", f"Lookup: {exc}"
+            port.refusals.refused(
+                principal=self._principal.name if self._principal is not None else "",
+                peer=self.peer,
+                method=FULL_METHOD,
+                pool="",
+                code=code,
+                reason=details,
+            )
+            log_call_rejected(_METHOD, code, exc)
+        except KVCMError as exc:
+            code, details = status_of(exc).name, str(exc)
+            log_call_rejected(_METHOD, code, exc)
+        except Exception as exc:
+            _LOG.exception("internal error")
+            code, details = "INTERNAL", f"internal error: {exc!r}"
+        finally:
+            state.rpc_stats.observe(_METHOD, code, time.perf_counter() - started)
+        return encode_error(request_id, _CODES[code], status_details(details))
+
+
+def _peer(address: object) -> str:
+    """A connection's peer as gRPC names it (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``)."""
+    if isinstance(address, tuple) and len(address) >= 2:
+        host, port = address[0], address[1]
+        return f"ipv6:[{host}]:{port}" if ":" in str(host) else f"ipv4:{host}:{port}"
+    return str(address or "")

@@ -1,0 +1,469 @@
+"""The lookup port (``lookup_address``): Lookup without gRPC, on a real server on 127.0.0.1.
+
+Its answers equal the gRPC Lookup's on a randomized workload (packed and not, best-k and every
+pool, pools evicting, deleted and re-created); its errors are the gRPC method's status codes and
+messages; malformed frames get an error frame and close only their own connection; pipelined
+requests are answered in order; tokens, TLS and shutdown behave as on the gRPC side. Frames are
+written by hand here (a router in another language speaks the same bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import socket
+import ssl
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from _pki import Pki
+
+from kvcm.client import LookupQuery, SchedulerClient, TlsConfig
+from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
+from kvcm.common.dtypes import DType
+from kvcm.common.errors import ConfigError
+from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvcm.core.pool import PoolConfig
+from kvcm.server.embedded import EmbeddedServer, start_embedded_server
+from kvcm.server.settings import ServerSettings
+from kvcm.v1 import lookup_pb2, service_pb2_grpc
+from kvcm.wire.lookup import lookup_query_to_proto
+from kvcm.wire.lookup_port import (
+    HEADER,
+    NO_REQUEST_ID,
+    FrameKind,
+    decode_error,
+    decode_header,
+    encode_frame,
+    encode_hello,
+    encode_request,
+    split_id,
+)
+
+COMMON = {"num_kv_heads": 2, "head_size": 64, "dtype": DType.BFLOAT16}
+CODE = {code.name: code.value[0] for code in grpc.StatusCode}
+
+
+def _config(specs: list[KVCacheSpec], num_blocks: int) -> PoolConfig:
+    layout = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=(),
+        kv_cache_groups=tuple(
+            KVCacheGroupSpec(layer_names=(f"l{i}",), kv_cache_spec=spec)
+            for i, spec in enumerate(specs)
+        ),
+    )
+    return PoolConfig(max_model_len=1024, explicit_layout=layout)
+
+
+def _full() -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=16, **COMMON)  # type: ignore[arg-type]
+
+
+def _swa() -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=16, sliding_window=32, **COMMON)  # type: ignore[arg-type]
+
+
+def _serve(client: SchedulerClient, pool_id: str, key: int, prompt: list[int]) -> None:
+    """Admit, allocate and cache one request; three in four finish (their blocks stay
+    cached), the rest keep running."""
+    hashes = client.block_hasher(pool_id).hash_token_ids(prompt)
+    client.add_request(pool_id, key, prompt, hashes, request_id=f"r{key}")
+    hit = client.get_computed_blocks(pool_id, key)
+    blocks = client.allocate_slots(
+        pool_id, key, len(prompt) - hit.num_computed_tokens, hit.num_computed_tokens, hit=hit
+    )
+    if blocks is None or key % 4:
+        client.free(pool_id, key)
+
+
+class RawPort:
+    """A hand-written lookup-port client: frames as docs/lookup.md spells them."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = "",
+        context: ssl.SSLContext | None = None,
+    ) -> None:
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=10.0)
+        self.sock = context.wrap_socket(sock, server_hostname=host) if context else sock
+        self._buffer = b""
+        if token is not None:
+            self.send(encode_hello(token))
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _read(self, size: int) -> bytes:
+        while len(self._buffer) < size:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise EOFError(f"closed with {len(self._buffer)} of {size} bytes read")
+            self._buffer += chunk
+        data, self._buffer = self._buffer[:size], self._buffer[size:]
+        return data
+
+    def frame(self) -> tuple[FrameKind, bytes]:
+        kind, length = decode_header(self._read(HEADER.size))
+        return kind, self._read(length)
+
+    def hello(self) -> None:
+        assert self.frame() == (FrameKind.HELLO, b"")
+
+    def error(self) -> tuple[int, str, str]:
+        kind, payload = self.frame()
+        assert kind is FrameKind.ERROR, payload
+        request_id, code, message = decode_error(payload)
+        return request_id, grpc.StatusCode(_BY_NUMBER[code]).name, message
+
+    def answer(self, request_id: int) -> lookup_pb2.LookupResponse:
+        kind, payload = self.frame()
+        assert kind is FrameKind.ANSWER, decode_error(payload)
+        got_id, body = split_id(payload)
+        assert got_id == request_id
+        return lookup_pb2.LookupResponse.FromString(body)
+
+    def closed(self) -> bool:
+        """Whether the server closed the connection (EOF, nothing more to read)."""
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedServer]:
+    running = start_embedded_server(
+        ServerSettings(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            lookup_address="127.0.0.1:0",
+            log_level="WARNING",
+        )
+    )
+    try:
+        yield running
+    finally:
+        running.stop(grace_s=1.0)
+
+
+def test_answers_equal_the_grpc_lookup_on_a_randomized_workload(server: EmbeddedServer) -> None:
+    rng = random.Random(26)
+    kinds = [
+        lambda: _config([_full()], 48),
+        lambda: _config([_full()], 10),  # small: evicts constantly
+        lambda: _config([_full(), _swa()], 48),  # hybrid
+    ]
+    documents = [[rng.randrange(30000) for _ in range(rng.randrange(40, 240))] for _ in range(8)]
+    pool_ids = [f"port-{i:02d}" for i in range(24)]
+    port = RawPort(server.lookup_address)
+    port.hello()
+    channel = grpc.insecure_channel(server.grpc_address)
+    stub = service_pb2_grpc.LookupServiceStub(channel)  # type: ignore[no-untyped-call]
+    with SchedulerClient(server.grpc_address) as client:
+        for index, pool_id in enumerate(pool_ids):
+            client.create_pool(pool_id, kinds[index % len(kinds)]())
+        for key in range(1, 161):
+            document = rng.choice(documents)
+            _serve(client, rng.choice(pool_ids), key, document[: rng.randrange(1, len(document))])
+        request_id = 0
+        for round_ in range(5):
+            probe = rng.choice(documents)[: rng.randrange(17, 240)]
+            hashes = client.block_hasher(pool_ids[0]).hash_token_ids(probe)
+            queries = [
+                LookupQuery(token_ids=probe),  # every pool
+                LookupQuery(token_ids=probe, pool_ids=rng.sample(pool_ids, 7), max_results=3),
+                LookupQuery(block_hashes=b"".join(hashes), num_tokens=len(probe), max_results=5),
+            ]
+            for query in queries:
+                for packed in (True, False):
+                    request = lookup_query_to_proto(query, packed=packed)
+                    request_id += 1
+                    port.send(encode_request(request_id, request.SerializeToString()))
+                    assert port.answer(request_id) == stub.Lookup(request, timeout=10)
+            assert any(stub.Lookup(lookup_query_to_proto(queries[0])).packed.num_hit_tokens)
+            # Evictions, deletes and re-creations under the same names: the next round follows.
+            for pool_id in rng.sample(pool_ids, 4):
+                client.delete_pool(pool_id)
+                if round_ % 2:
+                    client.create_pool(pool_id, rng.choice(kinds)())
+                    document = rng.choice(documents)
+                    _serve(client, pool_id, 10_000 + round_ * 10, document)
+                else:
+                    pool_ids.remove(pool_id)
+            for pool_id in rng.sample(pool_ids, 4):
+                client.evict_blocks(pool_id, rng.sample(range(1, 10), 3))
+    channel.close()
+    port.close()
+
+
+def test_errors_are_the_grpc_methods_and_leave_the_connection_open(
+    server: EmbeddedServer,
+) -> None:
+    channel = grpc.insecure_channel(server.grpc_address)
+    stub = service_pb2_grpc.LookupServiceStub(channel)  # type: ignore[no-untyped-call]
+    port = RawPort(server.lookup_address)
+    port.hello()
+    cases = [
+        lookup_pb2.LookupRequest(),  # no prompt
+        lookup_pb2.LookupRequest(tokens=lookup_pb2.TokenPrompt(token_ids=[1]), load_weight=-1.0),
+        lookup_query_to_proto(LookupQuery(token_ids=[1, 2], pool_ids=["no-such-pool"])),
+    ]
+    for request_id, request in enumerate(cases, start=40):
+        port.send(encode_request(request_id, request.SerializeToString()))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Lookup(request, timeout=10)
+        assert port.error() == (request_id, refused.value.code().name, refused.value.details())
+    # Bytes that are not a LookupRequest: INVALID_ARGUMENT naming the request, as over gRPC.
+    port.send(encode_request(7, b"\xff\xff\xff"))
+    assert port.error() == (7, "INVALID_ARGUMENT", "request is not a valid kvcm.v1.LookupRequest")
+    # The connection still answers.
+    port.send(
+        encode_request(8, lookup_query_to_proto(LookupQuery(token_ids=[3])).SerializeToString())
+    )
+    assert port.answer(8).num_pools_in_scope >= 0
+    port.close()
+    channel.close()
+    # Every port call is counted as a gRPC Lookup call is (kvcm_rpc_requests_total).
+    metrics = httpx.get(f"http://{server.http_address}/metrics", timeout=5.0).text
+    assert 'kvcm_rpc_requests_total{code="INVALID_ARGUMENT",method="Lookup"}' in metrics
+
+
+def _assert_serving(server: EmbeddedServer) -> None:
+    port = RawPort(server.lookup_address)
+    port.hello()
+    request = lookup_query_to_proto(LookupQuery(token_ids=list(range(40))))
+    port.send(encode_request(1, request.SerializeToString()))
+    assert port.answer(1).num_pools_in_scope == len(server.server.state.registry.list())
+    port.close()
+
+
+def test_malformed_frames_close_only_their_connection(server: EmbeddedServer) -> None:
+    limit = server.server.settings.limits.max_message_bytes
+    request = lookup_query_to_proto(LookupQuery(token_ids=[1, 2, 3])).SerializeToString()
+    bystander = RawPort(server.lookup_address)
+    bystander.hello()
+    cases: list[tuple[bytes, str, str]] = [
+        (b"XXXX" + bytes(5), "INVALID_ARGUMENT", "bad magic"),
+        (struct.pack("<4sBI", b"KVL1", 9, 0), "INVALID_ARGUMENT", "unknown frame kind 9"),
+        (struct.pack("<4sBI", b"KVL1", 2, limit + 9), "RESOURCE_EXHAUSTED", "over the limit"),
+        (encode_frame(FrameKind.ANSWER, bytes(8)), "INVALID_ARGUMENT", "got ANSWER"),
+        (encode_frame(FrameKind.REQUEST, b"\x01\x02"), "INVALID_ARGUMENT", "8-byte request id"),
+        (encode_hello(""), "INVALID_ARGUMENT", "got HELLO"),  # a second hello
+    ]
+    for data, code, words in cases:
+        port = RawPort(server.lookup_address)
+        port.hello()
+        port.send(encode_request(5, request) + data + encode_request(6, request))
+        port.answer(5)  # what came before the bad frame is answered, nothing after it
+        request_id, got, message = port.error()
+        assert (request_id, got) == (NO_REQUEST_ID, code)
+        assert words in message
+        assert port.closed()
+        port.close()
+    # A request before any hello, a hello over 64 KiB, a frame cut short by a closed socket.
+    early = RawPort(server.lookup_address, token=None)
+    early.send(encode_request(1, request))
+    assert early.error()[1:] == (
+        "INVALID_ARGUMENT",
+        "Lookup: the first frame must be a HELLO, got REQUEST",
+    )
+    big = RawPort(server.lookup_address, token=None)
+    big.send(encode_hello("x" * (64 * 1024 + 1)))
+    assert big.error()[1] == "RESOURCE_EXHAUSTED"
+    truncated = RawPort(server.lookup_address)
+    truncated.hello()
+    truncated.send(encode_request(1, request)[:-2])
+    truncated.close()
+    bystander.send(encode_request(9, request))
+    bystander.answer(9)
+    bystander.close()
+    _assert_serving(server)
+
+
+def test_pipelined_requests_are_answered_in_order(server: EmbeddedServer) -> None:
+    prompt = list(range(16 * 20))
+    with SchedulerClient(server.grpc_address) as client:
+        client.create_pool("pipelined", _config([_full()], 64))
+        _serve(client, "pipelined", 4, prompt)
+    port = RawPort(server.lookup_address)
+    port.hello()
+    ids = random.Random(3).sample(range(1, 2**63), 300)  # more than a connection queues
+    hits = {request_id: (request_id % 20) * 16 + 1 for request_id in ids}
+    port.send(
+        b"".join(
+            encode_request(
+                request_id,
+                lookup_query_to_proto(
+                    LookupQuery(token_ids=prompt[: hits[request_id]], pool_ids=["pipelined"])
+                ).SerializeToString(),
+            )
+            for request_id in ids
+        )
+    )
+    for request_id in ids:
+        answer = port.answer(request_id)
+        assert list(answer.packed.num_hit_tokens) == [(hits[request_id] - 1) // 16 * 16]
+    port.close()
+
+
+def _token_file(path: Path, tokens: dict[str, tuple[str, list[str]]]) -> Path:
+    lines = []
+    for token, (name, roles) in tokens.items():
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        quoted = ", ".join(f'"{role}"' for role in roles)
+        lines += ["[[tokens]]", f'name = "{name}"', f'sha256 = "{digest}"', f"roles = [{quoted}]"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_tokens_and_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With auth_tokens and TLS: the hello's token decides the principal (readable pools
+    only, a named unreadable pool PERMISSION_DENIED naming scope.pool_ids[i], a bad token
+    UNAUTHENTICATED and closed, audited); plaintext and untrusted clients are refused."""
+    pki = Pki(tmp_path, "lookup-port")
+    cert, key = pki.issue("kvcm-server")
+    tokens = _token_file(
+        tmp_path / "tokens.toml",
+        {"admin": ("ops", ["admin:*"]), "router-a": ("router-a", ["reader:team-a-*"])},
+    )
+    running = start_embedded_server(
+        ServerSettings(
+            grpc_address="127.0.0.1:0",
+            http_address="",
+            lookup_address="127.0.0.1:0",
+            log_level="WARNING",
+            auth_tokens=str(tokens),
+            tls_cert=str(pki.write("server.pem", cert)),
+            tls_key=str(pki.write("server.key", key)),
+        )
+    )
+    context = ssl.create_default_context(cafile=str(pki.write("ca.pem", pki.ca_pem)))
+    prompt = list(range(64))
+    request = lookup_query_to_proto(LookupQuery(token_ids=prompt))
+    try:
+        tls = TlsConfig(root_certificates=pki.ca_pem)
+        with SchedulerClient(running.grpc_address, token="admin", tls=tls) as admin:
+            for pool_id in ("team-a-0", "team-a-1", "team-b-0"):
+                admin.create_pool(pool_id, _config([_full()], 16))
+                _serve(admin, pool_id, 4, prompt)
+        router = RawPort(running.lookup_address, token="router-a", context=context)
+        router.hello()
+        router.send(encode_request(1, request.SerializeToString()))
+        answer = router.answer(1)
+        assert sorted(answer.packed.pool_id) == ["team-a-0", "team-a-1"]
+        assert answer.num_pools_in_scope == 2
+        named = lookup_query_to_proto(
+            LookupQuery(token_ids=prompt, pool_ids=["team-a-0", "team-b-0"])
+        )
+        router.send(encode_request(2, named.SerializeToString()))
+        request_id, code, message = router.error()
+        assert (request_id, code) == (2, "PERMISSION_DENIED")
+        assert "scope.pool_ids[1]" in message
+        assert "team-b-0" in message
+        router.send(encode_request(3, request.SerializeToString()))  # still open
+        assert router.answer(3).num_pools_in_scope == 2
+        router.close()
+        with caplog.at_level("WARNING", logger="kvcm.audit"):
+            for token in ("nope", ""):
+                wrong = RawPort(running.lookup_address, token=token, context=context)
+                wrong.send(encode_request(1, request.SerializeToString()))
+                assert wrong.error()[:2] == (NO_REQUEST_ID, "UNAUTHENTICATED")
+                assert wrong.closed()
+                wrong.close()
+        assert any("a token not in the tokens file" in r.getMessage() for r in caplog.records)
+        # Plaintext gets no answer from a TLS port; nor does a client that does not trust it.
+        plain = RawPort(running.lookup_address, token="admin")
+        plain.send(encode_request(1, request.SerializeToString()))
+        with pytest.raises((EOFError, ConnectionResetError, ValueError)):
+            plain.frame()
+        plain.close()
+        with pytest.raises(ssl.SSLCertVerificationError):
+            RawPort(running.lookup_address, token="admin", context=ssl.create_default_context())
+    finally:
+        running.stop(grace_s=1.0)
+
+
+def test_stop_closes_connections_and_settings_are_checked(tmp_path: Path) -> None:
+    running = start_embedded_server(
+        ServerSettings(grpc_address="127.0.0.1:0", http_address="", lookup_address="127.0.0.1:0")
+    )
+    assert running.server.lookup_address == running.lookup_address != ""
+    port = RawPort(running.lookup_address)
+    port.hello()
+    running.stop(grace_s=1.0)
+    assert port.error()[:2] == (NO_REQUEST_ID, "UNAVAILABLE")
+    assert port.closed()
+    port.close()
+    with pytest.raises(ConnectionRefusedError):
+        RawPort(running.lookup_address)
+    off = start_embedded_server(ServerSettings(grpc_address="127.0.0.1:0", http_address=""))
+    assert off.lookup_address == ""
+    assert off.server.lookup_port is None
+    off.stop()
+    with pytest.raises(ConfigError, match="lookup_address"):
+        ServerSettings(lookup_address="nowhere")
+    with pytest.raises(ConfigError, match="lookup_address: the lookup port"):
+        ServerSettings(lookup_address="127.0.0.1:0", etcd_endpoints="http://127.0.0.1:2379")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    address = f"127.0.0.1:{taken.getsockname()[1]}"
+    with pytest.raises(RuntimeError, match="lookup_address: cannot listen"):
+        start_embedded_server(
+            ServerSettings(grpc_address="127.0.0.1:0", http_address="", lookup_address=address)
+        )
+    taken.close()
+
+
+def test_mutual_tls_needs_a_client_certificate(tmp_path: Path) -> None:
+    """With tls_client_ca the port, like the gRPC side, refuses a client without a certificate
+    signed by that CA and answers one with."""
+    pki = Pki(tmp_path, "lookup-port-mtls")
+    cert, key = pki.issue("kvcm-server")
+    ca = pki.write("ca.pem", pki.ca_pem)
+    running = start_embedded_server(
+        ServerSettings(
+            grpc_address="127.0.0.1:0",
+            http_address="",
+            lookup_address="127.0.0.1:0",
+            log_level="WARNING",
+            tls_cert=str(pki.write("server.pem", cert)),
+            tls_key=str(pki.write("server.key", key)),
+            tls_client_ca=str(ca),
+        )
+    )
+    request = lookup_query_to_proto(LookupQuery(token_ids=[1, 2])).SerializeToString()
+    try:
+        anonymous = RawPort(
+            running.lookup_address, token=None, context=ssl.create_default_context(cafile=str(ca))
+        )
+        anonymous.send(encode_hello("") + encode_request(1, request))  # TLS 1.3: refused later
+        with pytest.raises((EOFError, ssl.SSLError, ConnectionResetError)):
+            anonymous.frame()
+        anonymous.close()
+        client_cert, client_key = pki.issue("router")
+        context = ssl.create_default_context(cafile=str(ca))
+        context.load_cert_chain(
+            str(pki.write("router.pem", client_cert)), str(pki.write("router.key", client_key))
+        )
+        port = RawPort(running.lookup_address, context=context)
+        port.hello()
+        port.send(encode_request(1, request))
+        assert port.answer(1).num_pools_in_scope == 0
+        port.close()
+    finally:
+        running.stop(grace_s=1.0)
