@@ -87,5 +87,15 @@ def test_bad_slots_and_keys_are_refused(compiled: type[KeyIndexLike], implementa
     if implementation == "compiled":
         with pytest.raises(TypeError, match="keys must be bytes"):
             index.add(["k"], 0)  # type: ignore[list-item]
+        # Every key is checked before any changes: a bad one in a batch changes nothing.
+        with pytest.raises(TypeError, match="keys must be bytes"):
+            index.add([b"a", b"b", "c"], 0)  # type: ignore[list-item]
+        assert len(index) == 0
+        index.add([b"a", b"b"], 0)
+        with pytest.raises(TypeError, match="keys must be bytes"):
+            index.discard([b"a", 7], 0)  # type: ignore[list-item]
+        assert (index.get(b"a"), index.get(b"b")) == (1, 1)
+        index.discard(iter([b"a", b"b"]), 0)  # any iterable
+        assert len(index) == 0
     assert index.walk(b"k" * 8, 8, SUFFIX, 1, 0) == []
     assert index.walk(b"k" * 8, 8, SUFFIX, 1, 0b101) == [(0, 0b101)]

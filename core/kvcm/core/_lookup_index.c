@@ -281,6 +281,69 @@ static int check_key(PyObject *key) {
     return 0;
 }
 
+/* The keys of add/discard as a sequence (a list or tuple as given, else a new list), every
+   one checked to be bytes before anything changes; their hashes (cached in the key objects)
+   go in *hashes (a new array the caller frees). NULL with an exception set on error. */
+static PyObject *checked_keys(PyObject *keys, Py_hash_t **hashes) {
+    PyObject *seq = PySequence_Fast(keys, "keys must be iterable");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    *hashes = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(Py_hash_t));
+    if (*hashes == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) {
+            __builtin_prefetch(items[i + PREFETCH_AHEAD]); /* the key's header: its hash */
+        }
+        Py_hash_t hash = -1;
+        if (check_key(items[i]) == 0) {
+            hash = PyObject_Hash(items[i]);
+        }
+        if (hash == -1) {
+            PyMem_Free(*hashes);
+            *hashes = NULL;
+            Py_DECREF(seq);
+            return NULL;
+        }
+        (*hashes)[i] = hash;
+    }
+    return seq;
+}
+
+/* Keys are applied in order, the table entry of the key PREFETCH_AHEAD places on requested
+   ahead (an eviction's or a cache call's keys land anywhere in a table of millions). */
+static inline void prefetch_entry(const KeyIndex *self, const Py_hash_t *hashes, Py_ssize_t i,
+                                  Py_ssize_t n) {
+    if (i + PREFETCH_AHEAD < n) {
+        __builtin_prefetch(&self->table[(size_t)hashes[i + PREFETCH_AHEAD] & self->mask]);
+    }
+}
+
+/* The entry of a key, or the empty entry where it would go; a stored key that is the same
+   object matches without reading its bytes. */
+static inline Entry *probe_key(const KeyIndex *self, Py_hash_t hash, PyObject *key) {
+    size_t i = (size_t)hash & self->mask;
+    Py_ssize_t size = PyBytes_GET_SIZE(key);
+    const char *data = PyBytes_AS_STRING(key);
+    for (;;) {
+        Entry *e = &self->table[i];
+        if (e->key == NULL || e->key == key) {
+            return e;
+        }
+        if (e->hash == hash && PyBytes_GET_SIZE(e->key) == size &&
+            memcmp(PyBytes_AS_STRING(e->key), data, (size_t)size) == 0) {
+            return e;
+        }
+        i = (i + 1) & self->mask;
+    }
+}
+
 static PyObject *KeyIndex_add(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs) {
     uint16_t slot;
     if (nargs != 2) {
@@ -290,47 +353,46 @@ static PyObject *KeyIndex_add(KeyIndex *self, PyObject *const *args, Py_ssize_t 
     if (parse_slot(args[1], &slot) < 0) {
         return NULL;
     }
-    PyObject *it = PyObject_GetIter(args[0]);
-    if (it == NULL) {
+    Py_hash_t *hashes;
+    PyObject *seq = checked_keys(args[0], &hashes);
+    if (seq == NULL) {
         return NULL;
     }
-    PyObject *key;
-    while ((key = PyIter_Next(it)) != NULL) {
-        if (check_key(key) < 0) {
-            goto error;
-        }
-        Py_hash_t hash = PyObject_Hash(key); /* cached in the key object */
-        if (hash == -1) {
-            goto error;
-        }
-        if ((self->used + 1) * 8 > (self->mask + 1) * 5 &&
-            resize(self, (self->mask + 1) * 2) < 0) {
-            goto error;
-        }
-        Entry *e = probe(self, hash, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    /* Room for every key first (the table moves only here, so the prefetches stay valid). */
+    size_t capacity = self->mask + 1;
+    while ((self->used + (size_t)n) * 8 > capacity * 5) {
+        capacity *= 2;
+    }
+    if (capacity != self->mask + 1 && resize(self, capacity) < 0) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) {
+        __builtin_prefetch(&self->table[(size_t)hashes[i] & self->mask]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_entry(self, hashes, i, n);
+        PyObject *key = items[i];
+        Entry *e = probe_key(self, hashes[i], key);
         if (e->key == NULL) {
-            e->hash = hash;
-            e->key = key; /* the reference PyIter_Next gave */
+            Py_INCREF(key);
+            e->hash = hashes[i];
+            e->key = key;
             e->n = 1;
             e->cap = 0;
             e->ids.inl[0] = slot;
             self->used++;
-            continue;
-        }
-        Py_DECREF(key);
-        if (set_add(e, slot) < 0) {
-            Py_DECREF(it);
-            return NULL;
+        } else if (set_add(e, slot) < 0) {
+            goto fail;
         }
     }
-    Py_DECREF(it);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
+    PyMem_Free(hashes);
+    Py_DECREF(seq);
     Py_RETURN_NONE;
-error:
-    Py_DECREF(key);
-    Py_DECREF(it);
+fail:
+    PyMem_Free(hashes);
+    Py_DECREF(seq);
     return NULL;
 }
 
@@ -343,25 +405,19 @@ static PyObject *KeyIndex_discard(KeyIndex *self, PyObject *const *args, Py_ssiz
     if (parse_slot(args[1], &slot) < 0) {
         return NULL;
     }
-    PyObject *it = PyObject_GetIter(args[0]);
-    if (it == NULL) {
+    Py_hash_t *hashes;
+    PyObject *seq = checked_keys(args[0], &hashes);
+    if (seq == NULL) {
         return NULL;
     }
-    PyObject *key;
-    while ((key = PyIter_Next(it)) != NULL) {
-        if (check_key(key) < 0) {
-            Py_DECREF(key);
-            Py_DECREF(it);
-            return NULL;
-        }
-        Py_hash_t hash = PyObject_Hash(key);
-        if (hash == -1) {
-            Py_DECREF(key);
-            Py_DECREF(it);
-            return NULL;
-        }
-        Entry *e = probe(self, hash, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
-        Py_DECREF(key);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) {
+        __builtin_prefetch(&self->table[(size_t)hashes[i] & self->mask]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        prefetch_entry(self, hashes, i, n);
+        Entry *e = probe_key(self, hashes[i], items[i]);
         if (e->key == NULL) {
             continue;
         }
@@ -375,10 +431,8 @@ static PyObject *KeyIndex_discard(KeyIndex *self, PyObject *const *args, Py_ssiz
             Py_DECREF(stored); /* bytes: no code runs */
         }
     }
-    Py_DECREF(it);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
+    PyMem_Free(hashes);
+    Py_DECREF(seq);
     Py_RETURN_NONE;
 }
 
