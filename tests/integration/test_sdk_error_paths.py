@@ -332,3 +332,55 @@ def test_async_client_maps_the_same_exceptions(kvcm_address: str, pool: str) -> 
             await client.delete_pool("errors-quiet-async")
 
     asyncio.run(scenario())
+
+
+def test_threads_sharing_a_cluster_client_move_the_seed_once(kvcm_address: str) -> None:
+    """Calls from 16 threads sharing one client, whose first seed is down, fail there at
+    once: the seed moves once (to the one that answers, not back and forth between the two),
+    each seed's channel is opened once, and the client's seed and stubs agree."""
+    dead = f"127.0.0.1:{_unbound_port()}"
+    with SchedulerClient(kvcm_address, timeout=5.0) as lone:
+        lone.create_pool("shared-seeds", _config())
+    opened: list[str] = []
+    try:
+        with SchedulerClient(f"{dead},{kvcm_address}", timeout=5.0) as client:
+            open_channel = client._open_channel
+
+            def counted(target: str, metadata: object) -> object:
+                opened.append(target)
+                return open_channel(target, metadata)  # type: ignore[arg-type]
+
+            client._open_channel = counted  # type: ignore[method-assign]
+            rerouted = client._rerouted
+            moves: list[tuple[int, int]] = []
+
+            def recorded(*args: object) -> bool:
+                before = client._seed
+                again = rerouted(*args)  # type: ignore[arg-type]
+                moves.append((before, client._seed))
+                return again
+
+            client._rerouted = recorded  # type: ignore[method-assign]
+            barrier = threading.Barrier(16)
+            answers: list[str] = []
+
+            def call() -> None:
+                barrier.wait()
+                answers.append(client.describe_pool("shared-seeds").pool_id)
+
+            threads = [threading.Thread(target=call) for _ in range(16)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert answers == ["shared-seeds"] * 16
+            # Each call failed once on the dead seed; the first failure moved the seed, the
+            # other 15 found it moved (before, each moved it again: 0 -> 1 -> 0 ..., 31 hops).
+            assert len(moves) == 16
+            assert [move for move in moves if move[0] != move[1]] == [(0, 1)]
+            assert opened == [kvcm_address]  # the first seed's channel was opened up front
+            assert client._seeds[client._seed] == kvcm_address
+            assert client._stubs is client._replicas[kvcm_address][1]
+    finally:
+        with SchedulerClient(kvcm_address, timeout=5.0) as lone:
+            lone.delete_pool("shared-seeds")

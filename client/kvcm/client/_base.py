@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from typing import Any, Final, Self, TypeVar
 import grpc
 
 from kvcm.client._errors import ServiceError, StatusCode, UnavailableError, error_from_rpc
+from kvcm.client._lookup_port import AsyncLookupPortConnection, LookupPortConnection
 from kvcm.client._step import StepBuilder, check_in_flight_tokens, check_report_cached_blocks
 from kvcm.client._tracing import aio_intercept, intercept
 from kvcm.client._types import (
@@ -500,6 +502,10 @@ class _ClientBase:
             self._seeds[0]: (self._channel, self._stubs)
         }
         self._routes: dict[str, str] = {}
+        # Held while a replica's channel is opened or the seed moves: calls from several
+        # threads share a client, and two failing at once must neither open a replica twice
+        # (the second channel never closed) nor leave _seed and _stubs naming different seeds.
+        self._route_lock = threading.RLock()
 
     def _open_channel(self, target: str, metadata: Sequence[tuple[str, str]]) -> Any:
         raise NotImplementedError
@@ -507,22 +513,43 @@ class _ClientBase:
     def _replica(self, address: str) -> Stubs:
         entry = self._replicas.get(address)
         if entry is None:
-            channel = self._open_channel(address, self._metadata)
-            entry = self._replicas[address] = (channel, Stubs(channel))
+            with self._route_lock:
+                entry = self._replicas.get(address)
+                if entry is None:
+                    channel = self._open_channel(address, self._metadata)
+                    entry = self._replicas[address] = (channel, Stubs(channel))
         return entry[1]
+
+    def _next_seed(self, failed: Stubs) -> None:
+        """Move to the next seed, unless a concurrent call already moved past ``failed``
+        (the stubs the failed call used): one failure moves the seed once."""
+        with self._route_lock:
+            if self._stubs is not failed:
+                return
+            seed = (self._seed + 1) % len(self._seeds)
+            self._seed, self._stubs = seed, self._replica(self._seeds[seed])
 
     def _stubs_for(self, pool_id: str | None) -> Stubs:
         """The stubs of the pool's replica as last learned, else of the current seed."""
         address = self._routes.get(pool_id) if pool_id else None
         return self._replica(address) if address is not None else self._stubs
 
-    def _rerouted(self, exc: grpc.RpcError, pool_id: str | None, resendable: bool) -> bool:
+    def _rerouted(
+        self,
+        exc: grpc.RpcError,
+        pool_id: str | None,
+        resendable: bool,
+        used: Stubs | None = None,
+    ) -> bool:
         """Learn from a failed call; whether to send it again (to the new route).
 
         A redirect names the pool's replica: remembered, and the call (refused before it
         ran) goes there. UNAVAILABLE: the remembered replica, or the current seed, is
         forgotten (the next seed is asked); the call is sent again only if ``resendable``.
+        ``used``: the stubs the call went to; the seed moves only if it still is theirs
+        (calls failing together on one seed move it once).
         """
+        stubs = self._stubs if used is None else used
         owner = redirect_owner(exc)
         if owner is not None and pool_id:
             self._routes[pool_id] = owner
@@ -532,8 +559,7 @@ class _ClientBase:
         if pool_id and self._routes.pop(pool_id, None) is not None:
             return resendable
         if len(self._seeds) > 1:
-            self._seed = (self._seed + 1) % len(self._seeds)
-            self._stubs = self._replica(self._seeds[self._seed])
+            self._next_seed(stubs)
             return resendable
         return False
 
@@ -551,7 +577,12 @@ class _ClientBase:
         return left
 
     def _timed_out(
-        self, exc: grpc.RpcError, pool_id: str | None, give_up_at: float, resendable: bool
+        self,
+        exc: grpc.RpcError,
+        pool_id: str | None,
+        give_up_at: float,
+        resendable: bool,
+        used: Stubs | None = None,
     ) -> bool:
         """Learn from an attempt that got no answer in time (DEADLINE_EXCEEDED) in a
         cluster: the pool's route is forgotten, and the seed when the call went to it, so
@@ -560,10 +591,12 @@ class _ClientBase:
         server's DEADLINE_EXCEEDED, or the call's own deadline, raises as it always did."""
         if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED or not self._clustered(pool_id):
             return False
+        stubs = self._stubs if used is None else used
         routed = self._routes.pop(pool_id, None) if pool_id else None
-        if (routed is None or routed == self._seeds[self._seed]) and len(self._seeds) > 1:
-            self._seed = (self._seed + 1) % len(self._seeds)
-            self._stubs = self._replica(self._seeds[self._seed])
+        if (routed is None or self._replicas.get(routed, (None, None))[1] is stubs) and len(
+            self._seeds
+        ) > 1:
+            self._next_seed(stubs)
         return resendable and time.monotonic() < give_up_at - 1e-3
 
     def _reopener(self, request: Any, timeout: float | None) -> Callable[[str], Any]:
@@ -593,6 +626,9 @@ class _ClientBase:
 class ChannelClient(_ClientBase):
     """A synchronous client: one ``grpc.Channel``, calls that block. Thread-safe."""
 
+    _lookup_port: LookupPortConnection | None = None
+    """The lookup port's connection (a scheduler client's ``lookup_address``), closed here."""
+
     def _open_channel(self, target: str, metadata: Sequence[tuple[str, str]]) -> grpc.Channel:
         return intercept(self._settings.channel(target), metadata)
 
@@ -621,14 +657,15 @@ class ChannelClient(_ClientBase):
         hop, attempt = 0, 1
         while True:
             try:
-                stub = self._stub(self._stubs_for(pool_id), method)
+                stubs = self._stubs_for(pool_id)
+                stub = self._stub(stubs, method)
                 if trailers is not None:
                     stub = _trailed(stub, trailers)
                 return stub(request, timeout=self._attempt_s(pool_id, give_up_at, resendable))
             except grpc.RpcError as exc:
-                if self._timed_out(exc, pool_id, give_up_at, resendable):
+                if self._timed_out(exc, pool_id, give_up_at, resendable, stubs):
                     continue  # bounded by the call's deadline
-                if hop < MAX_REROUTES and self._rerouted(exc, pool_id, resendable):
+                if hop < MAX_REROUTES and self._rerouted(exc, pool_id, resendable, stubs):
                     hop += 1
                     continue
                 error = unrouted_error(exc, method)
@@ -648,7 +685,10 @@ class ChannelClient(_ClientBase):
                 attempt, hop = attempt + 1, 0
 
     def close(self) -> None:
-        """Close the channels; calls in flight are cancelled."""
+        """Close the channels (and the lookup port's connection); calls in flight are
+        cancelled."""
+        if self._lookup_port is not None:
+            self._lookup_port.close()
         for channel, _ in self._replicas.values():
             channel.close()
 
@@ -661,6 +701,9 @@ class ChannelClient(_ClientBase):
 
 class AsyncChannelClient(_ClientBase):
     """An asyncio client: one ``grpc.aio.Channel``; create it inside the loop that uses it."""
+
+    _lookup_port: AsyncLookupPortConnection | None = None
+    """The lookup port's connection (a scheduler client's ``lookup_address``), closed here."""
 
     def _open_channel(self, target: str, metadata: Sequence[tuple[str, str]]) -> grpc.aio.Channel:
         return aio_intercept(self._settings.aio_channel((), target), metadata)
@@ -690,14 +733,15 @@ class AsyncChannelClient(_ClientBase):
         hop, attempt = 0, 1
         while True:
             try:
-                stub = self._stub(self._stubs_for(pool_id), method)
+                stubs = self._stubs_for(pool_id)
+                stub = self._stub(stubs, method)
                 if trailers is not None:
                     stub = _async_trailed(stub, trailers)
                 return await stub(request, timeout=self._attempt_s(pool_id, give_up_at, resendable))
             except grpc.RpcError as exc:
-                if self._timed_out(exc, pool_id, give_up_at, resendable):
+                if self._timed_out(exc, pool_id, give_up_at, resendable, stubs):
                     continue  # bounded by the call's deadline
-                if hop < MAX_REROUTES and self._rerouted(exc, pool_id, resendable):
+                if hop < MAX_REROUTES and self._rerouted(exc, pool_id, resendable, stubs):
                     hop += 1
                     continue
                 error = unrouted_error(exc, method)
@@ -717,7 +761,10 @@ class AsyncChannelClient(_ClientBase):
                 attempt, hop = attempt + 1, 0
 
     async def close(self) -> None:
-        """Close the channels; calls in flight are cancelled."""
+        """Close the channels (and the lookup port's connection); calls in flight are
+        cancelled."""
+        if self._lookup_port is not None:
+            await self._lookup_port.close()
         for channel, _ in self._replicas.values():
             await channel.close()
 
