@@ -34,6 +34,7 @@ NAMES = (
     ("AsyncSchedulerClient", "SchedulerClient"),
     ("AsyncEventStream", "EventStream"),
     ("AsyncChannelClient", "ChannelClient"),
+    ("AsyncLookupPortConnection", "LookupPortConnection"),
     ("__aenter__", "__enter__"),
     ("__aexit__", "__exit__"),
     ("asyncio.sleep", "time.sleep"),

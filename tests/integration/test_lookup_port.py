@@ -9,12 +9,14 @@ written by hand here (a router in another language speaks the same bytes).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 import socket
 import ssl
 import struct
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,11 +24,22 @@ import httpx
 import pytest
 from _pki import Pki
 
-from kvcm.client import LookupQuery, SchedulerClient, TlsConfig
+from kvcm.client import (
+    AsyncSchedulerClient,
+    DeadlineExceededError,
+    LookupQuery,
+    PermissionDeniedError,
+    SchedulerClient,
+    ServiceNotFoundError,
+    StatusCode,
+    TlsConfig,
+    UnavailableError,
+)
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
-from kvcm.common.errors import ConfigError
+from kvcm.common.errors import ConfigError, InvalidArgumentError
 from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvcm.core.lookup import LookupAnswer
 from kvcm.core.pool import PoolConfig
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.settings import ServerSettings
@@ -385,6 +398,30 @@ def test_tokens_and_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Non
                 assert wrong.closed()
                 wrong.close()
         assert any("a token not in the tokens file" in r.getMessage() for r in caplog.records)
+        # The SDK: TLS with the client's roots, the token in its HELLO, the RPC's errors.
+        address = running.lookup_address
+        with SchedulerClient(running.grpc_address, tls=tls, token="router-a") as rpc:
+            expected = rpc.lookup(LookupQuery(token_ids=prompt))
+        with SchedulerClient(
+            running.grpc_address, tls=tls, token="router-a", lookup_address=address
+        ) as sdk:
+            assert sdk.lookup(LookupQuery(token_ids=prompt)) == expected
+            assert sorted(hit.pool_id for hit in expected.pools) == ["team-a-0", "team-a-1"]
+            with pytest.raises(PermissionDeniedError, match=r"scope.pool_ids\[1\]") as denied:
+                sdk.lookup(LookupQuery(token_ids=prompt, pool_ids=["team-a-0", "team-b-0"]))
+            assert denied.value.code is StatusCode.PERMISSION_DENIED
+        for token in ("nope", None):
+            with SchedulerClient(
+                running.grpc_address, tls=tls, token=token, lookup_address=address
+            ) as stranger:
+                with pytest.raises(PermissionDeniedError) as refused:
+                    stranger.lookup(LookupQuery(token_ids=prompt))
+                assert refused.value.code is StatusCode.UNAUTHENTICATED
+        with (
+            SchedulerClient(running.grpc_address, token="admin", lookup_address=address) as plain,
+            pytest.raises(UnavailableError),
+        ):
+            plain.lookup(LookupQuery(token_ids=prompt), timeout=2.0)
         # Plaintext gets no answer from a TLS port; nor does a client that does not trust it.
         plain = RawPort(running.lookup_address, token="admin")
         plain.send(encode_request(1, request.SerializeToString()))
@@ -467,3 +504,94 @@ def test_mutual_tls_needs_a_client_certificate(tmp_path: Path) -> None:
         port.close()
     finally:
         running.stop(grace_s=1.0)
+
+
+# ------------------------------------------------------------------------------ the SDK
+def test_the_sdk_over_the_port_answers_as_over_grpc(server: EmbeddedServer) -> None:
+    """``lookup_address`` sends lookup() over the port: the same answers as the RPC's (sync
+    client shared by threads, and asyncio), the same error classes."""
+    rng = random.Random(7)
+    documents = [[rng.randrange(30000) for _ in range(rng.randrange(40, 200))] for _ in range(5)]
+    pool_ids = [f"sdk-{i}" for i in range(10)]
+    with (
+        SchedulerClient(server.grpc_address) as rpc,
+        SchedulerClient(server.grpc_address, lookup_address=server.lookup_address) as port,
+    ):
+        for index, pool_id in enumerate(pool_ids):
+            rpc.create_pool(pool_id, _config([_full()] if index % 2 else [_full(), _swa()], 32))
+        for key in range(1, 61):
+            document = rng.choice(documents)
+            _serve(rpc, rng.choice(pool_ids), key, document[: rng.randrange(1, len(document))])
+        queries = []
+        for _ in range(12):
+            probe = rng.choice(documents)[: rng.randrange(17, 200)]
+            queries += [
+                LookupQuery(token_ids=probe, pool_ids=pool_ids),
+                LookupQuery(token_ids=probe, pool_ids=pool_ids, max_results=3, load_weight=0.0),
+            ]
+        expected = [rpc.lookup(query) for query in queries]
+        assert any(hit.num_hit_tokens for answer in expected for hit in answer.pools)
+        assert [port.lookup(query) for query in queries] == expected
+        # One client, eight threads: one lookup at a time on its connection, each answered.
+        with ThreadPoolExecutor(8) as threads:
+            assert list(threads.map(port.lookup, queries * 4)) == expected * 4
+
+        async def over_asyncio() -> list[LookupAnswer]:
+            async with AsyncSchedulerClient(
+                server.grpc_address, lookup_address=server.lookup_address
+            ) as client:
+                return list(await asyncio.gather(*(client.lookup(q) for q in queries)))
+
+        assert asyncio.run(over_asyncio()) == expected
+        with pytest.raises(ServiceNotFoundError, match=r"scope.pool_ids\[1\]") as missing:
+            port.lookup(LookupQuery(token_ids=[1, 2], pool_ids=["sdk-0", "nope"]))
+        with pytest.raises(ServiceNotFoundError) as over_rpc:
+            rpc.lookup(LookupQuery(token_ids=[1, 2], pool_ids=["sdk-0", "nope"]))
+        assert str(missing.value) == str(over_rpc.value)
+        assert port.lookup(queries[0]) == expected[0]  # the connection stays open
+
+
+def test_the_sdk_reconnects_to_a_restarted_server() -> None:
+    """A connection the server closed (stop) is opened again once, silently; while the
+    server is down lookup() raises UnavailableError; an unanswered lookup times out."""
+    settings = ServerSettings(
+        grpc_address="127.0.0.1:0", http_address="", lookup_address="127.0.0.1:0"
+    )
+    first = start_embedded_server(settings)
+    fixed = ServerSettings(
+        grpc_address=first.grpc_address, http_address="", lookup_address=first.lookup_address
+    )
+    query = LookupQuery(token_ids=list(range(40)))
+    client = SchedulerClient(first.grpc_address, lookup_address=first.lookup_address, timeout=5.0)
+    try:
+        assert client.lookup(query).num_pools_in_scope == 0
+        first.stop(grace_s=0.5)
+        second = start_embedded_server(fixed)  # same ports
+        try:
+            client.create_pool("after-restart", _config([_full()], 16))
+            assert client.lookup(query).num_pools_in_scope == 1  # reopened, once
+        finally:
+            second.stop(grace_s=0.5)
+        with pytest.raises(UnavailableError):
+            client.lookup(query)
+        third = start_embedded_server(fixed)
+        try:
+            assert client.lookup(query).num_pools_in_scope == 0
+        finally:
+            third.stop(grace_s=0.5)
+    finally:
+        client.close()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts (the kernel does) and never answers
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    with (
+        SchedulerClient("127.0.0.1:1", lookup_address=address) as stuck,
+        pytest.raises(DeadlineExceededError),
+    ):
+        stuck.lookup(query, timeout=0.3)
+    silent.close()
+    with pytest.raises(InvalidArgumentError, match="lookup_address"):
+        SchedulerClient("127.0.0.1:1,127.0.0.1:2", lookup_address=address)
+    with pytest.raises(InvalidArgumentError, match="lookup_address"):
+        SchedulerClient("127.0.0.1:1", lookup_address="no-port")

@@ -63,6 +63,7 @@ __all__ = [
     "UnavailableError",
     "UnimplementedError",
     "error_from_rpc",
+    "error_from_status",
 ]
 
 
@@ -267,3 +268,20 @@ def error_from_rpc(exc: grpc.RpcError, method: str) -> ServiceError:
     rejection = _step_rejection(trailers_fn()) if callable(trailers_fn) else None
     error_type = _ERROR_FOR_CODE.get(code, InternalError)
     return error_type(str(details), code=code, method=method, rejection=rejection)
+
+
+def error_from_status(code: int, details: str, method: str) -> ServiceError:
+    """The SDK exception for a status given as its number and message (the lookup port's
+    error frames; an unknown number reads as UNKNOWN), as :func:`error_from_rpc` maps it.
+
+    Args:
+        code: gRPC's numeric status code.
+        details: The server's message.
+        method: The RPC's short name, for the message.
+    """
+    try:
+        status = StatusCode(code)
+    except ValueError:
+        status = StatusCode.UNKNOWN
+    error_type = _ERROR_FOR_CODE.get(status, InternalError)
+    return error_type(details, code=status, method=method)

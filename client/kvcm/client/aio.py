@@ -28,16 +28,18 @@ import asyncio  # sync: import time
 import random
 import time  # async-only-line
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvcm.client import _base
-from kvcm.client._base import AsyncChannelClient, Timeout
+from kvcm.client._base import RETRY_POLICY, AsyncChannelClient, RetryPolicy, Timeout, TlsConfig
+from kvcm.client._lookup_port import AsyncLookupPortConnection
 from kvcm.client._step import StepBuilder, StepResult
 from kvcm.client._streams import AsyncEventStream
 from kvcm.client._transfers import Transfer, TransferListing, TransferState, transfer_from_proto
 from kvcm.client._types import (
+    DEFAULT_TIMEOUT_S,
     USE_CLIENT_DEFAULT,
     CacheHit,
     FreeMode,
@@ -51,6 +53,7 @@ from kvcm.client._types import (
     SlotOptions,
     Usage,
 )
+from kvcm.common.errors import InvalidArgumentError
 from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.core.manager import DEFAULT_SLOT_OPTIONS
 from kvcm.core.pd_route import PdRoute, PdRouteQuery
@@ -78,12 +81,60 @@ class AsyncSchedulerClient(AsyncChannelClient):
 
     Create it inside the event loop that uses it.
 
-    The constructor (``target``, ``timeout``, ``retry_policy``, ``channel_options``, ``tls``,
-    ``token``), ``close`` and the context manager are the channel client's (``_base``).
+    The constructor's arguments but ``lookup_address`` (``target``, ``timeout``,
+    ``retry_policy``, ``channel_options``, ``tls``, ``token``), ``close`` and the context
+    manager are the channel client's (``_base``).
 
     Attributes:
         target: The server's address.
     """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retry_policy: RetryPolicy = RETRY_POLICY,
+        channel_options: Sequence[tuple[str, Any]] = (),
+        tls: TlsConfig | None = None,
+        token: str | None = None,
+        lookup_address: str | None = None,
+    ) -> None:
+        """Open a channel to ``target`` (connecting lazily, on the first call).
+
+        Args:
+            target: ``host:port`` of the server (``"a:1,b:2"``: a kvcm cluster's seeds).
+            timeout: Deadline of every call that does not give its own, in seconds.
+            retry_policy: Retries of idempotent calls on UNAVAILABLE.
+            channel_options: Extra gRPC channel options (``("grpc.keepalive_time_ms", ...)``).
+            tls: TLS (server roots; a client certificate for mutual TLS); ``None``: plaintext.
+                The lookup port, when used, speaks TLS with the same roots and certificate.
+            token: A bearer token sent with every call (a server with ``auth_tokens``).
+            lookup_address: ``host:port`` of the server's lookup port (its
+                ``lookup_address``): :meth:`lookup` goes there, over one persistent
+                connection, instead of the Lookup RPC (docs/lookup.md#the-lookup-port);
+                every other call stays on gRPC. ``None``: the RPC. Not with a cluster.
+
+        Raises:
+            InvalidArgumentError: ``target`` is empty, ``timeout`` is not positive, or
+                ``lookup_address`` is not ``host:port`` or comes with a cluster's seeds.
+        """
+        super().__init__(
+            target,
+            timeout=timeout,
+            retry_policy=retry_policy,
+            channel_options=channel_options,
+            tls=tls,
+            token=token,
+        )
+        if lookup_address is not None:
+            if len(self._seeds) > 1:
+                raise InvalidArgumentError(
+                    "lookup_address: a kvcm cluster's Lookup fans out over gRPC (servers with "
+                    "etcd_endpoints have no lookup port)",
+                    field="lookup_address",
+                )
+            self._lookup_port = AsyncLookupPortConnection(lookup_address, token=token, tls=tls)
 
     # ----------------------------------------------------------------------------- admin
     async def create_pool(
@@ -119,16 +170,23 @@ class AsyncSchedulerClient(AsyncChannelClient):
     ) -> LookupAnswer:
         """Where ``query``'s prompt is cached across pools: each pool's hit, load and rank.
 
-        Read-only and idempotent (retried on UNAVAILABLE). See docs/lookup.md.
+        Read-only and idempotent (retried on UNAVAILABLE). See docs/lookup.md. With the
+        client's ``lookup_address``, sent over the lookup port instead (the same answer; a
+        broken connection is opened again once).
 
         Raises:
             ServiceInvalidArgumentError: A field is out of its domain.
             ServiceNotFoundError: ``query.pool_ids`` names an unknown pool.
-            PermissionDeniedError: It names a pool this token may not read.
+            PermissionDeniedError: It names a pool this token may not read (or, on the
+                lookup port, the token is not valid).
             ServiceResourceExhaustedError: Hashing the token prompt for the scope would take
                 more than 1,048,576 block hashes (send hashes or narrow the scope).
+            UnavailableError: The server (or its lookup port) cannot be reached.
         """
         request = lookup_query_to_proto(query)
+        if self._lookup_port is not None:
+            deadline = self._settings.deadline(timeout)
+            return lookup_result_from_proto(await self._lookup_port.lookup(request, deadline))
         trailers: list[tuple[str, str]] = []
         stub = self._stubs.lookup.Lookup
         response = await self._unary("Lookup", stub, request, timeout, trailers)

@@ -132,7 +132,7 @@ class LookupPort:
         if workers:
             await asyncio.wait(workers, timeout=grace_s)
         for connection in list(self.connections):
-            connection.abort()
+            connection.abort()  # still answering after the grace (a closed one is flushing)
         await self._server.wait_closed()
         self._server = None
 
@@ -300,9 +300,12 @@ class _Connection(asyncio.Protocol):
             self._finish()
 
     def abort(self) -> None:
-        """Close now, answered or not (shutdown after its grace)."""
+        """Close now a connection still answering (shutdown after its grace); one already
+        closing is left to flush its last frames."""
         if self.worker is not None:
             self.worker.cancel()
+        elif self._transport is not None and self._transport.is_closing():
+            return
         if self._transport is not None:
             self._transport.abort()
 
