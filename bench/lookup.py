@@ -15,7 +15,9 @@ Rows (median and p99; ratio = vLLM / kvcm, above 1 means kvcm is faster):
    from a router's process ("Lookup RPC from router": the SDK in a process of its own, as a
    router calls it; wall time and the CPU of both processes) and with the client in the
    server's process ("Lookup RPC in-process": client, server loop and gRPC's threads share one
-   interpreter lock; the SDK asks for the packed answer in both), against
+   interpreter lock; the SDK asks for the packed answer in both), then from the same router
+   process over the server's lookup port ("Lookup over the lookup port from router": a client
+   with ``lookup_address``, the same messages without grpcio's thread hops), against
    vLLM's ``get_computed_blocks`` called on each of the managers (what a router would have to
    do with vLLM's own code; the request is hashed once, outside the timing); "cold": best 5
    for a prompt made of one pool's own unique blocks (a prompt no other lookup asks for, so its
@@ -230,19 +232,24 @@ def _prompt(fleet: Fleet, rng: random.Random, num_blocks: int) -> tuple[list[int
 RouterAnswer = tuple[float, float, list[tuple[str, int]]]
 
 
-def _router_process(address: str, conn: Connection) -> None:
+def _router_process(address: str, lookup_address: str, conn: Connection) -> None:
     """A router: the SDK in a process of its own, calling Lookup for each query the bench sends
-    (``(block_hashes, num_tokens, max_results)``, ``None`` to stop) and sending back the call's
-    wall time, this process's CPU time and the answer's ``(pool_id, num_hit_tokens)``."""
+    (``(block_hashes, num_tokens, max_results, via_port)``, ``None`` to stop) over gRPC, or
+    with ``via_port`` over the server's lookup port (a second client with ``lookup_address``),
+    and sending back the call's wall time, this process's CPU time and the answer's
+    ``(pool_id, num_hit_tokens)``."""
     perf, cpu = time.perf_counter, time.process_time
-    with SchedulerClient(address, timeout=60) as client:
+    with (
+        SchedulerClient(address, timeout=60) as client,
+        SchedulerClient(address, timeout=60, lookup_address=lookup_address) as port_client,
+    ):
         while (message := conn.recv()) is not None:
-            block_hashes, num_tokens, max_results = message
+            block_hashes, num_tokens, max_results, via_port = message
             query = LookupQuery(
                 block_hashes=block_hashes, num_tokens=num_tokens, max_results=max_results
             )
             start, start_cpu = perf(), cpu()
-            answer = client.lookup(query)
+            answer = (port_client if via_port else client).lookup(query)
             wall, used = perf() - start, cpu() - start_cpu
             conn.send((wall, used, [(hit.pool_id, hit.num_hit_tokens) for hit in answer.pools]))
 
@@ -250,18 +257,21 @@ def _router_process(address: str, conn: Connection) -> None:
 class Router:
     """A router process (:func:`_router_process`) driven over a pipe."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, lookup_address: str) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_router_process, args=(address, child))
+        self._process = context.Process(
+            target=_router_process, args=(address, lookup_address, child)
+        )
         self._process.start()
         child.close()
 
-    def lookup(self, query: LookupQuery) -> tuple[RouterAnswer, float]:
-        """The router's answer, and this (the server's) process's CPU time meanwhile: this
-        thread only waits on the pipe, so that is the server's."""
+    def lookup(self, query: LookupQuery, *, via_port: bool = False) -> tuple[RouterAnswer, float]:
+        """The router's answer (over gRPC, or the lookup port), and this (the server's)
+        process's CPU time meanwhile: this thread only waits on the pipe, so that is the
+        server's."""
         start_cpu = time.process_time()
-        self._conn.send((query.block_hashes, query.num_tokens, query.max_results))
+        self._conn.send((query.block_hashes, query.num_tokens, query.max_results, via_port))
         answer: RouterAnswer = self._conn.recv()
         return answer, time.process_time() - start_cpu
 
@@ -295,6 +305,8 @@ def bench_lookups(
         "grpc5",
         "router",
         "router5",
+        "port",
+        "port5",
         "vllm",
     )
     timings: dict[str, list[float]] = {key: [] for key in keys}
@@ -325,9 +337,10 @@ def bench_lookups(
     server.call(core(warm, warm, warm), timeout=3600)
     for values in (*timings.values(), *cpu_timings.values()):
         values.clear()
-    router = Router(server.grpc_address)
-    for _ in range(3):  # the router's channel and first calls, untimed
+    router = Router(server.grpc_address, server.lookup_address)
+    for _ in range(3):  # the router's channel, connection and first calls, untimed
         router.lookup(LookupQuery(block_hashes=bytes(32), max_results=5))
+        router.lookup(LookupQuery(block_hashes=bytes(32), max_results=5), via_port=True)
     with SchedulerClient(server.grpc_address, timeout=60) as client, frozen_gc():
         for _ in range(repeats):
             tokens, hashes = _prompt(fleet, rng, num_blocks)
@@ -357,14 +370,17 @@ def bench_lookups(
             assert {hit.pool_id: hit.num_hit_tokens for hit in remote.pools} == got
             assert remote5.pools == best.pools
             # From a router's own process: its wall time, and both processes' CPU time.
-            for key, routed in (
-                ("router", hash_query),
-                ("router5", dataclasses.replace(hash_query, max_results=5)),
+            # The same over the lookup port (bypassing grpcio), from the same router process.
+            for key, routed, via_port in (
+                ("router", hash_query, False),
+                ("router5", dataclasses.replace(hash_query, max_results=5), False),
+                ("port", hash_query, True),
+                ("port5", dataclasses.replace(hash_query, max_results=5), True),
             ):
-                (wall, router_cpu, hits), server_cpu = router.lookup(routed)
+                (wall, router_cpu, hits), server_cpu = router.lookup(routed, via_port=via_port)
                 timings[key].append(wall)
                 cpu_timings[key].append(router_cpu + server_cpu)
-                expected_hits = remote.pools if key == "router" else remote5.pools
+                expected_hits = remote.pools if key in ("router", "port") else remote5.pools
                 assert hits == [(hit.pool_id, hit.num_hit_tokens) for hit in expected_hits]
             if vllm is not None:
                 request = vllm.request("probe", tokens, hashes)
@@ -385,6 +401,8 @@ def bench_lookups(
         ("grpc5", f"Lookup RPC in-process, {label}, hashed, best 5"),
         ("router", f"Lookup RPC from router, {label}, hashed, all pools"),
         ("router5", f"Lookup RPC from router, {label}, hashed, best 5"),
+        ("port", f"Lookup over the lookup port from router, {label}, hashed, all pools"),
+        ("port5", f"Lookup over the lookup port from router, {label}, hashed, best 5"),
     ]
     out = [Row.of_timings(name, Timing.of(timings[key]), base) for key, name in rows]
     out += [
@@ -452,6 +470,7 @@ def profile_lookups(fleet: Fleet, registry: PoolRegistry, repeats: int, seed: in
 TARGETS = (
     ("lookup, 1k-block prompt, hashed, best 5", 1.0),
     ("Lookup RPC from router, 1k-block prompt, hashed, best 5", 2.0),
+    ("Lookup over the lookup port from router, 1k-block prompt, hashed, best 5", 2.0),
     ("Lookup RPC in-process, 1k-block prompt, hashed, best 5", 2.0),
     ("lookup, 1k-block prompt, hashed, all pools", 3.0),
 )
@@ -535,6 +554,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = ServerSettings(
         grpc_address="127.0.0.1:0",
         http_address="",
+        lookup_address="127.0.0.1:0",
         log_level="WARNING",
         limits=Limits(max_pools=max(1024, args.pools), max_total_blocks=1 << 40),
     )
