@@ -15,6 +15,7 @@ import random
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -595,3 +596,42 @@ def test_the_sdk_reconnects_to_a_restarted_server() -> None:
         SchedulerClient("127.0.0.1:1,127.0.0.1:2", lookup_address=address)
     with pytest.raises(InvalidArgumentError, match="lookup_address"):
         SchedulerClient("127.0.0.1:1", lookup_address="no-port")
+
+
+def test_a_silent_connection_and_one_too_many_are_closed(
+    server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection that sends no HELLO in time gets DEADLINE_EXCEEDED and is closed; past
+    the port's connection limit a new one gets RESOURCE_EXHAUSTED, and once one closes a new
+    one is served again."""
+    from kvcm.server.rpc import _lookup_port
+
+    monkeypatch.setattr(_lookup_port, "HELLO_TIMEOUT_S", 0.2)
+    silent = RawPort(server.lookup_address, token=None)
+    assert silent.error() == (
+        NO_REQUEST_ID,
+        "DEADLINE_EXCEEDED",
+        "Lookup: no HELLO frame within 0.2 s",
+    )
+    assert silent.closed()
+    silent.close()
+    monkeypatch.undo()
+    port = server.server.lookup_port
+    assert port is not None
+    held = [RawPort(server.lookup_address) for _ in range(2)]
+    for connection in held:
+        connection.hello()
+    monkeypatch.setattr(port, "max_connections", len(port.connections))
+    refused = RawPort(server.lookup_address, token=None)
+    request_id, code, message = refused.error()
+    assert (request_id, code) == (NO_REQUEST_ID, "RESOURCE_EXHAUSTED")
+    assert "connections already" in message
+    assert refused.closed()
+    refused.close()
+    held.pop().close()
+    deadline = time.monotonic() + 5.0
+    while len(port.connections) >= port.max_connections and time.monotonic() < deadline:
+        time.sleep(0.01)  # the server sees the close on its loop
+    _assert_serving(server)
+    for connection in held:
+        connection.close()
