@@ -418,6 +418,30 @@ def test_tokens_and_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Non
                 with pytest.raises(PermissionDeniedError) as refused:
                     stranger.lookup(LookupQuery(token_ids=prompt))
                 assert refused.value.code is StatusCode.UNAUTHENTICATED
+        # A reload (SIGHUP) reaches open connections: a changed entry's roles apply from the
+        # next request on, a removed token is refused there (that request's id, then the
+        # connection's UNAUTHENTICATED) and the connection closed, as gRPC refuses its next call.
+        table = running.server.tokens
+        assert table is not None
+        kept = RawPort(running.lookup_address, token="router-a", context=context)
+        kept.hello()
+        kept.send(encode_request(1, request.SerializeToString()))
+        assert kept.answer(1).num_pools_in_scope == 2
+        _token_file(tokens, {"admin": ("ops", ["admin:*"]), "router-a": ("a", ["reader:team-b-*"])})
+        table.reload()
+        kept.send(encode_request(2, request.SerializeToString()))
+        assert list(kept.answer(2).packed.pool_id) == ["team-b-0"]
+        _token_file(tokens, {"admin": ("ops", ["admin:*"])})
+        table.reload()
+        kept.send(encode_request(3, request.SerializeToString()))
+        assert kept.error() == (
+            3,
+            "UNAUTHENTICATED",
+            "Lookup: the connection's token is no longer in the tokens file",
+        )
+        assert kept.error()[:2] == (NO_REQUEST_ID, "UNAUTHENTICATED")
+        assert kept.closed()
+        kept.close()
         with (
             SchedulerClient(running.grpc_address, token="admin", lookup_address=address) as plain,
             pytest.raises(UnavailableError),

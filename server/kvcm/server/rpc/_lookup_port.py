@@ -11,9 +11,9 @@ the gRPC method's own messages, and each request is answered as the gRPC Lookup 
 and messages, counted in the same ``RpcStats`` (method ``Lookup``), refusals audited alike.
 
 A connection's first frame is a HELLO with the bearer token (checked by the tokens file when
-authentication is on; the principal is fixed for the connection); its requests are answered
-in order, one at a time (a client may pipeline them). A frame that breaks the protocol, a
-frame over the size limit or a refused hello gets an ERROR frame (request id
+authentication is on, and again for every request, so that a reload revokes it); its requests
+are answered in order, one at a time (a client may pipeline them). A frame that breaks the
+protocol, a frame over the size limit or a refused hello gets an ERROR frame (request id
 ``NO_REQUEST_ID``) after the answers already due, and the connection is closed.
 """
 
@@ -68,6 +68,7 @@ more waits in its socket)."""
 _HELLO_ACCEPTED: Final = encode_frame(FrameKind.HELLO, b"")
 _CODES: Final = {code.name: code.value[0] for code in grpc.StatusCode}
 _DECODE: Final = lookup_pb2.LookupRequest.FromString
+_REVOKED: Final = "Lookup: the connection's token is no longer in the tokens file"
 _UNDECODABLE: Final = UndecodableRequest(lookup_pb2.LookupRequest.DESCRIPTOR.full_name)
 
 
@@ -145,6 +146,7 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._principal: Principal | None = None
+        self._token = ""  # the HELLO's, checked again for every request (a reload revokes)
         self._greeted = False
         self._queue: collections.deque[tuple[int, bytes]] = collections.deque()
         self.worker: asyncio.Task[None] | None = None
@@ -269,6 +271,7 @@ class _Connection(asyncio.Protocol):
             # Lookup's rule (access.RULES) takes any valid token; lookup_as answers about the
             # pools the principal may read only, and refuses a named pool it may not.
             self._principal = principal
+            self._token = token
         self._greeted = True
         assert self._transport is not None
         self._transport.write(_HELLO_ACCEPTED)
@@ -340,12 +343,36 @@ class _Connection(asyncio.Protocol):
         finally:
             self.worker = None
 
+    def _still_valid(self) -> bool:
+        """Whether the HELLO's token still names a principal (the tokens file may have been
+        reloaded since: a revoked token is refused on its open connections too, as the gRPC
+        port refuses its next call); the principal follows a changed entry's roles."""
+        assert self._port.authenticate is not None
+        principal = self._port.authenticate(self._token)
+        if principal is None:
+            self._port.refusals.refused(
+                principal=self._principal.name if self._principal is not None else "",
+                peer=self.peer,
+                method=FULL_METHOD,
+                pool="",
+                code="UNAUTHENTICATED",
+                reason="a token no longer in the tokens file",
+            )
+            return False
+        self._principal = principal
+        return True
+
     async def _answer(self, request_id: int, body: bytes) -> bytes:
         """The ANSWER or ERROR frame of one request, observed as a gRPC Lookup call is."""
         port = self._port
         state = port.state
         started = time.perf_counter()
         code = "CANCELLED"
+        if port.authenticate is not None and not self._still_valid():
+            code = "UNAUTHENTICATED"
+            state.rpc_stats.observe(_METHOD, code, 0.0)
+            self.fail(grpc.StatusCode.UNAUTHENTICATED, _REVOKED)
+            return encode_error(request_id, _CODES[code], status_details(_REVOKED))
         try:
             try:
                 request = _DECODE(body)
