@@ -31,10 +31,12 @@ exported as Prometheus metrics of the engine process (:mod:`kvcm.integrations.vl
 The shipping thread shares the interpreter lock with the engine's, so whatever it runs while
 the engine is inside the scheduler lengthens that turn. With :class:`EngineTurns` (the kvcm
 schedulers mark every ``schedule()`` and ``update_from_output()``) it starts each unit of work
-(building a batch, a Step call) only while the engine is between those calls, as while a GPU
-engine waits for the model, and parks until the engine leaves its call otherwise; past
-:data:`MAX_DEFER_S` (the oldest unshipped step's age) it ships anyway, so the lag stays
-bounded for an engine that never waits.
+(building a batch, a Step call) right after the engine leaves one of those calls and gives
+the lock up, as a GPU engine does to wait for its model, so that the unit runs in that wait
+and not in the engine's next call; otherwise it parks until the engine leaves its next call.
+An idle engine (no call for :data:`IDLE_S`) does not hold it back; past :data:`MAX_DEFER_S`
+(the oldest unshipped step's age) it ships anyway, so the lag stays bounded for an engine
+that never waits.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COALESCE_WINDOW_S",
+    "FRESH_S",
+    "IDLE_S",
     "MAX_DEFER_S",
     "EngineTurns",
     "MAX_COALESCED_OPS",
@@ -101,6 +105,12 @@ the rest of it, and one call then carries every step closed meanwhile. An engine
 slower than this ships each step at once; a faster one pays one call (~0.5 ms of the
 process's CPU with gRPC's Python client) per window instead of per step, and its lag grows by
 at most this much."""
+FRESH_S: Final = 0.002
+"""How soon after the engine leaves a scheduler call the shipping thread starts a unit of
+work (see :class:`EngineTurns`); later, it waits for the next one."""
+IDLE_S: Final = 0.02
+"""An engine out of the scheduler this long is idle (no request to step): the shipping thread
+works without waiting for its next call."""
 MAX_DEFER_S: Final = 0.1
 """The longest the shipping thread waits for the engine to leave the scheduler before it
 starts a unit of work anyway (the oldest unshipped step's age): an engine that never waits
@@ -180,23 +190,29 @@ class ShippingLag:
 
 
 class EngineTurns:
-    """Whether the engine's thread is inside the scheduler now, for the shipping thread.
+    """Whether the engine's thread is waiting between scheduler calls now, for the shipping
+    thread.
 
     The scheduler calls :meth:`enter` when ``schedule()`` or ``update_from_output()`` starts
-    and :meth:`leave` when it returns (each a flag write; ``leave`` also releases a parked
-    shipping thread). The shipping thread calls :meth:`wait_between` before each unit of
-    work: it returns at once while the engine is between turns, and otherwise parks (the
-    interpreter lock released, no polling) until the engine leaves its call, ``ring`` is
-    called, or the timeout passes.
+    and :meth:`leave` when it returns (a flag write, and a clock read on leaving; ``leave``
+    also releases a parked shipping thread). The shipping thread calls :meth:`wait_between`
+    before a unit of work: it returns at once if the engine left its last call at most
+    :data:`FRESH_S` ago and has not entered another, and otherwise parks (the interpreter lock
+    released, no polling) until the engine leaves its next call, ``ring`` is called, or the
+    timeout passes. Waking up within ``FRESH_S`` of a leave means the engine gave the lock up
+    right after leaving, as it does when it waits for its model: the unit then runs at the
+    start of that wait, not at its end, where the engine's next call would wait for the lock.
 
     Attributes:
         busy: The engine's thread is inside ``schedule()`` or ``update_from_output()``.
+        left_at: ``time.perf_counter()`` when it last left one (0.0: never).
     """
 
-    __slots__ = ("_bell", "_parked", "busy")
+    __slots__ = ("_bell", "_parked", "busy", "left_at")
 
     def __init__(self) -> None:
         self.busy = False
+        self.left_at = 0.0
         self._parked = False
         # Held while nobody rang: the parked thread blocks acquiring it, leave() releases it.
         self._bell = threading.Lock()
@@ -209,6 +225,7 @@ class EngineTurns:
     def leave(self) -> None:
         """The engine's thread returned from its scheduler call (engine thread)."""
         self.busy = False
+        self.left_at = time.perf_counter()
         if self._parked:
             self.ring()
 
@@ -218,20 +235,28 @@ class EngineTurns:
         with contextlib.suppress(RuntimeError):  # already released: nobody parked since
             self._bell.release()
 
+    def fresh(self) -> bool:
+        """The engine left its last call at most :data:`FRESH_S` ago and is still out."""
+        return not self.busy and time.perf_counter() - self.left_at <= FRESH_S
+
+    def idle(self, idle_s: float) -> bool:
+        """The engine has been out of the scheduler for ``idle_s`` or longer."""
+        return not self.busy and time.perf_counter() - self.left_at >= idle_s
+
     def wait_between(self, timeout_s: float) -> bool:
-        """Shipping thread: wait up to ``timeout_s`` until the engine is between scheduler
-        calls; whether it is (``False``: the timeout passed, or ``ring`` was called, while it
-        was still inside one)."""
+        """Shipping thread: wait up to ``timeout_s`` for a moment right after the engine
+        leaves a scheduler call; whether it is one (``False``: the timeout passed, ``ring``
+        was called, or the engine was busy again when this thread got the lock)."""
         bell = self._bell
         bell.acquire(blocking=False)  # forget a ring nobody waited for
         self._parked = True
-        if not self.busy:
+        if self.fresh():
             self._parked = False
             return True
         if timeout_s > 0:
             bell.acquire(timeout=timeout_s)
         self._parked = False
-        return not self.busy
+        return self.fresh()
 
 
 def coalesce(steps: list[RecordedStep]) -> tuple[StepProgram, StepOutcome]:
@@ -680,7 +705,8 @@ class GrpcStepShipper:
             self._between_turns()
             batch = self._next_batch()
             self._inflight = batch
-        self._between_turns()
+        else:  # a retry: its build's moment is long past
+            self._between_turns()
         self._ship(batch)
         with self._cond:
             if self._inflight is batch:
@@ -694,17 +720,21 @@ class GrpcStepShipper:
                 backlog.clear()
 
     def _between_turns(self) -> None:
-        # Shipping thread, before a unit of work: wait while the engine is inside the
-        # scheduler (its turn would pay for the work), but not past the oldest unshipped
-        # step's deferral bound, nor in remote mode, a flush or a close.
+        # Shipping thread, before a unit of work: start it right after the engine leaves a
+        # scheduler call and gives up the interpreter lock (it waits for its model then: the
+        # unit runs in that wait, not in the engine's next call), or once the engine is idle;
+        # not later than the oldest unshipped step's deferral bound, and without waiting in
+        # remote mode, a flush or a close.
         turns = self.turns
-        while turns.busy and not (self._synchronous or self._hurry or self._closing):
+        while not (self._synchronous or self._hurry or self._closing):
+            if turns.fresh() or turns.idle(IDLE_S):
+                return
             with self._cond:
                 oldest = self._backlog[0].closed_at if self._backlog else None
             if oldest is None:
                 return
             left = oldest + self._max_defer_s - self._clock()
-            if left <= 0 or turns.wait_between(left):
+            if left <= 0 or turns.wait_between(min(left, IDLE_S)):
                 return
 
     def _next_batch(self) -> tuple[list[RecordedStep], StepProgram, StepOutcome]:
