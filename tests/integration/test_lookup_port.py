@@ -308,6 +308,27 @@ def test_malformed_frames_close_only_their_connection(server: EmbeddedServer) ->
     _assert_serving(server)
 
 
+def test_before_the_hello_a_frame_is_refused_at_its_header(server: EmbeddedServer) -> None:
+    """Before its HELLO a connection may make the server hold no more than a HELLO: a header
+    of another kind, or a HELLO over 64 KiB, is refused as soon as its 9 bytes arrive,
+    without waiting for (or buffering) the payload it announces."""
+    limit = server.server.settings.limits.max_message_bytes
+    for kind, length, code, words in [
+        (FrameKind.REQUEST, limit + 8, "INVALID_ARGUMENT", "must be a HELLO, got REQUEST"),
+        (FrameKind.ANSWER, 1 << 20, "INVALID_ARGUMENT", "must be a HELLO, got ANSWER"),
+        (FrameKind.HELLO, 64 * 1024 + 1, "RESOURCE_EXHAUSTED", "over the limit (65536 bytes)"),
+    ]:
+        early = RawPort(server.lookup_address, token=None)
+        early.sock.settimeout(3.0)  # the old code waited for the whole frame: no answer
+        early.send(struct.pack("<4sBI", b"KVL1", kind, length) + bytes(4096))
+        request_id, got, message = early.error()
+        assert (request_id, got) == (NO_REQUEST_ID, code)
+        assert words in message
+        assert early.closed()
+        early.close()
+    _assert_serving(server)
+
+
 def test_pipelined_requests_are_answered_in_order(server: EmbeddedServer) -> None:
     prompt = list(range(16 * 20))
     with SchedulerClient(server.grpc_address) as client:

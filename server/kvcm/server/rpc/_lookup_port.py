@@ -202,14 +202,8 @@ class _Connection(asyncio.Protocol):
         try:
             while len(buffer) - start >= HEADER.size and not self._closing:
                 kind, length = decode_header(buffer, start)
-                limit = HELLO_MAX_BYTES if kind is FrameKind.HELLO else self._port.max_message_bytes
-                if length > limit + (0 if kind is FrameKind.HELLO else 8):
-                    self.fail(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"Lookup: a {kind.name} frame of {length} bytes is over the limit "
-                        f"({limit} bytes{'' if kind is FrameKind.HELLO else ' plus the id'})",
-                    )
-                    break
+                if not self._header_ok(kind, length):
+                    break  # refused on its header alone: nothing of its payload is kept
                 end = start + HEADER.size + length
                 if len(buffer) < end:
                     break
@@ -221,21 +215,43 @@ class _Connection(asyncio.Protocol):
         del buffer[:start]  # fail() emptied it: nothing more is read
 
     # ------------------------------------------------------------------------- frames
-    def _frame(self, kind: FrameKind, payload: bytes) -> None:
+    def _header_ok(self, kind: FrameKind, length: int) -> bool:
+        """Whether a frame with this header may be read; if not, the connection is failed
+        before any of its payload is buffered (a peer without a HELLO may make the server
+        hold at most a HELLO's 64 KiB)."""
         if not self._greeted:
             if kind is not FrameKind.HELLO:
+                message = f"Lookup: the first frame must be a HELLO, got {kind.name}"
+                self.fail(grpc.StatusCode.INVALID_ARGUMENT, message)
+                return False
+            if length > HELLO_MAX_BYTES:
                 self.fail(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"Lookup: the first frame must be a HELLO, got {kind.name}",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Lookup: a HELLO frame of {length} bytes is over the limit "
+                    f"({HELLO_MAX_BYTES} bytes)",
                 )
-            else:
-                self._hello(payload)
-            return
+                return False
+            return True
         if kind is not FrameKind.REQUEST:
             self.fail(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"Lookup: a client sends REQUEST frames after its HELLO, got {kind.name}",
             )
+            return False
+        limit = self._port.max_message_bytes
+        if length > limit + 8:
+            self.fail(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Lookup: a REQUEST frame of {length} bytes is over the limit "
+                f"({limit} bytes plus the id)",
+            )
+            return False
+        return True
+
+    def _frame(self, kind: FrameKind, payload: bytes) -> None:
+        """A whole frame whose header :meth:`_header_ok` accepted."""
+        if not self._greeted:
+            self._hello(payload)
             return
         self._queue.append(split_id(payload))
         if self.worker is None:
