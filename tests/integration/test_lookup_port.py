@@ -10,6 +10,7 @@ written by hand here (a router in another language speaks the same bytes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
 import socket
@@ -43,6 +44,7 @@ from kvcm.common.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvcm.core.lookup import LookupAnswer
 from kvcm.core.pool import PoolConfig
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
+from kvcm.server.rpc import _lookup_port
 from kvcm.server.settings import ServerSettings
 from kvcm.v1 import lookup_pb2, service_pb2_grpc
 from kvcm.wire.lookup import lookup_query_to_proto
@@ -104,9 +106,14 @@ class RawPort:
         *,
         token: str | None = "",
         context: ssl.SSLContext | None = None,
+        receive_buffer: int = 0,
     ) -> None:
         host, _, port = address.rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=10.0)
+        sock = socket.socket()
+        sock.settimeout(10.0)
+        if receive_buffer:  # before connecting: the window it advertises stays small
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        sock.connect((host, int(port)))
         self.sock = context.wrap_socket(sock, server_hostname=host) if context else sock
         self._buffer = b""
         if token is not None:
@@ -353,6 +360,65 @@ def test_pipelined_requests_are_answered_in_order(server: EmbeddedServer) -> Non
         answer = port.answer(request_id)
         assert list(answer.packed.num_hit_tokens) == [(hits[request_id] - 1) // 16 * 16]
     port.close()
+
+
+def _server_side(server: EmbeddedServer, port: RawPort) -> _lookup_port._Connection:
+    """The server's end of ``port``'s connection (found by its peer address)."""
+    lookup_port = server.server.lookup_port
+    assert lookup_port is not None
+    peer = f"ipv4:127.0.0.1:{port.sock.getsockname()[1]}"
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        for connection in list(lookup_port.connections):
+            if connection.peer == peer:
+                return connection
+        time.sleep(0.01)
+    raise AssertionError(f"no server connection for {peer}")
+
+
+def test_a_client_that_does_not_read_holds_bounded_bytes(server: EmbeddedServer) -> None:
+    """A client that never reads its answers and pipelines large requests makes the server
+    hold at most QUEUE_BYTES (1 MiB) of requests plus one 256 KiB read, and one answer plus
+    the transport's 64 KiB: the port stops reading it, and parses no further than its budget
+    in a chunk it already read (the old code held all 8 MiB)."""
+    port = RawPort(server.lookup_address, receive_buffer=4096)
+    connection = _server_side(server, port)
+    transport = connection._transport
+    assert transport is not None
+    # A slow path to the client (small kernel buffers), filled with requests answered with
+    # long errors (a missing pool's 500-character name), unread: the server's transport
+    # stops being writable, with few requests queued (reading not paused yet).
+    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    missing = lookup_query_to_proto(LookupQuery(token_ids=[1], pool_ids=["m" * 500]))
+    filler = encode_request(3, missing.SerializeToString())
+    deadline = time.monotonic() + 10.0
+    while connection._writable.is_set() and time.monotonic() < deadline:
+        port.send(filler)
+        time.sleep(0.002)  # answered before the next: the queue stays short
+    assert not connection._writable.is_set()
+    assert not connection._paused  # still reading: what comes next is read
+    big = encode_request(4, b"\xff" * (200 << 10))
+
+    def pump() -> None:
+        with contextlib.suppress(OSError):  # closed below, while blocked
+            for _ in range(40):  # 8 MiB
+                port.sock.sendall(big)
+
+    port.sock.settimeout(3.0)
+    with ThreadPoolExecutor(1) as thread:
+        done = thread.submit(pump)
+        peak = 0
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            queued = sum(len(body) for _, body in list(connection._queue))
+            peak = max(peak, queued + len(connection._buffer))
+            time.sleep(0.01)
+        assert peak > 4 * len(big)  # the large requests were read (some of them)
+        assert peak <= (1 << 20) + (256 << 10), peak  # QUEUE_BYTES and a read: docs/lookup.md
+        assert transport.get_write_buffer_size() <= (64 << 10) + len(filler) + 100
+        port.close()
+        done.result()
+    _assert_serving(server)
 
 
 def _token_file(path: Path, tokens: dict[str, tuple[str, list[str]]]) -> Path:
@@ -649,8 +715,6 @@ def test_a_silent_connection_and_one_too_many_are_closed(
     """A connection that sends no HELLO in time gets DEADLINE_EXCEEDED and is closed; past
     the port's connection limit a new one gets RESOURCE_EXHAUSTED, and once one closes a new
     one is served again."""
-    from kvcm.server.rpc import _lookup_port
-
     monkeypatch.setattr(_lookup_port, "HELLO_TIMEOUT_S", 0.2)
     silent = RawPort(server.lookup_address, token=None)
     assert silent.error() == (

@@ -65,6 +65,11 @@ HELLO_TIMEOUT_S: Final = 10.0
 _MAX_QUEUED: Final = 64
 """Requests waiting on one connection before the port stops reading it (a client pipelining
 more waits in its socket)."""
+QUEUE_BYTES: Final = 1 << 20
+"""Bytes of waiting requests (and of what was read past them) at which the port stops reading a
+connection until its answers catch up (half of it). A request larger than this (up to
+``max_message_bytes``) is still read, alone: a connection holds at most
+``max(QUEUE_BYTES, max_message_bytes + 17)`` bytes of requests plus one read (256 KiB)."""
 _HELLO_ACCEPTED: Final = encode_frame(FrameKind.HELLO, b"")
 _CODES: Final = {code.name: code.value[0] for code in grpc.StatusCode}
 _DECODE: Final = lookup_pb2.LookupRequest.FromString
@@ -149,6 +154,7 @@ class _Connection(asyncio.Protocol):
         self._token = ""  # the HELLO's, checked again for every request (a reload revokes)
         self._greeted = False
         self._queue: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._queued_bytes = 0  # the queued requests' messages
         self.worker: asyncio.Task[None] | None = None
         self._closing = False  # no frame is read any more; closed once the queue is answered
         self._fatal: bytes | None = None  # the error frame written before closing
@@ -196,11 +202,29 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
+        self._buffer += data
+        if not self._paused:  # paused: parsed when the answers catch up (_serve)
+            self._parse()
+
+    def _over_budget(self, rest: int, share: int = 1) -> bool:
+        """Whether the queue (and ``rest`` bytes read past it) is over ``1 / share`` of its
+        budget: reading stops there; an empty queue never is (its next frame is read)."""
+        return bool(self._queue) and (
+            len(self._queue) >= _MAX_QUEUED // share
+            or self._queued_bytes + rest >= QUEUE_BYTES // share
+        )
+
+    def _parse(self) -> None:
+        """Queue the whole frames of the buffer, until the queue is over its budget (then
+        stop reading the connection; :meth:`_serve` parses on once it catches up)."""
         buffer = self._buffer
-        buffer += data
         start = 0
         try:
-            while len(buffer) - start >= HEADER.size and not self._closing:
+            while (
+                len(buffer) - start >= HEADER.size
+                and not self._closing
+                and not self._over_budget(len(buffer) - start)
+            ):
                 kind, length = decode_header(buffer, start)
                 if not self._header_ok(kind, length):
                     break  # refused on its header alone: nothing of its payload is kept
@@ -213,6 +237,10 @@ class _Connection(asyncio.Protocol):
         except FrameError as exc:
             self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"Lookup: {exc}")
         del buffer[:start]  # fail() emptied it: nothing more is read
+        if not self._closing and not self._paused and self._over_budget(len(buffer)):
+            assert self._transport is not None
+            self._transport.pause_reading()
+            self._paused = True
 
     # ------------------------------------------------------------------------- frames
     def _header_ok(self, kind: FrameKind, length: int) -> bool:
@@ -253,12 +281,11 @@ class _Connection(asyncio.Protocol):
         if not self._greeted:
             self._hello(payload)
             return
-        self._queue.append(split_id(payload))
+        request_id, body = split_id(payload)
+        self._queue.append((request_id, body))
+        self._queued_bytes += len(body)
         if self.worker is None:
             self.worker = asyncio.get_running_loop().create_task(self._serve())
-        if len(self._queue) >= _MAX_QUEUED and self._transport is not None:
-            self._transport.pause_reading()
-            self._paused = True
 
     def _hello(self, payload: bytes) -> None:
         """Authenticate the connection (when auth is on) and accept it."""
@@ -343,17 +370,26 @@ class _Connection(asyncio.Protocol):
         queue = self._queue
         try:
             while queue:
-                request_id, body = queue.popleft()
-                frame = await self._answer(request_id, body)
+                # A client that does not read holds one answer and the transport's buffer
+                # (64 KiB): the next answer is made once the last has left.
                 if not self._writable.is_set():
                     await self._writable.wait()
+                request_id, body = queue.popleft()
+                self._queued_bytes -= len(body)
+                frame = await self._answer(request_id, body)
                 transport = self._transport
                 if transport is None or transport.is_closing():
                     return
                 transport.write(frame)
-                if self._paused and len(queue) < _MAX_QUEUED // 2 and not self._closing:
+                if (
+                    self._paused
+                    and not self._closing
+                    and not self._over_budget(len(self._buffer), 2)
+                ):
                     self._paused = False
-                    transport.resume_reading()
+                    self._parse()  # what was read past the budget; may pause again
+                    if not self._paused and not self._closing:
+                        transport.resume_reading()
             if self._closing:
                 self._finish()
         finally:
