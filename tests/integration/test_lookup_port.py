@@ -578,21 +578,29 @@ def test_stop_closes_connections_and_settings_are_checked(tmp_path: Path) -> Non
     taken.close()
 
 
-def test_mutual_tls_needs_a_client_certificate(tmp_path: Path) -> None:
+def test_mutual_tls_needs_a_client_certificate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With tls_client_ca the port, like the gRPC side, refuses a client without a certificate
-    signed by that CA and answers one with."""
+    signed by that CA and answers one with; once tls_client_ca is rewritten to another CA,
+    the old CA's certificates are refused by the port and the HTTP side alike (a new TLS
+    context, not the old one with a CA added)."""
+    from kvcm.server import app
+
+    monkeypatch.setattr(app, "_TLS_WATCH_S", 0.05)
     pki = Pki(tmp_path, "lookup-port-mtls")
     cert, key = pki.issue("kvcm-server")
     ca = pki.write("ca.pem", pki.ca_pem)
+    client_ca = pki.write("client-ca.pem", pki.ca_pem)
     running = start_embedded_server(
         ServerSettings(
             grpc_address="127.0.0.1:0",
-            http_address="",
+            http_address="127.0.0.1:0",
             lookup_address="127.0.0.1:0",
             log_level="WARNING",
             tls_cert=str(pki.write("server.pem", cert)),
             tls_key=str(pki.write("server.key", key)),
-            tls_client_ca=str(ca),
+            tls_client_ca=str(client_ca),
         )
     )
     request = lookup_query_to_proto(LookupQuery(token_ids=[1, 2])).SerializeToString()
@@ -614,6 +622,30 @@ def test_mutual_tls_needs_a_client_certificate(tmp_path: Path) -> None:
         port.send(encode_request(1, request))
         assert port.answer(1).num_pools_in_scope == 0
         port.close()
+        healthz = f"https://{running.http_address}/healthz"
+        assert httpx.get(healthz, verify=context, timeout=5.0).status_code == 200
+        # The operator replaces the client CA: CA1's certificates are refused from then on.
+        other = Pki(tmp_path, "lookup-port-mtls-2")
+        other_cert, other_key = other.issue("router-2")
+        client_ca.write_bytes(other.ca_pem)
+        time.sleep(0.5)  # the files are checked every _TLS_WATCH_S
+        refused = RawPort(running.lookup_address, token=None, context=context)
+        refused.send(encode_hello("") + encode_request(1, request))
+        with pytest.raises((EOFError, ssl.SSLError, ConnectionResetError)):
+            refused.frame()
+        refused.close()
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(healthz, verify=context, timeout=5.0)
+        rotated = ssl.create_default_context(cafile=str(ca))
+        rotated.load_cert_chain(
+            str(other.write("router-2.pem", other_cert)), str(other.write("r2.key", other_key))
+        )
+        port = RawPort(running.lookup_address, context=rotated)
+        port.hello()
+        port.send(encode_request(2, request))
+        assert port.answer(2).num_pools_in_scope == 0
+        port.close()
+        assert httpx.get(healthz, verify=rotated, timeout=5.0).status_code == 200
     finally:
         running.stop(grace_s=1.0)
 

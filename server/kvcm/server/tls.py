@@ -6,8 +6,9 @@ signed by that CA (mutual TLS). The gRPC side re-reads the three files whenever 
 changes on disk, at the next handshake (gRPC's dynamic server credentials): rotating a
 certificate needs no restart and drops no connection (established connections keep their
 session). The HTTP side (metrics, probes) checks the files every couple of seconds and loads
-changed ones into its TLS context, for new connections likewise; so does the lookup port
-(``lookup_address``), which serves the same certificate and client-certificate policy.
+changed ones into a new TLS context that new connections use likewise (a client CA removed
+from ``tls_client_ca`` is no longer trusted); so does the lookup port (``lookup_address``),
+which serves the same certificate and client-certificate policy.
 
 A cluster's replicas (docs/cluster.md) are each other's clients: with ``tls_cert`` their
 channels to each other (replication, fan-out) speak TLS, verify the peer's certificate
@@ -174,16 +175,23 @@ def server_ssl_context(files: TlsFiles) -> ssl.SSLContext:
 
 
 def reload_ssl_context(context: ssl.SSLContext, files: TlsFiles) -> bool:
-    """Load ``files`` into an HTTP server's ``context`` (new handshakes use them); ``False``
-    (and a warning) when they do not load, keeping the old ones."""
+    """Make the new handshakes of a server listening with ``context`` (the HTTP side's, the
+    lookup port's) use ``files`` as they are now: a NEW context is built from them and swapped
+    in at each handshake (``sni_callback``, called for every ClientHello, with or without a
+    server name), so a CA removed from ``tls_client_ca`` is no longer trusted (loading the
+    files into ``context`` itself would only add CAs). ``False`` (and a warning) when they do
+    not load, keeping the last ones."""
     try:
-        context.load_cert_chain(str(files.cert), str(files.key))
-        if files.client_ca is not None:
-            context.load_verify_locations(str(files.client_ca))
-    except (OSError, ssl.SSLError) as exc:
-        _LOG.warning("HTTP TLS files changed but could not be loaded: %s", exc)
+        fresh = server_ssl_context(files)
+    except ConfigError as exc:
+        _LOG.warning("TLS files changed but could not be loaded (HTTP, lookup port): %s", exc)
         return False
-    _LOG.info("TLS certificates reloaded (HTTP)", extra={"event": "tls_reloaded_http"})
+
+    def use_fresh(sslobj: ssl.SSLObject | ssl.SSLSocket, name: str | None, _: object) -> None:
+        sslobj.context = fresh
+
+    context.sni_callback = use_fresh
+    _LOG.info("TLS certificates reloaded (HTTP, lookup port)", extra={"event": "tls_reloaded_http"})
     return True
 
 
