@@ -376,40 +376,54 @@ def _server_side(server: EmbeddedServer, port: RawPort) -> _lookup_port._Connect
     raise AssertionError(f"no server connection for {peer}")
 
 
-def test_a_client_that_does_not_read_holds_bounded_bytes(server: EmbeddedServer) -> None:
-    """A client that never reads its answers and pipelines large requests makes the server
-    hold at most QUEUE_BYTES (1 MiB) of requests plus one 256 KiB read, and one answer plus
-    the transport's 64 KiB: the port stops reading it, and parses no further than its budget
-    in a chunk it already read (the old code held all 8 MiB)."""
-    port = RawPort(server.lookup_address, receive_buffer=4096)
+def _fill_answers(server: EmbeddedServer, port: RawPort) -> tuple[_lookup_port._Connection, bytes]:
+    """Make the server's end of ``port`` (a client with a small receive buffer that does not
+    read) unwritable: a slow path to the client (small kernel buffers), filled with requests
+    answered with long errors (a missing pool's 500-character name), one at a time so that
+    few wait. Returns the server's connection and the request sent."""
     connection = _server_side(server, port)
     transport = connection._transport
     assert transport is not None
-    # A slow path to the client (small kernel buffers), filled with requests answered with
-    # long errors (a missing pool's 500-character name), unread: the server's transport
-    # stops being writable, with few requests queued (reading not paused yet).
     transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     missing = lookup_query_to_proto(LookupQuery(token_ids=[1], pool_ids=["m" * 500]))
     filler = encode_request(3, missing.SerializeToString())
     deadline = time.monotonic() + 10.0
     while connection._writable.is_set() and time.monotonic() < deadline:
         port.send(filler)
-        time.sleep(0.002)  # answered before the next: the queue stays short
+        time.sleep(0.002)
+        while connection._queue and connection._writable.is_set():
+            time.sleep(0.001)  # answered before the next: the queue stays short
     assert not connection._writable.is_set()
+    return connection, filler
+
+
+def test_a_client_that_does_not_read_holds_bounded_bytes(server: EmbeddedServer) -> None:
+    """A client that never reads its answers and pipelines large requests makes the server
+    hold at most QUEUE_BYTES (1 MiB) of requests plus one 256 KiB read, and one answer plus
+    the transport's 64 KiB: the port stops reading it, and parses no further than its budget
+    in a chunk it already read (the old code held all 8 MiB)."""
+    port = RawPort(server.lookup_address, receive_buffer=4096)
+    connection, filler = _fill_answers(server, port)
+    transport = connection._transport
+    assert transport is not None
     assert not connection._paused  # still reading: what comes next is read
     big = encode_request(4, b"\xff" * (200 << 10))
 
+    sent = 0
+
     def pump() -> None:
+        nonlocal sent
         with contextlib.suppress(OSError):  # closed below, while blocked
             for _ in range(40):  # 8 MiB
                 port.sock.sendall(big)
+                sent += 1
 
-    port.sock.settimeout(3.0)
+    port.sock.settimeout(5.0)
     with ThreadPoolExecutor(1) as thread:
         done = thread.submit(pump)
         peak = 0
-        until = time.monotonic() + 1.0
-        while time.monotonic() < until:
+        started = time.monotonic()
+        while time.monotonic() < started + (1.0 if sent > 10 else 4.0):
             queued = sum(len(body) for _, body in list(connection._queue))
             peak = max(peak, queued + len(connection._buffer))
             time.sleep(0.01)
@@ -576,6 +590,25 @@ def test_stop_closes_connections_and_settings_are_checked(tmp_path: Path) -> Non
             ServerSettings(grpc_address="127.0.0.1:0", http_address="", lookup_address=address)
         )
     taken.close()
+
+
+def test_stop_is_bounded_by_a_client_that_does_not_read() -> None:
+    """stop() returns within its grace (and a little) when a client has stopped reading its
+    answers, and closes that connection too (its last frames dropped): a connection closed
+    but still flushing is aborted after the grace, and the listener's wait_closed (which on
+    Python >= 3.12 waits for every connection) is bounded."""
+    running = start_embedded_server(
+        ServerSettings(grpc_address="127.0.0.1:0", http_address="", lookup_address="127.0.0.1:0")
+    )
+    lookup_port = running.server.lookup_port
+    assert lookup_port is not None
+    stuck = RawPort(running.lookup_address, receive_buffer=4096)
+    _fill_answers(running, stuck)
+    started = time.monotonic()
+    running.stop(grace_s=0.5)
+    assert time.monotonic() - started < 0.5 + 2.0  # the grace, STOP_WAIT_S (1 s) and slack
+    assert not lookup_port.connections  # aborted, not left flushing
+    stuck.close()
 
 
 def test_mutual_tls_needs_a_client_certificate(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import socket
 import ssl
@@ -60,6 +61,9 @@ _METHOD: Final = "Lookup"
 FULL_METHOD: Final = "/kvcm.v1.LookupService/Lookup"
 DEFAULT_MAX_CONNECTIONS: Final = 1024
 """Connections the port holds at once; one more is answered RESOURCE_EXHAUSTED and closed."""
+STOP_WAIT_S: Final = 1.0
+"""Seconds :meth:`LookupPort.stop` waits, after aborting every connection, for the listener to
+report them closed."""
 HELLO_TIMEOUT_S: Final = 10.0
 """Seconds a new connection has to send its HELLO before it is closed."""
 _MAX_QUEUED: Final = 64
@@ -129,18 +133,28 @@ class LookupPort:
     async def stop(self, grace_s: float) -> None:
         """Stop listening; every connection answers what it already read (up to ``grace_s``),
         gets an UNAVAILABLE error frame and is closed."""
-        if self._server is None:
+        server, self._server = self._server, None
+        if server is None:
             return
-        self._server.close()
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + grace_s
+        server.close()
         for connection in list(self.connections):
             connection.fail(grpc.StatusCode.UNAVAILABLE, "Lookup: the server is shutting down")
         workers = [c.worker for c in self.connections if c.worker is not None]
         if workers:
             await asyncio.wait(workers, timeout=grace_s)
+        flushing = [loop.create_task(c.lost.wait()) for c in self.connections]
+        if flushing:  # their last frames leave (a client that reads them) within the grace
+            await asyncio.wait(flushing, timeout=max(give_up_at - loop.time(), 0.0))
+            for task in flushing:
+                task.cancel()
         for connection in list(self.connections):
-            connection.abort()  # still answering after the grace (a closed one is flushing)
-        await self._server.wait_closed()
-        self._server = None
+            connection.abort()  # still answering, or still flushing to a client not reading
+        # Since Python 3.12.1 wait_closed also waits for every connection to be lost: bounded,
+        # so that a transport that does not report its loss cannot wedge the server's stop.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(server.wait_closed(), STOP_WAIT_S)
 
 
 class _Connection(asyncio.Protocol):
@@ -163,6 +177,7 @@ class _Connection(asyncio.Protocol):
         self._writable.set()
         self._hello_timer: asyncio.TimerHandle | None = None
         self.peer = ""
+        self.lost = asyncio.Event()  # set once the transport is gone
 
     # ----------------------------------------------------------------- transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -192,6 +207,7 @@ class _Connection(asyncio.Protocol):
         if self.worker is not None:  # the client is gone: its answers have nowhere to go
             self.worker.cancel()
         self._writable.set()
+        self.lost.set()
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -346,12 +362,10 @@ class _Connection(asyncio.Protocol):
             self._finish()
 
     def abort(self) -> None:
-        """Close now a connection still answering (shutdown after its grace); one already
-        closing is left to flush its last frames."""
+        """Close now, unsent frames dropped (shutdown after its grace): a connection still
+        answering, or closed and still flushing to a client that does not read."""
         if self.worker is not None:
             self.worker.cancel()
-        elif self._transport is not None and self._transport.is_closing():
-            return
         if self._transport is not None:
             self._transport.abort()
 
