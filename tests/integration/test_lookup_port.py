@@ -809,3 +809,48 @@ def test_a_silent_connection_and_one_too_many_are_closed(
     _assert_serving(server)
     for connection in held:
         connection.close()
+
+
+def test_idle_connections_close_and_helloless_ones_take_half_the_slots(
+    server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A greeted connection with nothing coming (or a frame never completed) for
+    IDLE_TIMEOUT_S gets DEADLINE_EXCEEDED and is closed, one in use stays open; accepted
+    sockets have SO_KEEPALIVE; connections without a HELLO hold at most half the slots, so
+    peers without a token cannot lock a router out (the oldest makes room for a newcomer)."""
+    monkeypatch.setattr(_lookup_port, "IDLE_TIMEOUT_S", 0.4)
+    request = lookup_query_to_proto(LookupQuery(token_ids=[1, 2])).SerializeToString()
+    quiet, partial, busy = (RawPort(server.lookup_address) for _ in range(3))
+    for port in (quiet, partial, busy):
+        port.hello()
+    sock = _server_side(server, busy)._transport.get_extra_info("socket")  # type: ignore[union-attr]
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    partial.send(encode_request(1, request)[:-3])  # never completed
+    for request_id in range(1, 9):  # busy for twice the idle limit: kept
+        busy.send(encode_request(request_id, request))
+        busy.answer(request_id)
+        time.sleep(0.1)
+    for port in (quiet, partial):
+        request_id, code, message = port.error()
+        assert (request_id, code) == (NO_REQUEST_ID, "DEADLINE_EXCEEDED")
+        assert "within 0.4 s" in message
+        assert port.closed()
+        port.close()
+    busy.send(encode_request(9, request))
+    busy.answer(9)
+    busy.close()
+    monkeypatch.undo()
+    lookup_port = server.server.lookup_port
+    assert lookup_port is not None
+    monkeypatch.setattr(lookup_port, "max_connections", len(lookup_port.connections) + 6)
+    half = lookup_port.max_connections // 2
+    squatters = [RawPort(server.lookup_address, token=None) for _ in range(half)]
+    deadline = time.monotonic() + 5.0
+    while len(lookup_port.unhelloed) < half and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _assert_serving(server)  # a router still gets in: the oldest without a HELLO made room
+    request_id, code, message = squatters[0].error()
+    assert (request_id, code) == (NO_REQUEST_ID, "RESOURCE_EXHAUSTED")
+    assert "waiting for their HELLO" in message
+    for squatter in squatters:
+        squatter.close()

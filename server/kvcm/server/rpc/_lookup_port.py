@@ -54,18 +54,24 @@ from kvcm.wire.lookup_port import (
     split_id,
 )
 
-__all__ = ["DEFAULT_MAX_CONNECTIONS", "HELLO_TIMEOUT_S", "LookupPort"]
+__all__ = ["DEFAULT_MAX_CONNECTIONS", "HELLO_TIMEOUT_S", "IDLE_TIMEOUT_S", "LookupPort"]
 
 _LOG = logging.getLogger("kvcm.server.lookup_port")
 _METHOD: Final = "Lookup"
 FULL_METHOD: Final = "/kvcm.v1.LookupService/Lookup"
 DEFAULT_MAX_CONNECTIONS: Final = 1024
-"""Connections the port holds at once; one more is answered RESOURCE_EXHAUSTED and closed."""
+"""Connections the port holds at once; one more is answered RESOURCE_EXHAUSTED and closed. At
+most half of them may be waiting for their HELLO (so that peers without a token cannot take
+every slot from the routers)."""
 STOP_WAIT_S: Final = 1.0
 """Seconds :meth:`LookupPort.stop` waits, after aborting every connection, for the listener to
 report them closed."""
 HELLO_TIMEOUT_S: Final = 10.0
 """Seconds a new connection has to send its HELLO before it is closed."""
+IDLE_TIMEOUT_S: Final = 300.0
+"""Seconds a greeted connection may go without a whole frame from its client or an answer
+leaving for it (a router that crashed half-open, a frame never completed, a client that stopped
+reading) before it is closed with DEADLINE_EXCEEDED."""
 _MAX_QUEUED: Final = 64
 """Requests waiting on one connection before the port stops reading it (a client pipelining
 more waits in its socket)."""
@@ -118,6 +124,7 @@ class LookupPort:
         self.ssl_context = ssl_context
         self.max_connections = max_connections
         self.connections: set[_Connection] = set()
+        self.unhelloed: dict[_Connection, None] = {}  # no HELLO accepted yet, oldest first
         self.port = 0
         self._server: asyncio.Server | None = None
 
@@ -175,7 +182,8 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._writable = asyncio.Event()
         self._writable.set()
-        self._hello_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the HELLO's deadline, then idleness
+        self._active_at = 0.0  # loop time of the last whole frame read or answer written
         self.peer = ""
         self.lost = asyncio.Event()  # set once the transport is gone
 
@@ -196,14 +204,30 @@ class _Connection(asyncio.Protocol):
             transport.close()
             self._closing = True
             return
+        if len(port.unhelloed) >= max(port.max_connections // 2, 1):
+            # Half the slots at most wait for a HELLO: the oldest such makes room (a router
+            # sends its HELLO at once; peers without a token cannot hold every slot).
+            oldest = next(iter(port.unhelloed))
+            del port.unhelloed[oldest]
+            oldest.fail(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Lookup: closed for a newer connection: half of the lookup port's "
+                f"{port.max_connections} connections are waiting for their HELLO",
+            )
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # a peer that vanished (a crashed host) is found out by TCP
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         port.connections.add(self)
-        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._no_hello)
+        port.unhelloed[self] = None
+        self._timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._no_hello)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._port.connections.discard(self)
+        self._port.unhelloed.pop(self, None)
         self._closing = True
-        if self._hello_timer is not None:
-            self._hello_timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         if self.worker is not None:  # the client is gone: its answers have nowhere to go
             self.worker.cancel()
         self._writable.set()
@@ -298,6 +322,7 @@ class _Connection(asyncio.Protocol):
             self._hello(payload)
             return
         request_id, body = split_id(payload)
+        self._active_at = asyncio.get_running_loop().time()
         self._queue.append((request_id, body))
         self._queued_bytes += len(body)
         if self.worker is None:
@@ -306,9 +331,9 @@ class _Connection(asyncio.Protocol):
     def _hello(self, payload: bytes) -> None:
         """Authenticate the connection (when auth is on) and accept it."""
         port = self._port
-        if self._hello_timer is not None:
-            self._hello_timer.cancel()
-            self._hello_timer = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if port.authenticate is not None:
             token = payload.decode("utf-8", "replace")
             principal = port.authenticate(token) if token else None
@@ -332,16 +357,39 @@ class _Connection(asyncio.Protocol):
             self._principal = principal
             self._token = token
         self._greeted = True
+        port.unhelloed.pop(self, None)
         assert self._transport is not None
         self._transport.write(_HELLO_ACCEPTED)
+        loop = asyncio.get_running_loop()
+        self._active_at = loop.time()
+        self._timer = loop.call_later(IDLE_TIMEOUT_S, self._check_idle)
 
     def _no_hello(self) -> None:
-        self._hello_timer = None
+        self._timer = None
         if not self._greeted:
             self.fail(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"Lookup: no HELLO frame within {HELLO_TIMEOUT_S:g} s",
             )
+
+    def _check_idle(self) -> None:
+        """Close the connection if nothing came from or left for its client for
+        IDLE_TIMEOUT_S; else check again when that much time will have passed."""
+        self._timer = None
+        if self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        idle = loop.time() - self._active_at
+        if idle < IDLE_TIMEOUT_S:
+            self._timer = loop.call_later(IDLE_TIMEOUT_S - idle, self._check_idle)
+            return
+        self.fail(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"Lookup: no whole frame from the client and no answer taken by it "
+            f"within {IDLE_TIMEOUT_S:g} s",
+        )
+        if self.worker is not None:  # its answers do not leave: the client does not read
+            self.abort()
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Read no more frames; once the requests already read are answered, send an error
@@ -395,6 +443,7 @@ class _Connection(asyncio.Protocol):
                 if transport is None or transport.is_closing():
                     return
                 transport.write(frame)
+                self._active_at = asyncio.get_running_loop().time()
                 if (
                     self._paused
                     and not self._closing
