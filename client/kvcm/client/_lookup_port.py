@@ -4,10 +4,12 @@ A scheduler client given ``lookup_address`` sends its ``lookup()`` calls over on
 connection to the server's lookup port (docs/lookup.md#the-lookup-port) instead of the Lookup
 RPC: the same ``LookupRequest`` and ``LookupResponse``, framed by :mod:`kvcm.wire.lookup_port`.
 The connection opens at the first lookup (TLS with the client's roots and certificate when
-the client uses TLS; its token in the HELLO), carries one lookup at a time (a lock), and is
-opened again once when it turns out broken (the server restarted, or closed it on shutdown);
-a lookup that outlives its deadline drops the connection. Errors are the SDK's classes for the
-status code the server answers, as the gRPC path raises them.
+the client uses TLS; its token in the HELLO), carries one lookup at a time (a lock, waited for
+within the lookup's deadline), and is opened again once when it turns out broken (the server
+restarted, or closed it on shutdown or idleness); a lookup that outlives its deadline in the
+middle of its frames drops the connection (one still waiting for the lock leaves it alone).
+After ``close()`` nothing opens it again. Errors are the SDK's classes for the status code the
+server answers, as the gRPC path raises them.
 """
 
 from __future__ import annotations
@@ -96,6 +98,12 @@ def _unavailable(address: str, exc: BaseException) -> UnavailableError:
     )
 
 
+def _closed(address: str) -> UnavailableError:
+    return UnavailableError(
+        f"lookup port {address}: the client is closed", code=StatusCode.UNAVAILABLE, method=_METHOD
+    )
+
+
 def _deadline(address: str, timeout: float) -> DeadlineExceededError:
     return DeadlineExceededError(
         f"lookup port {address}: no answer within {timeout:g} s",
@@ -158,6 +166,7 @@ class LookupPortConnection:
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None
         self._buffer = bytearray()
+        self._closed = False
 
     def lookup(
         self, request: lookup_pb2.LookupRequest, timeout: float
@@ -171,33 +180,48 @@ class LookupPortConnection:
         """
         frame_body = request.SerializeToString()
         give_up_at = time.monotonic() + timeout
-        with self._lock:
-            for attempt in (1, 2):
-                reused = self._sock is not None
-                request_id = next(self._ids)
-                try:
-                    sock = self._sock if self._sock is not None else self._connect(give_up_at)
-                    sock.settimeout(max(give_up_at - time.monotonic(), 1e-3))
-                    sock.sendall(encode_request(request_id, frame_body))
-                    kind, payload = self._frame(sock)
-                    return _answer(kind, payload, request_id)
-                except ServiceError:  # the server's answer (some are OSError subclasses)
-                    raise
-                except TimeoutError:
-                    self._drop()
-                    raise _deadline(self.address, timeout) from None
-                except _BrokenError as broken:
-                    self._drop()
-                    if not reused or attempt == 2:
-                        raise broken.error from None
-                except (OSError, EOFError) as exc:
-                    self._drop()
-                    if not reused or attempt == 2:
-                        raise _unavailable(self.address, exc) from exc
-                except BaseException:  # interrupted mid-frame: the stream is out of step
-                    self._drop()
-                    raise
-            raise AssertionError("unreachable")  # pragma: no cover
+        # Another thread's lookup holds the connection: wait for it within the deadline only
+        # (nothing sent, the shared connection left alone).
+        if not self._lock.acquire(timeout=max(timeout, 0.0)):
+            raise _deadline(self.address, timeout)
+        try:
+            return self._lookup_locked(frame_body, give_up_at, timeout)
+        finally:
+            self._lock.release()
+
+    def _lookup_locked(
+        self, frame_body: bytes, give_up_at: float, timeout: float
+    ) -> lookup_pb2.LookupResponse:
+        for attempt in (1, 2):
+            if self._closed:
+                raise _closed(self.address)
+            if time.monotonic() >= give_up_at:
+                raise _deadline(self.address, timeout)
+            reused = self._sock is not None
+            request_id = next(self._ids)
+            try:
+                sock = self._sock if self._sock is not None else self._connect(give_up_at)
+                sock.settimeout(max(give_up_at - time.monotonic(), 1e-3))
+                sock.sendall(encode_request(request_id, frame_body))
+                kind, payload = self._frame(sock)
+                return _answer(kind, payload, request_id)
+            except ServiceError:  # the server's answer (some are OSError subclasses)
+                raise
+            except TimeoutError:
+                self._drop()
+                raise _deadline(self.address, timeout) from None
+            except _BrokenError as broken:
+                self._drop()
+                if not reused or attempt == 2:
+                    raise broken.error from None
+            except (OSError, EOFError) as exc:
+                self._drop()
+                if not reused or attempt == 2:
+                    raise _unavailable(self.address, exc) from exc
+            except BaseException:  # interrupted mid-frame: the stream is out of step
+                self._drop()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _connect(self, give_up_at: float) -> socket.socket:
         """Open, secure and greet a connection (the server's HELLO read back)."""
@@ -249,7 +273,8 @@ class LookupPortConnection:
         self._buffer.clear()
 
     def close(self) -> None:
-        """Close the connection (a later lookup opens it again)."""
+        """Close the connection for good (a later lookup raises ``UnavailableError``)."""
+        self._closed = True
         with self._lock:
             self._drop()
 
@@ -271,6 +296,7 @@ class AsyncLookupPortConnection:
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._closed = False
 
     async def lookup(
         self, request: lookup_pb2.LookupRequest, timeout: float
@@ -287,12 +313,13 @@ class AsyncLookupPortConnection:
                     return await self._lookup(frame_body)
         except ServiceError:
             raise
-        except TimeoutError:
-            self._forget()
+        except TimeoutError:  # mid-frame, _lookup dropped the connection; waiting, none of ours
             raise _deadline(self.address, timeout) from None
 
     async def _lookup(self, frame_body: bytes) -> lookup_pb2.LookupResponse:
         for attempt in (1, 2):
+            if self._closed:
+                raise _closed(self.address)
             reused = self._streams is not None
             request_id = next(self._ids)
             try:
@@ -330,6 +357,9 @@ class AsyncLookupPortConnection:
         except BaseException:
             writer.close()
             raise
+        if self._closed:  # close() came while this one opened: it must not outlive it
+            writer.close()
+            raise _closed(self.address)
         self._streams = reader, writer
         return reader, writer
 
@@ -347,7 +377,9 @@ class AsyncLookupPortConnection:
                 await writer.wait_closed()
 
     async def close(self) -> None:
-        """Close the connection (a later lookup opens it again)."""
+        """Close the connection for good (a lookup in flight, or a later one, raises
+        ``UnavailableError``; nothing opens it again)."""
+        self._closed = True
         await self._drop()
 
 
