@@ -284,6 +284,8 @@ def test_malformed_frames_close_only_their_connection(server: EmbeddedServer) ->
         (encode_frame(FrameKind.ANSWER, bytes(8)), "INVALID_ARGUMENT", "got ANSWER"),
         (encode_frame(FrameKind.REQUEST, b"\x01\x02"), "INVALID_ARGUMENT", "8-byte request id"),
         (encode_hello(""), "INVALID_ARGUMENT", "got HELLO"),  # a second hello
+        # The id of errors about the connection: its own error would read as one.
+        (encode_request(NO_REQUEST_ID, request), "INVALID_ARGUMENT", "0xFFFFFFFFFFFFFFFF is"),
     ]
     for data, code, words in cases:
         port = RawPort(server.lookup_address)
@@ -534,7 +536,8 @@ def test_tokens_and_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Non
         assert list(kept.answer(2).packed.pool_id) == ["team-b-0"]
         _token_file(tokens, {"admin": ("ops", ["admin:*"])})
         table.reload()
-        kept.send(encode_request(3, request.SerializeToString()))
+        # Pipelined behind the refused one, 4 and 5 get no error of their own.
+        kept.send(b"".join(encode_request(i, request.SerializeToString()) for i in (3, 4, 5)))
         assert kept.error() == (
             3,
             "UNAUTHENTICATED",

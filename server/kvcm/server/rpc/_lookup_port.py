@@ -322,6 +322,12 @@ class _Connection(asyncio.Protocol):
             self._hello(payload)
             return
         request_id, body = split_id(payload)
+        if request_id == NO_REQUEST_ID:  # its error would read as one about the connection
+            self.fail(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Lookup: request id 0xFFFFFFFFFFFFFFFF is reserved for errors about the connection",
+            )
+            return
         self._active_at = asyncio.get_running_loop().time()
         self._queue.append((request_id, body))
         self._queued_bytes += len(body)
@@ -486,6 +492,10 @@ class _Connection(asyncio.Protocol):
         if port.authenticate is not None and not self._still_valid():
             code = "UNAUTHENTICATED"
             state.rpc_stats.observe(_METHOD, code, 0.0)
+            # This request's error, then the connection's: the requests still queued get
+            # none of their own (one refusal audited, not one per pipelined request).
+            self._queue.clear()
+            self._queued_bytes = 0
             self.fail(grpc.StatusCode.UNAUTHENTICATED, _REVOKED)
             return encode_error(request_id, _CODES[code], status_details(_REVOKED))
         try:
