@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import random
+import re
 import socket
 import ssl
 import struct
@@ -313,6 +314,12 @@ def test_malformed_frames_close_only_their_connection(server: EmbeddedServer) ->
     truncated.close()
     bystander.send(encode_request(9, request))
     bystander.answer(9)
+    # The port's connections and the ones it closed, by code, are exported.
+    metrics = httpx.get(f"http://{server.http_address}/metrics", timeout=5.0).text
+    closed = re.search(r'kvcm_lookup_port_closed_total\{code="INVALID_ARGUMENT"\} (\S+)', metrics)
+    assert closed is not None
+    assert float(closed.group(1)) >= 6
+    assert re.search(r'kvcm_lookup_port_connections\{state="greeted"\} [1-9]', metrics)
     bystander.close()
     _assert_serving(server)
 

@@ -400,6 +400,9 @@ class KVCMServer:
             app.state.collector.cluster = self.cluster.samples
         if self.replication is not None:
             app.state.collector.replication = self.replication.samples
+        app.state.collector.lookup_port = lambda: (
+            self.lookup_port.samples() if self.lookup_port is not None else {}
+        )
         # Taken before uvicorn reads the files: a change after it is seen (a change before
         # only costs a reload of what is already loaded).
         tls_stamp = self.tls.stamp() if self.tls is not None else ()

@@ -106,6 +106,7 @@ _TRANSFER_METRICS = (
     "kvcm_transfers_past_lease",
     "kvcm_transfer_oldest_source_age_seconds",
 )
+_LOOKUP_PORT_METRICS = ("kvcm_lookup_port_connections", "kvcm_lookup_port_closed_total")
 _JOURNAL_METRICS = (
     "kvcm_journal_records_total",
     "kvcm_journal_fsyncs_total",
@@ -494,6 +495,19 @@ METRICS: tuple[MetricSpec, ...] = (
         help="Pools the lookup index holds (single full-attention pools looked up at least "
         "once; others are answered by their own coordinator).",
     ),
+    # The lookup port (lookup_address; docs/lookup.md): exported empty when it is off.
+    MetricSpec(
+        name="kvcm_lookup_port_connections",
+        kind="gauge",
+        labels=("state",),
+        help="Open lookup-port connections: greeted, or waiting for their HELLO.",
+    ),
+    MetricSpec(
+        name="kvcm_lookup_port_closed_total",
+        kind="counter",
+        labels=("code",),
+        help="Lookup-port connections closed with an error frame, by its status code.",
+    ),
     MetricSpec(
         name="kvcm_rpc_duration_seconds",
         kind="histogram",
@@ -771,6 +785,7 @@ class KVCMCollector:
             app's ``/v1/pools`` routes read through it too.
         cluster: the ``kvcm_cluster_*`` samples by metric name, ``(label values, value)``
             each, read at each scrape (``None``: a lone server, exported empty).
+        lookup_port: the ``kvcm_lookup_port_*`` samples, alike (``None``: exported empty).
     """
 
     def __init__(
@@ -799,6 +814,7 @@ class KVCMCollector:
         self.reader = PoolReader()
         self.cluster: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
         self.replication: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
+        self.lookup_port: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
 
     def _zmq_wire_families(self) -> Iterator[Metric]:
         """The publisher's queue and the last seq it sent per pool (of pools that exist)."""
@@ -929,6 +945,12 @@ class KVCMCollector:
             indexed.add_metric([], index.num_pools)
         yield keys
         yield indexed
+        port = self.lookup_port() if self.lookup_port is not None else {}
+        for name in _LOOKUP_PORT_METRICS:
+            port_family = _scalar_family(name)
+            for labels, value in port.get(name, ()):
+                port_family.add_metric(labels, value)
+            yield port_family
         build = _scalar_family("kvcm_build_info")
         build.add_metric(self._build_labels, 1)
         yield build

@@ -125,8 +125,22 @@ class LookupPort:
         self.max_connections = max_connections
         self.connections: set[_Connection] = set()
         self.unhelloed: dict[_Connection, None] = {}  # no HELLO accepted yet, oldest first
+        self.closed: collections.Counter[str] = collections.Counter()  # by the error's code
         self.port = 0
         self._server: asyncio.Server | None = None
+
+    def samples(self) -> dict[str, list[tuple[list[str], float]]]:
+        """The ``kvcm_lookup_port_*`` metrics' samples (docs/metrics.md)."""
+        waiting = len(self.unhelloed)
+        return {
+            "kvcm_lookup_port_connections": [
+                (["greeted"], float(len(self.connections) - waiting)),
+                (["hello"], float(waiting)),
+            ],
+            "kvcm_lookup_port_closed_total": [
+                ([code], float(count)) for code, count in sorted(self.closed.items())
+            ],
+        }
 
     async def start(self, sock: socket.socket) -> int:
         """Listen on ``sock`` (bound, not yet listening); returns the bound port."""
@@ -203,6 +217,7 @@ class _Connection(asyncio.Protocol):
             )
             transport.close()
             self._closing = True
+            port.closed["RESOURCE_EXHAUSTED"] += 1
             return
         if len(port.unhelloed) >= max(port.max_connections // 2, 1):
             # Half the slots at most wait for a HELLO: the oldest such makes room (a router
@@ -404,6 +419,7 @@ class _Connection(asyncio.Protocol):
             return
         self._closing = True
         self._buffer.clear()
+        self._port.closed[code.name] += 1
         self._fatal = encode_error(NO_REQUEST_ID, code.value[0], status_details(message))
         _LOG.debug(
             "lookup port connection refused: %s",
