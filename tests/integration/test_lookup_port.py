@@ -320,6 +320,7 @@ def test_malformed_frames_close_only_their_connection(server: EmbeddedServer) ->
     assert closed is not None
     assert float(closed.group(1)) >= 6
     assert re.search(r'kvcm_lookup_port_connections\{state="greeted"\} [1-9]', metrics)
+    assert re.search(r'kvcm_lookup_port_requests_total\{code="OK"\} [1-9]', metrics)
     bystander.close()
     _assert_serving(server)
 

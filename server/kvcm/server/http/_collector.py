@@ -106,7 +106,11 @@ _TRANSFER_METRICS = (
     "kvcm_transfers_past_lease",
     "kvcm_transfer_oldest_source_age_seconds",
 )
-_LOOKUP_PORT_METRICS = ("kvcm_lookup_port_connections", "kvcm_lookup_port_closed_total")
+_LOOKUP_PORT_METRICS = (
+    "kvcm_lookup_port_connections",
+    "kvcm_lookup_port_closed_total",
+    "kvcm_lookup_port_requests_total",
+)
 _JOURNAL_METRICS = (
     "kvcm_journal_records_total",
     "kvcm_journal_fsyncs_total",
@@ -507,6 +511,13 @@ METRICS: tuple[MetricSpec, ...] = (
         kind="counter",
         labels=("code",),
         help="Lookup-port connections closed with an error frame, by its status code.",
+    ),
+    MetricSpec(
+        name="kvcm_lookup_port_requests_total",
+        kind="counter",
+        labels=("code",),
+        help="Requests answered over the lookup port, by status code (also counted in "
+        'kvcm_rpc_requests_total{method="Lookup"}).',
     ),
     MetricSpec(
         name="kvcm_rpc_duration_seconds",

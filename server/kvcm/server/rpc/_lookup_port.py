@@ -126,6 +126,7 @@ class LookupPort:
         self.connections: set[_Connection] = set()
         self.unhelloed: dict[_Connection, None] = {}  # no HELLO accepted yet, oldest first
         self.closed: collections.Counter[str] = collections.Counter()  # by the error's code
+        self.answered: collections.Counter[str] = collections.Counter()  # requests, by code
         self.port = 0
         self._server: asyncio.Server | None = None
 
@@ -139,6 +140,9 @@ class LookupPort:
             ],
             "kvcm_lookup_port_closed_total": [
                 ([code], float(count)) for code, count in sorted(self.closed.items())
+            ],
+            "kvcm_lookup_port_requests_total": [
+                ([code], float(count)) for code, count in sorted(self.answered.items())
             ],
         }
 
@@ -508,6 +512,7 @@ class _Connection(asyncio.Protocol):
         if port.authenticate is not None and not self._still_valid():
             code = "UNAUTHENTICATED"
             state.rpc_stats.observe(_METHOD, code, 0.0)
+            port.answered[code] += 1
             # This request's error, then the connection's: the requests still queued get
             # none of their own (one refusal audited, not one per pipelined request).
             self._queue.clear()
@@ -548,6 +553,7 @@ class _Connection(asyncio.Protocol):
             code, details = "INTERNAL", f"internal error: {exc!r}"
         finally:
             state.rpc_stats.observe(_METHOD, code, time.perf_counter() - started)
+            port.answered[code] += 1
         return encode_error(request_id, _CODES[code], status_details(details))
 
 
