@@ -245,13 +245,7 @@ class LookupPortConnection:
         return sock
 
     def _frame(self, sock: socket.socket) -> tuple[FrameKind, bytes]:
-        header = self._read(sock, HEADER.size)
-        try:
-            kind, length = decode_header(header)
-        except FrameError as exc:
-            raise _BrokenError(_internal(str(exc))) from None
-        if length > _ANSWER_LIMIT:
-            raise _BrokenError(_internal(f"a frame of {length} bytes"))
+        kind, length = _checked_header(self._read(sock, HEADER.size))
         return kind, self._read(sock, length)
 
     def _read(self, sock: socket.socket, size: int) -> bytes:
@@ -383,12 +377,18 @@ class AsyncLookupPortConnection:
         await self._drop()
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> tuple[FrameKind, bytes]:
-    header = await reader.readexactly(HEADER.size)
+def _checked_header(header: bytes) -> tuple[FrameKind, int]:
+    """A server frame's kind and payload length; a bad or oversized header breaks the
+    connection."""
     try:
         kind, length = decode_header(header)
     except FrameError as exc:
         raise _BrokenError(_internal(str(exc))) from None
     if length > _ANSWER_LIMIT:
         raise _BrokenError(_internal(f"a frame of {length} bytes"))
+    return kind, length
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[FrameKind, bytes]:
+    kind, length = _checked_header(await reader.readexactly(HEADER.size))
     return kind, await reader.readexactly(length)

@@ -363,13 +363,8 @@ class _Connection(asyncio.Protocol):
             token = payload.decode("utf-8", "replace")
             principal = port.authenticate(token) if token else None
             if principal is None:
-                port.refusals.refused(
-                    principal="",
-                    peer=self.peer,
-                    method=FULL_METHOD,
-                    pool="",
-                    code="UNAUTHENTICATED",
-                    reason="no token" if not token else "a token not in the tokens file",
+                self._refused(
+                    "UNAUTHENTICATED", "no token" if not token else "a token not in the tokens file"
                 )
                 port.state.rpc_stats.observe(_METHOD, "UNAUTHENTICATED", 0.0)
                 self.fail(
@@ -484,6 +479,18 @@ class _Connection(asyncio.Protocol):
         finally:
             self.worker = None
 
+    def _refused(self, code: str, reason: str) -> None:
+        """Audit a refusal of this connection's Lookup as the gRPC side audits one."""
+        principal = self._principal
+        self._port.refusals.refused(
+            principal=principal.name if principal is not None else "",
+            peer=self.peer,
+            method=FULL_METHOD,
+            pool="",
+            code=code,
+            reason=reason,
+        )
+
     def _still_valid(self) -> bool:
         """Whether the HELLO's token still names a principal (the tokens file may have been
         reloaded since: a revoked token is refused on its open connections too, as the gRPC
@@ -491,14 +498,7 @@ class _Connection(asyncio.Protocol):
         assert self._port.authenticate is not None
         principal = self._port.authenticate(self._token)
         if principal is None:
-            self._port.refusals.refused(
-                principal=self._principal.name if self._principal is not None else "",
-                peer=self.peer,
-                method=FULL_METHOD,
-                pool="",
-                code="UNAUTHENTICATED",
-                reason="a token no longer in the tokens file",
-            )
+            self._refused("UNAUTHENTICATED", "a token no longer in the tokens file")
             return False
         self._principal = principal
         return True
@@ -509,17 +509,15 @@ class _Connection(asyncio.Protocol):
         state = port.state
         started = time.perf_counter()
         code = "CANCELLED"
-        if port.authenticate is not None and not self._still_valid():
-            code = "UNAUTHENTICATED"
-            state.rpc_stats.observe(_METHOD, code, 0.0)
-            port.answered[code] += 1
-            # This request's error, then the connection's: the requests still queued get
-            # none of their own (one refusal audited, not one per pipelined request).
-            self._queue.clear()
-            self._queued_bytes = 0
-            self.fail(grpc.StatusCode.UNAUTHENTICATED, _REVOKED)
-            return encode_error(request_id, _CODES[code], status_details(_REVOKED))
         try:
+            if port.authenticate is not None and not self._still_valid():
+                code = "UNAUTHENTICATED"
+                # This request's error, then the connection's: the requests still queued get
+                # none of their own (one refusal audited, not one per pipelined request).
+                self._queue.clear()
+                self._queued_bytes = 0
+                self.fail(grpc.StatusCode.UNAUTHENTICATED, _REVOKED)
+                return encode_error(request_id, _CODES[code], status_details(_REVOKED))
             try:
                 request = _DECODE(body)
             except DecodeError:
@@ -536,14 +534,7 @@ class _Connection(asyncio.Protocol):
             return encode_answer(request_id, data)
         except LookupDeniedError as exc:
             code, details = "PERMISSION_DENIED", f"Lookup: {exc}"
-            port.refusals.refused(
-                principal=self._principal.name if self._principal is not None else "",
-                peer=self.peer,
-                method=FULL_METHOD,
-                pool="",
-                code=code,
-                reason=details,
-            )
+            self._refused(code, details)
             log_call_rejected(_METHOD, code, exc)
         except KVCMError as exc:
             code, details = status_of(exc).name, str(exc)
