@@ -402,35 +402,52 @@ class BlockPool:
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         suffix = _group_suffix(kv_cache_group_id)
         cached = self._cached
-        new_keys: list[BlockHashWithGroupId] | None = None if self._index is None else []
+        # The keys made in one pass; the loop below notes only the exceptions (positions
+        # skipped, keys already mapped), so the usual call, where every block is cached under
+        # a new key, hands the index and the event these lists as they are, with no append
+        # per block.
+        keys: list[BlockHashWithGroupId] = [
+            block_hash + suffix  # type: ignore[misc]
+            for block_hash in new_hashes
+        ]
+        skipped: list[int] = []
+        mapped: list[int] = []  # positions whose key had an entry already
         num_tokens = num_cached_blocks * block_size
-        num_inserted = 0
-        stored: list[bytes] | None = [] if self.enable_kv_cache_events else None
-        for position, (block, block_hash) in enumerate(zip(new_blocks, new_hashes, strict=True)):
+        for position, (block, key) in enumerate(zip(new_blocks, keys, strict=True)):
             num_tokens += block_size
             if block.is_null or (block_mask is not None and not block_mask[position]):
+                skipped.append(position)
                 continue
             if block.block_hash is not None:
                 # A partial entry of this block grows into a full one.
                 self._emit_removed(self._drop_block_keys(block))
-            key = BlockHashWithGroupId(block_hash + suffix)
             entry = cached.get(key)
             if entry is None:
                 cached[key] = block
-                if new_keys is not None:
-                    new_keys.append(key)
-            elif isinstance(entry, dict):
-                entry[block.block_id] = block
             else:
-                cached[key] = {entry.block_id: entry, block.block_id: block}
+                mapped.append(position)
+                if isinstance(entry, dict):
+                    entry[block.block_id] = block
+                else:
+                    cached[key] = {entry.block_id: entry, block.block_id: block}
             block.block_hash = key
             block.block_hash_num_tokens = num_tokens
-            num_inserted += 1
-            if stored is not None:
-                stored.append(block_hash)
-        self._num_cached_blocks += num_inserted
-        if new_keys:
-            self._index_keys(new_keys)
+        self._num_cached_blocks += len(keys) - len(skipped)
+        if self._index is not None:
+            if skipped or mapped:
+                left_out = {*skipped, *mapped}
+                new_keys = [key for i, key in enumerate(keys) if i not in left_out]
+            else:
+                new_keys = keys
+            if new_keys:
+                self._index_keys(new_keys)
+        stored: list[bytes] | None = None
+        if self.enable_kv_cache_events:
+            if skipped:
+                left_out = set(skipped)
+                stored = [h for i, h in enumerate(new_hashes) if i not in left_out]
+            else:
+                stored = list(new_hashes)  # the event's own list
         if stored is not None:
             self.kv_event_queue.append(
                 self._full_blocks_stored_event(
