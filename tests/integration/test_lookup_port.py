@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import random
 import re
@@ -46,6 +47,7 @@ from kvcm.core.lookup import LookupAnswer
 from kvcm.core.pool import PoolConfig
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.rpc import _lookup_port
+from kvcm.server.rpc._lookup import OFF_LOOP_HASH_BLOCKS
 from kvcm.server.settings import ServerSettings
 from kvcm.v1 import lookup_pb2, service_pb2_grpc
 from kvcm.wire.lookup import lookup_query_to_proto
@@ -369,6 +371,32 @@ def test_pipelined_requests_are_answered_in_order(server: EmbeddedServer) -> Non
     for request_id in ids:
         answer = port.answer(request_id)
         assert list(answer.packed.num_hit_tokens) == [(hits[request_id] - 1) // 16 * 16]
+    port.close()
+
+
+def test_a_lookup_that_waits_keeps_its_place(server: EmbeddedServer) -> None:
+    """A request answered where it is read (nothing before it) and one whose lookup must wait
+    (a token prompt long enough to be hashed off the loop) share a connection: the requests
+    read behind the waiting one wait their turn, and every answer leaves in order."""
+    short = list(range(16 * 4))
+    long = list(range(16 * OFF_LOOP_HASH_BLOCKS + 16))
+    config = dataclasses.replace(_config([_full()], 64), max_model_len=len(long) + 16)
+    with SchedulerClient(server.grpc_address) as client:
+        client.create_pool("waits", config)
+        _serve(client, "waits", 4, short)
+
+    def request(request_id: int, tokens: list[int]) -> bytes:
+        query = LookupQuery(token_ids=tokens, pool_ids=["waits"])
+        return encode_request(request_id, lookup_query_to_proto(query).SerializeToString())
+
+    port = RawPort(server.lookup_address)
+    port.hello()
+    port.send(request(1, short))  # alone: answered at once
+    assert list(port.answer(1).packed.num_hit_tokens) == [48]
+    port.send(request(2, long) + request(3, short) + request(4, long[:33]) + request(5, short))
+    expected = {2: 64, 3: 48, 4: 32, 5: 48}
+    for request_id, hit in expected.items():
+        assert list(port.answer(request_id).packed.num_hit_tokens) == [hit]
     port.close()
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "LookupDeniedError",
     "LookupServicer",
     "lookup_as",
+    "lookup_now",
 ]
 
 Context: TypeAlias = Any
@@ -81,20 +82,10 @@ async def lookup_as(
         NotFoundError, InvalidArgumentError, ResourceExhaustedError: As
             :meth:`PoolRegistry.lookup`.
     """
-    if principal is not None:
-        for index, pool_id in enumerate(query.pool_ids):
-            if not may_read(principal, pool_id):
-                raise LookupDeniedError(
-                    f"scope.pool_ids[{index}]: principal {principal.name!r} may not read pool "
-                    f"{pool_id!r}"
-                )
-        if not query.pool_ids:
-            readable = tuple(
-                pool.name for pool in registry.list() if may_read(principal, pool.name)
-            )
-            if not readable:
-                return LookupAnswer((), (), 0)
-            query = dataclasses.replace(query, pool_ids=readable)
+    scoped = _readable(registry, query, principal)
+    if scoped is None:
+        return LookupAnswer((), (), 0)
+    query = scoped
     pools = registry.scope(query)
     waited = False
     if state is not None:
@@ -117,6 +108,53 @@ async def lookup_as(
         # were there when the call came).
         pools = [pool for pool in pools if _registered(registry, pool)]
     return lookup(pools, registry.index, query, hashed)
+
+
+def lookup_now(
+    registry: PoolRegistry, query: LookupQuery, principal: Principal | None
+) -> LookupAnswer | None:
+    """:func:`lookup_as`'s answer when it needs no wait, else ``None`` (await
+    :func:`lookup_as`): a pool of the scope to index off the loop first, or a token prompt to
+    hash off it. For a caller that answers on the loop at once when it can (the lookup port).
+
+    Raises:
+        See :func:`lookup_as`.
+    """
+    scoped = _readable(registry, query, principal)
+    if scoped is None:
+        return LookupAnswer((), (), 0)
+    pools = registry.scope(scoped)
+    for pool in registry.index.unindexed(pools):  # usually none: O(1) for every pool
+        manager = pool.manager
+        if manager is not None and manager.block_pool.num_cached_blocks >= OFF_LOOP_INDEX_BLOCKS:
+            return None
+    if hashing_work(pools, scoped, registry.index) >= OFF_LOOP_HASH_BLOCKS:
+        return None
+    return lookup(pools, registry.index, scoped)
+
+
+def _readable(
+    registry: PoolRegistry, query: LookupQuery, principal: Principal | None
+) -> LookupQuery | None:
+    """``query`` narrowed to the pools ``principal`` may read (``None``: it may read none).
+
+    Raises:
+        LookupDeniedError: ``query.pool_ids`` names a pool the principal may not read.
+    """
+    if principal is None:
+        return query
+    for index, pool_id in enumerate(query.pool_ids):
+        if not may_read(principal, pool_id):
+            raise LookupDeniedError(
+                f"scope.pool_ids[{index}]: principal {principal.name!r} may not read pool "
+                f"{pool_id!r}"
+            )
+    if query.pool_ids:
+        return query
+    readable = tuple(pool.name for pool in registry.list() if may_read(principal, pool.name))
+    if not readable:
+        return None
+    return dataclasses.replace(query, pool_ids=readable)
 
 
 def _registered(registry: PoolRegistry, pool: Pool) -> bool:

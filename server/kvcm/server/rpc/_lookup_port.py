@@ -33,10 +33,11 @@ import grpc
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from kvcm.common.errors import KVCMError, ResourceExhaustedError
+from kvcm.core.lookup import LookupAnswer, LookupQuery
 from kvcm.server.access import RefusalLog
 from kvcm.server.rpc._handlers import UndecodableRequest
 from kvcm.server.rpc._log import log_call_rejected
-from kvcm.server.rpc._lookup import LookupDeniedError, lookup_as
+from kvcm.server.rpc._lookup import LookupDeniedError, lookup_as, lookup_now
 from kvcm.server.rpc._state import Principal, ServerState
 from kvcm.server.rpc._status import status_details, status_of
 from kvcm.v1 import lookup_pb2
@@ -348,6 +349,14 @@ class _Connection(asyncio.Protocol):
             )
             return
         self._active_at = asyncio.get_running_loop().time()
+        if self.worker is None and self._writable.is_set():
+            # Nothing before it and the client reads: answered here, in this loop iteration,
+            # unless the lookup must wait (then it is queued like the rest).
+            answer = self._answer_now(request_id, body)
+            if answer is not None:
+                assert self._transport is not None
+                self._transport.write(answer)
+                return
         self._queue.append((request_id, body))
         self._queued_bytes += len(body)
         if self.worker is None:
@@ -503,49 +512,104 @@ class _Connection(asyncio.Protocol):
         self._principal = principal
         return True
 
+    def _answer_now(self, request_id: int, body: bytes) -> bytes | None:
+        """The ANSWER or ERROR frame of a request answered without waiting, or ``None``:
+        its lookup must wait (:func:`lookup_now`), or the connection's token was revoked
+        (whose error frames :meth:`_answer` sends in their order); nothing is observed then."""
+        port = self._port
+        if port.authenticate is not None:
+            principal = port.authenticate(self._token)
+            if principal is None:
+                return None
+            self._principal = principal
+        started = time.perf_counter()
+        try:
+            request, query = _decoded(body)
+            answer = lookup_now(port.state.registry, query, self._principal)
+            if answer is None:
+                return None
+            return self._answered(request_id, request, answer, started)
+        except Exception as exc:
+            return self._failed(request_id, exc, started)
+
     async def _answer(self, request_id: int, body: bytes) -> bytes:
         """The ANSWER or ERROR frame of one request, observed as a gRPC Lookup call is."""
         port = self._port
         state = port.state
         started = time.perf_counter()
-        code = "CANCELLED"
         try:
             if port.authenticate is not None and not self._still_valid():
-                code = "UNAUTHENTICATED"
                 # This request's error, then the connection's: the requests still queued get
                 # none of their own (one refusal audited, not one per pipelined request).
                 self._queue.clear()
                 self._queued_bytes = 0
                 self.fail(grpc.StatusCode.UNAUTHENTICATED, _REVOKED)
-                return encode_error(request_id, _CODES[code], status_details(_REVOKED))
-            try:
-                request = _DECODE(body)
-            except DecodeError:
-                raise _UNDECODABLE.error() from None
-            query = lookup_query_from_proto(request)
+                self._observe("UNAUTHENTICATED", started)
+                return encode_error(request_id, _CODES["UNAUTHENTICATED"], status_details(_REVOKED))
+            request, query = _decoded(body)
             answer = await lookup_as(state.registry, query, self._principal, state=state)
-            data = lookup_result_to_proto(answer, packed=request.packed).SerializeToString()
-            if len(data) > port.max_message_bytes:
-                raise ResourceExhaustedError(
+            return self._answered(request_id, request, answer, started)
+        except asyncio.CancelledError:
+            self._observe("CANCELLED", started)
+            raise
+        except Exception as exc:
+            return self._failed(request_id, exc, started)
+
+    def _answered(
+        self,
+        request_id: int,
+        request: lookup_pb2.LookupRequest,
+        answer: LookupAnswer,
+        started: float,
+    ) -> bytes:
+        """The ANSWER frame of ``answer`` (observed OK), or its ERROR frame when too large."""
+        port = self._port
+        data = lookup_result_to_proto(answer, packed=request.packed).SerializeToString()
+        if len(data) > port.max_message_bytes:
+            return self._failed(
+                request_id,
+                ResourceExhaustedError(
                     f"Lookup: the answer is {len(data)} bytes, over max_message_bytes "
                     f"({port.max_message_bytes}): narrow the scope or set max_results"
-                )
-            code = "OK"
-            return encode_answer(request_id, data)
-        except LookupDeniedError as exc:
+                ),
+                started,
+            )
+        self._observe("OK", started)
+        return encode_answer(request_id, data)
+
+    def _failed(self, request_id: int, exc: Exception, started: float) -> bytes:
+        """The ERROR frame of a request that raised ``exc`` (observed, logged, audited as the
+        gRPC servicer does)."""
+        if isinstance(exc, LookupDeniedError):
             code, details = "PERMISSION_DENIED", f"Lookup: {exc}"
             self._refused(code, details)
             log_call_rejected(_METHOD, code, exc)
-        except KVCMError as exc:
+        elif isinstance(exc, KVCMError):
             code, details = status_of(exc).name, str(exc)
             log_call_rejected(_METHOD, code, exc)
-        except Exception as exc:
-            _LOG.exception("internal error")
+        else:
+            _LOG.error("internal error", exc_info=exc)
             code, details = "INTERNAL", f"internal error: {exc!r}"
-        finally:
-            state.rpc_stats.observe(_METHOD, code, time.perf_counter() - started)
-            port.answered[code] += 1
+        self._observe(code, started)
         return encode_error(request_id, _CODES[code], status_details(details))
+
+    def _observe(self, code: str, started: float) -> None:
+        port = self._port
+        port.state.rpc_stats.observe(_METHOD, code, time.perf_counter() - started)
+        port.answered[code] += 1
+
+
+def _decoded(body: bytes) -> tuple[lookup_pb2.LookupRequest, LookupQuery]:
+    """A request's message and its query.
+
+    Raises:
+        KVCMError: Undecodable (INVALID_ARGUMENT), or a field out of its domain.
+    """
+    try:
+        request = _DECODE(body)
+    except DecodeError:
+        raise _UNDECODABLE.error() from None
+    return request, lookup_query_from_proto(request)
 
 
 def _peer(address: object) -> str:
