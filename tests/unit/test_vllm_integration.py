@@ -6,11 +6,14 @@ tests/compat/test_vllm_scheduler.py.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
 
 from kvcm.common.errors import ConfigError
+from kvcm.core.block import KVCacheBlock
+from kvcm.core.manager import KVCacheBlocks
 from kvcm.core.program import ItemStatus, OpKind
 from kvcm.integrations.vllm import (
     CollectingSink,
@@ -20,6 +23,7 @@ from kvcm.integrations.vllm import (
     StepSink,
 )
 from kvcm.integrations.vllm._convert import RequestView
+from kvcm.integrations.vllm._recorder import _answer_ids, answer_groups
 from kvcm.integrations.vllm._shipper import GrpcStepShipper
 
 HASH = 32
@@ -147,6 +151,26 @@ def test_recorder_adds_once_then_appends_deltas() -> None:
     assert step.expected.alloc_num_block_ids == [3, 0]
     assert step.expected.alloc_block_ids == [1, 2, 3]
     assert recorder.key_of("a") is None
+
+
+def test_recorder_keeps_an_answer_as_ids_not_as_its_objects() -> None:
+    """An allocation's new blocks are noted as their ids: the scheduler's KVCacheBlocks (and its
+    lists) die at the end of its turn, not once the step is shipped, so a turn where every
+    request gets a block leaves nothing more for the garbage collector than vLLM's does."""
+    sink = CollectingSink()
+    recorder = StepRecorder(sink, num_groups=2, hash_block_size=4)
+    view = RequestView(FakeVllmRequest("a", list(range(10))))
+    answer = KVCacheBlocks(([KVCacheBlock(5), KVCacheBlock(9)], [KVCacheBlock(2)]))
+    references = sys.getrefcount(answer)
+    recorder.allocate(view, 10, None, None, answer)
+    assert sys.getrefcount(answer) == references
+    step = recorder.close_step()
+    assert step is not None
+    assert step.expected.alloc_num_block_ids == [2, 1]
+    assert step.expected.alloc_block_ids == [5, 9, 2]
+    # The shipper process reads the same notes: the ids per group.
+    assert answer_groups(_answer_ids(answer)) == ((5, 9), (2,))
+    assert answer_groups(_answer_ids(KVCacheBlocks(([], [])))) == ((), ())
 
 
 def test_recorder_preempt_keeps_the_request_and_empty_steps_send_nothing() -> None:

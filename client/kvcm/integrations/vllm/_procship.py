@@ -49,12 +49,14 @@ import subprocess
 import sys
 import threading
 import time
+from array import array
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from kvcm.core.manager import KVCacheBlocks
 from kvcm.core.program import OpKind
 from kvcm.integrations.vllm import _metrics
+from kvcm.integrations.vllm._recorder import answer_groups
 from kvcm.integrations.vllm._shipper import ShipperStats, ShippingLag
 
 if TYPE_CHECKING:
@@ -202,6 +204,8 @@ class _Wire:
                     answer = tuple(
                         tuple([block.block_id for block in blocks]) for blocks in result.blocks
                     )
+                elif isinstance(result, array):  # the recorder's ids (_recorder.answer_groups)
+                    answer = answer_groups(result)
                 else:
                     answer = tuple(tuple(ids) for ids in result)
                 add(

@@ -30,6 +30,7 @@ import collections
 import itertools
 import threading
 import time
+from array import array
 from typing import TYPE_CHECKING, Any, Final
 
 from kvcm.common.hashing import get_group_id
@@ -275,6 +276,14 @@ class StepRecorder:
         """
         if self._off:
             return
+        if result is not None and result is not self._no_blocks and type(result) is KVCacheBlocks:
+            # Kept as ids, not as the answer's objects: the scheduler drops those by the end of
+            # its turn, so a turn where every request gets a block (a decode boundary) leaves
+            # no three tracked objects per request behind it for the garbage collector until
+            # the step is shipped (vLLM's own turn leaves none).
+            answer: object = _answer_ids(result)
+        else:
+            answer = result
         tokens = view.all_token_ids
         hashes = view.block_hashes
         self._notes.append(
@@ -290,7 +299,7 @@ class StepRecorder:
                 view.num_in_flight_tokens,
                 hit,
                 slot_options,
-                result,
+                answer,
             )
         )
 
@@ -709,7 +718,9 @@ class StepRecorder:
         return tracked.key
 
     def _add_answer(
-        self, expected: StepOutcome, result: KVCacheBlocks | Sequence[Sequence[int]] | None
+        self,
+        expected: StepOutcome,
+        result: KVCacheBlocks | array[int] | Sequence[Sequence[int]] | None,
     ) -> None:
         # An ALLOCATE's answer other than "fits, no new block".
         if result is None:
@@ -723,6 +734,33 @@ class StepRecorder:
                 if blocks:
                     expected.alloc_block_ids.extend([block.block_id for block in blocks])
             return
+        if isinstance(result, array):  # _answer_ids: groups, the counts per group, the ids
+            num_groups = result[0]
+            expected.alloc_num_block_ids.extend(result[1 : 1 + num_groups])
+            expected.alloc_block_ids.extend(result[1 + num_groups :])
+            return
         for ids in result:
             expected.alloc_num_block_ids.append(len(ids))
             expected.alloc_block_ids.extend(ids)
+
+
+def _answer_ids(result: KVCacheBlocks) -> array[int]:
+    """An allocation's answer as one untracked array: the number of groups, the number of new
+    blocks per group, then their ids in group order."""
+    groups = result.blocks
+    ids = array("q", [len(groups)])
+    ids.extend([len(blocks) for blocks in groups])
+    for blocks in groups:
+        ids.extend([block.block_id for block in blocks])
+    return ids
+
+
+def answer_groups(ids: array[int]) -> tuple[tuple[int, ...], ...]:
+    """The new block ids per group of an answer kept by :func:`_answer_ids`."""
+    num_groups = ids[0]
+    groups = []
+    start = 1 + num_groups
+    for count in ids[1 : 1 + num_groups]:
+        groups.append(tuple(ids[start : start + count]))
+        start += count
+    return tuple(groups)
