@@ -72,3 +72,9 @@ def test_every_field_is_carried_and_hashes_take_the_engine_form(kv_events: Modul
                 assert getattr(theirs, field.name) == value, field.name
     root = dataclasses.replace(stored, parent_block_hash=None)
     assert to_vllm_events([root], kv_events, external_block_hash)[0].parent_block_hash is None
+    # A decode turn's event: one block.
+    one = dataclasses.replace(stored, block_hashes=[first], extra_keys=[None])
+    (out,) = to_vllm_events([one], kv_events, external_block_hash)
+    assert out.block_hashes == [external_block_hash(first)]
+    assert out.parent_block_hash == external_block_hash(parent)
+    assert out.extra_keys == [None]

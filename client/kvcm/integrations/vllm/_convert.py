@@ -383,32 +383,37 @@ def to_vllm_events(
         convert_hash: vLLM's ``maybe_convert_block_hash``: the form the engine publishes
             (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
     """
-    # Every field named (no dict of getattr per event): a 256-request decode turn that fills
-    # a block per request converts hundreds of these inside the engine's step.
+    # Positional, in the field order both records share (test_event_convert checks it), and
+    # the one-hash list of a decode turn's event made without a comprehension: a 256-request
+    # decode turn that fills a block per request converts 256 of these inside the engine's
+    # step.
     stored = vllm_kv_events.BlockStored
     removed = vllm_kv_events.BlockRemoved
     converted: list[Any] = []
     append = converted.append
     for event in events:
         if type(event) is BlockStored:
+            hashes = event.block_hashes
             parent = event.parent_block_hash
             append(
                 stored(
-                    block_hashes=[convert_hash(h) for h in event.block_hashes],
-                    parent_block_hash=None if parent is None else convert_hash(parent),
-                    token_ids=event.token_ids,
-                    block_size=event.block_size,
-                    lora_id=event.lora_id,
-                    medium=event.medium,
-                    lora_name=event.lora_name,
-                    extra_keys=event.extra_keys,
-                    group_idx=event.group_idx,
-                    kv_cache_spec_kind=event.kv_cache_spec_kind,
-                    kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
-                    locality=event.locality,
-                    ownership=event.ownership,
-                    session_id=event.session_id,
-                    lookahead_token_ids=event.lookahead_token_ids,
+                    [convert_hash(hashes[0])]
+                    if len(hashes) == 1
+                    else [convert_hash(h) for h in hashes],
+                    None if parent is None else convert_hash(parent),
+                    event.token_ids,
+                    event.block_size,
+                    event.lora_id,
+                    event.medium,
+                    event.lora_name,
+                    event.extra_keys,
+                    event.group_idx,
+                    event.kv_cache_spec_kind,
+                    event.kv_cache_spec_sliding_window,
+                    event.locality,
+                    event.ownership,
+                    event.session_id,
+                    event.lookahead_token_ids,
                 )
             )
         elif type(event) is BlockRemoved:
