@@ -14,12 +14,15 @@ simulated model is not), in wall time and in the process's CPU time (every threa
 mirror's shipping thread included; not the server's; on a shared machine CPU time is the
 steadier figure), and in the engine thread's own CPU time (the scheduler's work alone: the
 difference to the process's is what the shipping thread and gRPC's threads ran meanwhile).
-The engines' turns alternate in blocks of 10, after EngineCore's own ``gc.freeze()``. The
-mirror's shipping thread runs beside its engine's turns, sharing the interpreter lock as in a
-real engine (one call carries the steps of 5 ms); it starts a unit of work (a batch build, a
-Step call) only while the engine is outside ``schedule()`` and ``update_from_output()``
-(``EngineTurns``), or once the oldest unshipped step is 0.1 s old; between blocks it is let
-finish, outside every sample, so that it never runs inside vLLM's. The last columns are what
+Each engine runs in a process of its own (spawned, as a real engine is alone in its
+process: until session 9 both ran in the bench's process, where the mirror's notes awaiting
+shipment were garbage vLLM's turns collected too, which made vLLM's N = 256 turn up to twice
+as long as alone and flattered the ratio); the engines' turns alternate in blocks of 10,
+after EngineCore's own ``gc.freeze()``. The mirror's shipping thread runs beside its
+engine's turns, sharing the interpreter lock as in a real engine (one call carries the steps
+of 5 ms); it starts a unit of work (a batch build, a Step call) only while the engine is
+outside ``schedule()`` and ``update_from_output()`` (``EngineTurns``), or once the oldest
+unshipped step is 0.1 s old; between blocks it is let finish, outside every sample. The last columns are what
 a whole turn costs in all: the process's CPU time per turn, each engine stepping back to
 back on its own until the server's copy is equal (the simulated model, and every call the
 shipper makes, included).
@@ -40,7 +43,7 @@ steps per second the shipper acknowledged, Step RPCs (one carries every step que
 previous one was out), close-to-acknowledgement lag p50/p99, and the time from the last step's
 close until the server's copy equals the mirror's.
 
-    python bench/vllm_scheduler.py              # N = 8, 64, 256, full/hybrid, 5 and 0 ms (~5 min)
+    python bench/vllm_scheduler.py              # N = 8, 64, 256, full/hybrid, 5 and 0 ms (~8 min)
     python bench/vllm_scheduler.py --running 64 --kinds full --steps 200
     python bench/vllm_scheduler.py --lag        # the lag figures only
     python bench/vllm_scheduler.py --no-lag     # the per-step table only
@@ -65,11 +68,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import multiprocessing
 import random
 import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +345,87 @@ def _back_to_back(engine: Any, steps: int) -> tuple[float, float]:
     return (time.process_time() - start) / steps, (_child_cpu_s(engine) - child_start) / steps
 
 
+def _engine_process(
+    conn: Connection,
+    name: str,
+    setup_args: tuple[str, int, int, bool],
+    target: str | None,
+    pool_id: str,
+    mode: str,
+    shipper: str,
+    model_ms: float,
+) -> None:
+    """One engine in a process of its own, driven over ``conn``: ``("block", n)`` runs ``n``
+    timed turns and answers their samples, ``("back_to_back",)`` the whole-turn CPU figures,
+    ``("finish",)`` the shipping stats (the mirror's) and ends."""
+    import_vllm("vllm.v1.engine.core")
+    kind, num_running, steps, sync = setup_args
+    setup = _setup(kind, num_running, steps, sync)
+    engine = _build(setup, target, pool_id, num_running, steps, mode, shipper)
+    _give_model_time(engine, model_ms / 1e3)
+    side = _Side(name, engine, _TimedScheduler(engine.scheduler), [], [], [])
+    gc.collect()
+    gc.freeze()
+    side.drain()
+    conn.send("ready")
+    while True:
+        command = conn.recv()
+        if command[0] == "block":
+            del side.samples[:], side.cpu_samples[:], side.thread_samples[:]
+            side.run_block(command[1])
+            conn.send((side.samples, side.cpu_samples, side.thread_samples))
+        elif command[0] == "back_to_back":
+            side.drain()
+            conn.send(_back_to_back(engine, steps))
+        else:
+            side.drain()
+            assert len(engine.scheduler.running) == num_running, "requests finished early"
+            stats = None
+            if name != "vllm":
+                assert side.manager.flush(60.0), "the mirror's steps were not shipped"
+                sink_stats = side.manager.recorder.sink.stats
+                stats = (
+                    sink_stats.steps_verified,
+                    sink_stats.steps_submitted,
+                    sink_stats.step_rpcs,
+                    sink_stats.mismatches,
+                )
+            engine.shutdown()
+            conn.send(stats)
+            return
+
+
+class _EngineProcess:
+    """The parent's handle on an :func:`_engine_process`."""
+
+    def __init__(self, name: str, *args: Any) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.name = name
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_engine_process, args=(child, name, *args))
+        self.process.start()
+        child.close()
+        self.samples: list[float] = []
+        self.cpu_samples: list[float] = []
+        self.thread_samples: list[float] = []
+
+    def ask(self, *command: Any) -> Any:
+        self.conn.send(command)
+        return self.conn.recv()
+
+    def run_block(self, count: int) -> None:
+        samples, cpu_samples, thread_samples = self.ask("block", count)
+        self.samples += samples
+        self.cpu_samples += cpu_samples
+        self.thread_samples += thread_samples
+
+    def close(self) -> None:
+        self.conn.close()
+        self.process.join(60)
+        if self.process.is_alive():
+            self.process.kill()
+
+
 def bench(
     kind: str,
     num_running: int,
@@ -351,40 +437,33 @@ def bench(
     shipper: str = "thread",
 ) -> _Row:
     """One row: kvcm's manager (in ``mode``) against vLLM's own, same workload, same run; each
-    batch takes ``model_ms`` of simulated model time (outside every sample)."""
-    setup = _setup(kind, num_running, steps, sync)
+    batch takes ``model_ms`` of simulated model time (outside every sample). Each engine runs
+    in a process of its own (spawned: nothing of the bench's, nor of the other engine's,
+    in its heap, its garbage collector or its threads); their blocks of turns alternate."""
     pool_id = f"bench-{kind}-{num_running}-{mode}-{shipper}-{model_ms:g}ms"
-    engines = [
-        _build(setup, None, "", num_running, steps, mode),
-        _build(setup, target, pool_id, num_running, steps, mode, shipper),
-    ]
-    for engine in engines:
-        _give_model_time(engine, model_ms / 1e3)
+    setup_args = (kind, num_running, steps, sync)
     sides = [
-        _Side(name, engine, _TimedScheduler(engine.scheduler), [], [], [])
-        for name, engine in zip(("vllm", "mirror"), engines, strict=True)
+        _EngineProcess("vllm", setup_args, None, "", mode, shipper, model_ms),
+        _EngineProcess("mirror", setup_args, target, pool_id, mode, shipper, model_ms),
     ]
-    gc.collect()
-    gc.freeze()
-    for side in sides:
-        side.drain()
-    for index in range(0, steps, BLOCK):
-        for side in sides if (index // BLOCK) % 2 == 0 else reversed(sides):
-            side.run_block(min(BLOCK, steps - index))
-    rates = [float("inf"), float("inf")]
-    child_rates = [float("inf"), float("inf")]
-    for index in (0, 1, 1, 0):
-        sides[index].drain()
-        rate, child_rate = _back_to_back(engines[index], steps)
-        if rate + child_rate < rates[index] + child_rates[index]:
-            rates[index], child_rates[index] = rate, child_rate
-    for side in sides:
-        side.drain()
-        assert len(side.engine.scheduler.running) == num_running, "requests finished early"
-    manager = sides[1].manager
-    assert manager.flush(60.0), "the mirror's steps were not shipped"
-    stats = manager.recorder.sink.stats
-    row = _Row(
+    try:
+        for side in sides:  # built side by side
+            assert side.conn.recv() == "ready"
+        for index in range(0, steps, BLOCK):
+            for side in sides if (index // BLOCK) % 2 == 0 else reversed(sides):
+                side.run_block(min(BLOCK, steps - index))
+        rates = [float("inf"), float("inf")]
+        child_rates = [float("inf"), float("inf")]
+        for index in (0, 1, 1, 0):
+            rate, child_rate = sides[index].ask("back_to_back")
+            if rate + child_rate < rates[index] + child_rates[index]:
+                rates[index], child_rates[index] = rate, child_rate
+        sides[0].ask("finish")
+        verified, submitted, step_rpcs, mismatches = sides[1].ask("finish")
+    finally:
+        for side in sides:
+            side.close()
+    return _Row(
         kind=kind,
         num_running=num_running,
         vllm=Timing.of(sides[0].samples),
@@ -396,15 +475,11 @@ def bench(
         vllm_turn_cpu_s=rates[0],
         mirror_turn_cpu_s=rates[1],
         mirror_turn_child_cpu_s=child_rates[1],
-        verified=stats.steps_verified,
-        submitted=stats.steps_submitted,
-        step_rpcs=stats.step_rpcs,
-        mismatches=stats.mismatches,
+        verified=verified,
+        submitted=submitted,
+        step_rpcs=step_rpcs,
+        mismatches=mismatches,
     )
-    for engine in engines:
-        engine.shutdown()
-    gc.unfreeze()
-    return row
 
 
 def lag(
