@@ -6,6 +6,7 @@ tests/compat/test_vllm_scheduler.py.
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any
 
@@ -21,6 +22,7 @@ from kvcm.integrations.vllm import (
     NullSink,
     StepRecorder,
     StepSink,
+    _shipper,
 )
 from kvcm.integrations.vllm._convert import RequestView
 from kvcm.integrations.vllm._recorder import _answer_ids, answer_groups
@@ -320,4 +322,69 @@ def test_the_shipper_is_a_step_sink_and_remote_mode_acknowledges_each_answer(
         assert lag is not None
         assert lag.backlog_steps == 0
     finally:
+        shipper.close(0.0)
+
+
+@pytest.mark.parametrize("synchronous", [False, True])
+def test_the_shipping_thread_collects_young_garbage_only_while_the_engine_waits(
+    synchronous: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a unit of work, the shipping thread collects the youngest generation (and the
+    middle one when this collection is the one that would trigger it) while the engine waits
+    for its model, once the young count is half-way to its threshold: not while the engine is
+    inside a scheduler call, not when the engine left long ago, not in remote mode."""
+    shipper = GrpcStepShipper(
+        address="127.0.0.1:1",
+        pool_id="p",
+        pool_config=lambda: pytest.fail("no pool is created by these calls"),
+        synchronous=synchronous,
+    )
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    # "Just left" is within FRESH_S of the leave: widened, so that a loaded machine pausing
+    # this thread between the leave and the call does not make the engine's leave old.
+    monkeypatch.setattr(_shipper, "FRESH_S", 5.0)
+    saved = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(4000, 3, 10)
+    gc.callbacks.append(seen)
+    try:
+        turns = shipper.turns
+        young = [[] for _ in range(1000)]  # a quarter of the threshold: not yet
+        turns.enter()
+        turns.leave()
+        shipper._collect_in_the_wait()
+        assert collections == []
+        young += [[] for _ in range(1500)]  # past half
+        turns.enter()  # the engine is inside a scheduler call: never then
+        shipper._collect_in_the_wait()
+        assert collections == []
+        turns.leave()
+        shipper._collect_in_the_wait()
+        if synchronous:
+            assert collections == []
+            return
+        assert collections == [0]
+        assert gc.get_count()[0] < 100
+        young += [[] for _ in range(2500)]
+        turns.left_at -= 10.0  # the engine left long ago: its next call may be near
+        shipper._collect_in_the_wait()
+        assert collections == [0]
+        # The collection that would trigger the middle generation's collects it too.
+        while gc.get_count()[1] + 1 < 3:
+            gc.collect(0)
+        young += [[] for _ in range(2500)]
+        collections.clear()
+        turns.enter()
+        turns.leave()
+        shipper._collect_in_the_wait()
+        assert collections == [1]
+        del young
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*saved)
         shipper.close(0.0)

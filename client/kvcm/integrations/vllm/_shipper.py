@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -718,6 +719,24 @@ class GrpcStepShipper:
             if self._synchronous and self._snapshot_needed():
                 # Remote mode repairs at once; the step is in the mirror's snapshot.
                 backlog.clear()
+        del batch
+        self._collect_in_the_wait()
+
+    def _collect_in_the_wait(self) -> None:
+        # Shipping thread, after a unit of work: its notes and messages are garbage now. While
+        # the engine still waits for its model (it left a scheduler call within FRESH_S and has
+        # not entered another), collect the youngest generation once it is half-way to its
+        # threshold, and the middle one with it when this collection would be the one that
+        # triggers it: the collection an engine turn would trigger a few turns later (a decode
+        # boundary's allocations cross the threshold) runs in the wait instead. Never the
+        # oldest generation (its size is the engine's). Not in remote mode (the engine waits
+        # for each answer), nor with the collector off.
+        if self._synchronous or not gc.isenabled() or not self.turns.fresh():
+            return
+        threshold = gc.get_threshold()
+        count = gc.get_count()
+        if threshold[0] and count[0] * 2 >= threshold[0]:
+            gc.collect(1 if count[1] + 1 >= threshold[1] else 0)
 
     def _between_turns(self) -> None:
         # Shipping thread, before a unit of work: start it right after the engine leaves a
