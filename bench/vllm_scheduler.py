@@ -22,10 +22,10 @@ after EngineCore's own ``gc.freeze()``. The mirror's shipping thread runs beside
 engine's turns, sharing the interpreter lock as in a real engine (one call carries the steps
 of 5 ms); it starts a unit of work (a batch build, a Step call) only while the engine is
 outside ``schedule()`` and ``update_from_output()`` (``EngineTurns``), or once the oldest
-unshipped step is 0.1 s old; between blocks it is let finish, outside every sample. The last columns are what
-a whole turn costs in all: the process's CPU time per turn, each engine stepping back to
-back on its own until the server's copy is equal (the simulated model, and every call the
-shipper makes, included).
+unshipped step is 0.1 s old; between blocks it is let finish, outside every sample. The
+last columns are what a whole turn costs in all: the process's CPU time per turn, each engine
+stepping back to back on its own until the server's copy is equal (the simulated model, and
+every call the shipper makes, included).
 
 **Model time** (``--model-ms X [Y ...]``, default 5 then 0: a table each): each batch the
 engine sends to the simulated executor runs for X ms on one simulated device (batches one after
