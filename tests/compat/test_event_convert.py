@@ -78,3 +78,34 @@ def test_every_field_is_carried_and_hashes_take_the_engine_form(kv_events: Modul
     assert out.block_hashes == [external_block_hash(first)]
     assert out.parent_block_hash == external_block_hash(parent)
     assert out.extra_keys == [None]
+
+
+def test_the_mirror_s_maker_makes_what_the_conversion_makes(kv_events: ModuleType) -> None:
+    """The mirror's core makes vLLM's ``BlockStored`` as it caches (``make_stored_event``):
+    the same struct ``to_vllm_events`` makes of kvcm's record, in either hash form, and
+    ``to_vllm_events`` passes it through."""
+    from kvcm.common.events import new_block_stored
+    from kvcm.integrations.vllm._manager import _same_hash, _vllm_stored_maker
+
+    parent, first, second = (bytes([i]) * 32 for i in (4, 5, 6))
+    for hashes, parent_hash in (([first], parent), ([first, second], None)):
+        args = (
+            hashes,
+            parent_hash,
+            list(range(16 * len(hashes))),
+            16,
+            3,
+            "GPU",
+            "adapter",
+            [None] * len(hashes),
+            0,
+            "full_attention",
+            None,
+            "session",
+            None,
+        )
+        for convert in (external_block_hash, _same_hash):
+            made = _vllm_stored_maker(kv_events.BlockStored, convert)(*args)
+            (expected,) = to_vllm_events([new_block_stored(*args)], kv_events, convert)
+            assert made == expected
+            assert to_vllm_events([made], kv_events, convert) == [made]

@@ -126,6 +126,7 @@ class BlockPool:
         "free_block_queue",
         "hash_block_size",
         "kv_event_queue",
+        "make_stored_event",
         "medium",
         "null_block",
         "num_evicted_blocks",
@@ -187,6 +188,11 @@ class BlockPool:
         # A pool with a host tier (kvcm.core.host_tier) sets this to HostTier.demote: a cached
         # block evicted for reuse gives its key and id to it first.
         self.demote: Callable[[BlockHashWithGroupId, int], object] | None = None
+        # What each BlockStored is made by (new_block_stored's parameters): a mirror whose
+        # events only ever leave as another record of the same fields (vLLM's, in its engine)
+        # sets a maker of that record, so none is made twice. Pending events of another type
+        # are never snapshotted (encode_state(drop_pending_events=True) is such a pool's).
+        self.make_stored_event: Callable[..., Any] = new_block_stored
 
     # ------------------------------------------------------------------------ lookups
     def get_cached_block(
@@ -850,7 +856,7 @@ class BlockPool:
         kind, sliding_window = (
             metadata[kv_cache_group_id] if 0 <= kv_cache_group_id < len(metadata) else (None, None)
         )
-        return new_block_stored(
+        return self.make_stored_event(  # type: ignore[no-any-return]
             stored,
             parent,
             token_ids,

@@ -416,6 +416,8 @@ def to_vllm_events(
                     event.lookahead_token_ids,
                 )
             )
+        elif type(event) is stored:  # made as vLLM's by the core (make_stored_event)
+            append(event)
         elif type(event) is BlockRemoved:
             append(
                 removed(

@@ -50,6 +50,58 @@ if TYPE_CHECKING:
 __all__ = ["MirrorKVCacheManager", "MirrorManagerConfig"]
 
 
+def _vllm_stored_maker(
+    stored: Callable[..., Any], convert_hash: Callable[[bytes], Any]
+) -> Callable[..., Any]:
+    """A maker of vLLM's ``BlockStored`` with ``new_block_stored``'s parameters (kvcm's
+    ``BlockPool.make_stored_event``): the same fields, hashes in the engine's published form,
+    ``locality`` and ``ownership`` unset, as ``to_vllm_events`` converts kvcm's record."""
+    same = convert_hash is _same_hash
+
+    def make(  # noqa: PLR0917 (new_block_stored's positional parameters)
+        block_hashes: list[bytes],
+        parent_block_hash: bytes | None,
+        token_ids: list[int],
+        block_size: int,
+        lora_id: int | None,
+        medium: str | None,
+        lora_name: str | None,
+        extra_keys: list[tuple[Any, ...] | None] | None,
+        group_idx: int | None,
+        kv_cache_spec_kind: str | None,
+        kv_cache_spec_sliding_window: int | None,
+        session_id: str | None,
+        lookahead_token_ids: list[list[int]] | None,
+    ) -> Any:
+        if not same:
+            block_hashes = (
+                [convert_hash(block_hashes[0])]
+                if len(block_hashes) == 1
+                else [convert_hash(h) for h in block_hashes]
+            )
+            if parent_block_hash is not None:
+                parent_block_hash = convert_hash(parent_block_hash)
+        return stored(
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+            extra_keys,
+            group_idx,
+            kv_cache_spec_kind,
+            kv_cache_spec_sliding_window,
+            None,
+            None,
+            session_id,
+            lookahead_token_ids,
+        )
+
+    return make
+
+
 def _same_hash(block_hash: bytes) -> bytes:
     return block_hash
 
@@ -279,6 +331,12 @@ class MirrorKVCacheManager:
             )
         )
         core = self.core
+        if config.enable_kv_cache_events:
+            # The engine publishes vLLM's structs: the core makes them as it caches, as vLLM's
+            # pool does, instead of its own records converted in update_from_output.
+            core.block_pool.make_stored_event = _vllm_stored_maker(
+                kv_events.BlockStored, self._convert_hash
+            )
         self.use_eagle = bool(config.eagle_block_drop_group_ids)
         # vLLM's scheduler ends a prompt chunk at a request's shared-prefix junction when
         # this holds (the core's copy of vLLM's predicate; its Mamba groups key the state).
