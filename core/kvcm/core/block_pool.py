@@ -447,14 +447,13 @@ class BlockPool:
                 new_keys = keys
             if new_keys:
                 self._index_keys(new_keys)
-        stored: list[bytes] | None = None
         if self.enable_kv_cache_events:
+            stored: list[bytes]
             if skipped:
                 left_out = set(skipped)
                 stored = [h for i, h in enumerate(new_hashes) if i not in left_out]
             else:
                 stored = list(new_hashes)  # the event's own list
-        if stored is not None:
             self.kv_event_queue.append(
                 self._full_blocks_stored_event(
                     request,

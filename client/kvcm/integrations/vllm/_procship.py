@@ -53,7 +53,6 @@ from array import array
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from kvcm.core.manager import KVCacheBlocks
 from kvcm.core.program import OpKind
 from kvcm.integrations.vllm import _metrics
 from kvcm.integrations.vllm._recorder import answer_groups
@@ -200,10 +199,6 @@ class _Wire:
                     answer: Any = 0
                 elif result is None:
                     answer = None
-                elif isinstance(result, KVCacheBlocks):
-                    answer = tuple(
-                        tuple([block.block_id for block in blocks]) for blocks in result.blocks
-                    )
                 elif isinstance(result, array):  # the recorder's ids (_recorder.answer_groups)
                     answer = answer_groups(result)
                 else:

@@ -276,7 +276,11 @@ class StepRecorder:
         """
         if self._off:
             return
-        if result is not None and result is not self._no_blocks and type(result) is KVCacheBlocks:
+        if (
+            result is not None
+            and result is not self._no_blocks
+            and isinstance(result, KVCacheBlocks)
+        ):
             # Kept as ids, not as the answer's objects: the scheduler drops those by the end of
             # its turn, so a turn where every request gets a block (a decode boundary) leaves
             # no three tracked objects per request behind it for the garbage collector until
@@ -720,7 +724,7 @@ class StepRecorder:
     def _add_answer(
         self,
         expected: StepOutcome,
-        result: KVCacheBlocks | array[int] | Sequence[Sequence[int]] | None,
+        result: array[int] | Sequence[Sequence[int]] | None,
     ) -> None:
         # An ALLOCATE's answer other than "fits, no new block".
         if result is None:
@@ -728,12 +732,6 @@ class StepRecorder:
             expected.alloc_num_block_ids += self._zero_counts
             return
         expected.alloc_statuses.append(_OK)
-        if isinstance(result, KVCacheBlocks):
-            for blocks in result.blocks:
-                expected.alloc_num_block_ids.append(len(blocks))
-                if blocks:
-                    expected.alloc_block_ids.extend([block.block_id for block in blocks])
-            return
         if isinstance(result, array):  # _answer_ids: groups, the counts per group, the ids
             num_groups = result[0]
             expected.alloc_num_block_ids.extend(result[1 : 1 + num_groups])

@@ -776,6 +776,20 @@ def loop_lag_family(lag: LoopLagSnapshot) -> Metric:
     return family
 
 
+def _sampled_families(
+    names: tuple[str, ...],
+    source: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None,
+) -> Iterator[Metric]:
+    """One family per name, filled from ``source``'s samples by metric name (``(label values,
+    value)`` each, read now); every family exported, empty without a source."""
+    samples = source() if source is not None else {}
+    for name in names:
+        family = _scalar_family(name)
+        for labels, value in samples.get(name, ()):
+            family.add_metric(labels, value)
+        yield family
+
+
 class KVCMCollector:
     """Reads pool snapshots, RPC statistics and the loop's lag at scrape time.
 
@@ -912,18 +926,8 @@ class KVCMCollector:
             reclaims.add_metric([pool, lease], count)
         yield reclaims
         yield from self._journal_families()
-        cluster = self.cluster() if self.cluster is not None else {}
-        for name in _CLUSTER_METRICS:
-            cluster_family = _scalar_family(name)
-            for labels, value in cluster.get(name, ()):
-                cluster_family.add_metric(labels, value)
-            yield cluster_family
-        replication = self.replication() if self.replication is not None else {}
-        for name in _REPLICATION_METRICS:
-            replication_family = _scalar_family(name)
-            for labels, value in replication.get(name, ()):
-                replication_family.add_metric(labels, value)
-            yield replication_family
+        yield from _sampled_families(_CLUSTER_METRICS, self.cluster)
+        yield from _sampled_families(_REPLICATION_METRICS, self.replication)
         batches = _scalar_family("kvcm_zmq_event_batches_total")
         peers = _scalar_family("kvcm_zmq_event_peers")
         if self._zmq is not None:
@@ -956,12 +960,7 @@ class KVCMCollector:
             indexed.add_metric([], index.num_pools)
         yield keys
         yield indexed
-        port = self.lookup_port() if self.lookup_port is not None else {}
-        for name in _LOOKUP_PORT_METRICS:
-            port_family = _scalar_family(name)
-            for labels, value in port.get(name, ()):
-                port_family.add_metric(labels, value)
-            yield port_family
+        yield from _sampled_families(_LOOKUP_PORT_METRICS, self.lookup_port)
         build = _scalar_family("kvcm_build_info")
         build.add_metric(self._build_labels, 1)
         yield build
