@@ -402,3 +402,42 @@ def test_request_view_reads_vllms_report_mode(
     source = Request("r", [1, 2, 3], sampling_params=params, pooling_params=None)
     assert (source.kv_cache_report_mode == "full") is reported
     assert RequestView(source).report_cached_blocks is reported
+
+
+def test_request_view_reads_the_list_under_vllms_wrapper(vllm_env: None) -> None:
+    """The view reads the plain list under vLLM's ``ConstantList`` (whose len() and slices run
+    in Python, several times per allocate_slots) and follows vLLM's in-place changes to it:
+    appended output tokens and a streaming session's truncation."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+    from vllm.v1.utils import ConstantList
+
+    from kvcm.integrations.vllm._convert import RequestView
+
+    source = Request(
+        "r", [1, 2, 3], sampling_params=SamplingParams(max_tokens=8), pooling_params=None
+    )
+    assert isinstance(source.all_token_ids, ConstantList)
+    view = RequestView(source)
+    assert type(view.all_token_ids) is list
+    assert view.all_token_ids == [1, 2, 3]
+    source.append_output_token_ids([4, 5])
+    view.sync()
+    assert view.all_token_ids == [1, 2, 3, 4, 5]
+    assert view.num_tokens == source.num_tokens == 5
+    del source._all_token_ids[2:]  # what vLLM's scheduler does to a streaming session
+    view.sync()
+    assert view.all_token_ids == list(source.all_token_ids) == [1, 2]
+
+
+def test_request_view_reads_other_requests_through_all_token_ids(vllm_env: None) -> None:
+    """A request type without vLLM's private list is read through ``all_token_ids``."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvcm.integrations.vllm._convert import RequestView
+
+    source = Request("r", [7, 8], sampling_params=SamplingParams(max_tokens=8), pooling_params=None)
+    source._all_token_ids = [7, 8]  # no longer the list the wrapper holds: not trusted
+    view = RequestView(source)
+    assert view.all_token_ids is source.all_token_ids

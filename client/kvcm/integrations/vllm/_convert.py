@@ -310,7 +310,7 @@ class RequestView(Request):
         source: The vLLM request.
     """
 
-    __slots__ = ("_hash_block_size", "source")
+    __slots__ = ("_hash_block_size", "_plain_tokens", "source")
 
     def __init__(self, source: Any, hash_block_size: int = 0) -> None:
         """View ``source`` (vLLM's request); see the class docstring.
@@ -338,7 +338,15 @@ class RequestView(Request):
         self._hash_block_size = hash_block_size
         self.request_id = source.request_id
         self.prompt_token_ids = source.prompt_token_ids
-        self.all_token_ids = source.all_token_ids
+        # vLLM's ``all_token_ids`` is a read-only wrapper (``ConstantList``) whose len() and
+        # slices run in Python; the list it wraps, ``_all_token_ids``, is the same tokens
+        # (vLLM changes it in place, never rebinds it), read here at C speed. Any other
+        # request type is read through ``all_token_ids``.
+        plain = getattr(source, "_all_token_ids", None)
+        self._plain_tokens = (
+            type(plain) is list and getattr(source.all_token_ids, "_x", plain) is plain
+        )
+        self.all_token_ids = plain if self._plain_tokens else source.all_token_ids
         self.num_prompt_tokens = source.num_prompt_tokens
         self.block_hashes = source.block_hashes
         self.lora_name = None if lora is None else lora.lora_name
@@ -363,7 +371,9 @@ class RequestView(Request):
         self.num_preemptions = source.num_preemptions
         self.status = _STATUS_BY_VALUE[int(source.status)]
         # vLLM may rebind these lists (streaming input); follow it.
-        all_token_ids = self.all_token_ids = source.all_token_ids
+        all_token_ids = self.all_token_ids = (
+            source._all_token_ids if self._plain_tokens else source.all_token_ids
+        )
         hashes = source.block_hashes
         size = self._hash_block_size
         if size and len(hashes) * size > len(all_token_ids):
