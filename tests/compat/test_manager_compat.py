@@ -431,7 +431,8 @@ def test_request_view_reads_the_list_under_vllms_wrapper(vllm_env: None) -> None
 
 
 def test_request_view_reads_other_requests_through_all_token_ids(vllm_env: None) -> None:
-    """A request type without vLLM's private list is read through ``all_token_ids``."""
+    """A request whose ``_all_token_ids`` is not the list its ``all_token_ids`` wraps is read
+    through ``all_token_ids``, as one without that attribute is."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
