@@ -342,7 +342,7 @@ class RequestView(Request):
         # slices run in Python; the list it wraps, ``_all_token_ids``, is the same tokens
         # (vLLM changes it in place, never rebinds it), read here at C speed. Any other
         # request type is read through ``all_token_ids``.
-        plain = getattr(source, "_all_token_ids", None)
+        plain: Any = getattr(source, "_all_token_ids", None)
         self._plain_tokens = (
             type(plain) is list and getattr(source.all_token_ids, "_x", plain) is plain
         )
