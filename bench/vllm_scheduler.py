@@ -400,7 +400,6 @@ class _EngineProcess:
 
     def __init__(self, name: str, *args: Any) -> None:
         context = multiprocessing.get_context("spawn")
-        self.name = name
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_engine_process, args=(child, name, *args))
         self.process.start()

@@ -370,7 +370,8 @@ class RequestView(Request):
         self.num_in_flight_tokens = source.num_in_flight_tokens
         self.num_preemptions = source.num_preemptions
         self.status = _STATUS_BY_VALUE[int(source.status)]
-        # vLLM may rebind these lists (streaming input); follow it.
+        # Re-read each time: vLLM changes its lists in place (streaming input too), another
+        # request type may rebind them.
         all_token_ids = self.all_token_ids = (
             source._all_token_ids if self._plain_tokens else source.all_token_ids
         )

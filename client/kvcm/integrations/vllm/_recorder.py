@@ -276,11 +276,7 @@ class StepRecorder:
         """
         if self._off:
             return
-        if (
-            result is not None
-            and result is not self._no_blocks
-            and isinstance(result, KVCacheBlocks)
-        ):
+        if result is not self._no_blocks and isinstance(result, KVCacheBlocks):
             # Kept as ids, not as the answer's objects: the scheduler drops those by the end of
             # its turn, so a turn where every request gets a block (a decode boundary) leaves
             # no three tracked objects per request behind it for the garbage collector until
