@@ -175,6 +175,36 @@ def test_recorder_keeps_an_answer_as_ids_not_as_its_objects() -> None:
     assert answer_groups(_answer_ids(KVCacheBlocks(([], [])))) == ((), ())
 
 
+def test_building_a_step_leaves_no_garbage_for_the_collector() -> None:
+    """A built program (its columns, its op writer) is freed by reference counting once nobody
+    holds it: the mirror builds one every few engine turns, and a reference cycle there kept
+    each program until the garbage collector ran, in the engine's turns, walking its columns."""
+    sink = CollectingSink()
+    recorder = StepRecorder(sink, num_groups=1, hash_block_size=4)
+    views = [RequestView(FakeVllmRequest(f"r{index}", list(range(10)))) for index in range(4)]
+    for view in views:
+        recorder.allocate(view, 10, None, None, ([1, 2, 3],))
+        recorder.cache_blocks(view, 10)
+    recorder.evict_blocks({7})
+    recorder.free("r0", finished=True)
+    recorder.close_step()
+    gc.collect()
+    gc.disable()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        (step,) = sink.steps
+        assert step.program.ops  # built here, with its writer
+        del step
+        sink.steps.clear()
+        gc.collect()
+        kinds = {type(thing).__name__ for thing in gc.garbage}
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not kinds & {"StepProgram", "StepOutcome", "OpWriter", "_Writers"}, kinds
+
+
 def test_recorder_preempt_keeps_the_request_and_empty_steps_send_nothing() -> None:
     sink = CollectingSink()
     recorder = StepRecorder(sink, num_groups=2, hash_block_size=4)

@@ -190,16 +190,24 @@ _Put = Callable[[Any], object]
 
 
 class _Writers(dict[int, Callable[..., None]]):
-    """Per op kind, its writer, made on first use."""
+    """Per op kind, its writer, made on first use.
 
-    __slots__ = ("_make",)
+    It holds the program and the hashes kept aside, not the :class:`OpWriter`: a writer that
+    referred back to its owner would make a reference cycle, which only the garbage collector
+    frees, holding the whole program (a coalesced Step's columns) until it runs; the mirror
+    builds a program every few engine turns, and the collections that cycle set off ran in
+    the engine's turns, each walking the dead programs' columns.
+    """
 
-    def __init__(self, make: Callable[[OpColumns], Callable[..., None]]) -> None:
+    __slots__ = ("_pending", "_program")
+
+    def __init__(self, program: StepProgram, pending: list[bytes]) -> None:
         super().__init__()
-        self._make = make
+        self._program = program
+        self._pending = pending
 
     def __missing__(self, kind: int) -> Callable[..., None]:
-        writer = self[kind] = self._make(OP_TABLE[kind])
+        writer = self[kind] = _make_writer(self._program, self._pending, OP_TABLE[kind])
         return writer
 
 
@@ -222,7 +230,7 @@ class OpWriter:
         """Write into ``program`` (its columns keep what they hold)."""
         self.program = program
         self._pending: list[bytes] = []
-        self.op: dict[int, Callable[..., None]] = _Writers(self._make)
+        self.op: dict[int, Callable[..., None]] = _Writers(program, self._pending)
 
     def columns(self, kind: int) -> tuple[list[Any], ...]:
         """``kind``'s per-op columns, in the row's order (to extend them in bulk)."""
@@ -243,73 +251,75 @@ class OpWriter:
         """Keep hashes aside for the bytes column (written in bulk with :meth:`columns`)."""
         self._pending.extend(hashes)
 
-    def _make(self, row: OpColumns) -> Callable[..., None]:
-        # One closure per kind, its appends spelled out for the shapes the table has (a writer
-        # is called once per op, on the builders' hot paths); other shapes take the loop.
-        kind, program = int(row.kind), self.program
-        ops, keys = program.ops.append, program.request_keys.append
-        columns: list[tuple[_Put, _Put | None]] = []
-        for column in row.columns:
-            if sum(span.count == column for span in row.spans) > 1:
-                raise TypeError(f"{row.kind.name} ops are not written through OpWriter")
-            span = next((span for span in row.spans if span.count == column), None)
-            gather = None
-            if span is not None:
-                gather = self._pending.extend if span.hashes else getattr(program, span.data).extend
-            columns.append((getattr(program, column).append, gather))
-        shape = (row.keyed, *(gather is not None for _, gather in columns))
-        if shape == (True, False, False):
-            (first, _), (second, _) = columns
 
-            def keyed_values(k: int, a: object, b: object) -> None:
-                ops(kind)
-                keys(k)
-                first(a)
-                second(b)
+def _make_writer(program: StepProgram, pending: list[bytes], row: OpColumns) -> Callable[..., None]:
+    # One closure per kind, its appends spelled out for the shapes the table has (a writer
+    # is called once per op, on the builders' hot paths); other shapes take the loop.
+    kind = int(row.kind)
+    ops, keys = program.ops.append, program.request_keys.append
+    columns: list[tuple[_Put, _Put | None]] = []
+    for column in row.columns:
+        if sum(span.count == column for span in row.spans) > 1:
+            raise TypeError(f"{row.kind.name} ops are not written through OpWriter")
+        span = next((span for span in row.spans if span.count == column), None)
+        gather = None
+        if span is not None:
+            gather = pending.extend if span.hashes else getattr(program, span.data).extend
+        columns.append((getattr(program, column).append, gather))
+    shape = (row.keyed, *(gather is not None for _, gather in columns))
+    if shape == (True, False, False):
+        (first, _), (second, _) = columns
 
-            return keyed_values
-        if shape == (True, True, True):
-            (count1, data1), (count2, data2) = columns
-            assert data1 is not None
-            assert data2 is not None
-
-            def keyed_spans(k: int, a: Sequence[Any], b: Sequence[Any]) -> None:
-                ops(kind)
-                keys(k)
-                count1(len(a))
-                data1(a)
-                count2(len(b))
-                data2(b)
-
-            return keyed_spans
-        if shape == (True, False):
-            ((only, _),) = columns
-
-            def keyed_value(k: int, a: object) -> None:
-                ops(kind)
-                keys(k)
-                only(a)
-
-            return keyed_value
-        return self._any_shape(kind, row.keyed, columns)
-
-    def _any_shape(
-        self, kind: int, keyed: bool, columns: list[tuple[_Put, _Put | None]]
-    ) -> Callable[..., None]:
-        ops, keys = self.program.ops.append, self.program.request_keys.append
-
-        def write(*args: Any) -> None:
-            values = args[1:] if keyed else args
-            if len(values) != len(columns):
-                raise TypeError(f"op kind {kind} takes {len(columns)} column values")
+        def keyed_values(k: int, a: object, b: object) -> None:
             ops(kind)
-            if keyed:
-                keys(args[0])
-            for (put, gather), value in zip(columns, values, strict=True):
-                if gather is None:
-                    put(value)
-                else:
-                    put(len(value))
-                    gather(value)
+            keys(k)
+            first(a)
+            second(b)
 
-        return write
+        return keyed_values
+    if shape == (True, True, True):
+        (count1, data1), (count2, data2) = columns
+        assert data1 is not None
+        assert data2 is not None
+
+        def keyed_spans(k: int, a: Sequence[Any], b: Sequence[Any]) -> None:
+            ops(kind)
+            keys(k)
+            count1(len(a))
+            data1(a)
+            count2(len(b))
+            data2(b)
+
+        return keyed_spans
+    if shape == (True, False):
+        ((only, _),) = columns
+
+        def keyed_value(k: int, a: object) -> None:
+            ops(kind)
+            keys(k)
+            only(a)
+
+        return keyed_value
+    return _any_shape(program, kind, row.keyed, columns)
+
+
+def _any_shape(
+    program: StepProgram, kind: int, keyed: bool, columns: list[tuple[_Put, _Put | None]]
+) -> Callable[..., None]:
+    ops, keys = program.ops.append, program.request_keys.append
+
+    def write(*args: Any) -> None:
+        values = args[1:] if keyed else args
+        if len(values) != len(columns):
+            raise TypeError(f"op kind {kind} takes {len(columns)} column values")
+        ops(kind)
+        if keyed:
+            keys(args[0])
+        for (put, gather), value in zip(columns, values, strict=True):
+            if gather is None:
+                put(value)
+            else:
+                put(len(value))
+                gather(value)
+
+    return write
