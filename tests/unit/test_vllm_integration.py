@@ -173,6 +173,10 @@ def test_recorder_keeps_an_answer_as_ids_not_as_its_objects() -> None:
     # The shipper process reads the same notes: the ids per group.
     assert answer_groups(_answer_ids(answer)) == ((5, 9), (2,))
     assert answer_groups(_answer_ids(KVCacheBlocks(([], [])))) == ((), ())
+    assert answer_groups(_answer_ids(KVCacheBlocks(([KVCacheBlock(4)],)))) == ((4,),)
+    assert answer_groups(_answer_ids(KVCacheBlocks(([KVCacheBlock(4), KVCacheBlock(6)],)))) == (
+        (4, 6),
+    )
 
 
 def test_building_a_step_leaves_no_garbage_for_the_collector() -> None:

@@ -742,6 +742,9 @@ def _answer_ids(result: KVCacheBlocks) -> array[int]:
     """An allocation's answer as one untracked array: the number of groups, the number of new
     blocks per group, then their ids in group order."""
     groups = result.blocks
+    if len(groups) == 1 and len(groups[0]) == 1:
+        # A decode boundary's answer in a one-group pool: one block (a third of the cost).
+        return array("q", (1, 1, groups[0][0].block_id))
     ids = array("q", [len(groups)])
     ids.extend([len(blocks) for blocks in groups])
     for blocks in groups:
