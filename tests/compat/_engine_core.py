@@ -896,6 +896,10 @@ class RequestPlan:
     abort_step: int = -1
     kv_transfer_params: dict[str, Any] | None = None
     report_full: bool = False
+    resumable: bool = False
+    """A streaming-input session's request: a later plan with the same ``request_id`` is its
+    next input chunk (resumable) or ends the session (not resumable), as vLLM's client sends
+    them."""
 
 
 def plan_workload(
@@ -965,6 +969,7 @@ def _engine_request(plan: RequestPlan) -> Any:
         lora_request=lora,
         cache_salt=plan.cache_salt,
         data_parallel_rank=None,
+        resumable=plan.resumable,
     )
 
 

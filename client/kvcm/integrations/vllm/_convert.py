@@ -370,6 +370,9 @@ class RequestView(Request):
         self.num_in_flight_tokens = source.num_in_flight_tokens
         self.num_preemptions = source.num_preemptions
         self.status = _STATUS_BY_VALUE[int(source.status)]
+        # A streaming-input session's next chunk makes the prompt longer (vLLM's
+        # _update_request_as_session): the prompt's end moves with it.
+        self.num_prompt_tokens = source.num_prompt_tokens
         # Re-read each time: vLLM changes its lists in place (streaming input too), another
         # request type may rebind them.
         all_token_ids = self.all_token_ids = (
