@@ -340,15 +340,13 @@ class RequestView(Request):
         self.prompt_token_ids = source.prompt_token_ids
         # vLLM's ``all_token_ids`` is a read-only wrapper (``ConstantList``) whose len() and
         # slices run in Python; the list it wraps, ``_all_token_ids``, is the same tokens
-        # (vLLM changes it in place, never rebinds it), read here at C speed. Any other
-        # request type is read through ``all_token_ids``.
+        # (vLLM changes it in place, never rebinds it), read at C speed (sync(), below, reads
+        # the tokens, the prompt's end and the hashes). Any other request type is read
+        # through ``all_token_ids``.
         plain: Any = getattr(source, "_all_token_ids", None)
         self._plain_tokens = (
             type(plain) is list and getattr(source.all_token_ids, "_x", plain) is plain
         )
-        self.all_token_ids = plain if self._plain_tokens else source.all_token_ids
-        self.num_prompt_tokens = source.num_prompt_tokens
-        self.block_hashes = source.block_hashes
         self.lora_name = None if lora is None else lora.lora_name
         self.lora_id = None if lora is None else lora.lora_int_id
         self.lora_path = None if lora is None else lora.lora_path
@@ -364,7 +362,8 @@ class RequestView(Request):
         self.sync()
 
     def sync(self) -> None:
-        """Copy the scheduler-owned counters and the status from the vLLM request."""
+        """Copy the scheduler-owned counters, the status, the prompt's end and the token and
+        hash lists from the vLLM request."""
         source = self.source
         self.num_computed_tokens = source.num_computed_tokens
         self.num_in_flight_tokens = source.num_in_flight_tokens
