@@ -902,6 +902,26 @@ class RequestPlan:
     them."""
 
 
+def plan_streaming_session(seed: int = 3) -> list[RequestPlan]:
+    """A streaming-input session beside other requests: ``session``'s first chunk, two more
+    (one applied when it pauses, one queued behind it), then its end; ``sharer`` shares the
+    first chunk's prefix, ``late`` the whole first chunk."""
+    rng = random.Random(seed)
+
+    def tokens(count: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(VOCAB) for _ in range(count))
+
+    first = tokens(40)
+    return [
+        RequestPlan(0, "session", first, 5, resumable=True),
+        RequestPlan(1, "sharer", first[:32] + tokens(20), 30),
+        RequestPlan(14, "session", tokens(23), 6, resumable=True),  # applied when it pauses
+        RequestPlan(16, "session", tokens(17), 4, resumable=True),  # queued behind it
+        RequestPlan(40, "session", tokens(5), 3),  # not resumable: the session ends
+        RequestPlan(45, "late", first + tokens(8), 4),
+    ]
+
+
 def plan_workload(
     seed: int, num_requests: int, setup: Setup, mean_prompt: int = 160
 ) -> list[RequestPlan]:

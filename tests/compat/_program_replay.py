@@ -45,7 +45,7 @@ class ProgramReplayer:
         new_requests = iter(program.new_requests)
         alloc_index = 0
         append_index = tokens_at = hashes_at = 0
-        cache_at = remove_at = evict_at = evict_ids_at = record_at = 0
+        cache_at = remove_at = evict_at = evict_ids_at = record_at = extend_at = 0
         hash_size = 0
         for op in program.ops:
             if op == OpKind.ADD_REQUEST:
@@ -118,6 +118,14 @@ class ProgramReplayer:
                     self.requests[next(keys)], program.record_hit_tokens[record_at]
                 )
                 record_at += 1
+            elif op == OpKind.EXTEND_PROMPT:
+                request = self.requests[next(keys)]
+                end = program.extend_prompt_num_tokens[extend_at]
+                extend_at += 1
+                request.prompt_token_ids.extend(
+                    request.all_token_ids[request.num_prompt_tokens : end]
+                )
+                request.num_prompt_tokens = end
             else:
                 raise AssertionError(f"unknown op {op}")
         outcome.num_ops_executed = len(program.ops)

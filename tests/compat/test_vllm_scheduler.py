@@ -21,11 +21,10 @@ from typing import Any
 
 import pytest
 from _engine_core import (
-    VOCAB,
-    RequestPlan,
     Setup,
     assert_same_runs,
     build_engine,
+    plan_streaming_session,
     plan_workload,
     vllm_config,
     workload_scale,
@@ -332,48 +331,39 @@ def test_engine_turns_equal_vllm(case: str, kvcm_classes: tuple[type, type]) -> 
 
 
 @pytest.mark.parametrize("engine_async", [False, True], ids=["sync", "async"])
-def test_streaming_input_sessions_equal_vllm(engine_async: bool, vllm: ModuleType) -> None:
+def test_streaming_input_sessions_equal_vllm(
+    engine_async: bool, kvcm_classes: tuple[type, type]
+) -> None:
     """A streaming-input session (a resumable request, then its next input chunks under the
     same id, then its end) runs on the mirror as on vLLM's own manager, on a hybrid
-    sliding-window model: vLLM's session update drops the last sampled token, extends the
-    prompt in place and moves ``num_prompt_tokens``, which the mirror's request view must
-    follow (before it did, the turn that applied the first chunk published other events).
-
-    Only the mirror is checked: the Step program cannot yet tell the server's copy that a
-    prompt grew (docs/vllm.md, "Known differences"), so no program sink is attached."""
-    import random
-
-    from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler, NullSink
-
-    del vllm
-    base = KvcmAsyncScheduler if engine_async else KvcmScheduler
-    unshipped = type("UnshippedScheduler", (base,), {"make_step_sink": lambda *_: NullSink()})
-    rng = random.Random(3)
-
-    def tokens(count: int) -> tuple[int, ...]:
-        return tuple(rng.randrange(VOCAB) for _ in range(count))
-
-    first = tokens(40)
-    plans = [
-        RequestPlan(0, "session", first, 5, resumable=True),
-        RequestPlan(1, "sharer", first[:32] + tokens(20), 30),
-        RequestPlan(14, "session", tokens(23), 6, resumable=True),  # applied when it pauses
-        RequestPlan(16, "session", tokens(17), 4, resumable=True),  # queued behind it
-        RequestPlan(40, "session", tokens(5), 3),  # not resumable: the session ends
-        RequestPlan(45, "late", first + tokens(8), 4),
-    ]
+    sliding-window model, and on the server's copy as on the mirror: vLLM's session update
+    drops the last sampled token, extends the prompt in place and moves
+    ``num_prompt_tokens``; the mirror's request view follows it (before it did, the turn that
+    applied the first chunk published other events) and tells the pool with EXTEND_PROMPT
+    (before it did, the replayed pool drifted from the mirror one step after the chunk)."""
+    plans = plan_streaming_session()
     setup = Setup(
         num_blocks=120, max_model_len=512, sliding_window=32, async_scheduling=engine_async
     )
     reference = build_engine(setup)
-    mirrored = build_engine(setup, unshipped)
-    seen: list[int] = []
+    mirrored = build_engine(setup, _kvcm_class(engine_async, kvcm_classes))
+    seen: list[int] = []  # vLLM's prompt end after each turn
+    told: list[int] = []  # the server's copy's, after each turn
 
     def prompt_end(_turns: int, engine: Any) -> None:
         request = engine.scheduler.requests.get("session")
         if request is not None:
             seen.append(request.num_prompt_tokens)
+        pool = sink.pool
+        if pool is not None:
+            told.extend(
+                pool.requests[key].num_prompt_tokens
+                for key, request_id in pool.request_ids.items()
+                if request_id == "session"
+            )
 
+    sink = mirrored.scheduler.kv_cache_manager.recorder.sink
+    sink.mirror = mirrored.scheduler.kv_cache_manager
     try:
         tally = assert_same_runs(reference, mirrored, plans, after_turn=prompt_end)
     finally:
@@ -381,6 +371,12 @@ def test_streaming_input_sessions_equal_vllm(engine_async: bool, vllm: ModuleTyp
         reference.shutdown()
     assert tally.finished >= 3
     assert len(set(seen)) >= 3  # the first prompt and two chunks' longer ones
+    # Every step replayed and ran on Pool.run_step equal to the mirror, and the server's
+    # copy held each prompt end vLLM had (a turn later: the chunk is applied at the end of a
+    # turn and shipped with the next one's first allocation).
+    assert sink.interpreter_error is None, sink.interpreter_error
+    assert sink.num_interpreted == sink.num_steps
+    assert set(told) == set(seen)
 
 
 def test_kvcm_manager_replaces_vllms(kvcm_classes: tuple[type, type]) -> None:

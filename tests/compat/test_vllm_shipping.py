@@ -24,6 +24,7 @@ from _engine_core import (
     Setup,
     assert_same_runs,
     build_engine,
+    plan_streaming_session,
     plan_workload,
     run,
     workload_scale,
@@ -285,6 +286,85 @@ def test_remote_mode_answers_nothing_the_server_has_not_acknowledged(
         assert stats.resyncs == 0
     finally:
         mirrored.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("mode", "shipper_kind", "engine_async"),
+    [
+        ("mirror", "thread", False),
+        ("mirror", "process", True),
+        ("remote", "thread", False),
+    ],
+    ids=["mirror-thread", "mirror-process-async", "remote"],
+)
+def test_a_streaming_session_ships_its_prompt_ends(
+    mode: str, shipper_kind: str, engine_async: bool, server: EmbeddedServer, vllm: Any
+) -> None:
+    """A streaming-input session's later chunks move its prompt end on the server's copy
+    (EXTEND_PROMPT) as vLLM moves it in the engine, flushed after every turn: the server's
+    session holds vLLM's prompt tokens, every shipped step is verified, nothing is resynced,
+    and the copies are equal after every turn, on a hybrid sliding-window model (whose
+    replay boundaries read the prompt end)."""
+    from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
+
+    del vllm
+    setup = Setup(
+        num_blocks=120,
+        max_model_len=512,
+        sliding_window=32,
+        retention_interval=None,
+        async_scheduling=engine_async,
+    )
+    pool_id = f"engine-session-{mode}-{shipper_kind}"
+    config = {
+        "kvcm": {
+            "address": server.grpc_address,
+            "pool_id": pool_id,
+            "mode": mode,
+            "shipper": shipper_kind,
+        }
+    }
+    reference = build_engine(setup)
+    mirrored = build_engine(setup, KvcmAsyncScheduler if engine_async else KvcmScheduler, config)
+    manager = mirrored.scheduler.kv_cache_manager
+    seen: set[int] = set()
+    told: set[int] = set()
+
+    async def server_session() -> tuple[int, list[int]] | None:
+        pool = await server.server.state.pool(pool_id)
+        for key, request_id in pool.request_ids.items():
+            if request_id == "session":
+                request = pool.requests[key]
+                return request.num_prompt_tokens, list(request.prompt_token_ids)
+        return None
+
+    def after_turn(_turns: int, engine: Engine) -> None:
+        assert manager.flush(10.0), _shipper(engine).stats
+        assert server_pool_state(server, pool_id) == mirror_state(engine)
+        request = engine.scheduler.requests.get("session")
+        if request is not None:
+            seen.add(request.num_prompt_tokens)
+        found = server.call(server_session())
+        if found is not None:
+            end, prompt = found
+            told.add(end)
+            assert request is not None
+            assert prompt == list(request.all_token_ids[:end])
+
+    try:
+        tally = assert_same_runs(
+            reference, mirrored, plan_streaming_session(), after_turn=after_turn
+        )
+        stats = _shipper(mirrored).stats
+        print(f"{mode}/{shipper_kind}: {tally.turns} turns, prompt ends {sorted(told)}, {stats}")
+        assert stats.mismatches == 0
+        assert stats.resyncs == 0
+        assert stats.steps_verified == stats.steps_submitted
+        assert len(seen) >= 3
+        assert told == seen
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
 
 
 def _fault_run(

@@ -314,3 +314,163 @@ def test_the_outcome_names_the_delayed_allocations_that_fit_and_keeps_them_out_o
     assert restored.run_step(program).delayed_keys == [3, 2]
     outcome.delayed_keys.clear()
     assert pool.state_fingerprint() == fingerprint
+
+
+# ------------------------------------------------------------------------ EXTEND_PROMPT
+def _session(pool: Pool, key: int = 3) -> None:
+    """A request of a 20-token prompt that then appended 14 tokens (a streaming session's
+    kept outputs and next chunk)."""
+    _admit(pool, key, list(range(1, 21)))
+    pool.run_step(
+        StepProgram(
+            ops=[OpKind.APPEND_TOKENS],
+            request_keys=[key],
+            append_num_tokens=[14],
+            append_token_ids=list(range(100, 114)),
+            append_num_block_hashes=[1],
+            append_block_hashes=b"".join(
+                BlockHasher(BLOCK, pool.hashing.algorithm, pool.hashing.seed).hash_token_ids(
+                    list(range(1, 21)) + list(range(100, 114))
+                )[1:2]
+            ),
+        )
+    )
+
+
+def test_extend_prompt_moves_the_prompt_end_and_survives_a_snapshot() -> None:
+    from kvcm.core.invariants import check_pool
+
+    pool = _pool()
+    _session(pool)
+    before = pool.state_fingerprint()
+    pool.run_step(
+        StepProgram(
+            ops=[OpKind.EXTEND_PROMPT, OpKind.EXTEND_PROMPT],
+            request_keys=[3, 3],
+            extend_prompt_num_tokens=[27, 34],  # two chunks in one (coalesced) program
+        )
+    )
+    request = pool.requests[3]
+    assert request.num_prompt_tokens == 34
+    assert request.prompt_token_ids == list(range(1, 21)) + list(range(100, 114))
+    assert request.num_output_tokens == 0
+    assert pool.state_fingerprint() != before  # the prompt is state
+    check_pool(pool)
+    restored = decode_pool(encode_pool(pool), pool.name, pool.options)
+    assert restored.requests[3].num_prompt_tokens == 34
+    assert restored.state_fingerprint() == pool.state_fingerprint()
+    # The same end again changes nothing (a step replayed after a snapshot that has it).
+    after = pool.state_fingerprint()
+    pool.run_step(
+        StepProgram(ops=[OpKind.EXTEND_PROMPT], request_keys=[3], extend_prompt_num_tokens=[34])
+    )
+    assert pool.state_fingerprint() == after
+
+
+@pytest.mark.parametrize(
+    ("program", "error", "field", "op_index"),
+    [
+        # Beyond the request's tokens (34): its chunk must be appended first.
+        (
+            StepProgram(
+                ops=[OpKind.EXTEND_PROMPT], request_keys=[3], extend_prompt_num_tokens=[35]
+            ),
+            InvalidArgumentError,
+            "extend_prompt_num_tokens[0]",
+            0,
+        ),
+        # Below the prompt's end (20): a prompt only grows.
+        (
+            StepProgram(
+                ops=[OpKind.EXTEND_PROMPT], request_keys=[3], extend_prompt_num_tokens=[19]
+            ),
+            InvalidArgumentError,
+            "extend_prompt_num_tokens[0]",
+            0,
+        ),
+        # Below the end an earlier op of the same program gave it.
+        (
+            StepProgram(
+                ops=[OpKind.EXTEND_PROMPT, OpKind.EXTEND_PROMPT],
+                request_keys=[3, 3],
+                extend_prompt_num_tokens=[30, 25],
+            ),
+            InvalidArgumentError,
+            "extend_prompt_num_tokens[1]",
+            1,
+        ),
+        # Beyond the tokens even though an earlier op of the program appended some: counted.
+        (
+            StepProgram(
+                ops=[OpKind.APPEND_TOKENS, OpKind.EXTEND_PROMPT],
+                request_keys=[3, 3],
+                append_num_tokens=[2],
+                append_token_ids=[7, 8],
+                append_num_block_hashes=[0],
+                extend_prompt_num_tokens=[37],
+            ),
+            InvalidArgumentError,
+            "extend_prompt_num_tokens[0]",
+            1,
+        ),
+        (
+            StepProgram(ops=[OpKind.EXTEND_PROMPT], request_keys=[3]),
+            InvalidArgumentError,
+            "extend_prompt_num_tokens",
+            0,
+        ),
+        (
+            StepProgram(ops=[OpKind.EXTEND_PROMPT], request_keys=[9], extend_prompt_num_tokens=[1]),
+            NotFoundError,
+            "request_keys[0]",
+            0,
+        ),
+        # A value of another type (a program built past the type checker).
+        (
+            StepProgram(
+                ops=[OpKind.EXTEND_PROMPT], request_keys=[3], extend_prompt_num_tokens=[True]
+            ),
+            InvalidArgumentError,
+            "extend_prompt_num_tokens[0]",
+            0,
+        ),
+    ],
+    ids=[
+        "past-tokens",
+        "below-prompt",
+        "below-earlier",
+        "past-appended",
+        "missing",
+        "no-key",
+        "not-int",
+    ],
+)
+def test_a_refused_extend_prompt_names_its_entry_and_changes_nothing(
+    program: StepProgram, error: type[Exception], field: str, op_index: int
+) -> None:
+    pool = _pool()
+    _session(pool)
+    before = pool.state_fingerprint()
+    with pytest.raises(error) as caught:
+        pool.run_step(program)
+    assert getattr(caught.value, "field", None) == field
+    assert getattr(caught.value, "op_index", None) == op_index
+    assert pool.state_fingerprint() == before
+    assert pool.requests[3].num_prompt_tokens == 20
+
+
+def test_extend_prompt_within_the_appended_tokens_of_the_same_program() -> None:
+    pool = _pool()
+    _session(pool)
+    pool.run_step(
+        StepProgram(
+            ops=[OpKind.APPEND_TOKENS, OpKind.EXTEND_PROMPT],
+            request_keys=[3, 3],
+            append_num_tokens=[2],
+            append_token_ids=[7, 8],
+            append_num_block_hashes=[0],
+            extend_prompt_num_tokens=[36],
+        )
+    )
+    assert pool.requests[3].prompt_token_ids[-3:] == [113, 7, 8]
+    assert pool.requests[3].num_prompt_tokens == 36

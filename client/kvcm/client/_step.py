@@ -229,6 +229,13 @@ class StepBuilder:
         """
         self._writer.op[OpKind.APPEND_TOKENS](request_key, token_ids, block_hashes)
 
+    def extend_prompt(self, request_key: int, num_prompt_tokens: int) -> None:
+        """Make the request's first ``num_prompt_tokens`` tokens its prompt (EXTEND_PROMPT: a
+        streaming-input session's next chunk, vLLM's ``_update_request_as_session``). Append
+        the chunk's tokens first; the end is at least the current prompt's and at most the
+        request's tokens."""
+        self._writer.op[OpKind.EXTEND_PROMPT](request_key, num_prompt_tokens)
+
     def preempt(self, request_key: int) -> None:
         """Free the request's blocks and keep it (a preemption)."""
         self._writer.op[OpKind.PREEMPT](request_key)

@@ -38,6 +38,7 @@ from it, so a new op kind is a new row here plus its validate/execute pair in
                                                                      host_sync_group_ids
     COMMON_BLOCKS          -      common_num_keys                    common_num_keys ->
                                                                      common_keys
+    EXTEND_PROMPT          yes    extend_prompt_num_tokens           -
 
 A keyed op takes the next entry of ``request_keys``. Op number ``n`` of a kind (its ordinal
 among the program's ops of that kind) takes entry ``n`` of each of its per-op columns, so one
@@ -163,6 +164,7 @@ _ROWS: Final = (
         columns=("common_num_keys",),
         spans=(Span("common_num_keys", "common_keys"),),
     ),
+    OpColumns(OpKind.EXTEND_PROMPT, keyed=True, columns=("extend_prompt_num_tokens",)),
 )
 
 OP_TABLE: Final[Mapping[int, OpColumns]] = {int(row.kind): row for row in _ROWS}

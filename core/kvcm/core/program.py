@@ -71,6 +71,7 @@ class OpKind(enum.IntEnum):
     RELEASE_BLOCK_COPIES = 20
     HOST_SYNC = 21
     COMMON_BLOCKS = 22
+    EXTEND_PROMPT = 23
 
 
 @enum.unique
@@ -203,6 +204,7 @@ class StepProgram:
     host_sync_group_ids: list[int] = field(default_factory=list)
     common_num_keys: list[int] = field(default_factory=list)
     common_keys: list[int] = field(default_factory=list)
+    extend_prompt_num_tokens: list[int] = field(default_factory=list)
     default_num_lookahead_tokens: int = 0
     token_budget: int | None = None
     continue_on_does_not_fit: bool = False

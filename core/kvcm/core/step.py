@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Final, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeAlias
 
 from kvcm.common.errors import (
     AlreadyExistsError,
@@ -1342,6 +1342,27 @@ def _execute_common(x: _Execution) -> Handler:
     return run
 
 
+# -------------------------------------------------------------------------- EXTEND_PROMPT
+def _validate_extend(v: checks.Shadow) -> Handler:
+    prompt_ends: dict[int, tuple[list[Any], int]] = {}
+    return lambda op_index, k, n: checks.check_extend_prompt(v, op_index, k, n, prompt_ends)
+
+
+def _execute_extend(x: _Execution) -> Handler:
+    requests, keys = x.pool.requests, x.program.request_keys
+    column = x.program.extend_prompt_num_tokens
+
+    def run(op_index: int, k: int, n: int) -> None:
+        request = requests[keys[k]]
+        end = column[n]
+        start = request.num_prompt_tokens
+        if end > start:
+            request.prompt_token_ids.extend(request.all_token_ids[start:end])
+            request.num_prompt_tokens = end
+
+    return run
+
+
 _Pair: TypeAlias = tuple[Callable[[checks.Shadow], Handler], Callable[[_Execution], Handler]]
 _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.ADD_REQUEST: (_validate_add, _execute_add),
@@ -1366,6 +1387,7 @@ _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.FINISH_DEFERRED: (_validate_free, _execute_free_deferred),
     OpKind.TAKE_BLOCK_COPIES_RETAINED: (_validate_retain_copies, _execute_retain_copies),
     OpKind.RELEASE_BLOCK_COPIES: (_validate_release_copies, _execute_release_copies),
+    OpKind.EXTEND_PROMPT: (_validate_extend, _execute_extend),
 }
 """Per op kind, its validate and execute handlers' makers (one row per op table row)."""
 assert set(_PAIRS) == set(OP_TABLE), "every op kind has a validate and an execute handler"

@@ -794,6 +794,47 @@ def check_record(v: Shadow, op_index: int, k: int, index: int) -> None:
         )
 
 
+def check_extend_prompt(
+    v: Shadow, op_index: int, k: int, index: int, prompt_ends: dict[int, tuple[list[Any], int]]
+) -> None:
+    """EXTEND_PROMPT number ``index``: a live request, a prompt end between its prompt's
+    length and its tokens (after the ops before it).
+
+    Args:
+        v: The validation pass.
+        op_index: The op's position.
+        k: Its ``request_keys`` position.
+        index: Its ordinal among the program's EXTEND_PROMPTs.
+        prompt_ends: Per request key, the shadow it was checked against and the prompt end an
+            earlier EXTEND_PROMPT of this program gave it (updated here).
+    """
+    kind = OpKind.EXTEND_PROMPT
+    key, state = v.state(op_index, kind, k)
+    column = v.program.extend_prompt_num_tokens
+    if index >= len(column):
+        raise too_few(op_index, kind, "extend_prompt_num_tokens")
+    value = column[index]
+    earlier = prompt_ends.get(key)
+    request = state[4]
+    assert isinstance(request, Request)
+    prompt_end = (
+        earlier[1] if earlier is not None and earlier[0] is state else request.num_prompt_tokens
+    )
+    num_tokens = state[0]
+    if type(value) is not int or not prompt_end <= value <= num_tokens:
+        raise reject(
+            InvalidArgumentError(
+                f"extend_prompt_num_tokens[{index}]={value!r} is outside [{prompt_end}, "
+                f"{num_tokens}] (the request's prompt length and its tokens: a prompt only "
+                "grows, over tokens the request holds; append the chunk's tokens first)"
+            ),
+            op_index,
+            kind,
+            f"extend_prompt_num_tokens[{index}]",
+        )
+    prompt_ends[key] = (state, value)
+
+
 def check_consumed(
     program: StepProgram, num_keys: int, counts: Sequence[int], hash_length: int
 ) -> None:

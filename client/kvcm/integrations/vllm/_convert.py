@@ -308,9 +308,12 @@ class RequestView(Request):
 
     Attributes:
         source: The vLLM request.
+        num_first_prompt_tokens: The prompt's length when the view was made: a streaming
+            session's first chunk (``num_prompt_tokens`` follows vLLM's, which each later
+            chunk moves).
     """
 
-    __slots__ = ("_hash_block_size", "_plain_tokens", "source")
+    __slots__ = ("_hash_block_size", "_plain_tokens", "num_first_prompt_tokens", "source")
 
     def __init__(self, source: Any, hash_block_size: int = 0) -> None:
         """View ``source`` (vLLM's request); see the class docstring.
@@ -360,6 +363,7 @@ class RequestView(Request):
         self.report_cached_blocks = getattr(source, "kv_cache_report_mode", "incremental") == "full"
         self._block_hasher = None
         self.sync()
+        self.num_first_prompt_tokens = self.num_prompt_tokens
 
     def sync(self) -> None:
         """Copy the scheduler-owned counters, the status, the prompt's end and the token and

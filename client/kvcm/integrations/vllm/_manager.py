@@ -426,7 +426,10 @@ class MirrorKVCacheManager:
             view = RequestView(request, self._hash_size)
             self._views[request.request_id] = view
         else:
+            prompt_end = view.num_prompt_tokens
             view.sync()
+            if view.num_prompt_tokens != prompt_end:  # a streaming session's next chunk
+                self.recorder.extend_prompt(view)
         return view
 
     # ------------------------------------------------------------------ stats

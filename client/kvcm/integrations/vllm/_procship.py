@@ -104,7 +104,12 @@ _REPORT: Final = 6
 # Note kinds (the recorder's OpKind members; the wire carries their ints).
 _ALLOCATE: Final = OpKind.ALLOCATE
 _SYNCED: Final = frozenset(
-    {OpKind.CACHE_BLOCKS, OpKind.REMOVE_SKIPPED_BLOCKS, OpKind.RECORD_PREFIX_STATS}
+    {
+        OpKind.CACHE_BLOCKS,
+        OpKind.REMOVE_SKIPPED_BLOCKS,
+        OpKind.RECORD_PREFIX_STATS,
+        OpKind.EXTEND_PROMPT,
+    }
 )
 _FORGETS: Final = frozenset({OpKind.FINISH, OpKind.FINISH_DEFERRED})
 _PREEMPT: Final = OpKind.PREEMPT
@@ -119,7 +124,7 @@ def _meta(key: int, view: Any) -> tuple[Any, ...]:
     # What the child's view of a request keeps from its first note: the key, fixed fields.
     return (
         key,
-        view.num_prompt_tokens,
+        view.num_first_prompt_tokens,
         view.lora_id,
         view.lora_name,
         view.cache_salt,
@@ -767,7 +772,7 @@ class _ChildView:
         "key",
         "lora_id",
         "lora_name",
-        "num_prompt_tokens",
+        "num_first_prompt_tokens",
         "report_cached_blocks",
         "request_id",
         "skip_reading_prefix_cache",
@@ -777,7 +782,7 @@ class _ChildView:
         self.request_id = request_id
         (
             self.key,
-            self.num_prompt_tokens,
+            self.num_first_prompt_tokens,
             self.lora_id,
             self.lora_name,
             self.cache_salt,

@@ -63,7 +63,12 @@ _DOES_NOT_FIT = int(ItemStatus.DOES_NOT_FIT)
 # of the other kinds carry the op's own values.
 _ALLOCATE: Final = OpKind.ALLOCATE
 _SYNCED: Final = frozenset(
-    {OpKind.CACHE_BLOCKS, OpKind.REMOVE_SKIPPED_BLOCKS, OpKind.RECORD_PREFIX_STATS}
+    {
+        OpKind.CACHE_BLOCKS,
+        OpKind.REMOVE_SKIPPED_BLOCKS,
+        OpKind.RECORD_PREFIX_STATS,
+        OpKind.EXTEND_PROMPT,
+    }
 )
 # The op values the inline writes append (the op table's rows for them: APPEND_TOKENS takes
 # a key, a token span and a hash span; ALLOCATE a key and two values).
@@ -358,6 +363,25 @@ class StepRecorder:
             (OpKind.RECORD_PREFIX_STATS, view, tokens, len(tokens), hashes, len(hashes), num_hits)
         )
 
+    def extend_prompt(self, view: RequestView) -> None:
+        """Note EXTEND_PROMPT: the request's prompt grew to ``view.num_prompt_tokens`` (a
+        streaming-input session's next chunk); its tokens go first."""
+        if self._off:
+            return
+        tokens = view.all_token_ids
+        hashes = view.block_hashes
+        self._notes.append(
+            (
+                OpKind.EXTEND_PROMPT,
+                view,
+                tokens,
+                len(tokens),
+                hashes,
+                len(hashes),
+                view.num_prompt_tokens,
+            )
+        )
+
     def new_step_starts(self) -> None:
         """Note NEW_STEP_STARTS."""
         if not self._off:
@@ -634,7 +658,8 @@ class StepRecorder:
                     self._add_answer(expected, result)
             elif kind is _NEW_STEP_STARTS:  # one per step: no key, no column
                 ops(_NEW_STEP_STARTS_OP)
-            elif kind in _SYNCED:  # CACHE_BLOCKS, REMOVE_SKIPPED_BLOCKS, RECORD_PREFIX_STATS
+            elif kind in _SYNCED:  # CACHE_BLOCKS, REMOVE_SKIPPED_BLOCKS, RECORD_PREFIX_STATS,
+                # EXTEND_PROMPT
                 write[kind](self._sync_request(write, note), note[6])
             elif kind is _FINISH or kind is OpKind.PREEMPT or kind is _FINISH_DEFERRED:
                 # FINISH(_DEFERRED) forgets the request; PREEMPT keeps its tokens in the pool.
@@ -670,13 +695,15 @@ class StepRecorder:
         self, write: dict[int, Callable[..., None]], note: tuple[Any, ...]
     ) -> _Tracked:
         # ADD_REQUEST on first sight: the prompt and its hashes (the call saw at least those).
+        # The prompt as the view first saw it: a streaming session's later chunks each have
+        # their EXTEND_PROMPT note, after this one (the view's own end may have moved since).
         view, tokens, hashes, num_hashes = note[1], note[2], note[4], note[5]
         if not self._send_hashes:
             hashes = ()
             num_hashes = 0
         key = self._next_key
         self._next_key += 1
-        num_prompt = view.num_prompt_tokens
+        num_prompt = view.num_first_prompt_tokens
         num_prompt_hashes = min(
             num_hashes, max(num_prompt - self._hash_lookahead, 0) // self._hash_block_size
         )

@@ -291,6 +291,7 @@ def coalesce(steps: list[RecordedStep]) -> tuple[StepProgram, StepOutcome]:
         program.evict_num_block_ids += part.evict_num_block_ids
         program.evict_block_ids += part.evict_block_ids
         program.record_hit_tokens += part.record_hit_tokens
+        program.extend_prompt_num_tokens += part.extend_prompt_num_tokens
         program.host_sync_actions += part.host_sync_actions
         program.host_sync_num_keys += part.host_sync_num_keys
         program.host_sync_group_ids += part.host_sync_group_ids
