@@ -81,6 +81,8 @@ class SchedulerRequest(Protocol):
     @property
     def all_token_ids(self) -> Sequence[int]: ...
     @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
     def num_tokens(self) -> int: ...
     @property
     def num_computed_tokens(self) -> int: ...
@@ -121,13 +123,21 @@ class _Tracked:
     Doubles as the ``HashableRequest`` the pool's hasher reads when hashing client-side.
     """
 
-    __slots__ = ("block_hashes", "key", "num_hashes_sent", "num_tokens_sent", "request")
+    __slots__ = (
+        "block_hashes",
+        "key",
+        "num_hashes_sent",
+        "num_prompt_sent",
+        "num_tokens_sent",
+        "request",
+    )
 
     def __init__(self, request: SchedulerRequest, key: int) -> None:
         self.request = request
         self.key = key
         self.num_tokens_sent = 0
         self.num_hashes_sent = 0
+        self.num_prompt_sent = 0
         self.block_hashes: list[BlockHash] = []
 
     # HashableRequest, delegated to the scheduler's request.
@@ -160,6 +170,7 @@ class _Tracked:
 _ADDED: Final = 0
 _SENT: Final = 1
 _FREED: Final = 2
+_PROMPTED: Final = 3
 
 
 class RemoteKVCacheManager:
@@ -222,8 +233,9 @@ class RemoteKVCacheManager:
         self._free_keys: list[int] = []
         self._next_key = 0
         self._pending = StepBuilder()
-        # (op index, kind, tracked, tokens sent before, hashes sent before), per recorded op
-        # that changed the bookkeeping above: undone when the server did not run the op.
+        # (op index, kind, tracked, tokens (or prompt end) sent before, hashes sent before),
+        # per recorded op that changed the bookkeeping above: undone when the server did not
+        # run the op.
         self._journal: list[tuple[int, int, _Tracked, int, int]] = []
         self._out_of_sync: ServiceError | None = None
         self._events = (
@@ -240,6 +252,8 @@ class RemoteKVCacheManager:
             tracked = self._add(request)
         if request.num_tokens != tracked.num_tokens_sent:
             self._send_tokens(tracked)
+        if request.num_prompt_tokens != tracked.num_prompt_sent:
+            self._send_prompt_end(tracked)
         return tracked
 
     def _add(self, request: SchedulerRequest) -> _Tracked:
@@ -263,6 +277,7 @@ class RemoteKVCacheManager:
         )
         tracked.num_tokens_sent = num_prompt
         tracked.num_hashes_sent = num_prompt_hashes
+        tracked.num_prompt_sent = num_prompt
         self._by_id[request.request_id] = tracked
         return tracked
 
@@ -301,6 +316,15 @@ class RemoteKVCacheManager:
         )
         tracked.num_tokens_sent = num_tokens
         tracked.num_hashes_sent = num_hashes
+
+    def _send_prompt_end(self, tracked: _Tracked) -> None:
+        # A streaming-input session's next chunk (vLLM's _update_request_as_session) made
+        # the prompt longer: its tokens went first (_send_tokens), now its end.
+        pending = self._pending
+        self._journal.append((pending.num_ops, _PROMPTED, tracked, tracked.num_prompt_sent, 0))
+        num_prompt = tracked.request.num_prompt_tokens
+        pending.extend_prompt(tracked.key, num_prompt)
+        tracked.num_prompt_sent = num_prompt
 
     def _known(self, request_id: str) -> _Tracked:
         tracked = self._by_id.get(request_id)
@@ -351,6 +375,8 @@ class RemoteKVCacheManager:
             elif kind == _SENT:
                 tracked.num_tokens_sent = tokens_before
                 tracked.num_hashes_sent = hashes_before
+            elif kind == _PROMPTED:
+                tracked.num_prompt_sent = tokens_before
             else:
                 self._by_id[request_id] = tracked
 
