@@ -14,6 +14,7 @@ from kvcm.client._errors import ServiceInvalidArgumentError
 from kvcm.common.errors import InvalidArgumentError
 from kvcm.common.hashing import BlockHasher
 from kvcm.core.pool import Pool
+from kvcm.server.embedded import EmbeddedServer
 from kvcm.wire import program_from_proto, program_to_proto
 
 
@@ -28,7 +29,7 @@ def _config() -> PoolConfig:
 
 
 def test_extend_prompt_over_grpc_moves_the_server_prompt_as_in_process(
-    client: SchedulerClient,
+    client: SchedulerClient, kvcm_server: EmbeddedServer
 ) -> None:
     client.create_pool("extend-prompt", _config())
     local = Pool("extend-prompt", _config())
@@ -54,6 +55,14 @@ def test_extend_prompt_over_grpc_moves_the_server_prompt_as_in_process(
         assert remote.statuses == [ItemStatus.OK]
     assert local.requests[1].num_prompt_tokens == 50
 
+    async def server_prompt() -> list[int]:
+        pool = await kvcm_server.server.state.pool("extend-prompt")
+        request = pool.requests[1]
+        assert request.num_prompt_tokens == len(request.prompt_token_ids)
+        return list(request.prompt_token_ids)
+
+    assert kvcm_server.call(server_prompt()) == prompt + chunk
+
     def extend(end: int) -> StepBuilder:
         builder = StepBuilder()
         builder.extend_prompt(1, end)
@@ -70,5 +79,7 @@ def test_extend_prompt_over_grpc_moves_the_server_prompt_as_in_process(
             local.run_step(extend(end).build())
         assert local_info.value.field == "extend_prompt_num_tokens[0]"
     assert local.state_fingerprint() == before
+    assert kvcm_server.call(server_prompt()) == prompt + chunk
     # The server's end is 50: the same end again is accepted (a no-op).
     client.step("extend-prompt", extend(50))
+    client.delete_pool("extend-prompt")

@@ -9,28 +9,14 @@ in-process manager on a hybrid sliding-window pool, every answer is the same.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-
 from kvcm.client import PoolConfig, RemoteKVCacheManager, SchedulerClient
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
 from kvcm.common.specs import FullAttentionSpec, SlidingWindowSpec
 from kvcm.core import KVCacheManager, KVCacheManagerConfig, Request
-from kvcm.server.embedded import EmbeddedServer, start_embedded_server
-from kvcm.server.settings import ServerSettings
+from kvcm.server.embedded import EmbeddedServer
 
 MAX_MODEL_LEN = 1024
-
-
-@pytest.fixture
-def server() -> Iterator[EmbeddedServer]:
-    embedded = start_embedded_server(ServerSettings(grpc_address="127.0.0.1:0", http_address=""))
-    try:
-        yield embedded
-    finally:
-        embedded.stop()
 
 
 def _layout() -> KVCacheConfig:
@@ -61,7 +47,8 @@ def _next_chunk(request: Request, chunk: list[int]) -> None:
     request.num_prompt_tokens = len(request.prompt_token_ids)
 
 
-def test_a_session_chunk_moves_the_server_prompt_end(server: EmbeddedServer) -> None:
+def test_a_session_chunk_moves_the_server_prompt_end(kvcm_server: EmbeddedServer) -> None:
+    server = kvcm_server
     layout = _layout()
     pool_id = "remote-sessions"
     with SchedulerClient(server.grpc_address) as client:
@@ -122,3 +109,4 @@ def test_a_session_chunk_moves_the_server_prompt_end(server: EmbeddedServer) -> 
         assert ends == sorted(set(ends))
         assert ends[0] > len(prompt)
         remote.close()
+        client.delete_pool(pool_id)

@@ -337,6 +337,18 @@ def _session(pool: Pool, key: int = 3) -> None:
     )
 
 
+def _append_then_extend(end: int) -> StepProgram:
+    """Two more tokens for request 3, then its prompt end at ``end``."""
+    return StepProgram(
+        ops=[OpKind.APPEND_TOKENS, OpKind.EXTEND_PROMPT],
+        request_keys=[3, 3],
+        append_num_tokens=[2],
+        append_token_ids=[7, 8],
+        append_num_block_hashes=[0],
+        extend_prompt_num_tokens=[end],
+    )
+
+
 def test_extend_prompt_moves_the_prompt_end_and_survives_a_snapshot() -> None:
     from kvcm.core.invariants import check_pool
 
@@ -401,14 +413,7 @@ def test_extend_prompt_moves_the_prompt_end_and_survives_a_snapshot() -> None:
         ),
         # Beyond the tokens even though an earlier op of the program appended some: counted.
         (
-            StepProgram(
-                ops=[OpKind.APPEND_TOKENS, OpKind.EXTEND_PROMPT],
-                request_keys=[3, 3],
-                append_num_tokens=[2],
-                append_token_ids=[7, 8],
-                append_num_block_hashes=[0],
-                extend_prompt_num_tokens=[37],
-            ),
+            _append_then_extend(37),
             InvalidArgumentError,
             "extend_prompt_num_tokens[0]",
             1,
@@ -462,15 +467,6 @@ def test_a_refused_extend_prompt_names_its_entry_and_changes_nothing(
 def test_extend_prompt_within_the_appended_tokens_of_the_same_program() -> None:
     pool = _pool()
     _session(pool)
-    pool.run_step(
-        StepProgram(
-            ops=[OpKind.APPEND_TOKENS, OpKind.EXTEND_PROMPT],
-            request_keys=[3, 3],
-            append_num_tokens=[2],
-            append_token_ids=[7, 8],
-            append_num_block_hashes=[0],
-            extend_prompt_num_tokens=[36],
-        )
-    )
+    pool.run_step(_append_then_extend(36))
     assert pool.requests[3].prompt_token_ids[-3:] == [113, 7, 8]
     assert pool.requests[3].num_prompt_tokens == 36

@@ -310,41 +310,15 @@ class StepRecorder:
 
     def cache_blocks(self, view: RequestView, num_computed_tokens: int) -> None:
         """Note one cache_blocks call."""
-        if self._off:
-            return
-        tokens = view.all_token_ids
-        hashes = view.block_hashes
-        self._notes.append(
-            (
-                OpKind.CACHE_BLOCKS,
-                view,
-                tokens,
-                len(tokens),
-                hashes,
-                len(hashes),
-                num_computed_tokens,
-            )
-        )
+        if not self._off:
+            self._note_synced(OpKind.CACHE_BLOCKS, view, num_computed_tokens)
 
     def remove_skipped_blocks(self, view: RequestView, total_computed_tokens: int) -> None:
         """Note one remove_skipped_blocks call (the request must hold blocks). The request's
         tokens go first: vLLM counts tokens an asynchronous step sampled after the request's
         last allocation (a KV connector's request_finished), which the pool must know of."""
-        if self._off:
-            return
-        tokens = view.all_token_ids
-        hashes = view.block_hashes
-        self._notes.append(
-            (
-                OpKind.REMOVE_SKIPPED_BLOCKS,
-                view,
-                tokens,
-                len(tokens),
-                hashes,
-                len(hashes),
-                total_computed_tokens,
-            )
-        )
+        if not self._off:
+            self._note_synced(OpKind.REMOVE_SKIPPED_BLOCKS, view, total_computed_tokens)
 
     def free(self, request_id: str, *, finished: bool, deferred: bool = False) -> None:
         """Note a free: FINISH forgets the request, PREEMPT keeps its tokens in the pool;
@@ -355,32 +329,21 @@ class StepRecorder:
 
     def record_prefix_stats(self, view: RequestView, num_hits: int) -> None:
         """Note RECORD_PREFIX_STATS (vLLM counted an admitted request's lookup)."""
-        if self._off:
-            return
-        tokens = view.all_token_ids
-        hashes = view.block_hashes
-        self._notes.append(
-            (OpKind.RECORD_PREFIX_STATS, view, tokens, len(tokens), hashes, len(hashes), num_hits)
-        )
+        if not self._off:
+            self._note_synced(OpKind.RECORD_PREFIX_STATS, view, num_hits)
 
     def extend_prompt(self, view: RequestView) -> None:
         """Note EXTEND_PROMPT: the request's prompt grew to ``view.num_prompt_tokens`` (a
         streaming-input session's next chunk); its tokens go first."""
-        if self._off:
-            return
+        if not self._off:
+            self._note_synced(OpKind.EXTEND_PROMPT, view, view.num_prompt_tokens)
+
+    def _note_synced(self, kind: OpKind, view: RequestView, value: int) -> None:
+        # A note of the _SYNCED kinds: the request's lists and their lengths now (the request
+        # is brought up to date before the op), and the op's one value.
         tokens = view.all_token_ids
         hashes = view.block_hashes
-        self._notes.append(
-            (
-                OpKind.EXTEND_PROMPT,
-                view,
-                tokens,
-                len(tokens),
-                hashes,
-                len(hashes),
-                view.num_prompt_tokens,
-            )
-        )
+        self._notes.append((kind, view, tokens, len(tokens), hashes, len(hashes), value))
 
     def new_step_starts(self) -> None:
         """Note NEW_STEP_STARTS."""
