@@ -97,6 +97,8 @@ class Replica:
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
         self.process: subprocess.Popen[bytes] | None = None
+        self._env: dict[str, str] | None = None
+        self._served = False
         if data_dir is not None:
             self.log_path = data_dir.with_name(data_dir.name + ".log")
         else:
@@ -112,6 +114,8 @@ class Replica:
             self._popen(log)
 
     def _popen(self, log: io.BufferedWriter) -> None:
+        if self._env is None:  # the first spawn's environment, for a respawn on other ports
+            self._env = dict(os.environ)
         self.process = subprocess.Popen(
             [*CLI, "serve", "--grpc-address", self.address,
              "--http-address", f"127.0.0.1:{self.http_port}",
@@ -119,7 +123,7 @@ class Replica:
              "--etcd-lease-ttl-s", str(self.lease_ttl_s), "--etcd-timeout-s", "1",
              "--cluster-fanout-timeout-s", "1", "--log-level", LOG_LEVEL,
              *(["--data-dir", str(self.data_dir)] if self.data_dir is not None else [])],
-            stdout=subprocess.DEVNULL, stderr=log, env=dict(os.environ),
+            stdout=subprocess.DEVNULL, stderr=log, env=self._env,
         )  # fmt: skip
 
     def log_tail(self, lines: int = 60) -> str:
@@ -136,18 +140,34 @@ class Replica:
             self.process.send_signal(signal.SIGUSR1)
 
     def wait_serving(self) -> None:
+        """Wait until the replica answers. On its first start only, a port that another
+        process took between :func:`free_port` and the bind (xdist workers pick ports at
+        once) is replaced and the replica spawned again, up to three times; a restart keeps
+        its ports (routers and peers know them)."""
+        for attempt in range(3):
+            if self._wait() or attempt == 2:
+                break
+            self.address = f"127.0.0.1:{free_port()}"
+            self.http_port = free_port()
+            self.spawn()
+        self._served = True
+
+    def _wait(self) -> bool:
+        # True once serving; False when a first start lost a port race (spawn again).
         assert self.process is not None
         started = time.monotonic()
         with SchedulerClient(self.address, timeout=2.0) as client:
             while True:
                 try:
                     client.list_pools()
-                    return
+                    return True
                 except Exception:
                     if self.process.poll() is not None:
+                        tail = self.log_tail()
+                        if not self._served and "Address already in use" in tail:
+                            return False
                         raise AssertionError(
-                            f"kvcm serve exited; its log ({self.log_path}) ends:\n"
-                            + self.log_tail()
+                            f"kvcm serve exited; its log ({self.log_path}) ends:\n" + tail
                         ) from None
                     assert time.monotonic() - started < 60, "kvcm serve did not come up"
                     time.sleep(0.05)
