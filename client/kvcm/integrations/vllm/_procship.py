@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from kvcm.core.program import OpKind
 from kvcm.integrations.vllm import _metrics
-from kvcm.integrations.vllm._recorder import answer_groups
+from kvcm.integrations.vllm._recorder import SYNCED_KINDS, answer_groups
 from kvcm.integrations.vllm._shipper import ShipperStats, ShippingLag
 
 if TYPE_CHECKING:
@@ -103,14 +103,7 @@ _REPORT: Final = 6
 
 # Note kinds (the recorder's OpKind members; the wire carries their ints).
 _ALLOCATE: Final = OpKind.ALLOCATE
-_SYNCED: Final = frozenset(
-    {
-        OpKind.CACHE_BLOCKS,
-        OpKind.REMOVE_SKIPPED_BLOCKS,
-        OpKind.RECORD_PREFIX_STATS,
-        OpKind.EXTEND_PROMPT,
-    }
-)
+_SYNCED: Final = SYNCED_KINDS  # the recorder's: the notes this encoder carries alike
 _FORGETS: Final = frozenset({OpKind.FINISH, OpKind.FINISH_DEFERRED})
 _PREEMPT: Final = OpKind.PREEMPT
 _KINDS: Final = {int(kind): kind for kind in OpKind}

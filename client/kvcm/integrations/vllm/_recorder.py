@@ -54,15 +54,15 @@ if TYPE_CHECKING:
     from kvcm.integrations.vllm._convert import RequestView
     from kvcm.integrations.vllm._sinks import StepSink
 
-__all__ = ["RecordedStep", "StepRecorder"]
+__all__ = ["SYNCED_KINDS", "RecordedStep", "StepRecorder"]
 
 _OK = int(ItemStatus.OK)
 _DOES_NOT_FIT = int(ItemStatus.DOES_NOT_FIT)
-# A note is ``(op kind, ...)``. ALLOCATE notes and notes of the _SYNCED kinds carry the
+# A note is ``(op kind, ...)``. ALLOCATE notes and notes of SYNCED_KINDS carry the
 # request's view and what it held when noted (the request is brought up to date first); notes
 # of the other kinds carry the op's own values.
 _ALLOCATE: Final = OpKind.ALLOCATE
-_SYNCED: Final = frozenset(
+SYNCED_KINDS: Final = frozenset(
     {
         OpKind.CACHE_BLOCKS,
         OpKind.REMOVE_SKIPPED_BLOCKS,
@@ -339,8 +339,8 @@ class StepRecorder:
             self._note_synced(OpKind.EXTEND_PROMPT, view, view.num_prompt_tokens)
 
     def _note_synced(self, kind: OpKind, view: RequestView, value: int) -> None:
-        # A note of the _SYNCED kinds: the request's lists and their lengths now (the request
-        # is brought up to date before the op), and the op's one value.
+        # A note of SYNCED_KINDS: the request's lists and their lengths now (the request is
+        # brought up to date before the op), and the op's one value.
         tokens = view.all_token_ids
         hashes = view.block_hashes
         self._notes.append((kind, view, tokens, len(tokens), hashes, len(hashes), value))
@@ -488,7 +488,7 @@ class StepRecorder:
                 for note in step._notes:
                     if note[0] is _FINISH or note[0] is _FINISH_DEFERRED:  # the id may return
                         sent[note[1]] = 0
-                    elif note[0] is _ALLOCATE or note[0] in _SYNCED:
+                    elif note[0] is _ALLOCATE or note[0] in SYNCED_KINDS:
                         request_id = note[1].request_id
                         before = sent.get(request_id)
                         if before is None:
@@ -621,8 +621,7 @@ class StepRecorder:
                     self._add_answer(expected, result)
             elif kind is _NEW_STEP_STARTS:  # one per step: no key, no column
                 ops(_NEW_STEP_STARTS_OP)
-            elif kind in _SYNCED:  # CACHE_BLOCKS, REMOVE_SKIPPED_BLOCKS, RECORD_PREFIX_STATS,
-                # EXTEND_PROMPT
+            elif kind in SYNCED_KINDS:  # one value after the request's key
                 write[kind](self._sync_request(write, note), note[6])
             elif kind is _FINISH or kind is OpKind.PREEMPT or kind is _FINISH_DEFERRED:
                 # FINISH(_DEFERRED) forgets the request; PREEMPT keeps its tokens in the pool.
