@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvcm.client import SchedulerClient
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.settings import ServerSettings
 
@@ -58,3 +59,11 @@ def kvcm_address(kvcm_server: RunningServer) -> str:
 def kvcm_http_address(kvcm_server: RunningServer) -> str:
     """``host:port`` of the session server's HTTP side."""
     return kvcm_server.http_address
+
+
+@pytest.fixture
+def client(kvcm_address: str) -> Iterator[SchedulerClient]:
+    """A scheduler SDK client of the session server (10 s per call, so a hung call fails the
+    test instead of the run)."""
+    with SchedulerClient(kvcm_address, timeout=10.0) as sdk:
+        yield sdk

@@ -4,8 +4,6 @@ that name the entry and change nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from test_sdk_trace import full_attention_layout
 
@@ -16,12 +14,6 @@ from kvcm.common.hashing import BlockHasher
 from kvcm.core.pool import Pool
 from kvcm.server.embedded import EmbeddedServer
 from kvcm.wire import program_from_proto, program_to_proto
-
-
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as client:
-        yield client
 
 
 def _config() -> PoolConfig:

@@ -3,8 +3,6 @@ in process, the copies in the answer, and rejections that name the field and cha
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from test_sdk_trace import full_attention_layout
 
@@ -18,12 +16,6 @@ from kvcm.common.errors import (
 )
 from kvcm.core.pool import Pool
 from kvcm.wire import program_from_proto
-
-
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as client:
-        yield client
 
 
 def _config() -> PoolConfig:

@@ -9,10 +9,7 @@ tokens the tier holds (``tier_hit_tokens["CPU"]``) through the wire's tier colum
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcm.client import SchedulerClient
@@ -25,12 +22,6 @@ from kvcm.core.pool import PoolConfig
 BLOCK_SIZE = 16
 SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=DType.BFLOAT16)
 POOL = "host-tier-pool"
-
-
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as client:
-        yield client
 
 
 def _admit_and_finish(client: SchedulerClient, key: int, prompt: list[int]) -> None:

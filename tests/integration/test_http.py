@@ -39,12 +39,6 @@ def http(kvcm_http_address: str) -> Iterator[httpx.Client]:
         yield client
 
 
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as client:
-        yield client
-
-
 def _scrape(http: httpx.Client) -> tuple[set[str], Samples]:
     """Family names and every sample of one real scrape."""
     response = http.get("/metrics")

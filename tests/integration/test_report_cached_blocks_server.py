@@ -9,7 +9,6 @@ by the SDK, naming the field, before anything travels.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,12 +40,6 @@ LAYOUT = KVCacheConfig(
     ),
 )
 PROMPT = list(range(100, 150))  # three full blocks and a partial one
-
-
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address, timeout=10.0) as client:
-        yield client
 
 
 def _view(event: KVCacheEvent) -> tuple[object, ...]:

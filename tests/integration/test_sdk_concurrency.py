@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 
-import pytest
 from workload import ReplayScheduler, WorkloadOptions, make_workload
 
 from kvcm.client import (
@@ -67,12 +65,6 @@ def _replay(client: SchedulerClient, pool_id: str) -> Fingerprint:
     assert scheduler.done
     client.delete_pool(pool_id)
     return _fingerprint(stats.results)
-
-
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as client:
-        yield client
 
 
 def test_threads_drive_pools_concurrently(client: SchedulerClient, kvcm_address: str) -> None:

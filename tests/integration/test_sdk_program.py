@@ -3,8 +3,6 @@ answers exactly what the server answers over gRPC, and a rejected program change
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from test_sdk_trace import full_attention_layout
 
@@ -12,12 +10,6 @@ from kvcm.client import ItemStatus, PoolConfig, SchedulerClient, StepBuilder, St
 from kvcm.client._errors import ServiceError
 from kvcm.common.hashing import BlockHasher
 from kvcm.core.pool import Pool
-
-
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as client:
-        yield client
 
 
 def _config() -> PoolConfig:

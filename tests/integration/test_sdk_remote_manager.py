@@ -7,7 +7,6 @@ blocks, "does not fit", block tables, usage, events) must be the same.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -206,12 +205,6 @@ def _event_view(event: KVCacheEvent) -> tuple[object, ...]:
         return ("removed", event.block_hashes, event.group_idx)
     assert isinstance(event, AllBlocksCleared)
     return ("cleared",)
-
-
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as client:
-        yield client
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["per-call", "allocate_slots_many"])

@@ -10,8 +10,6 @@ pool's free blocks and the prefix-cache counters.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from workload import ReplayScheduler, WorkloadOptions, make_workload
 
@@ -264,12 +262,6 @@ def _compare(step: int, remote: StepResult, local: StepResult) -> None:
         remote_blocks: KVCacheBlocks | None = remote.blocks(index)
         assert remote_blocks == local.blocks(index), f"{where} allocation {index}"
         assert remote.lookup(index) == local.lookup(index), f"{where} allocation {index}"
-
-
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as client:
-        yield client
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

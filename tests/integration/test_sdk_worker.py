@@ -46,12 +46,6 @@ def _hybrid_specs() -> dict[str, KVCacheSpec]:
     return {f"model.layers.{i}.attn": full if i % 2 else window for i in range(4)}
 
 
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as client:
-        yield client
-
-
 def _register_concurrently(
     address: str, pool_id: str, specs: Mapping[str, KVCacheSpec], memory: list[int]
 ) -> list[WorkerRegistration]:

@@ -43,12 +43,6 @@ CONFIG = PoolConfig(
 )
 
 
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address, timeout=10.0) as client:
-        yield client
-
-
 def _churn(client: SchedulerClient, pool_id: str, rounds: int) -> None:
     """Admit and finish requests of distinct prompts: stores, and evictions once full."""
     hasher = client.block_hasher(pool_id)

@@ -37,12 +37,6 @@ LAYOUT = KVCacheConfig(
 )
 
 
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address, timeout=10.0) as client:
-        yield client
-
-
 def _config(**overrides: object) -> PoolConfig:
     return PoolConfig(
         max_model_len=1024,

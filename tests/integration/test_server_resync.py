@@ -7,7 +7,6 @@ uploads is built the same way); the server's pool must then answer as that pool 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -40,12 +39,6 @@ CONFIG = PoolConfig(
     ),
 )
 HASHER = BlockHasher(16, CONFIG.hash_algorithm, "resync")
-
-
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as sdk:
-        yield sdk
 
 
 def _admitted_pool() -> tuple[Pool, list[int]]:

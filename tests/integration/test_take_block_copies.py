@@ -5,9 +5,7 @@ a later Step (docs/mamba.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
-import pytest
+from collections.abc import Callable
 
 from kvcm.client import PoolConfig, SchedulerClient, StepBuilder, StepResult
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
@@ -22,12 +20,6 @@ BLOCK = 256
 HASH_BLOCK = 64
 SHARED = list(range(1000, 1200))  # 200 tokens: the last hash boundary (192) inside block 0
 OTHER = SHARED[:192] + list(range(5000, 5100))  # a hit of 192 tokens: a sub-block hit
-
-
-@pytest.fixture
-def client(kvcm_address: str) -> Iterator[SchedulerClient]:
-    with SchedulerClient(kvcm_address) as client:
-        yield client
 
 
 def _config() -> PoolConfig:
