@@ -46,6 +46,7 @@ class ProgramReplayer:
         alloc_index = 0
         append_index = tokens_at = hashes_at = 0
         cache_at = remove_at = evict_at = evict_ids_at = record_at = extend_at = 0
+        report_at = report_blocks_at = 0
         hash_size = 0
         for op in program.ops:
             if op == OpKind.ADD_REQUEST:
@@ -57,6 +58,7 @@ class ProgramReplayer:
                     lora_id=spec.lora_id,
                     cache_salt=spec.cache_salt,
                     skip_reading_prefix_cache=spec.skip_reading_prefix_cache,
+                    report_cached_blocks=spec.report_cached_blocks,
                 )
                 lookahead = manager.block_pool.num_hash_lookahead_tokens
                 count = max(len(spec.prompt_token_ids) - lookahead, 0) // manager.hash_block_size
@@ -126,6 +128,14 @@ class ProgramReplayer:
                     request.all_token_ids[request.num_prompt_tokens : end]
                 )
                 request.num_prompt_tokens = end
+            elif op == OpKind.REPORT_HIT:
+                request = self.requests[next(keys)]
+                count = program.report_hit_num_groups[report_at]
+                report_at += 1
+                counts = program.report_hit_num_blocks[report_blocks_at : report_blocks_at + count]
+                report_blocks_at += count
+                if request.report_cached_blocks and manager.block_pool.enable_kv_cache_events:
+                    manager.coordinator.emit_cached_block_counts(request, counts)
             else:
                 raise AssertionError(f"unknown op {op}")
         outcome.num_ops_executed = len(program.ops)

@@ -12,7 +12,7 @@ import pytest
 
 from kvcm.common.config import KVCacheConfig, KVCacheGroupSpec
 from kvcm.common.dtypes import DType
-from kvcm.common.errors import InvalidArgumentError
+from kvcm.common.errors import InvalidArgumentError, NotFoundError
 from kvcm.common.events import BlockStored
 from kvcm.common.hashing import BlockHasher
 from kvcm.common.specs import FullAttentionSpec
@@ -163,3 +163,88 @@ def test_a_hit_past_the_last_hashed_block_is_reported_up_to_it() -> None:
     assert (event.block_size, event.group_idx, event.parent_block_hash) == (8, 1, None)
     pool.emit_cached_block_events(request, 0, 8, 1)
     assert pool.take_events() == []
+
+
+def _state(pool: Pool) -> list[object]:
+    """The pool's snapshot sections, without the block pool's count of events taken."""
+    sections = decode_sections(encode_pool(pool))
+    sections[0].pop("num_events_taken")
+    return sections
+
+
+def _report(key: int, *counts: object) -> StepProgram:
+    return StepProgram(
+        ops=[OpKind.REPORT_HIT],
+        request_keys=[key],
+        report_hit_num_groups=[len(counts)],
+        report_hit_num_blocks=list(counts),  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("report", [False, True])
+def test_the_report_hit_op_publishes_what_the_lookup_publishes(report: bool) -> None:
+    # The vLLM mirror looks requests up itself and sends REPORT_HIT where its lookup reported:
+    # the pool publishes the same event as its own lookup of the request, and only for a
+    # request that asked for reports.
+    pool = Pool("p", _options())
+    _warm(pool)
+    assert pool.manager is not None
+    pool.add_request(2, "again", PROMPT, _hashes(pool, PROMPT), report_cached_blocks=report)
+    pool.get_computed_blocks(2, None)
+    looked_up = pool.manager.take_events()
+    assert len(looked_up) == int(report)
+    before = _state(pool)
+    pool.run_step(_report(2, 2))
+    assert pool.manager.take_events() == looked_up
+    assert _state(pool) == before  # a report changes nothing but the count of events
+    pool.run_step(_report(2, 0))  # a group that did not hit publishes nothing
+    assert pool.manager.take_events() == []
+
+
+def test_the_report_hit_op_publishes_nothing_with_events_off() -> None:
+    quiet = Pool("q", _options(events=False))
+    _warm(quiet)
+    quiet.add_request(2, "again", PROMPT, _hashes(quiet, PROMPT), report_cached_blocks=True)
+    quiet.run_step(_report(2, 2))
+    assert quiet.manager is not None
+    assert quiet.manager.take_events() == []
+
+
+@pytest.mark.parametrize(
+    ("program", "error", "field"),
+    [
+        # One count per group (the pool has one).
+        (_report(2, 1, 1), InvalidArgumentError, "report_hit_num_groups[0]"),
+        (_report(2), InvalidArgumentError, "report_hit_num_groups[0]"),
+        # At most the blocks over the request's 10 tokens (3 of 4 tokens each).
+        (_report(2, 4), InvalidArgumentError, "report_hit_num_blocks[0]"),
+        (_report(2, -1), InvalidArgumentError, "report_hit_num_blocks[0]"),
+        (_report(2, 1.0), InvalidArgumentError, "report_hit_num_blocks[0]"),
+        (
+            StepProgram(ops=[OpKind.REPORT_HIT], request_keys=[2], report_hit_num_groups=[1]),
+            InvalidArgumentError,
+            "report_hit_num_blocks",
+        ),
+        (
+            StepProgram(ops=[OpKind.REPORT_HIT], request_keys=[2]),
+            InvalidArgumentError,
+            "report_hit_num_groups",
+        ),
+        (_report(9, 1), NotFoundError, "request_keys[0]"),
+    ],
+    ids=["two-counts", "no-count", "past-tokens", "negative", "not-int", "short", "none", "key"],
+)
+def test_a_refused_report_hit_names_its_entry_and_publishes_nothing(
+    program: StepProgram, error: type[Exception], field: str
+) -> None:
+    pool = Pool("p", _options())
+    _warm(pool)
+    pool.add_request(2, "again", PROMPT, _hashes(pool, PROMPT), report_cached_blocks=True)
+    before = _state(pool)
+    with pytest.raises(error) as caught:
+        pool.run_step(program)
+    assert getattr(caught.value, "field", None) == field
+    assert getattr(caught.value, "op_index", None) == 0
+    assert _state(pool) == before
+    assert pool.manager is not None
+    assert pool.manager.take_events() == []

@@ -398,14 +398,17 @@ class KVCacheCoordinator:
             else:
                 manager.cache_blocks(request, num_tokens, boundaries, junction=junction)
 
-    def emit_cached_block_events(
-        self, request: Request, blocks: tuple[list[KVCacheBlock], ...]
-    ) -> None:
-        """Report a hit's blocks as stored, one event per group that hit (vLLM's "full" mode)."""
-        for manager, group_blocks in zip(self.single_type_managers, blocks, strict=True):
-            if group_blocks:
+    def emit_cached_block_counts(self, request: Request, counts: Sequence[int]) -> None:
+        """Report a hit's blocks as stored, one event per group that hit (vLLM's "full" mode).
+
+        Args:
+            request: The request whose lookup hit.
+            counts: Per group, the hit's length in blocks (null blocks included).
+        """
+        for manager, count in zip(self.single_type_managers, counts, strict=True):
+            if count:
                 self.block_pool.emit_cached_block_events(
-                    request, len(group_blocks), manager.block_size, manager.kv_cache_group_id
+                    request, count, manager.block_size, manager.kv_cache_group_id
                 )
 
     def set_shared_prefix_boundary(self, request_id: str, boundary: int) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final, Literal, NamedTuple, overload
 
@@ -400,6 +400,10 @@ class KVCacheManager:
         retained_copy_batches: Drained block copies whose blocks stay referenced until
             :meth:`release_block_copies` (per drain, both ends of each copy in drained
             order; oldest first).
+        on_hit_reported: Called as ``(request, blocks per group)`` right after a lookup
+            reported its hit as stored (vLLM's ``kv_cache_report_mode="full"``), with the hit's
+            length in blocks per group; ``None``: nobody listens. The vLLM mirror sets it to
+            send the report to the server's copy (a REPORT_HIT op).
     """
 
     def __init__(self, config: KVCacheManagerConfig) -> None:
@@ -471,6 +475,7 @@ class KVCacheManager:
         self.prefix_caching_metrics = PrefixCachingMetrics(max_recent_requests=_MAX_RECENT_REQUESTS)
         # Requests holding a block table (allocated at least once, not freed since).
         self._requests: set[str] = set()
+        self.on_hit_reported: Callable[[Request, tuple[int, ...]], None] | None = None
         # Immutable, shared "no blocks" result: callers must not mutate returned blocks.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
         self._empty_hit = CacheHit(self.empty_kv_cache_blocks, 0)
@@ -614,7 +619,10 @@ class KVCacheManager:
             and self.block_pool.enable_kv_cache_events
         ):
             # vLLM's kv_cache_report_mode="full": the reused blocks are reported as stored.
-            coordinator.emit_cached_block_events(request, hit.blocks)
+            counts = tuple(map(len, hit.blocks))
+            coordinator.emit_cached_block_counts(request, counts)
+            if self.on_hit_reported is not None:
+                self.on_hit_reported(request, counts)
         # The junction to keep is where the longest single-group hit ends.
         junction = hit.num_tokens + hit.num_uncached if hit.num_uncached else 0
         coordinator.set_shared_prefix_boundary(request.request_id, junction)

@@ -39,6 +39,8 @@ from it, so a new op kind is a new row here plus its validate/execute pair in
     COMMON_BLOCKS          -      common_num_keys                    common_num_keys ->
                                                                      common_keys
     EXTEND_PROMPT          yes    extend_prompt_num_tokens           -
+    REPORT_HIT             yes    report_hit_num_groups              report_hit_num_groups ->
+                                                                     report_hit_num_blocks
 
 A keyed op takes the next entry of ``request_keys``. Op number ``n`` of a kind (its ordinal
 among the program's ops of that kind) takes entry ``n`` of each of its per-op columns, so one
@@ -165,6 +167,12 @@ _ROWS: Final = (
         spans=(Span("common_num_keys", "common_keys"),),
     ),
     OpColumns(OpKind.EXTEND_PROMPT, keyed=True, columns=("extend_prompt_num_tokens",)),
+    OpColumns(
+        OpKind.REPORT_HIT,
+        keyed=True,
+        columns=("report_hit_num_groups",),
+        spans=(Span("report_hit_num_groups", "report_hit_num_blocks"),),
+    ),
 )
 
 OP_TABLE: Final[Mapping[int, OpColumns]] = {int(row.kind): row for row in _ROWS}

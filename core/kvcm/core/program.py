@@ -72,6 +72,7 @@ class OpKind(enum.IntEnum):
     HOST_SYNC = 21
     COMMON_BLOCKS = 22
     EXTEND_PROMPT = 23
+    REPORT_HIT = 24
 
 
 @enum.unique
@@ -205,6 +206,8 @@ class StepProgram:
     common_num_keys: list[int] = field(default_factory=list)
     common_keys: list[int] = field(default_factory=list)
     extend_prompt_num_tokens: list[int] = field(default_factory=list)
+    report_hit_num_groups: list[int] = field(default_factory=list)
+    report_hit_num_blocks: list[int] = field(default_factory=list)
     default_num_lookahead_tokens: int = 0
     token_budget: int | None = None
     continue_on_does_not_fit: bool = False

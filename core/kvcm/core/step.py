@@ -1363,6 +1363,34 @@ def _execute_extend(x: _Execution) -> Handler:
     return run
 
 
+# ----------------------------------------------------------------------------- REPORT_HIT
+def _validate_report(v: checks.Shadow) -> Handler:
+    start = 0
+
+    def check(op_index: int, k: int, n: int) -> None:
+        nonlocal start
+        start += checks.check_report_hit(v, op_index, k, n, start)
+
+    return check
+
+
+def _execute_report(x: _Execution) -> Handler:
+    requests, keys, program = x.pool.requests, x.program.request_keys, x.program
+    coordinator, events = x.manager.coordinator, x.manager.block_pool.enable_kv_cache_events
+    counts, blocks = program.report_hit_num_groups, program.report_hit_num_blocks
+    start = 0
+
+    def run(op_index: int, k: int, n: int) -> None:
+        nonlocal start
+        end = start + counts[n]
+        request = requests[keys[k]]
+        if events and request.report_cached_blocks:
+            coordinator.emit_cached_block_counts(request, blocks[start:end])
+        start = end
+
+    return run
+
+
 _Pair: TypeAlias = tuple[Callable[[checks.Shadow], Handler], Callable[[_Execution], Handler]]
 _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.ADD_REQUEST: (_validate_add, _execute_add),
@@ -1388,6 +1416,7 @@ _PAIRS: Final[dict[int, _Pair]] = {
     OpKind.TAKE_BLOCK_COPIES_RETAINED: (_validate_retain_copies, _execute_retain_copies),
     OpKind.RELEASE_BLOCK_COPIES: (_validate_release_copies, _execute_release_copies),
     OpKind.EXTEND_PROMPT: (_validate_extend, _execute_extend),
+    OpKind.REPORT_HIT: (_validate_report, _execute_report),
 }
 """Per op kind, its validate and execute handlers' makers (one row per op table row)."""
 assert set(_PAIRS) == set(OP_TABLE), "every op kind has a validate and an execute handler"

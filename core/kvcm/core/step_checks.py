@@ -835,6 +835,56 @@ def check_extend_prompt(
     prompt_ends[key] = (state, value)
 
 
+def check_report_hit(v: Shadow, op_index: int, k: int, index: int, start: int) -> int:
+    """REPORT_HIT number ``index``, its counts from ``report_hit_num_blocks[start]``: a live
+    request, one count per KV-cache group, each at most the group's blocks over the request's
+    tokens (after the ops before it). Returns how many counts it takes.
+
+    Args:
+        v: The validation pass.
+        op_index: The op's position.
+        k: Its ``request_keys`` position.
+        index: Its ordinal among the program's REPORT_HITs.
+        start: Where its counts start in ``report_hit_num_blocks``.
+    """
+    kind = OpKind.REPORT_HIT
+    _, state = v.state(op_index, kind, k)
+    program = v.program
+    if index >= len(program.report_hit_num_groups):
+        raise too_few(op_index, kind, "report_hit_num_groups")
+    managers = v.manager.coordinator.single_type_managers
+    count = program.report_hit_num_groups[index]
+    if count != len(managers):
+        raise reject(
+            InvalidArgumentError(
+                f"report_hit_num_groups[{index}]={count!r}: one count per KV-cache group "
+                f"({len(managers)})"
+            ),
+            op_index,
+            kind,
+            f"report_hit_num_groups[{index}]",
+        )
+    counts = program.report_hit_num_blocks
+    if start + count > len(counts):
+        raise too_few(op_index, kind, "report_hit_num_blocks")
+    num_tokens = state[0]
+    assert isinstance(num_tokens, int)
+    for position, manager in zip(range(start, start + count), managers, strict=True):
+        value = counts[position]
+        most = -(-num_tokens // manager.block_size)
+        if type(value) is not int or not 0 <= value <= most:
+            raise reject(
+                InvalidArgumentError(
+                    f"report_hit_num_blocks[{position}]={value!r} is outside [0, {most}] (group "
+                    f"{manager.kv_cache_group_id}'s blocks over the request's {num_tokens} tokens)"
+                ),
+                op_index,
+                kind,
+                f"report_hit_num_blocks[{position}]",
+            )
+    return count
+
+
 def check_consumed(
     program: StepProgram, num_keys: int, counts: Sequence[int], hash_length: int
 ) -> None:

@@ -41,6 +41,7 @@ class StepOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_OP_KIND_HOST_SYNC: _ClassVar[StepOpKind]
     STEP_OP_KIND_COMMON_BLOCKS: _ClassVar[StepOpKind]
     STEP_OP_KIND_EXTEND_PROMPT: _ClassVar[StepOpKind]
+    STEP_OP_KIND_REPORT_HIT: _ClassVar[StepOpKind]
 
 class HostSyncAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -79,6 +80,7 @@ STEP_OP_KIND_RELEASE_BLOCK_COPIES: StepOpKind
 STEP_OP_KIND_HOST_SYNC: StepOpKind
 STEP_OP_KIND_COMMON_BLOCKS: StepOpKind
 STEP_OP_KIND_EXTEND_PROMPT: StepOpKind
+STEP_OP_KIND_REPORT_HIT: StepOpKind
 HOST_SYNC_ACTION_UNSPECIFIED: HostSyncAction
 HOST_SYNC_ACTION_STORE: HostSyncAction
 HOST_SYNC_ACTION_STORED: HostSyncAction
@@ -425,7 +427,7 @@ class StepAllocOptions(_message.Message):
     def __init__(self, alloc_index: _Optional[int] = ..., lookup: _Optional[_Union[LookupOptions, _Mapping]] = ..., options: _Optional[_Union[SlotOptions, _Mapping]] = ..., hit: _Optional[_Union[ComputedBlocks, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit", "evict_num_block_ids", "evict_block_ids", "record_hit_tokens", "num_steps", "fork_child_keys", "fork_num_computed_tokens", "swap_out_num_computed_tokens", "swap_in_num_new_tokens", "admit_host_num_new_tokens", "host_sync_actions", "host_sync_num_keys", "host_sync_keys", "host_sync_group_ids", "common_num_keys", "common_keys", "extend_prompt_num_tokens", "scheduler_step_seq", "step_age_s")
+    __slots__ = ("pool_id", "step_seq", "ops", "request_keys", "alloc_num_new_tokens", "alloc_num_computed_tokens", "alloc_options", "append_num_tokens", "append_token_ids", "append_num_block_hashes", "append_block_hashes", "cache_num_computed_tokens", "remove_skipped_total_computed_tokens", "new_requests", "default_num_lookahead_tokens", "token_budget", "continue_on_does_not_fit", "evict_num_block_ids", "evict_block_ids", "record_hit_tokens", "num_steps", "fork_child_keys", "fork_num_computed_tokens", "swap_out_num_computed_tokens", "swap_in_num_new_tokens", "admit_host_num_new_tokens", "host_sync_actions", "host_sync_num_keys", "host_sync_keys", "host_sync_group_ids", "common_num_keys", "common_keys", "extend_prompt_num_tokens", "report_hit_num_groups", "report_hit_num_blocks", "scheduler_step_seq", "step_age_s")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
@@ -459,6 +461,8 @@ class StepRequest(_message.Message):
     COMMON_NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
     COMMON_KEYS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_PROMPT_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_HIT_NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_HIT_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
@@ -494,9 +498,11 @@ class StepRequest(_message.Message):
     common_num_keys: _containers.RepeatedScalarFieldContainer[int]
     common_keys: _containers.RepeatedScalarFieldContainer[int]
     extend_prompt_num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    report_hit_num_groups: _containers.RepeatedScalarFieldContainer[int]
+    report_hit_num_blocks: _containers.RepeatedScalarFieldContainer[int]
     scheduler_step_seq: int
     step_age_s: float
-    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ..., evict_num_block_ids: _Optional[_Iterable[int]] = ..., evict_block_ids: _Optional[_Iterable[int]] = ..., record_hit_tokens: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., fork_child_keys: _Optional[_Iterable[int]] = ..., fork_num_computed_tokens: _Optional[_Iterable[int]] = ..., swap_out_num_computed_tokens: _Optional[_Iterable[int]] = ..., swap_in_num_new_tokens: _Optional[_Iterable[int]] = ..., admit_host_num_new_tokens: _Optional[_Iterable[int]] = ..., host_sync_actions: _Optional[_Iterable[int]] = ..., host_sync_num_keys: _Optional[_Iterable[int]] = ..., host_sync_keys: _Optional[bytes] = ..., host_sync_group_ids: _Optional[_Iterable[int]] = ..., common_num_keys: _Optional[_Iterable[int]] = ..., common_keys: _Optional[_Iterable[int]] = ..., extend_prompt_num_tokens: _Optional[_Iterable[int]] = ..., scheduler_step_seq: _Optional[int] = ..., step_age_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., step_seq: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[StepOpKind, str]]] = ..., request_keys: _Optional[_Iterable[int]] = ..., alloc_num_new_tokens: _Optional[_Iterable[int]] = ..., alloc_num_computed_tokens: _Optional[_Iterable[int]] = ..., alloc_options: _Optional[_Iterable[_Union[StepAllocOptions, _Mapping]]] = ..., append_num_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_num_block_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[bytes] = ..., cache_num_computed_tokens: _Optional[_Iterable[int]] = ..., remove_skipped_total_computed_tokens: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., default_num_lookahead_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., continue_on_does_not_fit: _Optional[bool] = ..., evict_num_block_ids: _Optional[_Iterable[int]] = ..., evict_block_ids: _Optional[_Iterable[int]] = ..., record_hit_tokens: _Optional[_Iterable[int]] = ..., num_steps: _Optional[int] = ..., fork_child_keys: _Optional[_Iterable[int]] = ..., fork_num_computed_tokens: _Optional[_Iterable[int]] = ..., swap_out_num_computed_tokens: _Optional[_Iterable[int]] = ..., swap_in_num_new_tokens: _Optional[_Iterable[int]] = ..., admit_host_num_new_tokens: _Optional[_Iterable[int]] = ..., host_sync_actions: _Optional[_Iterable[int]] = ..., host_sync_num_keys: _Optional[_Iterable[int]] = ..., host_sync_keys: _Optional[bytes] = ..., host_sync_group_ids: _Optional[_Iterable[int]] = ..., common_num_keys: _Optional[_Iterable[int]] = ..., common_keys: _Optional[_Iterable[int]] = ..., extend_prompt_num_tokens: _Optional[_Iterable[int]] = ..., report_hit_num_groups: _Optional[_Iterable[int]] = ..., report_hit_num_blocks: _Optional[_Iterable[int]] = ..., scheduler_step_seq: _Optional[int] = ..., step_age_s: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("num_ops_executed", "alloc_statuses", "alloc_num_block_ids", "alloc_block_ids", "lookup_num_computed_tokens", "lookup_num_new_tokens", "token_budget_left", "step_seq", "reset", "copy_block_ids", "drained_copy_block_ids", "drained_num_copies", "swap_out_swapped", "host_alloc_statuses", "host_alloc_num_block_ids", "host_alloc_block_ids", "host_alloc_num_device_hit_tokens", "host_alloc_num_host_hit_tokens", "host_d2h_block_ids", "host_h2d_block_ids", "host_num_d2h", "host_num_h2d", "common_num_block_ids", "common_block_ids")

@@ -377,6 +377,10 @@ class MirrorKVCacheManager:
             no_blocks=core.empty_kv_cache_blocks,
             num_hash_lookahead_tokens=core.block_pool.num_hash_lookahead_tokens,
         )
+        if config.enable_kv_cache_events:
+            # A lookup's report (kv_cache_report_mode="full") goes to the server's copy too,
+            # so the pool's own event stream carries it where the engine's does.
+            core.on_hit_reported = self.recorder.report_hit  # type: ignore[assignment]
         # Remote mode: every allocate_slots closes a program of its own, which the sink ships
         # and the server acknowledges before the answer goes back to vLLM.
         self._acknowledge_each_answer = sink.acknowledges_each_answer

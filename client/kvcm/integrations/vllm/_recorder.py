@@ -68,6 +68,7 @@ SYNCED_KINDS: Final = frozenset(
         OpKind.REMOVE_SKIPPED_BLOCKS,
         OpKind.RECORD_PREFIX_STATS,
         OpKind.EXTEND_PROMPT,
+        OpKind.REPORT_HIT,
     }
 )
 # The op values the inline writes append (the op table's rows for them: APPEND_TOKENS takes
@@ -338,7 +339,14 @@ class StepRecorder:
         if not self._off:
             self._note_synced(OpKind.EXTEND_PROMPT, view, view.num_prompt_tokens)
 
-    def _note_synced(self, kind: OpKind, view: RequestView, value: int) -> None:
+    def report_hit(self, view: RequestView, num_blocks: tuple[int, ...]) -> None:
+        """Note REPORT_HIT: the mirror's lookup reported the request's hit as stored (vLLM's
+        ``kv_cache_report_mode="full"``), ``num_blocks`` per group; its tokens go first. The
+        core calls it (``on_hit_reported``) with the request's view."""
+        if not self._off:
+            self._note_synced(OpKind.REPORT_HIT, view, num_blocks)
+
+    def _note_synced(self, kind: OpKind, view: RequestView, value: object) -> None:
         # A note of SYNCED_KINDS: the request's lists and their lengths now (the request is
         # brought up to date before the op), and the op's one value.
         tokens = view.all_token_ids

@@ -292,6 +292,8 @@ def coalesce(steps: list[RecordedStep]) -> tuple[StepProgram, StepOutcome]:
         program.evict_block_ids += part.evict_block_ids
         program.record_hit_tokens += part.record_hit_tokens
         program.extend_prompt_num_tokens += part.extend_prompt_num_tokens
+        program.report_hit_num_groups += part.report_hit_num_groups
+        program.report_hit_num_blocks += part.report_hit_num_blocks
         program.host_sync_actions += part.host_sync_actions
         program.host_sync_num_keys += part.host_sync_num_keys
         program.host_sync_group_ids += part.host_sync_group_ids

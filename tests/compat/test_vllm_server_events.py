@@ -1,0 +1,173 @@
+"""A mirrored pool's event stream on the server, read as a router reads an engine's.
+
+vLLM 0.33's own ``EngineCore`` runs on ``KvcmScheduler`` / ``KvcmAsyncScheduler`` (mirror mode,
+shipping thread) beside the same engine on vLLM's own scheduler. The server publishes the
+pool's KV events on ZMQ; a subscriber bound as a router binds (vLLM's ``KVEventBatch``
+decoder, topic-blind, the sequence numbers checked for gaps) collects them. Every event the
+server published, in order, must equal vLLM's engine's events of the same run, requests with
+``kv_cache_report_mode="full"`` included: vLLM reports their prefix hits again at each lookup
+that allocates, and so does the server's copy (the mirror's hit carries ``report``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from _engine_core import Setup, build_engine, plan_workload, run
+
+from kvcm.server.embedded import EmbeddedServer, start_embedded_server
+from kvcm.server.settings import ServerSettings
+
+_SMALL = {"max_model_len": 512}
+CASES = {
+    # name: (setup, seed, number of requests)
+    "full-report-half": (Setup(num_blocks=60, report_full=0.5, **_SMALL), 31, 60),
+    "hybrid-swa-report-all-async": (
+        Setup(
+            sliding_window=64,
+            num_blocks=80,
+            retention_interval=None,
+            async_scheduling=True,
+            report_full=1.0,
+            **_SMALL,
+        ),
+        32,
+        60,
+    ),
+    "full-incremental": (Setup(num_blocks=50, async_scheduling=True, **_SMALL), 33, 60),
+}
+# The shipper process carries the notes too (its own encoding of the engine's notes).
+PARAMS = [(case, "thread") for case in sorted(CASES)] + [("hybrid-swa-report-all-async", "process")]
+
+
+@pytest.fixture
+def kv_events(vllm: ModuleType) -> ModuleType:
+    """vLLM's ``vllm.distributed.kv_events``."""
+    del vllm
+    return importlib.import_module("vllm.distributed.kv_events")
+
+
+@pytest.fixture
+def subscriber() -> Iterator[tuple[zmq.Socket[bytes], str]]:
+    """A router's SUB socket, bound on 127.0.0.1 (the server's PUB connects to it)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        yield sub, f"tcp://127.0.0.1:{port}"
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _wait_connected(server: EmbeddedServer, sub: zmq.Socket[bytes]) -> None:
+    stream = server.server.kv_events
+    assert stream is not None
+    deadline = time.monotonic() + 10
+    while stream.counters.peers == 0:
+        assert time.monotonic() < deadline, "the PUB socket never connected"
+        sub.poll(10)
+    for _ in range(30):
+        sub.poll(10)
+
+
+def _drain(sub: zmq.Socket[bytes], kv_events: ModuleType) -> tuple[list[Any], int]:
+    """Every batch that arrives until the socket is quiet for 0.5 s: their events in order,
+    and how many batches; sequence numbers must have no gap."""
+    decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
+    events: list[Any] = []
+    seqs: list[int] = []
+    while sub.poll(500):
+        _topic, seq, payload = sub.recv_multipart()
+        seqs.append(int.from_bytes(seq, "big"))
+        events.extend(decoder.decode(payload).events)
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True, "a gap"
+    return events, len(seqs)
+
+
+def _encoded(events: list[Any]) -> list[bytes]:
+    encoder = msgspec.msgpack.Encoder()
+    return [encoder.encode(event) for event in events]
+
+
+def _count_reports(events: list[Any], kv_events: ModuleType) -> int:
+    """BlockStored events of blocks all cached already (a lookup's report, not a store)."""
+    cached: set[Any] = set()
+    reports = 0
+    for event in events:
+        if isinstance(event, kv_events.BlockStored):
+            hashes = {(event.group_idx, h) for h in event.block_hashes}
+            reports += hashes <= cached
+            cached |= hashes
+        elif isinstance(event, kv_events.BlockRemoved):
+            cached -= {(event.group_idx, h) for h in event.block_hashes}
+        else:
+            cached.clear()
+    return reports
+
+
+@pytest.mark.parametrize(("case", "shipper"), PARAMS)
+def test_the_server_stream_of_a_mirrored_pool_equals_vllms_events(
+    case: str,
+    shipper: str,
+    kv_events: ModuleType,
+    subscriber: tuple[zmq.Socket[bytes], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
+
+    # Full block hashes on both sides (the server's setting and vLLM's publisher's).
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    sub, endpoint = subscriber
+    setup, seed, num_requests = CASES[case]
+    server = start_embedded_server(
+        ServerSettings(
+            grpc_address="127.0.0.1:0",
+            http_address="",
+            kv_events_endpoint=endpoint,
+            kv_events_use_int_block_hashes=0,
+        )
+    )
+    plans = plan_workload(seed, num_requests, setup)
+    pool_id = f"engine-{case}"
+    scheduler_cls = KvcmAsyncScheduler if setup.async_scheduling else KvcmScheduler
+    config = {"kvcm": {"address": server.grpc_address, "pool_id": pool_id, "shipper": shipper}}
+    reference = build_engine(setup)
+    mirrored = build_engine(setup, scheduler_cls, config)
+    try:
+        _wait_connected(server, sub)
+        theirs: list[Any] = []
+        mine: list[Any] = []
+        # Turn for turn, so the mirror ships while the run goes on, as a live engine does.
+        for ref, ours in zip(
+            run(reference, plans, record=False), run(mirrored, plans, record=False), strict=True
+        ):
+            theirs += ref.events
+            mine += ours.events
+        manager = mirrored.scheduler.kv_cache_manager
+        assert manager.flush(30.0), manager.recorder.sink.stats
+        published, batches = _drain(sub, kv_events)
+        stats = manager.recorder.sink.stats
+        reports = _count_reports(theirs, kv_events)
+        print(
+            f"{case}/{shipper}: {len(theirs)} vLLM events ({reports} lookup reports), "
+            f"{len(published)} published in {batches} batches; {stats}"
+        )
+        assert stats.mismatches == 0
+        assert stats.resyncs == 0
+        assert len(theirs) > 100
+        assert (reports > 10) if setup.report_full else (reports == 0)
+        # The engine's own stream (the mirror's events) is vLLM's, and so is the server's.
+        assert _encoded(mine) == _encoded(theirs)
+        assert _encoded(published) == _encoded(theirs)
+    finally:
+        mirrored.shutdown()
+        reference.shutdown()
+        server.stop()
