@@ -6,7 +6,10 @@ pool's KV events on ZMQ; a subscriber bound as a router binds (vLLM's ``KVEventB
 decoder, topic-blind, the sequence numbers checked for gaps) collects them. Every event the
 server published, in order, must equal vLLM's engine's events of the same run, requests with
 ``kv_cache_report_mode="full"`` included: vLLM reports their prefix hits again at each lookup
-that allocates, and so does the server's copy (the mirror's hit carries ``report``).
+that hits, and so does the server's copy (the mirror sends a REPORT_HIT where its lookup
+reported). Cases: full attention, a hybrid sliding-window model (sync and async scheduling;
+thread and process shipper), LoRA adapters with cache salts in a pool small enough to preempt,
+and two prefix-cache resets per run (one refused, one publishing AllBlocksCleared).
 """
 
 from __future__ import annotations
@@ -42,7 +45,12 @@ CASES = {
         60,
     ),
     "full-incremental": (Setup(num_blocks=50, async_scheduling=True, **_SMALL), 33, 60),
+    # LoRA adapters and cache salts (extra keys, lora names), preemptions in a small pool,
+    # and prefix-cache resets (one refused while requests hold blocks, one that preempts
+    # every running request and publishes AllBlocksCleared).
+    "lora-salts-resets": (Setup(lora=True, num_blocks=40, report_full=0.3, **_SMALL), 34, 60),
 }
+RESETS = {40: False, 120: True}
 # The shipper process carries the notes too (its own encoding of the engine's notes).
 PARAMS = [(case, "thread") for case in sorted(CASES)] + [("hybrid-swa-report-all-async", "process")]
 
@@ -147,23 +155,29 @@ def test_the_server_stream_of_a_mirrored_pool_equals_vllms_events(
         mine: list[Any] = []
         # Turn for turn, so the mirror ships while the run goes on, as a live engine does.
         for ref, ours in zip(
-            run(reference, plans, record=False), run(mirrored, plans, record=False), strict=True
+            run(reference, plans, record=False, resets=RESETS),
+            run(mirrored, plans, record=False, resets=RESETS),
+            strict=True,
         ):
-            theirs += ref.events
-            mine += ours.events
+            # (A reset's answer rides with its turn's events: not an event of the stream.)
+            theirs += [e for e in ref.events if not isinstance(e, tuple)]
+            mine += [e for e in ours.events if not isinstance(e, tuple)]
         manager = mirrored.scheduler.kv_cache_manager
         assert manager.flush(30.0), manager.recorder.sink.stats
         published, batches = _drain(sub, kv_events)
         stats = manager.recorder.sink.stats
         reports = _count_reports(theirs, kv_events)
+        cleared = sum(isinstance(e, kv_events.AllBlocksCleared) for e in theirs)
         print(
-            f"{case}/{shipper}: {len(theirs)} vLLM events ({reports} lookup reports), "
+            f"{case}/{shipper}: {len(theirs)} vLLM events ({reports} lookup reports, "
+            f"{cleared} cleared), "
             f"{len(published)} published in {batches} batches; {stats}"
         )
         assert stats.mismatches == 0
         assert stats.resyncs == 0
         assert len(theirs) > 100
         assert (reports > 10) if setup.report_full else (reports == 0)
+        assert cleared == 1  # the second reset's
         # The engine's own stream (the mirror's events) is vLLM's, and so is the server's.
         assert _encoded(mine) == _encoded(theirs)
         assert _encoded(published) == _encoded(theirs)
