@@ -9,7 +9,8 @@ server published, in order, must equal vLLM's engine's events of the same run, r
 that hits, and so does the server's copy (the mirror sends a REPORT_HIT where its lookup
 reported). Cases: full attention, a hybrid sliding-window model (sync and async scheduling;
 thread and process shipper), LoRA adapters with cache salts in a pool small enough to preempt,
-and two prefix-cache resets per run (one refused, one publishing AllBlocksCleared).
+EAGLE drafting whose hits drop their last block, and two prefix-cache resets per run (one
+refused, one publishing AllBlocksCleared).
 """
 
 from __future__ import annotations
@@ -49,6 +50,20 @@ CASES = {
     # and prefix-cache resets (one refused while requests hold blocks, one that preempts
     # every running request and publishes AllBlocksCleared).
     "lora-salts-resets": (Setup(lora=True, num_blocks=40, report_full=0.3, **_SMALL), 34, 60),
+    # EAGLE drafting with lookahead hashes off: every hit drops its last matched block, and
+    # the report covers the hit after the drop (the blocks the lookup answers).
+    "eagle-drop-report-half": (
+        Setup(
+            num_blocks=60,
+            num_speculative_tokens=2,
+            speculative_method="eagle",
+            disable_lookahead_block_hashes=True,
+            report_full=0.5,
+            **_SMALL,
+        ),
+        35,
+        60,
+    ),
 }
 RESETS = {40: False, 120: True}
 # The shipper process carries the notes too (its own encoding of the engine's notes).
