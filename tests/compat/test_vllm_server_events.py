@@ -9,8 +9,9 @@ server published, in order, must equal vLLM's engine's events of the same run, r
 that hits, and so does the server's copy (the mirror sends a REPORT_HIT where its lookup
 reported). Cases: full attention, a hybrid sliding-window model (sync and async scheduling;
 thread and process shipper), LoRA adapters with cache salts in a pool small enough to preempt,
-EAGLE drafting whose hits drop their last block, and two prefix-cache resets per run (one
-refused, one publishing AllBlocksCleared).
+EAGLE drafting whose hits drop their last block, a hybrid Mamba model with sub-block hits
+(incremental reports), and two prefix-cache resets per run (one refused, one publishing
+AllBlocksCleared).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from _engine_core import Setup, build_engine, plan_workload, run
+from _engine_core import Engine, Setup, build_engine, plan_workload, run
 
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.settings import ServerSettings
@@ -136,39 +137,43 @@ def _count_reports(events: list[Any], kv_events: ModuleType) -> int:
     return reports
 
 
-@pytest.mark.parametrize(("case", "shipper"), PARAMS)
-def test_the_server_stream_of_a_mirrored_pool_equals_vllms_events(
-    case: str,
-    shipper: str,
-    kv_events: ModuleType,
-    subscriber: tuple[zmq.Socket[bytes], str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
-
-    # Full block hashes on both sides (the server's setting and vLLM's publisher's).
+@pytest.fixture
+def events_server(
+    subscriber: tuple[zmq.Socket[bytes], str], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[EmbeddedServer]:
+    """A kvcm server publishing to the subscriber, full block hashes on both sides (its
+    setting and vLLM's publisher's)."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
-    sub, endpoint = subscriber
-    setup, seed, num_requests = CASES[case]
     server = start_embedded_server(
         ServerSettings(
             grpc_address="127.0.0.1:0",
             http_address="",
-            kv_events_endpoint=endpoint,
+            kv_events_endpoint=subscriber[1],
             kv_events_use_int_block_hashes=0,
         )
     )
-    plans = plan_workload(seed, num_requests, setup)
-    pool_id = f"engine-{case}"
-    scheduler_cls = KvcmAsyncScheduler if setup.async_scheduling else KvcmScheduler
-    config = {"kvcm": {"address": server.grpc_address, "pool_id": pool_id, "shipper": shipper}}
-    reference = build_engine(setup)
-    mirrored = build_engine(setup, scheduler_cls, config)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _compare_streams(
+    label: str,
+    reference: Engine,
+    mirrored: Engine,
+    plans: list[Any],
+    server: EmbeddedServer,
+    sub: zmq.Socket[bytes],
+    kv_events: ModuleType,
+) -> tuple[int, int]:
+    """Both engines turn for turn (so the mirror ships while the run goes on, as a live
+    engine does), then the server's stream: every event vLLM's engine published, in order.
+    Returns the events' lookup reports and AllBlocksCleared count."""
     try:
         _wait_connected(server, sub)
         theirs: list[Any] = []
         mine: list[Any] = []
-        # Turn for turn, so the mirror ships while the run goes on, as a live engine does.
         for ref, ours in zip(
             run(reference, plans, record=False, resets=RESETS),
             run(mirrored, plans, record=False, resets=RESETS),
@@ -184,19 +189,63 @@ def test_the_server_stream_of_a_mirrored_pool_equals_vllms_events(
         reports = _count_reports(theirs, kv_events)
         cleared = sum(isinstance(e, kv_events.AllBlocksCleared) for e in theirs)
         print(
-            f"{case}/{shipper}: {len(theirs)} vLLM events ({reports} lookup reports, "
-            f"{cleared} cleared), "
+            f"{label}: {len(theirs)} vLLM events ({reports} lookup reports, {cleared} cleared), "
             f"{len(published)} published in {batches} batches; {stats}"
         )
         assert stats.mismatches == 0
         assert stats.resyncs == 0
         assert len(theirs) > 100
-        assert (reports > 10) if setup.report_full else (reports == 0)
-        assert cleared == 1  # the second reset's
         # The engine's own stream (the mirror's events) is vLLM's, and so is the server's.
         assert _encoded(mine) == _encoded(theirs)
         assert _encoded(published) == _encoded(theirs)
+        return reports, cleared
     finally:
         mirrored.shutdown()
         reference.shutdown()
-        server.stop()
+
+
+@pytest.mark.parametrize(("case", "shipper"), PARAMS)
+def test_the_server_stream_of_a_mirrored_pool_equals_vllms_events(
+    case: str,
+    shipper: str,
+    kv_events: ModuleType,
+    subscriber: tuple[zmq.Socket[bytes], str],
+    events_server: EmbeddedServer,
+) -> None:
+    from kvcm.integrations.vllm import KvcmAsyncScheduler, KvcmScheduler
+
+    setup, seed, num_requests = CASES[case]
+    plans = plan_workload(seed, num_requests, setup)
+    scheduler_cls = KvcmAsyncScheduler if setup.async_scheduling else KvcmScheduler
+    config = {"kvcm": {"address": events_server.grpc_address, "pool_id": case, "shipper": shipper}}
+    reference = build_engine(setup)
+    mirrored = build_engine(setup, scheduler_cls, config)
+    reports, cleared = _compare_streams(
+        f"{case}/{shipper}", reference, mirrored, plans, events_server, subscriber[0], kv_events
+    )
+    assert (reports > 10) if setup.report_full else (reports == 0)
+    assert cleared == 1  # the second reset's
+
+
+def test_the_server_stream_of_a_mirrored_mamba_pool_equals_vllms_events(
+    kv_events: ModuleType,
+    subscriber: tuple[zmq.Socket[bytes], str],
+    events_server: EmbeddedServer,
+) -> None:
+    """A hybrid Mamba model (align mode, sub-block hits served through block copies; the
+    engine of test_mamba_engine_core) under async scheduling and block pressure. Incremental
+    reports only: where a Mamba hit ends in a block the request's tokens do not fill, vLLM's
+    full-mode report raises IndexError (docs/core-api.md)."""
+    from test_mamba_engine_core import CASES as MAMBA_CASES
+    from test_mamba_engine_core import _build, _plans
+
+    from kvcm.integrations.vllm import KvcmAsyncScheduler
+
+    setup = MAMBA_CASES["async-pressure"]
+    plans = _plans(36, 24, setup.max_model_len)
+    config = {"kvcm": {"address": events_server.grpc_address, "pool_id": "mamba"}}
+    reference = _build(setup)
+    mirrored = _build(setup, KvcmAsyncScheduler, additional_config=config)
+    _compare_streams(
+        "mamba/thread", reference, mirrored, plans, events_server, subscriber[0], kv_events
+    )
