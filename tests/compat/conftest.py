@@ -67,3 +67,10 @@ def vllm() -> ModuleType:
     if reason is not None:
         pytest.skip(reason)
     return importlib.import_module("vllm")
+
+
+@pytest.fixture
+def kv_events(vllm: ModuleType) -> ModuleType:
+    """vLLM's ``vllm.distributed.kv_events`` (its event structs and ``KVEventBatch``)."""
+    del vllm
+    return importlib.import_module("vllm.distributed.kv_events")

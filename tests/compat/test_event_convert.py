@@ -7,21 +7,11 @@ event); these checks fail when either side gains a field the conversion does not
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from types import ModuleType
-
-import pytest
 
 from kvcm.common.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcm.common.hashing import external_block_hash
 from kvcm.integrations.vllm._convert import to_vllm_events
-
-
-@pytest.fixture
-def kv_events(vllm: ModuleType) -> ModuleType:
-    """vLLM's ``vllm.distributed.kv_events``."""
-    del vllm
-    return importlib.import_module("vllm.distributed.kv_events")
 
 
 def test_kvcm_and_vllm_event_records_have_the_same_fields(kv_events: ModuleType) -> None:

@@ -11,7 +11,6 @@ its data directory.
 
 from __future__ import annotations
 
-import importlib
 import random
 import time
 from collections.abc import Iterator
@@ -36,13 +35,6 @@ LAYOUT = Layout(
 )
 POOL = "engine-a"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-@pytest.fixture
-def kv_events(vllm: ModuleType) -> ModuleType:
-    """vLLM's ``vllm.distributed.kv_events``."""
-    del vllm
-    return importlib.import_module("vllm.distributed.kv_events")
 
 
 def _kvcm_layout() -> KVCacheConfig:

@@ -16,8 +16,6 @@ AllBlocksCleared).
 
 from __future__ import annotations
 
-import importlib
-import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -26,6 +24,7 @@ import msgspec
 import pytest
 import zmq
 from _engine_core import Engine, Setup, build_engine, plan_workload, run
+from test_kv_events_zmq import _wait_connected
 
 from kvcm.server.embedded import EmbeddedServer, start_embedded_server
 from kvcm.server.settings import ServerSettings
@@ -72,13 +71,6 @@ PARAMS = [(case, "thread") for case in sorted(CASES)] + [("hybrid-swa-report-all
 
 
 @pytest.fixture
-def kv_events(vllm: ModuleType) -> ModuleType:
-    """vLLM's ``vllm.distributed.kv_events``."""
-    del vllm
-    return importlib.import_module("vllm.distributed.kv_events")
-
-
-@pytest.fixture
 def subscriber() -> Iterator[tuple[zmq.Socket[bytes], str]]:
     """A router's SUB socket, bound on 127.0.0.1 (the server's PUB connects to it)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -89,17 +81,6 @@ def subscriber() -> Iterator[tuple[zmq.Socket[bytes], str]]:
         yield sub, f"tcp://127.0.0.1:{port}"
     finally:
         ctx.destroy(linger=0)
-
-
-def _wait_connected(server: EmbeddedServer, sub: zmq.Socket[bytes]) -> None:
-    stream = server.server.kv_events
-    assert stream is not None
-    deadline = time.monotonic() + 10
-    while stream.counters.peers == 0:
-        assert time.monotonic() < deadline, "the PUB socket never connected"
-        sub.poll(10)
-    for _ in range(30):
-        sub.poll(10)
 
 
 def _drain(sub: zmq.Socket[bytes], kv_events: ModuleType) -> tuple[list[Any], int]:
