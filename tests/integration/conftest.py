@@ -34,13 +34,15 @@ def stop_server_thread(running: EmbeddedServer, thread: threading.Thread) -> Non
 
 @pytest.fixture(scope="session")
 def kvcm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """A real kvcm server on 127.0.0.1 (gRPC and HTTP on free ports), for the whole session;
-    it publishes the ZMQ KV-event stream on a local ipc socket, so every metric is scraped."""
+    """A real kvcm server on 127.0.0.1 (gRPC, HTTP and the lookup port on free ports), for the
+    whole session; it publishes the ZMQ KV-event stream on a local ipc socket, so every metric
+    is scraped."""
     settings = ServerSettings(
         grpc_address="127.0.0.1:0",
         http_address="127.0.0.1:0",
         log_level="WARNING",
         kv_events_endpoint=f"ipc://{tmp_path_factory.mktemp('kv-events')}/pub",
+        lookup_address="127.0.0.1:0",
     )
     running, thread = start_server_thread(settings)
     try:

@@ -893,3 +893,45 @@ def test_idle_connections_close_and_helloless_ones_take_half_the_slots(
     assert "waiting for their HELLO" in message
     for squatter in squatters:
         squatter.close()
+
+
+def _scrape(server: EmbeddedServer) -> dict[str, float]:
+    """The lookup latency counts and the port's request total from /metrics."""
+    text = httpx.get(f"http://{server.http_address}/metrics", timeout=5.0).text
+
+    def value(pattern: str) -> float:
+        found = re.search(pattern, text, re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+    return {
+        "port": value(r"^kvcm_lookup_port_duration_seconds_count (\S+)$"),
+        "port_sum": value(r"^kvcm_lookup_port_duration_seconds_sum (\S+)$"),
+        "port_le_inf": value(r'^kvcm_lookup_port_duration_seconds_bucket\{le="\+Inf"\} (\S+)$'),
+        "all": value(r'^kvcm_rpc_duration_seconds_count\{method="Lookup"\} (\S+)$'),
+        "answered": sum(
+            float(v)
+            for v in re.findall(
+                r"^kvcm_lookup_port_requests_total\{code=\"\w+\"\} (\S+)$", text, re.M
+            )
+        ),
+    }
+
+
+def test_the_port_has_a_latency_histogram_of_its_own(server: EmbeddedServer) -> None:
+    """kvcm_lookup_port_duration_seconds counts the port's requests only; gRPC's Lookup calls
+    and the port's both stay in kvcm_rpc_duration_seconds{method="Lookup"}."""
+    query = LookupQuery(token_ids=list(range(1, 50)))
+    before = _scrape(server)
+    with (
+        SchedulerClient(server.grpc_address) as rpc,
+        SchedulerClient(server.grpc_address, lookup_address=server.lookup_address) as port,
+    ):
+        for _ in range(3):
+            rpc.lookup(query)
+        for _ in range(5):
+            port.lookup(query)
+    after = _scrape(server)
+    assert after["port"] - before["port"] == 5
+    assert after["all"] - before["all"] == 8
+    assert after["port_sum"] > before["port_sum"]
+    assert after["port_le_inf"] == after["port"] == after["answered"]

@@ -30,6 +30,7 @@ from workload import create_pool, run_shared_prefix_workload
 from kvcm.client import SchedulerClient, StepBuilder
 from kvcm.core.lookup import LookupQuery
 from kvcm.core.pd_route import PdRouteQuery, PdScope
+from kvcm.server.embedded import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -248,12 +249,20 @@ def test_prometheus_hit_rate_equals_the_servers_figure(
 
 
 def test_dashboard_queries_and_alert_rules_evaluate_on_real_data(
-    prometheus: PrometheusServer, kvcm_address: str
+    prometheus: PrometheusServer, kvcm_address: str, kvcm_server: EmbeddedServer
 ) -> None:
     _wait_for("Prometheus to scrape kvcm successfully", lambda: _target_up(prometheus))
-    with SchedulerClient(kvcm_address) as client:
+    with (
+        SchedulerClient(kvcm_address) as client,
+        SchedulerClient(kvcm_address, lookup_address=kvcm_server.lookup_address) as port,
+    ):
         create_pool(client, "e2e-dashboard")
         run_shared_prefix_workload(client, "e2e-dashboard")
+        # The RPC row's Lookup panel reads the lookup port's latency and gRPC's.
+        for start in range(5):
+            query = LookupQuery(token_ids=tuple(range(start, start + 64)))
+            client.lookup(query)
+            port.lookup(query)
         # The P/D routing row reads RoutePd's own counters and latency: route a few prompts
         # (the one pool plays both roles).
         scope = PdScope(pool_ids=("e2e-dashboard",))

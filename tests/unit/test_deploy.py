@@ -312,6 +312,7 @@ def test_dashboard_has_the_panels_operators_need() -> None:
         "kvcm_prefix_cache_queries_total",
         "kvcm_kv_cache_usage_ratio",
         "kvcm_free_blocks",
+        "kvcm_lookup_port_duration_seconds_bucket",
         "kvcm_evicted_blocks_total",
         "histogram_quantile(0.5,",
         "histogram_quantile(0.99,",

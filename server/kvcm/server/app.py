@@ -403,6 +403,9 @@ class KVCMServer:
         app.state.collector.lookup_port = lambda: (
             self.lookup_port.samples() if self.lookup_port is not None else {}
         )
+        app.state.collector.lookup_port_latency = lambda: (
+            self.lookup_port.latency.snapshot() if self.lookup_port is not None else None
+        )
         # Taken before uvicorn reads the files: a change after it is seen (a change before
         # only costs a reload of what is already loaded).
         tls_stamp = self.tls.stamp() if self.tls is not None else ()

@@ -520,6 +520,13 @@ METRICS: tuple[MetricSpec, ...] = (
         'kvcm_rpc_requests_total{method="Lookup"}).',
     ),
     MetricSpec(
+        name="kvcm_lookup_port_duration_seconds",
+        kind="histogram",
+        labels=(),
+        help="Server-side duration of requests answered over the lookup port (also in "
+        'kvcm_rpc_duration_seconds{method="Lookup"}).',
+    ),
+    MetricSpec(
         name="kvcm_rpc_duration_seconds",
         kind="histogram",
         labels=("method",),
@@ -757,6 +764,26 @@ def rpc_families(stats: RpcStatsSnapshot) -> list[Metric]:
     return [duration, calls]
 
 
+def lookup_port_duration_family(stats: RpcStatsSnapshot | None) -> Metric:
+    """The lookup port's request latency histogram (no labels; empty without a port).
+
+    Args:
+        stats: a snapshot of the port's own :class:`RpcStats` (method ``Lookup``), or ``None``.
+
+    Returns:
+        ``kvcm_lookup_port_duration_seconds``.
+    """
+    family = _histogram_family("kvcm_lookup_port_duration_seconds")
+    for latency in stats.latencies if stats is not None else ():
+        les = [*(repr(bound) for bound in latency.upper_bounds), "+Inf"]
+        family.add_metric(
+            [],
+            buckets=list(zip(les, latency.cumulative_counts, strict=True)),
+            sum_value=latency.sum_seconds,
+        )
+    return family
+
+
 def loop_lag_family(lag: LoopLagSnapshot) -> Metric:
     """The event-loop lag histogram (no labels).
 
@@ -811,6 +838,8 @@ class KVCMCollector:
         cluster: the ``kvcm_cluster_*`` samples by metric name, ``(label values, value)``
             each, read at each scrape (``None``: a lone server, exported empty).
         lookup_port: the ``kvcm_lookup_port_*`` samples, alike (``None``: exported empty).
+        lookup_port_latency: a snapshot of the lookup port's latencies, read at each scrape
+            (``None``, or a ``None`` answer: the port is off, exported empty).
     """
 
     def __init__(
@@ -840,6 +869,7 @@ class KVCMCollector:
         self.cluster: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
         self.replication: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
         self.lookup_port: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
+        self.lookup_port_latency: Callable[[], RpcStatsSnapshot | None] | None = None
 
     def _zmq_wire_families(self) -> Iterator[Metric]:
         """The publisher's queue and the last seq it sent per pool (of pools that exist)."""
@@ -961,6 +991,8 @@ class KVCMCollector:
         yield keys
         yield indexed
         yield from _sampled_families(_LOOKUP_PORT_METRICS, self.lookup_port)
+        port_latency = self.lookup_port_latency
+        yield lookup_port_duration_family(port_latency() if port_latency is not None else None)
         build = _scalar_family("kvcm_build_info")
         build.add_metric(self._build_labels, 1)
         yield build

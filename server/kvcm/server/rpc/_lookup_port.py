@@ -40,6 +40,7 @@ from kvcm.server.rpc._log import log_call_rejected
 from kvcm.server.rpc._lookup import LookupDeniedError, lookup_as, lookup_now
 from kvcm.server.rpc._state import Principal, ServerState
 from kvcm.server.rpc._status import status_details, status_of
+from kvcm.server.telemetry import RpcStats
 from kvcm.v1 import lookup_pb2
 from kvcm.wire.lookup import lookup_query_from_proto, lookup_result_to_proto
 from kvcm.wire.lookup_port import (
@@ -128,6 +129,8 @@ class LookupPort:
         self.unhelloed: dict[_Connection, None] = {}  # no HELLO accepted yet, oldest first
         self.closed: collections.Counter[str] = collections.Counter()  # by the error's code
         self.answered: collections.Counter[str] = collections.Counter()  # requests, by code
+        # The port's own latencies (also in the server's RpcStats with gRPC's Lookup calls).
+        self.latency = RpcStats(state.rpc_stats.buckets)
         self.port = 0
         self._server: asyncio.Server | None = None
 
@@ -595,7 +598,9 @@ class _Connection(asyncio.Protocol):
 
     def _observe(self, code: str, started: float) -> None:
         port = self._port
-        port.state.rpc_stats.observe(_METHOD, code, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        port.state.rpc_stats.observe(_METHOD, code, seconds)
+        port.latency.observe(_METHOD, code, seconds)
         port.answered[code] += 1
 
 
