@@ -203,3 +203,45 @@ def test_reported_hits_come_back_alike_after_a_crash(tmp_path: Path) -> None:
             assert [_view(e) for e in _events(client, "p", 0)] == before
     finally:
         server.stop()
+
+
+def test_a_report_hit_step_publishes_the_lookups_report_and_a_bad_one_names_its_entry(
+    client: SchedulerClient,
+) -> None:
+    """REPORT_HIT over gRPC (what a mirrored vLLM engine sends where its own lookup reported)
+    publishes what the pool's own lookup of the request publishes; a count list that is not
+    one per group is INVALID_ARGUMENT naming the entry, and nothing is published."""
+    pool_id = "report-hit-op"
+    _create_pool(client, pool_id)
+    hashes = client.block_hasher(pool_id).hash_token_ids(PROMPT)
+    warm = StepBuilder()
+    warm.add_request(0, PROMPT, hashes)
+    warm.allocate(0, len(PROMPT), 0, lookup=True)
+    warm.finish(0)
+    client.step(pool_id, warm)
+    client.add_request(pool_id, 1, PROMPT, hashes, report_cached_blocks=True)
+    start = client.describe_pool(pool_id).last_event_sequence
+    assert client.get_computed_blocks(pool_id, 1).num_computed_tokens == 3 * BS
+    looked_up = _events(client, pool_id, start)
+    assert len(looked_up) == 1
+    start = client.describe_pool(pool_id).last_event_sequence
+    report = StepProgram(
+        ops=[OpKind.REPORT_HIT],
+        request_keys=[1],
+        report_hit_num_groups=[1],
+        report_hit_num_blocks=[3],
+    )
+    client.step(pool_id, report)
+    assert [_view(e) for e in _events(client, pool_id, start)] == [_view(e) for e in looked_up]
+    start = client.describe_pool(pool_id).last_event_sequence
+    bad = StepProgram(
+        ops=[OpKind.REPORT_HIT],
+        request_keys=[1],
+        report_hit_num_groups=[2],
+        report_hit_num_blocks=[3, 3],
+    )
+    with pytest.raises(InvalidArgumentError, match=r"report_hit_num_groups\[0\]") as refused:
+        client.step(pool_id, bad)
+    assert refused.value.field == "report_hit_num_groups[0]"
+    assert client.describe_pool(pool_id).last_event_sequence == start
+    client.delete_pool(pool_id)
