@@ -50,6 +50,7 @@ close until the server's copy equals the mirror's.
     python bench/vllm_scheduler.py --mode remote --running 8 64 --kinds full --steps 100
     python bench/vllm_scheduler.py --no-lag --model-ms 0   # the worst case alone
     python bench/vllm_scheduler.py --no-lag --steps 150 --shipper process  # the shipper process
+    python bench/vllm_scheduler.py --aa         # vLLM against itself: the noise in the ratios
 
 **Shipper** (``--shipper``, default ``thread``): ``process`` ships from a child process
 (``shipper: process``). The process columns then count the engine's process only (the
@@ -434,16 +435,20 @@ def bench(
     mode: str = "mirror",
     model_ms: float = 0.0,
     shipper: str = "thread",
+    aa: bool = False,
 ) -> _Row:
     """One row: kvcm's manager (in ``mode``) against vLLM's own, same workload, same run; each
     batch takes ``model_ms`` of simulated model time (outside every sample). Each engine runs
     in a process of its own (spawned: nothing of the bench's, nor of the other engine's,
-    in its heap, its garbage collector or its threads); their blocks of turns alternate."""
+    in its heap, its garbage collector or its threads); their blocks of turns alternate.
+    ``aa``: the second engine is vLLM's own too (an A/A run: the ratios are the noise)."""
     pool_id = f"bench-{kind}-{num_running}-{mode}-{shipper}-{model_ms:g}ms"
     setup_args = (kind, num_running, steps, sync)
     sides = [
         _EngineProcess("vllm", setup_args, None, "", mode, shipper, model_ms),
-        _EngineProcess("mirror", setup_args, target, pool_id, mode, shipper, model_ms),
+        _EngineProcess("vllm", setup_args, None, "", mode, shipper, model_ms)
+        if aa
+        else _EngineProcess("mirror", setup_args, target, pool_id, mode, shipper, model_ms),
     ]
     try:
         for side in sides:  # built side by side
@@ -458,7 +463,7 @@ def bench(
             if rate + child_rate < rates[index] + child_rates[index]:
                 rates[index], child_rates[index] = rate, child_rate
         sides[0].ask("finish")
-        verified, submitted, step_rpcs, mismatches = sides[1].ask("finish")
+        verified, submitted, step_rpcs, mismatches = sides[1].ask("finish") or (0, 0, 0, 0)
     finally:
         for side in sides:
             side.close()
@@ -534,6 +539,7 @@ def _print_rows(
     mode: str = "mirror",
     model_ms: float = 0.0,
     shipper: str = "thread",
+    aa: bool = False,
 ) -> None:
     loop = "Scheduler (sync)" if sync else "AsyncScheduler"
     model = (
@@ -548,6 +554,11 @@ def _print_rows(
         if shipper == "process"
         else "the mirror's shipping thread included in the process's CPU"
     )
+    if aa:
+        shipping = (
+            "A/A RUN: the 'mirror' columns are a second engine on vLLM's own scheduler "
+            "(no kvcm), so every ratio is this machine's noise"
+        )
     print(
         f"vLLM 0.33 EngineCore + {loop}, per engine turn: schedule() + update_from_output(), "
         "wall ms, the engine process's CPU ms and the engine "
@@ -576,12 +587,14 @@ def _print_rows(
             f"{(row.mirror_turn_cpu_s + row.mirror_turn_child_cpu_s) * 1e3:8.3f}"
             f"{(row.mirror_turn_cpu_s + row.mirror_turn_child_cpu_s) / row.vllm_turn_cpu_s:6.2f}"
         )
-    for row in rows:
+    for row in () if aa else rows:
         print(
             f"  {row.kind} N={row.num_running}: {row.verified}/{row.submitted} steps verified "
             f"in {row.step_rpcs} Step RPCs, {row.mismatches} mismatches"
         )
-    if mode == "mirror":
+    if aa:
+        print("A/A (vLLM against itself, not a kvcm figure): " + _verdict(rows, model_ms))
+    elif mode == "mirror":
         print(_verdict(rows, model_ms))
 
 
@@ -630,6 +643,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-lag", action="store_true", help="the per-step table only")
     parser.add_argument(
+        "--aa",
+        action="store_true",
+        help="A/A run: both engines on vLLM's own scheduler (what the ratios do with no kvcm "
+        "in them: this machine's noise); no lag figures",
+    )
+    parser.add_argument(
         "--shipper",
         choices=("thread", "process"),
         default="thread",
@@ -642,13 +661,23 @@ def main(argv: list[str] | None = None) -> None:
         target = stack.enter_context(kvcm_server())
         for model_ms in () if args.lag else args.model_ms:
             rows = [
-                bench(kind, n, args.steps, target, args.sync, args.mode, model_ms, args.shipper)
+                bench(
+                    kind,
+                    n,
+                    args.steps,
+                    target,
+                    args.sync,
+                    args.mode,
+                    model_ms,
+                    args.shipper,
+                    aa=args.aa,
+                )
                 for kind in args.kinds
                 for n in args.running
             ]
-            _print_rows(rows, args.sync, args.mode, model_ms, args.shipper)
+            _print_rows(rows, args.sync, args.mode, model_ms, args.shipper, aa=args.aa)
             print(flush=True)
-        if args.mode == "remote":
+        if args.mode == "remote" or args.aa:
             return  # the server acknowledges each answer: it never lags
         for n in () if args.no_lag else (8, 256):
             for period_s in (0.0, 0.01):
