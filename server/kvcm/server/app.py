@@ -404,7 +404,7 @@ class KVCMServer:
             self.lookup_port.samples() if self.lookup_port is not None else {}
         )
         app.state.collector.lookup_port_latency = lambda: (
-            self.lookup_port.latency.snapshot() if self.lookup_port is not None else None
+            self.lookup_port.latency if self.lookup_port is not None else None
         )
         # Taken before uvicorn reads the files: a change after it is seen (a change before
         # only costs a reload of what is already loaded).

@@ -764,23 +764,24 @@ def rpc_families(stats: RpcStatsSnapshot) -> list[Metric]:
     return [duration, calls]
 
 
-def lookup_port_duration_family(stats: RpcStatsSnapshot | None) -> Metric:
-    """The lookup port's request latency histogram (no labels; empty without a port).
+def lookup_port_duration_family(stats: RpcStats | None) -> Metric:
+    """The lookup port's request latency histogram (no labels): zero buckets until its first
+    request, no sample without a port.
 
     Args:
-        stats: a snapshot of the port's own :class:`RpcStats` (method ``Lookup``), or ``None``.
+        stats: the port's own :class:`RpcStats` (method ``Lookup``), or ``None``.
 
     Returns:
         ``kvcm_lookup_port_duration_seconds``.
     """
     family = _histogram_family("kvcm_lookup_port_duration_seconds")
-    for latency in stats.latencies if stats is not None else ():
-        les = [*(repr(bound) for bound in latency.upper_bounds), "+Inf"]
-        family.add_metric(
-            [],
-            buckets=list(zip(les, latency.cumulative_counts, strict=True)),
-            sum_value=latency.sum_seconds,
-        )
+    if stats is None:
+        return family
+    les = [*(repr(bound) for bound in stats.buckets), "+Inf"]
+    latencies = stats.snapshot().latencies
+    counts = latencies[0].cumulative_counts if latencies else (0,) * len(les)
+    total = latencies[0].sum_seconds if latencies else 0.0
+    family.add_metric([], buckets=list(zip(les, counts, strict=True)), sum_value=total)
     return family
 
 
@@ -838,8 +839,8 @@ class KVCMCollector:
         cluster: the ``kvcm_cluster_*`` samples by metric name, ``(label values, value)``
             each, read at each scrape (``None``: a lone server, exported empty).
         lookup_port: the ``kvcm_lookup_port_*`` samples, alike (``None``: exported empty).
-        lookup_port_latency: a snapshot of the lookup port's latencies, read at each scrape
-            (``None``, or a ``None`` answer: the port is off, exported empty).
+        lookup_port_latency: the lookup port's own latencies, read at each scrape (``None``,
+            or a ``None`` answer: the port is off, exported empty).
     """
 
     def __init__(
@@ -869,7 +870,7 @@ class KVCMCollector:
         self.cluster: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
         self.replication: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
         self.lookup_port: Callable[[], Mapping[str, list[tuple[list[str], float]]]] | None = None
-        self.lookup_port_latency: Callable[[], RpcStatsSnapshot | None] | None = None
+        self.lookup_port_latency: Callable[[], RpcStats | None] | None = None
 
     def _zmq_wire_families(self) -> Iterator[Metric]:
         """The publisher's queue and the last seq it sent per pool (of pools that exist)."""
