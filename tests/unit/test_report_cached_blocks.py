@@ -226,13 +226,33 @@ def test_the_report_hit_op_publishes_nothing_with_events_off() -> None:
             "report_hit_num_blocks",
         ),
         (
+            StepProgram(
+                ops=[OpKind.REPORT_HIT],
+                request_keys=[2],
+                report_hit_num_groups=[1.0],  # type: ignore[list-item]
+                report_hit_num_blocks=[1],
+            ),
+            InvalidArgumentError,
+            "report_hit_num_groups[0]",
+        ),
+        (
             StepProgram(ops=[OpKind.REPORT_HIT], request_keys=[2]),
             InvalidArgumentError,
             "report_hit_num_groups",
         ),
         (_report(9, 1), NotFoundError, "request_keys[0]"),
     ],
-    ids=["two-counts", "no-count", "past-tokens", "negative", "not-int", "short", "none", "key"],
+    ids=[
+        "two-counts",
+        "no-count",
+        "past-tokens",
+        "negative",
+        "not-int",
+        "short",
+        "count-not-int",
+        "none",
+        "key",
+    ],
 )
 def test_a_refused_report_hit_names_its_entry_and_publishes_nothing(
     program: StepProgram, error: type[Exception], field: str

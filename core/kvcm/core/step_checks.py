@@ -854,7 +854,7 @@ def check_report_hit(v: Shadow, op_index: int, k: int, index: int, start: int) -
         raise too_few(op_index, kind, "report_hit_num_groups")
     managers = v.manager.coordinator.single_type_managers
     count = program.report_hit_num_groups[index]
-    if count != len(managers):
+    if type(count) is not int or count != len(managers):
         raise reject(
             InvalidArgumentError(
                 f"report_hit_num_groups[{index}]={count!r}: one count per KV-cache group "
