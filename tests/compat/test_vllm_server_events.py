@@ -7,11 +7,11 @@ decoder, topic-blind, the sequence numbers checked for gaps) collects them. Ever
 server published, in order, must equal vLLM's engine's events of the same run, requests with
 ``kv_cache_report_mode="full"`` included: vLLM reports their prefix hits again at each lookup
 that hits, and so does the server's copy (the mirror sends a REPORT_HIT where its lookup
-reported). Cases: full attention, a hybrid sliding-window model (sync and async scheduling;
-thread and process shipper), LoRA adapters with cache salts in a pool small enough to preempt,
-EAGLE drafting whose hits drop their last block, a hybrid Mamba model with sub-block hits
-(incremental reports), and two prefix-cache resets per run (one refused, one publishing
-AllBlocksCleared).
+reported). Cases: full attention (also in remote mode), a hybrid sliding-window model (sync
+and async scheduling; thread and process shipper), LoRA adapters with cache salts in a pool
+small enough to preempt, EAGLE drafting whose hits drop their last block, a hybrid Mamba model
+with sub-block hits (incremental reports), and two prefix-cache resets per run (one refused,
+one publishing AllBlocksCleared).
 """
 
 from __future__ import annotations
@@ -66,8 +66,12 @@ CASES = {
     ),
 }
 RESETS = {40: False, 120: True}
-# The shipper process carries the notes too (its own encoding of the engine's notes).
-PARAMS = [(case, "thread") for case in sorted(CASES)] + [("hybrid-swa-report-all-async", "process")]
+# The shipper process carries the notes too (its own encoding of the engine's notes), and
+# remote mode (the server acknowledges every allocation before vLLM sees it) ships them alike.
+PARAMS = [(case, "thread") for case in sorted(CASES)] + [
+    ("hybrid-swa-report-all-async", "process"),
+    ("full-report-half", "remote"),
+]
 
 
 @pytest.fixture
@@ -198,7 +202,12 @@ def test_the_server_stream_of_a_mirrored_pool_equals_vllms_events(
     setup, seed, num_requests = CASES[case]
     plans = plan_workload(seed, num_requests, setup)
     scheduler_cls = KvcmAsyncScheduler if setup.async_scheduling else KvcmScheduler
-    config = {"kvcm": {"address": events_server.grpc_address, "pool_id": case, "shipper": shipper}}
+    settings = {"address": events_server.grpc_address, "pool_id": case}
+    if shipper == "remote":
+        settings["mode"] = "remote"
+    else:
+        settings["shipper"] = shipper
+    config = {"kvcm": settings}
     reference = build_engine(setup)
     mirrored = build_engine(setup, scheduler_cls, config)
     reports, cleared = _compare_streams(
