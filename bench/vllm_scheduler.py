@@ -14,18 +14,21 @@ simulated model is not), in wall time and in the process's CPU time (every threa
 mirror's shipping thread included; not the server's; on a shared machine CPU time is the
 steadier figure), and in the engine thread's own CPU time (the scheduler's work alone: the
 difference to the process's is what the shipping thread and gRPC's threads ran meanwhile).
-Each engine runs in a process of its own (spawned, as a real engine is alone in its
-process: until session 9 both ran in the bench's process, where the mirror's notes awaiting
-shipment were garbage vLLM's turns collected too, which made vLLM's N = 256 turn up to twice
-as long as alone and flattered the ratio); the engines' turns alternate in blocks of 10,
-after EngineCore's own ``gc.freeze()``. The mirror's shipping thread runs beside its
-engine's turns, sharing the interpreter lock as in a real engine (one call carries the steps
-of 5 ms); it starts a unit of work (a batch build, a Step call) only while the engine is
-outside ``schedule()`` and ``update_from_output()`` (``EngineTurns``), or once the oldest
-unshipped step is 0.1 s old; between blocks it is let finish, outside every sample. The
-last columns are what a whole turn costs in all: the process's CPU time per turn, each engine
-stepping back to back on its own until the server's copy is equal (the simulated model, and
-every call the shipper makes, included).
+Each engine runs in a process of its own (spawned, as a real engine is alone in its process:
+until session 9 both ran in the bench's process, where the mirror's notes awaiting shipment
+were garbage vLLM's turns collected too, which made vLLM's N = 256 turn up to twice as long as
+alone and flattered the ratio); the engines' turns alternate in blocks of 10, after
+EngineCore's own ``gc.freeze()``. Both engine threads run on the same CPU (the first this
+process may use; the mirror's shipping thread, gRPC's threads and ``kvcm serve`` stay free;
+``--no-pin``: the OS places them): they never run at the same time, and placed by the OS two
+engines of the same vLLM code differed by up to 1.47x at the median here (``--aa``). The
+mirror's shipping thread runs beside its engine's turns, sharing the interpreter lock as in a
+real engine (one call carries the steps of 5 ms); it starts a unit of work (a batch build, a
+Step call) only while the engine is outside ``schedule()`` and ``update_from_output()``
+(``EngineTurns``), or once the oldest unshipped step is 0.1 s old; between blocks it is let
+finish, outside every sample. The last columns are what a whole turn costs in all: the
+process's CPU time per turn, each engine stepping back to back on its own until the server's
+copy is equal (the simulated model, and every call the shipper makes, included).
 
 **Model time** (``--model-ms X [Y ...]``, default 5 then 0: a table each): each batch the
 engine sends to the simulated executor runs for X ms on one simulated device (batches one after
@@ -51,6 +54,7 @@ close until the server's copy equals the mirror's.
     python bench/vllm_scheduler.py --no-lag --model-ms 0   # the worst case alone
     python bench/vllm_scheduler.py --no-lag --steps 150 --shipper process  # the shipper process
     python bench/vllm_scheduler.py --aa         # vLLM against itself: the noise in the ratios
+    python bench/vllm_scheduler.py --no-pin     # the engine threads placed by the OS
 
 **Shipper** (``--shipper``, default ``thread``): ``process`` ships from a child process
 (``shipper: process``). The process columns then count the engine's process only (the
@@ -70,6 +74,7 @@ import argparse
 import contextlib
 import gc
 import multiprocessing
+import os
 import random
 import sys
 import time
@@ -355,10 +360,12 @@ def _engine_process(
     mode: str,
     shipper: str,
     model_ms: float,
+    pin_cpu: int | None = None,
 ) -> None:
     """One engine in a process of its own, driven over ``conn``: ``("block", n)`` runs ``n``
     timed turns and answers their samples, ``("back_to_back",)`` the whole-turn CPU figures,
-    ``("finish",)`` the shipping stats (the mirror's) and ends."""
+    ``("finish",)`` the shipping stats (the mirror's) and ends. ``pin_cpu``: the engine's
+    thread (only it: the shipping thread and gRPC's stay free) runs on that CPU."""
     import_vllm("vllm.v1.engine.core")
     kind, num_running, steps, sync = setup_args
     setup = _setup(kind, num_running, steps, sync)
@@ -368,6 +375,8 @@ def _engine_process(
     gc.collect()
     gc.freeze()
     side.drain()
+    if pin_cpu is not None:
+        os.sched_setaffinity(0, {pin_cpu})  # this thread only (Linux: 0 is the caller)
     conn.send("ready")
     while True:
         command = conn.recv()
@@ -436,19 +445,23 @@ def bench(
     model_ms: float = 0.0,
     shipper: str = "thread",
     aa: bool = False,
+    pin_cpu: int | None = None,
 ) -> _Row:
     """One row: kvcm's manager (in ``mode``) against vLLM's own, same workload, same run; each
     batch takes ``model_ms`` of simulated model time (outside every sample). Each engine runs
     in a process of its own (spawned: nothing of the bench's, nor of the other engine's,
     in its heap, its garbage collector or its threads); their blocks of turns alternate.
-    ``aa``: the second engine is vLLM's own too (an A/A run: the ratios are the noise)."""
+    ``aa``: the second engine is vLLM's own too (an A/A run: the ratios are the noise).
+    ``pin_cpu``: both engines' threads run on that CPU (they never run at the same time)."""
     pool_id = f"bench-{kind}-{num_running}-{mode}-{shipper}-{model_ms:g}ms"
     setup_args = (kind, num_running, steps, sync)
     sides = [
-        _EngineProcess("vllm", setup_args, None, "", mode, shipper, model_ms),
-        _EngineProcess("vllm", setup_args, None, "", mode, shipper, model_ms)
+        _EngineProcess("vllm", setup_args, None, "", mode, shipper, model_ms, pin_cpu),
+        _EngineProcess("vllm", setup_args, None, "", mode, shipper, model_ms, pin_cpu)
         if aa
-        else _EngineProcess("mirror", setup_args, target, pool_id, mode, shipper, model_ms),
+        else _EngineProcess(
+            "mirror", setup_args, target, pool_id, mode, shipper, model_ms, pin_cpu
+        ),
     ]
     try:
         for side in sides:  # built side by side
@@ -643,6 +656,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-lag", action="store_true", help="the per-step table only")
     parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let the OS place the engines' threads (default: both on the first CPU this "
+        "process may use; they never run at the same time)",
+    )
+    parser.add_argument(
         "--aa",
         action="store_true",
         help="A/A run: both engines on vLLM's own scheduler (what the ratios do with no kvcm "
@@ -655,6 +674,7 @@ def main(argv: list[str] | None = None) -> None:
         help="mirror mode: ship from a thread of the engine's process or from a child process",
     )
     args = parser.parse_args(argv)
+    pin_cpu = None if args.no_pin else min(os.sched_getaffinity(0))
     if import_vllm("vllm.v1.engine.core") is None:
         raise SystemExit("vLLM 0.33 is needed for this benchmark (see bench/_common.py)")
     with contextlib.ExitStack() as stack:
@@ -671,11 +691,14 @@ def main(argv: list[str] | None = None) -> None:
                     model_ms,
                     args.shipper,
                     aa=args.aa,
+                    pin_cpu=pin_cpu,
                 )
                 for kind in args.kinds
                 for n in args.running
             ]
             _print_rows(rows, args.sync, args.mode, model_ms, args.shipper, aa=args.aa)
+            where = "not pinned" if pin_cpu is None else f"both on CPU {pin_cpu}"
+            print(f"  (engine threads {where})")
             print(flush=True)
         if args.mode == "remote" or args.aa:
             return  # the server acknowledges each answer: it never lags
