@@ -30,7 +30,9 @@ def test_a_step_keeps_the_collector_running_and_hands_the_lock_over_often() -> N
         assert sys.getswitchinterval() < interval
     assert gc.isenabled()
     assert sys.getswitchinterval() == interval
-    assert gc.get_freeze_count() == frozen  # its garbage stays collectable
+    # Its garbage stays collectable: nothing new is frozen. (The count may fall: an object another
+    # test's pool build froze can be freed meanwhile by a server thread still winding down.)
+    assert gc.get_freeze_count() <= frozen
 
 
 def test_a_build_pauses_the_collector_and_freezes_what_it_built_once_the_last_leaves() -> None:
