@@ -58,5 +58,6 @@ echo "== pytest" >&2
 export KVCM_STRICT_SKIPS="${KVCM_STRICT_SKIPS:-1}"
 # Two workers (pytest-xdist; a file's tests stay together on one, so its module fixtures are
 # built once): many tests wait on subprocesses, etcd leases and sleeps. KVCM_TEST_WORKERS=0 runs
-# the suite in one process.
-python -m pytest -n "${KVCM_TEST_WORKERS:-2}" --dist loadfile "$@"
+# the suite in one process. The 20 slowest tests are listed at the end: the suite must stay well
+# under CI's budget, and a clean run's log says where its time went.
+python -m pytest -n "${KVCM_TEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"
