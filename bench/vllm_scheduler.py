@@ -18,7 +18,10 @@ Each engine runs in a process of its own (spawned, as a real engine is alone in 
 until session 9 both ran in the bench's process, where the mirror's notes awaiting shipment
 were garbage vLLM's turns collected too, which made vLLM's N = 256 turn up to twice as long as
 alone and flattered the ratio); the engines' turns alternate in blocks of 10, after
-EngineCore's own ``gc.freeze()``. Both engine threads run on the same CPU (the first this
+EngineCore's own ``gc.freeze()``, each block after one untimed turn (the first turn after the
+other engine's block ran on that engine's caches, and the mirror's also on what its shipper's
+flush between blocks touched: one turn in ten, which set full attention N = 8's p99 in session
+14's runs; ``--no-warmup`` times it too). Both engine threads run on the same CPU (the first this
 process may use; the mirror's shipping thread, gRPC's threads and ``kvcm serve`` stay free;
 ``--no-pin``: the OS places them): they never run at the same time, and placed by the OS two
 engines of the same vLLM code differed by up to 1.47x at the median here (``--aa``). The
@@ -105,6 +108,11 @@ TARGET = 0.9
 # Turns per block: the engines' samples alternate in blocks (the mirror's shipper works beside
 # its engine as it would, and finishes between blocks, outside every sample).
 BLOCK = 10
+# Untimed turns at the start of each block (``--no-warmup``: none). The first turn after the
+# other engine's block runs on the caches that engine just used (both engines' threads share
+# a CPU), and the mirror's first one also on what its shipper's flush between blocks touched:
+# one turn in ten, enough to set a p99 that no engine stepping on its own sees.
+WARMUP = 1
 
 
 def _plans(num_running: int, decode_steps: int) -> list[Any]:
@@ -230,10 +238,13 @@ class _Side:
         if self.name != "vllm":
             self.manager.sink.flush(10.0)
 
-    def run_block(self, count: int) -> None:
-        """``count`` timed turns back to back (the shipper running beside them), then drain."""
+    def run_block(self, count: int, warmup: int = 0) -> None:
+        """``warmup`` untimed turns, then ``count`` timed turns back to back (the shipper
+        running beside them), then drain."""
         timer = self.timer
         step = self.engine.step
+        for _ in range(warmup):
+            step()
         samples = self.samples
         cpu_samples = self.cpu_samples
         thread_samples = self.thread_samples
@@ -382,7 +393,7 @@ def _engine_process(
         command = conn.recv()
         if command[0] == "block":
             del side.samples[:], side.cpu_samples[:], side.thread_samples[:]
-            side.run_block(command[1])
+            side.run_block(command[1], command[2])
             conn.send((side.samples, side.cpu_samples, side.thread_samples))
         elif command[0] == "back_to_back":
             side.drain()
@@ -422,8 +433,8 @@ class _EngineProcess:
         self.conn.send(command)
         return self.conn.recv()
 
-    def run_block(self, count: int) -> None:
-        samples, cpu_samples, thread_samples = self.ask("block", count)
+    def run_block(self, count: int, warmup: int) -> None:
+        samples, cpu_samples, thread_samples = self.ask("block", count, warmup)
         self.samples += samples
         self.cpu_samples += cpu_samples
         self.thread_samples += thread_samples
@@ -446,13 +457,15 @@ def bench(
     shipper: str = "thread",
     aa: bool = False,
     pin_cpu: int | None = None,
+    warmup: int = WARMUP,
 ) -> _Row:
     """One row: kvcm's manager (in ``mode``) against vLLM's own, same workload, same run; each
     batch takes ``model_ms`` of simulated model time (outside every sample). Each engine runs
     in a process of its own (spawned: nothing of the bench's, nor of the other engine's,
     in its heap, its garbage collector or its threads); their blocks of turns alternate.
     ``aa``: the second engine is vLLM's own too (an A/A run: the ratios are the noise).
-    ``pin_cpu``: both engines' threads run on that CPU (they never run at the same time)."""
+    ``pin_cpu``: both engines' threads run on that CPU (they never run at the same time);
+    ``warmup``: untimed turns at the start of each block (see :data:`WARMUP`)."""
     pool_id = f"bench-{kind}-{num_running}-{mode}-{shipper}-{model_ms:g}ms"
     setup_args = (kind, num_running, steps, sync)
     sides = [
@@ -468,7 +481,7 @@ def bench(
             assert side.conn.recv() == "ready"
         for index in range(0, steps, BLOCK):
             for side in sides if (index // BLOCK) % 2 == 0 else reversed(sides):
-                side.run_block(min(BLOCK, steps - index))
+                side.run_block(min(BLOCK, steps - index), warmup)
         rates = [float("inf"), float("inf")]
         child_rates = [float("inf"), float("inf")]
         for index in (0, 1, 1, 0):
@@ -662,6 +675,12 @@ def main(argv: list[str] | None = None) -> None:
         "process may use; they never run at the same time)",
     )
     parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="time every turn of each block, its first included (default: the first turn after "
+        "the other engine's block is untimed)",
+    )
+    parser.add_argument(
         "--aa",
         action="store_true",
         help="A/A run: both engines on vLLM's own scheduler (what the ratios do with no kvcm "
@@ -692,13 +711,15 @@ def main(argv: list[str] | None = None) -> None:
                     args.shipper,
                     aa=args.aa,
                     pin_cpu=pin_cpu,
+                    warmup=0 if args.no_warmup else WARMUP,
                 )
                 for kind in args.kinds
                 for n in args.running
             ]
             _print_rows(rows, args.sync, args.mode, model_ms, args.shipper, aa=args.aa)
             where = "not pinned" if pin_cpu is None else f"both on CPU {pin_cpu}"
-            print(f"  (engine threads {where})")
+            warm = "every turn timed" if args.no_warmup else f"{WARMUP} untimed turn per block"
+            print(f"  (engine threads {where}; blocks of {BLOCK} turns, {warm})")
             print(flush=True)
         if args.mode == "remote" or args.aa:
             return  # the server acknowledges each answer: it never lags
