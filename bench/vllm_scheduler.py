@@ -18,10 +18,8 @@ Each engine runs in a process of its own (spawned, as a real engine is alone in 
 until session 9 both ran in the bench's process, where the mirror's notes awaiting shipment
 were garbage vLLM's turns collected too, which made vLLM's N = 256 turn up to twice as long as
 alone and flattered the ratio); the engines' turns alternate in blocks of 10, after
-EngineCore's own ``gc.freeze()``, each block after one untimed turn (the first turn after the
-other engine's block ran on that engine's caches, and the mirror's also on what its shipper's
-flush between blocks touched: one turn in ten, which set full attention N = 8's p99 in session
-14's runs; ``--no-warmup`` times it too). Both engine threads run on the same CPU (the first this
+EngineCore's own ``gc.freeze()``, each block after one untimed turn (``WARMUP``, which says
+why; ``--no-warmup`` times it too). Both engine threads run on the same CPU (the first this
 process may use; the mirror's shipping thread, gRPC's threads and ``kvcm serve`` stay free;
 ``--no-pin``: the OS places them): they never run at the same time, and placed by the OS two
 engines of the same vLLM code differed by up to 1.47x at the median here (``--aa``). The
@@ -238,7 +236,7 @@ class _Side:
         if self.name != "vllm":
             self.manager.sink.flush(10.0)
 
-    def run_block(self, count: int, warmup: int = 0) -> None:
+    def run_block(self, count: int, warmup: int) -> None:
         """``warmup`` untimed turns, then ``count`` timed turns back to back (the shipper
         running beside them), then drain."""
         timer = self.timer
